@@ -1,0 +1,212 @@
+//! Every metric pgwarden records: names, descriptions, and cached handles.
+//!
+//! pgwarden records through the [`metrics`] facade only, so any recorder
+//! works. Handles are registered when a [`crate::Pool`] is built: install your
+//! recorder (for example with [`install_prometheus`], feature `prometheus`)
+//! before building the pool.
+//!
+//! Labels are bounded: `pool` (the pool's name), `lane`, `reason`, `result`,
+//! `state`, `policy`, and the lease or job names that the application declares.
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit};
+
+use crate::budget::Lane;
+
+/// Connections by `state` (`idle`, `in_use`).
+pub const CONNECTIONS: &str = "pgwarden_connections";
+/// The pool's maximum size.
+pub const CONNECTIONS_MAX: &str = "pgwarden_connections_max";
+/// Connections in use per `lane`.
+pub const LANE_IN_USE: &str = "pgwarden_lane_in_use";
+/// Connections reserved per `lane`.
+pub const LANE_RESERVED: &str = "pgwarden_lane_reserved";
+/// Maximum connections per `lane`.
+pub const LANE_MAX: &str = "pgwarden_lane_max";
+/// Checkouts waiting per `lane`.
+pub const LANE_PENDING: &str = "pgwarden_lane_pending";
+/// Time from asking for a connection to getting it, per `lane`.
+pub const ACQUIRE_DURATION: &str = "pgwarden_acquire_duration_seconds";
+/// Checkouts that failed, per `lane` and `reason` (`timeout`, `refused`, `backend`, `closed`).
+pub const ACQUIRE_FAILURES: &str = "pgwarden_acquire_failures_total";
+/// Session-lock checkouts past the budget, per `policy` (`refuse`: refused, `warn`: admitted).
+pub const BUDGET_OVERRUNS: &str = "pgwarden_budget_overruns_total";
+/// How long connections were held, per `lane`, recorded at return.
+pub const HOLD_DURATION: &str = "pgwarden_hold_duration_seconds";
+/// Age of the oldest connection out, per `lane` (0 when none is out).
+pub const OLDEST_HOLD: &str = "pgwarden_oldest_hold_seconds";
+/// Holds that passed the long-hold threshold, per `lane`.
+pub const LONG_HOLDS: &str = "pgwarden_long_holds_total";
+/// Session advisory locks held through pgwarden's guards (re-entries count).
+pub const SESSION_LOCKS_HELD: &str = "pgwarden_session_locks_held";
+/// Connections pinned by session advisory locks.
+pub const SESSION_LOCK_CONNECTIONS: &str = "pgwarden_session_lock_connections";
+/// Advisory locks on this pool's backends, seen by the last census.
+pub const CENSUS_LOCKS: &str = "pgwarden_census_advisory_locks";
+/// Advisory locks on connections idle in the pool, seen by the last census.
+pub const CENSUS_IDLE_LOCKS: &str = "pgwarden_census_idle_advisory_locks";
+/// Leaked advisory locks found on idle pooled connections (connections discarded).
+pub const CENSUS_LEAKS: &str = "pgwarden_census_leaks_total";
+/// Readiness probe latency.
+pub const READINESS_DURATION: &str = "pgwarden_readiness_duration_seconds";
+/// Readiness probe failures, per `reason` (`timeout`, `error`).
+pub const READINESS_FAILURES: &str = "pgwarden_readiness_failures_total";
+/// Leases held by this process.
+pub const LEASES_HELD: &str = "pgwarden_leases_held";
+/// Leases acquired, per `lease`.
+pub const LEASE_ACQUIRED: &str = "pgwarden_lease_acquired_total";
+/// Lease acquisitions skipped because another holder had it, per `lease`.
+pub const LEASE_SKIPPED: &str = "pgwarden_lease_skipped_total";
+/// Lease renewals per `result` (`ok`, `lost`, `error`).
+pub const LEASE_RENEWALS: &str = "pgwarden_lease_renewals_total";
+/// Latency of one (batched) renewal statement.
+pub const LEASE_RENEWAL_DURATION: &str = "pgwarden_lease_renewal_duration_seconds";
+/// The shortest renewal interval of the leases held (TTL/4 by default).
+pub const LEASE_RENEW_INTERVAL: &str = "pgwarden_lease_renew_interval_seconds";
+/// Leases lost, per `lease` and `reason` (`taken`: a renewal touched no row; `deadline`: no renewal succeeded in time).
+pub const LEASE_LOST: &str = "pgwarden_lease_lost_total";
+/// Leases taken over from an expired holder, per `lease`.
+pub const LEASE_TAKEOVERS: &str = "pgwarden_lease_takeovers_total";
+
+/// Bucket bounds (seconds) for acquire, hold, readiness and renewal latencies.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
+];
+/// Bucket bounds (seconds) for hold durations, which run longer.
+pub const HOLD_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
+
+/// Describes every metric once (idempotent; called by `Pool` builds).
+pub fn describe() {
+    describe_gauge!(CONNECTIONS, Unit::Count, "Connections by state (idle, in_use).");
+    describe_gauge!(CONNECTIONS_MAX, Unit::Count, "The pool's maximum size.");
+    describe_gauge!(LANE_IN_USE, Unit::Count, "Connections in use per lane.");
+    describe_gauge!(LANE_RESERVED, Unit::Count, "Connections reserved per lane.");
+    describe_gauge!(LANE_MAX, Unit::Count, "Maximum connections per lane.");
+    describe_gauge!(LANE_PENDING, Unit::Count, "Checkouts waiting per lane.");
+    describe_histogram!(ACQUIRE_DURATION, Unit::Seconds, "Time to get a connection, per lane.");
+    describe_counter!(ACQUIRE_FAILURES, Unit::Count, "Failed checkouts per lane and reason.");
+    describe_counter!(BUDGET_OVERRUNS, Unit::Count, "Session-lock checkouts past the budget, per policy.");
+    describe_histogram!(HOLD_DURATION, Unit::Seconds, "How long connections were held, per lane.");
+    describe_gauge!(OLDEST_HOLD, Unit::Seconds, "Age of the oldest connection out, per lane.");
+    describe_counter!(LONG_HOLDS, Unit::Count, "Holds past the long-hold threshold, per lane.");
+    describe_gauge!(SESSION_LOCKS_HELD, Unit::Count, "Session advisory locks held through pgwarden.");
+    describe_gauge!(SESSION_LOCK_CONNECTIONS, Unit::Count, "Connections pinned by session advisory locks.");
+    describe_gauge!(CENSUS_LOCKS, Unit::Count, "Advisory locks on this pool's backends (last census).");
+    describe_gauge!(CENSUS_IDLE_LOCKS, Unit::Count, "Advisory locks on idle pooled connections (last census).");
+    describe_counter!(CENSUS_LEAKS, Unit::Count, "Leaked advisory locks found on idle pooled connections.");
+    describe_histogram!(READINESS_DURATION, Unit::Seconds, "Readiness probe latency.");
+    describe_counter!(READINESS_FAILURES, Unit::Count, "Readiness probe failures per reason.");
+    describe_gauge!(LEASES_HELD, Unit::Count, "Leases held by this process.");
+    describe_counter!(LEASE_ACQUIRED, Unit::Count, "Leases acquired per lease.");
+    describe_counter!(LEASE_SKIPPED, Unit::Count, "Lease acquisitions skipped (held elsewhere) per lease.");
+    describe_counter!(LEASE_RENEWALS, Unit::Count, "Lease renewals per result.");
+    describe_histogram!(LEASE_RENEWAL_DURATION, Unit::Seconds, "Latency of one batched renewal statement.");
+    describe_gauge!(LEASE_RENEW_INTERVAL, Unit::Seconds, "Shortest renewal interval of the leases held.");
+    describe_counter!(LEASE_LOST, Unit::Count, "Leases lost per lease and reason.");
+    describe_counter!(LEASE_TAKEOVERS, Unit::Count, "Leases taken over from an expired holder.");
+}
+
+/// Handles of one lane, registered once per pool.
+#[derive(Clone, Debug)]
+pub(crate) struct LaneMetrics {
+    pub(crate) in_use: Gauge,
+    pub(crate) pending: Gauge,
+    pub(crate) acquire: Histogram,
+    pub(crate) hold: Histogram,
+    pub(crate) oldest: Gauge,
+    pub(crate) long_holds: Counter,
+    pub(crate) fail_timeout: Counter,
+    pub(crate) fail_refused: Counter,
+    pub(crate) fail_backend: Counter,
+}
+
+/// Handles of one pool, registered once at build.
+#[derive(Clone, Debug)]
+pub(crate) struct PoolMetrics {
+    pub(crate) lanes: [LaneMetrics; 3],
+    pub(crate) idle: Gauge,
+    pub(crate) in_use: Gauge,
+    pub(crate) overrun_refuse: Counter,
+    pub(crate) overrun_warn: Counter,
+    pub(crate) session_locks_held: Gauge,
+    pub(crate) session_lock_connections: Gauge,
+    pub(crate) census_locks: Gauge,
+    pub(crate) census_idle_locks: Gauge,
+    pub(crate) census_leaks: Counter,
+    pub(crate) readiness: Histogram,
+    pub(crate) readiness_timeout: Counter,
+    pub(crate) readiness_error: Counter,
+}
+
+impl PoolMetrics {
+    pub(crate) fn register(pool: &str, limits: &crate::budget::Limits) -> PoolMetrics {
+        describe();
+        let p = pool.to_owned();
+        let lane = |lane: Lane| {
+            let l = lane.as_str();
+            let fail = |reason: &'static str| {
+                metrics::counter!(ACQUIRE_FAILURES, "pool" => p.clone(), "lane" => l, "reason" => reason)
+            };
+            let lim = limits.lane(lane);
+            metrics::gauge!(LANE_RESERVED, "pool" => p.clone(), "lane" => l).set(lim.reserved as f64);
+            metrics::gauge!(LANE_MAX, "pool" => p.clone(), "lane" => l).set(lim.max as f64);
+            LaneMetrics {
+                in_use: metrics::gauge!(LANE_IN_USE, "pool" => p.clone(), "lane" => l),
+                pending: metrics::gauge!(LANE_PENDING, "pool" => p.clone(), "lane" => l),
+                acquire: metrics::histogram!(ACQUIRE_DURATION, "pool" => p.clone(), "lane" => l),
+                hold: metrics::histogram!(HOLD_DURATION, "pool" => p.clone(), "lane" => l),
+                oldest: metrics::gauge!(OLDEST_HOLD, "pool" => p.clone(), "lane" => l),
+                long_holds: metrics::counter!(LONG_HOLDS, "pool" => p.clone(), "lane" => l),
+                fail_timeout: fail("timeout"),
+                fail_refused: fail("refused"),
+                fail_backend: fail("backend"),
+            }
+        };
+        let lanes = [lane(Lane::Request), lane(Lane::SessionLock), lane(Lane::Control)];
+        metrics::gauge!(CONNECTIONS_MAX, "pool" => p.clone()).set(limits.size() as f64);
+        PoolMetrics {
+            lanes,
+            idle: metrics::gauge!(CONNECTIONS, "pool" => p.clone(), "state" => "idle"),
+            in_use: metrics::gauge!(CONNECTIONS, "pool" => p.clone(), "state" => "in_use"),
+            overrun_refuse: metrics::counter!(BUDGET_OVERRUNS, "pool" => p.clone(), "lane" => Lane::SessionLock.as_str(), "policy" => "refuse"),
+            overrun_warn: metrics::counter!(BUDGET_OVERRUNS, "pool" => p.clone(), "lane" => Lane::SessionLock.as_str(), "policy" => "warn"),
+            session_locks_held: metrics::gauge!(SESSION_LOCKS_HELD, "pool" => p.clone()),
+            session_lock_connections: metrics::gauge!(SESSION_LOCK_CONNECTIONS, "pool" => p.clone()),
+            census_locks: metrics::gauge!(CENSUS_LOCKS, "pool" => p.clone()),
+            census_idle_locks: metrics::gauge!(CENSUS_IDLE_LOCKS, "pool" => p.clone()),
+            census_leaks: metrics::counter!(CENSUS_LEAKS, "pool" => p.clone()),
+            readiness: metrics::histogram!(READINESS_DURATION, "pool" => p.clone()),
+            readiness_timeout: metrics::counter!(READINESS_FAILURES, "pool" => p.clone(), "reason" => "timeout"),
+            readiness_error: metrics::counter!(READINESS_FAILURES, "pool" => p, "reason" => "error"),
+        }
+    }
+
+    pub(crate) fn lane(&self, lane: Lane) -> &LaneMetrics {
+        &self.lanes[lane.idx()]
+    }
+}
+
+/// Installs the Prometheus exporter as the global recorder, with explicit
+/// buckets for pgwarden's histograms (without them the exporter renders
+/// summaries, which `histogram_quantile` cannot use).
+///
+/// Returns the handle that renders the exposition text: serve
+/// `handle.render()` on your `/metrics` route. Call it before building pools.
+#[cfg(feature = "prometheus")]
+pub fn install_prometheus(
+) -> Result<metrics_exporter_prometheus::PrometheusHandle, metrics_exporter_prometheus::BuildError> {
+    prometheus_builder()?.install_recorder()
+}
+
+/// A `PrometheusBuilder` with pgwarden's histogram buckets set, for callers
+/// that want to add their own settings (an HTTP listener, global labels).
+#[cfg(feature = "prometheus")]
+pub fn prometheus_builder(
+) -> Result<metrics_exporter_prometheus::PrometheusBuilder, metrics_exporter_prometheus::BuildError> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(HOLD_DURATION.into()), HOLD_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Suffix("_duration_seconds".into()), LATENCY_BUCKETS)
+}
