@@ -228,14 +228,15 @@ impl Shared {
             lane,
         };
         let res = tokio::time::timeout(timeout.saturating_sub(start.elapsed()), rx).await;
-        drop(guard);
         match res {
             Ok(Ok(permit)) => Ok(permit),
             // The sender went away without a permit: the pool is closing.
             Ok(Err(_)) => Err(Error::Pool(PoolError::Closed)),
             Err(_) => {
-                lm.fail_timeout.increment(1);
+                // The status as this waiter saw it, itself still counted.
                 let status = self.status();
+                drop(guard);
+                lm.fail_timeout.increment(1);
                 tracing::warn!(pool = %self.name, %lane, waited = ?start.elapsed(), %status, "checkout timed out");
                 Err(Error::Timeout {
                     lane,
