@@ -390,6 +390,8 @@ impl Shared {
 async fn housekeeping(shared: Weak<Shared>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is immediate: nothing has been held yet.
+    tick.tick().await;
     let mut last_census: Option<Instant> = None;
     loop {
         tick.tick().await;
