@@ -250,7 +250,13 @@ impl Shared {
     fn over_budget(&self, site: &'static Location<'static>, first: bool, in_use: usize) {
         self.metrics.overrun_warn.increment(1);
         if first {
-            let limit = self.state.lock().budget.limits().lane(Lane::SessionLock).max;
+            let limit = self
+                .state
+                .lock()
+                .budget
+                .limits()
+                .lane(Lane::SessionLock)
+                .max;
             tracing::warn!(
                 pool = %self.name,
                 %site,
@@ -288,17 +294,23 @@ impl Shared {
                 Decision::Refuse(_) | Decision::Wait => i += 1,
             }
         }
-        let in_use = [
-            st.budget.in_use(Lane::Request),
-            st.budget.in_use(Lane::SessionLock),
-            st.budget.in_use(Lane::Control),
-        ];
-        let pending = st.pending;
+        let in_use = st.budget.in_use(lane);
+        // Lanes whose gauges changed besides the returned one: those granted.
+        let mut touched = [false; 3];
+        for (_, _, l) in &grants {
+            touched[l.idx()] = true;
+        }
+        let granted: Vec<(Lane, usize, usize)> = Lane::ALL
+            .iter()
+            .filter(|l| touched[l.idx()])
+            .map(|&l| (l, st.budget.in_use(l), st.pending[l.idx()]))
+            .collect();
         drop(st);
-        for l in Lane::ALL {
+        self.metrics.lane(lane).in_use.set(in_use as f64);
+        for (l, n, p) in granted {
             let m = self.metrics.lane(l);
-            m.in_use.set(in_use[l.idx()] as f64);
-            m.pending.set(pending[l.idx()] as f64);
+            m.in_use.set(n as f64);
+            m.pending.set(p as f64);
         }
         for (site, first, n) in overs {
             self.over_budget(site, first, n);
@@ -366,7 +378,10 @@ impl Shared {
             }
         }
         for l in Lane::ALL {
-            self.metrics.lane(l).oldest.set(oldest[l.idx()].as_secs_f64());
+            self.metrics
+                .lane(l)
+                .oldest
+                .set(oldest[l.idx()].as_secs_f64());
         }
         for (lane, site, pid, age, note) in long {
             self.metrics.lane(lane).long_holds.increment(1);
@@ -395,7 +410,9 @@ async fn housekeeping(shared: Weak<Shared>, every: Duration) {
     let mut last_census: Option<Instant> = None;
     loop {
         tick.tick().await;
-        let Some(shared) = shared.upgrade() else { return };
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
         if shared.inner.is_closed() {
             return;
         }
@@ -421,7 +438,10 @@ impl Pool {
     /// (no TLS, tokio runtime).
     pub fn from_config(config: &deadpool_postgres::Config) -> Result<PoolBuilder, BuildError> {
         let inner = config
-            .create_pool(Some(deadpool_postgres::Runtime::Tokio1), tokio_postgres::NoTls)
+            .create_pool(
+                Some(deadpool_postgres::Runtime::Tokio1),
+                tokio_postgres::NoTls,
+            )
             .map_err(|e| BuildError::Deadpool(e.to_string()))?;
         Ok(PoolBuilder::new(inner))
     }
@@ -429,8 +449,9 @@ impl Pool {
     /// Starts a builder from a `DATABASE_URL`-style connection string
     /// (`postgres://…` or `host=… user=…`), no TLS, `max_size` connections.
     pub fn from_url(url: &str, max_size: usize) -> Result<PoolBuilder, BuildError> {
-        let pg: tokio_postgres::Config =
-            url.parse().map_err(|e: tokio_postgres::Error| BuildError::InvalidUrl(e.to_string()))?;
+        let pg: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| BuildError::InvalidUrl(e.to_string()))?;
         let mgr = deadpool_postgres::Manager::from_config(
             pg,
             tokio_postgres::NoTls,
@@ -483,7 +504,10 @@ impl Pool {
     /// Session-lock checkouts are budgeted: past the budget they are refused
     /// ([`Error::BudgetExhausted`]) or admitted with a warning, by policy.
     #[track_caller]
-    pub fn get_for(&self, lane: Lane) -> impl std::future::Future<Output = Result<Conn, Error>> + Send + '_ {
+    pub fn get_for(
+        &self,
+        lane: Lane,
+    ) -> impl std::future::Future<Output = Result<Conn, Error>> + Send + '_ {
         let site = Location::caller();
         self.checkout(lane, site, self.shared.opts.wait_timeout)
     }
@@ -574,7 +598,10 @@ impl Pool {
     /// The readiness probe: `SELECT 1` on the control lane, bounded by
     /// `timeout` (checkout included). Returns its latency.
     #[track_caller]
-    pub fn readiness(&self, timeout: Duration) -> impl std::future::Future<Output = Result<Duration, Error>> + Send + '_ {
+    pub fn readiness(
+        &self,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<Duration, Error>> + Send + '_ {
         let site = Location::caller();
         async move {
             let start = Instant::now();
@@ -709,7 +736,14 @@ impl Conn {
 
     /// Sets what the checkout is for, shown in long-hold warnings.
     pub(crate) fn set_note(&self, note: Option<String>) {
-        if let Some(c) = self.permit.shared.state.lock().checkouts.get_mut(self.permit.slot) {
+        if let Some(c) = self
+            .permit
+            .shared
+            .state
+            .lock()
+            .checkouts
+            .get_mut(self.permit.slot)
+        {
             c.note = note;
         }
     }
@@ -767,4 +801,3 @@ impl fmt::Debug for Conn {
             .finish()
     }
 }
-

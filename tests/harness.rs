@@ -24,7 +24,10 @@ where
         if cond().await {
             return;
         }
-        assert!(Instant::now() < deadline, "timed out after {limit:?}: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?}: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -67,7 +70,9 @@ async fn shared_server_accepts_queries() -> Result {
     }
     let (client, conn) = server.pg_config().connect(NoTls).await?;
     tokio::spawn(conn);
-    let row = client.query_one("SELECT current_user::text, 40 + 2", &[]).await?;
+    let row = client
+        .query_one("SELECT current_user::text, 40 + 2", &[])
+        .await?;
     let n: i32 = row.get(1);
     assert_eq!(n, 42);
     if !server.is_external() {
@@ -197,7 +202,10 @@ fn watchdog_child_helper() {
     println!(
         "PGWARDEN_CHILD pid={} dir={}",
         server.pid().unwrap_or(0),
-        server.dir().map(|d| d.display().to_string()).unwrap_or_default()
+        server
+            .dir()
+            .map(|d| d.display().to_string())
+            .unwrap_or_default()
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
@@ -237,7 +245,10 @@ async fn watchdog_case(how: &str) -> Result {
             dir = PathBuf::from(v);
         }
     }
-    assert!(pid != 0 && !dir.as_os_str().is_empty(), "bad report: {line}");
+    assert!(
+        pid != 0 && !dir.as_os_str().is_empty(),
+        "bad report: {line}"
+    );
     assert!(!out.status.success() || how == "exit");
 
     let socket_dir = dir.clone();
@@ -285,11 +296,8 @@ async fn pgbouncer_runs_in_transaction_mode() -> Result {
     assert_eq!(row[0].get::<_, i32>(0), 42);
 
     let step = Duration::from_secs(10); // in session mode, b would wait for a forever
-    a.query_typed(
-        "SELECT set_config('pgwarden.leak', 'from_a', false)",
-        &[],
-    )
-    .await?;
+    a.query_typed("SELECT set_config('pgwarden.leak', 'from_a', false)", &[])
+        .await?;
     let seen = tokio::time::timeout(
         step,
         b.query_typed("SELECT current_setting('pgwarden.leak', true)", &[]),
@@ -301,14 +309,16 @@ async fn pgbouncer_runs_in_transaction_mode() -> Result {
         "client b sees client a's session setting"
     );
     let pid_a: i32 = a.query_typed("SELECT pg_backend_pid()", &[]).await?[0].get(0);
-    let pid_b: i32 = tokio::time::timeout(step, b.query_typed("SELECT pg_backend_pid()", &[]))
-        .await??[0]
-        .get(0);
+    let pid_b: i32 =
+        tokio::time::timeout(step, b.query_typed("SELECT pg_backend_pid()", &[])).await??[0].get(0);
     assert_eq!(pid_a, pid_b, "two clients, one backend");
 
     // A direct client is a different backend and does not see the setting.
     let direct = db.connect().await?;
-    let direct_pid: i32 = direct.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+    let direct_pid: i32 = direct
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
     assert_ne!(direct_pid, pid_a);
 
     // The default pool size, through deadpool, with url() round-tripping.

@@ -12,13 +12,21 @@ use pgwarden::Policy;
 use scenarios::{check, JOBS, PROBE_BOUND};
 
 async fn db() -> pgwarden::testing::TestDb {
-    TestServer::shared().unwrap().create_database().await.unwrap()
+    TestServer::shared()
+        .unwrap()
+        .create_database()
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
 async fn raw_deadpool_loses_readiness_and_deadlocks_its_jobs() {
     let o = scenarios::raw_deadpool(&db().await).await.unwrap();
-    assert_eq!(o.granted, JOBS.len(), "every job got its lock and kept its connection");
+    assert_eq!(
+        o.granted,
+        JOBS.len(),
+        "every job got its lock and kept its connection"
+    );
     assert_eq!(o.probes_ok, 0, "the readiness probe got no connection");
     assert!(o.worst_probe >= PROBE_BOUND);
     assert_eq!(o.work_done, 0, "no job got a work connection");
@@ -28,7 +36,9 @@ async fn raw_deadpool_loses_readiness_and_deadlocks_its_jobs() {
 
 #[tokio::test]
 async fn pgwarden_refuse_grants_the_budget_and_stays_ready() {
-    let o = scenarios::pgwarden_session_locks(&db().await, Policy::Refuse).await.unwrap();
+    let o = scenarios::pgwarden_session_locks(&db().await, Policy::Refuse)
+        .await
+        .unwrap();
     assert_eq!(check(&o, 1), Vec::<String>::new(), "{o:?}");
     assert_eq!(o.refused, 3);
 }
@@ -55,7 +65,9 @@ async fn pgwarden_warn_admits_to_the_floor_logs_and_stays_ready() {
         .with_max_level(tracing::Level::WARN)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
-    let o = scenarios::pgwarden_session_locks(&db().await, Policy::Warn).await.unwrap();
+    let o = scenarios::pgwarden_session_locks(&db().await, Policy::Warn)
+        .await
+        .unwrap();
     assert_eq!(check(&o, 2), Vec::<String>::new(), "{o:?}");
     assert_eq!(o.refused, 2, "past the hard floor, warn refuses too");
     let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();

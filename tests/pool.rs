@@ -53,7 +53,9 @@ async fn handler(state: AppState, name: &str) -> Result<i64, AppError> {
     let tx = client.transaction().await?;
     let id: i64 = tx.query_one(&stmt, &[&name]).await?.get(0);
     tx.commit().await?;
-    let rows = client.query("SELECT name FROM items WHERE id = $1", &[&id]).await?;
+    let rows = client
+        .query("SELECT name FROM items WHERE id = $1", &[&id])
+        .await?;
     assert_eq!(rows[0].get::<_, String>(0), name);
     count_rows(&*client).await
 }
@@ -73,7 +75,12 @@ async fn deadpool_code_runs_through_conn_unchanged() {
         .unwrap();
     let state = AppState { pool: pool.clone() };
     let tasks: Vec<_> = (0..8)
-        .map(|i| tokio::spawn(handler(state.clone(), Box::leak(format!("item-{i}").into_boxed_str()))))
+        .map(|i| {
+            tokio::spawn(handler(
+                state.clone(),
+                Box::leak(format!("item-{i}").into_boxed_str()),
+            ))
+        })
         .collect();
     for t in tasks {
         t.await.unwrap().unwrap();
@@ -84,7 +91,9 @@ async fn deadpool_code_runs_through_conn_unchanged() {
     drop(c);
     let mut c = pool.get().await.unwrap();
     let tx = c.transaction().await.unwrap();
-    tx.execute("INSERT INTO items (name) VALUES ('x')", &[]).await.unwrap();
+    tx.execute("INSERT INTO items (name) VALUES ('x')", &[])
+        .await
+        .unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(count_rows(&*c).await.unwrap(), 8);
     assert!(format!("{state:?}").contains("Pool"));
@@ -93,9 +102,20 @@ async fn deadpool_code_runs_through_conn_unchanged() {
 #[tokio::test]
 async fn builds_from_url_and_config() {
     let db = db().await;
-    let p = Pool::from_url(&db.url(), 3).unwrap().name("from-url").build().unwrap();
+    let p = Pool::from_url(&db.url(), 3)
+        .unwrap()
+        .name("from-url")
+        .build()
+        .unwrap();
     assert_eq!(p.status().max, 3);
-    let v: i32 = p.get().await.unwrap().query_one("SELECT 7", &[]).await.unwrap().get(0);
+    let v: i32 = p
+        .get()
+        .await
+        .unwrap()
+        .query_one("SELECT 7", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(v, 7);
 
     let pg = db.pg_config();
@@ -135,13 +155,24 @@ async fn conn_knows_lane_pid_site_and_age() {
     assert_eq!(c.site().file(), file!());
     assert_eq!(c.site().line(), line);
     assert!(c.since() >= before);
-    let pid: i32 = c.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
+    let pid: i32 = c
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(c.pid(), pid);
     let ctl = pool.get_for(Lane::Control).await.unwrap();
     assert_eq!(ctl.lane(), Lane::Control);
     assert_ne!(ctl.pid(), c.pid());
     let s = pool.status();
-    assert_eq!((s.in_use, s.lane(Lane::Request).in_use, s.lane(Lane::Control).in_use), (2, 1, 1));
+    assert_eq!(
+        (
+            s.in_use,
+            s.lane(Lane::Request).in_use,
+            s.lane(Lane::Control).in_use
+        ),
+        (2, 1, 1)
+    );
     drop((c, ctl));
     assert_eq!(pool.status().in_use, 0);
 }
@@ -157,10 +188,17 @@ async fn request_timeout_carries_the_status_and_get_keeps_deadpool_error() {
     let a = pool.get().await.unwrap();
     let b = pool.get().await.unwrap();
     let e = pool.get().await.unwrap_err();
-    assert!(matches!(e, PoolError::Timeout(deadpool_postgres::TimeoutType::Wait)), "{e:?}");
+    assert!(
+        matches!(e, PoolError::Timeout(deadpool_postgres::TimeoutType::Wait)),
+        "{e:?}"
+    );
     let e = pool.get_for(Lane::Request).await.unwrap_err();
     match &e {
-        Error::Timeout { lane, waited, status } => {
+        Error::Timeout {
+            lane,
+            waited,
+            status,
+        } => {
             assert_eq!(*lane, Lane::Request);
             assert!(*waited >= Duration::from_millis(200));
             assert_eq!(status.lane(Lane::Request).in_use, 2);
@@ -169,7 +207,10 @@ async fn request_timeout_carries_the_status_and_get_keeps_deadpool_error() {
         other => panic!("expected a timeout, got {other:?}"),
     }
     let msg = e.to_string();
-    assert!(msg.contains("request 2/2") && msg.contains("waiting 1"), "{msg}");
+    assert!(
+        msg.contains("request 2/2") && msg.contains("waiting 1"),
+        "{msg}"
+    );
     // The control reserve is still there: readiness answers.
     pool.readiness(Duration::from_secs(1)).await.unwrap();
     assert_eq!(pool.status().waiting, 0);
@@ -194,14 +235,22 @@ async fn waiters_are_served_in_fifo_order() {
         // Each waiter is queued before the next one starts.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while pool.status().lane(Lane::Request).waiting < i + 1 {
-            assert!(tokio::time::Instant::now() < deadline, "waiter {i} never queued");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "waiter {i} never queued"
+            );
             tokio::task::yield_now().await;
         }
     }
     drop(a);
     let mut order = Vec::new();
     for _ in 0..5 {
-        order.push(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap());
+        order.push(
+            tokio::time::timeout(Duration::from_secs(5), rx.recv())
+                .await
+                .unwrap()
+                .unwrap(),
+        );
     }
     assert_eq!(order, vec![0, 1, 2, 3, 4]);
     drop(b);
@@ -216,12 +265,18 @@ async fn a_cancelled_waiter_leaves_no_trace() {
     let a = pool.get().await.unwrap();
     let waiting = pool.get();
     let r = tokio::time::timeout(Duration::from_millis(50), waiting).await;
-    assert!(r.is_err(), "the request lane of a pool of 2 has one connection");
+    assert!(
+        r.is_err(),
+        "the request lane of a pool of 2 has one connection"
+    );
     let s = pool.status();
     assert_eq!((s.waiting, s.in_use), (0, 1));
     drop(a);
     // Nothing was handed to the dropped waiter: the connection is available.
-    let c = tokio::time::timeout(Duration::from_secs(2), pool.get()).await.unwrap().unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(2), pool.get())
+        .await
+        .unwrap()
+        .unwrap();
     drop(c);
     assert_eq!(pool.status().in_use, 0);
 }
@@ -262,9 +317,18 @@ async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
     let e = pool.get_for(Lane::SessionLock).await.unwrap_err();
     assert!(e.is_budget_exhausted());
     let msg = e.to_string();
-    assert!(msg.contains("session_lock budget exhausted: 1 of 1 in use"), "{msg}");
-    assert!(msg.contains(&format!("{}:{line}", file!())), "names the holder's call site: {msg}");
-    assert!(msg.contains("lease") && msg.contains("transaction-scoped lock"), "{msg}");
+    assert!(
+        msg.contains("session_lock budget exhausted: 1 of 1 in use"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&format!("{}:{line}", file!())),
+        "names the holder's call site: {msg}"
+    );
+    assert!(
+        msg.contains("lease") && msg.contains("transaction-scoped lock"),
+        "{msg}"
+    );
     // A refusal changes nothing.
     assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 1);
     drop(first);
@@ -283,7 +347,13 @@ async fn warn_policy_admits_up_to_the_hard_floor() {
     let b = pool.get_for(Lane::SessionLock).await.unwrap();
     let e = pool.get_for(Lane::SessionLock).await.unwrap_err();
     match &e {
-        Error::BudgetExhausted { hard_floor, limit, in_use, holders, .. } => {
+        Error::BudgetExhausted {
+            hard_floor,
+            limit,
+            in_use,
+            holders,
+            ..
+        } => {
             assert!(*hard_floor);
             assert_eq!((*limit, *in_use, holders.len()), (2, 2, 2));
         }
@@ -307,14 +377,20 @@ async fn discard_closes_the_backend() {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
         let n: i64 = watcher
-            .query_one("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", &[&pid])
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
             .await
             .unwrap()
             .get(0);
         if n == 0 {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "backend {pid} still alive");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "backend {pid} still alive"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // The pool opens a new connection in its place.
