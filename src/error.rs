@@ -137,7 +137,9 @@ impl Error {
 pub enum BuildError {
     /// Fewer than two connections: one must stay in reserve for control
     /// statements and one for request work.
-    #[error("pool size {size} is too small: pgwarden needs at least 2 (1 control reserve + 1 request)")]
+    #[error(
+        "pool size {size} is too small: pgwarden needs at least 2 (1 control reserve + 1 request)"
+    )]
     TooSmall {
         /// The size given.
         size: usize,

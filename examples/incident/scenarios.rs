@@ -69,7 +69,10 @@ impl fmt::Display for Table<'_> {
         writeln!(f, "|---|---|---|---|---|---|---|")?;
         for o in self.0 {
             let work = if o.waiting_seen > 0 {
-                format!("{} of {} (pool waiting: {})", o.work_done, o.granted, o.waiting_seen)
+                format!(
+                    "{} of {} (pool waiting: {})",
+                    o.work_done, o.granted, o.waiting_seen
+                )
             } else {
                 format!("{} of {}", o.work_done, o.granted)
             };
@@ -136,7 +139,10 @@ pub async fn raw_deadpool(db: &TestDb) -> Result<Outcome, BoxError> {
     let work = join_all(holders.iter().map(|_| {
         let pool = pool.clone();
         async move {
-            let c = tokio::time::timeout(PROBE_BOUND, pool.get()).await.ok()?.ok()?;
+            let c = tokio::time::timeout(PROBE_BOUND, pool.get())
+                .await
+                .ok()?
+                .ok()?;
             c.simple_query("SELECT count(*) FROM pg_class").await.ok()
         }
     }));
@@ -169,7 +175,10 @@ pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outco
         .name(format!("incident-{}", policy.as_str()))
         .policy(policy)
         .build()?;
-    let mut out = Outcome::new(format!("pgwarden session locks, policy {}, pool {POOL_SIZE}", policy.as_str()));
+    let mut out = Outcome::new(format!(
+        "pgwarden session locks, policy {}, pool {POOL_SIZE}",
+        policy.as_str()
+    ));
     let attempts = join_all(JOBS.map(|job| {
         let pool = pool.clone();
         async move {
@@ -208,7 +217,10 @@ pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outco
     let work = join_all(holders.iter().map(|_| {
         let pool = pool.clone();
         async move {
-            let c = tokio::time::timeout(5 * PROBE_BOUND, pool.get()).await.ok()?.ok()?;
+            let c = tokio::time::timeout(5 * PROBE_BOUND, pool.get())
+                .await
+                .ok()?
+                .ok()?;
             c.simple_query("SELECT count(*) FROM pg_class").await.ok()
         }
     }))
@@ -230,19 +242,32 @@ pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outco
 pub fn check(o: &Outcome, expect_granted: usize) -> Vec<String> {
     let mut bad = Vec::new();
     if o.granted != expect_granted {
-        bad.push(format!("{}: {} locks granted, expected {expect_granted}", o.scenario, o.granted));
+        bad.push(format!(
+            "{}: {} locks granted, expected {expect_granted}",
+            o.scenario, o.granted
+        ));
     }
     if o.granted + o.refused != JOBS.len() {
-        bad.push(format!("{}: {} jobs neither granted nor refused", o.scenario, JOBS.len() - o.granted - o.refused));
+        bad.push(format!(
+            "{}: {} jobs neither granted nor refused",
+            o.scenario,
+            JOBS.len() - o.granted - o.refused
+        ));
     }
     if o.probes_ok != o.probes || o.probes == 0 {
-        bad.push(format!("{}: readiness {}/{} ok", o.scenario, o.probes_ok, o.probes));
+        bad.push(format!(
+            "{}: readiness {}/{} ok",
+            o.scenario, o.probes_ok, o.probes
+        ));
     }
     if o.worst_probe >= PROBE_BOUND {
         bad.push(format!("{}: slowest probe {:?}", o.scenario, o.worst_probe));
     }
     if o.work_done != o.granted {
-        bad.push(format!("{}: work completed {} of {}", o.scenario, o.work_done, o.granted));
+        bad.push(format!(
+            "{}: work completed {} of {}",
+            o.scenario, o.work_done, o.granted
+        ));
     }
     bad
 }
