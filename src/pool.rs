@@ -560,7 +560,15 @@ impl Pool {
                 Some(p) => p,
                 None => match backend_pid(&obj).await {
                     Ok(p) => {
-                        shared.state.lock().pids.insert(id, p);
+                        let mut st = shared.state.lock();
+                        // Connections deadpool dropped on its own leave stale
+                        // entries: keep the map bounded (idle pids are asked again).
+                        if st.pids.len() >= 4 * st.budget.limits().size() {
+                            let out: HashSet<ObjectId> =
+                                st.checkouts.iter().filter_map(|(_, c)| c.object).collect();
+                            st.pids.retain(|id, _| out.contains(id));
+                        }
+                        st.pids.insert(id, p);
                         p
                     }
                     Err(e) => {

@@ -51,6 +51,7 @@
 //! missing tool is an error.
 
 use std::fmt;
+use std::io::Write as _;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -114,7 +115,7 @@ pub enum TestingError {
         source: Arc<std::io::Error>,
     },
     /// A server process failed to start or did not accept connections in time.
-    #[error("{program} did not start: {reason}\n--- log tail ---\n{log_tail}")]
+    #[error("{program} failed: {reason}\n--- log tail ---\n{log_tail}")]
     Startup {
         /// Which program (`initdb`, `postgres`, `pgbouncer`).
         program: String,
@@ -222,7 +223,9 @@ pub fn require_tool(name: &str) -> Result<bool, TestingError> {
             package,
         });
     }
-    eprintln!(
+    // Straight to stderr, past libtest's output capture, so the skip shows.
+    let _ = writeln!(
+        std::io::stderr(),
         "note: `{name}` not found, skipping; install it with `apt-get install -y {package}` \
          (with CI=true this is a failure)"
     );
@@ -464,17 +467,10 @@ impl TestServer {
     }
 }
 
-/// The end of a started server's logs: initdb's, the postmaster's stderr,
-/// and the logging collector's files.
+/// The end of a started server's logs: the postmaster's stderr and the
+/// logging collector's files.
 fn server_log_tail(root: &Path, lines: usize) -> String {
-    process::log_tail(
-        &[
-            root.join("initdb.log"),
-            root.join("postmaster.log"),
-            root.join("log"),
-        ],
-        lines,
-    )
+    process::log_tail(&[root.join("postmaster.log"), root.join("log")], lines)
 }
 
 /// Polls until the server answers a startup message on its socket. On

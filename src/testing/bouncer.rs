@@ -222,10 +222,7 @@ fn write_files(
         bq(user)
     );
     if let Some(pw) = target.get_password() {
-        db_line.push_str(&format!(
-            " password={}",
-            bq(&String::from_utf8_lossy(pw))
-        ));
+        db_line.push_str(&format!(" password={}", bq(&String::from_utf8_lossy(pw))));
     }
     let log = root.join("pgbouncer.log");
     let userlist = root.join("userlist.txt");

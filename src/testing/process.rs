@@ -83,8 +83,10 @@ fn lookup_user(name: &str) -> Result<RunAs, TestingError> {
 /// Changes the owner of `path` to `run_as`, when set.
 pub(crate) fn chown(path: &Path, run_as: Option<RunAs>) -> Result<(), TestingError> {
     if let Some(u) = run_as {
-        std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid))
-            .map_err(io_err(format!("chown {} to the postgres user", path.display())))?;
+        std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid)).map_err(io_err(format!(
+            "chown {} to the postgres user",
+            path.display()
+        )))?;
     }
     Ok(())
 }
@@ -100,7 +102,14 @@ pub(crate) fn server_command(program: &Path, run_as: Option<RunAs>, cwd: &Path) 
         cmd.uid(u.uid).gid(u.gid);
     }
     cmd.process_group(0).current_dir(cwd).stdin(Stdio::null());
-    for var in ["PGDATA", "PGPORT", "PGHOST", "PGUSER", "PGDATABASE", "PGOPTIONS"] {
+    for var in [
+        "PGDATA",
+        "PGPORT",
+        "PGHOST",
+        "PGUSER",
+        "PGDATABASE",
+        "PGOPTIONS",
+    ] {
         cmd.env_remove(var);
     }
     cmd
@@ -175,7 +184,10 @@ pub(crate) fn find_pg_binaries() -> Result<PgBinaries, TestingError> {
             searched.push(dir);
         }
     }
-    if !searched.iter().any(|d| d.starts_with("/usr/lib/postgresql")) {
+    if !searched
+        .iter()
+        .any(|d| d.starts_with("/usr/lib/postgresql"))
+    {
         searched.push(PathBuf::from("/usr/lib/postgresql/*/bin"));
     }
     Err(TestingError::NoBinaries { searched })
