@@ -66,8 +66,10 @@ use tokio_postgres::{Client, Config, NoTls};
 
 mod bouncer;
 mod process;
+mod prometheus;
 
 pub use bouncer::PgBouncer;
+pub use prometheus::Prometheus;
 
 use process::{io_err, Probe, RunAs, Watchdog};
 
