@@ -247,7 +247,11 @@ fn build_rejects_impossible_settings_naming_the_numbers() {
             control: 2
         }
     );
-    assert!(e.to_string().contains("2 (request) + 1 (session_lock) + 2 (control) = 5 > 4"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("2 (request) + 1 (session_lock) + 2 (control) = 5 > 4"),
+        "{e}"
+    );
     let e = Limits::new(4, r(1, 3), r(0, 3), r(1, 4), Policy::Refuse).unwrap_err();
     assert_eq!(
         e,
