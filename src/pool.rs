@@ -106,11 +106,23 @@ impl State {
             .collect()
     }
 
-    fn insert(&mut self, lane: Lane, site: &'static Location<'static>) -> usize {
+    /// Completes a checkout record once its connection is known; returns
+    /// the checkout instant.
+    fn attach(&mut self, slot: usize, pid: i32, object: ObjectId) -> Instant {
+        let now = Instant::now();
+        if let Some(c) = self.checkouts.get_mut(slot) {
+            c.pid = Some(pid);
+            c.object = Some(object);
+            c.since = now;
+        }
+        now
+    }
+
+    fn insert(&mut self, lane: Lane, site: &'static Location<'static>, since: Instant) -> usize {
         self.checkouts.insert(Checkout {
             lane,
             site,
-            since: Instant::now(),
+            since,
             pid: None,
             object: None,
             long_warned: false,
@@ -172,9 +184,9 @@ impl Shared {
         self: &Arc<Self>,
         lane: Lane,
         site: &'static Location<'static>,
+        start: Instant,
         timeout: Duration,
     ) -> Result<Permit, Error> {
-        let start = Instant::now();
         let lm = self.metrics.lane(lane);
         let (id, rx) = {
             let mut st = self.state.lock();
@@ -187,7 +199,7 @@ impl Shared {
             };
             match d {
                 Decision::Admit | Decision::AdmitOverBudget => {
-                    let slot = st.insert(lane, site);
+                    let slot = st.insert(lane, site, start);
                     let in_use = st.budget.in_use(lane);
                     let over = d == Decision::AdmitOverBudget;
                     let first = over && st.warned_sites.insert(site as *const _ as usize);
@@ -284,7 +296,7 @@ impl Shared {
                 d @ (Decision::Admit | Decision::AdmitOverBudget) => {
                     let Some(w) = st.waiters.remove(i) else { break };
                     st.pending[wl.idx()] -= 1;
-                    let slot = st.insert(wl, w.site);
+                    let slot = st.insert(wl, w.site, Instant::now());
                     if d == Decision::AdmitOverBudget {
                         let first = st.warned_sites.insert(w.site as *const _ as usize);
                         overs.push((w.site, first, st.budget.in_use(wl)));
@@ -532,7 +544,7 @@ impl Pool {
         let shared = &self.shared;
         shared.ensure_housekeeping();
         let start = Instant::now();
-        let permit = shared.acquire(lane, site, timeout).await?;
+        let permit = shared.acquire(lane, site, start, timeout).await?;
         let lm = shared.metrics.lane(lane);
         loop {
             let obj = match shared.inner.get().await {
@@ -543,23 +555,33 @@ impl Pool {
                 }
             };
             let id = Object::id(&obj);
-            let (tainted, pid) = {
-                let mut st = shared.state.lock();
-                let tainted = st.tainted.remove(&id);
-                if tainted {
-                    st.pids.remove(&id);
-                }
-                (tainted, st.pids.get(&id).copied())
-            };
-            if tainted {
-                tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
-                drop(Object::take(obj));
-                continue;
+            enum Seen {
+                Tainted,
+                Known(i32, Instant),
+                New,
             }
-            let pid = match pid {
-                Some(p) => p,
-                None => match backend_pid(&obj).await {
-                    Ok(p) => {
+            // One lock: discard a tainted connection, or find its pid and,
+            // when known, complete the checkout record.
+            let seen = {
+                let mut st = shared.state.lock();
+                if !st.tainted.is_empty() && st.tainted.remove(&id) {
+                    st.pids.remove(&id);
+                    Seen::Tainted
+                } else if let Some(pid) = st.pids.get(&id).copied() {
+                    Seen::Known(pid, st.attach(permit.slot, pid, id))
+                } else {
+                    Seen::New
+                }
+            };
+            let (pid, since) = match seen {
+                Seen::Known(pid, since) => (pid, since),
+                Seen::Tainted => {
+                    tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
+                    drop(Object::take(obj));
+                    continue;
+                }
+                Seen::New => match backend_pid(&obj).await {
+                    Ok(pid) => {
                         let mut st = shared.state.lock();
                         // Connections deadpool dropped on its own leave stale
                         // entries: keep the map bounded (idle pids are asked again).
@@ -568,8 +590,8 @@ impl Pool {
                                 st.checkouts.iter().filter_map(|(_, c)| c.object).collect();
                             st.pids.retain(|id, _| out.contains(id));
                         }
-                        st.pids.insert(id, p);
-                        p
+                        st.pids.insert(id, pid);
+                        (pid, st.attach(permit.slot, pid, id))
                     }
                     Err(e) => {
                         lm.fail_backend.increment(1);
@@ -578,15 +600,8 @@ impl Pool {
                     }
                 },
             };
-            let since = {
-                let mut st = shared.state.lock();
-                let c = &mut st.checkouts[permit.slot];
-                c.pid = Some(pid);
-                c.object = Some(id);
-                c.since = Instant::now();
-                c.since
-            };
-            lm.acquire.record(start.elapsed().as_secs_f64());
+            lm.acquire
+                .record(since.saturating_duration_since(start).as_secs_f64());
             return Ok(Conn {
                 obj: Some(obj),
                 permit,
