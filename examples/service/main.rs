@@ -1,0 +1,142 @@
+//! The seed's backend in small: an HTTP service on a pgwarden pool of four,
+//! with the seed's four background jobs on table leases.
+//!
+//! ```sh
+//! cargo run --example service                      # a throwaway PostgreSQL
+//! DATABASE_URL=postgres://app@localhost/app cargo run --example service
+//! # a second instance on the same database, another node, jobs 100× faster:
+//! DATABASE_URL=… LISTEN_ADDR=127.0.0.1:8081 NODE_NAME=node-b \
+//!   PGWARDEN_TIME_SCALE=0.01 cargo run --example service
+//! ```
+//!
+//! Routes: `GET /up` (liveness, no database), `GET /health/ready` (200, or
+//! 503 when the readiness probe fails within 1 s), `GET /metrics`
+//! (Prometheus), `POST /items?name=…` and `GET /items?limit=…&slow_ms=…`
+//! (request work), `POST /debug/hold-lock?key=…&ms=…` (holds a session
+//! advisory lock: lock pressure for demos; 409 when the budget refuses).
+//!
+//! Environment: `DATABASE_URL` (unset: a throwaway PostgreSQL from
+//! `pgwarden::testing`, whose URL is printed so that a second instance can
+//! join), `LISTEN_ADDR` (default `127.0.0.1:8080`, port 0 for any),
+//! `NODE_NAME` (default: host name), `INSTANCE_ID` (default
+//! `<node>-<pid>`), `POOL_SIZE` (default 4), `POOL_NAME` (default
+//! `service`), `PGWARDEN_TIME_SCALE` (default 1: multiplies the job
+//! periods), `RUST_LOG` (default `info`).
+//!
+//! On start it prints `listening on http://<addr>` on stdout. SIGTERM or
+//! Ctrl-C: stops taking requests, lets running jobs finish, releases its
+//! leases, closes the pool, exits 0.
+
+mod config;
+mod routes;
+mod schema;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwarden::testing::TestServer;
+use pgwarden::Pool;
+
+use config::Config;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("service: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), BoxError> {
+    let cfg = Config::from_env()?;
+    // Before the pool is built: its metric handles register with this recorder.
+    let metrics = pgwarden::metrics::install_prometheus()?;
+    let upkeep = {
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                m.run_upkeep();
+            }
+        })
+    };
+
+    // Kept alive (and stopped on return) when we started it.
+    let mut _server = None;
+    let url = match &cfg.database_url {
+        Some(url) => url.clone(),
+        None => {
+            let server = tokio::task::spawn_blocking(TestServer::start_local).await??;
+            let db = server.create_database().await?;
+            println!(
+                "no DATABASE_URL: started a throwaway PostgreSQL; a second instance joins with\n  \
+                 DATABASE_URL='{}' LISTEN_ADDR=127.0.0.1:8081 cargo run --example service",
+                db.url()
+            );
+            _server = Some(server);
+            db.url()
+        }
+    };
+    let pool = Pool::from_url(&url, cfg.pool_size)?
+        .name(&cfg.pool_name)
+        .build()?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
+    let addr = listener.local_addr()?;
+    schema::install(&pool, &cfg.instance, &addr.to_string()).await?;
+
+    let state = routes::AppState {
+        pool: pool.clone(),
+        metrics,
+        instance: Arc::from(cfg.instance.as_str()),
+    };
+    println!(
+        "instance {} (node {}, pool {} of {}) listening on http://{addr}",
+        cfg.instance, cfg.node, cfg.pool_name, cfg.pool_size
+    );
+    axum::serve(listener, routes::router(state))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+
+    println!("instance {}: shutting down", cfg.instance);
+    pool.close();
+    upkeep.abort();
+    println!("instance {}: stopped", cfg.instance);
+    Ok(())
+}
+
+/// SIGTERM or Ctrl-C (SIGINT).
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

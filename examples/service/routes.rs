@@ -1,0 +1,194 @@
+//! The HTTP routes: liveness, readiness, metrics, request work, and a demo
+//! route that creates session-lock pressure.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use pgwarden::{Lane, Pool};
+
+/// What every handler sees.
+#[derive(Clone)]
+pub struct AppState {
+    pub pool: Pool,
+    pub metrics: PrometheusHandle,
+    pub instance: Arc<str>,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/up", get(up))
+        .route("/health/ready", get(ready))
+        .route("/metrics", get(render_metrics))
+        .route("/items", get(list_items).post(add_item))
+        .route("/debug/hold-lock", post(hold_lock))
+        .with_state(state)
+}
+
+type Reply = (StatusCode, String);
+
+/// Liveness: the process answers. Never touches the database.
+async fn up() -> &'static str {
+    "up\n"
+}
+
+/// Readiness: `SELECT 1` on the pool's reserved control lane within 1 s, so
+/// it answers even when request and lock traffic hold every other
+/// connection (the seed's node went out of rotation exactly there).
+async fn ready(State(s): State<AppState>) -> Reply {
+    match s.pool.readiness(Duration::from_secs(1)).await {
+        Ok(took) => (StatusCode::OK, format!("ready ({took:?})\n")),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")),
+    }
+}
+
+async fn render_metrics(State(s): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+fn param<T: std::str::FromStr>(
+    q: &HashMap<String, String>,
+    name: &str,
+    default: T,
+) -> Result<T, Reply> {
+    match q.get(name) {
+        None => Ok(default),
+        Some(v) => v
+            .parse()
+            .map_err(|_| (StatusCode::BAD_REQUEST, format!("bad `{name}`: {v:?}\n"))),
+    }
+}
+
+fn pool_error(e: deadpool_postgres::PoolError) -> Reply {
+    match e {
+        deadpool_postgres::PoolError::Timeout(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no database connection in time\n".to_owned(),
+        ),
+        e => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+    }
+}
+
+fn db_error(e: tokio_postgres::Error) -> Reply {
+    (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n"))
+}
+
+/// `POST /items?name=…`: inserts an item, answers its id.
+async fn add_item(State(s): State<AppState>, Query(q): Query<HashMap<String, String>>) -> Reply {
+    let name = q.get("name").cloned().unwrap_or_else(|| "item".to_owned());
+    let conn = match s.pool.get().await {
+        Ok(c) => c,
+        Err(e) => return pool_error(e),
+    };
+    match conn
+        .query_one(
+            "INSERT INTO items (name, instance) VALUES ($1, $2) RETURNING id",
+            &[&name, &&*s.instance],
+        )
+        .await
+    {
+        Ok(row) => (StatusCode::CREATED, format!("{}\n", row.get::<_, i64>(0))),
+        Err(e) => db_error(e),
+    }
+}
+
+/// `GET /items?limit=N&slow_ms=M`: the count and the last N names; `slow_ms`
+/// adds a slow query (`pg_sleep`) on the same connection, to load the pool.
+async fn list_items(State(s): State<AppState>, Query(q): Query<HashMap<String, String>>) -> Reply {
+    let (limit, slow_ms) = match (param(&q, "limit", 10_i64), param(&q, "slow_ms", 0_u64)) {
+        (Ok(l), Ok(m)) => (l.clamp(0, 1000), m.min(10_000)),
+        (Err(r), _) | (_, Err(r)) => return r,
+    };
+    let conn = match s.pool.get().await {
+        Ok(c) => c,
+        Err(e) => return pool_error(e),
+    };
+    if slow_ms > 0 {
+        let secs = slow_ms as f64 / 1000.0;
+        if let Err(e) = conn.execute("SELECT pg_sleep($1)", &[&secs]).await {
+            return db_error(e);
+        }
+    }
+    let rows = match conn
+        .query(
+            "SELECT name, count(*) OVER () FROM items ORDER BY id DESC LIMIT $1",
+            &[&limit],
+        )
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return db_error(e),
+    };
+    let total: i64 = rows.first().map(|r| r.get(1)).unwrap_or(0);
+    let mut out = format!("{total} items\n");
+    for r in &rows {
+        out.push_str(r.get::<_, &str>(0));
+        out.push('\n');
+    }
+    (StatusCode::OK, out)
+}
+
+/// `POST /debug/hold-lock?key=N&ms=M`: takes the session advisory lock N
+/// (the seed's old `TryExclusive`), does a little work under it on a request
+/// connection, holds it M ms, and unlocks. 409 when another session holds
+/// the key, or when the pool's session-lock budget refuses the checkout (the
+/// error text names the budget and suggests a lease): this is how the demo
+/// and the end-to-end test create lock pressure.
+async fn hold_lock(State(s): State<AppState>, Query(q): Query<HashMap<String, String>>) -> Reply {
+    let (key, ms) = match (param(&q, "key", 1_i64), param(&q, "ms", 1000_u64)) {
+        (Ok(k), Ok(m)) => (k, m.min(60_000)),
+        (Err(r), _) | (_, Err(r)) => return r,
+    };
+    // SESSION-LOCK: a budgeted session-lock checkout and raw SQL until
+    // `Pool::try_session_lock` (branch `locks`) is on main.
+    let lock_conn = match s.pool.get_for(Lane::SessionLock).await {
+        Ok(c) => c,
+        Err(e) if e.is_budget_exhausted() => return (StatusCode::CONFLICT, format!("{e}\n")),
+        Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
+    };
+    match lock_conn
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
+        .await
+    {
+        Ok(row) if row.get::<_, bool>(0) => {}
+        Ok(_) => {
+            return (
+                StatusCode::CONFLICT,
+                format!("lock {key} is held by another session\n"),
+            )
+        }
+        Err(e) => return db_error(e),
+    }
+    // The work under the lock takes a request connection: with raw deadpool
+    // and enough locks this is the seed's self-deadlock; pgwarden keeps one.
+    let work = async {
+        let conn = s.pool.get().await.map_err(pool_error)?;
+        conn.execute("SELECT count(*) FROM items", &[])
+            .await
+            .map_err(db_error)?;
+        Ok::<(), Reply>(())
+    };
+    let worked = work.await;
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    let unlocked = lock_conn
+        .query_one("SELECT pg_advisory_unlock($1)", &[&key])
+        .await;
+    if !matches!(&unlocked, Ok(r) if r.get::<_, bool>(0)) {
+        // Not confirmed: close the session, which ends the lock with it.
+        lock_conn.discard();
+    }
+    match worked {
+        Ok(()) => (StatusCode::OK, format!("held lock {key} for {ms} ms\n")),
+        Err(r) => r,
+    }
+}

@@ -1,0 +1,96 @@
+//! The service's tables, created once per database at start-up.
+
+use pgwarden::Pool;
+
+use crate::BoxError;
+
+/// The seed's backend in miniature: items for the request routes; passkey
+/// challenges and SSO requests for the clean-up; monitors, their checks and
+/// alert state for the uptime and alert jobs; mail domains for the mail
+/// checks; and `job_runs`, where every job run is recorded.
+pub const DDL: &str = "
+CREATE TABLE IF NOT EXISTS items (
+    id         bigserial   PRIMARY KEY,
+    name       text        NOT NULL,
+    instance   text        NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS passkey_challenges (
+    id         bigserial   PRIMARY KEY,
+    expires_at timestamptz NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sso_requests (
+    id         bigserial   PRIMARY KEY,
+    expires_at timestamptz NOT NULL
+);
+CREATE TABLE IF NOT EXISTS monitors (
+    id         bigserial   PRIMARY KEY,
+    name       text        NOT NULL UNIQUE,
+    target     text        NOT NULL,
+    alerting   boolean     NOT NULL DEFAULT false,
+    changed_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS uptime_checks (
+    id         bigserial   PRIMARY KEY,
+    monitor_id bigint      NOT NULL REFERENCES monitors(id),
+    node       text        NOT NULL,
+    ok         boolean     NOT NULL,
+    latency_ms double precision NOT NULL,
+    checked_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS uptime_checks_recent ON uptime_checks (monitor_id, checked_at DESC);
+CREATE TABLE IF NOT EXISTS mail_domains (
+    domain          text        PRIMARY KEY,
+    verified        boolean     NOT NULL DEFAULT false,
+    last_checked_at timestamptz
+);
+CREATE TABLE IF NOT EXISTS job_runs (
+    id        bigserial   PRIMARY KEY,
+    job       text        NOT NULL,
+    node      text        NOT NULL,
+    instance  text        NOT NULL,
+    ran_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    period_ms bigint      NOT NULL,
+    token     bigint      NOT NULL
+);
+";
+
+/// Some expired rows for the clean-up, unverified mail domains, and this
+/// instance's own `/up` as a monitor (each instance adds itself).
+const SEED: &str = "
+INSERT INTO passkey_challenges (expires_at)
+    SELECT now() - interval '1 hour' FROM generate_series(1, 20);
+INSERT INTO sso_requests (expires_at)
+    SELECT now() + interval '1 hour' FROM generate_series(1, 5);
+INSERT INTO mail_domains (domain)
+    SELECT 'example-' || i || '.test' FROM generate_series(1, 8) AS i
+    ON CONFLICT DO NOTHING;
+";
+
+/// Creates the tables once per database, whatever the number of instances
+/// starting together (the DDL races with itself across sessions otherwise),
+/// then registers this instance as a monitor.
+pub async fn install(pool: &Pool, instance: &str, target: &str) -> Result<(), BoxError> {
+    // START-UP-DDL: plain SQL under a transaction-scoped lock until
+    // `Pool::run_once` (branch `locks`) is on main.
+    let mut conn = pool.get().await?;
+    let tx = conn.transaction().await?;
+    tx.batch_execute("SELECT pg_advisory_xact_lock(7305, 1)")
+        .await?;
+    let fresh = tx
+        .query_opt("SELECT 1 FROM pg_tables WHERE tablename = 'job_runs'", &[])
+        .await?
+        .is_none();
+    tx.batch_execute(DDL).await?;
+    if fresh {
+        tx.batch_execute(SEED).await?;
+    }
+    tx.commit().await?;
+    conn.execute(
+        "INSERT INTO monitors (name, target) VALUES ($1, $2)
+         ON CONFLICT (name) DO UPDATE SET target = excluded.target",
+        &[&instance, &target],
+    )
+    .await?;
+    Ok(())
+}
