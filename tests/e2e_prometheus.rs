@@ -1,0 +1,430 @@
+//! The end-to-end proof (issue 5 §4): two instances of `examples/service` on
+//! one database, a real Prometheus scraping both every second with
+//! `dashboards/alerts.yml` loaded, request load plus lock pressure that the
+//! session-lock budget refuses; then every panel query of
+//! `dashboards/pgwarden.json` and every alert expression of
+//! `dashboards/alerts.yml`, evaluated through Prometheus's HTTP API.
+//!
+//! - Every panel query must parse and return at least one series.
+//! - Every alert rule must load and evaluate without error (health `ok`);
+//!   its expression must parse through `/api/v1/query`; and every metric
+//!   selector in it must return at least one series. An alert expression is
+//!   a condition, so it returns series only while it is true: the lock-budget
+//!   alert must be true for the pressured instance during the pressure; the
+//!   others are reported (quiet or true) with the series count of their
+//!   selectors.
+//!
+//! Needs `prometheus` (Debian package `prometheus`): skipped without it,
+//! a failure with `CI=true`.
+#![cfg(feature = "testing")]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden::testing::{require_tool, Prometheus, TestServer};
+use serde_json::Value;
+use support::{eventually, Instance, Result};
+
+/// Grafana's variables, as a dashboard user would have them: the pool regex
+/// (the service's pool is named `service`) and a rate window of 15 scrapes.
+const SUBSTITUTIONS: &[(&str, &str)] = &[
+    ("${pool:regex}", "service"),
+    ("${pool}", "service"),
+    ("$pool", "service"),
+    ("${__rate_interval}", "15s"),
+    ("$__rate_interval", "15s"),
+    ("${__interval}", "5s"),
+    ("$__interval", "5s"),
+    ("$__range", "1m"),
+];
+
+fn substitute(expr: &str) -> String {
+    let mut e = expr.to_owned();
+    for (var, val) in SUBSTITUTIONS {
+        e = e.replace(var, val);
+    }
+    e
+}
+
+fn read_dashboard_file(rel: &str) -> Result<String> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
+    std::fs::read_to_string(&p).map_err(|e| format!("reading {}: {e}", p.display()).into())
+}
+
+/// (panel title, expr) for every target of every panel, rows included.
+fn panel_queries(dashboard: &Value) -> Vec<(String, String)> {
+    fn walk(panels: &Value, out: &mut Vec<(String, String)>) {
+        for p in panels.as_array().into_iter().flatten() {
+            let title = p["title"].as_str().unwrap_or("?").to_owned();
+            for t in p["targets"].as_array().into_iter().flatten() {
+                if let Some(e) = t["expr"].as_str() {
+                    out.push((title.clone(), e.to_owned()));
+                }
+            }
+            walk(&p["panels"], out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+/// The metric selectors of a PromQL expression as Prometheus prints it
+/// (`name{matchers}`), without range or offset.
+fn selectors(expr: &str) -> Vec<String> {
+    let b = expr.as_bytes();
+    let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b':';
+    let mut out = Vec::new();
+    let mut i = 0;
+    while let Some(pos) = expr[i..].find("pgwarden_") {
+        let start = i + pos;
+        if start > 0 && ident(b[start - 1]) {
+            i = start + 1;
+            continue;
+        }
+        let mut end = start;
+        while end < b.len() && ident(b[end]) {
+            end += 1;
+        }
+        if end < b.len() && b[end] == b'{' {
+            let mut in_str = false;
+            let mut j = end + 1;
+            while j < b.len() {
+                match b[j] {
+                    b'\\' if in_str => j += 1,
+                    b'"' => in_str = !in_str,
+                    b'}' if !in_str => break,
+                    _ => {}
+                }
+                j += 1;
+            }
+            end = (j + 1).min(b.len());
+        }
+        let s = expr[start..end].to_owned();
+        if !out.contains(&s) {
+            out.push(s);
+        }
+        i = end;
+    }
+    out
+}
+
+/// The result vector of an instant query's JSON.
+fn series(json: &str) -> Result<Vec<Value>> {
+    let v: Value = serde_json::from_str(json)?;
+    if v["status"] != "success" {
+        return Err(format!("query failed: {json}").into());
+    }
+    Ok(match &v["data"]["result"] {
+        Value::Array(a) => a.clone(),
+        // A scalar or string result counts as one.
+        Value::Null => Vec::new(),
+        other => vec![other.clone()],
+    })
+}
+
+/// Polls `expr` until it returns at least one series or `deadline` passes;
+/// the series count (0 at the deadline). A parse error fails at once.
+fn poll_series(prom: &Prometheus, expr: &str, deadline: Instant) -> Result<usize> {
+    loop {
+        let n = series(&prom.query(expr)?)?.len();
+        if n > 0 || Instant::now() >= deadline {
+            return Ok(n);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[derive(Default)]
+struct Counts {
+    ok: AtomicU64,
+    refused: AtomicU64,
+    other: AtomicU64,
+}
+
+impl Counts {
+    fn add(&self, status: Option<u16>) {
+        match status {
+            Some(200 | 201) => &self.ok,
+            Some(409) => &self.refused,
+            _ => &self.other,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+    fn get(&self) -> (u64, u64, u64) {
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.refused.load(Ordering::Relaxed),
+            self.other.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Request load on both instances and lock pressure on `a`, until stopped.
+fn drive(
+    a: &Instance,
+    b: &Instance,
+    stop: &Arc<AtomicBool>,
+) -> (Vec<std::thread::JoinHandle<()>>, Arc<Counts>, Arc<Counts>) {
+    let load = Arc::new(Counts::default());
+    let locks = Arc::new(Counts::default());
+    let mut threads = Vec::new();
+    for (i, addr) in [a.addr, a.addr, b.addr, b.addr].into_iter().enumerate() {
+        let (stop, load) = (stop.clone(), load.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut n = 0_u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let path = match n % 4 {
+                    0 => "/health/ready".to_owned(),
+                    1 => format!("/items?name=load-{i}-{n}"),
+                    _ => "/items?limit=5&slow_ms=20".to_owned(),
+                };
+                let method = if n % 4 == 1 { "POST" } else { "GET" };
+                load.add(support::http(addr, method, &path).ok().map(|r| r.0));
+            }
+        }));
+    }
+    // One holder keeps the lane's only session-lock connection pinned…
+    {
+        let (stop, locks, addr) = (stop.clone(), locks.clone(), a.addr);
+        threads.push(std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let r = support::http(addr, "POST", "/debug/hold-lock?key=1&ms=3000");
+                locks.add(r.ok().map(|r| r.0));
+            }
+        }));
+    }
+    // …and another lock user keeps asking, and is refused by the budget.
+    {
+        let (stop, locks, addr) = (stop.clone(), locks.clone(), a.addr);
+        threads.push(std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let r = support::http(addr, "POST", "/debug/hold-lock?key=2&ms=10");
+                locks.add(r.ok().map(|r| r.0));
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }));
+    }
+    (threads, load, locks)
+}
+
+#[test]
+fn dashboards_and_alerts_against_a_real_prometheus() -> Result {
+    if !require_tool("prometheus")? {
+        return Ok(());
+    }
+    let t0 = Instant::now();
+    let dashboard: Value = serde_json::from_str(&read_dashboard_file("dashboards/pgwarden.json")?)?;
+    let alerts_yml = read_dashboard_file("dashboards/alerts.yml")?;
+    let alert_count = alerts_yml
+        .lines()
+        .filter(|l| l.trim_start().starts_with("- alert:"))
+        .count();
+    let panels = panel_queries(&dashboard);
+    assert!(!panels.is_empty(), "no panel queries in pgwarden.json");
+
+    // 1. Two instances of the service on one database.
+    let rt = tokio::runtime::Runtime::new()?;
+    let server = TestServer::shared()?;
+    let db = rt.block_on(server.create_database())?;
+    support::service_binary()?;
+    let env = [("PGWARDEN_TIME_SCALE", "0.001"), ("POOL_SIZE", "4")];
+    let a = Instance::start(&db.url(), "e2e-a", "node-a", &env)?;
+    let b = Instance::start(&db.url(), "e2e-b", "node-b", &env)?;
+    say!(
+        "{:>5.1?}  instances up: a={} b={}",
+        t0.elapsed(),
+        a.addr,
+        b.addr
+    );
+
+    // 2. A real Prometheus scraping both every second, rules loaded.
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("dashboards/alerts.yml");
+    let prom = Prometheus::start_with_rules(&[a.addr, b.addr], Duration::from_secs(1), &[&rules])?;
+    let started = Instant::now();
+    prom.wait_for_series(
+        r#"count(pgwarden_connections_max{job="pgwarden"}) == 2"#,
+        Duration::from_secs(30),
+    )?;
+    say!(
+        "{:>5.1?}  first data from both instances {:.1?} after Prometheus started",
+        t0.elapsed(),
+        started.elapsed()
+    );
+
+    // 3. Request load plus lock pressure.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (threads, load, locks) = drive(&a, &b, &stop);
+    let outcome = evaluate(&prom, &a, &panels, alert_count, &locks, t0);
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        let _ = t.join();
+    }
+    let (ok, refused, other) = load.get();
+    say!("load: {ok} ok, {refused} 409, {other} other");
+    let (held, lock_refused, lock_other) = locks.get();
+    say!("lock pressure on a: {held} held, {lock_refused} refused (409), {lock_other} other");
+
+    let mut a = a;
+    let mut b = b;
+    for inst in [&mut a, &mut b] {
+        let status = inst.terminate(Duration::from_secs(20))?;
+        assert!(status.success(), "{} exited with {status}", inst.name);
+    }
+    outcome?;
+    assert!(
+        ok > 0 && other == 0,
+        "request load: {ok} ok, {other} failed"
+    );
+    assert!(lock_refused > 0, "the budget never refused a session lock");
+    say!("{:>5.1?}  done", t0.elapsed());
+    Ok(())
+}
+
+/// Steps 4 and 5, while the load runs.
+fn evaluate(
+    prom: &Prometheus,
+    a: &Instance,
+    panels: &[(String, String)],
+    alert_count: usize,
+    locks: &Counts,
+    t0: Instant,
+) -> Result {
+    // The rules as Prometheus loaded them, once each has been evaluated.
+    let rules: Vec<Value> = eventually(Duration::from_secs(20), "every rule evaluated", || {
+        let v: Value = serde_json::from_str(&prom.get("/api/v1/rules?type=alert")?)?;
+        let rules: Vec<Value> = v["data"]["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+            .collect();
+        let evaluated = rules.iter().all(|r| r["health"] != "unknown");
+        Ok((evaluated && !rules.is_empty()).then_some(rules))
+    })?;
+    assert_eq!(
+        rules.len(),
+        alert_count,
+        "Prometheus loaded {} alert rules, alerts.yml has {alert_count}",
+        rules.len()
+    );
+
+    // 5. The lock-budget alert is true for the pressured instance.
+    let budget = rules
+        .iter()
+        .find(|r| r["name"] == "PgwardenLockBudgetExhausted")
+        .ok_or("no PgwardenLockBudgetExhausted rule")?;
+    let budget_expr = budget["query"].as_str().ok_or("rule without query")?;
+    let a_instance = a.addr.to_string();
+    let hit = eventually(
+        Duration::from_secs(20),
+        "PgwardenLockBudgetExhausted true for instance a",
+        || {
+            let s = series(&prom.query(budget_expr)?)?;
+            Ok(s.into_iter()
+                .find(|s| s["metric"]["instance"] == a_instance.as_str()))
+        },
+    )?;
+    say!(
+        "{:>5.1?}  PgwardenLockBudgetExhausted true during the pressure ({} lock requests refused so far): {}",
+        t0.elapsed(),
+        locks.get().1,
+        hit["metric"]
+    );
+
+    // 4. Every panel query and every alert expression.
+    let deadline = Instant::now() + Duration::from_secs(25);
+    let mut failures = Vec::new();
+    let mut report = BTreeMap::new();
+    for (i, (title, raw)) in panels.iter().enumerate() {
+        let expr = substitute(raw);
+        if expr.contains('$') {
+            failures.push(format!("panel {title:?}: unsubstituted variable in {expr}"));
+            continue;
+        }
+        match poll_series(prom, &expr, deadline) {
+            Ok(0) => failures.push(format!("panel {title:?}: no series for {expr}")),
+            Ok(n) => {
+                report.insert(
+                    format!("panel {i:02} {title}"),
+                    format!("{n} series  {expr}"),
+                );
+            }
+            Err(e) => failures.push(format!("panel {title:?}: {e}")),
+        }
+    }
+    for r in &rules {
+        let name = r["name"].as_str().unwrap_or("?");
+        if r["health"] != "ok" {
+            failures.push(format!(
+                "alert {name}: health {} ({})",
+                r["health"], r["lastError"]
+            ));
+        }
+        let expr = r["query"].as_str().unwrap_or_default();
+        let now = match prom
+            .query(expr)
+            .map_err(support::Error::from)
+            .and_then(|j| series(&j))
+        {
+            Ok(s) => s.len(),
+            Err(e) => {
+                failures.push(format!("alert {name}: {e}"));
+                continue;
+            }
+        };
+        let mut sel = Vec::new();
+        for s in selectors(expr) {
+            match poll_series(prom, &s, deadline) {
+                Ok(0) => failures.push(format!("alert {name}: selector {s} has no series")),
+                Ok(n) => sel.push(format!("{s}: {n}")),
+                Err(e) => failures.push(format!("alert {name}: selector {s}: {e}")),
+            }
+        }
+        let state = r["state"].as_str().unwrap_or("?");
+        report.insert(
+            format!("alert {name}"),
+            format!(
+                "{} ({now} series, state {state}); selectors: {}",
+                if now > 0 { "TRUE" } else { "quiet" },
+                sel.join(", ")
+            ),
+        );
+    }
+    for (k, v) in &report {
+        say!("{k}: {v}");
+    }
+    say!(
+        "{:>5.1?}  {} panel queries, {} alert rules evaluated",
+        t0.elapsed(),
+        panels.len(),
+        rules.len()
+    );
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} failures:\n{}", failures.len(), failures.join("\n")).into())
+    }
+}
+
+#[test]
+fn selectors_are_found_in_printed_expressions() {
+    let e = r#"sum by (pool) (increase(pgwarden_budget_overruns_total{policy="refuse"}[5m])) > 0 or max(pgwarden_session_lock_connections) >= on (pool) pgwarden_lane_max{lane="session_lock",x="a}b"}"#;
+    assert_eq!(
+        selectors(e),
+        vec![
+            r#"pgwarden_budget_overruns_total{policy="refuse"}"#,
+            "pgwarden_session_lock_connections",
+            r#"pgwarden_lane_max{lane="session_lock",x="a}b"}"#,
+        ]
+    );
+    assert_eq!(
+        substitute("rate(x{pool=~\"$pool\"}[$__rate_interval])"),
+        "rate(x{pool=~\"service\"}[15s])"
+    );
+}
