@@ -97,17 +97,23 @@ async fn run() -> Result<(), BoxError> {
     let addr = listener.local_addr()?;
     schema::install(&pool, &cfg.instance, &addr.to_string()).await?;
 
+    let (shutdown_tx, shutdown) = tokio::sync::watch::channel(false);
     let state = routes::AppState {
         pool: pool.clone(),
         metrics,
         instance: Arc::from(cfg.instance.as_str()),
+        shutdown,
     };
     println!(
         "instance {} (node {}, pool {} of {}) listening on http://{addr}",
         cfg.instance, cfg.node, cfg.pool_name, cfg.pool_size
     );
     axum::serve(listener, routes::router(state))
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            // In-flight demo requests stop holding, so the server can drain.
+            let _ = shutdown_tx.send(true);
+        })
         .await?;
 
     println!("instance {}: shutting down", cfg.instance);

@@ -12,6 +12,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use pgwarden::{Lane, Pool};
+use tokio::sync::watch;
 
 /// What every handler sees.
 #[derive(Clone)]
@@ -19,6 +20,16 @@ pub struct AppState {
     pub pool: Pool,
     pub metrics: PrometheusHandle,
     pub instance: Arc<str>,
+    /// Becomes true at SIGTERM/Ctrl-C: the demo routes stop holding.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// Sleeps `d`, or less when shutdown begins; false when cut short.
+async fn hold_for(d: Duration, shutdown: &mut watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = shutdown.wait_for(|s| *s) => false,
+    }
 }
 
 pub fn router(state: AppState) -> Router {
@@ -179,7 +190,8 @@ async fn hold_lock(State(s): State<AppState>, Query(q): Query<HashMap<String, St
         Ok::<(), Reply>(())
     };
     let worked = work.await;
-    tokio::time::sleep(Duration::from_millis(ms)).await;
+    let mut shutdown = s.shutdown.clone();
+    hold_for(Duration::from_millis(ms), &mut shutdown).await;
     let unlocked = lock_conn
         .query_one("SELECT pg_advisory_unlock($1)", &[&key])
         .await;

@@ -151,6 +151,24 @@ impl Instance {
         Ok(inst)
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, `TERM`…) with kill(1).
+    pub fn signal(&self, signal: &str) -> Result {
+        let pid = self.child.id().to_string();
+        let st = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(&pid)
+            .status()?;
+        if !st.success() {
+            return Err(format!("kill -{signal} {pid} failed").into());
+        }
+        Ok(())
+    }
+
     /// The last lines of its stderr (the tracing log).
     pub fn log_tail(&self, n: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -165,11 +183,7 @@ impl Instance {
 
     /// Sends SIGTERM and waits up to `timeout` for it to exit.
     pub fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus> {
-        let pid = self.child.id().to_string();
-        let st = Command::new("kill").args(["-TERM", &pid]).status()?;
-        if !st.success() {
-            return Err(format!("kill -TERM {pid} failed").into());
-        }
+        self.signal("TERM")?;
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait()? {
