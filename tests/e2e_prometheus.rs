@@ -260,7 +260,7 @@ fn dashboards_and_alerts_against_a_real_prometheus() -> Result {
     // 3. Request load plus lock pressure.
     let stop = Arc::new(AtomicBool::new(false));
     let (threads, load, locks) = drive(&a, &b, &stop);
-    let outcome = evaluate(&prom, &a, &panels, alert_count, &locks, t0);
+    let outcome = evaluate(&prom, (&a, &b), &panels, alert_count, &locks, t0);
     stop.store(true, Ordering::Relaxed);
     for t in threads {
         let _ = t.join();
@@ -286,17 +286,9 @@ fn dashboards_and_alerts_against_a_real_prometheus() -> Result {
     Ok(())
 }
 
-/// Steps 4 and 5, while the load runs.
-fn evaluate(
-    prom: &Prometheus,
-    a: &Instance,
-    panels: &[(String, String)],
-    alert_count: usize,
-    locks: &Counts,
-    t0: Instant,
-) -> Result {
-    // The rules as Prometheus loaded them, once each has been evaluated.
-    let rules: Vec<Value> = eventually(Duration::from_secs(20), "every rule evaluated", || {
+/// The alert rules as Prometheus loaded them, once each has been evaluated.
+fn loaded_rules(prom: &Prometheus) -> Result<Vec<Value>> {
+    eventually(Duration::from_secs(20), "every rule evaluated", || {
         let v: Value = serde_json::from_str(&prom.get("/api/v1/rules?type=alert")?)?;
         let rules: Vec<Value> = v["data"]["groups"]
             .as_array()
@@ -306,7 +298,72 @@ fn evaluate(
             .collect();
         let evaluated = rules.iter().all(|r| r["health"] != "unknown");
         Ok((evaluated && !rules.is_empty()).then_some(rules))
+    })
+}
+
+/// Polls the expression of alert `name` until it is true for `instance`;
+/// the series' labels.
+fn alert_true_for(
+    prom: &Prometheus,
+    rules: &[Value],
+    name: &str,
+    instance: &Instance,
+) -> Result<Value> {
+    let rule = rules
+        .iter()
+        .find(|r| r["name"] == name)
+        .ok_or(format!("no {name} rule"))?;
+    let expr = rule["query"].as_str().ok_or("rule without query")?;
+    let target = instance.addr.to_string();
+    let hit = eventually(
+        Duration::from_secs(20),
+        &format!("{name} true for instance {}", instance.name),
+        || {
+            let s = series(&prom.query(expr)?)?;
+            Ok(s.into_iter()
+                .find(|s| s["metric"]["instance"] == target.as_str()))
+        },
+    )?;
+    Ok(hit["metric"].clone())
+}
+
+/// A lease lost and taken over, for real: `b` holds a lease (TTL 1 s,
+/// renewed every 250 ms), is frozen with SIGSTOP past its TTL, `a` takes
+/// the lease over, and `b`, continued, finds its lease lost.
+fn lease_loss(a: &Instance, b: &Instance) -> Result<String> {
+    const HOLD: &str = "/debug/hold-lease?name=e2e-report&ms=20000&ttl_ms=1000";
+    let holder = {
+        let addr = b.addr;
+        std::thread::spawn(move || support::http(addr, "POST", HOLD))
+    };
+    eventually(Duration::from_secs(10), "b holds the lease", || {
+        let (status, _) = a.post("/debug/hold-lease?name=e2e-report&ms=0")?;
+        Ok((status == 409).then_some(()))
     })?;
+    b.signal("STOP")?;
+    let took = eventually(Duration::from_secs(10), "a takes the lease over", || {
+        let (status, body) = a.post("/debug/hold-lease?name=e2e-report&ms=300&ttl_ms=1000")?;
+        Ok((status == 200).then_some(body))
+    });
+    b.signal("CONT")?;
+    let took = took?;
+    let (status, body) = holder.join().map_err(|_| "holder thread panicked")??;
+    if !body.contains("lost") {
+        return Err(format!("b's lease was not reported lost: {status} {body}").into());
+    }
+    Ok(format!("a: {} / b: {}", took.trim(), body.trim()))
+}
+
+/// Steps 4 and 5, while the load runs.
+fn evaluate(
+    prom: &Prometheus,
+    (a, b): (&Instance, &Instance),
+    panels: &[(String, String)],
+    alert_count: usize,
+    locks: &Counts,
+    t0: Instant,
+) -> Result {
+    let rules = loaded_rules(prom)?;
     assert_eq!(
         rules.len(),
         alert_count,
@@ -315,26 +372,23 @@ fn evaluate(
     );
 
     // 5. The lock-budget alert is true for the pressured instance.
-    let budget = rules
-        .iter()
-        .find(|r| r["name"] == "PgwardenLockBudgetExhausted")
-        .ok_or("no PgwardenLockBudgetExhausted rule")?;
-    let budget_expr = budget["query"].as_str().ok_or("rule without query")?;
-    let a_instance = a.addr.to_string();
-    let hit = eventually(
-        Duration::from_secs(20),
-        "PgwardenLockBudgetExhausted true for instance a",
-        || {
-            let s = series(&prom.query(budget_expr)?)?;
-            Ok(s.into_iter()
-                .find(|s| s["metric"]["instance"] == a_instance.as_str()))
-        },
-    )?;
+    let hit = alert_true_for(prom, &rules, "PgwardenLockBudgetExhausted", a)?;
     say!(
-        "{:>5.1?}  PgwardenLockBudgetExhausted true during the pressure ({} lock requests refused so far): {}",
+        "{:>5.1?}  PgwardenLockBudgetExhausted true during the pressure ({} lock requests refused so far): {hit}",
         t0.elapsed(),
         locks.get().1,
-        hit["metric"]
+    );
+
+    // A lease lost, for the lease panels and the lease-lost alert.
+    let lost = lease_loss(a, b)?;
+    say!(
+        "{:>5.1?}  lease taken over while b was frozen: {lost}",
+        t0.elapsed()
+    );
+    let hit = alert_true_for(prom, &rules, "PgwardenLeaseLost", b)?;
+    say!(
+        "{:>5.1?}  PgwardenLeaseLost true for b: {hit}",
+        t0.elapsed()
     );
 
     // 4. Every panel query and every alert expression.
@@ -358,6 +412,8 @@ fn evaluate(
             Err(e) => failures.push(format!("panel {title:?}: {e}")),
         }
     }
+    // Their state now (pending: true, waiting for its `for`).
+    let rules = loaded_rules(prom)?;
     for r in &rules {
         let name = r["name"].as_str().unwrap_or("?");
         if r["health"] != "ok" {
