@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 use crate::budget::Lane;
 use crate::error::Error;
 use crate::lock::{LockKey, LockMode};
-use crate::pool::{Pool, State};
+use crate::pool::{Conn, Pool, State};
 use crate::pooler::Pooler;
 
 /// One advisory lock in the database, granted or awaited.
@@ -108,7 +108,13 @@ SELECT l.pid, l.classid, l.objid, l.objsubid, l.mode, l.granted, \
 
 impl Pool {
     /// The advisory locks in the database now, each matched to this pool's
-    /// connections (runs on the control lane).
+    /// connections. Runs on a control connection; a lock found on that very
+    /// connection is reported [`Owner::Idle`]: it was idle in the pool a
+    /// moment before, and runs nothing but the census.
+    ///
+    /// Behind a transaction pooler, backend pids do not identify this pool's
+    /// connections: every lock is then reported as [`Owner::Other`]; use the
+    /// keys.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
@@ -120,7 +126,7 @@ impl Pool {
     #[track_caller]
     pub fn census(&self) -> impl std::future::Future<Output = Result<Census, Error>> + Send + '_ {
         let site = Location::caller();
-        self.census_at(site)
+        async move { self.census_at(site).await.map(|(census, _)| census) }
     }
 
     /// One census pass, as the housekeeping task runs every census interval:
@@ -129,6 +135,8 @@ impl Pool {
     /// next checkout). A suspect is confirmed by a second look: its backend
     /// ran no statement in between and still holds the lock, so a lock seen
     /// while a connection was being returned is not mistaken for a leak.
+    /// When the leaking connection is the one the census itself was handed,
+    /// it is closed at once.
     ///
     /// Behind a transaction pooler, pids say nothing about this pool's
     /// connections: the gauges are set, nothing is flagged.
@@ -138,7 +146,7 @@ impl Pool {
     ) -> impl std::future::Future<Output = Result<CensusSummary, Error>> + Send + '_ {
         let site = Location::caller();
         async move {
-            let census = self.census_at(site).await?;
+            let (census, conn) = self.census_at(site).await?;
             let m = &self.shared.metrics;
             let mut summary = CensusSummary {
                 locks: census.locks.len(),
@@ -151,29 +159,38 @@ impl Pool {
             if summary.idle == 0 || self.pooler() == Pooler::Transaction {
                 return Ok(summary);
             }
-            let conn = self
-                .checkout(Lane::Control, site, self.shared.opts.wait_timeout)
-                .await?;
-            let again = read(&conn).await?;
-            drop(conn);
-            let mut st = self.shared.state.lock();
-            let ids: HashMap<i32, deadpool_postgres::ObjectId> =
-                st.pids.iter().map(|(id, pid)| (*pid, *id)).collect();
+            let own = conn.pid();
+            let others = census.idle().any(|l| l.pid != Some(own));
+            let again = if others {
+                read(&conn).await?
+            } else {
+                Vec::new()
+            };
             let mut leaks = Vec::new();
-            for l in census.idle() {
-                let Some(pid) = l.pid else { continue };
-                let still = again.iter().any(|a| {
-                    a.pid == Some(pid)
-                        && a.key == l.key
-                        && a.granted
-                        && a.state_change == l.state_change
-                });
-                let Some(&id) = ids.get(&pid) else { continue };
-                if still && l.granted && st.tainted.insert(id) {
-                    leaks.push(l.clone());
+            {
+                let mut st = self.shared.state.lock();
+                let ids: HashMap<i32, deadpool_postgres::ObjectId> =
+                    st.pids.iter().map(|(id, pid)| (*pid, *id)).collect();
+                for l in census.idle().filter(|l| l.granted) {
+                    let Some(pid) = l.pid else { continue };
+                    let confirmed = pid == own
+                        || again.iter().any(|a| {
+                            a.pid == Some(pid)
+                                && a.key == l.key
+                                && a.granted
+                                && a.state_change == l.state_change
+                        });
+                    let Some(&id) = ids.get(&pid) else { continue };
+                    if confirmed && (pid == own || st.tainted.insert(id)) {
+                        leaks.push(l.clone());
+                    }
                 }
             }
-            drop(st);
+            if leaks.iter().any(|l| l.pid == Some(own)) {
+                conn.discard();
+            } else {
+                drop(conn);
+            }
             let pids: HashSet<i32> = leaks.iter().filter_map(|l| l.pid).collect();
             summary.leaked = pids.len();
             m.census_leaks.increment(leaks.len() as u64);
@@ -185,24 +202,33 @@ impl Pool {
                     mode = %l.mode,
                     application_name = l.application_name.as_deref().unwrap_or(""),
                     "advisory lock held by a connection idle in the pool (taken with raw SQL and never \
-                     released?): the connection will be discarded at its next checkout"
+                     released?): the connection is discarded instead of reused"
                 );
             }
             Ok(summary)
         }
     }
 
-    async fn census_at(&self, site: &'static Location<'static>) -> Result<Census, Error> {
+    /// Reads the census on a control connection, and returns it too. That
+    /// connection was idle in the pool a moment ago and runs nothing but the
+    /// census: a lock on it is a lock on an idle connection.
+    async fn census_at(&self, site: &'static Location<'static>) -> Result<(Census, Conn), Error> {
         let conn = self
             .checkout(Lane::Control, site, self.shared.opts.wait_timeout)
             .await?;
         let mut locks = read(&conn).await?;
-        drop(conn);
+        if self.pooler() == Pooler::Transaction {
+            return Ok((Census { locks }, conn));
+        }
         let st = self.shared.state.lock();
         for l in &mut locks {
-            l.owner = owner(&st, l.pid);
+            l.owner = match l.pid {
+                Some(pid) if pid == conn.pid() => Owner::Idle,
+                pid => owner(&st, pid),
+            };
         }
-        Ok(Census { locks })
+        drop(st);
+        Ok((Census { locks }, conn))
     }
 }
 
