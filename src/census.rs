@@ -114,7 +114,8 @@ impl Pool {
     ///
     /// Behind a transaction pooler, backend pids do not identify this pool's
     /// connections: every lock is then reported as [`Owner::Other`]; use the
-    /// keys.
+    /// keys. On a [`Pooler::Auto`] pool not probed yet, the first census
+    /// runs [`Pool::detect_pooler`] first.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
@@ -213,6 +214,11 @@ impl Pool {
     /// connection was idle in the pool a moment ago and runs nothing but the
     /// census: a lock on it is a lock on an idle connection.
     async fn census_at(&self, site: &'static Location<'static>) -> Result<(Census, Conn), Error> {
+        // Owners are matched by backend pid, which means nothing behind a
+        // transaction pooler: know which it is first (probed once per pool).
+        if self.pooler() == Pooler::Auto {
+            self.detect_pooler().await?;
+        }
         let conn = self
             .checkout(Lane::Control, site, self.shared.opts.wait_timeout)
             .await?;

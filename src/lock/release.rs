@@ -226,6 +226,15 @@ async fn release(guard: &mut DiscardOnDrop, key: LockKey, bound: Duration) {
         }
         Err(_) => {
             tracing::warn!(%key, pid, ?bound, "session lock release not confirmed in time: closing its connection");
+            // The backend is likely still waiting for the lock: closing the
+            // socket does not stop that wait (nor keep it out of the lock's
+            // queue), a cancel request does. Best effort: plain TCP or socket,
+            // bounded; the connection is closed either way.
+            let token = conn.cancel_token();
+            tokio::spawn(async move {
+                let _ =
+                    tokio::time::timeout(bound, token.cancel_query(tokio_postgres::NoTls)).await;
+            });
         }
     }
 }
