@@ -93,6 +93,7 @@ impl Pool {
         async move {
             let start = Instant::now();
             let mut conn = self.checkout(Lane::Request, site, timeout).await?;
+            conn.set_note(Some(format!("transaction lock {key}")));
             let tx = begin(&mut conn).await?;
             xact_lock(&tx, key, timeout.saturating_sub(start.elapsed())).await?;
             finish(tx, f).await
@@ -146,6 +147,7 @@ impl Pool {
             let start = Instant::now();
             let left = || timeout.saturating_sub(start.elapsed());
             let mut conn = self.checkout(Lane::Request, site, timeout).await?;
+            conn.set_note(Some(format!("run_once {name}")));
             ensure_ledger(&mut conn, left()).await?;
             let tx = begin(&mut conn).await?;
             xact_lock(&tx, Namespace::PGWARDEN.named(name), left()).await?;

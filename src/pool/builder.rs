@@ -109,7 +109,7 @@ impl PoolBuilder {
 
     /// How long a session lock dropped without `unlock` (or cancelled while
     /// acquiring) may take to confirm its release before its connection is
-    /// closed instead of returned. Default: 5 s.
+    /// closed instead of returned (zero: always closed). Default: 5 s.
     pub fn unlock_timeout(mut self, bound: Duration) -> Self {
         self.unlock_timeout = bound;
         self
