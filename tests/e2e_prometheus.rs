@@ -18,7 +18,7 @@
 //! a failure with `CI=true`.
 #![cfg(feature = "testing")]
 
-mod support;
+mod service_support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use pgwarden::testing::{require_tool, Prometheus, TestServer};
 use serde_json::Value;
-use support::{eventually, Instance, Result};
+use service_support::{eventually, Instance, Result};
 
 /// Grafana's variables, as a dashboard user would have them: the pool regex
 /// (the service's pool is named `service`) and a rate window of 15 scrapes.
@@ -185,7 +185,7 @@ fn drive(
                     _ => "/items?limit=5&slow_ms=20".to_owned(),
                 };
                 let method = if n % 4 == 1 { "POST" } else { "GET" };
-                load.add(support::http(addr, method, &path).ok().map(|r| r.0));
+                load.add(service_support::http(addr, method, &path).ok().map(|r| r.0));
             }
         }));
     }
@@ -194,7 +194,7 @@ fn drive(
         let (stop, locks, addr) = (stop.clone(), locks.clone(), a.addr);
         threads.push(std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let r = support::http(addr, "POST", "/debug/hold-lock?key=1&ms=3000");
+                let r = service_support::http(addr, "POST", "/debug/hold-lock?key=1&ms=3000");
                 locks.add(r.ok().map(|r| r.0));
             }
         }));
@@ -204,7 +204,7 @@ fn drive(
         let (stop, locks, addr) = (stop.clone(), locks.clone(), a.addr);
         threads.push(std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let r = support::http(addr, "POST", "/debug/hold-lock?key=2&ms=10");
+                let r = service_support::http(addr, "POST", "/debug/hold-lock?key=2&ms=10");
                 locks.add(r.ok().map(|r| r.0));
                 std::thread::sleep(Duration::from_millis(200));
             }
@@ -232,7 +232,7 @@ fn dashboards_and_alerts_against_a_real_prometheus() -> Result {
     let rt = tokio::runtime::Runtime::new()?;
     let server = TestServer::shared()?;
     let db = rt.block_on(server.create_database())?;
-    support::service_binary()?;
+    service_support::service_binary()?;
     let env = [("PGWARDEN_TIME_SCALE", "0.001"), ("POOL_SIZE", "4")];
     let a = Instance::start(&db.url(), "e2e-a", "node-a", &env)?;
     let b = Instance::start(&db.url(), "e2e-b", "node-b", &env)?;
@@ -334,7 +334,7 @@ fn lease_loss(a: &Instance, b: &Instance) -> Result<String> {
     const HOLD: &str = "/debug/hold-lease?name=e2e-report&ms=20000&ttl_ms=1000";
     let holder = {
         let addr = b.addr;
-        std::thread::spawn(move || support::http(addr, "POST", HOLD))
+        std::thread::spawn(move || service_support::http(addr, "POST", HOLD))
     };
     eventually(Duration::from_secs(10), "b holds the lease", || {
         let (status, _) = a.post("/debug/hold-lease?name=e2e-report&ms=0")?;
@@ -425,7 +425,7 @@ fn evaluate(
         let expr = r["query"].as_str().unwrap_or_default();
         let now = match prom
             .query(expr)
-            .map_err(support::Error::from)
+            .map_err(service_support::Error::from)
             .and_then(|j| series(&j))
         {
             Ok(s) => s.len(),

@@ -1,264 +1,168 @@
-//! Running the `service` example as real processes for the end-to-end tests:
-//! build it, start instances, talk HTTP to them, stop them with SIGTERM.
-//!
-//! Separate processes rather than two apps in the test process: each
-//! instance then has its own global metrics recorder (one `/metrics` per
-//! instance, as in production), its own pool and lease holder, and receives
-//! a real SIGTERM.
+//! Shared helpers of the lock, census and pooler tests: a fresh database on
+//! the shared throwaway server, raw-SQL views of `pg_locks`, bounded waits,
+//! metric snapshots, log capture.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::HashMap;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub type Error = Box<dyn std::error::Error + Send + Sync>;
-pub type Result<T = ()> = std::result::Result<T, Error>;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use pgwarden::testing::{TestDb, TestServer};
+use pgwarden::{Pool, PoolBuilder};
+use tokio_postgres::Client;
 
-/// Prints past libtest's capture, so progress shows in `cargo test` output.
-#[macro_export]
-macro_rules! say {
-    ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($t)*);
-    }};
+pub async fn db() -> TestDb {
+    TestServer::shared()
+        .expect("throwaway PostgreSQL")
+        .create_database()
+        .await
+        .expect("fresh database")
 }
 
-/// The path of the `service` example binary, built once per test process
-/// with this crate's features (`cargo build --example service`): a no-op
-/// when `cargo test --all-features` built it already.
-pub fn service_binary() -> Result<PathBuf> {
-    static BIN: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    BIN.get_or_init(|| build().map_err(|e| e.to_string()))
-        .clone()
-        .map_err(Into::into)
+/// A pool of `size` on `db`, straight to PostgreSQL (no pooler probe), no
+/// periodic census, housekeeping on demand only.
+pub fn builder(db: &TestDb, size: usize) -> PoolBuilder {
+    Pool::builder(db.deadpool(size).expect("deadpool"))
+        .pooler(pgwarden::Pooler::Direct)
+        .wait_timeout(Duration::from_secs(5))
+        .housekeeping_interval(Duration::from_secs(3600))
+        .census_interval(None)
 }
 
-fn build() -> Result<PathBuf> {
-    // target/<profile>/deps/<test binary>
-    let exe = std::env::current_exe()?;
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .ok_or("cannot locate the target directory from the test binary")?;
-    let target_dir = profile_dir
-        .parent()
-        .ok_or("cannot locate the target directory from the test binary")?;
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--quiet", "--example", "service", "--all-features"])
-        .arg("--manifest-path")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(target_dir);
-    if profile_dir.file_name().is_some_and(|n| n == "release") {
-        cmd.arg("--release");
+/// Builds with a local debugging recorder; returns its snapshotter.
+pub fn with_recorder(b: PoolBuilder) -> (Pool, Snapshotter) {
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    let pool = metrics::with_local_recorder(&recorder, || b.build().expect("pool"));
+    (pool, snap)
+}
+
+/// Every metric now, by `name{labels,sorted}`: a counter's or gauge's value,
+/// a histogram's sample count. (A snapshot resets what it read: take one per
+/// checkpoint.)
+pub fn metrics_now(s: &Snapshotter) -> HashMap<String, f64> {
+    s.snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(ck, _, _, v)| {
+            let k = ck.key();
+            let mut labels: Vec<String> = k
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            labels.sort();
+            let v = match v {
+                DebugValue::Counter(n) => n as f64,
+                DebugValue::Gauge(g) => g.into_inner(),
+                DebugValue::Histogram(h) => h.len() as f64,
+            };
+            (format!("{}{{{}}}", k.name(), labels.join(",")), v)
+        })
+        .collect()
+}
+
+/// Polls `cond` every 10 ms until it holds; panics after `limit`.
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !cond().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let started = Instant::now();
-    let out = cmd.output()?;
-    if !out.status.success() {
-        return Err(format!(
-            "cargo build --example service failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .into());
-    }
-    let bin = profile_dir.join("examples").join("service");
-    if !bin.is_file() {
-        return Err(format!("{} not found after the build", bin.display()).into());
-    }
-    say!("built {} in {:.1?}", bin.display(), started.elapsed());
-    Ok(bin)
 }
 
-/// One running instance of the service.
-pub struct Instance {
-    pub name: String,
-    pub node: String,
-    pub addr: SocketAddr,
-    child: Child,
-    stdout: Arc<Mutex<Vec<String>>>,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
+/// Advisory locks in the current database: (pid, classid, objid, objsubid, granted).
+pub async fn raw_locks(c: &Client) -> Vec<(i32, u32, u32, i16, bool)> {
+    c.query(
+        "SELECT pid, classid, objid, objsubid, granted FROM pg_locks \
+          WHERE locktype = 'advisory' \
+            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        &[],
+    )
+    .await
+    .expect("pg_locks")
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+    .collect()
 }
 
-impl Instance {
-    /// Starts an instance on `database_url`, listening on a free port, and
-    /// waits (at most 30 s) for its "listening on" line.
-    pub fn start(
-        database_url: &str,
-        name: &str,
-        node: &str,
-        env: &[(&str, &str)],
-    ) -> Result<Instance> {
-        let bin = service_binary()?;
-        let dir = tempfile::tempdir()?;
-        let log = dir.path().join("stderr.log");
-        let mut cmd = Command::new(&bin);
-        cmd.env("DATABASE_URL", database_url)
-            .env("LISTEN_ADDR", "127.0.0.1:0")
-            .env("NODE_NAME", node)
-            .env("INSTANCE_ID", name)
-            .env(
-                "RUST_LOG",
-                std::env::var("SERVICE_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log)?);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn()?;
-        let out = child.stdout.take().ok_or("no stdout pipe")?;
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        {
-            let lines = lines.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
-                    if let Some(url) = line.split("listening on http://").nth(1) {
-                        let _ = tx.send(url.trim().to_owned());
-                    }
-                    if let Ok(mut l) = lines.lock() {
-                        l.push(line);
-                    }
-                }
-            });
-        }
-        let mut inst = Instance {
-            name: name.to_owned(),
-            node: node.to_owned(),
-            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            child,
-            stdout: lines,
-            log,
-            _dir: dir,
+/// Whether another session could take `key` exclusively now (taken and
+/// given back at once, on `c`).
+pub async fn free(c: &Client, key: pgwarden::LockKey) -> bool {
+    let (lock, unlock, params): (&str, &str, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) =
+        match &key {
+            pgwarden::LockKey::Single(k) => (
+                "SELECT pg_try_advisory_lock($1)",
+                "SELECT pg_advisory_unlock($1)",
+                vec![k],
+            ),
+            pgwarden::LockKey::Pair(a, b) => (
+                "SELECT pg_try_advisory_lock($1, $2)",
+                "SELECT pg_advisory_unlock($1, $2)",
+                vec![a, b],
+            ),
         };
-        match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(a) => inst.addr = a.parse()?,
-            Err(_) => {
-                return Err(format!(
-                    "instance {name} did not report its address in 30 s; stderr:\n{}",
-                    inst.log_tail(30)
-                )
-                .into())
-            }
-        }
-        Ok(inst)
+    let got: bool = c.query_one(lock, &params).await.expect("try lock").get(0);
+    if got {
+        c.query_one(unlock, &params).await.expect("unlock");
+    }
+    got
+}
+
+/// Whether a backend with this pid is alive.
+pub async fn alive(c: &Client, pid: i32) -> bool {
+    c.query_one(
+        "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+        &[&pid],
+    )
+    .await
+    .expect("pg_stat_activity")
+    .get::<_, i64>(0)
+        > 0
+}
+
+/// A `tracing` writer into a shared buffer.
+#[derive(Clone, Default)]
+pub struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
 
-    /// Its process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
+    pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+        let w = self.clone();
+        tracing_subscriber::fmt()
+            .with_writer(move || w.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
+            .finish()
     }
+}
 
-    /// Sends `signal` (`STOP`, `CONT`, `TERM`…) with kill(1).
-    pub fn signal(&self, signal: &str) -> Result {
-        let pid = self.child.id().to_string();
-        let st = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(&pid)
-            .status()?;
-        if !st.success() {
-            return Err(format!("kill -{signal} {pid} failed").into());
-        }
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
-
-    /// The last lines of its stderr (the tracing log).
-    pub fn log_tail(&self, n: usize) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-
-    /// What it printed on stdout so far.
-    pub fn stdout(&self) -> Vec<String> {
-        self.stdout.lock().map(|l| l.clone()).unwrap_or_default()
-    }
-
-    /// Sends SIGTERM and waits up to `timeout` for it to exit.
-    pub fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus> {
-        self.signal("TERM")?;
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                // Let the reader thread see the last lines.
-                std::thread::sleep(Duration::from_millis(50));
-                return Ok(status);
-            }
-            if Instant::now() >= deadline {
-                return Err(format!(
-                    "instance {} still running {timeout:?} after SIGTERM; stderr:\n{}",
-                    self.name,
-                    self.log_tail(30)
-                )
-                .into());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// `GET path` on this instance.
-    pub fn get(&self, path: &str) -> Result<(u16, String)> {
-        http(self.addr, "GET", path)
-    }
-
-    /// `POST path` on this instance (empty body).
-    pub fn post(&self, path: &str) -> Result<(u16, String)> {
-        http(self.addr, "POST", path)
-    }
 }
 
-impl Drop for Instance {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// One HTTP/1.1 request with `Connection: close` (the service does not
-/// chunk its small answers; `/metrics` is read whole either way).
-pub fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    s.set_write_timeout(Some(Duration::from_secs(5)))?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("no HTTP header end")?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or("bad HTTP status line")?;
-    Ok((status, body.to_owned()))
-}
-
-/// Polls `cond` every 50 ms until it returns `Some`, failing after `limit`.
-pub fn eventually<T>(
-    limit: Duration,
-    what: &str,
-    mut cond: impl FnMut() -> Result<Option<T>>,
-) -> Result<T> {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = cond()? {
-            return Ok(v);
-        }
-        if Instant::now() >= deadline {
-            return Err(format!("timed out after {limit:?}: {what}").into());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// Lane status by name, for messages.
+pub fn lanes(pool: &Pool) -> HashMap<String, usize> {
+    pool.status()
+        .lanes
+        .iter()
+        .map(|l| (l.lane.to_string(), l.in_use))
+        .collect()
 }
