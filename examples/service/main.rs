@@ -92,7 +92,14 @@ async fn run() -> Result<(), BoxError> {
     };
     let pool = Pool::from_url(&url, cfg.pool_size)?
         .name(&cfg.pool_name)
+        // The census of pg_locks, on the scaled clock like the jobs.
+        .census_interval(Some(
+            cfg.scaled(Duration::from_secs(60))
+                .max(Duration::from_secs(1)),
+        ))
         .build()?;
+    let pooler = pool.detect_pooler().await?;
+    tracing::info!(?pooler, "pool ready");
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     let addr = listener.local_addr()?;
     schema::install(&pool, &cfg.instance, &addr.to_string()).await?;

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
-use pgwarden::{Lane, Pool};
+use pgwarden::{LockKey, Pool};
 use tokio::sync::watch;
 
 /// What every handler sees.
@@ -160,26 +160,17 @@ async fn hold_lock(State(s): State<AppState>, Query(q): Query<HashMap<String, St
         (Ok(k), Ok(m)) => (k, m.min(60_000)),
         (Err(r), _) | (_, Err(r)) => return r,
     };
-    // SESSION-LOCK: a budgeted session-lock checkout and raw SQL until
-    // `Pool::try_session_lock` (branch `locks`) is on main.
-    let lock_conn = match s.pool.get_for(Lane::SessionLock).await {
-        Ok(c) => c,
-        Err(e) if e.is_budget_exhausted() => return (StatusCode::CONFLICT, format!("{e}\n")),
-        Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
-    };
-    match lock_conn
-        .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
-        .await
-    {
-        Ok(row) if row.get::<_, bool>(0) => {}
-        Ok(_) => {
+    let lock = match s.pool.try_session_lock(LockKey::Single(key)).await {
+        Ok(Some(lock)) => lock,
+        Ok(None) => {
             return (
                 StatusCode::CONFLICT,
                 format!("lock {key} is held by another session\n"),
             )
         }
-        Err(e) => return db_error(e),
-    }
+        Err(e) if e.is_budget_exhausted() => return (StatusCode::CONFLICT, format!("{e}\n")),
+        Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
+    };
     // The work under the lock takes a request connection: with raw deadpool
     // and enough locks this is the seed's self-deadlock; pgwarden keeps one.
     let work = async {
@@ -192,12 +183,9 @@ async fn hold_lock(State(s): State<AppState>, Query(q): Query<HashMap<String, St
     let worked = work.await;
     let mut shutdown = s.shutdown.clone();
     hold_for(Duration::from_millis(ms), &mut shutdown).await;
-    let unlocked = lock_conn
-        .query_one("SELECT pg_advisory_unlock($1)", &[&key])
-        .await;
-    if !matches!(&unlocked, Ok(r) if r.get::<_, bool>(0)) {
-        // Not confirmed: close the session, which ends the lock with it.
-        lock_conn.discard();
+    if let Err(e) = lock.unlock().await {
+        // The guard has cleaned the connection up, or closed it (as on drop).
+        tracing::warn!(key, error = %e, "unlock not confirmed");
     }
     match worked {
         Ok(()) => (StatusCode::OK, format!("held lock {key} for {ms} ms\n")),

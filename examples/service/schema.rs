@@ -1,5 +1,7 @@
 //! The service's tables, created once per database at start-up.
 
+use std::time::Duration;
+
 use pgwarden::Pool;
 
 use crate::BoxError;
@@ -55,8 +57,7 @@ CREATE TABLE IF NOT EXISTS job_runs (
 );
 ";
 
-/// Some expired rows for the clean-up, unverified mail domains, and this
-/// instance's own `/up` as a monitor (each instance adds itself).
+/// Some expired rows for the clean-up, and unverified mail domains.
 const SEED: &str = "
 INSERT INTO passkey_challenges (expires_at)
     SELECT now() - interval '1 hour' FROM generate_series(1, 20);
@@ -68,24 +69,22 @@ INSERT INTO mail_domains (domain)
 ";
 
 /// Creates the tables once per database, whatever the number of instances
-/// starting together (the DDL races with itself across sessions otherwise),
-/// then registers this instance as a monitor.
+/// starting together (`CREATE … IF NOT EXISTS` races with itself across
+/// sessions), then registers this instance as a monitor.
 pub async fn install(pool: &Pool, instance: &str, target: &str) -> Result<(), BoxError> {
-    // START-UP-DDL: plain SQL under a transaction-scoped lock until
-    // `Pool::run_once` (branch `locks`) is on main.
-    let mut conn = pool.get().await?;
-    let tx = conn.transaction().await?;
-    tx.batch_execute("SELECT pg_advisory_xact_lock(7305, 1)")
+    let ran = pool
+        .run_once("service/0001_schema", Duration::from_secs(30), |tx| {
+            Box::pin(async move {
+                tx.batch_execute(DDL).await?;
+                tx.batch_execute(SEED).await?;
+                Ok::<_, pgwarden::Error>(())
+            })
+        })
         .await?;
-    let fresh = tx
-        .query_opt("SELECT 1 FROM pg_tables WHERE tablename = 'job_runs'", &[])
-        .await?
-        .is_none();
-    tx.batch_execute(DDL).await?;
-    if fresh {
-        tx.batch_execute(SEED).await?;
+    if ran.ran() {
+        tracing::info!("schema created");
     }
-    tx.commit().await?;
+    let conn = pool.get().await?;
     conn.execute(
         "INSERT INTO monitors (name, target) VALUES ($1, $2)
          ON CONFLICT (name) DO UPDATE SET target = excluded.target",
