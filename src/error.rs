@@ -105,6 +105,36 @@ pub enum Error {
     },
     // --- lock errors (src/lock*) ---
     // --- lease errors (src/lease*) ---
+    // (their predicates, `is_lease_lost()` and friends, are in src/lease/mod.rs)
+    /// The lease is no longer this holder's: taken over, expired, or given
+    /// up at the local deadline. Work that must not come from a stale holder
+    /// stops here.
+    #[error("lease {name:?} lost: {reason}")]
+    LeaseLost {
+        /// The lease.
+        name: String,
+        /// Why.
+        reason: crate::lease::LostReason,
+    },
+
+    /// [`crate::Leases::acquire`] waited and another holder still has it.
+    #[error("lease {name:?} still held by another holder after waiting {waited:?}")]
+    LeaseBusy {
+        /// The lease.
+        name: String,
+        /// How long the caller waited.
+        waited: std::time::Duration,
+    },
+
+    /// A lease statement did not complete in time; its connection was closed
+    /// (the statement may or may not have taken effect).
+    #[error("lease {what} did not complete within {waited:?}; its connection was closed")]
+    LeaseTimeout {
+        /// The statement: `acquisition`, `renewal` or `release`.
+        what: &'static str,
+        /// How long it ran.
+        waited: std::time::Duration,
+    },
 }
 
 impl Error {
@@ -137,7 +167,9 @@ impl Error {
 pub enum BuildError {
     /// Fewer than two connections: one must stay in reserve for control
     /// statements and one for request work.
-    #[error("pool size {size} is too small: pgwarden needs at least 2 (1 control reserve + 1 request)")]
+    #[error(
+        "pool size {size} is too small: pgwarden needs at least 2 (1 control reserve + 1 request)"
+    )]
     TooSmall {
         /// The size given.
         size: usize,

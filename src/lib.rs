@@ -4,6 +4,7 @@
 
 pub mod budget;
 mod error;
+pub mod lease;
 pub mod metrics;
 mod pool;
 #[cfg(feature = "testing")]
@@ -11,4 +12,8 @@ pub mod testing;
 
 pub use budget::{Lane, LaneLimits, Limits, Policy};
 pub use error::{BuildError, Error, Holder};
+pub use lease::{
+    Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder, LostReason, OnLost,
+    Scheduler, SchedulerBuilder,
+};
 pub use pool::{Conn, LaneStatus, Pool, PoolBuilder, Status};

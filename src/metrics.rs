@@ -8,7 +8,9 @@
 //! Labels are bounded: `pool` (the pool's name), `lane`, `reason`, `result`,
 //! `state`, `policy`, and the lease or job names that the application declares.
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit};
+use metrics::{
+    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
+};
 
 use crate::budget::Lane;
 
@@ -79,33 +81,105 @@ pub const HOLD_BUCKETS: &[f64] = &[
 
 /// Describes every metric once (idempotent; called by `Pool` builds).
 pub fn describe() {
-    describe_gauge!(CONNECTIONS, Unit::Count, "Connections by state (idle, in_use).");
+    describe_gauge!(
+        CONNECTIONS,
+        Unit::Count,
+        "Connections by state (idle, in_use)."
+    );
     describe_gauge!(CONNECTIONS_MAX, Unit::Count, "The pool's maximum size.");
     describe_gauge!(LANE_IN_USE, Unit::Count, "Connections in use per lane.");
     describe_gauge!(LANE_RESERVED, Unit::Count, "Connections reserved per lane.");
     describe_gauge!(LANE_MAX, Unit::Count, "Maximum connections per lane.");
     describe_gauge!(LANE_PENDING, Unit::Count, "Checkouts waiting per lane.");
-    describe_histogram!(ACQUIRE_DURATION, Unit::Seconds, "Time to get a connection, per lane.");
-    describe_counter!(ACQUIRE_FAILURES, Unit::Count, "Failed checkouts per lane and reason.");
-    describe_counter!(BUDGET_OVERRUNS, Unit::Count, "Session-lock checkouts past the budget, per policy.");
-    describe_histogram!(HOLD_DURATION, Unit::Seconds, "How long connections were held, per lane.");
-    describe_gauge!(OLDEST_HOLD, Unit::Seconds, "Age of the oldest connection out, per lane.");
-    describe_counter!(LONG_HOLDS, Unit::Count, "Holds past the long-hold threshold, per lane.");
-    describe_gauge!(SESSION_LOCKS_HELD, Unit::Count, "Session advisory locks held through pgwarden.");
-    describe_gauge!(SESSION_LOCK_CONNECTIONS, Unit::Count, "Connections pinned by session advisory locks.");
-    describe_gauge!(CENSUS_LOCKS, Unit::Count, "Advisory locks on this pool's backends (last census).");
-    describe_gauge!(CENSUS_IDLE_LOCKS, Unit::Count, "Advisory locks on idle pooled connections (last census).");
-    describe_counter!(CENSUS_LEAKS, Unit::Count, "Leaked advisory locks found on idle pooled connections.");
-    describe_histogram!(READINESS_DURATION, Unit::Seconds, "Readiness probe latency.");
-    describe_counter!(READINESS_FAILURES, Unit::Count, "Readiness probe failures per reason.");
+    describe_histogram!(
+        ACQUIRE_DURATION,
+        Unit::Seconds,
+        "Time to get a connection, per lane."
+    );
+    describe_counter!(
+        ACQUIRE_FAILURES,
+        Unit::Count,
+        "Failed checkouts per lane and reason."
+    );
+    describe_counter!(
+        BUDGET_OVERRUNS,
+        Unit::Count,
+        "Session-lock checkouts past the budget, per policy."
+    );
+    describe_histogram!(
+        HOLD_DURATION,
+        Unit::Seconds,
+        "How long connections were held, per lane."
+    );
+    describe_gauge!(
+        OLDEST_HOLD,
+        Unit::Seconds,
+        "Age of the oldest connection out, per lane."
+    );
+    describe_counter!(
+        LONG_HOLDS,
+        Unit::Count,
+        "Holds past the long-hold threshold, per lane."
+    );
+    describe_gauge!(
+        SESSION_LOCKS_HELD,
+        Unit::Count,
+        "Session advisory locks held through pgwarden."
+    );
+    describe_gauge!(
+        SESSION_LOCK_CONNECTIONS,
+        Unit::Count,
+        "Connections pinned by session advisory locks."
+    );
+    describe_gauge!(
+        CENSUS_LOCKS,
+        Unit::Count,
+        "Advisory locks on this pool's backends (last census)."
+    );
+    describe_gauge!(
+        CENSUS_IDLE_LOCKS,
+        Unit::Count,
+        "Advisory locks on idle pooled connections (last census)."
+    );
+    describe_counter!(
+        CENSUS_LEAKS,
+        Unit::Count,
+        "Leaked advisory locks found on idle pooled connections."
+    );
+    describe_histogram!(
+        READINESS_DURATION,
+        Unit::Seconds,
+        "Readiness probe latency."
+    );
+    describe_counter!(
+        READINESS_FAILURES,
+        Unit::Count,
+        "Readiness probe failures per reason."
+    );
     describe_gauge!(LEASES_HELD, Unit::Count, "Leases held by this process.");
     describe_counter!(LEASE_ACQUIRED, Unit::Count, "Leases acquired per lease.");
-    describe_counter!(LEASE_SKIPPED, Unit::Count, "Lease acquisitions skipped (held elsewhere) per lease.");
+    describe_counter!(
+        LEASE_SKIPPED,
+        Unit::Count,
+        "Lease acquisitions skipped (held elsewhere) per lease."
+    );
     describe_counter!(LEASE_RENEWALS, Unit::Count, "Lease renewals per result.");
-    describe_histogram!(LEASE_RENEWAL_DURATION, Unit::Seconds, "Latency of one batched renewal statement.");
-    describe_gauge!(LEASE_RENEW_INTERVAL, Unit::Seconds, "Shortest renewal interval of the leases held.");
+    describe_histogram!(
+        LEASE_RENEWAL_DURATION,
+        Unit::Seconds,
+        "Latency of one batched renewal statement."
+    );
+    describe_gauge!(
+        LEASE_RENEW_INTERVAL,
+        Unit::Seconds,
+        "Shortest renewal interval of the leases held."
+    );
     describe_counter!(LEASE_LOST, Unit::Count, "Leases lost per lease and reason.");
-    describe_counter!(LEASE_TAKEOVERS, Unit::Count, "Leases taken over from an expired holder.");
+    describe_counter!(
+        LEASE_TAKEOVERS,
+        Unit::Count,
+        "Leases taken over from an expired holder."
+    );
 }
 
 /// Handles of one lane, registered once per pool.
@@ -146,11 +220,10 @@ impl PoolMetrics {
         let p = pool.to_owned();
         let lane = |lane: Lane| {
             let l = lane.as_str();
-            let fail = |reason: &'static str| {
-                metrics::counter!(ACQUIRE_FAILURES, "pool" => p.clone(), "lane" => l, "reason" => reason)
-            };
+            let fail = |reason: &'static str| metrics::counter!(ACQUIRE_FAILURES, "pool" => p.clone(), "lane" => l, "reason" => reason);
             let lim = limits.lane(lane);
-            metrics::gauge!(LANE_RESERVED, "pool" => p.clone(), "lane" => l).set(lim.reserved as f64);
+            metrics::gauge!(LANE_RESERVED, "pool" => p.clone(), "lane" => l)
+                .set(lim.reserved as f64);
             metrics::gauge!(LANE_MAX, "pool" => p.clone(), "lane" => l).set(lim.max as f64);
             LaneMetrics {
                 in_use: metrics::gauge!(LANE_IN_USE, "pool" => p.clone(), "lane" => l),
@@ -164,7 +237,11 @@ impl PoolMetrics {
                 fail_backend: fail("backend"),
             }
         };
-        let lanes = [lane(Lane::Request), lane(Lane::SessionLock), lane(Lane::Control)];
+        let lanes = [
+            lane(Lane::Request),
+            lane(Lane::SessionLock),
+            lane(Lane::Control),
+        ];
         metrics::gauge!(CONNECTIONS_MAX, "pool" => p.clone()).set(limits.size() as f64);
         PoolMetrics {
             lanes,
@@ -196,7 +273,8 @@ impl PoolMetrics {
 /// `handle.render()` on your `/metrics` route. Call it before building pools.
 #[cfg(feature = "prometheus")]
 pub fn install_prometheus(
-) -> Result<metrics_exporter_prometheus::PrometheusHandle, metrics_exporter_prometheus::BuildError> {
+) -> Result<metrics_exporter_prometheus::PrometheusHandle, metrics_exporter_prometheus::BuildError>
+{
     prometheus_builder()?.install_recorder()
 }
 
@@ -204,9 +282,59 @@ pub fn install_prometheus(
 /// that want to add their own settings (an HTTP listener, global labels).
 #[cfg(feature = "prometheus")]
 pub fn prometheus_builder(
-) -> Result<metrics_exporter_prometheus::PrometheusBuilder, metrics_exporter_prometheus::BuildError> {
+) -> Result<metrics_exporter_prometheus::PrometheusBuilder, metrics_exporter_prometheus::BuildError>
+{
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(HOLD_DURATION.into()), HOLD_BUCKETS)?
         .set_buckets_for_metric(Matcher::Suffix("_duration_seconds".into()), LATENCY_BUCKETS)
+}
+
+/// Handles of one lease table's instance, registered once per
+/// [`crate::Leases`]; per-lease counters are looked up at the event.
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseMetrics {
+    pool: String,
+    pub(crate) held: Gauge,
+    pub(crate) renew_ok: Counter,
+    pub(crate) renew_lost: Counter,
+    pub(crate) renew_error: Counter,
+    pub(crate) renewal: Histogram,
+    pub(crate) renew_interval: Gauge,
+}
+
+impl LeaseMetrics {
+    pub(crate) fn register(pool: &str) -> LeaseMetrics {
+        describe();
+        let p = pool.to_owned();
+        let renewals = |result: &'static str| metrics::counter!(LEASE_RENEWALS, "pool" => p.clone(), "result" => result);
+        LeaseMetrics {
+            held: metrics::gauge!(LEASES_HELD, "pool" => p.clone()),
+            renew_ok: renewals("ok"),
+            renew_lost: renewals("lost"),
+            renew_error: renewals("error"),
+            renewal: metrics::histogram!(LEASE_RENEWAL_DURATION, "pool" => p.clone()),
+            renew_interval: metrics::gauge!(LEASE_RENEW_INTERVAL, "pool" => p.clone()),
+            pool: p,
+        }
+    }
+
+    pub(crate) fn acquired(&self, lease: &str) {
+        metrics::counter!(LEASE_ACQUIRED, "pool" => self.pool.clone(), "lease" => lease.to_owned())
+            .increment(1);
+    }
+
+    pub(crate) fn skipped(&self, lease: &str) {
+        metrics::counter!(LEASE_SKIPPED, "pool" => self.pool.clone(), "lease" => lease.to_owned())
+            .increment(1);
+    }
+
+    pub(crate) fn takeover(&self, lease: &str) {
+        metrics::counter!(LEASE_TAKEOVERS, "pool" => self.pool.clone(), "lease" => lease.to_owned()).increment(1);
+    }
+
+    pub(crate) fn lost(&self, lease: &str, reason: crate::lease::LostReason) {
+        metrics::counter!(LEASE_LOST, "pool" => self.pool.clone(), "lease" => lease.to_owned(), "reason" => reason.as_str())
+            .increment(1);
+    }
 }

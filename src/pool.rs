@@ -58,6 +58,8 @@ pub(crate) struct Shared {
     pub(crate) opts: Options,
     pub(crate) metrics: PoolMetrics,
     housekeeping_started: AtomicBool,
+    /// The pool's own lease table (`Pool::leases`, `Pool::try_exclusive`).
+    pub(crate) leases: std::sync::OnceLock<crate::lease::Leases>,
 }
 
 /// One checked-out connection, as the pool sees it.

@@ -145,6 +145,7 @@ impl PoolBuilder {
             },
             metrics,
             housekeeping_started: AtomicBool::new(false),
+            leases: std::sync::OnceLock::new(),
         });
         shared.ensure_housekeeping();
         Ok(Pool { shared })
