@@ -216,7 +216,9 @@ impl Limits {
     /// The hard ceiling of the session-lock lane, whatever the policy:
     /// `size - control.reserved - request.reserved`.
     pub fn session_lock_ceiling(&self) -> usize {
-        self.size - self.lanes[Lane::Control.idx()].reserved - self.lanes[Lane::Request.idx()].reserved
+        self.size
+            - self.lanes[Lane::Control.idx()].reserved
+            - self.lanes[Lane::Request.idx()].reserved
     }
 }
 
@@ -314,7 +316,11 @@ impl Budget {
         let owed: usize = Lane::ALL
             .iter()
             .filter(|l| **l != lane)
-            .map(|l| self.limits.lanes[l.idx()].reserved.saturating_sub(self.in_use[l.idx()]))
+            .map(|l| {
+                self.limits.lanes[l.idx()]
+                    .reserved
+                    .saturating_sub(self.in_use[l.idx()])
+            })
             .sum();
         free > owed
     }

@@ -176,7 +176,7 @@ pub enum BuildError {
     },
     /// Reservations add up past the pool size.
     #[error(
-        "lane reservations exceed the pool size: request {request} + session_lock {session_lock} + control {control} = {} > {size}",
+        "lane reservations exceed the pool size: {request} (request) + {session_lock} (session_lock) + {control} (control) = {} > {size}",
         request + session_lock + control
     )]
     ReservationsExceedSize {

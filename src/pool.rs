@@ -108,11 +108,23 @@ impl State {
             .collect()
     }
 
-    fn insert(&mut self, lane: Lane, site: &'static Location<'static>) -> usize {
+    /// Completes a checkout record once its connection is known; returns
+    /// the checkout instant.
+    fn attach(&mut self, slot: usize, pid: i32, object: ObjectId) -> Instant {
+        let now = Instant::now();
+        if let Some(c) = self.checkouts.get_mut(slot) {
+            c.pid = Some(pid);
+            c.object = Some(object);
+            c.since = now;
+        }
+        now
+    }
+
+    fn insert(&mut self, lane: Lane, site: &'static Location<'static>, since: Instant) -> usize {
         self.checkouts.insert(Checkout {
             lane,
             site,
-            since: Instant::now(),
+            since,
             pid: None,
             object: None,
             long_warned: false,
@@ -174,9 +186,9 @@ impl Shared {
         self: &Arc<Self>,
         lane: Lane,
         site: &'static Location<'static>,
+        start: Instant,
         timeout: Duration,
     ) -> Result<Permit, Error> {
-        let start = Instant::now();
         let lm = self.metrics.lane(lane);
         let (id, rx) = {
             let mut st = self.state.lock();
@@ -189,7 +201,7 @@ impl Shared {
             };
             match d {
                 Decision::Admit | Decision::AdmitOverBudget => {
-                    let slot = st.insert(lane, site);
+                    let slot = st.insert(lane, site, start);
                     let in_use = st.budget.in_use(lane);
                     let over = d == Decision::AdmitOverBudget;
                     let first = over && st.warned_sites.insert(site as *const _ as usize);
@@ -230,14 +242,15 @@ impl Shared {
             lane,
         };
         let res = tokio::time::timeout(timeout.saturating_sub(start.elapsed()), rx).await;
-        drop(guard);
         match res {
             Ok(Ok(permit)) => Ok(permit),
             // The sender went away without a permit: the pool is closing.
             Ok(Err(_)) => Err(Error::Pool(PoolError::Closed)),
             Err(_) => {
-                lm.fail_timeout.increment(1);
+                // The status as this waiter saw it, itself still counted.
                 let status = self.status();
+                drop(guard);
+                lm.fail_timeout.increment(1);
                 tracing::warn!(pool = %self.name, %lane, waited = ?start.elapsed(), %status, "checkout timed out");
                 Err(Error::Timeout {
                     lane,
@@ -251,7 +264,13 @@ impl Shared {
     fn over_budget(&self, site: &'static Location<'static>, first: bool, in_use: usize) {
         self.metrics.overrun_warn.increment(1);
         if first {
-            let limit = self.state.lock().budget.limits().lane(Lane::SessionLock).max;
+            let limit = self
+                .state
+                .lock()
+                .budget
+                .limits()
+                .lane(Lane::SessionLock)
+                .max;
             tracing::warn!(
                 pool = %self.name,
                 %site,
@@ -279,7 +298,7 @@ impl Shared {
                 d @ (Decision::Admit | Decision::AdmitOverBudget) => {
                     let Some(w) = st.waiters.remove(i) else { break };
                     st.pending[wl.idx()] -= 1;
-                    let slot = st.insert(wl, w.site);
+                    let slot = st.insert(wl, w.site, Instant::now());
                     if d == Decision::AdmitOverBudget {
                         let first = st.warned_sites.insert(w.site as *const _ as usize);
                         overs.push((w.site, first, st.budget.in_use(wl)));
@@ -289,17 +308,23 @@ impl Shared {
                 Decision::Refuse(_) | Decision::Wait => i += 1,
             }
         }
-        let in_use = [
-            st.budget.in_use(Lane::Request),
-            st.budget.in_use(Lane::SessionLock),
-            st.budget.in_use(Lane::Control),
-        ];
-        let pending = st.pending;
+        let in_use = st.budget.in_use(lane);
+        // Lanes whose gauges changed besides the returned one: those granted.
+        let mut touched = [false; 3];
+        for (_, _, l) in &grants {
+            touched[l.idx()] = true;
+        }
+        let granted: Vec<(Lane, usize, usize)> = Lane::ALL
+            .iter()
+            .filter(|l| touched[l.idx()])
+            .map(|&l| (l, st.budget.in_use(l), st.pending[l.idx()]))
+            .collect();
         drop(st);
-        for l in Lane::ALL {
+        self.metrics.lane(lane).in_use.set(in_use as f64);
+        for (l, n, p) in granted {
             let m = self.metrics.lane(l);
-            m.in_use.set(in_use[l.idx()] as f64);
-            m.pending.set(pending[l.idx()] as f64);
+            m.in_use.set(n as f64);
+            m.pending.set(p as f64);
         }
         for (site, first, n) in overs {
             self.over_budget(site, first, n);
@@ -367,7 +392,10 @@ impl Shared {
             }
         }
         for l in Lane::ALL {
-            self.metrics.lane(l).oldest.set(oldest[l.idx()].as_secs_f64());
+            self.metrics
+                .lane(l)
+                .oldest
+                .set(oldest[l.idx()].as_secs_f64());
         }
         for (lane, site, pid, age, note) in long {
             self.metrics.lane(lane).long_holds.increment(1);
@@ -391,10 +419,14 @@ impl Shared {
 async fn housekeeping(shared: Weak<Shared>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is immediate: nothing has been held yet.
+    tick.tick().await;
     let mut last_census: Option<Instant> = None;
     loop {
         tick.tick().await;
-        let Some(shared) = shared.upgrade() else { return };
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
         if shared.inner.is_closed() {
             return;
         }
@@ -420,7 +452,10 @@ impl Pool {
     /// (no TLS, tokio runtime).
     pub fn from_config(config: &deadpool_postgres::Config) -> Result<PoolBuilder, BuildError> {
         let inner = config
-            .create_pool(Some(deadpool_postgres::Runtime::Tokio1), tokio_postgres::NoTls)
+            .create_pool(
+                Some(deadpool_postgres::Runtime::Tokio1),
+                tokio_postgres::NoTls,
+            )
             .map_err(|e| BuildError::Deadpool(e.to_string()))?;
         Ok(PoolBuilder::new(inner))
     }
@@ -428,8 +463,9 @@ impl Pool {
     /// Starts a builder from a `DATABASE_URL`-style connection string
     /// (`postgres://…` or `host=… user=…`), no TLS, `max_size` connections.
     pub fn from_url(url: &str, max_size: usize) -> Result<PoolBuilder, BuildError> {
-        let pg: tokio_postgres::Config =
-            url.parse().map_err(|e: tokio_postgres::Error| BuildError::InvalidUrl(e.to_string()))?;
+        let pg: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| BuildError::InvalidUrl(e.to_string()))?;
         let mgr = deadpool_postgres::Manager::from_config(
             pg,
             tokio_postgres::NoTls,
@@ -482,7 +518,10 @@ impl Pool {
     /// Session-lock checkouts are budgeted: past the budget they are refused
     /// ([`Error::BudgetExhausted`]) or admitted with a warning, by policy.
     #[track_caller]
-    pub fn get_for(&self, lane: Lane) -> impl std::future::Future<Output = Result<Conn, Error>> + Send + '_ {
+    pub fn get_for(
+        &self,
+        lane: Lane,
+    ) -> impl std::future::Future<Output = Result<Conn, Error>> + Send + '_ {
         let site = Location::caller();
         self.checkout(lane, site, self.shared.opts.wait_timeout)
     }
@@ -507,7 +546,7 @@ impl Pool {
         let shared = &self.shared;
         shared.ensure_housekeeping();
         let start = Instant::now();
-        let permit = shared.acquire(lane, site, timeout).await?;
+        let permit = shared.acquire(lane, site, start, timeout).await?;
         let lm = shared.metrics.lane(lane);
         loop {
             let obj = match shared.inner.get().await {
@@ -518,25 +557,43 @@ impl Pool {
                 }
             };
             let id = Object::id(&obj);
-            let (tainted, pid) = {
-                let mut st = shared.state.lock();
-                let tainted = st.tainted.remove(&id);
-                if tainted {
-                    st.pids.remove(&id);
-                }
-                (tainted, st.pids.get(&id).copied())
-            };
-            if tainted {
-                tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
-                drop(Object::take(obj));
-                continue;
+            enum Seen {
+                Tainted,
+                Known(i32, Instant),
+                New,
             }
-            let pid = match pid {
-                Some(p) => p,
-                None => match backend_pid(&obj).await {
-                    Ok(p) => {
-                        shared.state.lock().pids.insert(id, p);
-                        p
+            // One lock: discard a tainted connection, or find its pid and,
+            // when known, complete the checkout record.
+            let seen = {
+                let mut st = shared.state.lock();
+                if !st.tainted.is_empty() && st.tainted.remove(&id) {
+                    st.pids.remove(&id);
+                    Seen::Tainted
+                } else if let Some(pid) = st.pids.get(&id).copied() {
+                    Seen::Known(pid, st.attach(permit.slot, pid, id))
+                } else {
+                    Seen::New
+                }
+            };
+            let (pid, since) = match seen {
+                Seen::Known(pid, since) => (pid, since),
+                Seen::Tainted => {
+                    tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
+                    drop(Object::take(obj));
+                    continue;
+                }
+                Seen::New => match backend_pid(&obj).await {
+                    Ok(pid) => {
+                        let mut st = shared.state.lock();
+                        // Connections deadpool dropped on its own leave stale
+                        // entries: keep the map bounded (idle pids are asked again).
+                        if st.pids.len() >= 4 * st.budget.limits().size() {
+                            let out: HashSet<ObjectId> =
+                                st.checkouts.iter().filter_map(|(_, c)| c.object).collect();
+                            st.pids.retain(|id, _| out.contains(id));
+                        }
+                        st.pids.insert(id, pid);
+                        (pid, st.attach(permit.slot, pid, id))
                     }
                     Err(e) => {
                         lm.fail_backend.increment(1);
@@ -545,15 +602,8 @@ impl Pool {
                     }
                 },
             };
-            let since = {
-                let mut st = shared.state.lock();
-                let c = &mut st.checkouts[permit.slot];
-                c.pid = Some(pid);
-                c.object = Some(id);
-                c.since = Instant::now();
-                c.since
-            };
-            lm.acquire.record(start.elapsed().as_secs_f64());
+            lm.acquire
+                .record(since.saturating_duration_since(start).as_secs_f64());
             return Ok(Conn {
                 obj: Some(obj),
                 permit,
@@ -573,7 +623,10 @@ impl Pool {
     /// The readiness probe: `SELECT 1` on the control lane, bounded by
     /// `timeout` (checkout included). Returns its latency.
     #[track_caller]
-    pub fn readiness(&self, timeout: Duration) -> impl std::future::Future<Output = Result<Duration, Error>> + Send + '_ {
+    pub fn readiness(
+        &self,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<Duration, Error>> + Send + '_ {
         let site = Location::caller();
         async move {
             let start = Instant::now();
@@ -708,7 +761,14 @@ impl Conn {
 
     /// Sets what the checkout is for, shown in long-hold warnings.
     pub(crate) fn set_note(&self, note: Option<String>) {
-        if let Some(c) = self.permit.shared.state.lock().checkouts.get_mut(self.permit.slot) {
+        if let Some(c) = self
+            .permit
+            .shared
+            .state
+            .lock()
+            .checkouts
+            .get_mut(self.permit.slot)
+        {
             c.note = note;
         }
     }
@@ -766,4 +826,3 @@ impl fmt::Debug for Conn {
             .finish()
     }
 }
-

@@ -29,31 +29,47 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 }
 
 fn limits_strategy() -> impl Strategy<Value = Limits> {
-    (2usize..12, any::<bool>(), 0usize..4, 0usize..4, any::<bool>()).prop_filter_map(
-        "valid limits",
-        |(size, defaults, ctl_extra, sess_max, warn)| {
-            let policy = if warn { Policy::Warn } else { Policy::Refuse };
-            if defaults {
-                let d = Limits::defaults(size).ok()?;
-                return Limits::new(
+    (
+        2usize..12,
+        any::<bool>(),
+        0usize..4,
+        0usize..4,
+        any::<bool>(),
+    )
+        .prop_filter_map(
+            "valid limits",
+            |(size, defaults, ctl_extra, sess_max, warn)| {
+                let policy = if warn { Policy::Warn } else { Policy::Refuse };
+                if defaults {
+                    let d = Limits::defaults(size).ok()?;
+                    return Limits::new(
+                        size,
+                        d.lane(Lane::Request),
+                        d.lane(Lane::SessionLock),
+                        d.lane(Lane::Control),
+                        policy,
+                    )
+                    .ok();
+                }
+                Limits::new(
                     size,
-                    d.lane(Lane::Request),
-                    d.lane(Lane::SessionLock),
-                    d.lane(Lane::Control),
+                    LaneLimits {
+                        reserved: 1,
+                        max: size - 1,
+                    },
+                    LaneLimits {
+                        reserved: 0,
+                        max: sess_max,
+                    },
+                    LaneLimits {
+                        reserved: 1 + ctl_extra.min(size.saturating_sub(2)),
+                        max: size,
+                    },
                     policy,
                 )
-                .ok();
-            }
-            Limits::new(
-                size,
-                LaneLimits { reserved: 1, max: size - 1 },
-                LaneLimits { reserved: 0, max: sess_max },
-                LaneLimits { reserved: 1 + ctl_extra.min(size.saturating_sub(2)), max: size },
-                policy,
-            )
-            .ok()
-        },
-    )
+                .ok()
+            },
+        )
 }
 
 /// A model of the pool's checkout queue on top of the pure budget: waiters are
@@ -185,7 +201,14 @@ fn defaults_for_the_seed_pool_of_four() {
 #[test]
 fn warn_admits_up_to_the_hard_floor_only() {
     let d = Limits::defaults(4).unwrap();
-    let l = Limits::new(4, d.lane(Lane::Request), d.lane(Lane::SessionLock), d.lane(Lane::Control), Policy::Warn).unwrap();
+    let l = Limits::new(
+        4,
+        d.lane(Lane::Request),
+        d.lane(Lane::SessionLock),
+        d.lane(Lane::Control),
+        Policy::Warn,
+    )
+    .unwrap();
     let mut b = Budget::new(l);
     assert_eq!(b.acquire(Lane::SessionLock), Decision::Admit);
     assert_eq!(b.acquire(Lane::SessionLock), Decision::AdmitOverBudget);
@@ -201,23 +224,43 @@ fn a_pool_of_two_has_no_session_lock_budget() {
     let l = Limits::defaults(2).unwrap();
     assert_eq!(l.lane(Lane::SessionLock).max, 0);
     let b = Budget::new(l);
-    assert_eq!(b.decide(Lane::SessionLock), Decision::Refuse(Refusal::HardFloor { limit: 0 }));
+    assert_eq!(
+        b.decide(Lane::SessionLock),
+        Decision::Refuse(Refusal::HardFloor { limit: 0 })
+    );
 }
 
 #[test]
 fn build_rejects_impossible_settings_naming_the_numbers() {
     let r = |reserved, max| LaneLimits { reserved, max };
-    assert_eq!(Limits::defaults(1).unwrap_err(), BuildError::TooSmall { size: 1 });
+    assert_eq!(
+        Limits::defaults(1).unwrap_err(),
+        BuildError::TooSmall { size: 1 }
+    );
     let e = Limits::new(4, r(2, 3), r(1, 1), r(2, 4), Policy::Refuse).unwrap_err();
     assert_eq!(
         e,
-        BuildError::ReservationsExceedSize { size: 4, request: 2, session_lock: 1, control: 2 }
+        BuildError::ReservationsExceedSize {
+            size: 4,
+            request: 2,
+            session_lock: 1,
+            control: 2
+        }
     );
-    assert!(e.to_string().contains("2 + 1 + 2 = 5"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("2 (request) + 1 (session_lock) + 2 (control) = 5 > 4"),
+        "{e}"
+    );
     let e = Limits::new(4, r(1, 3), r(0, 3), r(1, 4), Policy::Refuse).unwrap_err();
     assert_eq!(
         e,
-        BuildError::SessionLockMaxStarvesWork { max: 3, size: 4, control_reserved: 1, request_reserved: 1 }
+        BuildError::SessionLockMaxStarvesWork {
+            max: 3,
+            size: 4,
+            control_reserved: 1,
+            request_reserved: 1
+        }
     );
     assert_eq!(
         Limits::new(4, r(0, 3), r(0, 1), r(1, 4), Policy::Refuse).unwrap_err(),
@@ -229,6 +272,10 @@ fn build_rejects_impossible_settings_naming_the_numbers() {
     );
     assert_eq!(
         Limits::new(4, r(1, 5), r(0, 1), r(1, 4), Policy::Refuse).unwrap_err(),
-        BuildError::MaxAboveSize { lane: Lane::Request, max: 5, size: 4 }
+        BuildError::MaxAboveSize {
+            lane: Lane::Request,
+            max: 5,
+            size: 4
+        }
     );
 }

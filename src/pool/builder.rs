@@ -121,7 +121,9 @@ impl PoolBuilder {
             .or(self.inner.timeouts().wait)
             .unwrap_or(Duration::from_secs(30));
         if self.housekeeping.is_zero() {
-            return Err(BuildError::Deadpool("housekeeping interval must be above zero".into()));
+            return Err(BuildError::Deadpool(
+                "housekeeping interval must be above zero".into(),
+            ));
         }
         let metrics = PoolMetrics::register(&self.name, &limits);
         let shared = Arc::new(Shared {

@@ -1,0 +1,273 @@
+//! The seed's incident, scenario by scenario: shared by `examples/incident`
+//! and `tests/incident.rs`.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use pgwarden::testing::TestDb;
+use pgwarden::{Lane, Policy, Pool};
+
+/// The four background jobs of the seed: three cluster-wide, one per node.
+pub const JOBS: [&str; 4] = ["cleanup", "alerts", "mail-checks", "uptime-node-a"];
+/// The pool size of the seed's instance.
+pub const POOL_SIZE: usize = 4;
+/// The readiness probe's bound.
+pub const PROBE_BOUND: Duration = Duration::from_secs(1);
+/// How many readiness probes each scenario runs while the locks are held.
+pub const PROBES: usize = 5;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What one scenario did.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub scenario: String,
+    /// Jobs that got their lock (or lease).
+    pub granted: usize,
+    /// Jobs refused with a typed error.
+    pub refused: usize,
+    /// Readiness probes that answered within the bound.
+    pub probes_ok: usize,
+    pub probes: usize,
+    /// The slowest probe (a failed probe counts as its bound).
+    pub worst_probe: Duration,
+    /// Jobs whose work (a query on a request connection) completed.
+    pub work_done: usize,
+    /// Pool waiters seen while the work asked for connections.
+    pub waiting_seen: usize,
+    /// Connections checked out between statements, once the jobs held their locks or leases.
+    pub held_between_statements: usize,
+}
+
+impl Outcome {
+    fn new(scenario: impl Into<String>) -> Outcome {
+        Outcome {
+            scenario: scenario.into(),
+            granted: 0,
+            refused: 0,
+            probes_ok: 0,
+            probes: 0,
+            worst_probe: Duration::ZERO,
+            work_done: 0,
+            waiting_seen: 0,
+            held_between_statements: 0,
+        }
+    }
+}
+
+/// The side-by-side table.
+pub struct Table<'a>(pub &'a [Outcome]);
+
+impl fmt::Display for Table<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "| scenario | locks granted | refused | readiness probes ok ({:?} bound) | slowest probe | work completed | conns held between statements |",
+            PROBE_BOUND
+        )?;
+        writeln!(f, "|---|---|---|---|---|---|---|")?;
+        for o in self.0 {
+            let work = if o.waiting_seen > 0 {
+                format!(
+                    "{} of {} (pool waiting: {})",
+                    o.work_done, o.granted, o.waiting_seen
+                )
+            } else {
+                format!("{} of {}", o.work_done, o.granted)
+            };
+            writeln!(
+                f,
+                "| {} | {} of {} | {} | {}/{} ok | {:.1?} | {} | {} |",
+                o.scenario,
+                o.granted,
+                JOBS.len(),
+                o.refused,
+                o.probes_ok,
+                o.probes,
+                o.worst_probe,
+                work,
+                o.held_between_statements
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Raw deadpool, max size 4: each job takes `pg_try_advisory_lock` and keeps
+/// its connection, as the seed's old `TryExclusive` did.
+pub async fn raw_deadpool(db: &TestDb) -> Result<Outcome, BoxError> {
+    let pool = db.deadpool(POOL_SIZE)?;
+    let mut out = Outcome::new(format!("raw deadpool, pool {POOL_SIZE}"));
+    let attempts = join_all(JOBS.map(|job| {
+        let pool = pool.clone();
+        async move {
+            let conn = tokio::time::timeout(PROBE_BOUND, pool.get()).await??;
+            let ok: bool = conn
+                .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&job])
+                .await?
+                .get(0);
+            Ok::<_, BoxError>((job, conn, ok))
+        }
+    }))
+    .await;
+    let mut holders = Vec::new();
+    for a in attempts {
+        let (job, conn, ok) = a?;
+        if ok {
+            out.granted += 1;
+        }
+        holders.push((job, conn));
+    }
+    out.held_between_statements = pool.status().size - pool.status().available;
+    // The readiness probe: SELECT 1 within 1 s.
+    for _ in 0..PROBES.min(2) {
+        let start = Instant::now();
+        let probe = tokio::time::timeout(PROBE_BOUND, async {
+            let c = pool.get().await?;
+            c.simple_query("SELECT 1").await?;
+            Ok::<_, BoxError>(())
+        })
+        .await;
+        out.probes += 1;
+        if matches!(probe, Ok(Ok(()))) {
+            out.probes_ok += 1;
+        }
+        out.worst_probe = out.worst_probe.max(start.elapsed());
+    }
+    // The work under each lock asks the pool for a connection, bounded.
+    let work = join_all(holders.iter().map(|_| {
+        let pool = pool.clone();
+        async move {
+            let c = tokio::time::timeout(PROBE_BOUND, pool.get())
+                .await
+                .ok()?
+                .ok()?;
+            c.simple_query("SELECT count(*) FROM pg_class").await.ok()
+        }
+    }));
+    let watch = async {
+        let deadline = Instant::now() + PROBE_BOUND;
+        let mut seen = 0;
+        while Instant::now() < deadline {
+            seen = seen.max(pool.status().waiting);
+            if seen >= holders.len() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        seen
+    };
+    let (done, seen) = tokio::join!(work, watch);
+    out.work_done = done.iter().filter(|d| d.is_some()).count();
+    out.waiting_seen = seen;
+    for (job, conn) in holders {
+        conn.query_one("SELECT pg_advisory_unlock(hashtext($1))", &[&job])
+            .await?;
+    }
+    Ok(out)
+}
+
+/// pgwarden, pool of 4, the same four jobs: each asks for a budgeted
+/// session-lock connection.
+pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outcome, BoxError> {
+    let pool = Pool::builder(db.deadpool(POOL_SIZE)?)
+        .name(format!("incident-{}", policy.as_str()))
+        .policy(policy)
+        .build()?;
+    let mut out = Outcome::new(format!(
+        "pgwarden session locks, policy {}, pool {POOL_SIZE}",
+        policy.as_str()
+    ));
+    let attempts = join_all(JOBS.map(|job| {
+        let pool = pool.clone();
+        async move {
+            let conn = pool.get_for(Lane::SessionLock).await?;
+            let ok: bool = conn
+                .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&job])
+                .await?
+                .get(0);
+            Ok::<_, pgwarden::Error>((job, conn, ok))
+        }
+    }))
+    .await;
+    let mut holders = Vec::new();
+    for a in attempts {
+        match a {
+            Ok((job, conn, true)) => {
+                out.granted += 1;
+                holders.push((job, conn));
+            }
+            Ok((_, _, false)) => return Err("lock held by another session".into()),
+            Err(e) if e.is_budget_exhausted() => out.refused += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    out.held_between_statements = pool.status().in_use;
+    for _ in 0..PROBES {
+        out.probes += 1;
+        match pool.readiness(PROBE_BOUND).await {
+            Ok(took) => {
+                out.probes_ok += 1;
+                out.worst_probe = out.worst_probe.max(took);
+            }
+            Err(_) => out.worst_probe = out.worst_probe.max(PROBE_BOUND),
+        }
+    }
+    let work = join_all(holders.iter().map(|_| {
+        let pool = pool.clone();
+        async move {
+            let c = tokio::time::timeout(5 * PROBE_BOUND, pool.get())
+                .await
+                .ok()?
+                .ok()?;
+            c.simple_query("SELECT count(*) FROM pg_class").await.ok()
+        }
+    }))
+    .await;
+    out.work_done = work.iter().filter(|d| d.is_some()).count();
+    for (job, conn) in holders {
+        let released: bool = conn
+            .query_one("SELECT pg_advisory_unlock(hashtext($1))", &[&job])
+            .await?
+            .get(0);
+        if !released {
+            return Err(format!("unlock of {job} returned false").into());
+        }
+    }
+    Ok(out)
+}
+
+/// Did pgwarden behave as claimed? Returns what it did not do.
+pub fn check(o: &Outcome, expect_granted: usize) -> Vec<String> {
+    let mut bad = Vec::new();
+    if o.granted != expect_granted {
+        bad.push(format!(
+            "{}: {} locks granted, expected {expect_granted}",
+            o.scenario, o.granted
+        ));
+    }
+    if o.granted + o.refused != JOBS.len() {
+        bad.push(format!(
+            "{}: {} jobs neither granted nor refused",
+            o.scenario,
+            JOBS.len() - o.granted - o.refused
+        ));
+    }
+    if o.probes_ok != o.probes || o.probes == 0 {
+        bad.push(format!(
+            "{}: readiness {}/{} ok",
+            o.scenario, o.probes_ok, o.probes
+        ));
+    }
+    if o.worst_probe >= PROBE_BOUND {
+        bad.push(format!("{}: slowest probe {:?}", o.scenario, o.worst_probe));
+    }
+    if o.work_done != o.granted {
+        bad.push(format!(
+            "{}: work completed {} of {}",
+            o.scenario, o.work_done, o.granted
+        ));
+    }
+    bad
+}

@@ -1,0 +1,442 @@
+//! Process plumbing shared by the PostgreSQL and PgBouncer harnesses: finding
+//! binaries, the `postgres` system user, watchdogs, stopping children, a tiny
+//! wire-protocol readiness probe and log tails.
+
+use std::ffi::CString;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::TestingError;
+
+/// Wraps an `io::Error` with what we were doing.
+pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> TestingError {
+    let context = context.into();
+    move |source| TestingError::Io {
+        context,
+        source: Arc::new(source),
+    }
+}
+
+/// The uid/gid server processes run as when this process is root
+/// (PostgreSQL and PgBouncer both refuse to run as root).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RunAs {
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
+}
+
+/// `Some(postgres user)` when running as root, `None` otherwise.
+pub(crate) fn run_as() -> Result<Option<RunAs>, TestingError> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(None);
+    }
+    lookup_user("postgres").map(Some)
+}
+
+fn lookup_user(name: &str) -> Result<RunAs, TestingError> {
+    let no_user = || TestingError::NoUser {
+        name: name.to_owned(),
+    };
+    let cname = CString::new(name).map_err(|_| no_user())?;
+    let mut buf: Vec<libc::c_char> = vec![0; 16 * 1024];
+    loop {
+        // SAFETY: `passwd` is a plain C struct for which all-zero is a valid value.
+        let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut result: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: every pointer is valid for the duration of the call and
+        // `buf.len()` is the real size of `buf`.
+        let rc = unsafe {
+            libc::getpwnam_r(
+                cname.as_ptr(),
+                &mut pwd,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut result,
+            )
+        };
+        if rc == libc::ERANGE && buf.len() < (1 << 20) {
+            buf.resize(buf.len() * 2, 0);
+            continue;
+        }
+        if rc != 0 {
+            return Err(io_err(format!("looking up the `{name}` system user"))(
+                io::Error::from_raw_os_error(rc),
+            ));
+        }
+        if result.is_null() {
+            return Err(no_user());
+        }
+        return Ok(RunAs {
+            uid: pwd.pw_uid,
+            gid: pwd.pw_gid,
+        });
+    }
+}
+
+/// Changes the owner of `path` to `run_as`, when set.
+pub(crate) fn chown(path: &Path, run_as: Option<RunAs>) -> Result<(), TestingError> {
+    if let Some(u) = run_as {
+        std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid)).map_err(io_err(format!(
+            "chown {} to the postgres user",
+            path.display()
+        )))?;
+    }
+    Ok(())
+}
+
+/// A command for a server-side program: runs as `run_as` (when root), in its
+/// own process group (a Ctrl-C aimed at the test run does not hit it; its
+/// watchdog stops it), with no stdin and without `PG*` variables that could
+/// redirect it.
+pub(crate) fn server_command(program: &Path, run_as: Option<RunAs>, cwd: &Path) -> Command {
+    let mut cmd = Command::new(program);
+    if let Some(u) = run_as {
+        // std drops supplementary groups (setgroups(0)) when root sets a uid.
+        cmd.uid(u.uid).gid(u.gid);
+    }
+    cmd.process_group(0).current_dir(cwd).stdin(Stdio::null());
+    for var in [
+        "PGDATA",
+        "PGPORT",
+        "PGHOST",
+        "PGUSER",
+        "PGDATABASE",
+        "PGOPTIONS",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// Opens (creating, appending) a file to receive a child's stdout/stderr.
+pub(crate) fn log_file(path: &Path) -> Result<(Stdio, Stdio), TestingError> {
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(io_err(format!("opening {}", path.display())))?;
+    let g = f
+        .try_clone()
+        .map_err(io_err(format!("duplicating {}", path.display())))?;
+    Ok((Stdio::from(f), Stdio::from(g)))
+}
+
+fn is_executable(path: &Path) -> bool {
+    fs::metadata(path)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+fn path_dirs() -> Vec<PathBuf> {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default()
+}
+
+/// `/usr/lib/postgresql/<version>/bin`, highest version first.
+fn debian_pg_bindirs() -> Vec<PathBuf> {
+    let mut found: Vec<(Vec<u64>, PathBuf)> = Vec::new();
+    if let Ok(entries) = fs::read_dir("/usr/lib/postgresql") {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let version: Vec<u64> = name.split('.').filter_map(|p| p.parse().ok()).collect();
+            if version.is_empty() {
+                continue;
+            }
+            found.push((version, entry.path().join("bin")));
+        }
+    }
+    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.into_iter().map(|(_, dir)| dir).collect()
+}
+
+/// `initdb` and `postgres`, from the same directory.
+#[derive(Clone, Debug)]
+pub(crate) struct PgBinaries {
+    pub(crate) initdb: PathBuf,
+    pub(crate) postgres: PathBuf,
+}
+
+/// `$PGWARDEN_PG_BINDIR`, else the first `PATH` directory holding both
+/// `initdb` and `postgres`, else the highest `/usr/lib/postgresql/*/bin`.
+pub(crate) fn find_pg_binaries() -> Result<PgBinaries, TestingError> {
+    let mut candidates = Vec::new();
+    if let Some(dir) = std::env::var_os("PGWARDEN_PG_BINDIR").filter(|d| !d.is_empty()) {
+        candidates.push(PathBuf::from(dir));
+    }
+    candidates.extend(path_dirs());
+    candidates.extend(debian_pg_bindirs());
+    let mut searched = Vec::new();
+    for dir in candidates {
+        let initdb = dir.join("initdb");
+        let postgres = dir.join("postgres");
+        if is_executable(&initdb) && is_executable(&postgres) {
+            return Ok(PgBinaries { initdb, postgres });
+        }
+        if !searched.contains(&dir) {
+            searched.push(dir);
+        }
+    }
+    if !searched
+        .iter()
+        .any(|d| d.starts_with("/usr/lib/postgresql"))
+    {
+        searched.push(PathBuf::from("/usr/lib/postgresql/*/bin"));
+    }
+    Err(TestingError::NoBinaries { searched })
+}
+
+/// `PATH`, then the sbin directories (often not on a non-root `PATH`), then
+/// the PostgreSQL bin directories.
+pub(crate) fn find_tool(name: &str) -> Option<PathBuf> {
+    if name.is_empty() || name.contains('/') {
+        let p = PathBuf::from(name);
+        return is_executable(&p).then_some(p);
+    }
+    path_dirs()
+        .into_iter()
+        .chain(
+            ["/usr/local/sbin", "/usr/sbin", "/sbin"]
+                .iter()
+                .map(PathBuf::from),
+        )
+        .chain(debian_pg_bindirs())
+        .map(|d| d.join(name))
+        .find(|p| is_executable(p))
+}
+
+/// The shell program of a watchdog. `$1` is the directory to remove, `$2`
+/// the signal that stops the server. It reads pids (one a line, the last
+/// wins) until its stdin reaches end of file, which happens when the owning
+/// process closes it or dies in any way; then it stops that pid if it is
+/// still the server (its command line names the directory), waits up to 10 s
+/// (then SIGKILL) and removes the directory.
+const WATCHDOG_SCRIPT: &str = r#"
+pid=
+while read -r line; do pid=$line; done
+alive() {
+  [ -n "$pid" ] || return 1
+  if [ -d /proc/self ]; then
+    grep -qaF -- "$1" "/proc/$pid/cmdline" 2>/dev/null
+  else
+    kill -0 "$pid" 2>/dev/null
+  fi
+}
+if alive "$1"; then kill -"$2" "$pid" 2>/dev/null; fi
+i=0
+while [ "$i" -lt 100 ] && alive "$1"; do sleep 0.1; i=$((i+1)); done
+if alive "$1"; then kill -KILL "$pid" 2>/dev/null; sleep 0.5; fi
+rm -rf -- "$1"
+"#;
+
+/// A `sh` process that stops a server and removes its directory once this
+/// process goes away (normal exit, panic, `SIGKILL`): its stdin is a pipe
+/// only this process holds. Not `PR_SET_PDEATHSIG`, which fires when the
+/// spawning *thread* exits.
+#[derive(Debug)]
+pub(crate) struct Watchdog {
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+impl Watchdog {
+    pub(crate) fn spawn(dir: &Path, signal: &str) -> Result<Watchdog, TestingError> {
+        let mut child = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(WATCHDOG_SCRIPT)
+            .arg("pgwarden-watchdog")
+            .arg(dir)
+            .arg(signal)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .map_err(io_err("spawning the watchdog (/bin/sh)"))?;
+        let stdin = child.stdin.take();
+        Ok(Watchdog { child, stdin })
+    }
+
+    /// Tells the watchdog which pid to stop.
+    pub(crate) fn arm(&mut self, pid: u32) -> Result<(), TestingError> {
+        match self.stdin.as_mut() {
+            Some(stdin) => writeln!(stdin, "{pid}")
+                .and_then(|()| stdin.flush())
+                .map_err(io_err("arming the watchdog")),
+            None => Ok(()),
+        }
+    }
+
+    /// Stops the watchdog without it doing anything: the owner cleans up.
+    pub(crate) fn disarm(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.stdin = None;
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        // If the owner did not disarm it, closing stdin lets it do its job;
+        // then reap it (a disarmed one was reaped already).
+        self.stdin = None;
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends `signal` to a child.
+pub(crate) fn signal(child: &Child, signal: libc::c_int) {
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: kill has no memory-safety preconditions; the pid is our
+        // own unreaped child, so it cannot have been reused.
+        unsafe {
+            libc::kill(pid, signal);
+        }
+    }
+}
+
+/// Waits for a child up to `timeout`; `true` if it exited (and was reaped).
+pub(crate) fn wait_for_exit(child: &mut Child, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) | Err(_) => return true,
+            Ok(None) if Instant::now() >= deadline => return false,
+            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// Stops a child: `first` signal, then `SIGQUIT`, then `SIGKILL`; always reaps.
+pub(crate) fn stop_child(child: &mut Child, first: libc::c_int) {
+    if let Ok(Some(_)) = child.try_wait() {
+        return;
+    }
+    signal(child, first);
+    if wait_for_exit(child, Duration::from_secs(10)) {
+        return;
+    }
+    signal(child, libc::SIGQUIT);
+    if wait_for_exit(child, Duration::from_secs(2)) {
+        return;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Outcome of [`probe`].
+#[derive(Debug)]
+pub(crate) enum Probe {
+    /// The server answered the startup message with an authentication request/ok.
+    Ready,
+    /// The server answered with an error (e.g. "the database system is starting up").
+    NotReady(String),
+}
+
+/// Sends a protocol 3.0 startup message and reads the first reply.
+pub(crate) fn probe<S: Read + Write>(mut s: S, user: &str, db: &str) -> io::Result<Probe> {
+    let mut body = 196_608_i32.to_be_bytes().to_vec();
+    for (k, v) in [("user", user), ("database", db)] {
+        body.extend_from_slice(k.as_bytes());
+        body.push(0);
+        body.extend_from_slice(v.as_bytes());
+        body.push(0);
+    }
+    body.push(0);
+    let len = i32::try_from(body.len() + 4)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "startup message too long"))?;
+    let mut msg = len.to_be_bytes().to_vec();
+    msg.extend_from_slice(&body);
+    s.write_all(&msg)?;
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head)?;
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if !(4..=1 << 20).contains(&len) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("bad message length {len}"),
+        ));
+    }
+    let mut rest = vec![0u8; len - 4];
+    s.read_exact(&mut rest)?;
+    match head[0] {
+        b'R' => {
+            // Terminate, politely.
+            let _ = s.write_all(&[b'X', 0, 0, 0, 4]);
+            Ok(Probe::Ready)
+        }
+        b'E' => {
+            let message = rest
+                .split(|b| *b == 0)
+                .find(|f| f.first() == Some(&b'M'))
+                .map(|f| String::from_utf8_lossy(&f[1..]).into_owned())
+                .unwrap_or_else(|| "error".to_owned());
+            Ok(Probe::NotReady(message))
+        }
+        other => Ok(Probe::NotReady(format!(
+            "unexpected first message type {:?}",
+            other as char
+        ))),
+    }
+}
+
+/// The last `lines` lines of each file (files of a directory, in name order),
+/// each headed by its path.
+pub(crate) fn log_tail(paths: &[PathBuf], lines: usize) -> String {
+    let mut files = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            let mut inner: Vec<PathBuf> = fs::read_dir(p)
+                .map(|rd| rd.flatten().map(|e| e.path()).collect())
+                .unwrap_or_default();
+            inner.sort();
+            files.extend(inner);
+        } else if p.is_file() {
+            files.push(p.clone());
+        }
+    }
+    let mut out = String::new();
+    for f in files {
+        let Ok(bytes) = fs::read(&f) else { continue };
+        let text = String::from_utf8_lossy(&bytes);
+        let all: Vec<&str> = text.lines().collect();
+        if all.is_empty() {
+            continue;
+        }
+        out.push_str(&format!("==> {} <==\n", f.display()));
+        for line in &all[all.len().saturating_sub(lines)..] {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    if out.is_empty() {
+        out.push_str("(no log output)");
+    }
+    out
+}
+
+/// A base directory for temp dirs: `std::env::temp_dir()`, unless we run as
+/// root and the server user could not reach it, or a Unix socket path in it
+/// would be too long; then `/tmp`.
+pub(crate) fn temp_base(run_as: Option<RunAs>) -> PathBuf {
+    let t = std::env::temp_dir();
+    let short = t.as_os_str().len() <= 60;
+    let reachable = run_as.is_none()
+        || t.ancestors().all(|a| {
+            fs::metadata(a)
+                .map(|m| m.permissions().mode() & 0o001 != 0)
+                .unwrap_or(false)
+        });
+    if short && reachable {
+        t
+    } else {
+        PathBuf::from("/tmp")
+    }
+}

@@ -1,0 +1,293 @@
+//! Pool metrics, checked with a local debugging recorder after scripted events.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use pgwarden::metrics as m;
+use pgwarden::testing::TestServer;
+use pgwarden::{Lane, Policy, Pool};
+
+/// name{label=value,...} -> value, labels sorted.
+fn snapshot(s: &Snapshotter) -> HashMap<String, DebugValue> {
+    s.snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(ck, _, _, v)| {
+            let key = ck.key();
+            let mut labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            labels.sort();
+            (format!("{}{{{}}}", key.name(), labels.join(",")), v)
+        })
+        .collect()
+}
+
+fn counter(s: &HashMap<String, DebugValue>, k: &str) -> u64 {
+    match s.get(k) {
+        Some(DebugValue::Counter(n)) => *n,
+        other => panic!("{k}: expected a counter, got {other:?}"),
+    }
+}
+
+fn gauge(s: &HashMap<String, DebugValue>, k: &str) -> f64 {
+    match s.get(k) {
+        Some(DebugValue::Gauge(g)) => g.into_inner(),
+        other => panic!("{k}: expected a gauge, got {other:?}"),
+    }
+}
+
+fn histogram(s: &HashMap<String, DebugValue>, k: &str) -> Vec<f64> {
+    match s.get(k) {
+        Some(DebugValue::Histogram(v)) => v.iter().map(|x| x.into_inner()).collect(),
+        other => panic!("{k}: expected a histogram, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn pool_events_are_recorded() {
+    let db = TestServer::shared()
+        .unwrap()
+        .create_database()
+        .await
+        .unwrap();
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    let pool = metrics::with_local_recorder(&recorder, || {
+        Pool::builder(db.deadpool(4).unwrap())
+            .name("mx")
+            .policy(Policy::Refuse)
+            .wait_timeout(Duration::from_millis(100))
+            .long_hold_threshold(Duration::from_millis(1))
+            // Passes run on demand below, not in the background.
+            .housekeeping_interval(Duration::from_secs(3600))
+            .build()
+            .unwrap()
+    });
+
+    // Limits are published at build.
+    let s = snapshot(&snap);
+    assert_eq!(
+        gauge(&s, &format!("{}{{pool=mx}}", m::CONNECTIONS_MAX)),
+        4.0
+    );
+    assert_eq!(
+        gauge(&s, &format!("{}{{lane=session_lock,pool=mx}}", m::LANE_MAX)),
+        1.0
+    );
+    assert_eq!(
+        gauge(&s, &format!("{}{{lane=control,pool=mx}}", m::LANE_RESERVED)),
+        1.0
+    );
+    assert_eq!(
+        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_MAX)),
+        3.0
+    );
+
+    // A session-lock checkout, then one refused past the budget.
+    let lock = pool.get_for(Lane::SessionLock).await.unwrap();
+    assert!(pool
+        .get_for(Lane::SessionLock)
+        .await
+        .unwrap_err()
+        .is_budget_exhausted());
+    // Request work: two checkouts, one returned.
+    let a = pool.get().await.unwrap();
+    let b = pool.get().await.unwrap();
+    drop(b);
+    let s = snapshot(&snap);
+    assert_eq!(
+        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_IN_USE)),
+        1.0
+    );
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,pool=mx,reason=refused}}",
+                m::ACQUIRE_FAILURES
+            )
+        ),
+        1
+    );
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,policy=refuse,pool=mx}}",
+                m::BUDGET_OVERRUNS
+            )
+        ),
+        1
+    );
+    assert_eq!(
+        histogram(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", m::ACQUIRE_DURATION)
+        )
+        .len(),
+        2
+    );
+    assert_eq!(
+        histogram(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mx}}", m::ACQUIRE_DURATION)
+        )
+        .len(),
+        1
+    );
+    assert_eq!(
+        histogram(&s, &format!("{}{{lane=request,pool=mx}}", m::HOLD_DURATION)).len(),
+        1
+    );
+
+    // The request lane (max 3 with one session lock out: 4 - 1 - control reserve 1 = 2 free) saturates; a waiter times out.
+    let c = pool.get().await.unwrap();
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.get_for(Lane::Request).await.map(drop) })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while pool.status().lane(Lane::Request).waiting == 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::task::yield_now().await;
+    }
+    let s = snapshot(&snap);
+    assert_eq!(
+        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_PENDING)),
+        1.0
+    );
+    assert!(waiter.await.unwrap().unwrap_err().is_timeout());
+    let s = snapshot(&snap);
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=request,pool=mx,reason=timeout}}",
+                m::ACQUIRE_FAILURES
+            )
+        ),
+        1
+    );
+
+    // Readiness answers on the control reserve.
+    pool.readiness(Duration::from_secs(1)).await.unwrap();
+    // Housekeeping: oldest hold per lane, long holds, connections by state.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    pool.housekeep();
+    let s = snapshot(&snap);
+    assert_eq!(
+        histogram(&s, &format!("{}{{pool=mx}}", m::READINESS_DURATION)).len(),
+        1
+    );
+    assert!(
+        gauge(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mx}}", m::OLDEST_HOLD)
+        ) > 0.0
+    );
+    assert_eq!(
+        gauge(&s, &format!("{}{{lane=control,pool=mx}}", m::OLDEST_HOLD)),
+        0.0
+    );
+    assert_eq!(
+        counter(&s, &format!("{}{{lane=request,pool=mx}}", m::LONG_HOLDS)),
+        2
+    );
+    assert_eq!(
+        counter(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mx}}", m::LONG_HOLDS)
+        ),
+        1
+    );
+    assert_eq!(
+        gauge(&s, &format!("{}{{pool=mx,state=in_use}}", m::CONNECTIONS)),
+        3.0
+    );
+    assert_eq!(
+        gauge(&s, &format!("{}{{pool=mx,state=idle}}", m::CONNECTIONS)),
+        1.0
+    );
+    // A long hold is reported once, not at every pass.
+    pool.housekeep();
+    let s = snapshot(&snap);
+    assert_eq!(
+        counter(&s, &format!("{}{{lane=request,pool=mx}}", m::LONG_HOLDS)),
+        0
+    );
+
+    drop((a, c, lock));
+    // Readiness failure: a closed pool.
+    pool.close();
+    assert!(pool.readiness(Duration::from_millis(200)).await.is_err());
+    let s = snapshot(&snap);
+    let failures = counter(
+        &s,
+        &format!("{}{{pool=mx,reason=error}}", m::READINESS_FAILURES),
+    ) + counter(
+        &s,
+        &format!("{}{{pool=mx,reason=timeout}}", m::READINESS_FAILURES),
+    );
+    assert_eq!(failures, 1);
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mx}}", m::LANE_IN_USE)
+        ),
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn warn_overruns_are_counted() {
+    let db = TestServer::shared()
+        .unwrap()
+        .create_database()
+        .await
+        .unwrap();
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    let pool = metrics::with_local_recorder(&recorder, || {
+        Pool::builder(db.deadpool(4).unwrap())
+            .name("mw")
+            .policy(Policy::Warn)
+            .build()
+            .unwrap()
+    });
+    let a = pool.get_for(Lane::SessionLock).await.unwrap();
+    let b = pool.get_for(Lane::SessionLock).await.unwrap();
+    assert!(pool.get_for(Lane::SessionLock).await.is_err());
+    let s = snapshot(&snap);
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,policy=warn,pool=mw}}",
+                m::BUDGET_OVERRUNS
+            )
+        ),
+        1
+    );
+    // Past the hard floor it is a refusal, but no budget overrun of policy refuse.
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,pool=mw,reason=refused}}",
+                m::ACQUIRE_FAILURES
+            )
+        ),
+        1
+    );
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mw}}", m::LANE_IN_USE)
+        ),
+        2.0
+    );
+    drop((a, b));
+}
