@@ -10,7 +10,9 @@
 -- so that instances starting together do not race.
 --
 -- A logged table on purpose: unlike advisory locks, leases survive a primary
--- failover. Every time comes from the database clock.
+-- failover. Every time comes from the database clock. Rows stay after their
+-- release (one per lease name): a take-over draws its token with the row
+-- locked, after the previous term's, so tokens grow with every term.
 
 -- Fencing tokens: one value per take-over, increasing across the cluster.
 -- CACHE 1 keeps values increasing in the order sessions take them.

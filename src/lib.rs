@@ -15,7 +15,7 @@ pub mod testing;
 pub use budget::{Lane, LaneLimits, Limits, Policy};
 pub use error::{BuildError, Error, Holder};
 pub use lease::{
-    Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder, LostReason, OnLost,
-    Scheduler, SchedulerBuilder,
+    Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder,
+    LostReason, OnLost, Scheduler, SchedulerBuilder,
 };
 pub use pool::{Conn, LaneStatus, Pool, PoolBuilder, Status};

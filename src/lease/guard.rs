@@ -286,6 +286,11 @@ impl Lease {
         self.handle.is_lost()
     }
 
+    /// Why it was lost, once it was.
+    pub fn lost_reason(&self) -> Option<LostReason> {
+        self.handle.lost_reason()
+    }
+
     /// Completes when the lease is lost. See [`LeaseHandle::lost`].
     pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
         self.handle.lost()
@@ -296,10 +301,11 @@ impl Lease {
         self.handle.fence(tx).await
     }
 
-    /// Releases the lease: deletes the row of this term only (holder and
-    /// token), so a late release never removes a later holder's lease. With
-    /// an at-least-hold or a schedule still running, the row stays, marked
-    /// released, until then.
+    /// Releases the lease: marks the row of this term only (holder and
+    /// token) released, so a late release never touches a later holder's
+    /// lease. The row itself stays (one per lease name), keeping its token
+    /// so that the next term's is larger; an at-least-hold or a schedule
+    /// keeps the lease from being taken again until its time.
     ///
     /// Fails with [`Error::LeaseLost`] when the term was already over (taken
     /// over), or with the database error; either way the lease is no longer

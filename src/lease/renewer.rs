@@ -15,7 +15,7 @@
 //! A renewal statement may run until the earliest deadline of its batch; past
 //! that, its connection is discarded (it may be stuck on a stopped backend).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -124,9 +124,6 @@ impl Inner {
             return;
         }
         self.metrics.lost(&state.name, reason);
-        if reason == LostReason::Taken {
-            self.metrics.renew_lost.increment(1);
-        }
         tracing::warn!(
             pool = %self.pool_name,
             lease = %state.name,
@@ -187,13 +184,11 @@ impl Inner {
         let holders: Vec<&str> = items.iter().map(|i| i.state.holder.as_str()).collect();
         let tokens: Vec<i64> = items.iter().map(|i| i.state.token).collect();
         let ttls: Vec<f64> = items.iter().map(|i| i.ttl).collect();
+        let mut sent = false;
         let result = async {
             let conn = self.control(budget).await?;
             let left = budget.saturating_sub(start.elapsed());
-            self.count_statement();
-            self.stats
-                .renewal_statements
-                .fetch_add(1, Ordering::Relaxed);
+            sent = true;
             let fut = self.sql.renew(&conn, &names, &holders, &tokens, &ttls);
             match tokio::time::timeout(left, fut).await {
                 Ok(r) => Ok(r?),
@@ -208,10 +203,28 @@ impl Inner {
         }
         .await;
         self.metrics.renewal.record(start.elapsed().as_secs_f64());
+        let (ok_count, failed) = match &result {
+            Ok(rows) => (rows.len() as u64, false),
+            Err(_) => (0, true),
+        };
+        {
+            // One lock: a snapshot never sees a statement without its renewals.
+            let mut s = self.stats.lock();
+            if sent {
+                s.statements += 1;
+                s.renewal_statements += 1;
+            }
+            if failed {
+                s.renewal_failures += 1;
+            } else {
+                s.renewed += ok_count;
+                s.last_batch = items.len();
+            }
+        }
         match result {
             Ok(rows) => {
-                let renewed: HashMap<(&str, i64), ()> =
-                    rows.iter().map(|(n, t)| ((n.as_str(), *t), ())).collect();
+                let renewed: HashSet<(&str, i64)> =
+                    rows.iter().map(|(n, t)| (n.as_str(), *t)).collect();
                 let mut taken = Vec::new();
                 let mut ok = 0u64;
                 {
@@ -220,7 +233,7 @@ impl Inner {
                         let Some(e) = reg.entries.get_mut(&item.id) else {
                             continue; // released meanwhile
                         };
-                        if renewed.contains_key(&(&*item.state.name, item.state.token)) {
+                        if renewed.contains(&(&*item.state.name, item.state.token)) {
                             e.due = e.timing.due_after(start);
                             e.deadline = e.timing.deadline(start);
                             e.attempt = 0;
@@ -231,8 +244,7 @@ impl Inner {
                     }
                 }
                 self.metrics.renew_ok.increment(ok);
-                self.stats.renewed.fetch_add(ok, Ordering::Relaxed);
-                self.stats.last_batch.store(items.len(), Ordering::Relaxed);
+                self.metrics.renew_lost.increment(taken.len() as u64);
                 for state in &taken {
                     self.metrics.held.decrement(1.0);
                     self.lost(state, LostReason::Taken);

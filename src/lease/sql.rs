@@ -53,9 +53,12 @@ impl Statements {
         Statements {
             exists: "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL".to_owned(),
             // Seed 000's statement, extended: a token from the sequence on
-            // every take (the DO UPDATE branch takes `excluded.token`, the
-            // value this INSERT drew), the previous holder, the hold, and the
-            // time until free when busy. `name = excluded.name` makes a
+            // every take, the previous holder, the hold, and the time until
+            // free when busy. A take-over draws its token in the DO UPDATE
+            // branch, with the row locked: after the previous term's, so
+            // tokens grow with every term of a name even when a statement
+            // that drew a value in VALUES stalls (they do not when drawn
+            // before the lock: seen under 16 contenders). `name = excluded.name` makes a
             // take-over lock the row FOR UPDATE, so it waits for fenced
             // transactions (FOR KEY SHARE) while renewals do not.
             acquire: format!(
@@ -66,7 +69,7 @@ impl Statements {
                    CASE WHEN $5 > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / $5) + 1) * $5) END),
           NULL)
   ON CONFLICT (name) DO UPDATE
-     SET name = excluded.name, holder = excluded.holder, token = excluded.token,
+     SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
          taken_at = excluded.taken_at, expires_at = excluded.expires_at,
          held_until = excluded.held_until, prev_holder = l.holder
    WHERE l.expires_at < now() AND l.held_until <= now()
@@ -86,19 +89,15 @@ SELECT false, NULL::int8, NULL::text, NULL::float8,
  WHERE l.name = r.name AND l.holder = r.holder AND l.token = r.token
 RETURNING l.name, l.token"
             ),
-            // The holder's own term only. A row whose hold runs on is kept,
-            // marked released (holder ''), so nobody takes it before
-            // `held_until`; `$4` forgets the hold (an aborted run).
+            // The holder's own term only. The row stays, marked released
+            // (holder ''), keeping its token and its hold: the next term's
+            // token is drawn under the row lock, after this one's. `$4`
+            // forgets the hold (an interrupted run).
             release: format!(
-                "WITH d AS (
-  DELETE FROM {tbl} WHERE name = $1 AND holder = $2 AND token = $3 AND (held_until <= now() OR $4)
-  RETURNING 1
-), k AS (
-  UPDATE {tbl} SET holder = '', expires_at = now()
-   WHERE name = $1 AND holder = $2 AND token = $3 AND held_until > now() AND NOT $4
-  RETURNING 1
-)
-SELECT (SELECT count(*) FROM d) + (SELECT count(*) FROM k)"
+                "UPDATE {tbl} SET holder = '', expires_at = now(),
+       held_until = CASE WHEN $4 THEN least(held_until, now()) ELSE held_until END
+ WHERE name = $1 AND holder = $2 AND token = $3
+RETURNING 1"
             ),
             fence: format!(
                 "SELECT holder, token, expires_at > clock_timestamp() FROM {tbl} WHERE name = $1 FOR KEY SHARE"
@@ -211,7 +210,7 @@ SELECT (SELECT count(*) FROM d) + (SELECT count(*) FROM k)"
         forget_hold: bool,
     ) -> Result<bool, PgError> {
         let row = client
-            .query_typed_one(
+            .query_typed_opt(
                 &self.release,
                 &[
                     (&name, Type::TEXT),
@@ -221,7 +220,7 @@ SELECT (SELECT count(*) FROM d) + (SELECT count(*) FROM k)"
                 ],
             )
             .await?;
-        Ok(row.try_get::<_, i64>(0)? > 0)
+        Ok(row.is_some())
     }
 
     /// Locks the lease row `FOR KEY SHARE` in the caller's transaction;
