@@ -768,3 +768,40 @@ async fn bad_input_is_a_typed_error_at_the_call() {
     assert_eq!(row(&admin, odd).await.unwrap().1, lease.token());
     lease.release().await.unwrap();
 }
+
+// ---- cancellation ----
+
+#[tokio::test]
+async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
+    let db = db().await;
+    let pool = pool(&db, 2, "cancel");
+    let leases = Leases::new(&pool);
+    leases.install().await.unwrap();
+    // Drop acquisitions and releases after every number of polls.
+    for polls in 0..12 {
+        let mut fut = Box::pin(leases.try_acquire("c", S));
+        for _ in 0..polls {
+            let _ = futures_util::poll!(&mut fut);
+            tokio::task::yield_now().await;
+        }
+        drop(fut);
+        if let Some(lease) = leases.try_acquire("r", S).await.unwrap() {
+            let mut fut = Box::pin(lease.release());
+            for _ in 0..polls {
+                let _ = futures_util::poll!(&mut fut);
+                tokio::task::yield_now().await;
+            }
+            drop(fut);
+        }
+    }
+    // No connection stays out; a dropped acquisition registers nothing, and
+    // whatever it took in the database expires after its TTL.
+    until(3 * S, "connections back", || async {
+        pool.status().in_use == 0
+    })
+    .await;
+    assert_eq!(leases.stats().held, 0);
+    let c = leases.acquire("c", S, 3 * S).await.unwrap();
+    let r = leases.acquire("r", S, 3 * S).await.unwrap();
+    assert!(!c.is_lost() && !r.is_lost());
+}

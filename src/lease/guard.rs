@@ -310,17 +310,22 @@ impl Lease {
     /// Fails with [`Error::LeaseLost`] when the term was already over (taken
     /// over), or with the database error; either way the lease is no longer
     /// renewed.
+    ///
+    /// Cancellation-safe: dropped before it completes, the guard releases in
+    /// the background as on drop.
     pub async fn release(mut self) -> Result<(), Error> {
-        self.done = true;
         let h = self.handle.clone();
-        h.inner.release(self.id, &h.state, false).await
+        let r = h.inner.release(self.id, &h.state, false).await;
+        self.done = true;
+        r
     }
 
     /// Releases, forgetting any hold: the lease is free at once.
     pub(crate) async fn release_now(mut self) -> Result<(), Error> {
-        self.done = true;
         let h = self.handle.clone();
-        h.inner.release(self.id, &h.state, true).await
+        let r = h.inner.release(self.id, &h.state, true).await;
+        self.done = true;
+        r
     }
 }
 

@@ -30,7 +30,7 @@ impl<E: fmt::Display + Send + 'static> JobOutcome for Result<(), E> {
 pub(crate) type BoxJob = Pin<Box<dyn Future<Output = Option<String>> + Send>>;
 pub(crate) type JobFn = Arc<dyn Fn(LeaseHandle) -> BoxJob + Send + Sync>;
 
-/// A job for the [`Scheduler`]: a name, a period, and what to run.
+/// A job for the [`Scheduler`](super::Scheduler): a name, a period, and what to run.
 ///
 /// ```
 /// use std::time::Duration;
@@ -98,7 +98,7 @@ impl Job {
     }
 
     /// The lease settings of each run: TTL (default 2 min), renewal, safety
-    /// margin, at-least-hold, and [`OnLost`] (default: signal, keep running).
+    /// margin, at-least-hold, and [`OnLost`](super::OnLost) (default: signal, keep running).
     pub fn options(mut self, opts: LeaseOptions) -> Job {
         self.opts = opts;
         self

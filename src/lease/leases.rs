@@ -75,7 +75,7 @@ pub struct LeasesBuilder {
 impl LeasesBuilder {
     /// The lease table: `table` or `schema.table`, each part of
     /// `[A-Za-z0-9_]` not starting with a digit, the table part at most
-    /// [`MAX_TABLE_LEN`] bytes (its sequence adds `_token_seq`). Quotes,
+    /// [`MAX_TABLE_LEN`](super::MAX_TABLE_LEN) bytes (its sequence adds `_token_seq`). Quotes,
     /// spaces and other characters are refused. Default: [`DEFAULT_TABLE`].
     pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
@@ -186,7 +186,7 @@ impl Leases {
 
     /// Creates the lease table and its token sequence when they do not both
     /// exist, inside a transaction holding the transaction-scoped advisory
-    /// lock [`INSTALL_LOCK_KEY`], so instances starting together do not race.
+    /// lock [`INSTALL_LOCK_KEY`](super::INSTALL_LOCK_KEY), so instances starting together do not race.
     /// The schema must exist. Returns true when it ran the DDL.
     pub async fn install(&self) -> Result<bool, Error> {
         let inner = &self.inner;
@@ -202,6 +202,10 @@ impl Leases {
 
     /// Takes `name` for `ttl` if nobody holds it; `None` when another term
     /// holds it (a skip). Renewal every TTL / 4 starts at once.
+    ///
+    /// Cancellation: a future dropped after its statement reached the
+    /// database may have taken the lease with no guard to renew it; it
+    /// expires after `ttl`, as a crashed holder's would.
     pub async fn try_acquire(&self, name: &str, ttl: Duration) -> Result<Option<Lease>, Error> {
         self.try_acquire_with(name, &LeaseOptions::new(ttl)).await
     }
