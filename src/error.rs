@@ -130,7 +130,7 @@ pub enum Error {
     /// (the statement may or may not have taken effect).
     #[error("lease {what} did not complete within {waited:?}; its connection was closed")]
     LeaseTimeout {
-        /// The statement: `acquisition`, `renewal` or `release`.
+        /// The statement: `acquisition`, `renewal`, `release` or `install`.
         what: &'static str,
         /// How long it ran.
         waited: std::time::Duration,

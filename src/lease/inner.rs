@@ -105,15 +105,35 @@ impl Inner {
         }
         self.installed
             .get_or_try_init(|| async {
-                let mut conn = self.control(self.statement_timeout).await?;
-                self.count_statement();
-                if self.sql.install(&mut conn).await? {
-                    tracing::info!(pool = %self.pool_name, table = %self.table, "lease table installed");
-                }
+                self.install().await?;
                 Ok::<(), Error>(())
             })
             .await
             .map(|_| ())
+    }
+
+    /// Creates the table unless it exists (see [`super::Leases::install`]),
+    /// bounded by the statement timeout.
+    pub(crate) async fn install(&self) -> Result<bool, Error> {
+        let began = Instant::now();
+        let mut conn = self.control(self.statement_timeout).await?;
+        let left = self.statement_timeout.saturating_sub(began.elapsed());
+        self.count_statement();
+        let ran = match tokio::time::timeout(left, self.sql.install(&mut conn)).await {
+            Ok(r) => r?,
+            Err(_) => {
+                conn.discard();
+                return Err(Error::LeaseTimeout {
+                    what: "install",
+                    waited: began.elapsed(),
+                });
+            }
+        };
+        if ran {
+            tracing::info!(pool = %self.pool_name, table = %self.table, "lease table installed");
+        }
+        let _ = self.installed.set(());
+        Ok(ran)
     }
 
     /// One acquisition attempt: the lease, or how long until it may be free.

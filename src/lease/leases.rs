@@ -49,7 +49,8 @@ pub struct Leases {
 pub struct LeaseStats {
     /// Leases held now.
     pub held: usize,
-    /// Statements sent: acquisitions, renewals, releases, fences, install.
+    /// Statements sent: acquisitions, renewals, releases, fences (and each
+    /// install, counted once).
     pub statements: u64,
     /// Renewal statements sent (each renews a batch).
     pub renewal_statements: u64,
@@ -189,15 +190,7 @@ impl Leases {
     /// lock [`INSTALL_LOCK_KEY`](super::INSTALL_LOCK_KEY), so instances starting together do not race.
     /// The schema must exist. Returns true when it ran the DDL.
     pub async fn install(&self) -> Result<bool, Error> {
-        let inner = &self.inner;
-        let mut conn = inner.control(inner.statement_timeout).await?;
-        inner.count_statement();
-        let ran = inner.sql.install(&mut conn).await?;
-        if ran {
-            tracing::info!(pool = %inner.pool_name, table = %inner.table, "lease table installed");
-        }
-        let _ = inner.installed.set(());
-        Ok(ran)
+        self.inner.install().await
     }
 
     /// Takes `name` for `ttl` if nobody holds it; `None` when another term

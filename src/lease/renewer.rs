@@ -12,8 +12,9 @@
 //!    it failed (a transient error never drops a lease before its deadline),
 //! 4. sleeps until the earliest due time or deadline, or a registration.
 //!
-//! A renewal statement may run until the earliest deadline of its batch; past
-//! that, its connection is discarded (it may be stuck on a stopped backend).
+//! A renewal statement may run until the earliest local deadline of any lease
+//! held; past that, its connection is discarded (it may be stuck on a stopped
+//! backend), and the deadline fires on time.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -138,6 +139,7 @@ impl Inner {
         let now = Instant::now();
         let mut expired = Vec::new();
         let mut batch = Vec::new();
+        let mut earliest = None;
         {
             let mut reg = self.registry.lock();
             reg.entries.retain(|_, e| {
@@ -147,6 +149,7 @@ impl Inner {
                 }
                 true
             });
+            earliest = reg.entries.values().map(|e| e.deadline).min();
             for (id, e) in reg.entries.iter() {
                 if timing::is_due(now, e.due, e.attempt, e.timing.window()) {
                     batch.push(Item {
@@ -163,7 +166,7 @@ impl Inner {
             self.lost(state, LostReason::Deadline);
         }
         for chunk in batch.chunks(MAX_BATCH) {
-            self.renew_batch(chunk).await;
+            self.renew_batch(chunk, earliest).await;
         }
         let reg = self.registry.lock();
         let min_interval = reg.entries.values().map(|e| e.timing.renew_every).min();
@@ -174,9 +177,12 @@ impl Inner {
     }
 
     /// Sends one renewal statement for `items` and applies its outcome.
-    async fn renew_batch(&self, items: &[Item]) {
+    /// It may run until `earliest`, the first local deadline of any lease
+    /// held, so that no deadline waits for a stuck statement.
+    async fn renew_batch(&self, items: &[Item], earliest: Option<Instant>) {
         let start = Instant::now();
-        let Some(budget) = timing::statement_budget(start, items.iter().map(|i| i.deadline)) else {
+        let deadlines = items.iter().map(|i| i.deadline).chain(earliest);
+        let Some(budget) = timing::statement_budget(start, deadlines) else {
             return; // a deadline passed meanwhile: the next tick fires it
         };
         let budget = budget.min(self.statement_timeout);

@@ -119,7 +119,7 @@ pub(crate) fn is_due(now: Instant, due: Instant, attempt: u32, window: Duration)
 }
 
 /// How long a renewal statement sent at `now` may take: until the earliest
-/// local deadline of its batch (`None` when that deadline has passed).
+/// of the given local deadlines (`None` when it has passed).
 pub(crate) fn statement_budget(
     now: Instant,
     deadlines: impl IntoIterator<Item = Instant>,
