@@ -58,6 +58,8 @@ pub struct LeaseStats {
     pub renewed: u64,
     /// Leases in the last renewal statement that succeeded.
     pub last_batch: usize,
+    /// How long that statement took, checkout included.
+    pub last_renewal: Duration,
     /// Renewal attempts that failed (a database or pool error, a timeout):
     /// retried with back-off until the local deadline.
     pub renewal_failures: u64,

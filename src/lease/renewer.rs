@@ -208,7 +208,8 @@ impl Inner {
             }
         }
         .await;
-        self.metrics.renewal.record(start.elapsed().as_secs_f64());
+        let took = start.elapsed();
+        self.metrics.renewal.record(took.as_secs_f64());
         let (ok_count, failed) = match &result {
             Ok(rows) => (rows.len() as u64, false),
             Err(_) => (0, true),
@@ -225,6 +226,7 @@ impl Inner {
             } else {
                 s.renewed += ok_count;
                 s.last_batch = items.len();
+                s.last_renewal = took;
             }
         }
         match result {
