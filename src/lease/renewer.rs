@@ -139,8 +139,7 @@ impl Inner {
         let now = Instant::now();
         let mut expired = Vec::new();
         let mut batch = Vec::new();
-        let mut earliest = None;
-        {
+        let earliest = {
             let mut reg = self.registry.lock();
             reg.entries.retain(|_, e| {
                 if now >= e.deadline {
@@ -149,7 +148,6 @@ impl Inner {
                 }
                 true
             });
-            earliest = reg.entries.values().map(|e| e.deadline).min();
             for (id, e) in reg.entries.iter() {
                 if timing::is_due(now, e.due, e.attempt, e.timing.window()) {
                     batch.push(Item {
@@ -160,7 +158,8 @@ impl Inner {
                     });
                 }
             }
-        }
+            reg.entries.values().map(|e| e.deadline).min()
+        };
         for state in &expired {
             self.metrics.held.decrement(1.0);
             self.lost(state, LostReason::Deadline);
