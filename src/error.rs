@@ -104,6 +104,54 @@ pub enum Error {
         why: String,
     },
     // --- lock errors (src/lock*) ---
+    /// An advisory lock was not granted within its bound: PostgreSQL's
+    /// `lock_timeout` fired (SQLSTATE 55P03, `lock_not_available`).
+    ///
+    /// For a transaction-scoped lock, PostgreSQL has aborted the transaction:
+    /// roll it back (dropping it does) and retry with a new one.
+    #[error(
+        "advisory lock {key} not granted within {timeout:?} (lock_timeout, sqlstate 55P03): \
+         another session holds it; retry later, or use a try_ variant to skip instead of waiting"
+    )]
+    LockTimeout {
+        /// The key asked for.
+        key: crate::lock::LockKey,
+        /// The bound that passed.
+        timeout: Duration,
+    },
+
+    /// PostgreSQL said this session did not hold the lock it was asked to
+    /// release (`WARNING: you don't own a lock of type ExclusiveLock`).
+    #[error(
+        "advisory lock {key} was not held by its guard's session when unlocked: something released it \
+         behind the guard (raw pg_advisory_unlock or pg_advisory_unlock_all on its connection); \
+         the connection is cleaned up, not returned as is"
+    )]
+    NotOwned {
+        /// The key.
+        key: crate::lock::LockKey,
+    },
+
+    /// `unlock_one` would release the last level of a guard: that is
+    /// [`SessionLock::unlock`](crate::SessionLock::unlock)'s job.
+    #[error("advisory lock {key} is held once: release the last level with unlock(self), not unlock_one")]
+    UnbalancedUnlock {
+        /// The key.
+        key: crate::lock::LockKey,
+    },
+
+    /// Session advisory locks were refused because the pool talks to
+    /// PostgreSQL through a transaction-mode pooler.
+    #[error(
+        "session advisory locks cannot work behind a transaction-mode pooler ({how}): the pooler hands \
+         the server connection, and the lock with it, to other clients between transactions; \
+         use a transaction-scoped lock (pool.with_xact_lock, pgwarden::xact_lock) or a table lease \
+         (pgwarden::Leases)"
+    )]
+    BehindPooler {
+        /// `"configured"` or `"detected"`.
+        how: &'static str,
+    },
     // --- lease errors (src/lease*) ---
     // (their predicates, `is_lease_lost()` and friends, are in src/lease/mod.rs)
     /// The lease is no longer this holder's: taken over, expired, or given
@@ -151,6 +199,26 @@ impl Error {
                 | Error::ReadinessTimeout(_)
                 | Error::Pool(deadpool_postgres::PoolError::Timeout(_))
         )
+    }
+
+    /// An advisory lock was not granted in time: [`Error::LockTimeout`], or a
+    /// database error with SQLSTATE 55P03 (`lock_not_available`).
+    pub fn is_lock_timeout(&self) -> bool {
+        match self {
+            Error::LockTimeout { .. } => true,
+            Error::Db(e) => e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE),
+            _ => false,
+        }
+    }
+
+    /// An unlock found the lock not held ([`Error::NotOwned`]).
+    pub fn is_not_owned(&self) -> bool {
+        matches!(self, Error::NotOwned { .. })
+    }
+
+    /// Session locks were refused behind a transaction pooler ([`Error::BehindPooler`]).
+    pub fn is_behind_pooler(&self) -> bool {
+        matches!(self, Error::BehindPooler { .. })
     }
 
     pub(crate) fn invalid(what: &'static str, why: impl Into<String>) -> Error {

@@ -49,6 +49,8 @@ pub(crate) struct Options {
     pub(crate) long_hold: Duration,
     pub(crate) housekeeping: Duration,
     pub(crate) census_interval: Option<Duration>,
+    pub(crate) pooler: crate::pooler::Pooler,
+    pub(crate) unlock_timeout: Duration,
 }
 
 pub(crate) struct Shared {
@@ -57,6 +59,7 @@ pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
     pub(crate) opts: Options,
     pub(crate) metrics: PoolMetrics,
+    pub(crate) locks: crate::lock::LockShared,
     housekeeping_started: AtomicBool,
     /// The pool's own lease table (`Pool::leases`, `Pool::try_exclusive`).
     pub(crate) leases: std::sync::OnceLock<crate::lease::Leases>,
@@ -421,7 +424,8 @@ async fn housekeeping(shared: Weak<Shared>, every: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick is immediate: nothing has been held yet.
     tick.tick().await;
-    let mut last_census: Option<Instant> = None;
+    // The first census runs one interval after start, not at build time.
+    let mut last_census = Instant::now();
     loop {
         tick.tick().await;
         let Some(shared) = shared.upgrade() else {
@@ -431,9 +435,22 @@ async fn housekeeping(shared: Weak<Shared>, every: Duration) {
             return;
         }
         shared.housekeep();
-        // CENSUS-HOOK: the periodic census (issue 3) runs here.
-        let _ = &shared.opts.census_interval;
-        let _ = &mut last_census;
+        if let Some(every) = shared.opts.census_interval {
+            if last_census.elapsed() >= every {
+                last_census = Instant::now();
+                census_pass(Pool { shared }, every).await;
+            }
+        }
+    }
+}
+
+/// The periodic census, bounded so that housekeeping never stalls on it.
+async fn census_pass(pool: Pool, every: Duration) {
+    let bound = pool.shared.opts.wait_timeout + every.min(Duration::from_secs(30));
+    match tokio::time::timeout(bound, pool.census_sweep()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(pool = %pool.shared.name, error = %e, "census failed"),
+        Err(_) => tracing::warn!(pool = %pool.shared.name, ?bound, "census did not finish in time"),
     }
 }
 

@@ -120,9 +120,9 @@ async fn builds_from_url_and_config() {
 
     let pg = db.pg_config();
     let mut cfg = deadpool_postgres::Config::new();
-    cfg.host = pg.get_hosts().iter().find_map(|h| match h {
-        tokio_postgres::config::Host::Unix(p) => Some(p.to_string_lossy().into_owned()),
-        tokio_postgres::config::Host::Tcp(h) => Some(h.clone()),
+    cfg.host = pg.get_hosts().first().map(|h| match h {
+        tokio_postgres::config::Host::Unix(p) => p.to_string_lossy().into_owned(),
+        tokio_postgres::config::Host::Tcp(h) => h.clone(),
     });
     cfg.port = pg.get_ports().first().copied();
     cfg.user = pg.get_user().map(str::to_owned);

@@ -66,11 +66,8 @@ pub fn checkout_from_criterion() -> Row {
     let read = |name: &str| -> Option<f64> {
         let p = format!("target/criterion/checkout_return/{name}/new/estimates.json");
         let text = std::fs::read_to_string(p).ok()?;
-        // {"mean":{"confidence_interval":{...},"point_estimate":123.4,...},...}
-        let mean = text.find("\"mean\"")?;
-        let pe = text[mean..].find("\"point_estimate\":")? + mean + "\"point_estimate\":".len();
-        let end = text[pe..].find(|c: char| c == ',' || c == '}')? + pe;
-        text[pe..end].trim().parse().ok()
+        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+        v["mean"]["point_estimate"].as_f64()
     };
     match (read("raw_deadpool"), read("pgwarden")) {
         (Some(a), Some(b)) => Row {

@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use pgwarden::testing::TestDb;
-use pgwarden::{Lane, Policy, Pool};
+use pgwarden::{Namespace, Policy, Pool};
+
+/// The application's lock namespace for its background jobs, declared once.
+pub const JOBS_NS: Namespace = Namespace::new(1);
 
 /// The four background jobs of the seed: three cluster-wide, one per node.
 pub const JOBS: [&str; 4] = ["cleanup", "alerts", "mail-checks", "uptime-node-a"];
@@ -168,8 +171,9 @@ pub async fn raw_deadpool(db: &TestDb) -> Result<Outcome, BoxError> {
     Ok(out)
 }
 
-/// pgwarden, pool of 4, the same four jobs: each asks for a budgeted
-/// session-lock connection.
+/// pgwarden, pool of 4, the same four jobs with the same intent: each takes a
+/// budgeted session lock (`try_session_lock`), which checks out its
+/// connection on the session-lock lane.
 pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outcome, BoxError> {
     let pool = Pool::builder(db.deadpool(POOL_SIZE)?)
         .name(format!("incident-{}", policy.as_str()))
@@ -181,24 +185,17 @@ pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outco
     ));
     let attempts = join_all(JOBS.map(|job| {
         let pool = pool.clone();
-        async move {
-            let conn = pool.get_for(Lane::SessionLock).await?;
-            let ok: bool = conn
-                .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&job])
-                .await?
-                .get(0);
-            Ok::<_, pgwarden::Error>((job, conn, ok))
-        }
+        async move { pool.try_session_lock(JOBS_NS.named(job)).await }
     }))
     .await;
     let mut holders = Vec::new();
     for a in attempts {
         match a {
-            Ok((job, conn, true)) => {
+            Ok(Some(lock)) => {
                 out.granted += 1;
-                holders.push((job, conn));
+                holders.push(lock);
             }
-            Ok((_, _, false)) => return Err("lock held by another session".into()),
+            Ok(None) => return Err("lock held by another session".into()),
             Err(e) if e.is_budget_exhausted() => out.refused += 1,
             Err(e) => return Err(e.into()),
         }
@@ -226,14 +223,9 @@ pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outco
     }))
     .await;
     out.work_done = work.iter().filter(|d| d.is_some()).count();
-    for (job, conn) in holders {
-        let released: bool = conn
-            .query_one("SELECT pg_advisory_unlock(hashtext($1))", &[&job])
-            .await?
-            .get(0);
-        if !released {
-            return Err(format!("unlock of {job} returned false").into());
-        }
+    for lock in holders {
+        // Unlocks on the connection that holds it; a refused unlock is an error.
+        lock.unlock().await?;
     }
     Ok(out)
 }

@@ -9,7 +9,9 @@ use slab::Slab;
 use super::{Options, Pool, Shared, State};
 use crate::budget::{Budget, Lane, LaneLimits, Limits, Policy};
 use crate::error::BuildError;
+use crate::lock::LockShared;
 use crate::metrics::PoolMetrics;
+use crate::pooler::Pooler;
 
 /// Builds a [`Pool`] over a deadpool pool. Every setting has a default.
 #[must_use = "builder does nothing until .build()"]
@@ -23,6 +25,8 @@ pub struct PoolBuilder {
     long_hold: Duration,
     housekeeping: Duration,
     census_interval: Option<Duration>,
+    pooler: Pooler,
+    unlock_timeout: Duration,
 }
 
 impl PoolBuilder {
@@ -36,6 +40,8 @@ impl PoolBuilder {
             long_hold: Duration::from_secs(30),
             housekeeping: Duration::from_secs(1),
             census_interval: Some(Duration::from_secs(60)),
+            pooler: Pooler::Auto,
+            unlock_timeout: Duration::from_secs(5),
         }
     }
 
@@ -92,6 +98,23 @@ impl PoolBuilder {
         self
     }
 
+    /// Whether the pool talks through a transaction-mode pooler: behind one
+    /// ([`Pooler::Transaction`]) session locks are refused. Default:
+    /// [`Pooler::Auto`], detected at the first session lock or by
+    /// [`Pool::detect_pooler`].
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
+    }
+
+    /// How long a session lock dropped without `unlock` (or cancelled while
+    /// acquiring) may take to confirm its release before its connection is
+    /// closed instead of returned (zero: always closed). Default: 5 s.
+    pub fn unlock_timeout(mut self, bound: Duration) -> Self {
+        self.unlock_timeout = bound;
+        self
+    }
+
     /// Validates every setting and builds the pool. Call inside a tokio
     /// runtime to start the housekeeping task at once (otherwise it starts at
     /// the first checkout).
@@ -144,8 +167,11 @@ impl PoolBuilder {
                 long_hold: self.long_hold,
                 housekeeping: self.housekeeping,
                 census_interval: self.census_interval,
+                pooler: self.pooler,
+                unlock_timeout: self.unlock_timeout,
             },
             metrics,
+            locks: LockShared::default(),
             housekeeping_started: AtomicBool::new(false),
             leases: std::sync::OnceLock::new(),
         });

@@ -1,0 +1,315 @@
+//! Session advisory locks: budgeted, held by a guard that owns its
+//! connection, and never returned to the pool still held.
+
+use std::fmt;
+use std::panic::Location;
+use std::time::{Duration, Instant};
+
+use tokio_postgres::types::Type;
+
+use super::release::{Held, Tally};
+use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
+use crate::budget::Lane;
+use crate::error::Error;
+use crate::pool::{Conn, Pool};
+
+/// A held session advisory lock: owns the connection it was taken on, for as
+/// long as it is held, and unlocks on that same connection.
+///
+/// Re-entry is counted the way PostgreSQL counts it: [`lock_again`] takes one
+/// more level, [`unlock_one`] gives one back, and [`unlock`] releases every
+/// level left and returns the connection to the pool. An unbalanced unlock
+/// is impossible ([`unlock`] consumes the guard) or an explicit error
+/// ([`unlock_one`] refuses the last level); an unlock that PostgreSQL answers
+/// with `false` ("you don't own a lock") is [`Error::NotOwned`].
+///
+/// Dropped without [`unlock`] (early return, panic, cancelled future), the
+/// guard hands its connection to a spawned task that runs
+/// `pg_advisory_unlock_all()` and returns it to the pool; where that is not
+/// confirmed within the pool's unlock timeout
+/// ([`PoolBuilder::unlock_timeout`](crate::PoolBuilder::unlock_timeout)), the
+/// connection is closed instead, and PostgreSQL ends the session and its locks.
+///
+/// [`lock_again`]: SessionLock::lock_again
+/// [`unlock_one`]: SessionLock::unlock_one
+/// [`unlock`]: SessionLock::unlock
+#[must_use = "a session lock is released when its guard is dropped"]
+pub struct SessionLock {
+    held: Held,
+    depth: u32,
+    /// A level statement went out without its answer: the count is unknown.
+    uncertain: bool,
+}
+
+impl SessionLock {
+    /// The key held.
+    pub fn key(&self) -> LockKey {
+        self.held.key
+    }
+
+    /// Exclusive or shared.
+    pub fn mode(&self) -> LockMode {
+        self.held.mode
+    }
+
+    /// Levels held: 1 after acquisition, +1 per [`SessionLock::lock_again`].
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// The connection the lock lives on: statements that must run in the
+    /// lock's session go here. Other work belongs on a request connection
+    /// (`pool.get()`). Releasing the lock with raw SQL on it makes the next
+    /// unlock fail with [`Error::NotOwned`].
+    pub fn conn(&self) -> &Conn {
+        self.held.conn()
+    }
+
+    /// Takes the same lock once more on the same session (never waits: the
+    /// session holds it already). Returns the new depth. Each level needs
+    /// one unlock.
+    pub async fn lock_again(&mut self) -> Result<u32, Error> {
+        let key = self.held.key;
+        let sql = format!(
+            "SELECT {}({})",
+            lock_fn(Scope::Session, self.held.mode, false),
+            key.placeholders(1)
+        );
+        self.uncertain = true;
+        let row = self.held.conn().query_typed_one(&sql, &key.params()).await;
+        let granted = match row {
+            Ok(r) => r.try_get::<_, bool>(0)?,
+            Err(e) => {
+                self.uncertain = e.as_db_error().is_none();
+                return Err(e.into());
+            }
+        };
+        self.uncertain = false;
+        if !granted {
+            // Another session holds it: this one lost it behind the guard.
+            self.uncertain = true;
+            return Err(Error::NotOwned { key });
+        }
+        self.depth += 1;
+        self.held.tally_mut().add_level();
+        self.note();
+        Ok(self.depth)
+    }
+
+    /// Releases one level, keeping the lock while others remain. Returns
+    /// the depth left. The last level is [`SessionLock::unlock`]'s: here it is
+    /// [`Error::UnbalancedUnlock`].
+    pub async fn unlock_one(&mut self) -> Result<u32, Error> {
+        if self.depth <= 1 {
+            return Err(Error::UnbalancedUnlock { key: self.held.key });
+        }
+        self.uncertain = true;
+        if !self.held.unlock_level().await? {
+            return Err(Error::NotOwned { key: self.held.key });
+        }
+        self.uncertain = false;
+        self.depth -= 1;
+        self.held.tally_mut().remove_level();
+        self.note();
+        Ok(self.depth)
+    }
+
+    /// Releases every level held on this session and returns the connection
+    /// to the pool. Errors are reported: [`Error::NotOwned`] when PostgreSQL
+    /// says the session did not hold the lock, a database error otherwise;
+    /// either way the connection is then cleaned up (or closed) as on drop.
+    pub async fn unlock(mut self) -> Result<(), Error> {
+        if self.uncertain {
+            // A level statement was cut off: the count is unknown, and this
+            // guard owns the session, so release everything it holds.
+            self.held.unlock_all().await?;
+            return Ok(());
+        }
+        while self.depth > 0 {
+            if !self.held.unlock_level().await? {
+                return Err(Error::NotOwned { key: self.held.key });
+            }
+            self.depth -= 1;
+            self.held.tally_mut().remove_level();
+        }
+        self.held.released();
+        Ok(())
+    }
+
+    fn note(&self) {
+        let key = self.held.key;
+        let note = match self.depth {
+            1 => format!("session lock {key}"),
+            n => format!("session lock {key} (held {n} times)"),
+        };
+        self.held.conn().set_note(Some(note));
+    }
+}
+
+impl fmt::Debug for SessionLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionLock")
+            .field("key", &self.held.key)
+            .field("mode", &self.held.mode)
+            .field("depth", &self.depth)
+            .field("conn", self.held.conn())
+            .finish()
+    }
+}
+
+/// The statement of a bounded session lock, in autocommit: the bound is set
+/// transaction-local in a subquery (`OFFSET 0` keeps it from being
+/// flattened, so it runs first) and lasts only as long as this statement's
+/// implicit transaction; the session lock outlives it.
+pub(crate) fn bounded_session_sql(key: LockKey, mode: LockMode) -> String {
+    format!(
+        "SELECT {f}({k}) AS locked \
+           FROM (SELECT set_config('lock_timeout', $1, true) AS bound OFFSET 0) t",
+        f = lock_fn(Scope::Session, mode, true),
+        k = key.placeholders(2),
+    )
+}
+
+/// Takes a session lock: waits up to `wait` (checkout included), or tries
+/// once when `wait` is `None` (the checkout then waits up to the pool's wait
+/// timeout). `Ok(None)`: tried and not granted.
+pub(crate) async fn acquire(
+    pool: &Pool,
+    key: LockKey,
+    mode: LockMode,
+    wait: Option<Duration>,
+    site: &'static Location<'static>,
+) -> Result<Option<SessionLock>, Error> {
+    let start = Instant::now();
+    if let Some(how) = crate::pooler::behind_pooler(pool) {
+        return Err(Error::BehindPooler { how });
+    }
+    let bound = wait.unwrap_or(pool.shared.opts.wait_timeout);
+    let conn = pool.checkout(Lane::SessionLock, site, bound).await?;
+    crate::pooler::ensure_direct(pool, &conn, site, bound.saturating_sub(start.elapsed())).await?;
+    conn.set_note(Some(format!("session lock {key}")));
+    // From here on the guard owns the connection: dropped at any await
+    // point, it cleans up whatever the statement in flight may have taken.
+    let mut held = Held::new(conn, key, mode, pool.shared.opts.unlock_timeout);
+    let granted = match wait {
+        Some(timeout) => {
+            let setting = lock_timeout_setting(timeout.saturating_sub(start.elapsed()));
+            let sql = bounded_session_sql(key, mode);
+            let mut params = vec![(
+                &setting as &(dyn tokio_postgres::types::ToSql + Sync),
+                Type::TEXT,
+            )];
+            params.extend(key.params());
+            held.set_dirty();
+            match held.conn().query_typed_one(&sql, &params).await {
+                Ok(_) => true,
+                Err(e) => {
+                    let e = lock_error(e, key, timeout);
+                    if e.is_lock_timeout() {
+                        // The wait was cancelled by lock_timeout: nothing taken.
+                        held.released();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        None => {
+            let sql = format!(
+                "SELECT {}({})",
+                lock_fn(Scope::Session, mode, false),
+                key.placeholders(1)
+            );
+            held.set_dirty();
+            let row = held.conn().query_typed_one(&sql, &key.params()).await?;
+            row.try_get::<_, bool>(0)?
+        }
+    };
+    if !granted {
+        held.released();
+        return Ok(None);
+    }
+    held.set_tally(Tally::pin(&pool.shared));
+    Ok(Some(SessionLock {
+        held,
+        depth: 1,
+        uncertain: false,
+    }))
+}
+
+impl Pool {
+    /// Takes the exclusive session advisory lock `key`, waiting up to
+    /// `timeout` in all (the checkout on [`Lane::SessionLock`], then the lock
+    /// itself, bounded by PostgreSQL's `lock_timeout`).
+    ///
+    /// The checkout is budgeted: past the session-lock budget it is refused
+    /// ([`Error::BudgetExhausted`]) or admitted with a warning, by policy.
+    /// Behind a transaction-mode pooler it is refused ([`Error::BehindPooler`]).
+    /// Not granted in time: [`Error::LockTimeout`].
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+    /// use std::time::Duration;
+    /// const REPORTS: pgwarden::Namespace = pgwarden::Namespace::new(3);
+    ///
+    /// let lock = pool.session_lock(REPORTS.named("monthly"), Duration::from_secs(5)).await?;
+    /// let work = pool.get().await?; // the work under the lock: a request connection
+    /// work.simple_query("SELECT 1").await?;
+    /// drop(work);
+    /// lock.unlock().await?; // reports errors; dropping the guard also unlocks
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn session_lock(
+        &self,
+        key: LockKey,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<SessionLock, Error>> + Send + '_ {
+        let site = Location::caller();
+        async move {
+            match acquire(self, key, LockMode::Exclusive, Some(timeout), site).await? {
+                Some(lock) => Ok(lock),
+                None => Err(Error::LockTimeout { key, timeout }),
+            }
+        }
+    }
+
+    /// Takes the shared session advisory lock `key`, waiting up to `timeout`:
+    /// any number of shared holders, no exclusive one. See [`Pool::session_lock`].
+    #[track_caller]
+    pub fn session_lock_shared(
+        &self,
+        key: LockKey,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<SessionLock, Error>> + Send + '_ {
+        let site = Location::caller();
+        async move {
+            match acquire(self, key, LockMode::Shared, Some(timeout), site).await? {
+                Some(lock) => Ok(lock),
+                None => Err(Error::LockTimeout { key, timeout }),
+            }
+        }
+    }
+
+    /// Tries the exclusive session advisory lock `key` without waiting for
+    /// it: `Ok(None)` when another session holds it. The checkout waits up to
+    /// the pool's wait timeout, and is budgeted as in [`Pool::session_lock`].
+    #[track_caller]
+    pub fn try_session_lock(
+        &self,
+        key: LockKey,
+    ) -> impl std::future::Future<Output = Result<Option<SessionLock>, Error>> + Send + '_ {
+        let site = Location::caller();
+        acquire(self, key, LockMode::Exclusive, None, site)
+    }
+
+    /// Tries the shared session advisory lock `key` without waiting for it;
+    /// see [`Pool::try_session_lock`].
+    #[track_caller]
+    pub fn try_session_lock_shared(
+        &self,
+        key: LockKey,
+    ) -> impl std::future::Future<Output = Result<Option<SessionLock>, Error>> + Send + '_ {
+        let site = Location::caller();
+        acquire(self, key, LockMode::Shared, None, site)
+    }
+}

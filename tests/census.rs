@@ -1,0 +1,189 @@
+//! The `pg_locks` census against a real PostgreSQL: decoded keys, owners,
+//! and leaked locks on idle pooled connections flagged and discarded.
+#![cfg(feature = "testing")]
+
+mod support;
+
+use std::time::Duration;
+
+use pgwarden::{Lane, LockKey, LockMode, Owner};
+use support::*;
+
+const T: Duration = Duration::from_secs(5);
+
+#[tokio::test]
+async fn census_decodes_keys_and_owners() {
+    let db = db().await;
+    let pool = builder(&db, 4).build().unwrap();
+    let raw = db.connect().await.unwrap();
+    raw.batch_execute("SET application_name = 'census-raw'; SELECT pg_advisory_lock_shared(-3, 7)")
+        .await
+        .unwrap();
+    let raw_pid: i32 = raw
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let big = LockKey::Single(0x1_0000_0002);
+    let lock = pool.session_lock(big, T).await.unwrap();
+    // A third session waits for (-3, 7) exclusively.
+    let waiter = db.connect().await.unwrap();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .execute("SELECT pg_advisory_lock(-3, 7)", &[])
+            .await
+            .map(|_| waiter)
+    });
+    eventually(T, "the waiter shows", || async {
+        raw_locks(&raw).await.iter().any(|l| !l.4)
+    })
+    .await;
+
+    let census = pool.census().await.unwrap();
+    let ours: Vec<_> = census.ours().collect();
+    assert_eq!(ours.len(), 1, "{census:?}");
+    assert_eq!(
+        (ours[0].key, ours[0].mode, ours[0].granted),
+        (big, LockMode::Exclusive, true)
+    );
+    assert_eq!(ours[0].pid, Some(lock.conn().pid()));
+    match &ours[0].owner {
+        Owner::CheckedOut {
+            lane, site, note, ..
+        } => {
+            assert_eq!(*lane, Lane::SessionLock);
+            assert!(site.file().ends_with("census.rs"), "{site}");
+            assert_eq!(note.as_deref(), Some("session lock 4294967298"));
+        }
+        o => panic!("expected checked out, got {o:?}"),
+    }
+    let shared = census
+        .locks
+        .iter()
+        .find(|l| l.pid == Some(raw_pid))
+        .expect("the raw lock");
+    assert_eq!(
+        (shared.key, shared.mode, shared.granted),
+        (LockKey::Pair(-3, 7), LockMode::Shared, true)
+    );
+    assert_eq!(shared.owner, Owner::Other);
+    assert_eq!(shared.application_name.as_deref(), Some("census-raw"));
+    assert_eq!(shared.state.as_deref(), Some("idle"));
+    let waits = census
+        .locks
+        .iter()
+        .find(|l| !l.granted)
+        .expect("the waiter");
+    assert_eq!(
+        (waits.key, waits.mode, waits.state.as_deref()),
+        (LockKey::Pair(-3, 7), LockMode::Exclusive, Some("active"))
+    );
+
+    raw.batch_execute("SELECT pg_advisory_unlock_all()")
+        .await
+        .unwrap();
+    waiting.await.unwrap().unwrap();
+    lock.unlock().await.unwrap();
+}
+
+/// deadpool hands out its idle connections oldest first (FIFO): the order
+/// of the returns below decides which connection the census runs on.
+#[tokio::test]
+async fn sweep_confirms_a_leak_on_an_idle_connection_and_discards_it() {
+    let db = db().await;
+    let (pool, snap) = with_recorder(builder(&db, 3).name("leaky"));
+    let raw = db.connect().await.unwrap();
+    // The bug the census is for: a lock taken with raw SQL, never released.
+    let (a, b) = (pool.get().await.unwrap(), pool.get().await.unwrap());
+    a.simple_query("SELECT pg_advisory_lock(42)").await.unwrap();
+    let leaked_pid = a.pid();
+    drop(b); // the census will run on b; a stays idle
+    drop(a);
+
+    let s = pool.census_sweep().await.unwrap();
+    assert_eq!((s.ours, s.idle, s.leaked), (1, 1, 1), "{s:?}");
+    let m = metrics_now(&snap);
+    assert_eq!(m.get("pgwarden_census_leaks_total{pool=leaky}"), Some(&1.0));
+    assert_eq!(
+        m.get("pgwarden_census_advisory_locks{pool=leaky}"),
+        Some(&1.0)
+    );
+    assert_eq!(
+        m.get("pgwarden_census_idle_advisory_locks{pool=leaky}"),
+        Some(&1.0)
+    );
+    assert_eq!(pool.census_sweep().await.unwrap().leaked, 0, "counted once");
+
+    // Not reused: discarded at its checkout, and the session ends with its lock.
+    for _ in 0..2 {
+        assert_ne!(pool.get().await.unwrap().pid(), leaked_pid);
+    }
+    eventually(T, "leaked session closed", || async {
+        !alive(&raw, leaked_pid).await
+    })
+    .await;
+    assert!(free(&raw, LockKey::Single(42)).await);
+    assert_eq!(pool.census_sweep().await.unwrap().ours, 0);
+}
+
+#[tokio::test]
+async fn a_leak_on_the_census_own_connection_is_closed_at_once() {
+    let db = db().await;
+    let pool = builder(&db, 3).build().unwrap();
+    let raw = db.connect().await.unwrap();
+    let c = pool.get().await.unwrap();
+    c.simple_query("SELECT pg_advisory_lock_shared(44)")
+        .await
+        .unwrap();
+    let leaked_pid = c.pid();
+    drop(c); // the only idle connection: the census gets it
+
+    let census = pool.census().await.unwrap();
+    let idle: Vec<_> = census.idle().collect();
+    assert_eq!(idle.len(), 1, "{census:?}");
+    assert_eq!(
+        (idle[0].pid, idle[0].key),
+        (Some(leaked_pid), LockKey::Single(44))
+    );
+    let s = pool.census_sweep().await.unwrap();
+    assert_eq!((s.idle, s.leaked), (1, 1), "{s:?}");
+    eventually(T, "leaked session closed", || async {
+        !alive(&raw, leaked_pid).await
+    })
+    .await;
+    assert_eq!(pool.status().in_use, 0);
+    assert!(raw_locks(&raw).await.is_empty());
+}
+
+#[tokio::test]
+async fn held_guards_are_not_leaks() {
+    let db = db().await;
+    let pool = builder(&db, 4).build().unwrap();
+    let lock = pool.session_lock(LockKey::Pair(8, 8), T).await.unwrap();
+    let s = pool.census_sweep().await.unwrap();
+    assert_eq!((s.ours, s.idle, s.leaked), (1, 0, 0), "{s:?}");
+    lock.unlock().await.unwrap();
+}
+
+#[tokio::test]
+async fn periodic_census_runs_in_housekeeping() {
+    let db = db().await;
+    let b = builder(&db, 3)
+        .name("periodic")
+        .housekeeping_interval(Duration::from_millis(20))
+        .census_interval(Some(Duration::from_millis(100)));
+    let (pool, snap) = with_recorder(b);
+    let c = pool.get().await.unwrap();
+    c.simple_query("SELECT pg_advisory_lock(43)").await.unwrap();
+    drop(c);
+    let mut leaks = 0.0;
+    eventually(T, "the periodic census counts the leak", || {
+        leaks += metrics_now(&snap)
+            .get("pgwarden_census_leaks_total{pool=periodic}")
+            .copied()
+            .unwrap_or(0.0);
+        std::future::ready(leaks >= 1.0)
+    })
+    .await;
+    assert_eq!(leaks, 1.0);
+}

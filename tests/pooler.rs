@@ -1,0 +1,179 @@
+//! Transaction poolers: detection against PostgreSQL and a real PgBouncer in
+//! transaction mode; behind it session locks are refused and everything
+//! else pgwarden does works (its statements are unnamed or simple).
+#![cfg(feature = "testing")]
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwarden::testing::{require_tool, PgBouncer, TestServer};
+use pgwarden::{try_xact_lock, Error, LockKey, Pool, Pooler};
+use support::*;
+
+const T: Duration = Duration::from_secs(5);
+
+#[tokio::test]
+async fn direct_postgres_is_detected_direct() {
+    let db = db().await;
+    let pool = builder(&db, 4).pooler(Pooler::Auto).build().unwrap();
+    assert_eq!(pool.pooler(), Pooler::Auto, "not probed yet");
+    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Direct);
+    assert_eq!(pool.pooler(), Pooler::Direct);
+    // The probe's session setting does not stay behind.
+    let c = pool.get().await.unwrap();
+    let left: Option<String> = c
+        .query_one(
+            "SELECT nullif(current_setting('pgwarden.probe', true), '')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, None);
+}
+
+#[tokio::test]
+async fn lazy_detection_at_the_first_session_lock_allows_it_direct() {
+    let db = db().await;
+    let pool = builder(&db, 4).pooler(Pooler::Auto).build().unwrap();
+    let lock = pool.session_lock(LockKey::Single(1), T).await.unwrap();
+    assert_eq!(pool.pooler(), Pooler::Direct);
+    lock.unlock().await.unwrap();
+    assert_eq!(pool.status().in_use, 0);
+}
+
+#[tokio::test]
+async fn configured_transaction_pooler_refuses_session_locks_without_a_probe() {
+    let db = db().await;
+    let pool = builder(&db, 4).pooler(Pooler::Transaction).build().unwrap();
+    let e = pool.try_session_lock(LockKey::Single(1)).await.unwrap_err();
+    assert!(e.is_behind_pooler(), "{e}");
+    assert!(e.to_string().contains("(configured)"), "{e}");
+    assert_eq!(pool.inner().status().size, 0, "refused before any checkout");
+    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Transaction);
+}
+
+fn bouncer(db: &pgwarden::testing::TestDb) -> Option<PgBouncer> {
+    if !require_tool("pgbouncer").expect("pgbouncer is required on CI") {
+        return None;
+    }
+    Some(PgBouncer::start(TestServer::shared().unwrap(), db).expect("pgbouncer"))
+}
+
+fn through(b: &PgBouncer, size: usize) -> Pool {
+    Pool::builder(b.deadpool(size).unwrap())
+        .wait_timeout(T)
+        .housekeeping_interval(Duration::from_secs(3600))
+        .census_interval(None)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
+    let db = db().await;
+    let Some(bouncer) = bouncer(&db) else { return };
+
+    // Detected lazily, at the first session lock.
+    let pool = through(&bouncer, 4);
+    let e = pool.session_lock(LockKey::Single(5), T).await.unwrap_err();
+    assert!(e.is_behind_pooler(), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("(detected)") && msg.contains("with_xact_lock") && msg.contains("lease"),
+        "{msg}"
+    );
+    assert_eq!(pool.pooler(), Pooler::Transaction);
+    assert!(pool
+        .try_session_lock_shared(LockKey::Single(5))
+        .await
+        .unwrap_err()
+        .is_behind_pooler());
+    assert_eq!(pool.status().in_use, 0);
+
+    // Detected on demand.
+    let pool = through(&bouncer, 4);
+    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Transaction);
+
+    // Transaction locks work, and serialise.
+    let raw = db.connect().await.unwrap();
+    raw.batch_execute("CREATE TABLE counter (n int NOT NULL); INSERT INTO counter VALUES (0)")
+        .await
+        .unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                pool.with_xact_lock(LockKey::Pair(2, 1), T, |tx| {
+                    Box::pin(async move {
+                        // query_typed: named statements break behind PgBouncer.
+                        let n: i32 = tx
+                            .query_typed_one("SELECT n FROM counter", &[])
+                            .await?
+                            .get(0);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        tx.query_typed(
+                            "UPDATE counter SET n = $1",
+                            &[(&(n + 1), tokio_postgres::types::Type::INT4)],
+                        )
+                        .await?;
+                        Ok::<_, Error>(())
+                    })
+                })
+                .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let n: i32 = raw
+        .query_one("SELECT n FROM counter", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 8);
+
+    let mut c = pool.get().await.unwrap();
+    let tx = c.transaction().await.unwrap();
+    assert!(try_xact_lock(&tx, LockKey::Single(6)).await.unwrap());
+    assert!(!free(&raw, LockKey::Single(6)).await);
+    tx.commit().await.unwrap();
+    drop(c);
+
+    // run_once and the census, through the pooler.
+    let ran = Arc::new(AtomicUsize::new(0));
+    for _ in 0..2 {
+        let ran = ran.clone();
+        pool.run_once("bouncer/0001", T, move |tx| {
+            Box::pin(async move {
+                tx.batch_execute("CREATE TABLE IF NOT EXISTS t (id int)")
+                    .await?;
+                ran.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Error>(())
+            })
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    raw.execute("SELECT pg_advisory_lock(7)", &[])
+        .await
+        .unwrap();
+    let census = pool.census().await.unwrap();
+    assert!(
+        census.locks.iter().any(|l| l.key == LockKey::Single(7)),
+        "{census:?}"
+    );
+    assert_eq!(
+        census.ours().count(),
+        0,
+        "pids mean nothing behind a pooler"
+    );
+    let s = pool.census_sweep().await.unwrap();
+    assert_eq!(s.leaked, 0);
+    assert!(pool.readiness(T).await.is_ok());
+}

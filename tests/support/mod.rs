@@ -1,0 +1,168 @@
+//! Shared helpers of the lock, census and pooler tests: a fresh database on
+//! the shared throwaway server, raw-SQL views of `pg_locks`, bounded waits,
+//! metric snapshots, log capture.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use pgwarden::testing::{TestDb, TestServer};
+use pgwarden::{Pool, PoolBuilder};
+use tokio_postgres::Client;
+
+pub async fn db() -> TestDb {
+    TestServer::shared()
+        .expect("throwaway PostgreSQL")
+        .create_database()
+        .await
+        .expect("fresh database")
+}
+
+/// A pool of `size` on `db`, straight to PostgreSQL (no pooler probe), no
+/// periodic census, housekeeping on demand only.
+pub fn builder(db: &TestDb, size: usize) -> PoolBuilder {
+    Pool::builder(db.deadpool(size).expect("deadpool"))
+        .pooler(pgwarden::Pooler::Direct)
+        .wait_timeout(Duration::from_secs(5))
+        .housekeeping_interval(Duration::from_secs(3600))
+        .census_interval(None)
+}
+
+/// Builds with a local debugging recorder; returns its snapshotter.
+pub fn with_recorder(b: PoolBuilder) -> (Pool, Snapshotter) {
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    let pool = metrics::with_local_recorder(&recorder, || b.build().expect("pool"));
+    (pool, snap)
+}
+
+/// Every metric now, by `name{labels,sorted}`: a counter's or gauge's value,
+/// a histogram's sample count. (A snapshot resets what it read: take one per
+/// checkpoint.)
+pub fn metrics_now(s: &Snapshotter) -> HashMap<String, f64> {
+    s.snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(ck, _, _, v)| {
+            let k = ck.key();
+            let mut labels: Vec<String> = k
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            labels.sort();
+            let v = match v {
+                DebugValue::Counter(n) => n as f64,
+                DebugValue::Gauge(g) => g.into_inner(),
+                DebugValue::Histogram(h) => h.len() as f64,
+            };
+            (format!("{}{{{}}}", k.name(), labels.join(",")), v)
+        })
+        .collect()
+}
+
+/// Polls `cond` every 10 ms until it holds; panics after `limit`.
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !cond().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Advisory locks in the current database: (pid, classid, objid, objsubid, granted).
+pub async fn raw_locks(c: &Client) -> Vec<(i32, u32, u32, i16, bool)> {
+    c.query(
+        "SELECT pid, classid, objid, objsubid, granted FROM pg_locks \
+          WHERE locktype = 'advisory' \
+            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        &[],
+    )
+    .await
+    .expect("pg_locks")
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+    .collect()
+}
+
+/// Whether another session could take `key` exclusively now (taken and
+/// given back at once, on `c`).
+pub async fn free(c: &Client, key: pgwarden::LockKey) -> bool {
+    let (lock, unlock, params): (&str, &str, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) =
+        match &key {
+            pgwarden::LockKey::Single(k) => (
+                "SELECT pg_try_advisory_lock($1)",
+                "SELECT pg_advisory_unlock($1)",
+                vec![k],
+            ),
+            pgwarden::LockKey::Pair(a, b) => (
+                "SELECT pg_try_advisory_lock($1, $2)",
+                "SELECT pg_advisory_unlock($1, $2)",
+                vec![a, b],
+            ),
+        };
+    let got: bool = c.query_one(lock, &params).await.expect("try lock").get(0);
+    if got {
+        c.query_one(unlock, &params).await.expect("unlock");
+    }
+    got
+}
+
+/// Whether a backend with this pid is alive.
+pub async fn alive(c: &Client, pid: i32) -> bool {
+    c.query_one(
+        "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+        &[&pid],
+    )
+    .await
+    .expect("pg_stat_activity")
+    .get::<_, i64>(0)
+        > 0
+}
+
+/// A `tracing` writer into a shared buffer.
+#[derive(Clone, Default)]
+pub struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+        let w = self.clone();
+        tracing_subscriber::fmt()
+            .with_writer(move || w.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
+            .finish()
+    }
+}
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Lane status by name, for messages.
+pub fn lanes(pool: &Pool) -> HashMap<String, usize> {
+    pool.status()
+        .lanes
+        .iter()
+        .map(|l| (l.lane.to_string(), l.in_use))
+        .collect()
+}
