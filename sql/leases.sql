@@ -6,8 +6,9 @@
 -- table name (`Leases::builder(&pool).table("app.leases")`), replace both
 -- quoted names: the sequence is always the table's name + `_token_seq`, in
 -- the table's schema. `install()` runs these statements inside a transaction
--- holding `pg_advisory_xact_lock(8099573715263841646)` (the bytes "pgwarden"),
--- so that instances starting together do not race.
+-- holding `pg_advisory_xact_lock(1885828964, 594100531)` (pgwarden's key
+-- `Namespace::PGWARDEN.named("leases.install")`), so that instances starting
+-- together do not race.
 --
 -- A logged table on purpose: unlike advisory locks, leases survive a primary
 -- failover. Every time comes from the database clock. Rows stay after their

@@ -119,7 +119,7 @@ impl Inner {
         let mut conn = self.control(self.statement_timeout).await?;
         let left = self.statement_timeout.saturating_sub(began.elapsed());
         self.count_statement();
-        let ran = match tokio::time::timeout(left, self.sql.install(&mut conn)).await {
+        let ran = match tokio::time::timeout(left, self.sql.install(&mut conn, left)).await {
             Ok(r) => r?,
             Err(_) => {
                 conn.discard();

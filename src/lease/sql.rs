@@ -7,14 +7,19 @@
 //! travel as `float8` seconds. Names, holders and tokens are parameters; the
 //! table name, validated by [`TableName`], is the only text spliced in.
 
+use std::time::Duration;
+
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Error as PgError, GenericClient};
 
 use super::table::TableName;
+use crate::error::Error;
+use crate::lock::{xact_lock, LockKey, Namespace};
 
 /// The key of the transaction-scoped advisory lock `install()` holds:
-/// the bytes `"pgwarden"` as a big-endian `bigint`.
-pub const INSTALL_LOCK_KEY: i64 = 0x7067_7761_7264_656e;
+/// `Namespace::PGWARDEN.named("leases.install")`, that is the pair
+/// `(1885828964, 594100531)`, in pgwarden's own key space.
+pub const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install");
 
 /// The statements of one lease table.
 #[derive(Debug)]
@@ -109,18 +114,15 @@ RETURNING 1"
     }
 
     /// Creates the table and its sequence unless both exist, inside a
-    /// transaction holding `pg_advisory_xact_lock(INSTALL_LOCK_KEY)`.
-    /// Returns true when it ran the DDL.
-    pub(crate) async fn install(&self, client: &mut Client) -> Result<bool, PgError> {
+    /// transaction holding the transaction-scoped advisory lock
+    /// [`INSTALL_LOCK_KEY`] (waiting up to `wait` for it). Returns true when
+    /// it ran the DDL.
+    pub(crate) async fn install(&self, client: &mut Client, wait: Duration) -> Result<bool, Error> {
         if self.exists(&*client).await? {
             return Ok(false);
         }
         let tx = client.transaction().await?;
-        tx.query_typed(
-            "SELECT pg_advisory_xact_lock($1)",
-            &[(&INSTALL_LOCK_KEY, Type::INT8)],
-        )
-        .await?;
+        xact_lock(&tx, INSTALL_LOCK_KEY, wait).await?;
         tx.batch_execute(&self.ddl).await?;
         tx.commit().await?;
         Ok(true)
@@ -250,7 +252,7 @@ mod tests {
             assert!(!text.contains("pgwarden_leases"));
         }
         assert!(s.acquire.contains(r#"nextval('"app"."leases_token_seq"')"#));
-        assert_eq!(INSTALL_LOCK_KEY.to_be_bytes(), *b"pgwarden");
-        assert!(s.ddl.contains(&INSTALL_LOCK_KEY.to_string()));
+        assert_eq!(INSTALL_LOCK_KEY, LockKey::Pair(1_885_828_964, 594_100_531));
+        assert!(s.ddl.contains("(1885828964, 594100531)"));
     }
 }
