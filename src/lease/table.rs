@@ -39,7 +39,7 @@ fn valid_part(part: &str, max: usize) -> Result<(), String> {
     if part.len() > max {
         return Err(format!("{part:?} is {} bytes, more than {max}", part.len()));
     }
-    if part.as_bytes()[0].is_ascii_digit() {
+    if part.as_bytes().first().is_some_and(u8::is_ascii_digit) {
         return Err(format!("{part:?} starts with a digit"));
     }
     if let Some(c) = part
