@@ -8,7 +8,8 @@
 //! holds no connection between statements, and renewals never queue behind
 //! request traffic. This is seed 000's design, with what it lacked:
 //!
-//! - **Fencing tokens.** Every take-over draws a new token from one sequence:
+//! - **Fencing tokens.** Every take draws a new token from one sequence, a
+//!   take-over with the row locked (rows stay after release, one per name):
 //!   a later term always has a larger token ([`LeaseHandle::token`]), and
 //!   [`LeaseHandle::fence`] makes a transaction's writes commit only under the
 //!   current term.
