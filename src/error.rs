@@ -153,6 +153,36 @@ pub enum Error {
         how: &'static str,
     },
     // --- lease errors (src/lease*) ---
+    // (their predicates, `is_lease_lost()` and friends, are in src/lease/mod.rs)
+    /// The lease is no longer this holder's: taken over, expired, or given
+    /// up at the local deadline. Work that must not come from a stale holder
+    /// stops here.
+    #[error("lease {name:?} lost: {reason}")]
+    LeaseLost {
+        /// The lease.
+        name: String,
+        /// Why.
+        reason: crate::lease::LostReason,
+    },
+
+    /// [`crate::Leases::acquire`] waited and another holder still has it.
+    #[error("lease {name:?} still held by another holder after waiting {waited:?}")]
+    LeaseBusy {
+        /// The lease.
+        name: String,
+        /// How long the caller waited.
+        waited: std::time::Duration,
+    },
+
+    /// A lease statement did not complete in time; its connection was closed
+    /// (the statement may or may not have taken effect).
+    #[error("lease {what} did not complete within {waited:?}; its connection was closed")]
+    LeaseTimeout {
+        /// The statement: `acquisition`, `renewal`, `release` or `install`.
+        what: &'static str,
+        /// How long it ran.
+        waited: std::time::Duration,
+    },
 }
 
 impl Error {

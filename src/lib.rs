@@ -5,6 +5,7 @@
 pub mod budget;
 mod census;
 mod error;
+pub mod lease;
 mod lock;
 pub mod metrics;
 mod pool;
@@ -17,6 +18,10 @@ pub mod testing;
 pub use budget::{Lane, LaneLimits, Limits, Policy};
 pub use census::{AdvisoryLock, Census, CensusSummary, Owner};
 pub use error::{BuildError, Error, Holder};
+pub use lease::{
+    Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder,
+    LostReason, OnLost, Scheduler, SchedulerBuilder,
+};
 pub use lock::{
     fnv1a32, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, LockKey, LockMode,
     Namespace, RunOnce, SessionLock, RUN_ONCE_LEDGER,

@@ -289,3 +289,52 @@ pub fn prometheus_builder(
         .set_buckets_for_metric(Matcher::Full(HOLD_DURATION.into()), HOLD_BUCKETS)?
         .set_buckets_for_metric(Matcher::Suffix("_duration_seconds".into()), LATENCY_BUCKETS)
 }
+
+/// Handles of one lease table's instance, registered once per
+/// [`crate::Leases`]; per-lease counters are looked up at the event.
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseMetrics {
+    pool: String,
+    pub(crate) held: Gauge,
+    pub(crate) renew_ok: Counter,
+    pub(crate) renew_lost: Counter,
+    pub(crate) renew_error: Counter,
+    pub(crate) renewal: Histogram,
+    pub(crate) renew_interval: Gauge,
+}
+
+impl LeaseMetrics {
+    pub(crate) fn register(pool: &str) -> LeaseMetrics {
+        describe();
+        let p = pool.to_owned();
+        let renewals = |result: &'static str| metrics::counter!(LEASE_RENEWALS, "pool" => p.clone(), "result" => result);
+        LeaseMetrics {
+            held: metrics::gauge!(LEASES_HELD, "pool" => p.clone()),
+            renew_ok: renewals("ok"),
+            renew_lost: renewals("lost"),
+            renew_error: renewals("error"),
+            renewal: metrics::histogram!(LEASE_RENEWAL_DURATION, "pool" => p.clone()),
+            renew_interval: metrics::gauge!(LEASE_RENEW_INTERVAL, "pool" => p.clone()),
+            pool: p,
+        }
+    }
+
+    pub(crate) fn acquired(&self, lease: &str) {
+        metrics::counter!(LEASE_ACQUIRED, "pool" => self.pool.clone(), "lease" => lease.to_owned())
+            .increment(1);
+    }
+
+    pub(crate) fn skipped(&self, lease: &str) {
+        metrics::counter!(LEASE_SKIPPED, "pool" => self.pool.clone(), "lease" => lease.to_owned())
+            .increment(1);
+    }
+
+    pub(crate) fn takeover(&self, lease: &str) {
+        metrics::counter!(LEASE_TAKEOVERS, "pool" => self.pool.clone(), "lease" => lease.to_owned()).increment(1);
+    }
+
+    pub(crate) fn lost(&self, lease: &str, reason: crate::lease::LostReason) {
+        metrics::counter!(LEASE_LOST, "pool" => self.pool.clone(), "lease" => lease.to_owned(), "reason" => reason.as_str())
+            .increment(1);
+    }
+}

@@ -2,10 +2,9 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::ops::{Deref, DerefMut};
 use std::panic::Location;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Object, PoolError, TimeoutType};
@@ -13,15 +12,21 @@ use parking_lot::Mutex;
 use slab::Slab;
 use tokio::sync::oneshot;
 
-use crate::budget::{Budget, Decision, Lane, Limits, Refusal};
+use crate::budget::{Budget, Lane, Limits};
 use crate::error::{BuildError, Error, Holder};
 use crate::metrics::PoolMetrics;
 
+mod admission;
 mod builder;
+mod conn;
+mod housekeeping;
 mod status;
 
 pub use builder::PoolBuilder;
+pub use conn::Conn;
 pub use status::{LaneStatus, Status};
+
+use admission::Permit;
 
 type ObjectId = deadpool_postgres::ObjectId;
 
@@ -61,6 +66,8 @@ pub(crate) struct Shared {
     pub(crate) metrics: PoolMetrics,
     pub(crate) locks: crate::lock::LockShared,
     housekeeping_started: AtomicBool,
+    /// The pool's own lease table (`Pool::leases`, `Pool::try_exclusive`).
+    pub(crate) leases: std::sync::OnceLock<crate::lease::Leases>,
 }
 
 /// One checked-out connection, as the pool sees it.
@@ -134,214 +141,7 @@ impl State {
     }
 }
 
-/// The right to one connection of a lane: counted in the budget until dropped.
-pub(crate) struct Permit {
-    shared: Arc<Shared>,
-    slot: usize,
-    lane: Lane,
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.shared.release(self.slot, self.lane);
-    }
-}
-
-/// Removes a waiter from the queue when its checkout gives up or is dropped.
-struct WaiterGuard<'a> {
-    shared: &'a Shared,
-    id: u64,
-    lane: Lane,
-}
-
-impl Drop for WaiterGuard<'_> {
-    fn drop(&mut self) {
-        let mut st = self.shared.state.lock();
-        if let Some(pos) = st.waiters.iter().position(|w| w.id == self.id) {
-            st.waiters.remove(pos);
-            st.pending[self.lane.idx()] -= 1;
-            let n = st.pending[self.lane.idx()];
-            drop(st);
-            self.shared.metrics.lane(self.lane).pending.set(n as f64);
-        }
-    }
-}
-
 impl Shared {
-    fn refusal(&self, st: &State, lane: Lane, r: Refusal) -> Error {
-        let (limit, hard_floor) = match r {
-            Refusal::Budget { limit } => (limit, false),
-            Refusal::HardFloor { limit } => (limit, true),
-        };
-        Error::BudgetExhausted {
-            lane,
-            limit,
-            in_use: st.budget.in_use(lane),
-            hard_floor,
-            holders: st.holders(lane, Instant::now()),
-        }
-    }
-
-    /// Admits one checkout of `lane`, waiting in FIFO order up to `timeout`.
-    async fn acquire(
-        self: &Arc<Self>,
-        lane: Lane,
-        site: &'static Location<'static>,
-        start: Instant,
-        timeout: Duration,
-    ) -> Result<Permit, Error> {
-        let lm = self.metrics.lane(lane);
-        let (id, rx) = {
-            let mut st = self.state.lock();
-            let queued = st.pending[lane.idx()] > 0;
-            let d = match st.budget.decide(lane) {
-                // Others of this lane wait already: queue behind them.
-                Decision::Admit | Decision::AdmitOverBudget if queued => Decision::Wait,
-                Decision::Admit | Decision::AdmitOverBudget => st.budget.acquire(lane),
-                d => d,
-            };
-            match d {
-                Decision::Admit | Decision::AdmitOverBudget => {
-                    let slot = st.insert(lane, site, start);
-                    let in_use = st.budget.in_use(lane);
-                    let over = d == Decision::AdmitOverBudget;
-                    let first = over && st.warned_sites.insert(site as *const _ as usize);
-                    drop(st);
-                    lm.in_use.set(in_use as f64);
-                    if over {
-                        self.over_budget(site, first, in_use);
-                    }
-                    return Ok(Permit {
-                        shared: self.clone(),
-                        slot,
-                        lane,
-                    });
-                }
-                Decision::Refuse(r) => {
-                    let err = self.refusal(&st, lane, r);
-                    drop(st);
-                    lm.fail_refused.increment(1);
-                    if matches!(r, Refusal::Budget { .. }) {
-                        self.metrics.overrun_refuse.increment(1);
-                    }
-                    return Err(err);
-                }
-                Decision::Wait => {
-                    let (tx, rx) = oneshot::channel();
-                    let id = st.next_waiter;
-                    st.next_waiter += 1;
-                    st.waiters.push_back(Waiter { id, lane, site, tx });
-                    st.pending[lane.idx()] += 1;
-                    lm.pending.set(st.pending[lane.idx()] as f64);
-                    (id, rx)
-                }
-            }
-        };
-        let guard = WaiterGuard {
-            shared: self,
-            id,
-            lane,
-        };
-        let res = tokio::time::timeout(timeout.saturating_sub(start.elapsed()), rx).await;
-        match res {
-            Ok(Ok(permit)) => Ok(permit),
-            // The sender went away without a permit: the pool is closing.
-            Ok(Err(_)) => Err(Error::Pool(PoolError::Closed)),
-            Err(_) => {
-                // The status as this waiter saw it, itself still counted.
-                let status = self.status();
-                drop(guard);
-                lm.fail_timeout.increment(1);
-                tracing::warn!(pool = %self.name, %lane, waited = ?start.elapsed(), %status, "checkout timed out");
-                Err(Error::Timeout {
-                    lane,
-                    waited: start.elapsed(),
-                    status,
-                })
-            }
-        }
-    }
-
-    fn over_budget(&self, site: &'static Location<'static>, first: bool, in_use: usize) {
-        self.metrics.overrun_warn.increment(1);
-        if first {
-            let limit = self
-                .state
-                .lock()
-                .budget
-                .limits()
-                .lane(Lane::SessionLock)
-                .max;
-            tracing::warn!(
-                pool = %self.name,
-                %site,
-                in_use,
-                limit,
-                "session lock admitted past its budget (policy warn): hold no connection for \
-                 background exclusivity; use a table lease or a transaction-scoped lock"
-            );
-        }
-    }
-
-    /// Returns one connection of `lane` to the budget and serves waiters.
-    fn release(self: &Arc<Self>, slot: usize, lane: Lane) {
-        let mut grants = Vec::new();
-        let mut overs = Vec::new();
-        let mut st = self.state.lock();
-        if st.checkouts.try_remove(slot).is_none() {
-            debug_assert!(false, "released an unknown checkout");
-        }
-        st.budget.release(lane);
-        let mut i = 0;
-        while i < st.waiters.len() {
-            let wl = st.waiters[i].lane;
-            match st.budget.acquire(wl) {
-                d @ (Decision::Admit | Decision::AdmitOverBudget) => {
-                    let Some(w) = st.waiters.remove(i) else { break };
-                    st.pending[wl.idx()] -= 1;
-                    let slot = st.insert(wl, w.site, Instant::now());
-                    if d == Decision::AdmitOverBudget {
-                        let first = st.warned_sites.insert(w.site as *const _ as usize);
-                        overs.push((w.site, first, st.budget.in_use(wl)));
-                    }
-                    grants.push((w.tx, slot, wl));
-                }
-                Decision::Refuse(_) | Decision::Wait => i += 1,
-            }
-        }
-        let in_use = st.budget.in_use(lane);
-        // Lanes whose gauges changed besides the returned one: those granted.
-        let mut touched = [false; 3];
-        for (_, _, l) in &grants {
-            touched[l.idx()] = true;
-        }
-        let granted: Vec<(Lane, usize, usize)> = Lane::ALL
-            .iter()
-            .filter(|l| touched[l.idx()])
-            .map(|&l| (l, st.budget.in_use(l), st.pending[l.idx()]))
-            .collect();
-        drop(st);
-        self.metrics.lane(lane).in_use.set(in_use as f64);
-        for (l, n, p) in granted {
-            let m = self.metrics.lane(l);
-            m.in_use.set(n as f64);
-            m.pending.set(p as f64);
-        }
-        for (site, first, n) in overs {
-            self.over_budget(site, first, n);
-        }
-        for (tx, slot, lane) in grants {
-            let permit = Permit {
-                shared: self.clone(),
-                slot,
-                lane,
-            };
-            // A waiter that gave up in the meantime hands the permit back,
-            // whose drop releases it again.
-            let _ = tx.send(permit);
-        }
-    }
-
     pub(crate) fn status(&self) -> Status {
         let d = self.inner.status();
         let st = self.state.lock();
@@ -361,94 +161,6 @@ impl Shared {
             waiting: st.pending.iter().sum(),
             lanes,
         }
-    }
-
-    fn ensure_housekeeping(self: &Arc<Self>) {
-        if self.housekeeping_started.load(Ordering::Relaxed) {
-            return;
-        }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            if !self.housekeeping_started.swap(true, Ordering::AcqRel) {
-                rt.spawn(housekeeping(Arc::downgrade(self), self.opts.housekeeping));
-            }
-        }
-    }
-
-    /// One housekeeping pass: the oldest hold per lane, long-hold warnings,
-    /// connection gauges.
-    pub(crate) fn housekeep(&self) {
-        let now = Instant::now();
-        let mut oldest = [Duration::ZERO; 3];
-        let mut long = Vec::new();
-        {
-            let mut st = self.state.lock();
-            for (_, c) in st.checkouts.iter_mut() {
-                let age = now.saturating_duration_since(c.since);
-                let o = &mut oldest[c.lane.idx()];
-                *o = (*o).max(age);
-                if age >= self.opts.long_hold && !c.long_warned {
-                    c.long_warned = true;
-                    long.push((c.lane, c.site, c.pid, age, c.note.clone()));
-                }
-            }
-        }
-        for l in Lane::ALL {
-            self.metrics
-                .lane(l)
-                .oldest
-                .set(oldest[l.idx()].as_secs_f64());
-        }
-        for (lane, site, pid, age, note) in long {
-            self.metrics.lane(lane).long_holds.increment(1);
-            tracing::warn!(
-                pool = %self.name,
-                %lane,
-                %site,
-                pid,
-                ?age,
-                held_for = note.as_deref().unwrap_or(""),
-                threshold = ?self.opts.long_hold,
-                "connection held past the long-hold threshold"
-            );
-        }
-        let s = self.inner.status();
-        self.metrics.idle.set(s.available as f64);
-        self.metrics.in_use.set((s.size - s.available) as f64);
-    }
-}
-
-async fn housekeeping(shared: Weak<Shared>, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The first tick is immediate: nothing has been held yet.
-    tick.tick().await;
-    // The first census runs one interval after start, not at build time.
-    let mut last_census = Instant::now();
-    loop {
-        tick.tick().await;
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        if shared.inner.is_closed() {
-            return;
-        }
-        shared.housekeep();
-        if let Some(every) = shared.opts.census_interval {
-            if last_census.elapsed() >= every {
-                last_census = Instant::now();
-                census_pass(Pool { shared }, every).await;
-            }
-        }
-    }
-}
-
-/// The periodic census, bounded so that housekeeping never stalls on it.
-async fn census_pass(pool: Pool, every: Duration) {
-    let bound = pool.shared.opts.wait_timeout + every.min(Duration::from_secs(30));
-    match tokio::time::timeout(bound, pool.census_sweep()).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => tracing::warn!(pool = %pool.shared.name, error = %e, "census failed"),
-        Err(_) => tracing::warn!(pool = %pool.shared.name, ?bound, "census did not finish in time"),
     }
 }
 
@@ -719,125 +431,4 @@ async fn backend_pid(obj: &deadpool_postgres::Client) -> Result<i32, Error> {
             _ => None,
         })
         .ok_or_else(|| Error::invalid("backend pid", "SELECT pg_backend_pid() returned no row"))
-}
-
-/// A checked-out connection. Derefs to [`deadpool_postgres::Client`], so code
-/// written against deadpool runs unchanged; returns to the pool on drop.
-///
-/// Knows its lane, its backend pid, where it was checked out and since when.
-pub struct Conn {
-    // Field order matters: the object goes back to deadpool before the permit
-    // is released, so an admitted checkout never waits inside deadpool.
-    obj: Option<deadpool_postgres::Client>,
-    permit: Permit,
-    pid: i32,
-    site: &'static Location<'static>,
-    since: Instant,
-    object: ObjectId,
-}
-
-impl Conn {
-    /// The lane it was checked out on.
-    pub fn lane(&self) -> Lane {
-        self.permit.lane
-    }
-
-    /// The backend pid of its PostgreSQL session (behind a transaction
-    /// pooler: the pid seen at first checkout, which may change).
-    pub fn pid(&self) -> i32 {
-        self.pid
-    }
-
-    /// Where it was checked out.
-    pub fn site(&self) -> &'static Location<'static> {
-        self.site
-    }
-
-    /// When it was checked out.
-    pub fn since(&self) -> Instant {
-        self.since
-    }
-
-    /// The pool it came from.
-    pub fn pool(&self) -> Pool {
-        Pool {
-            shared: self.permit.shared.clone(),
-        }
-    }
-
-    /// Closes the physical connection instead of returning it to the pool:
-    /// PostgreSQL ends the session, and every session lock with it.
-    pub fn discard(mut self) {
-        if let Some(obj) = self.obj.take() {
-            self.permit.shared.state.lock().pids.remove(&self.object);
-            drop(Object::take(obj));
-        }
-    }
-
-    /// Sets what the checkout is for, shown in long-hold warnings.
-    pub(crate) fn set_note(&self, note: Option<String>) {
-        if let Some(c) = self
-            .permit
-            .shared
-            .state
-            .lock()
-            .checkouts
-            .get_mut(self.permit.slot)
-        {
-            c.note = note;
-        }
-    }
-
-    fn client(&self) -> &deadpool_postgres::Client {
-        // infallible: `obj` is Some until drop or `discard`, which consume self.
-        self.obj.as_ref().expect("connection present until drop")
-    }
-}
-
-impl Deref for Conn {
-    type Target = deadpool_postgres::Client;
-    fn deref(&self) -> &Self::Target {
-        self.client()
-    }
-}
-
-impl DerefMut for Conn {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        // infallible: `obj` is Some until drop or `discard`, which consume self.
-        self.obj.as_mut().expect("connection present until drop")
-    }
-}
-
-impl AsRef<deadpool_postgres::Client> for Conn {
-    fn as_ref(&self) -> &deadpool_postgres::Client {
-        self.client()
-    }
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        if let Some(obj) = self.obj.take() {
-            let shared = &self.permit.shared;
-            shared
-                .metrics
-                .lane(self.permit.lane)
-                .hold
-                .record(self.since.elapsed().as_secs_f64());
-            if obj.is_closed() {
-                shared.state.lock().pids.remove(&self.object);
-            }
-            drop(obj);
-        }
-    }
-}
-
-impl fmt::Debug for Conn {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Conn")
-            .field("lane", &self.permit.lane)
-            .field("pid", &self.pid)
-            .field("site", &format_args!("{}", self.site))
-            .field("age", &self.since.elapsed())
-            .finish()
-    }
 }

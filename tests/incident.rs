@@ -76,3 +76,11 @@ async fn pgwarden_warn_admits_to_the_floor_logs_and_stays_ready() {
         "the overrun is logged with its call site: {text}"
     );
 }
+
+#[tokio::test]
+async fn pgwarden_leases_run_all_four_jobs_holding_no_connection() {
+    let o = scenarios::pgwarden_leases(&db().await).await.unwrap();
+    assert_eq!(check(&o, JOBS.len()), Vec::<String>::new(), "{o:?}");
+    assert_eq!(o.held_between_statements, 0);
+    assert_eq!(o.refused, 0);
+}

@@ -1,6 +1,7 @@
 //! The seed's incident, reproduced both ways: four background jobs holding
 //! session advisory locks on a pool of four, with raw deadpool and with
-//! pgwarden.
+//! pgwarden's budgeted session locks (refuse and warn); then the same four
+//! jobs on pgwarden's table leases, which hold no connection.
 //!
 //! ```sh
 //! cargo run --example incident
@@ -39,10 +40,18 @@ async fn run() -> Result<bool, scenarios::BoxError> {
     let raw = scenarios::raw_deadpool(&db).await?;
     let refuse = scenarios::pgwarden_session_locks(&db, Policy::Refuse).await?;
     let warn = scenarios::pgwarden_session_locks(&db, Policy::Warn).await?;
-    let rows = [raw.clone(), refuse.clone(), warn.clone()];
+    let leases = scenarios::pgwarden_leases(&db).await?;
+    let rows = [raw.clone(), refuse.clone(), warn.clone(), leases.clone()];
     println!("{}", Table(&rows));
     let mut bad = check(&refuse, 1);
     bad.extend(check(&warn, 2));
+    bad.extend(check(&leases, scenarios::JOBS.len()));
+    if leases.held_between_statements != 0 {
+        bad.push(format!(
+            "{}: connections held between statements",
+            leases.scenario
+        ));
+    }
     if raw.probes_ok != 0 {
         println!("note: raw deadpool's readiness probe answered; the incident did not reproduce");
     }

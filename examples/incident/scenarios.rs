@@ -66,7 +66,7 @@ impl fmt::Display for Table<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "| scenario | locks granted | refused | readiness probes ok ({:?} bound) | slowest probe | work completed | conns held between statements |",
+            "| scenario | locks or leases granted | refused | readiness probes ok ({:?} bound) | slowest probe | work completed | conns held between statements |",
             PROBE_BOUND
         )?;
         writeln!(f, "|---|---|---|---|---|---|---|")?;
@@ -226,6 +226,59 @@ pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outco
     for lock in holders {
         // Unlocks on the connection that holds it; a refused unlock is an error.
         lock.unlock().await?;
+    }
+    Ok(out)
+}
+
+/// pgwarden, pool of 4, the same four jobs on table leases
+/// (`pool.try_exclusive`, seed 000's call answered by a lease): no connection
+/// is held between statements.
+pub async fn pgwarden_leases(db: &TestDb) -> Result<Outcome, BoxError> {
+    let pool = Pool::builder(db.deadpool(POOL_SIZE)?)
+        .name("incident-leases")
+        .build()?;
+    let mut out = Outcome::new(format!("pgwarden table leases, pool {POOL_SIZE}"));
+    let attempts = join_all(JOBS.map(|job| {
+        let pool = pool.clone();
+        async move { pool.try_exclusive(job).await }
+    }))
+    .await;
+    let mut held = Vec::new();
+    for a in attempts {
+        match a? {
+            Some(lease) => {
+                out.granted += 1;
+                held.push(lease);
+            }
+            None => out.refused += 1,
+        }
+    }
+    // Between statements: leases pin nothing.
+    out.held_between_statements = pool.status().in_use;
+    for _ in 0..PROBES {
+        out.probes += 1;
+        match pool.readiness(PROBE_BOUND).await {
+            Ok(took) => {
+                out.probes_ok += 1;
+                out.worst_probe = out.worst_probe.max(took);
+            }
+            Err(_) => out.worst_probe = out.worst_probe.max(PROBE_BOUND),
+        }
+    }
+    let work = join_all(held.iter().map(|_| {
+        let pool = pool.clone();
+        async move {
+            let c = tokio::time::timeout(5 * PROBE_BOUND, pool.get())
+                .await
+                .ok()?
+                .ok()?;
+            c.simple_query("SELECT count(*) FROM pg_class").await.ok()
+        }
+    }))
+    .await;
+    out.work_done = work.iter().filter(|d| d.is_some()).count();
+    for lease in held {
+        lease.release().await?;
     }
     Ok(out)
 }

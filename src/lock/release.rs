@@ -112,7 +112,7 @@ impl Held {
 
     pub(crate) fn conn(&self) -> &Conn {
         // infallible: `conn` is Some until drop.
-        self.conn.as_ref().expect("connection present until drop")
+        self.conn.as_ref().expect("connection present until drop") // infallible
     }
 
     /// A lock statement is about to go out.
@@ -131,7 +131,7 @@ impl Held {
 
     pub(crate) fn tally_mut(&mut self) -> &mut Tally {
         // infallible: a SessionLock is built with its tally set.
-        self.tally.as_mut().expect("tally set at acquisition")
+        self.tally.as_mut().expect("tally set at acquisition") // infallible
     }
 
     /// One `pg_advisory_unlock`: PostgreSQL's answer (false: not held).

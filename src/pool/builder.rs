@@ -173,6 +173,7 @@ impl PoolBuilder {
             metrics,
             locks: LockShared::default(),
             housekeeping_started: AtomicBool::new(false),
+            leases: std::sync::OnceLock::new(),
         });
         shared.ensure_housekeeping();
         Ok(Pool { shared })

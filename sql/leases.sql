@@ -1,0 +1,41 @@
+-- pgwarden table leases: the DDL that `pgwarden::Leases::install()` runs, for
+-- applications that run their own migrations.
+--
+-- The default names are shown: `pgwarden_leases` and its token sequence
+-- `pgwarden_leases_token_seq` (resolved through search_path). With another
+-- table name (`Leases::builder(&pool).table("app.leases")`), replace both
+-- quoted names: the sequence is always the table's name + `_token_seq`, in
+-- the table's schema. `install()` runs these statements inside a transaction
+-- holding `pg_advisory_xact_lock(1885828964, 594100531)` (pgwarden's key
+-- `Namespace::PGWARDEN.named("leases.install")`), so that instances starting
+-- together do not race.
+--
+-- A logged table on purpose: unlike advisory locks, leases survive a primary
+-- failover. Every time comes from the database clock. Rows stay after their
+-- release (one per lease name): a take-over draws its token with the row
+-- locked, after the previous term's, so tokens grow with every term.
+
+-- Fencing tokens: one value per take-over, increasing across the cluster.
+-- CACHE 1 keeps values increasing in the order sessions take them.
+CREATE SEQUENCE IF NOT EXISTS "pgwarden_leases_token_seq" AS bigint CACHE 1;
+
+CREATE TABLE IF NOT EXISTS "pgwarden_leases" (
+    -- The lease's name: 1 to 128 bytes, chosen by the application.
+    name        text        PRIMARY KEY CHECK (name <> '' AND octet_length(name) <= 128),
+    -- Who holds it: host:pid:64 random bits, new on every acquisition;
+    -- '' once released while `held_until` keeps the row.
+    holder      text        NOT NULL,
+    -- The fencing token of the current term.
+    token       bigint      NOT NULL,
+    -- When the current term began.
+    taken_at    timestamptz NOT NULL DEFAULT now(),
+    -- When the lease expires unless renewed.
+    expires_at  timestamptz NOT NULL,
+    -- Nobody may take the lease before this, even once released: the
+    -- at-least-hold time, or the start of a scheduled job's next period.
+    held_until  timestamptz NOT NULL DEFAULT '-infinity',
+    -- The holder of the previous term, when this term took the row over.
+    prev_holder text
+);
+
+ALTER SEQUENCE "pgwarden_leases_token_seq" OWNED BY "pgwarden_leases".token;

@@ -1,0 +1,351 @@
+//! [`Lease`], the guard of one term, and [`LeaseHandle`], its shareable view:
+//! name, fencing token, the lost signal, the fenced-transaction check.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+
+use super::Inner;
+use crate::error::Error;
+
+/// Why a holder stopped trusting its lease.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LostReason {
+    /// A renewal, release or fence found the row gone or in another term:
+    /// another holder took it over.
+    Taken,
+    /// No renewal succeeded before the local deadline (start of the last
+    /// successful renewal + TTL − safety margin): the database may let
+    /// another holder in soon, so this one stops trusting it now.
+    Deadline,
+    /// A fence found the term still ours but expired in the database.
+    Expired,
+    /// [`Leases::release_all`](crate::Leases::release_all) released it while
+    /// its guard was still alive.
+    Released,
+}
+
+impl LostReason {
+    /// The reason as used in logs and metric labels.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LostReason::Taken => "taken",
+            LostReason::Deadline => "deadline",
+            LostReason::Expired => "expired",
+            LostReason::Released => "released",
+        }
+    }
+}
+
+impl fmt::Display for LostReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LostReason::Taken => "taken over by another holder",
+            LostReason::Deadline => "no renewal succeeded before the local deadline",
+            LostReason::Expired => "expired in the database",
+            LostReason::Released => "released by release_all",
+        })
+    }
+}
+
+/// One term of one lease, shared by its guard, its handles and the renewer.
+pub(crate) struct LeaseState {
+    pub(crate) name: Arc<str>,
+    pub(crate) holder: String,
+    pub(crate) token: i64,
+    pub(crate) ttl: Duration,
+    pub(crate) taken_at: SystemTime,
+    pub(crate) prev_holder: Option<String>,
+    lost: watch::Sender<Option<LostReason>>,
+}
+
+impl LeaseState {
+    pub(crate) fn new(
+        name: Arc<str>,
+        holder: String,
+        token: i64,
+        ttl: Duration,
+        taken_at: SystemTime,
+        prev_holder: Option<String>,
+    ) -> LeaseState {
+        LeaseState {
+            name,
+            holder,
+            token,
+            ttl,
+            taken_at,
+            prev_holder,
+            lost: watch::Sender::new(None),
+        }
+    }
+
+    /// Fires the lost signal; true the first time only.
+    pub(crate) fn lose(&self, reason: LostReason) -> bool {
+        self.lost.send_if_modified(|r| {
+            if r.is_none() {
+                *r = Some(reason);
+                true
+            } else {
+                false
+            }
+        })
+    }
+
+    pub(crate) fn lost_reason(&self) -> Option<LostReason> {
+        *self.lost.borrow()
+    }
+}
+
+/// A shareable view of a held lease: name, fencing token, lost signal, fence.
+///
+/// Cheap to clone; [`Leases::run_exclusive`](crate::Leases::run_exclusive)
+/// and scheduled jobs receive one. It cannot release the lease: its
+/// [`Lease`] guard (or the runner) does.
+#[derive(Clone)]
+pub struct LeaseHandle {
+    pub(crate) state: Arc<LeaseState>,
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl LeaseHandle {
+    /// The lease's name.
+    pub fn name(&self) -> &str {
+        &self.state.name
+    }
+
+    /// The fencing token of this term: it grows with every take-over of any
+    /// lease of the table (one sequence), so a later term always carries a
+    /// larger token. Pass it to systems that can reject stale writers.
+    pub fn token(&self) -> i64 {
+        self.state.token
+    }
+
+    /// This term's holder id: `host:pid:64 random bits`.
+    pub fn holder(&self) -> &str {
+        &self.state.holder
+    }
+
+    /// The TTL the lease is renewed to.
+    pub fn ttl(&self) -> Duration {
+        self.state.ttl
+    }
+
+    /// When the term began, on the database clock.
+    pub fn taken_at(&self) -> SystemTime {
+        self.state.taken_at
+    }
+
+    /// The holder whose expired term this one took over, if any (a crashed
+    /// or cut-off instance). `None` for a free lease.
+    pub fn took_over_from(&self) -> Option<&str> {
+        self.state.prev_holder.as_deref().filter(|h| !h.is_empty())
+    }
+
+    /// Has the lease been lost (signal fired)?
+    pub fn is_lost(&self) -> bool {
+        self.state.lost_reason().is_some()
+    }
+
+    /// Why it was lost, once it was.
+    pub fn lost_reason(&self) -> Option<LostReason> {
+        self.state.lost_reason()
+    }
+
+    /// Completes when the lease is lost: a renewal touched no row (another
+    /// holder took it), or no renewal succeeded before the local deadline,
+    /// which falls a safety margin before the database could let anyone else
+    /// in. Never completes while the lease is held; completes at once if it
+    /// was already lost. The future owns what it needs (`'static`): select on
+    /// it, or move it into another task.
+    pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
+        let state = self.state.clone();
+        let mut rx = state.lost.subscribe();
+        async move {
+            // `state` keeps the sender alive, so `wait_for` cannot fail; the
+            // fallback only satisfies the types.
+            let reason = match rx.wait_for(Option::is_some).await {
+                Ok(r) => *r,
+                Err(_) => None,
+            };
+            drop(state);
+            reason.unwrap_or(LostReason::Taken)
+        }
+    }
+
+    /// The fenced-transaction check: inside the caller's transaction, locks
+    /// the lease row `FOR KEY SHARE` and checks that it is still this term
+    /// (holder and token) and unexpired (`clock_timestamp()`).
+    ///
+    /// On success, the writes of that transaction commit only under this
+    /// term: a take-over (which locks the row `FOR UPDATE`) waits for the
+    /// transaction to end, and then sees the term the commit happened under.
+    /// Renewals of this lease do not wait (they take `FOR NO KEY UPDATE`).
+    /// Keep fenced transactions short: a take-over waits on them.
+    ///
+    /// Fails with [`Error::LeaseLost`] (`Taken` or `Expired`) when the term
+    /// is over: roll back, the writes come from a stale holder.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::LeaseHandle) -> Result<(), pgwarden::Error> {
+    /// let mut conn = pool.get_for(pgwarden::Lane::Request).await?;
+    /// let tx = conn.transaction().await?;
+    /// lease.fence(&tx).await?; // rejected if another holder took over
+    /// tx.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 1", &[]).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn fence(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<(), Error> {
+        self.inner.count_statement();
+        let row = self.inner.sql.fence(tx, &self.state.name).await?;
+        let reason = match row {
+            Some((holder, token, fresh))
+                if holder == self.state.holder && token == self.state.token =>
+            {
+                if fresh {
+                    return Ok(());
+                }
+                LostReason::Expired
+            }
+            _ => LostReason::Taken,
+        };
+        tracing::warn!(
+            pool = %self.inner.pool_name,
+            lease = %self.state.name,
+            token = self.state.token,
+            %reason,
+            "fenced write rejected: the lease term is over"
+        );
+        Err(Error::LeaseLost {
+            name: self.state.name.to_string(),
+            reason,
+        })
+    }
+}
+
+impl fmt::Debug for LeaseHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseHandle")
+            .field("name", &self.state.name)
+            .field("token", &self.state.token)
+            .field("holder", &self.state.holder)
+            .field("lost", &self.state.lost_reason())
+            .finish()
+    }
+}
+
+/// A held lease: one term of one row of the lease table. Holds no
+/// connection; the process's renewer renews it (batched) until it is
+/// released.
+///
+/// [`Lease::release`] releases it and reports errors; dropping it releases it
+/// in the background (when a tokio runtime is running; otherwise it expires
+/// after its TTL).
+pub struct Lease {
+    pub(crate) handle: LeaseHandle,
+    pub(crate) id: u64,
+    pub(crate) done: bool,
+}
+
+impl Lease {
+    /// A shareable view: name, token, lost signal, fence.
+    pub fn handle(&self) -> LeaseHandle {
+        self.handle.clone()
+    }
+
+    /// The lease's name.
+    pub fn name(&self) -> &str {
+        self.handle.name()
+    }
+
+    /// The fencing token of this term. See [`LeaseHandle::token`].
+    pub fn token(&self) -> i64 {
+        self.handle.token()
+    }
+
+    /// This term's holder id.
+    pub fn holder(&self) -> &str {
+        self.handle.holder()
+    }
+
+    /// When the term began, on the database clock.
+    pub fn taken_at(&self) -> SystemTime {
+        self.handle.taken_at()
+    }
+
+    /// The holder whose expired term this one took over, if any.
+    pub fn took_over_from(&self) -> Option<&str> {
+        self.handle.took_over_from()
+    }
+
+    /// Has the lease been lost? See [`LeaseHandle::lost`].
+    pub fn is_lost(&self) -> bool {
+        self.handle.is_lost()
+    }
+
+    /// Why it was lost, once it was.
+    pub fn lost_reason(&self) -> Option<LostReason> {
+        self.handle.lost_reason()
+    }
+
+    /// Completes when the lease is lost. See [`LeaseHandle::lost`].
+    pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
+        self.handle.lost()
+    }
+
+    /// The fenced-transaction check. See [`LeaseHandle::fence`].
+    pub async fn fence(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<(), Error> {
+        self.handle.fence(tx).await
+    }
+
+    /// Releases the lease: marks the row of this term only (holder and
+    /// token) released, so a late release never touches a later holder's
+    /// lease. The row itself stays (one per lease name), keeping its token
+    /// so that the next term's is larger; an at-least-hold or a schedule
+    /// keeps the lease from being taken again until its time.
+    ///
+    /// Fails with [`Error::LeaseLost`] when the term was already over (taken
+    /// over), or with the database error; either way the lease is no longer
+    /// renewed.
+    ///
+    /// Cancellation-safe: dropped before it completes, the guard releases in
+    /// the background as on drop.
+    pub async fn release(mut self) -> Result<(), Error> {
+        let h = self.handle.clone();
+        let r = h.inner.release(self.id, &h.state, false).await;
+        self.done = true;
+        r
+    }
+
+    /// Releases, forgetting any hold: the lease is free at once.
+    pub(crate) async fn release_now(mut self) -> Result<(), Error> {
+        let h = self.handle.clone();
+        let r = h.inner.release(self.id, &h.state, true).await;
+        self.done = true;
+        r
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if !self.done {
+            self.handle
+                .inner
+                .release_in_background(self.id, self.handle.state.clone());
+        }
+    }
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("name", &self.handle.state.name)
+            .field("token", &self.handle.state.token)
+            .field("holder", &self.handle.state.holder)
+            .field("lost", &self.handle.state.lost_reason())
+            .finish()
+    }
+}

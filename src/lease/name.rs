@@ -1,0 +1,111 @@
+//! Lease names and holder identities.
+
+use std::sync::OnceLock;
+
+use crate::error::Error;
+
+/// The longest lease name, in bytes (the table's `CHECK` says the same).
+pub const MAX_NAME_LEN: usize = 128;
+
+/// Validates a lease name: 1 to [`MAX_NAME_LEN`] bytes of UTF-8, no NUL
+/// byte and no other control character. Lease names are metric labels:
+/// keep them to the names your application declares.
+pub(crate) fn check_name(name: &str) -> Result<(), Error> {
+    let bad = |why: String| Err(Error::invalid("lease name", why));
+    if name.is_empty() {
+        return bad("it is empty".into());
+    }
+    if name.len() > MAX_NAME_LEN {
+        return bad(format!(
+            "it is {} bytes, more than {MAX_NAME_LEN}",
+            name.len()
+        ));
+    }
+    if name.contains('\0') {
+        return bad(format!(
+            "{:?} contains a NUL byte",
+            name.escape_debug().to_string()
+        ));
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control()) {
+        return bad(format!("{name:?} contains the control character {c:?}"));
+    }
+    Ok(())
+}
+
+/// The host part of holder ids: `$HOSTNAME`, else the kernel's hostname,
+/// else `unknown-host`; at most 64 characters, control characters replaced.
+pub(crate) fn hostname() -> &'static str {
+    static HOST: OnceLock<String> = OnceLock::new();
+    HOST.get_or_init(|| {
+        let raw = std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.trim().is_empty())
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+            .unwrap_or_default();
+        let clean: String = raw
+            .trim()
+            .chars()
+            .take(64)
+            .map(|c| if c.is_control() { '?' } else { c })
+            .collect();
+        if clean.is_empty() {
+            "unknown-host".to_owned()
+        } else {
+            clean
+        }
+    })
+}
+
+/// A new holder id for one acquisition: `host:pid:64 random bits`.
+///
+/// Every call is its own holder (seed 000): two tasks of one process exclude
+/// each other, and a late release can never match a later term.
+pub(crate) fn new_holder() -> String {
+    format!(
+        "{}:{}:{:016x}",
+        hostname(),
+        std::process::id(),
+        rand::random::<u64>()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(check_name("cleanup").is_ok());
+        assert!(check_name("uptime@node-1").is_ok());
+        assert!(check_name("évaluation des alertes").is_ok());
+        assert!(check_name(&"n".repeat(MAX_NAME_LEN)).is_ok());
+        for bad in ["", "a\0b", "tab\there", "line\nbreak", "\u{7f}"] {
+            let e = check_name(bad).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidInput {
+                        what: "lease name",
+                        ..
+                    }
+                ),
+                "{bad:?}"
+            );
+        }
+        let e = check_name(&"n".repeat(MAX_NAME_LEN + 1)).unwrap_err();
+        assert!(e.to_string().contains("more than 128"), "{e}");
+        // a multi-byte name is measured in bytes, like the table's CHECK
+        assert!(check_name(&"é".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn holders_are_unique_per_call() {
+        let a = new_holder();
+        let b = new_holder();
+        assert_ne!(a, b);
+        assert!(a.starts_with(&format!("{}:{}:", hostname(), std::process::id())));
+        assert_eq!(a.rsplit(':').next().unwrap().len(), 16);
+    }
+}

@@ -1,0 +1,218 @@
+//! The lease table's name: validated, quoted, and the DDL that creates it.
+
+use std::fmt;
+
+use crate::error::Error;
+
+/// The default lease table: `pgwarden_leases`, resolved through `search_path`.
+pub const DEFAULT_TABLE: &str = "pgwarden_leases";
+
+/// The longest table name part, in bytes: PostgreSQL truncates identifiers
+/// past 63 bytes, and the token sequence adds `_token_seq` (10 bytes).
+pub const MAX_TABLE_LEN: usize = 53;
+
+/// The longest schema name, in bytes (PostgreSQL's identifier limit).
+pub const MAX_SCHEMA_LEN: usize = 63;
+
+const SEQ_SUFFIX: &str = "_token_seq";
+
+/// The DDL shipped in `sql/leases.sql`, written for the default names.
+pub(crate) const DDL_TEMPLATE: &str = include_str!("../../sql/leases.sql");
+
+/// A validated `[schema.]table` name.
+///
+/// Each part is 1 to 63 bytes (the table part 1 to [`MAX_TABLE_LEN`]) of
+/// `[A-Za-z0-9_]`, not starting with a digit. Quotes, spaces, NUL bytes and
+/// any other character are refused rather than escaped, so that the name
+/// reads the same in SQL, logs and `psql`. Each part is double-quoted in the
+/// statements, which keeps its case and allows reserved words (`user`).
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct TableName {
+    schema: Option<String>,
+    table: String,
+}
+
+fn valid_part(part: &str, max: usize) -> Result<(), String> {
+    if part.is_empty() {
+        return Err("a name part is empty".into());
+    }
+    if part.len() > max {
+        return Err(format!("{part:?} is {} bytes, more than {max}", part.len()));
+    }
+    if part.as_bytes().first().is_some_and(u8::is_ascii_digit) {
+        return Err(format!("{part:?} starts with a digit"));
+    }
+    if let Some(c) = part
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '_'))
+    {
+        return Err(format!(
+            "{part:?} contains {c:?}: use [A-Za-z0-9_] in each part, and one dot between schema and table"
+        ));
+    }
+    Ok(())
+}
+
+impl TableName {
+    /// Parses `table` or `schema.table`.
+    pub(crate) fn parse(name: &str) -> Result<TableName, Error> {
+        let bad = |why: String| Error::invalid("lease table name", why);
+        let mut parts = name.split('.');
+        let (schema, table) = match (parts.next(), parts.next(), parts.next()) {
+            (Some(t), None, _) => (None, t),
+            (Some(s), Some(t), None) => (Some(s), t),
+            _ => {
+                return Err(bad(format!(
+                    "{name:?} has more than one dot: use table or schema.table"
+                )))
+            }
+        };
+        if let Some(s) = schema {
+            valid_part(s, MAX_SCHEMA_LEN).map_err(bad)?;
+        }
+        valid_part(table, MAX_TABLE_LEN).map_err(bad)?;
+        Ok(TableName {
+            schema: schema.map(str::to_owned),
+            table: table.to_owned(),
+        })
+    }
+
+    fn qualified(&self, table: &str) -> String {
+        match &self.schema {
+            Some(s) => format!("{}.{}", quote_ident(s), quote_ident(table)),
+            None => quote_ident(table),
+        }
+    }
+
+    /// The table, quoted for SQL: `"app"."leases"`.
+    pub(crate) fn quoted(&self) -> String {
+        self.qualified(&self.table)
+    }
+
+    /// The token sequence, quoted for SQL: `"app"."leases_token_seq"`.
+    pub(crate) fn sequence_quoted(&self) -> String {
+        self.qualified(&format!("{}{SEQ_SUFFIX}", self.table))
+    }
+
+    /// The token sequence as a string literal for `nextval(…)`.
+    pub(crate) fn sequence_literal(&self) -> String {
+        quote_literal(&self.sequence_quoted())
+    }
+
+    /// The DDL of `sql/leases.sql` for this table.
+    pub(crate) fn ddl(&self) -> String {
+        let seq = format!("\"{DEFAULT_TABLE}{SEQ_SUFFIX}\"");
+        let table = format!("\"{DEFAULT_TABLE}\"");
+        DDL_TEMPLATE
+            .replace(&seq, &self.sequence_quoted())
+            .replace(&table, &self.quoted())
+    }
+}
+
+impl Default for TableName {
+    fn default() -> TableName {
+        TableName {
+            schema: None,
+            table: DEFAULT_TABLE.to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(s) = &self.schema {
+            write!(f, "{s}.")?;
+        }
+        f.write_str(&self.table)
+    }
+}
+
+impl fmt::Debug for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.to_string())
+    }
+}
+
+/// Quotes an identifier: wraps it in double quotes, doubling any inside.
+pub(crate) fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// Quotes a string literal: wraps it in single quotes, doubling any inside.
+pub(crate) fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_and_schema_qualified_names() {
+        let t = TableName::parse("leases").unwrap();
+        assert_eq!(t.quoted(), r#""leases""#);
+        assert_eq!(t.sequence_quoted(), r#""leases_token_seq""#);
+        let t = TableName::parse("app.Job_Leases2").unwrap();
+        assert_eq!(t.quoted(), r#""app"."Job_Leases2""#);
+        assert_eq!(t.sequence_literal(), r#"'"app"."Job_Leases2_token_seq"'"#);
+        assert_eq!(t.to_string(), "app.Job_Leases2");
+        let t = TableName::parse("user").unwrap();
+        assert_eq!(t.quoted(), r#""user""#);
+        assert_eq!(TableName::default().quoted(), r#""pgwarden_leases""#);
+    }
+
+    #[test]
+    fn refuses_quotes_spaces_dots_and_nul() {
+        for bad in [
+            "",
+            ".",
+            "app.",
+            ".leases",
+            "a.b.c",
+            "lea ses",
+            "leases\"; DROP TABLE x; --",
+            "lea'ses",
+            "lea\0ses",
+            "1leases",
+            "app.1leases",
+            "lé",
+            "leases;",
+            "\"leases\"",
+        ] {
+            let e = TableName::parse(bad).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidInput {
+                        what: "lease table name",
+                        ..
+                    }
+                ),
+                "{bad:?}: {e}"
+            );
+        }
+        assert!(TableName::parse(&"t".repeat(MAX_TABLE_LEN)).is_ok());
+        assert!(TableName::parse(&"t".repeat(MAX_TABLE_LEN + 1)).is_err());
+        assert!(TableName::parse(&format!("{}.t", "s".repeat(MAX_SCHEMA_LEN))).is_ok());
+        assert!(TableName::parse(&format!("{}.t", "s".repeat(MAX_SCHEMA_LEN + 1))).is_err());
+    }
+
+    #[test]
+    fn quoting_doubles_quotes() {
+        assert_eq!(quote_ident(r#"a"b"#), r#""a""b""#);
+        assert_eq!(quote_literal("a'b"), "'a''b'");
+    }
+
+    #[test]
+    fn ddl_is_the_shipped_file_with_the_names_replaced() {
+        assert_eq!(TableName::default().ddl(), DDL_TEMPLATE);
+        let ddl = TableName::parse("app.leases").unwrap().ddl();
+        assert!(ddl.contains(
+            r#"CREATE SEQUENCE IF NOT EXISTS "app"."leases_token_seq" AS bigint CACHE 1;"#
+        ));
+        assert!(ddl.contains(r#"CREATE TABLE IF NOT EXISTS "app"."leases" ("#));
+        assert!(ddl
+            .contains(r#"ALTER SEQUENCE "app"."leases_token_seq" OWNED BY "app"."leases".token;"#));
+        assert!(!ddl.contains("\"pgwarden_leases"));
+    }
+}

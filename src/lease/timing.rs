@@ -1,0 +1,290 @@
+//! Lease timing arithmetic: when to renew, when to stop trusting a lease,
+//! how long to back off. Pure: plain instants and durations, no clock read.
+//!
+//! The guarantee rests on one inequality. A renewal (or the acquisition)
+//! sent at local instant `start` runs `now()` on the server no earlier than
+//! `start`, so the database keeps the lease until at least `start + ttl`.
+//! The holder stops trusting it at `start + ttl - margin`, measured on the
+//! monotonic clock from the start of the last renewal that succeeded: the
+//! local deadline always falls `margin` before anyone else can take the
+//! lease over, whatever the wall clocks of the nodes say.
+
+use std::time::{Duration, Instant};
+
+use crate::error::Error;
+
+/// The shortest TTL accepted: 1 s.
+pub const MIN_TTL: Duration = Duration::from_secs(1);
+/// The longest TTL accepted: 24 h.
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
+/// The shortest renewal interval accepted: 10 ms.
+pub const MIN_RENEW_EVERY: Duration = Duration::from_millis(10);
+/// The longest at-least-hold time and scheduling period accepted: 366 days.
+pub const MAX_HOLD: Duration = Duration::from_secs(366 * 24 * 3600);
+/// The shortest scheduling period accepted: 1 s.
+pub const MIN_PERIOD: Duration = Duration::from_secs(1);
+
+/// The first retry delay after a failed renewal; doubles per attempt.
+const BACKOFF_BASE: Duration = Duration::from_millis(50);
+
+/// Validated timing of one lease.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Timing {
+    pub(crate) ttl: Duration,
+    pub(crate) renew_every: Duration,
+    pub(crate) margin: Duration,
+}
+
+impl Timing {
+    /// Validates `ttl` and the optional renewal interval and safety margin.
+    ///
+    /// Defaults: renew every `ttl / 4` (the seed's 30 s for 2 min), margin
+    /// `ttl / 8`. The margin is at most `ttl / 2`; the renewal interval is at
+    /// least 10 ms and strictly below `ttl - margin`, so that at least one
+    /// renewal is attempted before the local deadline.
+    pub(crate) fn new(
+        ttl: Duration,
+        renew_every: Option<Duration>,
+        margin: Option<Duration>,
+    ) -> Result<Timing, Error> {
+        check_ttl(ttl)?;
+        let margin = margin.unwrap_or(ttl / 8);
+        if margin > ttl / 2 {
+            return Err(Error::invalid(
+                "lease safety margin",
+                format!("{margin:?} is more than half the TTL {ttl:?}"),
+            ));
+        }
+        let renew_every = renew_every.unwrap_or(ttl / 4);
+        if renew_every < MIN_RENEW_EVERY {
+            return Err(Error::invalid(
+                "lease renewal interval",
+                format!("{renew_every:?} is below the minimum {MIN_RENEW_EVERY:?}"),
+            ));
+        }
+        if renew_every >= ttl - margin {
+            return Err(Error::invalid(
+                "lease renewal interval",
+                format!(
+                    "{renew_every:?} is not below the TTL {ttl:?} minus the safety margin {margin:?}: \
+                     the lease would expire before its first renewal (default: TTL / 4)"
+                ),
+            ));
+        }
+        Ok(Timing {
+            ttl,
+            renew_every,
+            margin,
+        })
+    }
+
+    /// The instant the holder stops trusting the lease, given the start of
+    /// the last successful renewal (or of the acquisition).
+    pub(crate) fn deadline(&self, last_ok_start: Instant) -> Instant {
+        last_ok_start + (self.ttl - self.margin)
+    }
+
+    /// When the next renewal is due after one that started at `start`.
+    pub(crate) fn due_after(&self, start: Instant) -> Instant {
+        start + self.renew_every
+    }
+
+    /// How early a lease may be renewed to join a batch: half its interval.
+    /// Renewing early costs nothing (the batch runs anyway), and it folds
+    /// leases taken at different times into one statement per interval.
+    pub(crate) fn window(&self) -> Duration {
+        self.renew_every / 2
+    }
+
+    /// The delay before retry `attempt` (1-based) after failed renewals:
+    /// 50 ms doubling, at most half the renewal interval.
+    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
+        let exp = attempt.saturating_sub(1).min(16);
+        BACKOFF_BASE
+            .saturating_mul(1 << exp)
+            .min(self.window())
+            .max(Duration::from_millis(1))
+    }
+}
+
+/// Is a lease whose renewal is due at `due` part of the batch sent at `now`?
+/// A lease retrying after an error (`attempt > 0`) waits for its exact time;
+/// others join up to `window` early.
+pub(crate) fn is_due(now: Instant, due: Instant, attempt: u32, window: Duration) -> bool {
+    if attempt > 0 {
+        due <= now
+    } else {
+        due <= now + window
+    }
+}
+
+/// How long a renewal statement sent at `now` may take: until the earliest
+/// of the given local deadlines (`None` when it has passed).
+pub(crate) fn statement_budget(
+    now: Instant,
+    deadlines: impl IntoIterator<Item = Instant>,
+) -> Option<Duration> {
+    let earliest = deadlines.into_iter().min()?;
+    let left = earliest.saturating_duration_since(now);
+    (!left.is_zero()).then_some(left)
+}
+
+/// Validates a TTL: 1 s to 24 h.
+pub(crate) fn check_ttl(ttl: Duration) -> Result<(), Error> {
+    if ttl < MIN_TTL || ttl > MAX_TTL {
+        return Err(Error::invalid(
+            "lease TTL",
+            format!("{ttl:?} is outside {MIN_TTL:?} to {MAX_TTL:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates an at-least-hold time: at most 366 days.
+pub(crate) fn check_at_least(at_least: Duration) -> Result<(), Error> {
+    if at_least > MAX_HOLD {
+        return Err(Error::invalid(
+            "lease at-least-hold time",
+            format!("{at_least:?} is more than {MAX_HOLD:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates a scheduling period: 1 s to 366 days.
+pub(crate) fn check_period(period: Duration) -> Result<(), Error> {
+    if period < MIN_PERIOD || period > MAX_HOLD {
+        return Err(Error::invalid(
+            "job period",
+            format!("{period:?} is outside {MIN_PERIOD:?} to {MAX_HOLD:?}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn defaults_are_the_seeds() {
+        let t = Timing::new(120 * S, None, None).unwrap();
+        assert_eq!(t.renew_every, 30 * S);
+        assert_eq!(t.margin, 15 * S);
+        let t0 = Instant::now();
+        assert_eq!(t.deadline(t0), t0 + 105 * S);
+        assert_eq!(t.due_after(t0), t0 + 30 * S);
+    }
+
+    #[test]
+    fn the_local_deadline_falls_before_the_database_expiry() {
+        // The database expires the lease at (server now() of the renewal) + ttl,
+        // and the server's now() is no earlier than the local send instant.
+        for (ttl, margin) in [
+            (S, None),
+            (2 * S, Some(500 * MS)),
+            (120 * S, None),
+            (3600 * S, Some(S)),
+        ] {
+            let t = Timing::new(ttl, None, margin).unwrap();
+            let start = Instant::now();
+            let earliest_db_expiry = start + ttl;
+            assert!(t.deadline(start) < earliest_db_expiry);
+            assert_eq!(earliest_db_expiry - t.deadline(start), t.margin);
+            // and the renewal is due well before the deadline
+            assert!(t.due_after(start) < t.deadline(start));
+        }
+    }
+
+    #[test]
+    fn refuses_zero_absurd_and_inverted_settings() {
+        for ttl in [Duration::ZERO, 999 * MS, MAX_TTL + MS, Duration::MAX] {
+            assert!(Timing::new(ttl, None, None).is_err(), "{ttl:?}");
+        }
+        assert!(Timing::new(MIN_TTL, None, None).is_ok());
+        assert!(Timing::new(MAX_TTL, None, None).is_ok());
+        // renewal not below the TTL (minus the margin)
+        assert!(Timing::new(2 * S, Some(2 * S), None).is_err());
+        assert!(Timing::new(2 * S, Some(3 * S), None).is_err());
+        assert!(Timing::new(2 * S, Some(1750 * MS), Some(250 * MS)).is_err());
+        assert!(Timing::new(2 * S, Some(1749 * MS), Some(250 * MS)).is_ok());
+        assert!(Timing::new(2 * S, Some(Duration::ZERO), None).is_err());
+        assert!(Timing::new(2 * S, Some(MS), None).is_err());
+        // margin above half the TTL
+        assert!(Timing::new(2 * S, None, Some(1001 * MS)).is_err());
+        assert!(Timing::new(2 * S, Some(100 * MS), Some(S)).is_ok());
+        let e = Timing::new(2 * S, Some(2 * S), None).unwrap_err();
+        assert!(e.to_string().contains("not below the TTL"), "{e}");
+    }
+
+    #[test]
+    fn backoff_doubles_and_stays_inside_the_window() {
+        let t = Timing::new(2 * S, None, None).unwrap(); // renew 500 ms, window 250 ms
+        assert_eq!(t.backoff(1), 50 * MS);
+        assert_eq!(t.backoff(2), 100 * MS);
+        assert_eq!(t.backoff(3), 200 * MS);
+        assert_eq!(t.backoff(4), 250 * MS);
+        assert_eq!(t.backoff(u32::MAX), 250 * MS);
+        let long = Timing::new(120 * S, None, None).unwrap();
+        assert_eq!(long.backoff(8), 50 * MS * 128);
+        assert_eq!(long.backoff(30), 15 * S);
+    }
+
+    #[test]
+    fn batching_folds_leases_due_within_half_an_interval() {
+        let t = Timing::new(4 * S, None, None).unwrap(); // renew every 1 s
+        let now = Instant::now();
+        assert!(is_due(now, now, 0, t.window()));
+        assert!(is_due(now, now + 500 * MS, 0, t.window()));
+        assert!(!is_due(now, now + 501 * MS, 0, t.window()));
+        // retries wait for their exact time
+        assert!(!is_due(now, now + MS, 1, t.window()));
+        assert!(is_due(now + MS, now + MS, 1, t.window()));
+    }
+
+    #[test]
+    fn two_leases_taken_apart_converge_to_one_batch() {
+        // Simulate the renewer: wake at the earliest due, renew every lease due
+        // within its window, set each renewed lease due one interval later.
+        let t = Timing::new(4 * S, None, None).unwrap();
+        let t0 = Instant::now();
+        let mut due = [t.due_after(t0), t.due_after(t0 + 700 * MS)];
+        let mut batches = Vec::new();
+        for _ in 0..6 {
+            let now = *due.iter().min().unwrap();
+            let batch: Vec<usize> = (0..2)
+                .filter(|&i| is_due(now, due[i], 0, t.window()))
+                .collect();
+            for &i in &batch {
+                due[i] = t.due_after(now);
+            }
+            batches.push(batch.len());
+        }
+        // 700 ms apart is past the 500 ms window: the first renewal goes alone;
+        // the late lease's first renewal folds the other in, and from then on
+        // both go in one statement per interval.
+        assert_eq!(batches, [1, 2, 2, 2, 2, 2]);
+    }
+
+    #[test]
+    fn statement_budget_runs_to_the_earliest_deadline() {
+        let now = Instant::now();
+        assert_eq!(statement_budget(now, [now + 3 * S, now + S]), Some(S));
+        assert_eq!(statement_budget(now, [now, now + S]), None);
+        assert_eq!(statement_budget(now, []), None);
+    }
+
+    #[test]
+    fn hold_and_period_bounds() {
+        assert!(check_at_least(Duration::ZERO).is_ok());
+        assert!(check_at_least(MAX_HOLD).is_ok());
+        assert!(check_at_least(MAX_HOLD + MS).is_err());
+        assert!(check_period(Duration::ZERO).is_err());
+        assert!(check_period(999 * MS).is_err());
+        assert!(check_period(S).is_ok());
+        assert!(check_period(MAX_HOLD + MS).is_err());
+    }
+}

@@ -1,0 +1,133 @@
+//! [`Conn`]: a checked-out connection.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::panic::Location;
+use std::time::Instant;
+
+use deadpool_postgres::Object;
+
+use super::admission::Permit;
+use super::{ObjectId, Pool};
+use crate::budget::Lane;
+
+/// A checked-out connection. Derefs to [`deadpool_postgres::Client`], so code
+/// written against deadpool runs unchanged; returns to the pool on drop.
+///
+/// Knows its lane, its backend pid, where it was checked out and since when.
+pub struct Conn {
+    // Field order matters: the object goes back to deadpool before the permit
+    // is released, so an admitted checkout never waits inside deadpool.
+    pub(super) obj: Option<deadpool_postgres::Client>,
+    pub(super) permit: Permit,
+    pub(super) pid: i32,
+    pub(super) site: &'static Location<'static>,
+    pub(super) since: Instant,
+    pub(super) object: ObjectId,
+}
+
+impl Conn {
+    /// The lane it was checked out on.
+    pub fn lane(&self) -> Lane {
+        self.permit.lane
+    }
+
+    /// The backend pid of its PostgreSQL session (behind a transaction
+    /// pooler: the pid seen at first checkout, which may change).
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Where it was checked out.
+    pub fn site(&self) -> &'static Location<'static> {
+        self.site
+    }
+
+    /// When it was checked out.
+    pub fn since(&self) -> Instant {
+        self.since
+    }
+
+    /// The pool it came from.
+    pub fn pool(&self) -> Pool {
+        Pool {
+            shared: self.permit.shared.clone(),
+        }
+    }
+
+    /// Closes the physical connection instead of returning it to the pool:
+    /// PostgreSQL ends the session, and every session lock with it.
+    pub fn discard(mut self) {
+        if let Some(obj) = self.obj.take() {
+            self.permit.shared.state.lock().pids.remove(&self.object);
+            drop(Object::take(obj));
+        }
+    }
+
+    /// Sets what the checkout is for, shown in long-hold warnings.
+    pub(crate) fn set_note(&self, note: Option<String>) {
+        if let Some(c) = self
+            .permit
+            .shared
+            .state
+            .lock()
+            .checkouts
+            .get_mut(self.permit.slot)
+        {
+            c.note = note;
+        }
+    }
+
+    fn client(&self) -> &deadpool_postgres::Client {
+        // infallible: `obj` is Some until drop or `discard`, which consume self.
+        self.obj.as_ref().expect("connection present until drop") // infallible
+    }
+}
+
+impl Deref for Conn {
+    type Target = deadpool_postgres::Client;
+    fn deref(&self) -> &Self::Target {
+        self.client()
+    }
+}
+
+impl DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        // infallible: `obj` is Some until drop or `discard`, which consume self.
+        self.obj.as_mut().expect("connection present until drop") // infallible
+    }
+}
+
+impl AsRef<deadpool_postgres::Client> for Conn {
+    fn as_ref(&self) -> &deadpool_postgres::Client {
+        self.client()
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(obj) = self.obj.take() {
+            let shared = &self.permit.shared;
+            shared
+                .metrics
+                .lane(self.permit.lane)
+                .hold
+                .record(self.since.elapsed().as_secs_f64());
+            if obj.is_closed() {
+                shared.state.lock().pids.remove(&self.object);
+            }
+            drop(obj);
+        }
+    }
+}
+
+impl fmt::Debug for Conn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Conn")
+            .field("lane", &self.permit.lane)
+            .field("pid", &self.pid)
+            .field("site", &format_args!("{}", self.site))
+            .field("age", &self.since.elapsed())
+            .finish()
+    }
+}

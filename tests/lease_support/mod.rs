@@ -1,0 +1,119 @@
+//! Shared helpers of the lease tests: fresh databases, pools with a known
+//! `application_name` (to find their backends), stopping backends with
+//! SIGSTOP, and bounded waits.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use pgwarden::testing::{TestDb, TestServer};
+use pgwarden::Pool;
+use tokio_postgres::Client;
+
+/// A fresh database on the shared throwaway server.
+pub async fn db() -> TestDb {
+    TestServer::shared()
+        .expect("throwaway PostgreSQL")
+        .create_database()
+        .await
+        .expect("fresh database")
+}
+
+/// A pgwarden pool of `size` on `db`, its backends named `app` in
+/// `pg_stat_activity.application_name`.
+pub fn pool(db: &TestDb, size: usize, app: &str) -> Pool {
+    pool_with(db.pg_config(), size, app)
+}
+
+/// The same, connecting with `config` (another user, PgBouncer).
+pub fn pool_with(mut config: tokio_postgres::Config, size: usize, app: &str) -> Pool {
+    config.application_name(app);
+    let mgr = deadpool_postgres::Manager::from_config(
+        config,
+        tokio_postgres::NoTls,
+        deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        },
+    );
+    let inner = deadpool_postgres::Pool::builder(mgr)
+        .max_size(size)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()
+        .expect("deadpool");
+    Pool::builder(inner)
+        .name(app)
+        .wait_timeout(Duration::from_secs(5))
+        .build()
+        .expect("pgwarden pool")
+}
+
+/// Backend pids of the connections named `app`.
+pub async fn backends(admin: &Client, app: &str) -> Vec<i32> {
+    admin
+        .query_typed(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
+            &[(&app, tokio_postgres::types::Type::TEXT)],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Backends stopped with SIGSTOP; continued (SIGCONT) on drop, whatever
+/// happens in the test.
+pub struct Stopped(Vec<i32>);
+
+impl Stopped {
+    pub fn stop(pids: Vec<i32>) -> Stopped {
+        assert!(!pids.is_empty(), "no backend to stop");
+        for &pid in &pids {
+            let rc = kill(pid, libc::SIGSTOP);
+            assert_eq!(rc, 0, "SIGSTOP {pid}: {}", std::io::Error::last_os_error());
+        }
+        Stopped(pids)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            kill(pid, libc::SIGCONT);
+        }
+    }
+}
+
+fn kill(pid: i32, sig: i32) -> i32 {
+    // SAFETY: kill(2) has no memory-safety preconditions. The pid is a
+    // backend of the test's own server, read from pg_stat_activity; the test
+    // process runs as root (or as the server's user), so it may signal it.
+    unsafe { libc::kill(pid, sig) }
+}
+
+/// Awaits `fut`, failing the test after `limit`.
+pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: not done within {limit:?}"),
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds, failing the test after `limit`.
+pub async fn until<F, Fut>(limit: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !cond().await {
+        assert!(start.elapsed() < limit, "{what}: not true within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A plain connection to `db` for the test's own queries.
+pub async fn admin(db: &TestDb) -> Client {
+    db.connect().await.expect("admin connection")
+}

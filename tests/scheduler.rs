@@ -1,0 +1,192 @@
+//! The lease scheduler against a real PostgreSQL: once per period across
+//! instances, once per node, graceful shutdown.
+
+#![cfg(feature = "testing")]
+
+mod lease_support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use lease_support::{db, pool, until};
+use pgwarden::{Job, LeaseHandle, Leases, Scheduler};
+
+const S: Duration = Duration::from_secs(1);
+
+/// One run: which instance, which lease, which period (database clock).
+#[derive(Clone, Debug)]
+struct Run {
+    instance: usize,
+    lease: String,
+    slot: i64,
+}
+
+type Log = Arc<parking_lot::Mutex<Vec<Run>>>;
+
+fn slot_of(lease: &LeaseHandle, period: Duration) -> i64 {
+    let t = lease.taken_at().duration_since(UNIX_EPOCH).unwrap();
+    (t.as_secs_f64() / period.as_secs_f64()).floor() as i64
+}
+
+fn recorder(
+    log: &Log,
+    instance: usize,
+) -> impl Fn(LeaseHandle) -> std::future::Ready<()> + Send + Sync + 'static {
+    let log = log.clone();
+    move |lease| {
+        log.lock().push(Run {
+            instance,
+            lease: lease.name().to_owned(),
+            slot: slot_of(&lease, S),
+        });
+        std::future::ready(())
+    }
+}
+
+#[tokio::test]
+async fn three_instances_run_each_job_once_per_period_and_per_node() {
+    let db = db().await;
+    let nodes = ["n1", "n1", "n2"];
+    let log: Log = Arc::default();
+    let mut schedulers = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let leases = Leases::new(&pool(&db, 3, &format!("sched{i}")));
+        leases.install().await.unwrap();
+        let s = Scheduler::builder(&leases)
+            .node(*node)
+            .job(Job::every("tick", S, recorder(&log, i)))
+            .job(Job::per_node("uptime", S, recorder(&log, i)))
+            .start()
+            .unwrap();
+        assert_eq!(s.node(), *node);
+        schedulers.push(s);
+    }
+    // Seven periods of the cluster job: the five in the middle are whole.
+    let start = Instant::now();
+    until(15 * S, "seven periods", || async {
+        let slots: std::collections::BTreeSet<i64> = log
+            .lock()
+            .iter()
+            .filter(|r| r.lease == "tick")
+            .map(|r| r.slot)
+            .collect();
+        slots.len() >= 7
+    })
+    .await;
+    for s in schedulers {
+        s.shutdown().await;
+    }
+    let runs = log.lock().clone();
+    eprintln!("{} runs in {:?}", runs.len(), start.elapsed());
+
+    let mut by_lease: BTreeMap<&str, BTreeMap<i64, Vec<usize>>> = BTreeMap::new();
+    for r in &runs {
+        by_lease
+            .entry(r.lease.as_str())
+            .or_default()
+            .entry(r.slot)
+            .or_default()
+            .push(r.instance);
+    }
+    assert_eq!(
+        by_lease.keys().copied().collect::<Vec<_>>(),
+        ["tick", "uptime@n1", "uptime@n2"]
+    );
+    let ticks = &by_lease["tick"];
+    let (first, last) = (*ticks.keys().next().unwrap(), *ticks.keys().last().unwrap());
+    assert!(last - first >= 6, "{ticks:?}");
+    for (lease, slots) in &by_lease {
+        // Never twice in a period, on any instance.
+        for (slot, instances) in slots {
+            assert_eq!(
+                instances.len(),
+                1,
+                "{lease} ran {instances:?} in period {slot}"
+            );
+        }
+        // Every whole period ran (the first and last may be partial).
+        for slot in first + 1..last {
+            assert!(
+                slots.contains_key(&slot),
+                "{lease} missed period {slot}: {slots:?}"
+            );
+        }
+        // Per-node jobs run on their node.
+        let allowed: &[usize] = match *lease {
+            "uptime@n1" => &[0, 1],
+            "uptime@n2" => &[2],
+            _ => &[0, 1, 2],
+        };
+        for instances in slots.values() {
+            assert!(
+                allowed.contains(&instances[0]),
+                "{lease} ran on instance {}",
+                instances[0]
+            );
+        }
+    }
+    let per_instance: Vec<usize> = (0..3)
+        .map(|i| runs.iter().filter(|r| r.instance == i).count())
+        .collect();
+    eprintln!("runs per instance: {per_instance:?}; periods {first}..={last}");
+}
+
+#[tokio::test]
+async fn graceful_shutdown_releases_leases() {
+    let db = db().await;
+    let a = Leases::new(&pool(&db, 3, "shut-a"));
+    let b = Leases::new(&pool(&db, 3, "shut-b"));
+    a.install().await.unwrap();
+    let started = Arc::new(AtomicBool::new(false));
+    let dropped = Arc::new(AtomicBool::new(false));
+    struct Flag(Arc<AtomicBool>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let (st, dr) = (started.clone(), dropped.clone());
+    let scheduler = Scheduler::builder(&a)
+        .node("n1")
+        .shutdown_grace(Duration::from_millis(200))
+        // Runs once a day and is quick: its period is done once it ran.
+        .job(Job::every(
+            "daily",
+            Duration::from_secs(24 * 3600),
+            |_| async {},
+        ))
+        // Still running at shutdown.
+        .job(Job::every("long", S, move |_| {
+            let (st, flag) = (st.clone(), Flag(dr.clone()));
+            async move {
+                let _flag = flag;
+                st.store(true, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+        }))
+        .start()
+        .unwrap();
+    until(5 * S, "both jobs started", || async {
+        started.load(Ordering::SeqCst) && scheduler.runs() >= 1
+    })
+    .await;
+    assert!(
+        b.try_acquire("long", S).await.unwrap().is_none(),
+        "held while running"
+    );
+
+    let t = Instant::now();
+    scheduler.shutdown().await;
+    assert!(t.elapsed() < 3 * S, "shutdown took {:?}", t.elapsed());
+    assert!(
+        dropped.load(Ordering::SeqCst),
+        "the long job was dropped after its grace"
+    );
+    // The interrupted run freed its lease at once: another instance takes it.
+    let long = b.try_acquire("long", S).await.unwrap();
+    assert!(long.is_some(), "released at shutdown");
+    // The completed daily run keeps its period: nobody reruns it today.
+    assert!(b.try_acquire("daily", S).await.unwrap().is_none());
+}
