@@ -28,6 +28,7 @@
 //! leases, closes the pool, exits 0.
 
 mod config;
+mod jobs;
 mod routes;
 mod schema;
 
@@ -104,6 +105,12 @@ async fn run() -> Result<(), BoxError> {
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     let addr = listener.local_addr()?;
     schema::install(&pool, &cfg.instance, &addr.to_string()).await?;
+    let scheduler = jobs::start(&pool, &cfg)?;
+    let periods: Vec<String> = jobs::periods(&cfg)
+        .iter()
+        .map(|(job, p)| format!("{job} every {p:?}"))
+        .collect();
+    tracing::info!(node = %cfg.node, "jobs: {}", periods.join(", "));
 
     let (shutdown_tx, shutdown) = tokio::sync::watch::channel(false);
     let state = routes::AppState {
@@ -125,6 +132,15 @@ async fn run() -> Result<(), BoxError> {
         .await?;
 
     println!("instance {}: shutting down", cfg.instance);
+    // Running jobs finish (within a grace period); their leases are released.
+    scheduler.shutdown().await;
+    // Whatever else this process holds (the demo route's leases release
+    // themselves when told to stop; this is the safety net).
+    let left = pool.leases().release_all().await?;
+    println!(
+        "instance {}: leases released ({left} left at shutdown)",
+        cfg.instance
+    );
     pool.close();
     upkeep.abort();
     println!("instance {}: stopped", cfg.instance);

@@ -39,6 +39,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(render_metrics))
         .route("/items", get(list_items).post(add_item))
         .route("/debug/hold-lock", post(hold_lock))
+        .route("/debug/hold-lease", post(hold_lease))
         .with_state(state)
 }
 
@@ -190,5 +191,56 @@ async fn hold_lock(State(s): State<AppState>, Query(q): Query<HashMap<String, St
     match worked {
         Ok(()) => (StatusCode::OK, format!("held lock {key} for {ms} ms\n")),
         Err(r) => r,
+    }
+}
+
+/// `POST /debug/hold-lease?name=…&ms=M&ttl_ms=T`: takes the table lease
+/// `name` (TTL T, default 10 s; renewed every T/4 in the background, holding
+/// no connection) and holds it M ms; 409 when another holder has it. Answers
+/// `lost: <reason>` if the lease is lost meanwhile (e.g. this process was
+/// frozen past the TTL and another instance took it over).
+async fn hold_lease(State(s): State<AppState>, Query(q): Query<HashMap<String, String>>) -> Reply {
+    let name = q
+        .get("name")
+        .cloned()
+        .unwrap_or_else(|| "report".to_owned());
+    let (ms, ttl_ms) = match (param(&q, "ms", 1000_u64), param(&q, "ttl_ms", 10_000_u64)) {
+        (Ok(m), Ok(t)) => (m.min(120_000), t),
+        (Err(r), _) | (_, Err(r)) => return r,
+    };
+    let lease = match s
+        .pool
+        .leases()
+        .try_acquire(&name, Duration::from_millis(ttl_ms))
+        .await
+    {
+        Ok(Some(lease)) => lease,
+        Ok(None) => {
+            return (
+                StatusCode::CONFLICT,
+                format!("lease {name} is held elsewhere\n"),
+            )
+        }
+        Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
+    };
+    let token = lease.token();
+    let mut shutdown = s.shutdown.clone();
+    let lost = lease.lost();
+    let held = tokio::select! {
+        _ = tokio::time::sleep(Duration::from_millis(ms)) => "held",
+        _ = shutdown.wait_for(|s| *s) => "held until shutdown",
+        reason = lost => {
+            return (StatusCode::OK, format!("lease {name} (token {token}) lost: {reason}\n"));
+        }
+    };
+    match lease.release().await {
+        Ok(()) => (
+            StatusCode::OK,
+            format!("lease {name} (token {token}) {held} and released\n"),
+        ),
+        Err(e) => (
+            StatusCode::OK,
+            format!("lease {name} (token {token}) lost: {e}\n"),
+        ),
     }
 }
