@@ -1,17 +1,19 @@
 //! The end-to-end proof (issue 5 §4): two instances of `examples/service` on
 //! one database, a real Prometheus scraping both every second with
 //! `dashboards/alerts.yml` loaded, request load plus lock pressure that the
-//! session-lock budget refuses; then every panel query of
-//! `dashboards/pgwarden.json` and every alert expression of
-//! `dashboards/alerts.yml`, evaluated through Prometheus's HTTP API.
+//! session-lock budget refuses, and a lease lost for real (its holder frozen
+//! with SIGSTOP past the TTL while the other instance takes it over: the
+//! lease-loss and take-over counters only exist once that has happened);
+//! then every panel query of `dashboards/pgwarden.json` and every alert
+//! expression of `dashboards/alerts.yml`, through Prometheus's HTTP API.
 //!
 //! - Every panel query must parse and return at least one series.
 //! - Every alert rule must load and evaluate without error (health `ok`);
 //!   its expression must parse through `/api/v1/query`; and every metric
 //!   selector in it must return at least one series. An alert expression is
 //!   a condition, so it returns series only while it is true: the lock-budget
-//!   alert must be true for the pressured instance during the pressure; the
-//!   others are reported (quiet or true) with the series count of their
+//!   alert must be true for the pressured instance during the pressure, the
+//!   lease-lost alert for the frozen one afterwards; the others are reported (quiet or true) with the series count of their
 //!   selectors.
 //!
 //! Needs `prometheus` (Debian package `prometheus`): skipped without it,

@@ -12,16 +12,25 @@
 //! Routes: `GET /up` (liveness, no database), `GET /health/ready` (200, or
 //! 503 when the readiness probe fails within 1 s), `GET /metrics`
 //! (Prometheus), `POST /items?name=…` and `GET /items?limit=…&slow_ms=…`
-//! (request work), `POST /debug/hold-lock?key=…&ms=…` (holds a session
-//! advisory lock: lock pressure for demos; 409 when the budget refuses).
+//! (request work). Demo routes for lock and lease pressure:
+//! `POST /debug/hold-lock?key=…&ms=…` (a session advisory lock, 409 when the
+//! session-lock budget refuses it) and `POST /debug/hold-lease?name=…&ms=…&ttl_ms=…`
+//! (a table lease, 409 when held elsewhere).
+//!
+//! Jobs (`jobs.rs`), on table leases through `pgwarden::Scheduler`: cleanup
+//! hourly, alert evaluation every 30 s, mail checks every 15 min (each on
+//! one instance of the cluster per period), uptime checks every 10 s once
+//! per node. Every run is recorded in `job_runs(job, node, instance, ran_at,
+//! period_ms, token)`.
 //!
 //! Environment: `DATABASE_URL` (unset: a throwaway PostgreSQL from
 //! `pgwarden::testing`, whose URL is printed so that a second instance can
 //! join), `LISTEN_ADDR` (default `127.0.0.1:8080`, port 0 for any),
 //! `NODE_NAME` (default: host name), `INSTANCE_ID` (default
-//! `<node>-<pid>`), `POOL_SIZE` (default 4), `POOL_NAME` (default
-//! `service`), `PGWARDEN_TIME_SCALE` (default 1: multiplies the job
-//! periods), `RUST_LOG` (default `info`).
+//! `<node>-<pid>`), `POOL_SIZE` (default 4, the seed's), `POOL_NAME`
+//! (default `service`: the metrics' `pool` label), `PGWARDEN_TIME_SCALE`
+//! (default 1: multiplies the job periods, the lease TTL and the census
+//! interval; periods stay at least 1 s), `RUST_LOG` (default `info`).
 //!
 //! On start it prints `listening on http://<addr>` on stdout. SIGTERM or
 //! Ctrl-C: stops taking requests, lets running jobs finish, releases its
