@@ -47,7 +47,7 @@ pub fn periods(cfg: &Config) -> [(&'static str, Duration); 4] {
 }
 
 /// Starts the scheduler with the four jobs.
-pub fn start(pool: &Pool, cfg: &Config) -> Result<Scheduler, pgwarden::Error> {
+pub fn start(pool: &Pool, cfg: &Config) -> Result<Scheduler, BoxError> {
     let ctx = Ctx {
         pool: pool.clone(),
         node: Arc::from(cfg.node.as_str()),
@@ -75,13 +75,14 @@ pub fn start(pool: &Pool, cfg: &Config) -> Result<Scheduler, pgwarden::Error> {
         };
         j.options(opts.clone())
     };
-    Scheduler::builder(&pool.leases())
+    let scheduler = Scheduler::builder(&pool.leases())
         .node(cfg.node.clone())
         .job(job(cleanup_p, false))
         .job(job(alerts_p, false))
         .job(job(mail_p, false))
         .job(job(uptime_p, true))
-        .start()
+        .start()?;
+    Ok(scheduler)
 }
 
 /// One run: the job's work and its record, in one transaction fenced by
