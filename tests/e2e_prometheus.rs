@@ -23,6 +23,7 @@
 mod service_support;
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -146,14 +147,25 @@ struct Counts {
     ok: AtomicU64,
     refused: AtomicU64,
     other: AtomicU64,
+    /// The failures (not 2xx, not 409): where, and what they said.
+    failures: std::sync::Mutex<Vec<(SocketAddr, String)>>,
 }
 
 impl Counts {
-    fn add(&self, status: Option<u16>) {
-        match status {
-            Some(200 | 201) => &self.ok,
-            Some(409) => &self.refused,
-            _ => &self.other,
+    fn add(&self, addr: SocketAddr, r: service_support::Result<(u16, String)>) {
+        match &r {
+            Ok((200 | 201, _)) => &self.ok,
+            Ok((409, _)) => &self.refused,
+            _ => {
+                let what = match r {
+                    Ok((status, body)) => format!("{status} {}", body.trim()),
+                    Err(e) => e.to_string(),
+                };
+                if let Ok(mut f) = self.failures.lock() {
+                    f.push((addr, what));
+                }
+                &self.other
+            }
         }
         .fetch_add(1, Ordering::Relaxed);
     }
@@ -163,6 +175,9 @@ impl Counts {
             self.refused.load(Ordering::Relaxed),
             self.other.load(Ordering::Relaxed),
         )
+    }
+    fn failures(&self) -> Vec<(SocketAddr, String)> {
+        self.failures.lock().map(|f| f.clone()).unwrap_or_default()
     }
 }
 
@@ -187,7 +202,7 @@ fn drive(
                     _ => "/items?limit=5&slow_ms=20".to_owned(),
                 };
                 let method = if n % 4 == 1 { "POST" } else { "GET" };
-                load.add(service_support::http(addr, method, &path).ok().map(|r| r.0));
+                load.add(addr, service_support::http(addr, method, &path));
             }
         }));
     }
@@ -197,7 +212,7 @@ fn drive(
         threads.push(std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let r = service_support::http(addr, "POST", "/debug/hold-lock?key=1&ms=3000");
-                locks.add(r.ok().map(|r| r.0));
+                locks.add(addr, r);
             }
         }));
     }
@@ -207,7 +222,7 @@ fn drive(
         threads.push(std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let r = service_support::http(addr, "POST", "/debug/hold-lock?key=2&ms=10");
-                locks.add(r.ok().map(|r| r.0));
+                locks.add(addr, r);
                 std::thread::sleep(Duration::from_millis(200));
             }
         }));
@@ -281,11 +296,29 @@ fn dashboards_and_alerts_against_a_real_prometheus() -> Result {
         assert!(status.success(), "{} exited with {status}", inst.name);
     }
     outcome?;
+    // b was frozen for a second or more: requests it held then may time out
+    // when it resumes (its 1 s readiness bound, its pool wait), with 503.
+    // Nothing else may fail.
+    let failures = load.failures();
+    for (addr, what) in &failures {
+        say!(
+            "load failure on {}: {what}",
+            if *addr == a.addr { "a" } else { "b" }
+        );
+    }
+    assert!(ok > 0, "no request succeeded");
     assert!(
-        ok > 0 && other == 0,
-        "request load: {ok} ok, {other} failed"
+        failures
+            .iter()
+            .all(|(addr, what)| *addr == b.addr && what.starts_with("503")),
+        "request load failed beyond b's freeze: {failures:?}"
     );
     assert!(lock_refused > 0, "the budget never refused a session lock");
+    assert!(
+        lock_other == 0,
+        "lock requests failed otherwise: {:?}",
+        locks.failures()
+    );
     say!("{:>5.1?}  done", t0.elapsed());
     Ok(())
 }
