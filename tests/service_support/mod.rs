@@ -7,6 +7,8 @@
 //! a real SIGTERM.
 #![allow(dead_code)]
 
+pub mod promql;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
