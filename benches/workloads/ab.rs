@@ -63,3 +63,15 @@ where
     }
     total as f64 / start.elapsed().as_secs_f64()
 }
+
+/// The `p`-th percentile (0–100) by nearest rank: the smallest value with at
+/// least `p` % of the values at or below it.
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
