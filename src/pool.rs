@@ -246,7 +246,12 @@ impl Shared {
         };
         let res = tokio::time::timeout(timeout.saturating_sub(start.elapsed()), rx).await;
         match res {
-            Ok(Ok(permit)) => Ok(permit),
+            Ok(Ok(permit)) => {
+                // `release` took this waiter off the queue before granting
+                // it: nothing to remove, skip the guard's scan of the queue.
+                std::mem::forget(guard);
+                Ok(permit)
+            }
             // The sender went away without a permit: the pool is closing.
             Ok(Err(_)) => Err(Error::Pool(PoolError::Closed)),
             Err(_) => {
@@ -294,9 +299,18 @@ impl Shared {
             debug_assert!(false, "released an unknown checkout");
         }
         st.budget.release(lane);
+        // A lane that must wait stays blocked for the rest of this pass:
+        // granting a connection never makes room for another lane. Stop
+        // once every lane with waiters is blocked, instead of asking the
+        // budget again for each of the waiters queued behind.
+        let mut blocked = [false; 3];
         let mut i = 0;
         while i < st.waiters.len() {
             let wl = st.waiters[i].lane;
+            if blocked[wl.idx()] {
+                i += 1;
+                continue;
+            }
             match st.budget.acquire(wl) {
                 d @ (Decision::Admit | Decision::AdmitOverBudget) => {
                     let Some(w) = st.waiters.remove(i) else { break };
@@ -308,7 +322,17 @@ impl Shared {
                     }
                     grants.push((w.tx, slot, wl));
                 }
-                Decision::Refuse(_) | Decision::Wait => i += 1,
+                Decision::Refuse(_) | Decision::Wait => {
+                    blocked[wl.idx()] = true;
+                    let pending = st.pending;
+                    if Lane::ALL
+                        .iter()
+                        .all(|l| blocked[l.idx()] || pending[l.idx()] == 0)
+                    {
+                        break;
+                    }
+                    i += 1;
+                }
             }
         }
         let in_use = st.budget.in_use(lane);
