@@ -25,6 +25,32 @@ pub use status::{LaneStatus, Status};
 
 type ObjectId = deadpool_postgres::ObjectId;
 
+/// Hashes deadpool object ids (one `usize` each) with a multiplication: the
+/// pid map is read at every checkout, and SipHash's resistance to chosen
+/// keys buys nothing for ids that deadpool hands out.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (self.0 ^ n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// Maps and sets keyed by deadpool object id.
+pub(crate) type IdMap<V> = HashMap<ObjectId, V, std::hash::BuildHasherDefault<IdHasher>>;
+pub(crate) type IdSet = HashSet<ObjectId, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// A budgeted pool: a drop-in wrapper over [`deadpool_postgres::Pool`].
 ///
 /// Cloning is cheap (an `Arc`); clones share one pool.
@@ -93,9 +119,9 @@ pub(crate) struct State {
     pub(crate) checkouts: Slab<Checkout>,
     warned_sites: HashSet<usize>,
     /// Backend pid of every physical connection seen, by deadpool object id.
-    pub(crate) pids: HashMap<ObjectId, i32>,
+    pub(crate) pids: IdMap<i32>,
     /// Connections to discard at their next checkout (a leaked lock on them).
-    pub(crate) tainted: HashSet<ObjectId>,
+    pub(crate) tainted: IdSet,
 }
 
 impl State {
@@ -337,21 +363,18 @@ impl Shared {
         }
         let in_use = st.budget.in_use(lane);
         // Lanes whose gauges changed besides the returned one: those granted.
-        let mut touched = [false; 3];
+        let mut granted: [Option<(usize, usize)>; 3] = [None; 3];
         for (_, _, l) in &grants {
-            touched[l.idx()] = true;
+            granted[l.idx()] = Some((st.budget.in_use(*l), st.pending[l.idx()]));
         }
-        let granted: Vec<(Lane, usize, usize)> = Lane::ALL
-            .iter()
-            .filter(|l| touched[l.idx()])
-            .map(|&l| (l, st.budget.in_use(l), st.pending[l.idx()]))
-            .collect();
         drop(st);
         self.metrics.lane(lane).in_use.set(in_use as f64);
-        for (l, n, p) in granted {
-            let m = self.metrics.lane(l);
-            m.in_use.set(n as f64);
-            m.pending.set(p as f64);
+        for l in Lane::ALL {
+            if let Some((n, p)) = granted[l.idx()] {
+                let m = self.metrics.lane(l);
+                m.in_use.set(n as f64);
+                m.pending.set(p as f64);
+            }
         }
         for (site, first, n) in overs {
             self.over_budget(site, first, n);
@@ -629,7 +652,7 @@ impl Pool {
                         // Connections deadpool dropped on its own leave stale
                         // entries: keep the map bounded (idle pids are asked again).
                         if st.pids.len() >= 4 * st.budget.limits().size() {
-                            let out: HashSet<ObjectId> =
+                            let out: IdSet =
                                 st.checkouts.iter().filter_map(|(_, c)| c.object).collect();
                             st.pids.retain(|id, _| out.contains(id));
                         }
@@ -842,7 +865,7 @@ impl AsRef<deadpool_postgres::Client> for Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        if let Some(obj) = self.obj.take() {
+        if let Some(obj) = &self.obj {
             let shared = &self.permit.shared;
             shared
                 .metrics
@@ -852,8 +875,9 @@ impl Drop for Conn {
             if obj.is_closed() {
                 shared.state.lock().pids.remove(&self.object);
             }
-            drop(obj);
         }
+        // The fields drop next, in place: the object goes back to deadpool,
+        // then the permit returns to the budget.
     }
 }
 
