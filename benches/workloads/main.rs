@@ -13,6 +13,7 @@ mod ab;
 mod incident;
 mod leases;
 mod overhead;
+mod profile;
 mod renewal;
 mod takeover;
 
@@ -50,6 +51,9 @@ fn main() -> Result<(), BoxError> {
     // Workload 6 runs this binary again as the lease holder it kills.
     if let Some(i) = args.iter().position(|a| a == "--lease-holder") {
         return takeover::holder_main(&args[i + 1..]);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--profile") {
+        return profile::profile_main(&args[i + 1..]);
     }
     let smoke = args.iter().any(|a| a == "--smoke");
     let only: Option<String> = args
