@@ -10,6 +10,8 @@
 //! - crash: the holder is killed (SIGKILL, no release) at a random point of
 //!   its renewal cycle, after at least one renewal; latency from the kill to
 //!   the contender holding the lease. Target: at most TTL + the poll interval.
+//!   The contender starts waiting when the holder has the lease, so its
+//!   polling is at a random point of its cycle too.
 //! - graceful: the holder is told to release on its stdin; latency from that
 //!   instant to the contender holding the lease.
 //!
@@ -55,8 +57,9 @@ pub fn describe(s: Settings) -> String {
     let p = plan(s);
     format!(
         "6: TTL {:?}, renewal every {:?}, default safety margin; the holder is a separate \
-         process (pool 2), the contender `Leases::acquire` on its own pool of 2, started just \
-         before the kill or release; {} interleaved crash/graceful trial pairs",
+         process (pool 2), the contender `Leases::acquire` on its own pool of 2, waiting from the \
+         moment the holder has the lease; the kill or release comes 1 to 3 renewal intervals \
+         later (uniformly random); {} interleaved crash/graceful trial pairs",
         p.ttl, p.renew_every, p.pairs
     )
 }
@@ -165,9 +168,7 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
                 let (url, name) = (url.clone(), name.clone());
                 tokio::task::spawn_blocking(move || Holder::spawn(&url, &name, p)).await??
             };
-            // Past at least one renewal, at a random point of the cycle.
-            let phase = rand::random::<f64>();
-            tokio::time::sleep(p.renew_every.mul_f64(1.0 + phase)).await;
+            // The contender waits from now on, as another instance would.
             let contender = {
                 let (leases, opts, name) = (leases.clone(), opts.clone(), name.clone());
                 tokio::spawn(async move {
@@ -177,8 +178,10 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
                     Ok::<_, pgwarden::Error>(at)
                 })
             };
-            // Let the contender's first attempt find the lease held.
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            // Past at least one renewal, at a random point of the renewal
+            // cycle and of the contender's polling.
+            let phase = rand::random::<f64>();
+            tokio::time::sleep(p.renew_every.mul_f64(1.0 + 2.0 * phase)).await;
             let t0 = Instant::now();
             if kill {
                 holder.child.kill()?;
