@@ -108,6 +108,8 @@ struct Waiter {
     id: u64,
     lane: Lane,
     site: &'static Location<'static>,
+    /// When its checkout began: the checkout record's age until attached.
+    start: Instant,
     tx: oneshot::Sender<Permit>,
 }
 
@@ -258,7 +260,13 @@ impl Shared {
                     let (tx, rx) = oneshot::channel();
                     let id = st.next_waiter;
                     st.next_waiter += 1;
-                    st.waiters.push_back(Waiter { id, lane, site, tx });
+                    st.waiters.push_back(Waiter {
+                        id,
+                        lane,
+                        site,
+                        start,
+                        tx,
+                    });
                     st.pending[lane.idx()] += 1;
                     lm.pending.set(st.pending[lane.idx()] as f64);
                     (id, rx)
@@ -318,6 +326,8 @@ impl Shared {
 
     /// Returns one connection of `lane` to the budget and serves waiters.
     fn release(self: &Arc<Self>, slot: usize, lane: Lane) {
+        // Usually one grant per return: the first needs no allocation.
+        let mut grant: Option<(oneshot::Sender<Permit>, usize, Lane)> = None;
         let mut grants = Vec::new();
         let mut overs = Vec::new();
         let mut st = self.state.lock();
@@ -341,12 +351,16 @@ impl Shared {
                 d @ (Decision::Admit | Decision::AdmitOverBudget) => {
                     let Some(w) = st.waiters.remove(i) else { break };
                     st.pending[wl.idx()] -= 1;
-                    let slot = st.insert(wl, w.site, Instant::now());
+                    let slot = st.insert(wl, w.site, w.start);
                     if d == Decision::AdmitOverBudget {
                         let first = st.warned_sites.insert(w.site as *const _ as usize);
                         overs.push((w.site, first, st.budget.in_use(wl)));
                     }
-                    grants.push((w.tx, slot, wl));
+                    if grant.is_none() {
+                        grant = Some((w.tx, slot, wl));
+                    } else {
+                        grants.push((w.tx, slot, wl));
+                    }
                 }
                 Decision::Refuse(_) | Decision::Wait => {
                     blocked[wl.idx()] = true;
@@ -364,7 +378,7 @@ impl Shared {
         let in_use = st.budget.in_use(lane);
         // Lanes whose gauges changed besides the returned one: those granted.
         let mut granted: [Option<(usize, usize)>; 3] = [None; 3];
-        for (_, _, l) in &grants {
+        for (_, _, l) in grant.iter().chain(&grants) {
             granted[l.idx()] = Some((st.budget.in_use(*l), st.pending[l.idx()]));
         }
         drop(st);
@@ -379,7 +393,7 @@ impl Shared {
         for (site, first, n) in overs {
             self.over_budget(site, first, n);
         }
-        for (tx, slot, lane) in grants {
+        for (tx, slot, lane) in grant.into_iter().chain(grants) {
             let permit = Permit {
                 shared: self.clone(),
                 slot,
