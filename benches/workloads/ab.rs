@@ -75,3 +75,11 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
     v[rank.clamp(1, v.len()) - 1]
 }
+
+/// The smallest and largest pairwise ratio b[i] / a[i], for the notes.
+pub fn spread(a: &[f64], b: &[f64]) -> String {
+    let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| y / x).collect();
+    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("pair ratios {lo:.3} to {hi:.3}")
+}

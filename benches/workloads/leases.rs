@@ -18,7 +18,7 @@ use pgwarden::testing::{TestDb, TestServer};
 use pgwarden::{Leases, Pool};
 use tokio_postgres::types::Type;
 
-use crate::ab::{interleave, median, ratio, throughput};
+use crate::ab::{interleave, median, ratio, spread, throughput};
 use crate::{BoxError, Row, Settings};
 
 const TASKS: usize = 16;
@@ -264,10 +264,12 @@ pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, Bo
         target: "≥ 0.95, no extra round trips",
         met: (!s.smoke).then_some(r >= 0.95 && server_b <= server_a + 0.01),
         notes: format!(
-            "server xacts: `pg_stat_database.xact_commit` delta over every pair of the side \
+            "{}; server xacts: `pg_stat_database.xact_commit` delta over every pair of the side \
              (warm-up included: {} raw, {} pgwarden), connection start-up and pgwarden's \
              one-off install check and backend-pid queries included",
-            all[0], all[1]
+            spread(&a, &b),
+            all[0],
+            all[1]
         ),
     })
 }
