@@ -30,6 +30,32 @@ use admission::Permit;
 
 type ObjectId = deadpool_postgres::ObjectId;
 
+/// Hashes deadpool object ids (one `usize` each) with a multiplication: the
+/// pid map is read at every checkout, and SipHash's resistance to chosen
+/// keys buys nothing for ids that deadpool hands out.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (self.0 ^ n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// Maps and sets keyed by deadpool object id.
+pub(crate) type IdMap<V> = HashMap<ObjectId, V, std::hash::BuildHasherDefault<IdHasher>>;
+pub(crate) type IdSet = HashSet<ObjectId, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// A budgeted pool: a drop-in wrapper over [`deadpool_postgres::Pool`].
 ///
 /// Cloning is cheap (an `Arc`); clones share one pool.
@@ -87,6 +113,8 @@ struct Waiter {
     id: u64,
     lane: Lane,
     site: &'static Location<'static>,
+    /// When its checkout began: the checkout record's age until attached.
+    start: Instant,
     tx: oneshot::Sender<Permit>,
 }
 
@@ -98,9 +126,9 @@ pub(crate) struct State {
     pub(crate) checkouts: Slab<Checkout>,
     warned_sites: HashSet<usize>,
     /// Backend pid of every physical connection seen, by deadpool object id.
-    pub(crate) pids: HashMap<ObjectId, i32>,
+    pub(crate) pids: IdMap<i32>,
     /// Connections to discard at their next checkout (a leaked lock on them).
-    pub(crate) tainted: HashSet<ObjectId>,
+    pub(crate) tainted: IdSet,
 }
 
 impl State {
@@ -315,7 +343,7 @@ impl Pool {
                         // Connections deadpool dropped on its own leave stale
                         // entries: keep the map bounded (idle pids are asked again).
                         if st.pids.len() >= 4 * st.budget.limits().size() {
-                            let out: HashSet<ObjectId> =
+                            let out: IdSet =
                                 st.checkouts.iter().filter_map(|(_, c)| c.object).collect();
                             st.pids.retain(|id, _| out.contains(id));
                         }

@@ -63,3 +63,23 @@ where
     }
     total as f64 / start.elapsed().as_secs_f64()
 }
+
+/// The `p`-th percentile (0–100) by nearest rank: the smallest value with at
+/// least `p` % of the values at or below it.
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+/// The smallest and largest pairwise ratio b[i] / a[i], for the notes.
+pub fn spread(a: &[f64], b: &[f64]) -> String {
+    let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| y / x).collect();
+    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("pair ratios {lo:.3} to {hi:.3}")
+}

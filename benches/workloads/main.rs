@@ -10,7 +10,12 @@
 //! context on a shared 2-core machine; ratios are the result.
 
 mod ab;
+mod incident;
+mod leases;
 mod overhead;
+mod profile;
+mod renewal;
+mod takeover;
 
 use std::fmt::Write as _;
 
@@ -43,6 +48,13 @@ pub struct Settings {
 
 fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().collect();
+    // Workload 6 runs this binary again as the lease holder it kills.
+    if let Some(i) = args.iter().position(|a| a == "--lease-holder") {
+        return takeover::holder_main(&args[i + 1..]);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--profile") {
+        return profile::profile_main(&args[i + 1..]);
+    }
     let smoke = args.iter().any(|a| a == "--smoke");
     let only: Option<String> = args
         .iter()
@@ -61,6 +73,7 @@ fn main() -> Result<(), BoxError> {
             round: std::time::Duration::from_secs(2),
         }
     };
+    let load_before = load_average();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -68,18 +81,47 @@ fn main() -> Result<(), BoxError> {
         let server = TestServer::shared()?;
         let mut rows = Vec::new();
         let want = |id: &str| only.as_deref().is_none_or(|o| o == id);
+        let timed = |id: &str, began: std::time::Instant| {
+            eprintln!("workload {id}: {:.1} s", began.elapsed().as_secs_f64());
+        };
+        let began = std::time::Instant::now();
         if want("1") {
             rows.push(overhead::get_select_1(server, settings).await?);
+            timed("1", began);
         }
         if want("2") {
             rows.push(overhead::checkout_from_criterion());
         }
+        let began = std::time::Instant::now();
+        if want("3") {
+            rows.extend(incident::incident(server, settings).await?);
+            timed("3", began);
+        }
+        let began = std::time::Instant::now();
+        if want("4") {
+            rows.push(leases::acquire_release(server, settings).await?);
+            timed("4", began);
+        }
+        let began = std::time::Instant::now();
+        if want("5") {
+            rows.push(renewal::renewal(server, settings).await?);
+            timed("5", began);
+        }
+        let began = std::time::Instant::now();
+        if want("6") {
+            rows.push(takeover::takeover(server, settings).await?);
+            timed("6", began);
+        }
         Ok::<_, BoxError>(rows)
     })?;
-    let md = render(&rows, settings);
+    let load = (load_before, load_average());
+    let md = render(&rows, settings, load);
     print!("{md}");
+    // A partial run (`--only`) never overwrites the full table.
     let path = if smoke {
         "target/BENCHMARKS.smoke.md"
+    } else if only.is_some() {
+        "target/BENCHMARKS.only.md"
     } else {
         "BENCHMARKS.md"
     };
@@ -96,7 +138,17 @@ fn main() -> Result<(), BoxError> {
     Ok(())
 }
 
-fn render(rows: &[Row], s: Settings) -> String {
+/// The 1-minute load average: other work on the shared cores.
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String {
     let mut md = String::new();
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -122,8 +174,21 @@ fn render(rows: &[Row], s: Settings) -> String {
     );
     let _ = writeln!(
         md,
-        "- method: {} interleaved A/B round pairs of {:?}; medians, and the median of pairwise B/A ratios\n",
-        s.rounds, s.round
+        "- method: A and B rounds interleave (A B A B …); each row reports both medians and the median of pairwise B/A ratios. Absolute numbers are context, ratios are the result; release build (`cargo bench`)"
+    );
+    let show = |l: Option<f64>| l.map_or("?".to_owned(), |l| format!("{l:.2}"));
+    let _ = writeln!(
+        md,
+        "- noise: 1-minute load average {} at the start, {} at the end; other engineers' builds and tests share these cores, so absolute numbers vary from run to run{}",
+        show(load.0),
+        show(load.1),
+        std::env::var("PGWARDEN_BENCH_NOTE")
+            .map(|n| format!("; {n}"))
+            .unwrap_or_default()
+    );
+    let _ = writeln!(
+        md,
+        "- a target is judged in the full run only (smoke: n/a); a missed one is marked **no**, and the benchmarks never fail on it\n"
     );
     let _ = writeln!(
         md,
@@ -142,5 +207,46 @@ fn render(rows: &[Row], s: Settings) -> String {
             r.id, r.workload, r.a, r.b, r.ratio, r.target, met, r.notes
         );
     }
+    let _ = writeln!(md, "\n## Settings\n");
+    for line in [
+        format!(
+            "1: 64 tasks, pool 16, `get` + `prepare_cached(\"SELECT 1\")` + `query_one`; {} interleaved round pairs of {:?}",
+            s.rounds, s.round
+        ),
+        "2: criterion (`benches/checkout.rs`), one task on a current-thread runtime, pool 16, a connection already open: `get` then drop; the mean of each side".to_owned(),
+        incident::describe(s),
+        leases::describe(s),
+        renewal::describe(s),
+        takeover::describe(s),
+    ] {
+        let _ = writeln!(md, "- {line}");
+    }
+    md.push_str(PROFILED);
     md
 }
+
+/// What was profiled where a target was missed, and what changed: written
+/// by hand (callgrind counts are repeatable; re-run them with `--profile`).
+const PROFILED: &str = "
+## Profiled
+
+Workload 1 missed its target at first (ratios 0.906, 0.925, 0.959, 0.965 in
+four runs). `valgrind --tool=callgrind` on `workloads --profile raw|pgwarden
+20000` (one side of workload 1, a fixed 20,000 operations; the server is
+another process and not counted), pgwarden's instructions minus raw
+deadpool's, per operation:
+
+| change | instructions added per `get` + `SELECT 1` |
+|---|---|
+| before | 5,892 |
+| `Shared::release` stops once every waiting lane is blocked (it asked the budget again for each of the 48 queued waiters on every return: 2,435 per operation), and a granted waiter skips its guard's scan of the queue | 3,558 |
+| object ids hashed with a multiply instead of SipHash; no `Vec` for the gauges of granted lanes; `Conn` drops its object in place | 3,057 |
+| the first grant of a return needs no allocation; a granted checkout record takes its checkout's start instead of reading the clock | 2,801 |
+
+What remains is mostly the wait timeout's timer (pgwarden bounds every wait,
+30 s by default; the raw pool has no wait timeout), clock reads for the
+acquire and hold histograms, moves of the 296-byte `Conn`, and the oneshot
+channel of each waiter. With the first two changes workload 1 measured 0.968,
+0.988, 0.981, 1.012, 0.998 and 0.968 in six runs, before the third change and
+the run above.
+";

@@ -2,7 +2,7 @@
 
 use pgwarden::testing::TestServer;
 
-use crate::ab::{interleave, median, ratio, throughput};
+use crate::ab::{interleave, median, ratio, spread, throughput};
 use crate::{BoxError, Row, Settings};
 
 const TASKS: usize = 64;
@@ -57,7 +57,7 @@ pub async fn get_select_1(server: &TestServer, s: Settings) -> Result<Row, BoxEr
         ratio: format!("{r:.3}"),
         target: "≥ 0.97",
         met: (!s.smoke).then_some(r >= 0.97),
-        notes: String::new(),
+        notes: spread(&a, &b),
     })
 }
 

@@ -107,7 +107,13 @@ impl Shared {
                     let (tx, rx) = oneshot::channel();
                     let id = st.next_waiter;
                     st.next_waiter += 1;
-                    st.waiters.push_back(Waiter { id, lane, site, tx });
+                    st.waiters.push_back(Waiter {
+                        id,
+                        lane,
+                        site,
+                        start,
+                        tx,
+                    });
                     st.pending[lane.idx()] += 1;
                     lm.pending.set(st.pending[lane.idx()] as f64);
                     (id, rx)
@@ -121,7 +127,12 @@ impl Shared {
         };
         let res = tokio::time::timeout(timeout.saturating_sub(start.elapsed()), rx).await;
         match res {
-            Ok(Ok(permit)) => Ok(permit),
+            Ok(Ok(permit)) => {
+                // `release` took this waiter off the queue before granting
+                // it: nothing to remove, skip the guard's scan of the queue.
+                std::mem::forget(guard);
+                Ok(permit)
+            }
             // The sender went away without a permit: the pool is closing.
             Ok(Err(_)) => Err(Error::Pool(PoolError::Closed)),
             Err(_) => {
@@ -162,6 +173,8 @@ impl Shared {
 
     /// Returns one connection of `lane` to the budget and serves waiters.
     fn release(self: &Arc<Self>, slot: usize, lane: Lane) {
+        // Usually one grant per return: the first needs no allocation.
+        let mut grant: Option<(oneshot::Sender<Permit>, usize, Lane)> = None;
         let mut grants = Vec::new();
         let mut overs = Vec::new();
         let mut st = self.state.lock();
@@ -169,45 +182,65 @@ impl Shared {
             debug_assert!(false, "released an unknown checkout");
         }
         st.budget.release(lane);
+        // A lane that must wait stays blocked for the rest of this pass:
+        // granting a connection never makes room for another lane. Stop
+        // once every lane with waiters is blocked, instead of asking the
+        // budget again for each of the waiters queued behind.
+        let mut blocked = [false; 3];
         let mut i = 0;
         while i < st.waiters.len() {
             let wl = st.waiters[i].lane;
+            if blocked[wl.idx()] {
+                i += 1;
+                continue;
+            }
             match st.budget.acquire(wl) {
                 d @ (Decision::Admit | Decision::AdmitOverBudget) => {
                     let Some(w) = st.waiters.remove(i) else { break };
                     st.pending[wl.idx()] -= 1;
-                    let slot = st.insert(wl, w.site, Instant::now());
+                    let slot = st.insert(wl, w.site, w.start);
                     if d == Decision::AdmitOverBudget {
                         let first = st.warned_sites.insert(w.site as *const _ as usize);
                         overs.push((w.site, first, st.budget.in_use(wl)));
                     }
-                    grants.push((w.tx, slot, wl));
+                    if grant.is_none() {
+                        grant = Some((w.tx, slot, wl));
+                    } else {
+                        grants.push((w.tx, slot, wl));
+                    }
                 }
-                Decision::Refuse(_) | Decision::Wait => i += 1,
+                Decision::Refuse(_) | Decision::Wait => {
+                    blocked[wl.idx()] = true;
+                    let pending = st.pending;
+                    if Lane::ALL
+                        .iter()
+                        .all(|l| blocked[l.idx()] || pending[l.idx()] == 0)
+                    {
+                        break;
+                    }
+                    i += 1;
+                }
             }
         }
         let in_use = st.budget.in_use(lane);
         // Lanes whose gauges changed besides the returned one: those granted.
-        let mut touched = [false; 3];
-        for (_, _, l) in &grants {
-            touched[l.idx()] = true;
+        let mut granted: [Option<(usize, usize)>; 3] = [None; 3];
+        for (_, _, l) in grant.iter().chain(&grants) {
+            granted[l.idx()] = Some((st.budget.in_use(*l), st.pending[l.idx()]));
         }
-        let granted: Vec<(Lane, usize, usize)> = Lane::ALL
-            .iter()
-            .filter(|l| touched[l.idx()])
-            .map(|&l| (l, st.budget.in_use(l), st.pending[l.idx()]))
-            .collect();
         drop(st);
         self.metrics.lane(lane).in_use.set(in_use as f64);
-        for (l, n, p) in granted {
-            let m = self.metrics.lane(l);
-            m.in_use.set(n as f64);
-            m.pending.set(p as f64);
+        for l in Lane::ALL {
+            if let Some((n, p)) = granted[l.idx()] {
+                let m = self.metrics.lane(l);
+                m.in_use.set(n as f64);
+                m.pending.set(p as f64);
+            }
         }
         for (site, first, n) in overs {
             self.over_budget(site, first, n);
         }
-        for (tx, slot, lane) in grants {
+        for (tx, slot, lane) in grant.into_iter().chain(grants) {
             let permit = Permit {
                 shared: self.clone(),
                 slot,

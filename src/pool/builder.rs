@@ -1,4 +1,4 @@
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,7 +6,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use slab::Slab;
 
-use super::{Options, Pool, Shared, State};
+use super::{IdMap, IdSet, Options, Pool, Shared, State};
 use crate::budget::{Budget, Lane, LaneLimits, Limits, Policy};
 use crate::error::BuildError;
 use crate::lock::LockShared;
@@ -159,8 +159,8 @@ impl PoolBuilder {
                 next_waiter: 0,
                 checkouts: Slab::new(),
                 warned_sites: HashSet::new(),
-                pids: HashMap::new(),
-                tainted: HashSet::new(),
+                pids: IdMap::default(),
+                tainted: IdSet::default(),
             }),
             opts: Options {
                 wait_timeout,

@@ -106,7 +106,7 @@ impl AsRef<deadpool_postgres::Client> for Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        if let Some(obj) = self.obj.take() {
+        if let Some(obj) = &self.obj {
             let shared = &self.permit.shared;
             shared
                 .metrics
@@ -116,8 +116,9 @@ impl Drop for Conn {
             if obj.is_closed() {
                 shared.state.lock().pids.remove(&self.object);
             }
-            drop(obj);
         }
+        // The fields drop next, in place: the object goes back to deadpool,
+        // then the permit returns to the budget.
     }
 }
 

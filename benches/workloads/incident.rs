@@ -1,0 +1,320 @@
+//! Workload 3: the incident under load.
+//!
+//! Pool 8. Request traffic saturates the request lane (32 tasks, each
+//! checking out a connection for a 10 ms query), four exclusive background
+//! jobs run in a loop (take the job's lock or lease, then do the work under
+//! it: four 50 ms queries, each on a connection asked from the pool, then
+//! release and pause 100 ms), and a readiness probe fires every 100 ms
+//! (`SELECT 1`, bounded by 1 s, the readiness bound). Three sides, rounds
+//! interleaved A B C A B C …:
+//!
+//! - A: raw deadpool, each job holding `pg_try_advisory_lock` on its own
+//!   pooled connection while its work asks for another (the seed's code);
+//! - B: pgwarden, the same jobs on budgeted session locks
+//!   (`try_session_lock`; the default budget of a pool of 8 is 2, so two
+//!   jobs run and the others are refused and retry after the pause);
+//! - C: pgwarden, the same jobs on table leases (`try_exclusive`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden::testing::TestServer;
+use pgwarden::{Namespace, Pool};
+
+use crate::ab::{median, percentile, ratio};
+use crate::{BoxError, Row, Settings};
+
+const POOL: usize = 8;
+const REQUEST_TASKS: usize = 32;
+const REQUEST_SQL: &str = "SELECT pg_sleep(0.01)";
+const JOBS: [&str; 4] = ["cleanup", "alerts", "mail-checks", "uptime-node-a"];
+const WORK_UNITS: usize = 4;
+const WORK_SQL: &str = "SELECT pg_sleep(0.05)";
+const JOB_PAUSE: Duration = Duration::from_millis(100);
+const PROBE_EVERY: Duration = Duration::from_millis(100);
+const PROBE_BOUND: Duration = Duration::from_secs(1);
+const P99_TARGET: Duration = Duration::from_millis(50);
+const JOBS_NS: Namespace = Namespace::new(1);
+
+/// Rounds per side and the length of one round.
+fn plan(s: Settings) -> (usize, Duration) {
+    if s.smoke {
+        (1, Duration::from_millis(1500))
+    } else {
+        // 5 × 6 s: 30 s and 300 probes per side.
+        (5, Duration::from_secs(6))
+    }
+}
+
+pub fn describe(s: Settings) -> String {
+    let (rounds, round) = plan(s);
+    format!(
+        "3: pool {POOL}; {REQUEST_TASKS} request tasks looping `get` + `{REQUEST_SQL}`; \
+         jobs {JOBS:?} looping: take the lock or lease, {WORK_UNITS} × (`get` + `{WORK_SQL}`), \
+         release, pause {JOB_PAUSE:?} (also after a skip or refusal); readiness probe every \
+         {PROBE_EVERY:?} (`SELECT 1`, pgwarden: `Pool::readiness`; bound {PROBE_BOUND:?}, a probe \
+         past it counts as failed and as {PROBE_BOUND:?} in the p99); {rounds} round(s) of \
+         {round:?} per side, interleaved raw, session locks, leases; pgwarden pools with default \
+         limits (request max 7, session-lock budget 2, control reserve 1)"
+    )
+}
+
+#[derive(Clone)]
+enum Side {
+    Raw(deadpool_postgres::Pool),
+    Locks(Pool),
+    Leases(Pool),
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    runs: AtomicU64,
+    skips: AtomicU64,
+    errors: AtomicU64,
+}
+
+impl Side {
+    async fn query(&self, sql: &str) -> Result<(), BoxError> {
+        match self {
+            Side::Raw(p) => {
+                p.get().await?.simple_query(sql).await?;
+            }
+            Side::Locks(p) | Side::Leases(p) => {
+                p.get().await?.simple_query(sql).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn work(&self) -> Result<(), BoxError> {
+        for _ in 0..WORK_UNITS {
+            self.query(WORK_SQL).await?;
+        }
+        Ok(())
+    }
+
+    /// One run of `job`: true when it ran, false when it skipped (held
+    /// elsewhere, or refused by the session-lock budget).
+    async fn job_run(&self, job: &str) -> Result<bool, BoxError> {
+        match self {
+            Side::Raw(p) => {
+                let conn = p.get().await?;
+                let got: bool = conn
+                    .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&job])
+                    .await?
+                    .get(0);
+                if !got {
+                    return Ok(false);
+                }
+                let worked = self.work().await;
+                conn.query_one("SELECT pg_advisory_unlock(hashtext($1))", &[&job])
+                    .await?;
+                worked.map(|()| true)
+            }
+            Side::Locks(p) => match p.try_session_lock(JOBS_NS.named(job)).await {
+                Ok(Some(lock)) => {
+                    let worked = self.work().await;
+                    lock.unlock().await?;
+                    worked.map(|()| true)
+                }
+                Ok(None) => Ok(false),
+                Err(e) if e.is_budget_exhausted() => Ok(false),
+                Err(e) => Err(e.into()),
+            },
+            Side::Leases(p) => match p.try_exclusive(job).await? {
+                Some(lease) => {
+                    let worked = self.work().await;
+                    lease.release().await?;
+                    worked.map(|()| true)
+                }
+                None => Ok(false),
+            },
+        }
+    }
+
+    /// One readiness probe: its latency, or `None` when it failed or took
+    /// longer than the bound.
+    async fn probe(&self) -> Option<Duration> {
+        let start = Instant::now();
+        let ok = match self {
+            Side::Raw(p) => tokio::time::timeout(PROBE_BOUND, async {
+                p.get().await?.simple_query("SELECT 1").await?;
+                Ok::<_, BoxError>(())
+            })
+            .await
+            .is_ok_and(|r| r.is_ok()),
+            Side::Locks(p) | Side::Leases(p) => p.readiness(PROBE_BOUND).await.is_ok(),
+        };
+        let took = start.elapsed();
+        (ok && took <= PROBE_BOUND).then_some(took)
+    }
+}
+
+#[derive(Default)]
+struct SideOut {
+    /// Request throughput of each round, ops/s.
+    rates: Vec<f64>,
+    runs: u64,
+    skips: u64,
+    errors: u64,
+    secs: f64,
+    probes: Vec<Option<Duration>>,
+}
+
+impl SideOut {
+    fn ready_pct(&self) -> f64 {
+        let ok = self.probes.iter().filter(|p| p.is_some()).count();
+        100.0 * ok as f64 / self.probes.len().max(1) as f64
+    }
+
+    /// p99 latency in ms, a failed probe counted as the bound.
+    fn p99_ms(&self) -> f64 {
+        let v: Vec<f64> = self
+            .probes
+            .iter()
+            .map(|p| p.unwrap_or(PROBE_BOUND).as_secs_f64() * 1e3)
+            .collect();
+        percentile(&v, 99.0)
+    }
+
+    fn met(&self) -> bool {
+        self.ready_pct() >= 100.0 && self.p99_ms() <= P99_TARGET.as_secs_f64() * 1e3
+    }
+
+    fn cell(&self, label: &str) -> String {
+        let p99 = self.p99_ms();
+        let p99 = if p99 >= PROBE_BOUND.as_secs_f64() * 1e3 {
+            format!("≥ {} ms (failed probes)", PROBE_BOUND.as_millis())
+        } else {
+            format!("{p99:.1} ms")
+        };
+        format!(
+            "{label}: readiness {:.1} % of {}, p99 {p99}; {:.0} req/s",
+            self.ready_pct(),
+            self.probes.len(),
+            median(&self.rates)
+        )
+    }
+
+    fn jobs(&self) -> String {
+        let mut s = format!(
+            "{:.1} job runs/s, {:.1} skips/s",
+            self.runs as f64 / self.secs,
+            self.skips as f64 / self.secs
+        );
+        if self.errors > 0 {
+            s.push_str(&format!(", {} errors", self.errors));
+        }
+        s
+    }
+}
+
+async fn round(side: &Side, dur: Duration, out: &mut SideOut) {
+    let c = Arc::new(Counters::default());
+    let start = Instant::now();
+    let deadline = start + dur;
+    let mut tasks = Vec::new();
+    for _ in 0..REQUEST_TASKS {
+        let (side, c) = (side.clone(), c.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                match side.query(REQUEST_SQL).await {
+                    Ok(()) if Instant::now() <= deadline => {
+                        c.requests.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(()) => {}
+                    Err(_) => {
+                        c.errors.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+            }
+        }));
+    }
+    for job in JOBS {
+        let (side, c) = (side.clone(), c.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                let counter = match side.job_run(job).await {
+                    Ok(true) => &c.runs,
+                    Ok(false) => &c.skips,
+                    Err(_) => &c.errors,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(JOB_PAUSE).await;
+            }
+        }));
+    }
+    let mut probes = Vec::new();
+    let mut tick = tokio::time::interval(PROBE_EVERY);
+    loop {
+        tick.tick().await;
+        if Instant::now() >= deadline {
+            break;
+        }
+        let side = side.clone();
+        probes.push(tokio::spawn(async move { side.probe().await }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    for p in probes {
+        out.probes.push(p.await.ok().flatten());
+    }
+    out.rates
+        .push(c.requests.load(Ordering::Relaxed) as f64 / dur.as_secs_f64());
+    out.runs += c.runs.load(Ordering::Relaxed);
+    out.skips += c.skips.load(Ordering::Relaxed);
+    out.errors += c.errors.load(Ordering::Relaxed);
+    out.secs += dur.as_secs_f64();
+}
+
+pub async fn incident(server: &TestServer, s: Settings) -> Result<Vec<Row>, BoxError> {
+    let db = server.create_database().await?;
+    let sides = [
+        Side::Raw(db.deadpool(POOL)?),
+        Side::Locks(
+            Pool::builder(db.deadpool(POOL)?)
+                .name("bench-incident-locks")
+                .build()?,
+        ),
+        Side::Leases(
+            Pool::builder(db.deadpool(POOL)?)
+                .name("bench-incident-leases")
+                .build()?,
+        ),
+    ];
+    if let Side::Leases(p) = &sides[2] {
+        p.leases().install().await?;
+    }
+    // Warm-up, not recorded: every side opens its connections.
+    for side in &sides {
+        round(side, Duration::from_millis(300), &mut SideOut::default()).await;
+    }
+    let (rounds, dur) = plan(s);
+    let mut outs: [SideOut; 3] = Default::default();
+    for _ in 0..rounds {
+        for (side, out) in sides.iter().zip(outs.iter_mut()) {
+            round(side, dur, out).await;
+        }
+    }
+    let [raw, locks, leases] = &outs;
+    let row = |id: &'static str, label: &str, b: &SideOut| Row {
+        id,
+        workload: format!(
+            "incident under load, pool {POOL}: raw session advisory locks vs pgwarden {label}"
+        ),
+        a: raw.cell("raw deadpool"),
+        b: b.cell(&format!("pgwarden {label}")),
+        ratio: format!("{:.3} (request throughput)", ratio(&raw.rates, &b.rates)),
+        target: "pgwarden: readiness 100 %, p99 ≤ 50 ms",
+        met: (!s.smoke).then(|| b.met()),
+        notes: format!("jobs: raw {}; pgwarden {}", raw.jobs(), b.jobs()),
+    };
+    Ok(vec![
+        row("3a", "budgeted session locks", locks),
+        row("3b", "table leases", leases),
+    ])
+}

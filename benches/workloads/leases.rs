@@ -1,0 +1,275 @@
+//! Workload 4: lease acquire + release through pgwarden (B) against the same
+//! SQL pair sent raw through deadpool (A).
+//!
+//! Both sides send pgwarden's own acquisition and release statements, read
+//! from `src/lease/sql.rs` at compile time (so they cannot drift apart),
+//! with `query_typed` (unnamed statements, one round trip each), each
+//! statement on its own checkout, as a lease holds no connection between
+//! them. Every pair uses a new lease name (no contention). Each side has its
+//! own database, so the server's own count of committed transactions
+//! (`pg_stat_database.xact_commit`, read after the side's backends exited,
+//! which flushes their statistics) shows what each side really sent.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwarden::testing::{TestDb, TestServer};
+use pgwarden::{Leases, Pool};
+use tokio_postgres::types::Type;
+
+use crate::ab::{interleave, median, ratio, spread, throughput};
+use crate::{BoxError, Row, Settings};
+
+const TASKS: usize = 16;
+const POOL: usize = 16;
+const TTL: Duration = Duration::from_secs(60);
+const TABLE: &str = "\"pgwarden_leases\"";
+const SEQUENCE_LITERAL: &str = "'\"pgwarden_leases_token_seq\"'";
+
+pub fn describe(s: Settings) -> String {
+    format!(
+        "4: {TASKS} tasks, pool {POOL} on each side; a pair is `try_acquire(new name, {TTL:?})` + \
+         `release()` (B) or the same two statements with `query_typed` on two raw checkouts (A); \
+         {} interleaved round pairs of {:?}; the default lease table",
+        s.rounds, s.round
+    )
+}
+
+/// The text of one of pgwarden's lease statements (`acquire`, `release`)
+/// for the default table, taken from its source.
+pub fn statement(field: &str) -> Result<String, BoxError> {
+    const SRC: &str = include_str!("../../src/lease/sql.rs");
+    let err = || format!("src/lease/sql.rs: cannot find the `{field}` statement's text");
+    let at = SRC.find(&format!("{field}: format!(")).ok_or_else(err)?;
+    let rest = &SRC[at..];
+    let open = rest.find('"').ok_or_else(err)? + 1;
+    let body = &rest[open..];
+    let close = body.find("\"\n").ok_or_else(err)?;
+    let text = body[..close]
+        .replace("{tbl}", TABLE)
+        .replace("{seq}", SEQUENCE_LITERAL);
+    if text.contains(['{', '}']) || !text.contains(TABLE) {
+        return Err(err().into());
+    }
+    Ok(text)
+}
+
+/// Statistics of one database, read from another connection.
+pub async fn xact_commit(monitor: &tokio_postgres::Client, db: &str) -> Result<i64, BoxError> {
+    let row = monitor
+        .query_one(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = $1",
+            &[&db],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// Waits until no client backend is connected to `db` (statistics are
+/// flushed as a backend exits).
+pub async fn wait_disconnected(monitor: &tokio_postgres::Client, db: &str) -> Result<(), BoxError> {
+    for _ in 0..500 {
+        let n: i64 = monitor
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend'",
+                &[&db],
+            )
+            .await?
+            .get(0);
+        if n == 0 {
+            // A backend leaves pg_stat_activity just before it flushes.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Err(format!("backends of {db} did not exit").into())
+}
+
+/// Creates the lease table in `db` through a short-lived pgwarden pool.
+async fn install(db: &TestDb) -> Result<(), BoxError> {
+    let pool = Pool::builder(db.deadpool(2)?)
+        .name("bench-install")
+        .build()?;
+    Leases::new(&pool).install().await?;
+    pool.close();
+    Ok(())
+}
+
+struct Raw {
+    pool: deadpool_postgres::Pool,
+    acquire: String,
+    release: String,
+    host: String,
+}
+
+impl Raw {
+    async fn pair(&self, name: &str) -> Result<(), BoxError> {
+        let holder = format!(
+            "{}:{}:{:016x}",
+            self.host,
+            std::process::id(),
+            rand::random::<u64>()
+        );
+        let ttl = TTL.as_secs_f64();
+        let zero = 0.0f64;
+        let row = self
+            .pool
+            .get()
+            .await?
+            .query_typed_opt(
+                &self.acquire,
+                &[
+                    (&name, Type::TEXT),
+                    (&holder, Type::TEXT),
+                    (&ttl, Type::FLOAT8),
+                    (&zero, Type::FLOAT8),
+                    (&zero, Type::FLOAT8),
+                ],
+            )
+            .await?
+            .ok_or("acquire: no row")?;
+        if !row.try_get::<_, bool>(0)? {
+            return Err("acquire: busy".into());
+        }
+        let token: i64 = row.try_get(1)?;
+        let released = self
+            .pool
+            .get()
+            .await?
+            .query_typed_opt(
+                &self.release,
+                &[
+                    (&name, Type::TEXT),
+                    (&holder, Type::TEXT),
+                    (&token, Type::INT8),
+                    (&false, Type::BOOL),
+                ],
+            )
+            .await?;
+        released
+            .map(|_| ())
+            .ok_or_else(|| "release: not ours".into())
+    }
+}
+
+pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, BoxError> {
+    let (db_a, db_b) = (
+        server.create_database().await?,
+        server.create_database().await?,
+    );
+    let monitor = server.create_database().await?.connect().await?;
+    install(&db_a).await?;
+    install(&db_b).await?;
+    wait_disconnected(&monitor, db_a.name()).await?;
+    wait_disconnected(&monitor, db_b.name()).await?;
+    let xacts0 = (
+        xact_commit(&monitor, db_a.name()).await?,
+        xact_commit(&monitor, db_b.name()).await?,
+    );
+
+    let raw = Arc::new(Raw {
+        pool: db_a.deadpool(POOL)?,
+        acquire: statement("acquire")?,
+        release: statement("release")?,
+        host: std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_else(|_| "bench".into()),
+    });
+    let warden = Pool::builder(db_b.deadpool(POOL)?)
+        .name("bench-leases")
+        .build()?;
+    let leases = Leases::new(&warden);
+
+    // Every pair done (warm-up included) and the statements each side sent.
+    let pairs = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let next = Arc::new(AtomicU64::new(0));
+    let raw_op = {
+        let (raw, pairs, next) = (raw.clone(), pairs.clone(), next.clone());
+        move || {
+            let (raw, pairs, next) = (raw.clone(), pairs.clone(), next.clone());
+            async move {
+                let name = format!("w4-{}", next.fetch_add(1, Ordering::Relaxed));
+                raw.pair(&name).await.expect("raw acquire + release");
+                pairs[0].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    };
+    let warden_op = {
+        let (leases, pairs, next) = (leases.clone(), pairs.clone(), next.clone());
+        move || {
+            let (leases, pairs, next) = (leases.clone(), pairs.clone(), next.clone());
+            async move {
+                let name = format!("w4-{}", next.fetch_add(1, Ordering::Relaxed));
+                let lease = leases
+                    .try_acquire(&name, TTL)
+                    .await
+                    .expect("pgwarden acquire")
+                    .expect("a new name is free");
+                lease.release().await.expect("pgwarden release");
+                pairs[1].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    };
+    // Warm-up: connections open, the table is known to exist.
+    let warm = Duration::from_millis(200);
+    throughput(TASKS, warm, raw_op.clone()).await;
+    throughput(TASKS, warm, warden_op.clone()).await;
+
+    let stats0 = leases.stats();
+    let pairs0 = pairs[1].load(Ordering::Relaxed);
+    let dur = s.round;
+    let (a, b) = interleave(
+        s.rounds,
+        || throughput(TASKS, dur, raw_op.clone()),
+        || throughput(TASKS, dur, warden_op.clone()),
+    )
+    .await;
+    let stats1 = leases.stats();
+    let measured = pairs[1].load(Ordering::Relaxed) - pairs0;
+    let client_per_pair = (stats1.statements - stats0.statements) as f64 / measured.max(1) as f64;
+
+    // The server's count: close both sides, let their backends exit.
+    drop(leases);
+    warden.close();
+    drop(warden);
+    raw.pool.close();
+    wait_disconnected(&monitor, db_a.name()).await?;
+    wait_disconnected(&monitor, db_b.name()).await?;
+    let xa = xact_commit(&monitor, db_a.name()).await? - xacts0.0;
+    let xb = xact_commit(&monitor, db_b.name()).await? - xacts0.1;
+    let all = [
+        pairs[0].load(Ordering::Relaxed),
+        pairs[1].load(Ordering::Relaxed),
+    ];
+    let server_a = xa as f64 / all[0].max(1) as f64;
+    let server_b = xb as f64 / all[1].max(1) as f64;
+
+    let r = ratio(&a, &b);
+    Ok(Row {
+        id: "4",
+        workload: format!(
+            "lease acquire + release, new name per pair, {TASKS} tasks, pool {POOL}"
+        ),
+        a: format!(
+            "same SQL raw: {:.0} pairs/s; 2 statements/pair; server {server_a:.3} xacts/pair",
+            median(&a)
+        ),
+        b: format!(
+            "pgwarden: {:.0} pairs/s; {client_per_pair:.3} statements/pair (`Leases::stats`); server {server_b:.3} xacts/pair",
+            median(&b)
+        ),
+        ratio: format!("{r:.3}"),
+        target: "≥ 0.95, no extra round trips",
+        met: (!s.smoke).then_some(r >= 0.95 && server_b <= server_a + 0.01),
+        notes: format!(
+            "{}; server xacts: `pg_stat_database.xact_commit` delta over every pair of the side \
+             (warm-up included: {} raw, {} pgwarden), connection start-up and pgwarden's \
+             one-off install check and backend-pid queries included",
+            spread(&a, &b),
+            all[0],
+            all[1]
+        ),
+    })
+}
