@@ -201,28 +201,7 @@ pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outco
         }
     }
     out.held_between_statements = pool.status().in_use;
-    for _ in 0..PROBES {
-        out.probes += 1;
-        match pool.readiness(PROBE_BOUND).await {
-            Ok(took) => {
-                out.probes_ok += 1;
-                out.worst_probe = out.worst_probe.max(took);
-            }
-            Err(_) => out.worst_probe = out.worst_probe.max(PROBE_BOUND),
-        }
-    }
-    let work = join_all(holders.iter().map(|_| {
-        let pool = pool.clone();
-        async move {
-            let c = tokio::time::timeout(5 * PROBE_BOUND, pool.get())
-                .await
-                .ok()?
-                .ok()?;
-            c.simple_query("SELECT count(*) FROM pg_class").await.ok()
-        }
-    }))
-    .await;
-    out.work_done = work.iter().filter(|d| d.is_some()).count();
+    probe_and_work(&pool, holders.len(), &mut out).await;
     for lock in holders {
         // Unlocks on the connection that holds it; a refused unlock is an error.
         lock.unlock().await?;
@@ -255,6 +234,16 @@ pub async fn pgwarden_leases(db: &TestDb) -> Result<Outcome, BoxError> {
     }
     // Between statements: leases pin nothing.
     out.held_between_statements = pool.status().in_use;
+    probe_and_work(&pool, held.len(), &mut out).await;
+    for lease in held {
+        lease.release().await?;
+    }
+    Ok(out)
+}
+
+/// While the jobs hold their locks or leases: the readiness probe, `PROBES`
+/// times, then each holder's work on a request connection.
+async fn probe_and_work(pool: &Pool, holders: usize, out: &mut Outcome) {
     for _ in 0..PROBES {
         out.probes += 1;
         match pool.readiness(PROBE_BOUND).await {
@@ -265,22 +254,15 @@ pub async fn pgwarden_leases(db: &TestDb) -> Result<Outcome, BoxError> {
             Err(_) => out.worst_probe = out.worst_probe.max(PROBE_BOUND),
         }
     }
-    let work = join_all(held.iter().map(|_| {
-        let pool = pool.clone();
-        async move {
-            let c = tokio::time::timeout(5 * PROBE_BOUND, pool.get())
-                .await
-                .ok()?
-                .ok()?;
-            c.simple_query("SELECT count(*) FROM pg_class").await.ok()
-        }
+    let work = join_all((0..holders).map(|_| async {
+        let c = tokio::time::timeout(5 * PROBE_BOUND, pool.get())
+            .await
+            .ok()?
+            .ok()?;
+        c.simple_query("SELECT count(*) FROM pg_class").await.ok()
     }))
     .await;
     out.work_done = work.iter().filter(|d| d.is_some()).count();
-    for lease in held {
-        lease.release().await?;
-    }
-    Ok(out)
 }
 
 /// Did pgwarden behave as claimed? Returns what it did not do.
