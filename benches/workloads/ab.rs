@@ -3,7 +3,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-/// Runs `rounds` pairs A B A B …, each closure returning its measurement.
+/// Runs `rounds` pairs, A B then B A alternately, each closure returning its
+/// measurement.
 pub async fn interleave<A, FA, B, FB>(rounds: usize, mut a: A, mut b: B) -> (Vec<f64>, Vec<f64>)
 where
     A: FnMut() -> FA,
@@ -13,9 +14,16 @@ where
 {
     let mut xs = Vec::with_capacity(rounds);
     let mut ys = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        xs.push(a().await);
-        ys.push(b().await);
+    // Pairs alternate which side goes first (A B, B A, A B, …), so a drift
+    // in the machine's state within a pair does not favour one side.
+    for i in 0..rounds {
+        if i % 2 == 0 {
+            xs.push(a().await);
+            ys.push(b().await);
+        } else {
+            ys.push(b().await);
+            xs.push(a().await);
+        }
     }
     (xs, ys)
 }

@@ -5,7 +5,7 @@
 //! bash benches/run.sh --smoke  # seconds, tiny sizes: checks the benches still work
 //! ```
 //!
-//! Method: A and B rounds interleave (A B A B …); each row reports both
+//! Method: A and B rounds interleave (A B, B A, A B, …: each pair alternates which side goes first); each row reports both
 //! medians and the median of the pairwise B/A ratios. Absolute numbers are
 //! context on a shared 2-core machine; ratios are the result.
 
@@ -174,7 +174,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
     );
     let _ = writeln!(
         md,
-        "- method: A and B rounds interleave (A B A B …); each row reports both medians and the median of pairwise B/A ratios. Absolute numbers are context, ratios are the result; release build (`cargo bench`)"
+        "- method: A and B rounds interleave (A B, B A, A B, …: each pair alternates which side goes first); each row reports both medians and the median of pairwise B/A ratios. Absolute numbers are context, ratios are the result; release build (`cargo bench`)"
     );
     let show = |l: Option<f64>| l.map_or("?".to_owned(), |l| format!("{l:.2}"));
     let _ = writeln!(
@@ -211,7 +211,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
     for line in [
         format!(
             "1: 64 tasks, pool 16, `get` + `prepare_cached(\"SELECT 1\")` + `query_one`; {} interleaved round pairs of {:?}",
-            s.rounds, s.round
+            s.rounds * 2, s.round / 2
         ),
         "2: criterion (`benches/checkout.rs`), one task on a current-thread runtime, pool 16, a connection already open: `get` then drop; the mean of each side".to_owned(),
         incident::describe(s),
@@ -247,6 +247,10 @@ What remains is mostly the wait timeout's timer (pgwarden bounds every wait,
 30 s by default; the raw pool has no wait timeout), clock reads for the
 acquire and hold histograms, moves of the 296-byte `Conn`, and the oneshot
 channel of each waiter. With the first two changes workload 1 measured 0.968,
-0.988, 0.981, 1.012, 0.998 and 0.968 in six runs, before the third change and
-the run above.
+0.988, 0.981, 1.012, 0.998 and 0.968 in six runs. After all three, on a quiet
+machine, the A B A B … method gave 0.951 with pgwarden's median throughput
+above raw's (72,463 against 70,512 ops/s) and pair ratios from 0.878 to 1.177:
+which points to an order effect within a pair. Pairs now alternate which
+side goes first, and workload 1 runs 14 pairs of 1 s instead of 7 of 2 s;
+three runs of workload 1 alone then gave 0.972, 1.009 and 0.978.
 ";
