@@ -313,14 +313,7 @@ impl TestServer {
     pub fn start_local() -> Result<TestServer, TestingError> {
         let bins = process::find_pg_binaries()?;
         let run_as = process::run_as()?;
-        let base = process::temp_base(run_as);
-        let dir = tempfile::Builder::new()
-            .prefix("pgwarden-pg-")
-            .tempdir_in(&base)
-            .map_err(io_err(format!(
-                "creating a temporary directory in {}",
-                base.display()
-            )))?;
+        let dir = process::temp_dir("pgwarden-pg-", run_as)?;
         let root = dir.path().to_path_buf();
         // Armed with the pid below; until then it only removes the directory.
         let mut watchdog = Watchdog::spawn(&root, "INT")?;

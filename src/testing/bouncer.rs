@@ -1,7 +1,7 @@
 //! PgBouncer in transaction mode in front of a [`TestServer`].
 
 use std::fs;
-use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, TcpStream};
 use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -69,14 +69,7 @@ impl PgBouncer {
             package: "pgbouncer".to_owned(),
         })?;
         let run_as = process::run_as()?;
-        let base = process::temp_base(run_as);
-        let dir = tempfile::Builder::new()
-            .prefix("pgwarden-bouncer-")
-            .tempdir_in(&base)
-            .map_err(io_err(format!(
-                "creating a temporary directory in {}",
-                base.display()
-            )))?;
+        let dir = process::temp_dir("pgwarden-bouncer-", run_as)?;
         let root = dir.path().to_path_buf();
         let mut watchdog = Watchdog::spawn(&root, "TERM")?;
 
@@ -84,55 +77,35 @@ impl PgBouncer {
         let user = target.get_user().unwrap_or("postgres").to_owned();
         let ini = root.join("pgbouncer.ini");
 
-        let mut last_error = None;
-        // Another process may take the free port before PgBouncer binds it.
-        for _attempt in 0..5 {
-            let port = free_port()?;
-            write_files(&root, &target, &user, db.name(), port, pool_size, run_as)?;
-
-            let (out, err) = process::log_file(&root.join("pgbouncer.stderr"))?;
-            let mut child = process::server_command(&binary, run_as, &root)
-                .arg(&ini)
-                .stdout(out)
-                .stderr(err)
-                .spawn()
-                .map_err(io_err(format!("spawning {}", binary.display())))?;
-            let ready = watchdog
-                .arm(child.id())
-                .map_err(|e| (e, false))
-                .and_then(|()| wait_ready(&mut child, &root, port, &user, db.name()));
-            match ready {
-                Ok(()) => {
-                    let mut config = Config::new();
-                    config
-                        .host("127.0.0.1")
-                        .port(port)
-                        .user(&user)
-                        .dbname(db.name())
-                        .connect_timeout(CONNECT_TIMEOUT);
-                    return Ok(PgBouncer {
-                        child,
-                        watchdog,
-                        port,
-                        config,
-                        dir,
-                    });
-                }
-                Err((e, retry)) => {
-                    process::stop_child(&mut child, libc::SIGTERM);
-                    last_error = Some(e);
-                    if !retry {
-                        break;
-                    }
-                }
-            }
-        }
-        watchdog.disarm();
-        Err(last_error.unwrap_or_else(|| TestingError::Startup {
-            program: "pgbouncer".to_owned(),
-            reason: "no attempt was made".to_owned(),
-            log_tail: String::new(),
-        }))
+        let (child, port) = process::start_on_free_port(
+            "pgbouncer",
+            &mut watchdog,
+            |port| {
+                write_files(&root, &target, &user, db.name(), port, pool_size, run_as)?;
+                let (out, err) = process::log_file(&root.join("pgbouncer.stderr"))?;
+                process::server_command(&binary, run_as, &root)
+                    .arg(&ini)
+                    .stdout(out)
+                    .stderr(err)
+                    .spawn()
+                    .map_err(io_err(format!("spawning {}", binary.display())))
+            },
+            |child, port| wait_ready(child, &root, port, &user, db.name()),
+        )?;
+        let mut config = Config::new();
+        config
+            .host("127.0.0.1")
+            .port(port)
+            .user(&user)
+            .dbname(db.name())
+            .connect_timeout(CONNECT_TIMEOUT);
+        Ok(PgBouncer {
+            child,
+            watchdog,
+            port,
+            config,
+            dir,
+        })
     }
 
     /// Connection settings for the database, through PgBouncer.
@@ -256,14 +229,6 @@ fn write_files(
         process::chown(p, run_as)?;
     }
     Ok(())
-}
-
-fn free_port() -> Result<u16, TestingError> {
-    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .map_err(io_err("binding 127.0.0.1:0 to find a free port"))?;
-    l.local_addr()
-        .map(|a| a.port())
-        .map_err(io_err("reading a bound port"))
 }
 
 fn wait_ready(

@@ -440,3 +440,65 @@ pub(crate) fn temp_base(run_as: Option<RunAs>) -> PathBuf {
         PathBuf::from("/tmp")
     }
 }
+
+/// A fresh temporary directory named `prefix…` under [`temp_base`].
+pub(crate) fn temp_dir(
+    prefix: &str,
+    run_as: Option<RunAs>,
+) -> Result<tempfile::TempDir, TestingError> {
+    let base = temp_base(run_as);
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(&base)
+        .map_err(io_err(format!(
+            "creating a temporary directory in {}",
+            base.display()
+        )))
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub(crate) fn free_port() -> Result<u16, TestingError> {
+    let l = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+        .map_err(io_err("binding 127.0.0.1:0 to find a free port"))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(io_err("reading a bound port"))
+}
+
+/// Starts `program` on a free loopback port, up to five times: another
+/// process may take the port between [`free_port`] and the bind. `spawn`
+/// starts the child for a port; `ready` waits for it and says, on failure,
+/// whether another port is worth a try. The watchdog is armed with each
+/// child, and disarmed when every attempt failed.
+pub(crate) fn start_on_free_port(
+    program: &str,
+    watchdog: &mut Watchdog,
+    mut spawn: impl FnMut(u16) -> Result<Child, TestingError>,
+    mut ready: impl FnMut(&mut Child, u16) -> Result<(), (TestingError, bool)>,
+) -> Result<(Child, u16), TestingError> {
+    let mut last_error = None;
+    for _attempt in 0..5 {
+        let port = free_port()?;
+        let mut child = spawn(port)?;
+        let up = watchdog
+            .arm(child.id())
+            .map_err(|e| (e, false))
+            .and_then(|()| ready(&mut child, port));
+        match up {
+            Ok(()) => return Ok((child, port)),
+            Err((e, retry)) => {
+                stop_child(&mut child, libc::SIGTERM);
+                last_error = Some(e);
+                if !retry {
+                    break;
+                }
+            }
+        }
+    }
+    watchdog.disarm();
+    Err(last_error.unwrap_or_else(|| TestingError::Startup {
+        program: program.to_owned(),
+        reason: "no attempt was made".to_owned(),
+        log_tail: String::new(),
+    }))
+}

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::fs;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -85,65 +85,42 @@ impl Prometheus {
                 .map_err(io_err(format!("resolving the rule file {}", r.display())))?;
             rules.push(abs);
         }
-        let base = process::temp_base(None);
-        let dir = tempfile::Builder::new()
-            .prefix("pgwarden-prom-")
-            .tempdir_in(&base)
-            .map_err(io_err(format!(
-                "creating a temporary directory in {}",
-                base.display()
-            )))?;
+        let dir = process::temp_dir("pgwarden-prom-", None)?;
         let root = dir.path().to_path_buf();
         let config = root.join("prometheus.yml");
         fs::write(&config, config_yaml(targets, scrape_interval, &rules))
             .map_err(io_err(format!("writing {}", config.display())))?;
         let mut watchdog = Watchdog::spawn(&root, "TERM")?;
 
-        let mut last_error = None;
-        // Another process may take the free port before Prometheus binds it.
-        for _attempt in 0..5 {
-            let port = free_port()?;
-            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-            let (out, err) = process::log_file(&root.join("prometheus.log"))?;
-            let mut child = process::server_command(&binary, None, &root)
-                .arg(format!("--config.file={}", config.display()))
-                .arg(format!(
-                    "--storage.tsdb.path={}",
-                    root.join("data").display()
-                ))
-                .arg(format!("--web.listen-address={addr}"))
-                .stdout(out)
-                .stderr(err)
-                .spawn()
-                .map_err(io_err(format!("spawning {}", binary.display())))?;
-            let ready = watchdog
-                .arm(child.id())
-                .map_err(|e| (e, false))
-                .and_then(|()| wait_ready_child(&mut child, &root, addr, STARTUP_TIMEOUT));
-            match ready {
-                Ok(()) => {
-                    return Ok(Prometheus {
-                        child,
-                        watchdog,
-                        addr,
-                        dir,
-                    })
-                }
-                Err((e, retry)) => {
-                    process::stop_child(&mut child, libc::SIGTERM);
-                    last_error = Some(e);
-                    if !retry {
-                        break;
-                    }
-                }
-            }
-        }
-        watchdog.disarm();
-        Err(last_error.unwrap_or_else(|| TestingError::Startup {
-            program: "prometheus".to_owned(),
-            reason: "no attempt was made".to_owned(),
-            log_tail: String::new(),
-        }))
+        let (child, port) = process::start_on_free_port(
+            "prometheus",
+            &mut watchdog,
+            |port| {
+                let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+                let (out, err) = process::log_file(&root.join("prometheus.log"))?;
+                process::server_command(&binary, None, &root)
+                    .arg(format!("--config.file={}", config.display()))
+                    .arg(format!(
+                        "--storage.tsdb.path={}",
+                        root.join("data").display()
+                    ))
+                    .arg(format!("--web.listen-address={addr}"))
+                    .stdout(out)
+                    .stderr(err)
+                    .spawn()
+                    .map_err(io_err(format!("spawning {}", binary.display())))
+            },
+            |child, port| {
+                let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+                wait_ready_child(child, &root, addr, STARTUP_TIMEOUT)
+            },
+        )?;
+        Ok(Prometheus {
+            child,
+            watchdog,
+            addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+            dir,
+        })
     }
 
     /// The address Prometheus listens on (`127.0.0.1:<port>`).
@@ -274,14 +251,6 @@ fn config_yaml(targets: &[SocketAddr], interval: Duration, rules: &[PathBuf]) ->
     y.push_str(&list.join(", "));
     y.push_str("]\n");
     y
-}
-
-fn free_port() -> Result<u16, TestingError> {
-    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .map_err(io_err("binding 127.0.0.1:0 to find a free port"))?;
-    l.local_addr()
-        .map(|a| a.port())
-        .map_err(io_err("reading a bound port"))
 }
 
 /// Polls `/-/ready` of a starting child. On failure: the error, and whether
