@@ -36,6 +36,9 @@ pub const MAX_BATCH: usize = 5_000;
 pub(crate) struct Registry {
     next_id: u64,
     entries: HashMap<u64, Entry>,
+    /// When the renewer plans to wake next (`None`: it waits for a
+    /// registration). A registration wakes it only when it is due sooner.
+    next_wake: Option<Instant>,
 }
 
 struct Entry {
@@ -67,25 +70,35 @@ impl Inner {
         timing: Timing,
         start: Instant,
     ) -> u64 {
-        let id = {
+        let (id, sooner) = {
             let mut reg = self.registry.lock();
             let id = reg.next_id;
             reg.next_id += 1;
+            let due = timing.due_after(start);
+            let deadline = timing.deadline(start);
             reg.entries.insert(
                 id,
                 Entry {
                     state,
                     timing,
-                    due: timing.due_after(start),
-                    deadline: timing.deadline(start),
+                    due,
+                    deadline,
                     attempt: 0,
                 },
             );
-            id
+            // Acquiring many leases must not wake the renewer (and its scan
+            // of every lease held) once per lease.
+            let sooner = reg.next_wake.is_none_or(|w| due.min(deadline) < w);
+            if sooner {
+                reg.next_wake = Some(due.min(deadline));
+            }
+            (id, sooner)
         };
         self.metrics.held.increment(1.0);
         self.ensure_renewer();
-        self.wake.notify_one();
+        if sooner {
+            self.wake.notify_one();
+        }
         id
     }
 
@@ -167,12 +180,13 @@ impl Inner {
         for chunk in batch.chunks(MAX_BATCH) {
             self.renew_batch(chunk, earliest).await;
         }
-        let reg = self.registry.lock();
+        let mut reg = self.registry.lock();
         let min_interval = reg.entries.values().map(|e| e.timing.renew_every).min();
         self.metrics
             .renew_interval
             .set(min_interval.unwrap_or(Duration::ZERO).as_secs_f64());
-        reg.entries.values().map(|e| e.due.min(e.deadline)).min()
+        reg.next_wake = reg.entries.values().map(|e| e.due.min(e.deadline)).min();
+        reg.next_wake
     }
 
     /// Sends one renewal statement for `items` and applies its outcome.
