@@ -1,0 +1,180 @@
+//! Session locks and poolers: every statement a guard sends names the
+//! backend its lock lives on and acts only there, the check on the lock's
+//! own connection when the pool goes through a proxy whose mode detection
+//! could not prove, and the way back to a lock that a transaction pooler
+//! left on another server session.
+//!
+//! Through a transaction pooler, a client's next statement may run on any
+//! server session: a guard's unlock could then release nothing (and another
+//! client's lock of the same key), while its own lock stays on a pooled
+//! server connection that other clients share. A single statement always
+//! runs on one server session, so a statement of the form
+//! `SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $lock_pid THEN … END`
+//! acts on the lock's session or on none, and says which one it ran on.
+
+use std::panic::Location;
+use std::time::{Duration, Instant};
+
+use tokio_postgres::types::{ToSql, Type};
+
+use super::release::Held;
+use super::{lock_fn, LockKey, LockMode, Scope};
+use crate::budget::Lane;
+use crate::error::Error;
+use crate::pool::Pool;
+use crate::pooler::{backend_pid, Motion, MOTION_STATEMENTS};
+
+/// What a guard's statement does on the lock's backend.
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Act {
+    /// One more level, never waiting (`pg_try_advisory_lock`).
+    Relock,
+    /// One level less (`pg_advisory_unlock`).
+    Unlock,
+    /// Every advisory lock of the session (`pg_advisory_unlock_all`).
+    UnlockAll,
+}
+
+/// Runs `act` for `key` if the statement lands on backend `pid`. Returns the
+/// backend it ran on, and PostgreSQL's answer when that was `pid`
+/// (`UnlockAll` answers true).
+pub(crate) async fn on_backend(
+    c: &tokio_postgres::Client,
+    pid: i32,
+    act: Act,
+    key: LockKey,
+    mode: LockMode,
+) -> Result<(i32, Option<bool>), Error> {
+    let call = match act {
+        Act::Relock => format!(
+            "{}({})",
+            lock_fn(Scope::Session, mode, false),
+            key.placeholders(2)
+        ),
+        Act::Unlock => format!("{}({})", unlock_fn(mode), key.placeholders(2)),
+        // void, as text: '' once it ran.
+        Act::UnlockAll => "pg_advisory_unlock_all()::text = ''".to_owned(),
+    };
+    let sql = format!("SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $1 THEN {call} END");
+    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&pid, Type::INT4)];
+    if !matches!(act, Act::UnlockAll) {
+        params.extend(key.params());
+    }
+    let row = c.query_typed_one(&sql, &params).await?;
+    Ok((row.try_get(0)?, row.try_get(1)?))
+}
+
+fn unlock_fn(mode: LockMode) -> &'static str {
+    match mode {
+        LockMode::Exclusive => "pg_advisory_unlock",
+        LockMode::Shared => "pg_advisory_unlock_shared",
+    }
+}
+
+/// The check before a session lock taken through a proxy is handed out:
+/// the lock's connection and a control connection ask for their backend, at
+/// random, [`MOTION_STATEMENTS`] times. Direct, or through a session pooler,
+/// the lock's connection stays on the lock's backend and the other never
+/// lands there. Any motion proves a transaction pooler: the lock is released
+/// on its backend (the control connection's statements unlock it in the
+/// statement that lands there) and refused with [`Error::BehindPooler`], or,
+/// if its backend cannot be reached in time, reported and refused with
+/// [`Error::MovedByPooler`].
+pub(crate) async fn check(
+    pool: &Pool,
+    held: &mut Held,
+    held_on: i32,
+    site: &'static Location<'static>,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let other = pool.checkout(Lane::Control, site, timeout).await?;
+    let (key, mode) = (held.key, held.mode);
+    let bound = pool.shared.opts.unlock_timeout;
+    let probe = async {
+        let mut motion = Motion::new(2);
+        motion.observe(0, held_on);
+        for _ in 0..MOTION_STATEMENTS {
+            if rand::random::<bool>() {
+                let (pid, unlocked) = on_backend(&other, held_on, Act::Unlock, key, mode).await?;
+                if motion.observe(1, pid) {
+                    return Ok::<_, Error>(Some((pid, unlocked == Some(true))));
+                }
+            } else {
+                let pid = backend_pid(held.conn()).await?;
+                if motion.observe(0, pid) {
+                    return Ok(Some((pid, false)));
+                }
+            }
+        }
+        Ok(None)
+    };
+    let (ran_on, released) = match tokio::time::timeout(bound, probe).await {
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Ok(Some(found))) => found,
+        Ok(Err(e)) => return Err(e),
+        // The guard is dropped by the caller: its connection is unlocked or closed.
+        Err(_) => return Err(Error::LockTimeout { key, timeout }),
+    };
+    crate::pooler::proven_by_lock(pool);
+    let released = released || reach(&[held.conn(), &other], held_on, key, mode, bound).await;
+    // Nothing of this guard's is on the session its connection reaches now:
+    // an unlock there would only release other clients' locks.
+    held.released();
+    if released {
+        Err(Error::BehindPooler {
+            how: "detected at the lock",
+        })
+    } else {
+        Err(stranded(key, held_on, ran_on))
+    }
+}
+
+/// Sends, from `conns` in turn, the unlock of `key` that acts only on
+/// backend `held_on`, until one lands there or `bound` passes. True once
+/// released there (or found not held there any more).
+pub(crate) async fn reach(
+    conns: &[&tokio_postgres::Client],
+    held_on: i32,
+    key: LockKey,
+    mode: LockMode,
+    bound: Duration,
+) -> bool {
+    let deadline = Instant::now() + bound;
+    let attempt = async {
+        for c in conns.iter().cycle() {
+            match on_backend(c, held_on, Act::Unlock, key, mode).await {
+                Ok((_, Some(_))) => return true,
+                Ok((_, None)) => {}
+                Err(e) => {
+                    tracing::debug!(%key, held_on, error = %e, "reaching a stranded lock failed");
+                    return false;
+                }
+            }
+        }
+        false // no connection given
+    };
+    let found = tokio::time::timeout_at(deadline.into(), attempt)
+        .await
+        .unwrap_or(false);
+    if found {
+        tracing::warn!(
+            %key,
+            pid = held_on,
+            "session lock taken through a transaction pooler released on its server session"
+        );
+    }
+    found
+}
+
+/// Reports a lock left on a pooled server connection, loudly, and returns
+/// the error that says so.
+pub(crate) fn stranded(key: LockKey, held_on: i32, ran_on: i32) -> Error {
+    let e = Error::MovedByPooler {
+        key,
+        held_on,
+        ran_on,
+        released: false,
+    };
+    tracing::error!(%key, pid = held_on, error = %e, "session advisory lock left on a pooled server connection");
+    e
+}
