@@ -68,7 +68,7 @@ mod bouncer;
 mod process;
 mod prometheus;
 
-pub use bouncer::PgBouncer;
+pub use bouncer::{PgBouncer, PoolMode};
 pub use prometheus::Prometheus;
 
 use process::{io_err, Probe, RunAs, Watchdog};

@@ -21,7 +21,7 @@ use super::release::Held;
 use super::{lock_fn, LockKey, LockMode, Scope};
 use crate::budget::Lane;
 use crate::error::Error;
-use crate::pool::Pool;
+use crate::pool::{Conn, Pool};
 use crate::pooler::{backend_pid, Motion, MOTION_STATEMENTS};
 
 /// What a guard's statement does on the lock's backend.
@@ -71,61 +71,90 @@ fn unlock_fn(mode: LockMode) -> &'static str {
     }
 }
 
-/// The check before a session lock taken through a proxy is handed out:
-/// the lock's connection and a control connection ask for their backend, at
-/// random, [`MOTION_STATEMENTS`] times. Direct, or through a session pooler,
-/// the lock's connection stays on the lock's backend and the other never
-/// lands there. Any motion proves a transaction pooler: the lock is released
-/// on its backend (the control connection's statements unlock it in the
-/// statement that lands there) and refused with [`Error::BehindPooler`], or,
-/// if its backend cannot be reached in time, reported and refused with
-/// [`Error::MovedByPooler`].
-pub(crate) async fn check(
-    pool: &Pool,
-    held: &mut Held,
-    held_on: i32,
-    site: &'static Location<'static>,
-    timeout: Duration,
-) -> Result<(), Error> {
-    let other = pool.checkout(Lane::Control, site, timeout).await?;
-    let (key, mode) = (held.key, held.mode);
-    let bound = pool.shared.opts.unlock_timeout;
-    let probe = async {
+/// The check on a session lock's own connection, through a proxy whose mode
+/// detection could not prove. Before the lock statement, the lock's
+/// connection and a control connection ask for their backend, at random,
+/// [`MOTION_STATEMENTS`] times ([`Check::run`]): any motion proves a
+/// transaction pooler, and the lock is refused before it exists. Then the
+/// backend the lock statement ran on must be the one the lock's connection
+/// showed throughout ([`Check::confirm`]).
+pub(crate) struct Check {
+    other: Conn,
+    motion: Motion,
+}
+
+impl Check {
+    /// Probes with `lock_conn` and a control connection, within `timeout`.
+    pub(crate) async fn run(
+        pool: &Pool,
+        lock_conn: &Conn,
+        key: LockKey,
+        site: &'static Location<'static>,
+        timeout: Duration,
+    ) -> Result<Check, Error> {
+        let start = Instant::now();
+        let other = pool.checkout(Lane::Control, site, timeout).await?;
         let mut motion = Motion::new(2);
-        motion.observe(0, held_on);
-        for _ in 0..MOTION_STATEMENTS {
-            if rand::random::<bool>() {
-                let (pid, unlocked) = on_backend(&other, held_on, Act::Unlock, key, mode).await?;
-                if motion.observe(1, pid) {
-                    return Ok::<_, Error>(Some((pid, unlocked == Some(true))));
-                }
-            } else {
-                let pid = backend_pid(held.conn()).await?;
-                if motion.observe(0, pid) {
-                    return Ok(Some((pid, false)));
+        let probe = async {
+            for n in 0..MOTION_STATEMENTS + 2 {
+                // Each connection first, then either at random.
+                let i = match n {
+                    0 | 1 => n,
+                    _ => usize::from(rand::random::<bool>()),
+                };
+                let pid = backend_pid([&**lock_conn, &*other][i]).await?;
+                if motion.observe(i, pid) {
+                    return Ok::<_, Error>(true);
                 }
             }
+            Ok(false)
+        };
+        match tokio::time::timeout(timeout.saturating_sub(start.elapsed()), probe).await {
+            Ok(Ok(false)) => Ok(Check { other, motion }),
+            Ok(Ok(true)) => {
+                crate::pooler::proven_by_lock(pool);
+                Err(Error::BehindPooler {
+                    how: "detected at the lock",
+                })
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(Error::LockTimeout { key, timeout }),
         }
-        Ok(None)
-    };
-    let (ran_on, released) = match tokio::time::timeout(bound, probe).await {
-        Ok(Ok(None)) => return Ok(()),
-        Ok(Ok(Some(found))) => found,
-        Ok(Err(e)) => return Err(e),
-        // The guard is dropped by the caller: its connection is unlocked or closed.
-        Err(_) => return Err(Error::LockTimeout { key, timeout }),
-    };
-    crate::pooler::proven_by_lock(pool);
-    let released = released || reach(&[held.conn(), &other], held_on, key, mode, bound).await;
-    // Nothing of this guard's is on the session its connection reaches now:
-    // an unlock there would only release other clients' locks.
-    held.released();
-    if released {
-        Err(Error::BehindPooler {
-            how: "detected at the lock",
-        })
-    } else {
-        Err(stranded(key, held_on, ran_on))
+    }
+
+    /// The lock was granted on `held_on`: the backend the lock's connection
+    /// showed throughout the probe, or a transaction pooler moved it there.
+    /// Then the lock is released on `held_on` (reached from both
+    /// connections, within the pool's unlock timeout) and refused with
+    /// [`Error::BehindPooler`], or reported and refused with
+    /// [`Error::MovedByPooler`].
+    pub(crate) async fn confirm(
+        mut self,
+        pool: &Pool,
+        held: &mut Held,
+        held_on: i32,
+    ) -> Result<(), Error> {
+        if !self.motion.observe(0, held_on) {
+            return Ok(());
+        }
+        crate::pooler::proven_by_lock(pool);
+        let (key, mode) = (held.key, held.mode);
+        let bound = pool.shared.opts.unlock_timeout;
+        let released = reach(&[held.conn(), &self.other], held_on, key, mode, bound).await;
+        // Nothing of this guard's is on the session its connection reaches
+        // now: an unlock there would only release other clients' locks.
+        held.released();
+        if released {
+            Err(Error::BehindPooler {
+                how: "detected at the lock",
+            })
+        } else {
+            Err(stranded(
+                key,
+                held_on,
+                self.motion.first(0).unwrap_or(held_on),
+            ))
+        }
     }
 }
 

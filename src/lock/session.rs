@@ -190,6 +190,21 @@ pub(crate) async fn acquire(
     let check =
         crate::pooler::ensure_direct(pool, &conn, site, bound.saturating_sub(start.elapsed()))
             .await?;
+    let check = match check {
+        // Through a proxy whose mode detection could not prove: check on the
+        // lock's own connection, before and after the lock statement.
+        true => Some(
+            pooled::Check::run(
+                pool,
+                &conn,
+                key,
+                site,
+                bound.saturating_sub(start.elapsed()),
+            )
+            .await?,
+        ),
+        false => None,
+    };
     conn.set_note(Some(format!("session lock {key}")));
     // From here on the guard owns the connection: dropped at any await
     // point, it cleans up whatever the statement in flight may have taken.
@@ -234,18 +249,8 @@ pub(crate) async fn acquire(
         return Ok(None);
     }
     held.granted_on(pid);
-    if check {
-        // Through a proxy whose mode detection could not prove: check on the
-        // lock's own connection before the guard goes out.
-        let left = wait.unwrap_or(pool.shared.opts.wait_timeout);
-        pooled::check(
-            pool,
-            &mut held,
-            pid,
-            site,
-            left.saturating_sub(start.elapsed()),
-        )
-        .await?;
+    if let Some(check) = check {
+        check.confirm(pool, &mut held, pid).await?;
     }
     held.set_tally(Tally::pin(&pool.shared));
     Ok(Some(SessionLock {

@@ -72,6 +72,11 @@ impl Motion {
         }
     }
 
+    /// The first backend client `c` was seen on.
+    pub(crate) fn first(&self, c: usize) -> Option<i32> {
+        self.first[c]
+    }
+
     /// Client `c` ran a statement on backend `pid`. True when that proves
     /// motion: `c` was on another backend before, or another live client was
     /// on this one.
