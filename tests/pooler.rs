@@ -275,7 +275,9 @@ async fn a_lock_a_pooler_moved_is_released_on_its_backend_once_reachable() {
         return;
     };
     let key = LockKey::Pair(13, 2);
-    let lock = p.pool.session_lock(key, T).await.unwrap();
+    let mut lock = p.pool.session_lock(key, T).await.unwrap();
+    // Held twice: reaching the backend must release every level.
+    assert_eq!(lock.lock_again().await.unwrap(), 2);
     let x = p.holders().await[0];
     // The lock's server connection was released last: a new transaction gets it.
     let (on_x, pid) = p.pin().await;

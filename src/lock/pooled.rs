@@ -33,6 +33,9 @@ pub(crate) enum Act {
     Unlock,
     /// Every advisory lock of the session (`pg_advisory_unlock_all`).
     UnlockAll,
+    /// Every level of the key (`pg_advisory_unlock` until it answers false):
+    /// answers whether there was one.
+    UnlockKey,
 }
 
 /// Runs `act` for `key` if the statement lands on backend `pid`. Returns the
@@ -54,6 +57,20 @@ pub(crate) async fn on_backend(
         Act::Unlock => format!("{}({})", unlock_fn(mode), key.placeholders(2)),
         // void, as text: '' once it ran.
         Act::UnlockAll => "pg_advisory_unlock_all()::text = ''".to_owned(),
+        Act::UnlockKey => {
+            // Guarded again inside: whenever the subquery runs, it unlocks
+            // on the lock's backend only.
+            let once = format!(
+                "CASE WHEN pg_backend_pid() = $1 THEN {}({}) ELSE false END",
+                unlock_fn(mode),
+                key.placeholders(2)
+            );
+            format!(
+                "(WITH RECURSIVE u(n) AS (SELECT 1 WHERE {once} \
+                   UNION ALL SELECT n + 1 FROM u WHERE {once}) \
+                 SELECT count(*) > 0 FROM u)"
+            )
+        }
     };
     let sql = format!("SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $1 THEN {call} END");
     let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&pid, Type::INT4)];
@@ -158,9 +175,9 @@ impl Check {
     }
 }
 
-/// Sends, from `conns` in turn, the unlock of `key` that acts only on
-/// backend `held_on`, until one lands there or `bound` passes. True once
-/// released there (or found not held there any more).
+/// Sends, from `conns` in turn, the unlock of every level of `key` that
+/// acts only on backend `held_on`, until one lands there or `bound` passes.
+/// True once released there (or found not held there any more).
 pub(crate) async fn reach(
     conns: &[&tokio_postgres::Client],
     held_on: i32,
@@ -171,7 +188,7 @@ pub(crate) async fn reach(
     let deadline = Instant::now() + bound;
     let attempt = async {
         for c in conns.iter().cycle() {
-            match on_backend(c, held_on, Act::Unlock, key, mode).await {
+            match on_backend(c, held_on, Act::UnlockKey, key, mode).await {
                 Ok((_, Some(_))) => return true,
                 Ok((_, None)) => {}
                 Err(e) => {

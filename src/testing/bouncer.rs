@@ -119,8 +119,7 @@ impl PgBouncer {
                     &user,
                     db.name(),
                     port,
-                    pool_size,
-                    mode,
+                    (pool_size, mode),
                     run_as,
                 )?;
                 let (out, err) = process::log_file(&root.join("pgbouncer.stderr"))?;
@@ -247,8 +246,7 @@ fn write_files(
     user: &str,
     dbname: &str,
     port: u16,
-    pool_size: usize,
-    mode: PoolMode,
+    (pool_size, mode): (usize, PoolMode),
     run_as: Option<RunAs>,
 ) -> Result<(), TestingError> {
     let host = match target.get_hosts().first() {
