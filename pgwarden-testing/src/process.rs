@@ -12,7 +12,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::TestingError;
+use crate::TestingError;
 
 /// Wraps an `io::Error` with what we were doing.
 pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> TestingError {
