@@ -170,19 +170,6 @@ pub(crate) fn bounded_session_sql(key: LockKey, mode: LockMode) -> String {
     )
 }
 
-/// [`acquire`] with a wait: not granted within `timeout` is [`Error::LockTimeout`].
-async fn acquire_within(
-    pool: &Pool,
-    key: LockKey,
-    mode: LockMode,
-    timeout: Duration,
-    site: &'static Location<'static>,
-) -> Result<SessionLock, Error> {
-    acquire(pool, key, mode, Some(timeout), site)
-        .await?
-        .ok_or(Error::LockTimeout { key, timeout })
-}
-
 /// Takes a session lock: waits up to `wait` (checkout included), or tries
 /// once when `wait` is `None` (the checkout then waits up to the pool's wait
 /// timeout). `Ok(None)`: tried and not granted.
@@ -277,7 +264,13 @@ impl Pool {
         key: LockKey,
         timeout: Duration,
     ) -> impl std::future::Future<Output = Result<SessionLock, Error>> + Send + '_ {
-        acquire_within(self, key, LockMode::Exclusive, timeout, Location::caller())
+        let site = Location::caller();
+        async move {
+            match acquire(self, key, LockMode::Exclusive, Some(timeout), site).await? {
+                Some(lock) => Ok(lock),
+                None => Err(Error::LockTimeout { key, timeout }),
+            }
+        }
     }
 
     /// Takes the shared session advisory lock `key`, waiting up to `timeout`:
@@ -288,7 +281,13 @@ impl Pool {
         key: LockKey,
         timeout: Duration,
     ) -> impl std::future::Future<Output = Result<SessionLock, Error>> + Send + '_ {
-        acquire_within(self, key, LockMode::Shared, timeout, Location::caller())
+        let site = Location::caller();
+        async move {
+            match acquire(self, key, LockMode::Shared, Some(timeout), site).await? {
+                Some(lock) => Ok(lock),
+                None => Err(Error::LockTimeout { key, timeout }),
+            }
+        }
     }
 
     /// Tries the exclusive session advisory lock `key` without waiting for
