@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use pgwarden::testing::TestServer;
+use pgwarden_testing::TestServer;
 
 fn checkout(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()

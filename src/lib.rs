@@ -1,5 +1,5 @@
 #![doc = include_str!("../README.md")]
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 pub mod budget;
@@ -10,10 +10,6 @@ mod lock;
 pub mod metrics;
 mod pool;
 mod pooler;
-// The test harness calls libc (euid, getpwnam, kill); the library proper has no unsafe code.
-#[cfg(feature = "testing")]
-#[allow(unsafe_code)]
-pub mod testing;
 
 pub use budget::{Lane, LaneLimits, Limits, Policy};
 pub use census::{AdvisoryLock, Census, CensusSummary, Owner};

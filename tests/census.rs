@@ -1,6 +1,5 @@
 //! The `pg_locks` census against a real PostgreSQL: decoded keys, owners,
 //! and leaked locks on idle pooled connections flagged and discarded.
-#![cfg(feature = "testing")]
 
 mod support;
 

@@ -18,9 +18,8 @@
 //!
 //! Needs `prometheus` (Debian package `prometheus`): skipped without it,
 //! a failure with `CI=true`.
-#![cfg(feature = "testing")]
 
-mod service_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -28,13 +27,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::testing::{require_tool, Prometheus, TestServer};
+use pgwarden_testing::{require_tool, Prometheus, TestServer};
 use serde_json::Value;
-use service_support::promql::{
+use support::promql::{
     alert_true_for, loaded_rules, panel_queries, poll_series, read_dashboard_file, selectors,
     series, substitute,
 };
-use service_support::{eventually, Instance, Result};
+use support::service::{wait_for, Instance, Result};
 
 #[derive(Default)]
 struct Counts {
@@ -46,7 +45,7 @@ struct Counts {
 }
 
 impl Counts {
-    fn add(&self, addr: SocketAddr, r: service_support::Result<(u16, String)>) {
+    fn add(&self, addr: SocketAddr, r: support::service::Result<(u16, String)>) {
         match &r {
             Ok((200 | 201, _)) => &self.ok,
             Ok((409, _)) => &self.refused,
@@ -96,7 +95,7 @@ fn drive(
                     _ => "/items?limit=5&slow_ms=20".to_owned(),
                 };
                 let method = if n % 4 == 1 { "POST" } else { "GET" };
-                load.add(addr, service_support::http(addr, method, &path));
+                load.add(addr, support::service::http(addr, method, &path));
             }
         }));
     }
@@ -105,7 +104,7 @@ fn drive(
         let (stop, locks, addr) = (stop.clone(), locks.clone(), a.addr);
         threads.push(std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let r = service_support::http(addr, "POST", "/debug/hold-lock?key=1&ms=3000");
+                let r = support::service::http(addr, "POST", "/debug/hold-lock?key=1&ms=3000");
                 locks.add(addr, r);
             }
         }));
@@ -115,7 +114,7 @@ fn drive(
         let (stop, locks, addr) = (stop.clone(), locks.clone(), a.addr);
         threads.push(std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let r = service_support::http(addr, "POST", "/debug/hold-lock?key=2&ms=10");
+                let r = support::service::http(addr, "POST", "/debug/hold-lock?key=2&ms=10");
                 locks.add(addr, r);
                 std::thread::sleep(Duration::from_millis(200));
             }
@@ -145,7 +144,7 @@ fn dashboards_and_alerts_against_a_real_prometheus() -> Result {
     let test_db = rt.block_on(server.create_database())?;
     let client = rt.block_on(test_db.connect())?;
     let db = Db { rt, client };
-    service_support::service_binary()?;
+    support::service::service_binary()?;
     let env = [("PGWARDEN_TIME_SCALE", "0.001"), ("POOL_SIZE", "4")];
     let a = Instance::start(&test_db.url(), "e2e-a", "node-a", &env)?;
     let b = Instance::start(&test_db.url(), "e2e-b", "node-b", &env)?;
@@ -224,10 +223,10 @@ fn lease_loss(a: &Instance, b: &Instance, db: &Db) -> Result<String> {
     const HOLD: &str = "/debug/hold-lease?name=e2e-report&ms=20000&ttl_ms=1000";
     let holder = {
         let addr = b.addr;
-        std::thread::spawn(move || service_support::http(addr, "POST", HOLD))
+        std::thread::spawn(move || support::service::http(addr, "POST", HOLD))
     };
     let b_holder = format!("%:{}:%", b.pid());
-    eventually(Duration::from_secs(10), "b holds the lease", || {
+    wait_for(Duration::from_secs(10), "b holds the lease", || {
         let n: i64 = db
             .rt
             .block_on(db.client.query_one(
@@ -238,7 +237,7 @@ fn lease_loss(a: &Instance, b: &Instance, db: &Db) -> Result<String> {
         Ok((n == 1).then_some(()))
     })?;
     b.signal("STOP")?;
-    let took = eventually(Duration::from_secs(10), "a takes the lease over", || {
+    let took = wait_for(Duration::from_secs(10), "a takes the lease over", || {
         let (status, body) = a.post("/debug/hold-lease?name=e2e-report&ms=300&ttl_ms=1000")?;
         Ok((status == 200).then_some(body))
     });
@@ -328,7 +327,7 @@ fn evaluate(
         let expr = r["query"].as_str().unwrap_or_default();
         let now = match prom
             .query(expr)
-            .map_err(service_support::Error::from)
+            .map_err(support::service::Error::from)
             .and_then(|j| series(&j))
         {
             Ok(s) => s.len(),

@@ -2,8 +2,6 @@
 //! the server's message (tokio-postgres's own text is "db error"), other
 //! errors of the connection their chain of causes, and a connection string
 //! that does not parse the parser's reason.
-#![cfg(feature = "testing")]
-
 mod support;
 
 use std::time::Duration;

@@ -4,20 +4,11 @@
 #[allow(dead_code)]
 mod scenarios;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+mod support;
 
-use pgwarden::testing::TestServer;
 use pgwarden::Policy;
 use scenarios::{check, JOBS, PROBE_BOUND};
-
-async fn db() -> pgwarden::testing::TestDb {
-    TestServer::shared()
-        .unwrap()
-        .create_database()
-        .await
-        .unwrap()
-}
+use support::{db, Logs};
 
 #[tokio::test]
 async fn raw_deadpool_loses_readiness_and_deadlocks_its_jobs() {
@@ -43,34 +34,16 @@ async fn pgwarden_refuse_grants_the_budget_and_stays_ready() {
     assert_eq!(o.refused, 3);
 }
 
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn pgwarden_warn_admits_to_the_floor_logs_and_stays_ready() {
-    let logs = Captured::default();
-    let sink = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || sink.clone())
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let logs = Logs::default();
+    let _guard = tracing::subscriber::set_default(logs.subscriber());
     let o = scenarios::pgwarden_session_locks(&db().await, Policy::Warn)
         .await
         .unwrap();
     assert_eq!(check(&o, 2), Vec::<String>::new(), "{o:?}");
     assert_eq!(o.refused, 2, "past the hard floor, warn refuses too");
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     assert!(
         text.contains("session lock admitted past its budget") && text.contains("scenarios.rs"),
         "the overrun is logged with its call site: {text}"

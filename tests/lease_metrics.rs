@@ -1,17 +1,17 @@
 //! Lease metrics, checked with a local debugging recorder after scripted
 //! events (acquire, skip, renew, lose, take over, release).
 
-#![cfg(feature = "testing")]
-
-mod lease_support;
+mod support;
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use lease_support::{admin, db, pool, until, within};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use pgwarden::metrics as m;
 use pgwarden::{Leases, LostReason};
+use support::leases::pool;
+use support::recorder::{counter, gauge, key_of};
+use support::{admin, db, eventually, within};
 
 const S: Duration = Duration::from_secs(1);
 
@@ -25,14 +25,8 @@ struct Totals(HashMap<String, DebugValue>);
 impl Totals {
     fn read(&mut self, s: &Snapshotter) -> &HashMap<String, DebugValue> {
         for (ck, _, _, v) in s.snapshot().into_vec() {
-            let key = ck.key();
-            let mut labels: Vec<String> = key
-                .labels()
-                .map(|l| format!("{}={}", l.key(), l.value()))
-                .collect();
-            labels.sort();
-            let k = format!("{}{{{}}}", key.name(), labels.join(","));
-            let set_gauge = key.name() == m::LEASE_RENEW_INTERVAL;
+            let k = key_of(ck.key());
+            let set_gauge = ck.key().name() == m::LEASE_RENEW_INTERVAL;
             let merged = match (self.0.remove(&k), v) {
                 (Some(DebugValue::Counter(a)), DebugValue::Counter(b)) => {
                     DebugValue::Counter(a + b)
@@ -49,20 +43,6 @@ impl Totals {
             self.0.insert(k, merged);
         }
         &self.0
-    }
-}
-
-fn counter(s: &HashMap<String, DebugValue>, k: &str) -> u64 {
-    match s.get(k) {
-        Some(DebugValue::Counter(n)) => *n,
-        other => panic!("{k}: expected a counter, got {other:?}"),
-    }
-}
-
-fn gauge(s: &HashMap<String, DebugValue>, k: &str) -> f64 {
-    match s.get(k) {
-        Some(DebugValue::Gauge(g)) => g.into_inner(),
-        other => panic!("{k}: expected a gauge, got {other:?}"),
     }
 }
 
@@ -90,7 +70,7 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     let held = a.try_acquire("cleanup", S).await.unwrap().unwrap();
     assert!(b.try_acquire("cleanup", S).await.unwrap().is_none());
     let renewed = a.stats().renewed;
-    until(3 * S, "two renewals", || async {
+    eventually(3 * S, "two renewals", || async {
         a.stats().renewed >= renewed + 2
     })
     .await;

@@ -3,15 +3,14 @@
 //! batched renewal, fencing, release and take-over all work there, where
 //! named prepared statements and session state do not.
 
-#![cfg(feature = "testing")]
-
-mod lease_support;
+mod support;
 
 use std::time::Duration;
 
-use lease_support::{pool_with, until, within};
-use pgwarden::testing::{require_tool, PgBouncer, TestServer};
 use pgwarden::{LeaseOptions, Leases, LostReason};
+use pgwarden_testing::{require_tool, PgBouncer, TestServer};
+use support::leases::pool_with;
+use support::{eventually, within};
 use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
@@ -46,7 +45,7 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
         assert!(b.try_acquire_with(name, &opts).await.unwrap().is_none());
     }
     let before = a.stats();
-    until(5 * S, "renewals through the bouncer", || async {
+    eventually(5 * S, "renewals through the bouncer", || async {
         a.stats().renewed >= before.renewed + 8
     })
     .await;

@@ -2,16 +2,15 @@
 //! take-over, late release, the lost signal, fencing, batched renewal,
 //! run_exclusive, holds, bad input.
 
-#![cfg(feature = "testing")]
-
-mod lease_support;
+mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lease_support::{admin, backends, db, pool, until, within, Stopped};
 use pgwarden::{Error, LeaseOptions, Leases, LostReason, OnLost};
+use support::leases::{backends, pool, pool_with, TwoHolders};
+use support::{admin, db, eventually, within, Stopped};
 use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
@@ -275,10 +274,7 @@ async fn one_holder_under_16_concurrent_contenders() {
 
 #[tokio::test]
 async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
-    let db = db().await;
-    let pool_a = pool(&db, 2, "a");
-    let a = Leases::new(&pool_a);
-    let b = Leases::new(&pool(&db, 2, "b"));
+    let TwoHolders { pool_a, a, b, .. } = TwoHolders::new("renew", 2).await;
 
     // Renewed: B waits 2.5 TTLs and never gets it.
     let held = a.try_acquire("renewed", S).await.unwrap().unwrap();
@@ -304,18 +300,14 @@ async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
 
 #[tokio::test]
 async fn late_release_never_deletes_a_lease_taken_since() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    let a = Leases::new(&pool(&db, 2, "late-a"));
-    let b = Leases::new(&pool(&db, 2, "late-b"));
-    b.install().await.unwrap();
+    let TwoHolders { admin, a, b, .. } = TwoHolders::installed("late").await;
     let old = a
         .try_acquire_with("report", &short())
         .await
         .unwrap()
         .unwrap();
     // A's backend stops: its renewals hang, B takes the lease after its TTL.
-    let stopped = Stopped::stop(backends(&admin, "late-a").await);
+    let stopped = Stopped::stop(backends(&admin, "late-a").await).expect("SIGSTOP");
     let new = b.acquire_with("report", &short(), 10 * S).await.unwrap();
     drop(stopped);
     // A, late, releases its old term: nothing of B's is touched.
@@ -327,7 +319,7 @@ async fn late_release_never_deletes_a_lease_taken_since() {
     );
     // B still renews and releases it.
     let renewed = b.stats().renewed;
-    until(3 * S, "B renews", || async { b.stats().renewed > renewed }).await;
+    eventually(3 * S, "B renews", || async { b.stats().renewed > renewed }).await;
     assert!(!new.is_lost());
     new.release().await.unwrap();
     assert_eq!(row(&admin, "report").await, None);
@@ -337,18 +329,14 @@ async fn late_release_never_deletes_a_lease_taken_since() {
 
 #[tokio::test]
 async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    let a = Leases::new(&pool(&db, 2, "stop-a"));
-    let b = Leases::new(&pool(&db, 2, "stop-b"));
-    b.install().await.unwrap();
+    let TwoHolders { admin, a, b, .. } = TwoHolders::installed("stop").await;
     let lease = a
         .try_acquire_with("alerts", &short())
         .await
         .unwrap()
         .unwrap();
     let lost = lease.lost();
-    let stopped = Stopped::stop(backends(&admin, "stop-a").await);
+    let stopped = Stopped::stop(backends(&admin, "stop-a").await).expect("SIGSTOP");
     let taker = tokio::spawn(async move {
         let l = b.acquire_with("alerts", &short(), 10 * S).await;
         (Instant::now(), l)
@@ -390,7 +378,7 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
         .unwrap();
     let mut cfg = db.pg_config();
     cfg.user(&role);
-    let a = Leases::new(&lease_support::pool_with(cfg, 2, "term-a"));
+    let a = Leases::new(&pool_with(cfg, 2, "term-a"));
     let lease = a
         .try_acquire_with("alerts", &short())
         .await
@@ -436,15 +424,17 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
 
 #[tokio::test]
 async fn fencing_rejects_the_stale_holder() {
-    let db = db().await;
-    let admin = admin(&db).await;
+    let TwoHolders {
+        admin,
+        pool_a,
+        a,
+        b,
+        ..
+    } = TwoHolders::new("fence", 3).await;
     admin
         .batch_execute("CREATE TABLE ledger (writer text, token bigint)")
         .await
         .unwrap();
-    let pool_a = pool(&db, 3, "fence-a");
-    let a = Leases::new(&pool_a);
-    let b = Leases::new(&pool(&db, 2, "fence-b"));
     // No renewal within the next 5 s: the steps below expire the term by hand.
     let opts = LeaseOptions::new(10 * S).renew_every(5 * S);
     let old = a.try_acquire_with("ledger", &opts).await.unwrap().unwrap();
@@ -469,7 +459,7 @@ async fn fencing_rejects_the_stale_holder() {
         .unwrap();
     // B's take-over waits for A's fenced transaction…
     let taker = tokio::spawn(async move { b.try_acquire_with("ledger", &opts).await });
-    until(5 * S, "B waits on the fenced row", || async {
+    eventually(5 * S, "B waits on the fenced row", || async {
         admin
             .query_typed_one(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'fence-b' AND wait_event_type = 'Lock'",
@@ -525,7 +515,7 @@ async fn fencing_rejects_the_stale_holder() {
     let tx = conn.transaction().await.unwrap();
     keep.fence(&tx).await.unwrap();
     let renewed = a.stats().renewed;
-    until(3 * S, "renewals during a fenced transaction", || async {
+    eventually(3 * S, "renewals during a fenced transaction", || async {
         a.stats().renewed >= renewed + 3
     })
     .await;
@@ -557,12 +547,12 @@ async fn one_statement_renews_a_thousand_leases() {
     }
     eprintln!("1,000 acquisitions: {:?}", start.elapsed());
     // Batches fold together within one round; then one statement a tick.
-    until(10 * S, "a full batch", || async {
+    eventually(10 * S, "a full batch", || async {
         leases.stats().last_batch == 1000
     })
     .await;
     let before = leases.stats();
-    until(10 * S, "three more renewal ticks", || async {
+    eventually(10 * S, "three more renewal ticks", || async {
         leases.stats().renewal_statements >= before.renewal_statements + 3
     })
     .await;
@@ -782,14 +772,19 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
     for polls in 0..12 {
         let mut fut = Box::pin(leases.try_acquire("c", S));
         for _ in 0..polls {
-            let _ = futures_util::poll!(&mut fut);
+            // A future polled again after it finished panics: stop there.
+            if futures_util::poll!(&mut fut).is_ready() {
+                break;
+            }
             tokio::task::yield_now().await;
         }
         drop(fut);
         if let Some(lease) = leases.try_acquire("r", S).await.unwrap() {
             let mut fut = Box::pin(lease.release());
             for _ in 0..polls {
-                let _ = futures_util::poll!(&mut fut);
+                if futures_util::poll!(&mut fut).is_ready() {
+                    break;
+                }
                 tokio::task::yield_now().await;
             }
             drop(fut);
@@ -797,7 +792,7 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
     }
     // No connection stays out; a dropped acquisition registers nothing, and
     // whatever it took in the database expires after its TTL.
-    until(3 * S, "connections back", || async {
+    eventually(3 * S, "connections back", || async {
         pool.status().in_use == 0
     })
     .await;

@@ -1,6 +1,5 @@
 //! Session advisory locks against a real PostgreSQL: key spaces, budget,
 //! re-entry, errors, and the drop, panic and cancellation paths.
-#![cfg(feature = "testing")]
 
 mod support;
 

@@ -1,71 +1,25 @@
 //! Pool metrics, checked with a local debugging recorder after scripted events.
 
-use std::collections::HashMap;
+mod support;
+
 use std::time::Duration;
 
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use pgwarden::metrics as m;
-use pgwarden::testing::TestServer;
 use pgwarden::{Lane, Policy, Pool};
-
-/// name{label=value,...} -> value, labels sorted.
-fn snapshot(s: &Snapshotter) -> HashMap<String, DebugValue> {
-    s.snapshot()
-        .into_vec()
-        .into_iter()
-        .map(|(ck, _, _, v)| {
-            let key = ck.key();
-            let mut labels: Vec<String> = key
-                .labels()
-                .map(|l| format!("{}={}", l.key(), l.value()))
-                .collect();
-            labels.sort();
-            (format!("{}{{{}}}", key.name(), labels.join(",")), v)
-        })
-        .collect()
-}
-
-fn counter(s: &HashMap<String, DebugValue>, k: &str) -> u64 {
-    match s.get(k) {
-        Some(DebugValue::Counter(n)) => *n,
-        other => panic!("{k}: expected a counter, got {other:?}"),
-    }
-}
-
-fn gauge(s: &HashMap<String, DebugValue>, k: &str) -> f64 {
-    match s.get(k) {
-        Some(DebugValue::Gauge(g)) => g.into_inner(),
-        other => panic!("{k}: expected a gauge, got {other:?}"),
-    }
-}
-
-fn histogram(s: &HashMap<String, DebugValue>, k: &str) -> Vec<f64> {
-    match s.get(k) {
-        Some(DebugValue::Histogram(v)) => v.iter().map(|x| x.into_inner()).collect(),
-        other => panic!("{k}: expected a histogram, got {other:?}"),
-    }
-}
+use support::{counter, db, gauge, histogram, snapshot, with_recorder};
 
 #[tokio::test]
 async fn pool_events_are_recorded() {
-    let db = TestServer::shared()
-        .unwrap()
-        .create_database()
-        .await
-        .unwrap();
-    let recorder = DebuggingRecorder::new();
-    let snap = recorder.snapshotter();
-    let pool = metrics::with_local_recorder(&recorder, || {
+    let db = db().await;
+    let (pool, snap) = with_recorder(
         Pool::builder(db.deadpool(4).unwrap())
             .name("mx")
             .policy(Policy::Refuse)
             .wait_timeout(Duration::from_millis(100))
             .long_hold_threshold(Duration::from_millis(1))
             // Passes run on demand below, not in the background.
-            .housekeeping_interval(Duration::from_secs(3600))
-            .build()
-            .unwrap()
-    });
+            .housekeeping_interval(Duration::from_secs(3600)),
+    );
 
     // Limits are published at build.
     let s = snapshot(&snap);
@@ -243,20 +197,12 @@ async fn pool_events_are_recorded() {
 
 #[tokio::test]
 async fn warn_overruns_are_counted() {
-    let db = TestServer::shared()
-        .unwrap()
-        .create_database()
-        .await
-        .unwrap();
-    let recorder = DebuggingRecorder::new();
-    let snap = recorder.snapshotter();
-    let pool = metrics::with_local_recorder(&recorder, || {
+    let db = db().await;
+    let (pool, snap) = with_recorder(
         Pool::builder(db.deadpool(4).unwrap())
             .name("mw")
-            .policy(Policy::Warn)
-            .build()
-            .unwrap()
-    });
+            .policy(Policy::Warn),
+    );
     let a = pool.get_for(Lane::SessionLock).await.unwrap();
     let b = pool.get_for(Lane::SessionLock).await.unwrap();
     assert!(pool.get_for(Lane::SessionLock).await.is_err());

@@ -1,19 +1,14 @@
 //! The budgeted pool against a real PostgreSQL: drop-in use, lanes, waits,
 //! timeouts, refusals, readiness.
 
+mod support;
+
 use std::time::Duration;
 
 use deadpool_postgres::{GenericClient, PoolError};
-use pgwarden::testing::{TestDb, TestServer};
 use pgwarden::{Error, Lane, Policy, Pool};
-
-async fn db() -> TestDb {
-    TestServer::shared()
-        .expect("throwaway PostgreSQL")
-        .create_database()
-        .await
-        .expect("fresh database")
-}
+use pgwarden_testing::TestDb;
+use support::db;
 
 async fn pool(size: usize) -> (TestDb, Pool) {
     let db = db().await;

@@ -1,7 +1,6 @@
 //! Transaction poolers: detection against PostgreSQL and a real PgBouncer in
 //! transaction mode; behind it session locks are refused and everything
 //! else pgwarden does works (its statements are unnamed or simple).
-#![cfg(feature = "testing")]
 
 mod support;
 
@@ -9,8 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::testing::{require_tool, PgBouncer, TestServer};
 use pgwarden::{try_xact_lock, Error, LockKey, Pool, Pooler};
+use pgwarden_testing::{require_tool, PgBouncer, TestServer};
 use support::*;
 
 const T: Duration = Duration::from_secs(5);
@@ -56,7 +55,7 @@ async fn configured_transaction_pooler_refuses_session_locks_without_a_probe() {
     assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Transaction);
 }
 
-fn bouncer(db: &pgwarden::testing::TestDb) -> Option<PgBouncer> {
+fn bouncer(db: &pgwarden_testing::TestDb) -> Option<PgBouncer> {
     if !require_tool("pgbouncer").expect("pgbouncer is required on CI") {
         return None;
     }
@@ -188,7 +187,7 @@ struct Pinned {
 }
 
 impl Pinned {
-    async fn new(db: &pgwarden::testing::TestDb, unlock_timeout: Duration) -> Option<Pinned> {
+    async fn new(db: &pgwarden_testing::TestDb, unlock_timeout: Duration) -> Option<Pinned> {
         if !require_tool("pgbouncer").expect("pgbouncer is required on CI") {
             return None;
         }

@@ -2,16 +2,13 @@
 //! clients running short transactions the whole time, and PostgreSQL itself
 //! under the same load. Every try builds a fresh pool, so detection runs
 //! every time.
-#![cfg(feature = "testing")]
-
-mod pooler_support;
 mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::testing::PoolMode;
 use pgwarden::{LockKey, Pool, Pooler};
-use pooler_support::*;
+use pgwarden_testing::PoolMode;
+use support::pooler::*;
 use support::*;
 
 const TRIES: usize = 100;

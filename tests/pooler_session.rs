@@ -3,16 +3,13 @@
 //! its own connection (a proxy whose mode cannot be read). Switched to
 //! transaction mode under the pools' feet, that check refuses every lock
 //! and leaves none behind.
-#![cfg(feature = "testing")]
-
-mod pooler_support;
 mod support;
 
 use std::time::Instant;
 
-use pgwarden::testing::PoolMode;
 use pgwarden::{LockKey, Pooler};
-use pooler_support::*;
+use pgwarden_testing::PoolMode;
+use support::pooler::*;
 use support::*;
 
 const TRIES: usize = 100;

@@ -1,17 +1,16 @@
 //! The lease scheduler against a real PostgreSQL: once per period across
 //! instances, once per node, graceful shutdown.
 
-#![cfg(feature = "testing")]
-
-mod lease_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use lease_support::{db, pool, until};
 use pgwarden::{Job, LeaseHandle, Leases, Scheduler};
+use support::leases::pool;
+use support::{db, eventually};
 
 const S: Duration = Duration::from_secs(1);
 
@@ -65,7 +64,7 @@ async fn three_instances_run_each_job_once_per_period_and_per_node() {
     }
     // Seven periods of the cluster job: the five in the middle are whole.
     let start = Instant::now();
-    until(15 * S, "seven periods", || async {
+    eventually(15 * S, "seven periods", || async {
         let slots: std::collections::BTreeSet<i64> = log
             .lock()
             .iter()
@@ -168,7 +167,7 @@ async fn graceful_shutdown_releases_leases() {
         }))
         .start()
         .unwrap();
-    until(5 * S, "both jobs started", || async {
+    eventually(5 * S, "both jobs started", || async {
         started.load(Ordering::SeqCst) && scheduler.runs() >= 1
     })
     .await;

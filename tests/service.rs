@@ -7,15 +7,14 @@
 //! mail checks and uptime 1 s (the scheduler's minimum). Every run is
 //! recorded in `job_runs` (in a transaction fenced by its lease), with its
 //! period; periods are slots of the database clock aligned on the epoch.
-#![cfg(feature = "testing")]
 
-mod service_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use pgwarden::testing::TestServer;
-use service_support::{eventually, Instance, Result};
+use pgwarden_testing::TestServer;
+use support::service::{wait_for, Instance, Result};
 use tokio_postgres::Client;
 
 const SCALE: &str = "0.0005";
@@ -63,7 +62,7 @@ fn cluster_jobs_once_per_period_node_jobs_once_per_node_and_sigterm_releases_lea
     let server = TestServer::shared()?;
     let db = rt.block_on(server.create_database())?;
     let client = rt.block_on(db.connect())?;
-    service_support::service_binary()?;
+    support::service::service_binary()?;
     let env = [("PGWARDEN_TIME_SCALE", SCALE), ("POOL_SIZE", "4")];
     let a = Instance::start(&db.url(), "svc-a", "node-a", &env)?;
     let mut b = Instance::start(&db.url(), "svc-b", "node-b", &env)?;
@@ -72,7 +71,7 @@ fn cluster_jobs_once_per_period_node_jobs_once_per_node_and_sigterm_releases_lea
     say!("{:>5.1?}  three instances up", t0.elapsed());
 
     // Several periods of the slowest job (cleanup, 1.8 s) after all started.
-    eventually(Duration::from_secs(40), "six cleanup periods", || {
+    wait_for(Duration::from_secs(40), "six cleanup periods", || {
         let (runs, periods) = rt.block_on(runs(&client))?;
         let Some(p) = periods.get("cleanup") else {
             return Ok(None);
@@ -147,7 +146,7 @@ fn cluster_jobs_once_per_period_node_jobs_once_per_node_and_sigterm_releases_lea
     let holder = {
         let addr = b.addr;
         std::thread::spawn(move || {
-            service_support::http(
+            support::service::http(
                 addr,
                 "POST",
                 "/debug/hold-lease?name=report&ms=60000&ttl_ms=60000",
@@ -155,7 +154,7 @@ fn cluster_jobs_once_per_period_node_jobs_once_per_node_and_sigterm_releases_lea
         })
     };
     let b_pid = format!("%:{}:%", b.pid());
-    eventually(
+    wait_for(
         Duration::from_secs(10),
         "b holds the lease `report`",
         || {

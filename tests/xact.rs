@@ -1,6 +1,5 @@
 //! Transaction-scoped advisory locks, `with_xact_lock` and `run_once`
 //! against a real PostgreSQL.
-#![cfg(feature = "testing")]
 
 mod support;
 

@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::testing::TestServer;
 use pgwarden::{Namespace, Pool};
+use pgwarden_testing::TestServer;
 
 use crate::ab::{median, percentile, ratio};
 use crate::{BoxError, Row, Settings};

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::testing::{TestDb, TestServer};
 use pgwarden::{Leases, Pool};
+use pgwarden_testing::{TestDb, TestServer};
 use tokio_postgres::types::Type;
 
 use crate::ab::{interleave, median, ratio, spread, throughput};

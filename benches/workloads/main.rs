@@ -19,7 +19,7 @@ mod takeover;
 
 use std::fmt::Write as _;
 
-use pgwarden::testing::TestServer;
+use pgwarden_testing::TestServer;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -170,7 +170,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
     let _ = writeln!(md, "- date: {}", date.trim());
     let _ = writeln!(
         md,
-        "- server: throwaway PostgreSQL from `pgwarden::testing` (unix socket, fsync=off, synchronous_commit=off, full_page_writes=off) unless `DATABASE_URL` is set"
+        "- server: throwaway PostgreSQL from `pgwarden_testing` (unix socket, fsync=off, synchronous_commit=off, full_page_writes=off) unless `DATABASE_URL` is set"
     );
     let _ = writeln!(
         md,

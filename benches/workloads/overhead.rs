@@ -1,6 +1,6 @@
 //! Workloads 1 and 2: what pgwarden costs against raw deadpool.
 
-use pgwarden::testing::TestServer;
+use pgwarden_testing::TestServer;
 
 use crate::ab::{interleave, median, ratio, spread, throughput};
 use crate::{BoxError, Row, Settings};

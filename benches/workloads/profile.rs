@@ -13,7 +13,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use pgwarden::testing::TestServer;
+use pgwarden_testing::TestServer;
 
 use crate::BoxError;
 

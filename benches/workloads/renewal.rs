@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt, TryStreamExt};
-use pgwarden::testing::TestServer;
 use pgwarden::{LeaseOptions, Leases, Pool};
+use pgwarden_testing::TestServer;
 use tokio_postgres::types::Type;
 
 use crate::ab::{median, ratio};

@@ -21,8 +21,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pgwarden::testing::TestServer;
 use pgwarden::{LeaseOptions, Leases, Pool};
+use pgwarden_testing::TestServer;
 
 use crate::ab::median;
 use crate::{BoxError, Row, Settings};

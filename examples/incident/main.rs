@@ -12,8 +12,8 @@
 
 mod scenarios;
 
-use pgwarden::testing::TestServer;
 use pgwarden::Policy;
+use pgwarden_testing::TestServer;
 use scenarios::{check, Table};
 
 #[tokio::main]

@@ -5,8 +5,8 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use pgwarden::testing::TestDb;
 use pgwarden::{Namespace, Policy, Pool};
+use pgwarden_testing::TestDb;
 
 /// The application's lock namespace for its background jobs, declared once.
 pub const JOBS_NS: Namespace = Namespace::new(1);

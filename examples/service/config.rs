@@ -8,7 +8,7 @@ use crate::BoxError;
 /// Settings read once at start-up.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// `DATABASE_URL`; `None`: a throwaway PostgreSQL from `pgwarden::testing`.
+    /// `DATABASE_URL`; `None`: a throwaway PostgreSQL from `pgwarden_testing`.
     pub database_url: Option<String>,
     /// `LISTEN_ADDR` (default `127.0.0.1:8080`; port 0 picks a free one).
     pub listen: SocketAddr,

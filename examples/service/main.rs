@@ -24,7 +24,7 @@
 //! period_ms, token)`.
 //!
 //! Environment: `DATABASE_URL` (unset: a throwaway PostgreSQL from
-//! `pgwarden::testing`, whose URL is printed so that a second instance can
+//! `pgwarden_testing`, whose URL is printed so that a second instance can
 //! join), `LISTEN_ADDR` (default `127.0.0.1:8080`, port 0 for any),
 //! `NODE_NAME` (default: host name), `INSTANCE_ID` (default
 //! `<node>-<pid>`), `POOL_SIZE` (default 4, the seed's), `POOL_NAME`
@@ -45,8 +45,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::testing::TestServer;
 use pgwarden::Pool;
+use pgwarden_testing::TestServer;
 
 use config::Config;
 

@@ -1,18 +1,39 @@
-//! Shared helpers of the lock, census and pooler tests: a fresh database on
-//! the shared throwaway server, raw-SQL views of `pg_locks`, bounded waits,
-//! metric snapshots, log capture.
-#![allow(dead_code)]
+//! The shared support module of the integration tests (each test binary
+//! includes it with `mod support;`):
+//!
+//! * here: a fresh database on the shared throwaway server ([`db`]), a
+//!   plain admin connection, a pool builder, raw-SQL views of `pg_locks`
+//!   and `pg_stat_activity`, log capture, and the harness's bounded waits
+//!   ([`eventually`], [`within`]) and fault guard ([`Stopped`]);
+//! * [`recorder`]: pools built under a local metrics recorder, metric
+//!   snapshots and lookups;
+//! * [`leases`]: lease-test pools named by `application_name`, their
+//!   backends, and the two-holder fixture;
+//! * [`pooler`]: load through PgBouncer or PostgreSQL, pools through
+//!   PgBouncer, detection figures from the logs;
+//! * [`service`] and [`promql`]: the `service` example run as real
+//!   processes, and PromQL against a real Prometheus.
+#![allow(dead_code, unused_imports)]
+
+pub mod leases;
+pub mod pooler;
+pub mod promql;
+pub mod recorder;
+pub mod service;
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use pgwarden::testing::{TestDb, TestServer};
 use pgwarden::{Pool, PoolBuilder};
+use pgwarden_testing::{TestDb, TestServer};
 use tokio_postgres::Client;
 
+pub use pgwarden_testing::{eventually, within, Stopped};
+pub use recorder::{counter, gauge, histogram, metrics_now, snapshot, with_recorder};
+
+/// A fresh database on the shared throwaway server (or `DATABASE_URL`'s).
 pub async fn db() -> TestDb {
     TestServer::shared()
         .expect("throwaway PostgreSQL")
@@ -29,54 +50,6 @@ pub fn builder(db: &TestDb, size: usize) -> PoolBuilder {
         .wait_timeout(Duration::from_secs(5))
         .housekeeping_interval(Duration::from_secs(3600))
         .census_interval(None)
-}
-
-/// Builds with a local debugging recorder; returns its snapshotter.
-pub fn with_recorder(b: PoolBuilder) -> (Pool, Snapshotter) {
-    let recorder = DebuggingRecorder::new();
-    let snap = recorder.snapshotter();
-    let pool = metrics::with_local_recorder(&recorder, || b.build().expect("pool"));
-    (pool, snap)
-}
-
-/// Every metric now, by `name{labels,sorted}`: a counter's or gauge's value,
-/// a histogram's sample count. (A snapshot resets what it read: take one per
-/// checkpoint.)
-pub fn metrics_now(s: &Snapshotter) -> HashMap<String, f64> {
-    s.snapshot()
-        .into_vec()
-        .into_iter()
-        .map(|(ck, _, _, v)| {
-            let k = ck.key();
-            let mut labels: Vec<String> = k
-                .labels()
-                .map(|l| format!("{}={}", l.key(), l.value()))
-                .collect();
-            labels.sort();
-            let v = match v {
-                DebugValue::Counter(n) => n as f64,
-                DebugValue::Gauge(g) => g.into_inner(),
-                DebugValue::Histogram(h) => h.len() as f64,
-            };
-            (format!("{}{{{}}}", k.name(), labels.join(",")), v)
-        })
-        .collect()
-}
-
-/// Polls `cond` every 10 ms until it holds; panics after `limit`.
-pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !cond().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Advisory locks in the current database: (pid, classid, objid, objsubid, granted).
@@ -156,6 +129,11 @@ impl Write for Logs {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// A plain connection to `db` for the test's own queries.
+pub async fn admin(db: &TestDb) -> Client {
+    db.connect().await.expect("admin connection")
 }
 
 /// Lane status by name, for messages.

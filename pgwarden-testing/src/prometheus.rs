@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use super::process::{self, io_err, Watchdog};
-use super::{TestingError, STARTUP_TIMEOUT};
+use crate::process::{self, io_err, Watchdog};
+use crate::{TestingError, STARTUP_TIMEOUT};
 
 mod http;
 
@@ -30,10 +30,10 @@ use http::{http_get, percent_encode};
 /// rather than sleeping.
 ///
 /// ```no_run
-/// # fn t() -> Result<(), pgwarden::testing::TestingError> {
+/// # fn t() -> Result<(), pgwarden_testing::TestingError> {
 /// use std::time::Duration;
 /// let target: std::net::SocketAddr = "127.0.0.1:8080".parse().unwrap();
-/// let prom = pgwarden::testing::Prometheus::start(&[target], Duration::from_secs(1))?;
+/// let prom = pgwarden_testing::Prometheus::start(&[target], Duration::from_secs(1))?;
 /// let json = prom.wait_for_series("up{job=\"pgwarden\"} == 1", Duration::from_secs(20))?;
 /// assert!(json.contains("\"status\":\"success\""));
 /// # Ok(())
@@ -58,7 +58,7 @@ impl Prometheus {
     /// Starts Prometheus scraping `targets` (`/metrics` over HTTP) every
     /// `scrape_interval`. Blocks until `/-/ready` answers 200 (at most 30 s).
     ///
-    /// The binary is looked up as by [`super::find_tool`]; when it is missing
+    /// The binary is looked up as by [`crate::find_tool`]; when it is missing
     /// the error is [`TestingError::ToolMissing`] (package `prometheus`).
     pub fn start(
         targets: &[SocketAddr],

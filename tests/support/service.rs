@@ -5,9 +5,6 @@
 //! instance then has its own global metrics recorder (one `/metrics` per
 //! instance, as in production), its own pool and lease holder, and receives
 //! a real SIGTERM.
-#![allow(dead_code)]
-
-pub mod promql;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -247,8 +244,10 @@ pub fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, String)>
     Ok((status, body.to_owned()))
 }
 
-/// Polls `cond` every 50 ms until it returns `Some`, failing after `limit`.
-pub fn eventually<T>(
+/// Polls `cond` every 50 ms on this thread until it returns `Some`,
+/// failing after `limit`: the blocking wait of the process tests (the async
+/// one is [`super::eventually`]).
+pub fn wait_for<T>(
     limit: Duration,
     what: &str,
     mut cond: impl FnMut() -> Result<Option<T>>,

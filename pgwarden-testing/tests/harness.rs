@@ -1,36 +1,16 @@
-//! Tests of the throwaway PostgreSQL / PgBouncer harness (`pgwarden::testing`)
+//! Tests of the throwaway PostgreSQL / PgBouncer harness (`pgwarden_testing`)
 //! against real servers.
-#![cfg(feature = "testing")]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use pgwarden::testing::{require_tool, PgBouncer, TestServer};
+use pgwarden_testing::{eventually, require_tool, PgBouncer, TestServer};
 use tokio_postgres::types::Type;
 use tokio_postgres::{Config, NoTls};
 
 type Result<T = ()> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
-/// Polls `cond` every 20 ms until it holds, failing after `limit`.
-async fn eventually<F, Fut>(limit: Duration, what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    loop {
-        if cond().await {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 async fn can_connect(config: &Config) -> bool {
     let mut config = config.clone();

@@ -4,10 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use pgwarden::testing::Prometheus;
+use pgwarden_testing::Prometheus;
 use serde_json::Value;
 
-use super::{eventually, Instance, Result};
+use super::service::{wait_for, Instance, Result};
 
 /// Grafana's variables, as a dashboard user would have them: the pool regex
 /// (the service's pool is named `service`) and a rate window of 15 scrapes.
@@ -121,7 +121,7 @@ pub fn poll_series(prom: &Prometheus, expr: &str, deadline: Instant) -> Result<u
 
 /// The alert rules as Prometheus loaded them, once each has been evaluated.
 pub fn loaded_rules(prom: &Prometheus) -> Result<Vec<Value>> {
-    eventually(Duration::from_secs(20), "every rule evaluated", || {
+    wait_for(Duration::from_secs(20), "every rule evaluated", || {
         let v: Value = serde_json::from_str(&prom.get("/api/v1/rules?type=alert")?)?;
         let rules: Vec<Value> = v["data"]["groups"]
             .as_array()
@@ -148,7 +148,7 @@ pub fn alert_true_for(
         .ok_or(format!("no {name} rule"))?;
     let expr = rule["query"].as_str().ok_or("rule without query")?;
     let target = instance.addr.to_string();
-    let hit = eventually(
+    let hit = wait_for(
         Duration::from_secs(20),
         &format!("{name} true for instance {}", instance.name),
         || {

@@ -10,11 +10,9 @@ use deadpool_postgres::Pool;
 use tokio_postgres::config::Host;
 use tokio_postgres::{Client, Config};
 
-use super::process::{self, io_err, Probe, RunAs, Watchdog};
-use super::{
-    build_pool, config_to_url, connect_config, TestDb, TestServer, TestingError, CONNECT_TIMEOUT,
-    STARTUP_TIMEOUT,
-};
+use crate::db::{config_to_url, connect_config, TestDb};
+use crate::process::{self, io_err, Probe, RunAs, Watchdog};
+use crate::{TestServer, TestingError, CONNECT_TIMEOUT, STARTUP_TIMEOUT};
 
 /// PgBouncer's `pool_mode`: when a server connection goes back to the pool.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -70,7 +68,7 @@ impl Drop for PgBouncer {
 impl PgBouncer {
     /// Starts PgBouncer for `db` on `server` with `default_pool_size = 10`.
     /// Blocks until it accepts connections (at most 30 s). The `pgbouncer`
-    /// binary is found as by [`super::find_tool`] (Debian package `pgbouncer`).
+    /// binary is found as by [`crate::find_tool`] (Debian package `pgbouncer`).
     pub fn start(server: &TestServer, db: &TestDb) -> Result<PgBouncer, TestingError> {
         PgBouncer::start_with_pool_size(server, db, 10)
     }
@@ -210,7 +208,7 @@ impl PgBouncer {
     /// `prepare_cached` on it: prepared statements do not survive transaction
     /// pooling.
     pub fn deadpool(&self, max_size: usize) -> Result<Pool, TestingError> {
-        build_pool(self.config.clone(), max_size)
+        crate::deadpool(self.config.clone(), max_size)
     }
 
     /// A client through PgBouncer, outside any pool; its connection task is

@@ -1,13 +1,12 @@
-//! `pgwarden::testing::Prometheus` against the real Prometheus binary: it
+//! `pgwarden_testing::Prometheus` against the real Prometheus binary: it
 //! scrapes a target, answers instant queries, loads rule files, reports
 //! parse errors, and stops on drop.
-#![cfg(feature = "testing")]
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
-use pgwarden::testing::{require_tool, Prometheus};
+use pgwarden_testing::{require_tool, Prometheus};
 use serde_json::Value;
 
 type Result<T = ()> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;

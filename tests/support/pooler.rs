@@ -1,17 +1,15 @@
 //! Helpers of the pooler tests: load (clients running short transactions
 //! in a loop), pools through PgBouncer, figures from detection logs.
-#![allow(dead_code)]
-
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use pgwarden::testing::{require_tool, PgBouncer, PoolMode, TestDb, TestServer};
 use pgwarden::Pool;
+use pgwarden_testing::{require_tool, PgBouncer, PoolMode, TestDb, TestServer};
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
 
-use crate::support::{eventually, Logs};
+use super::{eventually, Logs};
 
 pub const T: Duration = Duration::from_secs(5);
 /// Clients of the load.

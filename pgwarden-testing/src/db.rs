@@ -1,0 +1,215 @@
+//! [`TestDb`]: one fresh database on a [`TestServer`](crate::TestServer), and
+//! the connection helpers shared with [`PgBouncer`](crate::PgBouncer).
+
+use std::fmt;
+#[cfg(test)]
+use std::path::PathBuf;
+#[cfg(test)]
+use std::str::FromStr;
+#[cfg(test)]
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::config::Host;
+use tokio_postgres::{Client, Config, NoTls};
+
+use crate::TestingError;
+
+/// A database created by [`TestServer::create_database`](crate::TestServer::create_database).
+///
+/// Dropping it does not drop the database (a throwaway server goes away as
+/// a whole); call [`TestDb::destroy`] to drop it, e.g. on an external server.
+#[derive(Debug, Clone)]
+pub struct TestDb {
+    pub(crate) name: String,
+    pub(crate) config: Config,
+    pub(crate) admin: Config,
+}
+
+impl TestDb {
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Connection settings for this database.
+    pub fn pg_config(&self) -> Config {
+        self.config.clone()
+    }
+
+    /// The same settings as a `key=value` connection string, e.g.
+    /// `host=/tmp/pgwarden-pg-x port=41234 user=postgres dbname=pgwarden_test_…`,
+    /// which libpq and [`tokio_postgres::Config`]'s `FromStr` parse.
+    pub fn url(&self) -> String {
+        config_to_url(&self.config)
+    }
+
+    /// A `deadpool_postgres::Pool` of at most `max_size` connections to this
+    /// database (`RecyclingMethod::Fast`, `Runtime::Tokio1`).
+    pub fn deadpool(&self, max_size: usize) -> Result<Pool, TestingError> {
+        deadpool(self.config.clone(), max_size)
+    }
+
+    /// A client outside any pool; its connection task is spawned on the
+    /// current Tokio runtime.
+    pub async fn connect(&self) -> Result<Client, TestingError> {
+        connect_config(&self.config).await
+    }
+
+    /// Drops the database (`WITH (FORCE)`: open connections are terminated).
+    pub async fn destroy(self) -> Result<(), TestingError> {
+        let admin = connect_config(&self.admin).await?;
+        admin
+            .batch_execute(&format!(
+                "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
+                self.name
+            ))
+            .await?;
+        Ok(())
+    }
+}
+
+/// Connects with `NoTls` and spawns the connection task.
+pub(crate) async fn connect_config(config: &Config) -> Result<Client, TestingError> {
+    let (client, connection) = config.connect(NoTls).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "pgwarden_testing connection ended with an error");
+        }
+    });
+    Ok(client)
+}
+
+/// A `deadpool_postgres::Pool` of at most `max_size` connections with any
+/// settings (another user, an `application_name`, a [`PgBouncer`](crate::PgBouncer)),
+/// as [`TestDb::deadpool`] builds them: `RecyclingMethod::Fast`, `Runtime::Tokio1`, `NoTls`.
+///
+/// ```no_run
+/// # async fn t(db: pgwarden_testing::TestDb) -> Result<(), pgwarden_testing::TestingError> {
+/// let mut config = db.pg_config();
+/// config.application_name("worker-a"); // to find its backends in pg_stat_activity
+/// let pool = pgwarden_testing::deadpool(config, 2)?;
+/// # let _ = pool; Ok(()) }
+/// ```
+pub fn deadpool(config: Config, max_size: usize) -> Result<Pool, TestingError> {
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(max_size)
+        .runtime(Runtime::Tokio1)
+        .build()
+        .map_err(|e| TestingError::PoolBuild {
+            message: e.to_string(),
+        })
+}
+
+/// Renders a [`Config`] as a libpq `key=value` connection string.
+pub(crate) fn config_to_url(c: &Config) -> String {
+    let mut parts = Vec::new();
+    let hosts: Vec<String> = c
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            Host::Tcp(s) => s.clone(),
+            Host::Unix(p) => p.display().to_string(),
+        })
+        .collect();
+    if !hosts.is_empty() {
+        parts.push(Kv("host", hosts.join(",")));
+    }
+    let addrs: Vec<String> = c.get_hostaddrs().iter().map(|a| a.to_string()).collect();
+    if !addrs.is_empty() {
+        parts.push(Kv("hostaddr", addrs.join(",")));
+    }
+    let ports: Vec<String> = c.get_ports().iter().map(|p| p.to_string()).collect();
+    if !ports.is_empty() {
+        parts.push(Kv("port", ports.join(",")));
+    }
+    if let Some(u) = c.get_user() {
+        parts.push(Kv("user", u.to_owned()));
+    }
+    if let Some(p) = c.get_password() {
+        parts.push(Kv("password", String::from_utf8_lossy(p).into_owned()));
+    }
+    if let Some(d) = c.get_dbname() {
+        parts.push(Kv("dbname", d.to_owned()));
+    }
+    if let Some(o) = c.get_options() {
+        parts.push(Kv("options", o.to_owned()));
+    }
+    if let Some(a) = c.get_application_name() {
+        parts.push(Kv("application_name", a.to_owned()));
+    }
+    if let Some(t) = c.get_connect_timeout() {
+        parts.push(Kv("connect_timeout", t.as_secs().max(1).to_string()));
+    }
+    if c.get_ssl_mode() == tokio_postgres::config::SslMode::Disable {
+        parts.push(Kv("sslmode", "disable".to_owned()));
+    }
+    parts
+        .iter()
+        .map(|kv| kv.to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// One `key=value` pair, the value quoted when it needs to be.
+struct Kv(&'static str, String);
+
+impl fmt::Display for Kv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let plain = !self.1.is_empty()
+            && !self
+                .1
+                .chars()
+                .any(|c| c.is_whitespace() || c == '\'' || c == '\\' || c == '=');
+        if plain {
+            write!(f, "{}={}", self.0, self.1)
+        } else {
+            write!(f, "{}='", self.0)?;
+            for c in self.1.chars() {
+                if c == '\'' || c == '\\' {
+                    f.write_str("\\")?;
+                }
+                write!(f, "{c}")?;
+            }
+            f.write_str("'")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_round_trips_through_config() {
+        let mut c = Config::new();
+        c.host_path("/tmp/a b")
+            .port(5433)
+            .user("postgres")
+            .password("it's\\x")
+            .dbname("t_1")
+            .connect_timeout(Duration::from_secs(10));
+        let url = config_to_url(&c);
+        let back = Config::from_str(&url).unwrap();
+        assert_eq!(back.get_hosts(), c.get_hosts());
+        assert_eq!(back.get_ports(), c.get_ports());
+        assert_eq!(back.get_user(), Some("postgres"));
+        assert_eq!(back.get_password(), Some(&b"it's\\x"[..]));
+        assert_eq!(back.get_dbname(), Some("t_1"));
+    }
+
+    #[test]
+    fn missing_binaries_message_names_the_package() {
+        let e = TestingError::NoBinaries {
+            searched: vec![PathBuf::from("/usr/bin")],
+        };
+        assert!(e.to_string().contains("apt-get install -y postgresql"));
+    }
+}
