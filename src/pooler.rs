@@ -41,7 +41,7 @@ impl Pool {
     /// detection ran; [`Pooler::Auto`] before that.
     pub fn pooler(&self) -> Pooler {
         match self.shared.opts.pooler {
-            Pooler::Auto => detected(self).map_or(Pooler::Auto, |d| d.pooler),
+            Pooler::Auto => detected(self).map_or(Pooler::Auto, Detection::pooler),
             p => p,
         }
     }
@@ -102,7 +102,7 @@ impl Pool {
     fn remember(&self, found: Detection) -> Detection {
         tracing::info!(
             pool = %self.shared.name,
-            pooler = ?found.pooler,
+            pooler = ?found.pooler(),
             proxied = found.proxied,
             statements = found.statements,
             "pooler detected"
@@ -115,14 +115,21 @@ impl Pool {
 /// lock's own check proved one.
 fn detected(pool: &Pool) -> Option<Detection> {
     let found = pool.shared.locks.pooler.get().copied()?;
-    Some(if pool.shared.locks.moved.load(Ordering::Acquire) {
-        Detection {
-            pooler: Pooler::Transaction,
-            ..found
-        }
-    } else {
-        found
+    let moved = pool.shared.locks.moved.load(Ordering::Acquire);
+    Some(Detection {
+        transaction: found.transaction || moved,
+        ..found
     })
+}
+
+impl Detection {
+    fn pooler(self) -> Pooler {
+        if self.transaction {
+            Pooler::Transaction
+        } else {
+            Pooler::Direct
+        }
+    }
 }
 
 /// A session lock's check found that the pool's connections move between
@@ -142,13 +149,7 @@ pub(crate) fn proven_by_lock(pool: &Pool) {
 pub(crate) fn behind_pooler(pool: &Pool) -> Option<&'static str> {
     match (pool.shared.opts.pooler, detected(pool)) {
         (Pooler::Transaction, _) => Some("configured"),
-        (
-            Pooler::Auto,
-            Some(Detection {
-                pooler: Pooler::Transaction,
-                ..
-            }),
-        ) => Some("detected"),
+        (Pooler::Auto, Some(d)) if d.transaction => Some("detected"),
         _ => None,
     }
 }
@@ -181,10 +182,7 @@ pub(crate) async fn ensure_direct(
         })
         .await?;
     match detected(pool) {
-        Some(Detection {
-            pooler: Pooler::Transaction,
-            ..
-        }) => Err(Error::BehindPooler { how: "detected" }),
+        Some(d) if d.transaction => Err(Error::BehindPooler { how: "detected" }),
         found => Ok(found.is_some_and(|d| d.proxied)),
     }
 }

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::types::{ToSql, Type};
 
-use super::release::Held;
 use super::{lock_fn, LockKey, LockMode, Scope};
 use crate::budget::Lane;
 use crate::error::Error;
@@ -139,38 +138,33 @@ impl Check {
         }
     }
 
-    /// The lock was granted on `held_on`: the backend the lock's connection
-    /// showed throughout the probe, or a transaction pooler moved it there.
-    /// Then the lock is released on `held_on` (reached from both
-    /// connections, within the pool's unlock timeout) and refused with
-    /// [`Error::BehindPooler`], or reported and refused with
-    /// [`Error::MovedByPooler`].
+    /// The lock was granted on `held_on`, on `lock_conn`: the backend the
+    /// lock's connection showed throughout the probe, or a transaction
+    /// pooler moved it there. Then the lock is released on `held_on`
+    /// (reached from both connections, within the pool's unlock timeout)
+    /// and refused with [`Error::BehindPooler`], or reported and refused
+    /// with [`Error::MovedByPooler`]. Either error means nothing of the
+    /// lock's is on the session `lock_conn` reaches now.
     pub(crate) async fn confirm(
         mut self,
         pool: &Pool,
-        held: &mut Held,
+        lock_conn: &Conn,
+        key: LockKey,
+        mode: LockMode,
         held_on: i32,
     ) -> Result<(), Error> {
         if !self.motion.observe(0, held_on) {
             return Ok(());
         }
         crate::pooler::proven_by_lock(pool);
-        let (key, mode) = (held.key, held.mode);
         let bound = pool.shared.opts.unlock_timeout;
-        let released = reach(&[held.conn(), &self.other], held_on, key, mode, bound).await;
-        // Nothing of this guard's is on the session its connection reaches
-        // now: an unlock there would only release other clients' locks.
-        held.released();
-        if released {
+        if reach(&[lock_conn, &self.other], held_on, key, mode, bound).await {
             Err(Error::BehindPooler {
                 how: "detected at the lock",
             })
         } else {
-            Err(stranded(
-                key,
-                held_on,
-                self.motion.first(0).unwrap_or(held_on),
-            ))
+            let ran_on = self.motion.first(0).unwrap_or(held_on);
+            Err(stranded(key, held_on, ran_on))
         }
     }
 }

@@ -250,7 +250,12 @@ pub(crate) async fn acquire(
     }
     held.granted_on(pid);
     if let Some(check) = check {
-        check.confirm(pool, &mut held, pid).await?;
+        if let Err(e) = check.confirm(pool, held.conn(), key, mode, pid).await {
+            // Nothing of this guard's is on the session its connection
+            // reaches now: an unlock there would release other clients' locks.
+            held.released();
+            return Err(e);
+        }
     }
     held.set_tally(Tally::pin(&pool.shared));
     Ok(Some(SessionLock {

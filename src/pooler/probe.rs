@@ -29,7 +29,6 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::tls::{ChannelBinding, TlsConnect, TlsStream};
 
-use super::Pooler;
 use crate::error::Error;
 
 /// Probe statements after the first one per client, through a proxy, before
@@ -46,8 +45,9 @@ pub(crate) const MOTION_STATEMENTS: usize = 40;
 /// What detection found.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Detection {
-    /// [`Pooler::Direct`] or [`Pooler::Transaction`].
-    pub(crate) pooler: Pooler,
+    /// A transaction pooler, proven by motion; otherwise the clients kept
+    /// their sessions (direct, or a session pooler).
+    pub(crate) transaction: bool,
     /// A proxy is in between (announced and real pids differ, or could not
     /// be compared): with `Direct`, the mode is unproven and each session
     /// lock is checked on its own connection.
@@ -118,12 +118,12 @@ pub(crate) async fn detect(
         let pid = backend_pid(c).await?;
         statements += 1;
         if motion.observe(i, pid) {
-            return Ok(found(Pooler::Transaction, true, statements));
+            return Ok(found(true, true, statements));
         }
         direct &= announced_pid(c) == Some(pid);
     }
     if direct {
-        return Ok(found(Pooler::Direct, false, statements));
+        return Ok(found(false, false, statements));
     }
     for _ in 0..MOTION_STATEMENTS {
         // Which client asks next is drawn at random: a pooler whose servers
@@ -133,15 +133,15 @@ pub(crate) async fn detect(
         let pid = backend_pid(clients[i]).await?;
         statements += 1;
         if motion.observe(i, pid) {
-            return Ok(found(Pooler::Transaction, true, statements));
+            return Ok(found(true, true, statements));
         }
     }
-    Ok(found(Pooler::Direct, true, statements))
+    Ok(found(false, true, statements))
 }
 
-fn found(pooler: Pooler, proxied: bool, statements: usize) -> Detection {
+fn found(transaction: bool, proxied: bool, statements: usize) -> Detection {
     Detection {
-        pooler,
+        transaction,
         proxied,
         statements,
     }
