@@ -21,7 +21,7 @@ async fn direct_postgres_is_detected_direct() {
     assert_eq!(pool.pooler(), Pooler::Auto, "not probed yet");
     assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Direct);
     assert_eq!(pool.pooler(), Pooler::Direct);
-    // The probe's session setting does not stay behind.
+    // The probe sets nothing in the session (an earlier one did).
     let c = pool.get().await.unwrap();
     let left: Option<String> = c
         .query_one(

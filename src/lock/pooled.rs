@@ -5,9 +5,9 @@
 //! left on another server session.
 //!
 //! Through a transaction pooler, a client's next statement may run on any
-//! server session: a guard's unlock could then release nothing (and another
-//! client's lock of the same key), while its own lock stays on a pooled
-//! server connection that other clients share. A single statement always
+//! server session: a guard's unlock could then release nothing of its own
+//! (or another client's lock of the same key), while its lock stays on a
+//! pooled server connection that other clients share. A single statement always
 //! runs on one server session, so a statement of the form
 //! `SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $lock_pid THEN … END`
 //! acts on the lock's session or on none, and says which one it ran on.
