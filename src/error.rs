@@ -91,8 +91,14 @@ pub enum Error {
     #[error("readiness probe did not answer within {0:?}")]
     ReadinessTimeout(Duration),
 
-    /// PostgreSQL returned an error.
-    #[error("database error: {0}")]
+    /// PostgreSQL returned an error, or the connection failed.
+    ///
+    /// Displayed with what the server said: `database error 42P01: relation
+    /// "x" does not exist`, then its detail and hint when it gave them; an
+    /// error of the connection itself (closed, I/O) with tokio-postgres's
+    /// chain of causes. [`tokio_postgres::Error::code`] and
+    /// [`tokio_postgres::Error::as_db_error`] give the parts.
+    #[error("{}", DbDisplay(.0))]
     Db(#[from] tokio_postgres::Error),
 
     /// Bad input at the call: `what` was wrong, `why`.
@@ -149,8 +155,40 @@ pub enum Error {
          (pgwarden::Leases)"
     )]
     BehindPooler {
-        /// `"configured"` or `"detected"`.
+        /// `"configured"`, `"detected"`, or `"detected at the lock"` (the
+        /// check on a lock's own connection found it, and released the lock).
         how: &'static str,
+    },
+
+    /// A session lock's statement ran on another server session than the
+    /// one its lock was taken on: the connection goes through a
+    /// transaction-mode pooler (configured [`crate::Pooler::Direct`], or
+    /// one that detection and the lock's own check could not see). Both
+    /// [`Error::is_not_owned`] and [`Error::is_behind_pooler`] hold.
+    #[error(
+        "advisory lock {key}: the connection goes through a transaction-mode pooler (PgBouncer or the like), \
+         which ran the guard's statement on backend pid {ran_on}, not on pid {held_on} where the lock was \
+         taken; {fate}; session locks cannot work through such a pooler: leave the pool's pooler setting \
+         at Pooler::Auto or set Pooler::Transaction, and use a transaction-scoped lock \
+         (pool.with_xact_lock) or a table lease (pgwarden::Leases)",
+        fate = if *released {
+            format!("the lock was released on pid {held_on} by a later statement that reached it")
+        } else {
+            format!(
+                "the lock stays on that pooled server connection, shared by other clients, until it \
+                 closes: end it with SELECT pg_terminate_backend({held_on}) on the server"
+            )
+        }
+    )]
+    MovedByPooler {
+        /// The key.
+        key: crate::lock::LockKey,
+        /// The backend pid the lock was taken on.
+        held_on: i32,
+        /// The backend pid the statement ran on.
+        ran_on: i32,
+        /// Whether the lock was released on `held_on` since.
+        released: bool,
     },
     // --- lease errors (src/lease*) ---
     // (their predicates, `is_lease_lost()` and friends, are in src/lease/mod.rs)
@@ -211,14 +249,20 @@ impl Error {
         }
     }
 
-    /// An unlock found the lock not held ([`Error::NotOwned`]).
+    /// An unlock found the lock not held by the guard's session
+    /// ([`Error::NotOwned`], [`Error::MovedByPooler`]).
     pub fn is_not_owned(&self) -> bool {
-        matches!(self, Error::NotOwned { .. })
+        matches!(self, Error::NotOwned { .. } | Error::MovedByPooler { .. })
     }
 
-    /// Session locks were refused behind a transaction pooler ([`Error::BehindPooler`]).
+    /// Session locks were refused behind a transaction pooler
+    /// ([`Error::BehindPooler`]), or a guard found its connection moved by
+    /// one ([`Error::MovedByPooler`]).
     pub fn is_behind_pooler(&self) -> bool {
-        matches!(self, Error::BehindPooler { .. })
+        matches!(
+            self,
+            Error::BehindPooler { .. } | Error::MovedByPooler { .. }
+        )
     }
 
     pub(crate) fn invalid(what: &'static str, why: impl Into<String>) -> Error {
@@ -226,6 +270,44 @@ impl Error {
             what,
             why: why.into(),
         }
+    }
+}
+
+/// `database error 42P01: relation "x" does not exist` (with the server's
+/// detail and hint), or for an error of the connection itself
+/// `database error: connection closed: <cause>: <cause>…`.
+struct DbDisplay<'a>(&'a tokio_postgres::Error);
+
+impl fmt::Display for DbDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.as_db_error() {
+            Some(db) => {
+                write!(f, "database error {}: {}", db.code().code(), db.message())?;
+                if let Some(detail) = db.detail() {
+                    write!(f, "; detail: {detail}")?;
+                }
+                if let Some(hint) = db.hint() {
+                    write!(f, "; hint: {hint}")?;
+                }
+                Ok(())
+            }
+            None => write!(f, "database error: {}", Chain(self.0)),
+        }
+    }
+}
+
+/// An error and its sources, `: `-separated.
+pub(crate) struct Chain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
     }
 }
 
@@ -306,7 +388,8 @@ pub enum BuildError {
     /// deadpool could not build the pool from the given configuration.
     #[error("cannot build the deadpool pool: {0}")]
     Deadpool(String),
-    /// The connection string did not parse.
+    /// The connection string did not parse: the parser's reason, for
+    /// example ``invalid value for option `port` `` or `unexpected EOF`.
     #[error("invalid connection string: {0}")]
     InvalidUrl(String),
 }

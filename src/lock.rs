@@ -20,6 +20,7 @@
 //! instead, so that PostgreSQL ends the session and the lock with it.
 
 mod key;
+mod pooled;
 mod release;
 mod run_once;
 mod session;

@@ -218,9 +218,15 @@ impl Pool {
     /// Starts a builder from a `DATABASE_URL`-style connection string
     /// (`postgres://…` or `host=… user=…`), no TLS, `max_size` connections.
     pub fn from_url(url: &str, max_size: usize) -> Result<PoolBuilder, BuildError> {
-        let pg: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e: tokio_postgres::Error| BuildError::InvalidUrl(e.to_string()))?;
+        let pg: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
+            // The parser's reason is the source ("invalid value for option
+            // `port`", "unexpected EOF"…); the error itself only says
+            // "invalid connection string".
+            BuildError::InvalidUrl(match std::error::Error::source(&e) {
+                Some(reason) => crate::error::Chain(reason).to_string(),
+                None => e.to_string(),
+            })
+        })?;
         let mgr = deadpool_postgres::Manager::from_config(
             pg,
             tokio_postgres::NoTls,

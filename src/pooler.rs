@@ -9,10 +9,13 @@
 //! statement pgwarden sends itself is a `query_typed` (unnamed statement) or
 //! a simple query.
 
+mod probe;
+
 use std::panic::Location;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tokio_postgres::types::Type;
+pub(crate) use probe::{backend_pid, Detection, Motion, MOTION_STATEMENTS};
 
 use crate::budget::Lane;
 use crate::error::Error;
@@ -38,13 +41,7 @@ impl Pool {
     /// detection ran; [`Pooler::Auto`] before that.
     pub fn pooler(&self) -> Pooler {
         match self.shared.opts.pooler {
-            Pooler::Auto => self
-                .shared
-                .locks
-                .pooler
-                .get()
-                .copied()
-                .unwrap_or(Pooler::Auto),
+            Pooler::Auto => detected(self).map_or(Pooler::Auto, Detection::pooler),
             p => p,
         }
     }
@@ -54,11 +51,20 @@ impl Pool {
     /// start-up; otherwise the first session lock runs it.
     ///
     /// The probe checks out two connections (request and control lanes) and
-    /// sets a unique session setting (`pgwarden.probe`) on one with
-    /// `set_config(…, false)`: a transaction pooler shows it to the other
-    /// client, or gives both clients the same backend pid, or changes a
-    /// client's pid between statements. Straight to PostgreSQL none of these
-    /// can happen.
+    /// asks each for `pg_backend_pid()`; it sets nothing.
+    ///
+    /// - Straight to PostgreSQL, the pid a connection's server announced when
+    ///   it connected (the key of its cancel requests) is its backend's pid:
+    ///   a match on both connections is certain, and the answer is
+    ///   [`Pooler::Direct`] after one statement each.
+    /// - A pooler makes up the announced pid. Through one, the probe asks
+    ///   again, from either connection at random (up to 40
+    ///   statements, stopping at the first proof): a connection that lands on
+    ///   a backend other than its first, or on the other connection's, proves
+    ///   a transaction pooler ([`Pooler::Transaction`]). A session pooler
+    ///   never shows that, and is [`Pooler::Direct`]; since a transaction
+    ///   pooler can, rarely, hide it that long, each session lock through a
+    ///   pooler is checked again on its own connection before it is granted.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
@@ -77,8 +83,7 @@ impl Pool {
                 return Ok(self.shared.opts.pooler);
             }
             let timeout = self.shared.opts.wait_timeout;
-            let found = self
-                .shared
+            self.shared
                 .locks
                 .pooler
                 .get_or_try_init(|| async {
@@ -87,90 +92,97 @@ impl Pool {
                     let b = self
                         .checkout(Lane::Control, site, timeout.saturating_sub(start.elapsed()))
                         .await?;
-                    probe(&a, &b).await.map(|p| self.remember(p))
+                    probe::detect(&a, &b).await.map(|d| self.remember(d))
                 })
                 .await?;
-            Ok(*found)
+            Ok(self.pooler())
         }
     }
 
-    fn remember(&self, found: Pooler) -> Pooler {
-        tracing::info!(pool = %self.shared.name, pooler = ?found, "pooler detected");
+    fn remember(&self, found: Detection) -> Detection {
+        tracing::info!(
+            pool = %self.shared.name,
+            pooler = ?found.pooler(),
+            proxied = found.proxied,
+            statements = found.statements,
+            "pooler detected"
+        );
         found
+    }
+}
+
+/// What detection found, once it ran; a transaction pooler once a session
+/// lock's own check proved one.
+fn detected(pool: &Pool) -> Option<Detection> {
+    let found = pool.shared.locks.pooler.get().copied()?;
+    let moved = pool.shared.locks.moved.load(Ordering::Acquire);
+    Some(Detection {
+        transaction: found.transaction || moved,
+        ..found
+    })
+}
+
+impl Detection {
+    fn pooler(self) -> Pooler {
+        if self.transaction {
+            Pooler::Transaction
+        } else {
+            Pooler::Direct
+        }
+    }
+}
+
+/// A session lock's check found that the pool's connections move between
+/// server sessions: a transaction pooler, from now on.
+pub(crate) fn proven_by_lock(pool: &Pool) {
+    if !pool.shared.locks.moved.swap(true, Ordering::AcqRel) {
+        tracing::warn!(
+            pool = %pool.shared.name,
+            "a session lock's own check found a transaction pooler that detection missed: \
+             session locks are refused from now on"
+        );
     }
 }
 
 /// Why session locks are refused, when the pool is configured behind a
 /// transaction pooler, or was detected so: `"configured"` or `"detected"`.
 pub(crate) fn behind_pooler(pool: &Pool) -> Option<&'static str> {
-    match (pool.shared.opts.pooler, pool.shared.locks.pooler.get()) {
+    match (pool.shared.opts.pooler, detected(pool)) {
         (Pooler::Transaction, _) => Some("configured"),
-        (Pooler::Auto, Some(Pooler::Transaction)) => Some("detected"),
+        (Pooler::Auto, Some(d)) if d.transaction => Some("detected"),
         _ => None,
     }
 }
 
 /// Before the first session lock of an `Auto` pool: detects the pooler with
 /// the lock's own connection and a control connection, and refuses the lock
-/// behind a transaction pooler.
+/// behind a transaction pooler. `Ok(true)`: allowed, through a proxy whose
+/// mode is unproven, so the lock must be checked on its own connection once
+/// taken.
 pub(crate) async fn ensure_direct(
     pool: &Pool,
     lock_conn: &tokio_postgres::Client,
     site: &'static Location<'static>,
     timeout: Duration,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     if let Some(how) = behind_pooler(pool) {
         return Err(Error::BehindPooler { how });
     }
     if pool.shared.opts.pooler != Pooler::Auto {
-        return Ok(());
+        return Ok(false);
     }
-    let found = pool
-        .shared
+    pool.shared
         .locks
         .pooler
         .get_or_try_init(|| async {
             let other = pool.checkout(Lane::Control, site, timeout).await?;
-            probe(lock_conn, &other).await.map(|p| pool.remember(p))
+            probe::detect(lock_conn, &other)
+                .await
+                .map(|d| pool.remember(d))
         })
         .await?;
-    match found {
-        Pooler::Transaction => Err(Error::BehindPooler { how: "detected" }),
-        _ => Ok(()),
+    match detected(pool) {
+        Some(d) if d.transaction => Err(Error::BehindPooler { how: "detected" }),
+        found => Ok(found.is_some_and(|d| d.proxied)),
     }
-}
-
-/// The probe: a session setting made on `a` seen from `b`, or pids that a
-/// direct connection cannot show, mean a transaction pooler.
-pub(crate) async fn probe(
-    a: &tokio_postgres::Client,
-    b: &tokio_postgres::Client,
-) -> Result<Pooler, Error> {
-    let token = format!("{:016x}", rand::random::<u64>());
-    let set = a
-        .query_typed_one(
-            "SELECT pg_backend_pid(), set_config('pgwarden.probe', $1, false)",
-            &[(&token, Type::TEXT)],
-        )
-        .await?;
-    let seen = b
-        .query_typed_one(
-            "SELECT pg_backend_pid(), current_setting('pgwarden.probe', true)",
-            &[],
-        )
-        .await?;
-    let again = a
-        .query_typed_one(
-            "SELECT pg_backend_pid(), set_config('pgwarden.probe', '', false)",
-            &[],
-        )
-        .await?;
-    let (pid_a, pid_b, pid_a2): (i32, i32, i32) =
-        (set.try_get(0)?, seen.try_get(0)?, again.try_get(0)?);
-    let leaked = seen.try_get::<_, Option<String>>(1)?.as_deref() == Some(token.as_str());
-    Ok(if leaked || pid_a == pid_b || pid_a != pid_a2 {
-        Pooler::Transaction
-    } else {
-        Pooler::Direct
-    })
 }

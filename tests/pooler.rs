@@ -21,7 +21,7 @@ async fn direct_postgres_is_detected_direct() {
     assert_eq!(pool.pooler(), Pooler::Auto, "not probed yet");
     assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Direct);
     assert_eq!(pool.pooler(), Pooler::Direct);
-    // The probe's session setting does not stay behind.
+    // The probe sets nothing in the session (an earlier one did).
     let c = pool.get().await.unwrap();
     let left: Option<String> = c
         .query_one(
@@ -175,4 +175,149 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
     let s = pool.census_sweep().await.unwrap();
     assert_eq!(s.leaked, 0);
     assert!(pool.readiness(T).await.is_ok());
+}
+
+/// A pool told it goes straight to PostgreSQL, through PgBouncer in
+/// transaction mode with two server connections: the test pins them with
+/// raw transactions so that the guard's unlock lands on the other one.
+struct Pinned {
+    bouncer: PgBouncer,
+    raw: tokio_postgres::Client,
+    pool: Pool,
+}
+
+impl Pinned {
+    async fn new(db: &pgwarden_testing::TestDb, unlock_timeout: Duration) -> Option<Pinned> {
+        if !require_tool("pgbouncer").expect("pgbouncer is required on CI") {
+            return None;
+        }
+        let server = TestServer::shared().unwrap();
+        let bouncer = PgBouncer::start_with_pool_size(server, db, 2).expect("pgbouncer");
+        let pool = Pool::builder(bouncer.deadpool(4).unwrap())
+            .pooler(Pooler::Direct)
+            .unlock_timeout(unlock_timeout)
+            .wait_timeout(T)
+            .housekeeping_interval(Duration::from_secs(3600))
+            .census_interval(None)
+            .build()
+            .unwrap();
+        let raw = db.connect().await.unwrap();
+        Some(Pinned { bouncer, raw, pool })
+    }
+
+    /// A client through PgBouncer inside a transaction: it holds one of the
+    /// two server connections. Returns it and that backend's pid.
+    async fn pin(&self) -> (tokio_postgres::Client, i32) {
+        let c = self.bouncer.connect().await.unwrap();
+        c.batch_execute("BEGIN").await.unwrap();
+        let pid = c
+            .query_typed_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (c, pid)
+    }
+
+    /// The backends holding advisory locks, seen on the server itself.
+    async fn holders(&self) -> Vec<i32> {
+        raw_locks(&self.raw).await.iter().map(|l| l.0).collect()
+    }
+}
+
+#[tokio::test]
+async fn an_unlock_a_pooler_moved_names_the_pooler_and_the_backend_left_holding_it() {
+    let db = db().await;
+    let Some(p) = Pinned::new(&db, Duration::from_millis(300)).await else {
+        return;
+    };
+    let key = LockKey::Pair(13, 1);
+    let (first, s1) = p.pin().await;
+    // The only other server connection takes the lock.
+    let lock = p.pool.session_lock(key, T).await.unwrap();
+    let holders = p.holders().await;
+    let s2 = holders[0];
+    assert_eq!(holders.len(), 1);
+    assert_ne!(s2, s1);
+    // Another client holds that server connection; the first one is free.
+    let (second, pinned) = p.pin().await;
+    assert_eq!(pinned, s2, "the only idle server connection");
+    first.batch_execute("COMMIT").await.unwrap();
+
+    let e = lock.unlock().await.unwrap_err();
+    assert!(e.is_not_owned() && e.is_behind_pooler(), "{e:?}");
+    let msg = e.to_string();
+    for part in [
+        "transaction-mode pooler".to_owned(),
+        format!("ran the guard's statement on backend pid {s1}, not on pid {s2}"),
+        format!("pg_terminate_backend({s2})"),
+        "Pooler::Transaction".to_owned(),
+    ] {
+        assert!(msg.contains(&part), "{part:?} not in: {msg}");
+    }
+    assert!(!msg.contains("raw pg_advisory_unlock"), "{msg}");
+    // What it reports is so: the lock is still on that server connection.
+    assert_eq!(p.holders().await, vec![s2]);
+    let released: bool = second
+        .query_one("SELECT pg_advisory_unlock(13, 1)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(released);
+    second.batch_execute("COMMIT").await.unwrap();
+    assert!(p.holders().await.is_empty());
+}
+
+#[tokio::test]
+async fn a_lock_a_pooler_moved_is_released_on_its_backend_once_reachable() {
+    let db = db().await;
+    let Some(p) = Pinned::new(&db, T).await else {
+        return;
+    };
+    let key = LockKey::Pair(13, 2);
+    let mut lock = p.pool.session_lock(key, T).await.unwrap();
+    // Held twice: reaching the backend must release every level.
+    assert_eq!(lock.lock_again().await.unwrap(), 2);
+    let x = p.holders().await[0];
+    // The lock's server connection was released last: a new transaction gets it.
+    let (on_x, pid) = p.pin().await;
+    assert_eq!(pid, x);
+    let unlock = tokio::spawn(lock.unlock());
+    // The unlock runs on the other server connection, then keeps trying to
+    // reach the lock's own (the statement shows in pg_stat_activity).
+    let raw = &p.raw;
+    eventually(
+        T,
+        "the unlock tries to reach the lock's backend",
+        || async {
+            raw.query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+              WHERE pid NOT IN ($1, pg_backend_pid()) \
+                AND query LIKE '%CASE WHEN pg_backend_pid() = $1%'",
+                &[&x],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+                > 0
+        },
+    )
+    .await;
+    // Hold that other one too, so the next try waits for a free server
+    // connection: the lock's, once its transaction ends.
+    let (on_y, y) = p.pin().await;
+    assert_ne!(y, x);
+    on_x.batch_execute("COMMIT").await.unwrap();
+    let e = tokio::time::timeout(T + T, unlock)
+        .await
+        .expect("unlock returns within its bound")
+        .unwrap()
+        .unwrap_err();
+    assert!(e.is_behind_pooler(), "{e:?}");
+    assert!(
+        e.to_string()
+            .contains(&format!("the lock was released on pid {x}")),
+        "{e}"
+    );
+    assert!(p.holders().await.is_empty(), "released on its backend");
+    on_y.batch_execute("COMMIT").await.unwrap();
 }

@@ -14,7 +14,27 @@ use crate::db::{config_to_url, connect_config, TestDb};
 use crate::process::{self, io_err, Probe, RunAs, Watchdog};
 use crate::{TestServer, TestingError, CONNECT_TIMEOUT, STARTUP_TIMEOUT};
 
-/// PgBouncer (`pool_mode = transaction`) in front of one database of a
+/// PgBouncer's `pool_mode`: when a server connection goes back to the pool.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum PoolMode {
+    /// When the client disconnects: a client keeps its server session.
+    Session,
+    /// At the end of each transaction: the default of [`PgBouncer::start`].
+    Transaction,
+}
+
+impl PoolMode {
+    /// The value as `pgbouncer.ini` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolMode::Session => "session",
+            PoolMode::Transaction => "transaction",
+        }
+    }
+}
+
+/// PgBouncer (`pool_mode = transaction`, or as given to
+/// [`PgBouncer::start_with_mode`]) in front of one database of a
 /// [`TestServer`], listening on `127.0.0.1` on a free port.
 ///
 /// Settings: `auth_type = trust`, `default_pool_size = 10` (see
@@ -62,6 +82,18 @@ impl PgBouncer {
         db: &TestDb,
         pool_size: usize,
     ) -> Result<PgBouncer, TestingError> {
+        PgBouncer::start_with_mode(server, db, pool_size, PoolMode::Transaction)
+    }
+
+    /// As [`PgBouncer::start_with_pool_size`], in `mode`. In session mode
+    /// each client holds a server connection for its life: `pool_size` must
+    /// cover every client connected at once, or the others wait.
+    pub fn start_with_mode(
+        server: &TestServer,
+        db: &TestDb,
+        pool_size: usize,
+        mode: PoolMode,
+    ) -> Result<PgBouncer, TestingError> {
         let binary = process::find_tool("pgbouncer").ok_or_else(|| TestingError::ToolMissing {
             tool: "pgbouncer".to_owned(),
             package: "pgbouncer".to_owned(),
@@ -79,7 +111,15 @@ impl PgBouncer {
             "pgbouncer",
             &mut watchdog,
             |port| {
-                write_files(&root, &target, &user, db.name(), port, pool_size, run_as)?;
+                write_files(
+                    &root,
+                    &target,
+                    &user,
+                    db.name(),
+                    port,
+                    (pool_size, mode),
+                    run_as,
+                )?;
                 let (out, err) = process::log_file(&root.join("pgbouncer.stderr"))?;
                 process::server_command(&binary, run_as, &root)
                     .arg(&ini)
@@ -131,6 +171,33 @@ impl PgBouncer {
         self.dir.path()
     }
 
+    /// Switches PgBouncer to `mode` while it runs: rewrites `pool_mode` in
+    /// `pgbouncer.ini` and sends `RELOAD` on its admin console, which
+    /// returns once the file is read. A client linked to a server connection
+    /// keeps it until its next transaction (or statement) ends.
+    pub async fn set_pool_mode(&self, mode: PoolMode) -> Result<(), TestingError> {
+        let ini = self.dir.path().join("pgbouncer.ini");
+        let text =
+            fs::read_to_string(&ini).map_err(io_err(format!("reading {}", ini.display())))?;
+        let text = text
+            .lines()
+            .map(|l| {
+                if l.starts_with("pool_mode =") {
+                    format!("pool_mode = {}", mode.as_str())
+                } else {
+                    l.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        fs::write(&ini, text + "\n").map_err(io_err(format!("writing {}", ini.display())))?;
+        let mut admin = self.config.clone();
+        admin.dbname("pgbouncer");
+        let console = connect_config(&admin).await?;
+        console.simple_query("RELOAD").await?;
+        Ok(())
+    }
+
     /// The end of PgBouncer's log.
     pub fn log_tail(&self, lines: usize) -> String {
         bouncer_log_tail(self.dir.path(), lines)
@@ -177,7 +244,7 @@ fn write_files(
     user: &str,
     dbname: &str,
     port: u16,
-    pool_size: usize,
+    (pool_size, mode): (usize, PoolMode),
     run_as: Option<RunAs>,
 ) -> Result<(), TestingError> {
     let host = match target.get_hosts().first() {
@@ -207,7 +274,7 @@ fn write_files(
          unix_socket_dir =\n\
          auth_type = trust\n\
          auth_file = {userlist}\n\
-         pool_mode = transaction\n\
+         pool_mode = {mode}\n\
          default_pool_size = {pool_size}\n\
          min_pool_size = 0\n\
          reserve_pool_size = 0\n\
@@ -217,6 +284,7 @@ fn write_files(
          admin_users = {user}\n",
         userlist = userlist.display(),
         log = log.display(),
+        mode = mode.as_str(),
     );
     let ini_path = root.join("pgbouncer.ini");
     fs::write(&ini_path, ini).map_err(io_err(format!("writing {}", ini_path.display())))?;

@@ -76,7 +76,7 @@ mod server;
 mod tools;
 mod wait;
 
-pub use bouncer::PgBouncer;
+pub use bouncer::{PgBouncer, PoolMode};
 pub use db::{deadpool, TestDb};
 pub use error::TestingError;
 pub use fault::{Frozen, Stopped};

@@ -3,16 +3,17 @@
 //! lock statement goes out until the release is confirmed, and on drop hands
 //! it to a spawned task that unlocks or closes it.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::OnceCell;
 
+use super::pooled::{self, Act};
 use super::{LockKey, LockMode};
 use crate::error::Error;
 use crate::pool::{Conn, Shared};
-use crate::pooler::Pooler;
+use crate::pooler::Detection;
 
 /// Per-pool state of the lock machinery, in [`Shared`].
 #[derive(Debug, Default)]
@@ -21,8 +22,11 @@ pub(crate) struct LockShared {
     levels: AtomicUsize,
     /// Connections pinned by session-lock guards (held or being released).
     conns: AtomicUsize,
-    /// Whether the pool talks through a transaction pooler, once known.
-    pub(crate) pooler: OnceCell<Pooler>,
+    /// Whether the pool talks through a transaction pooler, once detected.
+    pub(crate) pooler: OnceCell<Detection>,
+    /// A session lock's own check proved a transaction pooler after
+    /// detection found none.
+    pub(crate) moved: AtomicBool,
 }
 
 impl LockShared {
@@ -94,6 +98,9 @@ pub(crate) struct Held {
     pub(crate) mode: LockMode,
     /// The session may hold an advisory lock not yet confirmed released.
     dirty: bool,
+    /// The backend the lock was granted on, once known: every later
+    /// statement of the guard acts only there ([`super::pooled`]).
+    lock_pid: Option<i32>,
     tally: Option<Tally>,
     unlock_timeout: Duration,
 }
@@ -105,6 +112,7 @@ impl Held {
             key,
             mode,
             dirty: false,
+            lock_pid: None,
             tally: None,
             unlock_timeout,
         }
@@ -134,23 +142,60 @@ impl Held {
         self.tally.as_mut().expect("tally set at acquisition") // infallible
     }
 
-    /// One `pg_advisory_unlock`: PostgreSQL's answer (false: not held).
-    pub(crate) async fn unlock_level(&self) -> Result<bool, Error> {
-        let f = match self.mode {
-            LockMode::Exclusive => "pg_advisory_unlock",
-            LockMode::Shared => "pg_advisory_unlock_shared",
-        };
-        let sql = format!("SELECT {f}({})", self.key.placeholders(1));
-        let row = self
-            .conn()
-            .query_typed_one(&sql, &self.key.params())
-            .await?;
-        Ok(row.try_get::<_, bool>(0)?)
+    /// The lock was granted on backend `pid`.
+    pub(crate) fn granted_on(&mut self, pid: i32) {
+        self.lock_pid = Some(pid);
     }
 
-    /// Releases every advisory lock of the session; confirmed, it is clean.
+    /// `act` on the lock's backend: PostgreSQL's answer (for an unlock,
+    /// false: not held). A statement that a pooler ran on another backend
+    /// did nothing there; it is [`Error::MovedByPooler`], after an unlock
+    /// has tried to reach the lock's backend ([`pooled::reach`]).
+    pub(crate) async fn on_lock_backend(&mut self, act: Act) -> Result<bool, Error> {
+        let Some(held_on) = self.lock_pid else {
+            // infallible in practice: set at the grant, before any guard exists.
+            return Err(Error::invalid("session lock", "its backend pid is unknown"));
+        };
+        let (ran_on, answer) =
+            pooled::on_backend(self.conn(), held_on, act, self.key, self.mode).await?;
+        if let Some(answer) = answer {
+            return Ok(answer);
+        }
+        if matches!(act, Act::Relock) {
+            // Nothing taken anywhere; the lock stays where it was.
+            return Err(Error::MovedByPooler {
+                key: self.key,
+                held_on,
+                ran_on,
+                released: false,
+            });
+        }
+        let released = pooled::reach(
+            &[self.conn()],
+            held_on,
+            self.key,
+            self.mode,
+            self.unlock_timeout,
+        )
+        .await;
+        // Whatever happened, an unlock on this connection's session now would
+        // release other clients' locks, not this guard's.
+        self.released();
+        Err(if released {
+            Error::MovedByPooler {
+                key: self.key,
+                held_on,
+                ran_on,
+                released,
+            }
+        } else {
+            pooled::stranded(self.key, held_on, ran_on)
+        })
+    }
+
+    /// Releases every advisory lock of the lock's session; confirmed, it is clean.
     pub(crate) async fn unlock_all(&mut self) -> Result<(), Error> {
-        unlock_all(self.conn()).await?;
+        self.on_lock_backend(Act::UnlockAll).await?;
         self.released();
         Ok(())
     }
@@ -167,11 +212,12 @@ impl Drop for Held {
             return;
         }
         let mut guard = DiscardOnDrop(Some(conn));
-        let (key, bound) = (self.key, self.unlock_timeout);
+        let (key, mode, lock_pid, bound) =
+            (self.key, self.mode, self.lock_pid, self.unlock_timeout);
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 rt.spawn(async move {
-                    release(&mut guard, key, bound).await;
+                    release(&mut guard, key, mode, lock_pid, bound).await;
                     drop(tally);
                 });
             }
@@ -204,17 +250,40 @@ impl Drop for DiscardOnDrop {
     }
 }
 
-async fn unlock_all(conn: &Conn) -> Result<(), Error> {
-    conn.simple_query("SELECT pg_advisory_unlock_all()").await?;
+/// `pg_advisory_unlock_all()` on the guard's connection: on the lock's
+/// backend only, once that is known (a lock statement cut off in flight
+/// leaves it unknown: then on whatever session the connection has).
+async fn unlock_all(
+    conn: &Conn,
+    key: LockKey,
+    mode: LockMode,
+    lock_pid: Option<i32>,
+    bound: Duration,
+) -> Result<(), Error> {
+    let Some(held_on) = lock_pid else {
+        conn.simple_query("SELECT pg_advisory_unlock_all()").await?;
+        return Ok(());
+    };
+    let (ran_on, done) = pooled::on_backend(conn, held_on, Act::UnlockAll, key, mode).await?;
+    // Half the bound: the caller's timeout around this must not cut the report off.
+    if done.is_none() && !pooled::reach(&[conn], held_on, key, mode, bound / 2).await {
+        return Err(pooled::stranded(key, held_on, ran_on));
+    }
     Ok(())
 }
 
 /// The drop path: `pg_advisory_unlock_all()` on the guard's connection, then
 /// back to the pool; not confirmed within `bound`, the connection is closed.
-async fn release(guard: &mut DiscardOnDrop, key: LockKey, bound: Duration) {
+async fn release(
+    guard: &mut DiscardOnDrop,
+    key: LockKey,
+    mode: LockMode,
+    lock_pid: Option<i32>,
+    bound: Duration,
+) {
     let Some(conn) = guard.0.as_ref() else { return };
     let pid = conn.pid();
-    match tokio::time::timeout(bound, unlock_all(conn)).await {
+    match tokio::time::timeout(bound, unlock_all(conn, key, mode, lock_pid, bound)).await {
         Ok(Ok(())) => {
             tracing::debug!(%key, pid, "session lock released after its guard was dropped");
             if let Some(conn) = guard.keep() {

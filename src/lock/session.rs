@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::types::Type;
 
+use super::pooled::{self, Act};
 use super::release::{Held, Tally};
 use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
 use crate::budget::Lane;
@@ -70,18 +71,15 @@ impl SessionLock {
     /// one unlock.
     pub async fn lock_again(&mut self) -> Result<u32, Error> {
         let key = self.held.key;
-        let sql = format!(
-            "SELECT {}({})",
-            lock_fn(Scope::Session, self.held.mode, false),
-            key.placeholders(1)
-        );
         self.uncertain = true;
-        let row = self.held.conn().query_typed_one(&sql, &key.params()).await;
-        let granted = match row {
-            Ok(r) => r.try_get::<_, bool>(0)?,
+        let granted = match self.held.on_lock_backend(Act::Relock).await {
+            Ok(granted) => granted,
             Err(e) => {
-                self.uncertain = e.as_db_error().is_none();
-                return Err(e.into());
+                // The server refused it, or a pooler ran it elsewhere: nothing
+                // taken. A lost connection leaves it unknown.
+                let refused = matches!(&e, Error::Db(d) if d.as_db_error().is_some());
+                self.uncertain = !(refused || e.is_behind_pooler());
+                return Err(e);
             }
         };
         self.uncertain = false;
@@ -104,7 +102,7 @@ impl SessionLock {
             return Err(Error::UnbalancedUnlock { key: self.held.key });
         }
         self.uncertain = true;
-        if !self.held.unlock_level().await? {
+        if !self.held.on_lock_backend(Act::Unlock).await? {
             return Err(Error::NotOwned { key: self.held.key });
         }
         self.uncertain = false;
@@ -116,8 +114,11 @@ impl SessionLock {
 
     /// Releases every level held on this session and returns the connection
     /// to the pool. Errors are reported: [`Error::NotOwned`] when PostgreSQL
-    /// says the session did not hold the lock, a database error otherwise;
-    /// either way the connection is then cleaned up (or closed) as on drop.
+    /// says the session did not hold the lock, [`Error::MovedByPooler`] when
+    /// a transaction pooler ran the unlock on another server session than
+    /// the lock's (and whether the lock could be released there after all),
+    /// a database error otherwise; either way the connection is then cleaned
+    /// up (or closed) as on drop.
     pub async fn unlock(mut self) -> Result<(), Error> {
         if self.uncertain {
             // A level statement was cut off: the count is unknown, and this
@@ -126,7 +127,7 @@ impl SessionLock {
             return Ok(());
         }
         while self.depth > 0 {
-            if !self.held.unlock_level().await? {
+            if !self.held.on_lock_backend(Act::Unlock).await? {
                 return Err(Error::NotOwned { key: self.held.key });
             }
             self.depth -= 1;
@@ -163,7 +164,7 @@ impl fmt::Debug for SessionLock {
 /// implicit transaction; the session lock outlives it.
 pub(crate) fn bounded_session_sql(key: LockKey, mode: LockMode) -> String {
     format!(
-        "SELECT {f}({k}) AS locked \
+        "SELECT {f}({k}) AS locked, pg_backend_pid() \
            FROM (SELECT set_config('lock_timeout', $1, true) AS bound OFFSET 0) t",
         f = lock_fn(Scope::Session, mode, true),
         k = key.placeholders(2),
@@ -186,12 +187,29 @@ pub(crate) async fn acquire(
     }
     let bound = wait.unwrap_or(pool.shared.opts.wait_timeout);
     let conn = pool.checkout(Lane::SessionLock, site, bound).await?;
-    crate::pooler::ensure_direct(pool, &conn, site, bound.saturating_sub(start.elapsed())).await?;
+    let check =
+        crate::pooler::ensure_direct(pool, &conn, site, bound.saturating_sub(start.elapsed()))
+            .await?;
+    let check = match check {
+        // Through a proxy whose mode detection could not prove: check on the
+        // lock's own connection, before and after the lock statement.
+        true => Some(
+            pooled::Check::run(
+                pool,
+                &conn,
+                key,
+                site,
+                bound.saturating_sub(start.elapsed()),
+            )
+            .await?,
+        ),
+        false => None,
+    };
     conn.set_note(Some(format!("session lock {key}")));
     // From here on the guard owns the connection: dropped at any await
     // point, it cleans up whatever the statement in flight may have taken.
     let mut held = Held::new(conn, key, mode, pool.shared.opts.unlock_timeout);
-    let granted = match wait {
+    let row = match wait {
         Some(timeout) => {
             let setting = lock_timeout_setting(timeout.saturating_sub(start.elapsed()));
             let sql = bounded_session_sql(key, mode);
@@ -202,7 +220,7 @@ pub(crate) async fn acquire(
             params.extend(key.params());
             held.set_dirty();
             match held.conn().query_typed_one(&sql, &params).await {
-                Ok(_) => true,
+                Ok(row) => row,
                 Err(e) => {
                     let e = lock_error(e, key, timeout);
                     if e.is_lock_timeout() {
@@ -215,18 +233,29 @@ pub(crate) async fn acquire(
         }
         None => {
             let sql = format!(
-                "SELECT {}({})",
+                "SELECT {}({}), pg_backend_pid()",
                 lock_fn(Scope::Session, mode, false),
                 key.placeholders(1)
             );
             held.set_dirty();
-            let row = held.conn().query_typed_one(&sql, &key.params()).await?;
-            row.try_get::<_, bool>(0)?
+            held.conn().query_typed_one(&sql, &key.params()).await?
         }
     };
+    // The waiting form returns void once granted; the try form, whether.
+    let granted = wait.is_some() || row.try_get::<_, bool>(0)?;
+    let pid: i32 = row.try_get(1)?;
     if !granted {
         held.released();
         return Ok(None);
+    }
+    held.granted_on(pid);
+    if let Some(check) = check {
+        if let Err(e) = check.confirm(pool, held.conn(), key, mode, pid).await {
+            // Nothing of this guard's is on the session its connection
+            // reaches now: an unlock there would release other clients' locks.
+            held.released();
+            return Err(e);
+        }
     }
     held.set_tally(Tally::pin(&pool.shared));
     Ok(Some(SessionLock {

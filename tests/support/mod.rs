@@ -9,11 +9,14 @@
 //!   snapshots and lookups;
 //! * [`leases`]: lease-test pools named by `application_name`, their
 //!   backends, and the two-holder fixture;
+//! * [`pooler`]: load through PgBouncer or PostgreSQL, pools through
+//!   PgBouncer, detection figures from the logs;
 //! * [`service`] and [`promql`]: the `service` example run as real
 //!   processes, and PromQL against a real Prometheus.
 #![allow(dead_code, unused_imports)]
 
 pub mod leases;
+pub mod pooler;
 pub mod promql;
 pub mod recorder;
 pub mod service;

@@ -1,0 +1,220 @@
+//! Session locks and poolers: every statement a guard sends names the
+//! backend its lock lives on and acts only there, the check on the lock's
+//! own connection when the pool goes through a proxy whose mode detection
+//! could not prove, and the way back to a lock that a transaction pooler
+//! left on another server session.
+//!
+//! Through a transaction pooler, a client's next statement may run on any
+//! server session: a guard's unlock could then release nothing of its own
+//! (or another client's lock of the same key), while its lock stays on a
+//! pooled server connection that other clients share. A single statement always
+//! runs on one server session, so a statement of the form
+//! `SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $lock_pid THEN … END`
+//! acts on the lock's session or on none, and says which one it ran on.
+
+use std::panic::Location;
+use std::time::{Duration, Instant};
+
+use tokio_postgres::types::{ToSql, Type};
+
+use super::{lock_fn, LockKey, LockMode, Scope};
+use crate::budget::Lane;
+use crate::error::Error;
+use crate::pool::{Conn, Pool};
+use crate::pooler::{backend_pid, Motion, MOTION_STATEMENTS};
+
+/// What a guard's statement does on the lock's backend.
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Act {
+    /// One more level, never waiting (`pg_try_advisory_lock`).
+    Relock,
+    /// One level less (`pg_advisory_unlock`).
+    Unlock,
+    /// Every advisory lock of the session (`pg_advisory_unlock_all`).
+    UnlockAll,
+    /// Every level of the key (`pg_advisory_unlock` until it answers false):
+    /// answers whether there was one.
+    UnlockKey,
+}
+
+/// Runs `act` for `key` if the statement lands on backend `pid`. Returns the
+/// backend it ran on, and PostgreSQL's answer when that was `pid`
+/// (`UnlockAll` answers true).
+pub(crate) async fn on_backend(
+    c: &tokio_postgres::Client,
+    pid: i32,
+    act: Act,
+    key: LockKey,
+    mode: LockMode,
+) -> Result<(i32, Option<bool>), Error> {
+    let call = match act {
+        Act::Relock => format!(
+            "{}({})",
+            lock_fn(Scope::Session, mode, false),
+            key.placeholders(2)
+        ),
+        Act::Unlock => format!("{}({})", unlock_fn(mode), key.placeholders(2)),
+        // void, as text: '' once it ran.
+        Act::UnlockAll => "pg_advisory_unlock_all()::text = ''".to_owned(),
+        Act::UnlockKey => {
+            // Guarded again inside: whenever the subquery runs, it unlocks
+            // on the lock's backend only.
+            let once = format!(
+                "CASE WHEN pg_backend_pid() = $1 THEN {}({}) ELSE false END",
+                unlock_fn(mode),
+                key.placeholders(2)
+            );
+            format!(
+                "(WITH RECURSIVE u(n) AS (SELECT 1 WHERE {once} \
+                   UNION ALL SELECT n + 1 FROM u WHERE {once}) \
+                 SELECT count(*) > 0 FROM u)"
+            )
+        }
+    };
+    let sql = format!("SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $1 THEN {call} END");
+    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&pid, Type::INT4)];
+    if !matches!(act, Act::UnlockAll) {
+        params.extend(key.params());
+    }
+    let row = c.query_typed_one(&sql, &params).await?;
+    Ok((row.try_get(0)?, row.try_get(1)?))
+}
+
+fn unlock_fn(mode: LockMode) -> &'static str {
+    match mode {
+        LockMode::Exclusive => "pg_advisory_unlock",
+        LockMode::Shared => "pg_advisory_unlock_shared",
+    }
+}
+
+/// The check on a session lock's own connection, through a proxy whose mode
+/// detection could not prove. Before the lock statement, the lock's
+/// connection and a control connection ask for their backend, at random,
+/// [`MOTION_STATEMENTS`] times ([`Check::run`]): any motion proves a
+/// transaction pooler, and the lock is refused before it exists. Then the
+/// backend the lock statement ran on must be the one the lock's connection
+/// showed throughout ([`Check::confirm`]).
+pub(crate) struct Check {
+    other: Conn,
+    motion: Motion,
+}
+
+impl Check {
+    /// Probes with `lock_conn` and a control connection, within `timeout`.
+    pub(crate) async fn run(
+        pool: &Pool,
+        lock_conn: &Conn,
+        key: LockKey,
+        site: &'static Location<'static>,
+        timeout: Duration,
+    ) -> Result<Check, Error> {
+        let start = Instant::now();
+        let other = pool.checkout(Lane::Control, site, timeout).await?;
+        let mut motion = Motion::new(2);
+        let probe = async {
+            for n in 0..MOTION_STATEMENTS + 2 {
+                // Each connection first, then either at random.
+                let i = match n {
+                    0 | 1 => n,
+                    _ => usize::from(rand::random::<bool>()),
+                };
+                let pid = backend_pid([&**lock_conn, &*other][i]).await?;
+                if motion.observe(i, pid) {
+                    return Ok::<_, Error>(true);
+                }
+            }
+            Ok(false)
+        };
+        match tokio::time::timeout(timeout.saturating_sub(start.elapsed()), probe).await {
+            Ok(Ok(false)) => Ok(Check { other, motion }),
+            Ok(Ok(true)) => {
+                crate::pooler::proven_by_lock(pool);
+                Err(Error::BehindPooler {
+                    how: "detected at the lock",
+                })
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(Error::LockTimeout { key, timeout }),
+        }
+    }
+
+    /// The lock was granted on `held_on`, on `lock_conn`: the backend the
+    /// lock's connection showed throughout the probe, or a transaction
+    /// pooler moved it there. Then the lock is released on `held_on`
+    /// (reached from both connections, within the pool's unlock timeout)
+    /// and refused with [`Error::BehindPooler`], or reported and refused
+    /// with [`Error::MovedByPooler`]. Either error means nothing of the
+    /// lock's is on the session `lock_conn` reaches now.
+    pub(crate) async fn confirm(
+        mut self,
+        pool: &Pool,
+        lock_conn: &Conn,
+        key: LockKey,
+        mode: LockMode,
+        held_on: i32,
+    ) -> Result<(), Error> {
+        if !self.motion.observe(0, held_on) {
+            return Ok(());
+        }
+        crate::pooler::proven_by_lock(pool);
+        let bound = pool.shared.opts.unlock_timeout;
+        if reach(&[lock_conn, &self.other], held_on, key, mode, bound).await {
+            Err(Error::BehindPooler {
+                how: "detected at the lock",
+            })
+        } else {
+            let ran_on = self.motion.first(0).unwrap_or(held_on);
+            Err(stranded(key, held_on, ran_on))
+        }
+    }
+}
+
+/// Sends, from `conns` in turn, the unlock of every level of `key` that
+/// acts only on backend `held_on`, until one lands there or `bound` passes.
+/// True once released there (or found not held there any more).
+pub(crate) async fn reach(
+    conns: &[&tokio_postgres::Client],
+    held_on: i32,
+    key: LockKey,
+    mode: LockMode,
+    bound: Duration,
+) -> bool {
+    let deadline = Instant::now() + bound;
+    let attempt = async {
+        for c in conns.iter().cycle() {
+            match on_backend(c, held_on, Act::UnlockKey, key, mode).await {
+                Ok((_, Some(_))) => return true,
+                Ok((_, None)) => {}
+                Err(e) => {
+                    tracing::debug!(%key, held_on, error = %e, "reaching a stranded lock failed");
+                    return false;
+                }
+            }
+        }
+        false // no connection given
+    };
+    let found = tokio::time::timeout_at(deadline.into(), attempt)
+        .await
+        .unwrap_or(false);
+    if found {
+        tracing::warn!(
+            %key,
+            pid = held_on,
+            "session lock taken through a transaction pooler released on its server session"
+        );
+    }
+    found
+}
+
+/// Reports a lock left on a pooled server connection, loudly, and returns
+/// the error that says so.
+pub(crate) fn stranded(key: LockKey, held_on: i32, ran_on: i32) -> Error {
+    let e = Error::MovedByPooler {
+        key,
+        held_on,
+        ran_on,
+        released: false,
+    };
+    tracing::error!(%key, pid = held_on, error = %e, "session advisory lock left on a pooled server connection");
+    e
+}

@@ -1,0 +1,124 @@
+//! Pooler detection under load: a real PgBouncer in transaction mode with 32
+//! clients running short transactions the whole time, and PostgreSQL itself
+//! under the same load. Every try builds a fresh pool, so detection runs
+//! every time.
+mod support;
+
+use std::time::{Duration, Instant};
+
+use pgwarden::{LockKey, Pool, Pooler};
+use pgwarden_testing::PoolMode;
+use support::pooler::*;
+use support::*;
+
+const TRIES: usize = 100;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time() {
+    let db = db().await;
+    let Some(bouncer) = bouncer(&db, 10, PoolMode::Transaction) else {
+        return;
+    };
+    let load = load_through(&bouncer).await;
+    logs();
+    let before = load.done();
+    let mut times = Vec::new();
+    for i in 0..TRIES {
+        let pool = through(&bouncer, &format!("tx-{i}"));
+        let start = Instant::now();
+        let found = pool.detect_pooler().await.unwrap();
+        times.push(start.elapsed());
+        assert_eq!(found, Pooler::Transaction, "try {i}");
+        pool.close();
+    }
+    let during = load.done() - before;
+    let total = load.stop().await;
+    let counts = statements("tx-");
+    assert_eq!(counts.len(), TRIES, "one detection per try");
+    assert!(
+        during >= TRIES as u64,
+        "the load ran during the tries: {during}"
+    );
+    let mut hist = std::collections::BTreeMap::new();
+    for c in &counts {
+        *hist.entry(*c).or_insert(0) += 1;
+    }
+    eprintln!(
+        "{TRIES}/{TRIES} transaction pooler; detection {}; statements to proof {hist:?}; \
+         load: {during} transactions during the tries ({total} in all)",
+        summary(times)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_locks_through_a_loaded_pgbouncer_are_never_granted() {
+    let db = db().await;
+    let Some(bouncer) = bouncer(&db, 10, PoolMode::Transaction) else {
+        return;
+    };
+    let load = load_through(&bouncer).await;
+    let mut times = Vec::new();
+    for i in 0..TRIES {
+        let pool = through(&bouncer, &format!("lock-{i}"));
+        let key = LockKey::Pair(9, i as i32);
+        let start = Instant::now();
+        let got = match i % 3 {
+            0 => pool.session_lock(key, T).await.map(Some),
+            1 => pool.try_session_lock(key).await,
+            _ => pool.session_lock_shared(key, T).await.map(Some),
+        };
+        times.push(start.elapsed());
+        match got {
+            Err(e) => assert!(e.is_behind_pooler(), "try {i}: {e}"),
+            Ok(lock) => {
+                panic!("try {i}: session lock granted through a transaction pooler: {lock:?}")
+            }
+        }
+        assert_eq!(pool.pooler(), Pooler::Transaction, "try {i}");
+        pool.close();
+    }
+    load.stop().await;
+    // On the server itself: no advisory lock on any backend.
+    let raw = db.connect().await.unwrap();
+    let left = raw_locks(&raw).await;
+    assert!(
+        left.is_empty(),
+        "advisory locks left on the server: {left:?}"
+    );
+    eprintln!("{TRIES}/{TRIES} refused (BehindPooler); {}", summary(times));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loaded_postgres_is_direct_every_time() {
+    let db = db().await;
+    let mut clients = Vec::new();
+    for _ in 0..LOAD_CLIENTS {
+        clients.push(db.connect().await.unwrap());
+    }
+    let load = Load::start(clients);
+    load.running().await;
+    logs();
+    let mut times = Vec::new();
+    for i in 0..TRIES {
+        let pool = Pool::builder(db.deadpool(4).unwrap())
+            .name(format!("pg-{i}"))
+            .wait_timeout(T)
+            .housekeeping_interval(Duration::from_secs(3600))
+            .census_interval(None)
+            .build()
+            .unwrap();
+        let start = Instant::now();
+        let found = pool.detect_pooler().await.unwrap();
+        times.push(start.elapsed());
+        assert_eq!(found, Pooler::Direct, "try {i}");
+        pool.close();
+    }
+    load.stop().await;
+    let counts = statements("pg-");
+    assert_eq!(
+        counts,
+        vec![2; TRIES],
+        "one statement per connection, every time"
+    );
+    eprintln!("{TRIES}/{TRIES} direct; detection {}", summary(times));
+}
