@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgwarden::{Error, Lane, LeaseHandle, LostReason, Pool, Pooler};
-use pgwarden_testing::Cluster;
+use pgwarden_testing::{Cluster, Replication};
 use tokio_postgres::Client;
 
 /// The bound of every single step of the tests (a statement, a checkout).
@@ -40,6 +40,22 @@ CREATE TABLE fenced (
     seq    int    NOT NULL,
     holder text   NOT NULL
 );";
+
+/// A started cluster, a fresh database on it with [`SCHEMA`], and a client
+/// on that database on the primary.
+pub async fn cluster(replication: Replication) -> (Cluster, String, Client) {
+    let cluster = pgwarden_testing::within(
+        Duration::from_secs(60),
+        "cluster start",
+        Cluster::start_with(replication),
+    )
+    .await
+    .expect("cluster");
+    let db = cluster.create_database().await.expect("database");
+    let primary = cluster.primary().connect(&db).await.expect("primary");
+    primary.batch_execute(SCHEMA).await.expect("schema");
+    (cluster, db, primary)
+}
 
 /// One fenced write: commit order, lease, token, sequence number in its
 /// term, holder.

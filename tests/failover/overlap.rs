@@ -13,20 +13,15 @@
 use std::time::{Duration, Instant};
 
 use pgwarden::{LeaseOptions, Leases, LostReason, Pool, Pooler};
-use pgwarden_testing::{within, Cluster};
+use pgwarden_testing::{within, Replication};
 
-use super::common::{fenced_write, lease_row, service_pool, until, WriteError, SCHEMA, STEP};
+use super::common::{cluster, fenced_write, lease_row, service_pool, until, WriteError, STEP};
 
 const LEASE: &str = "overlap";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline() {
-    let mut cluster = within(Duration::from_secs(60), "cluster", Cluster::start())
-        .await
-        .expect("cluster");
-    let db = cluster.create_database().await.unwrap();
-    let old = cluster.primary().connect(&db).await.unwrap();
-    old.batch_execute(SCHEMA).await.unwrap();
+    let (mut cluster, db, old) = cluster(Replication::Asynchronous).await;
     // A knows the first server only: it cannot follow the failover.
     let inner = pgwarden_testing::deadpool(cluster.primary().pg_config(&db), 3).unwrap();
     let pool_a = Pool::builder(inner)

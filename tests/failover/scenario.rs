@@ -14,11 +14,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgwarden::{Error, Lane, LeaseOptions, Leases, LockKey};
-use pgwarden_testing::{within, Cluster, Replication};
+use pgwarden_testing::{within, Replication};
 use tokio_postgres::Client;
 
 use super::common::{
-    fenced_rows, fenced_write, sequence, service_pool, until, Row, Tokens, SCHEMA, STEP,
+    cluster, fenced_rows, fenced_write, sequence, service_pool, until, Row, Tokens, STEP,
 };
 use super::outcome::Outcome;
 use super::traffic::{self, Acked, Request};
@@ -51,16 +51,7 @@ async fn expiry(c: &Client, name: &str) -> f64 {
 }
 
 pub async fn run() -> Outcome {
-    let mut cluster = within(
-        Duration::from_secs(60),
-        "cluster start",
-        Cluster::start_with(Replication::Synchronous),
-    )
-    .await
-    .expect("cluster");
-    let db = cluster.create_database().await.expect("database");
-    let old = cluster.primary().connect(&db).await.expect("old primary");
-    old.batch_execute(SCHEMA).await.expect("schema");
+    let (mut cluster, db, old) = cluster(Replication::Synchronous).await;
 
     // Two service instances, each on the multi-host connection string.
     let svc = service_pool(&cluster, &db, "svc-a", 8);

@@ -12,12 +12,12 @@
 
 use std::time::Duration;
 
-use pgwarden::{LeaseOptions, Leases, LostReason};
+use pgwarden::{Lease, LeaseOptions, Leases, LostReason, Pool};
 use pgwarden_testing::{within, Cluster, Replication};
 use tokio_postgres::Client;
 
 use super::common::{
-    fenced_rows, fenced_write, lease_row, sequence, service_pool, until, WriteError, SCHEMA, STEP,
+    cluster, fenced_rows, fenced_write, lease_row, sequence, service_pool, until, WriteError, STEP,
 };
 
 const LEASE: &str = "stale";
@@ -37,14 +37,20 @@ async fn expired(server: &Client) {
     assert!(gone.is_some(), "A's term did not expire");
 }
 
+/// C, a third instance, takes the lease over on the new primary.
+async fn take_over(cluster: &Cluster, db: &str) -> (Pool, Lease) {
+    let pool_c = service_pool(cluster, db, "holder-c", 3);
+    let c = Leases::new(&pool_c)
+        .try_acquire_with(LEASE, &opts())
+        .await
+        .unwrap()
+        .expect("C takes over on the new primary");
+    (pool_c, c)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_takeover_cannot_write_on_the_new_primary() {
-    let mut cluster = within(Duration::from_secs(60), "cluster", Cluster::start())
-        .await
-        .expect("cluster");
-    let db = cluster.create_database().await.unwrap();
-    let old = cluster.primary().connect(&db).await.unwrap();
-    old.batch_execute(SCHEMA).await.unwrap();
+    let (mut cluster, db, old) = cluster(Replication::Asynchronous).await;
     let pool_a = service_pool(&cluster, &db, "holder-a", 3);
     let pool_b = service_pool(&cluster, &db, "holder-b", 3);
     let (la, lb) = (Leases::new(&pool_a), Leases::new(&pool_b));
@@ -123,12 +129,7 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     // A new take-over: its token is above every token the new primary knows,
     // but it is B's token again (the sequence's WAL for it was lost too):
     // tokens are unique only among terms that reached the replica.
-    let pool_c = service_pool(&cluster, &db, "holder-c", 3);
-    let c = Leases::new(&pool_c)
-        .try_acquire_with(LEASE, &opts())
-        .await
-        .unwrap()
-        .expect("C takes over on the new primary");
+    let (pool_c, c) = take_over(&cluster, &db).await;
     eprintln!(
         "async lost tail: A's token {}, the replica's sequence covered up to {covered}, B's \
          token {} (lost), C's token on the new primary {}",
@@ -162,16 +163,7 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
-    let mut cluster = within(
-        Duration::from_secs(60),
-        "cluster",
-        Cluster::start_with(Replication::Synchronous),
-    )
-    .await
-    .expect("cluster");
-    let db = cluster.create_database().await.unwrap();
-    let old = cluster.primary().connect(&db).await.unwrap();
-    old.batch_execute(SCHEMA).await.unwrap();
+    let (mut cluster, db, old) = cluster(Replication::Synchronous).await;
     let pool_a = service_pool(&cluster, &db, "holder-a", 3);
     let pool_b = service_pool(&cluster, &db, "holder-b", 3);
     let la = Leases::new(&pool_a);
@@ -207,12 +199,7 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
     let new = cluster.primary().connect(&db).await.unwrap();
     let (holder, token, _) = lease_row(&new, LEASE).await.expect("lease row");
     assert_eq!((holder.as_str(), token), (a.holder(), a.token()));
-    let pool_c = service_pool(&cluster, &db, "holder-c", 3);
-    let c = Leases::new(&pool_c)
-        .try_acquire_with(LEASE, &opts())
-        .await
-        .unwrap()
-        .expect("C takes over on the new primary");
+    let (_pool_c, c) = take_over(&cluster, &db).await;
     assert_eq!(c.took_over_from(), Some(a.holder()));
     assert!(c.token() > a.token());
 }

@@ -57,7 +57,9 @@ impl Node {
         replication: Replication,
     ) -> Result<Node, TestingError> {
         let (dir, watchdog) = new_dir(run_as)?;
-        initdb(bins, run_as, dir.path(), &dir.path().join("data"))?;
+        let data = dir.path().join("data");
+        initdb(bins, run_as, dir.path(), &data)?;
+        allow_replication(&data)?;
         let sync = match replication {
             Replication::Asynchronous => None,
             // Any standby: the cluster has one.
@@ -258,6 +260,25 @@ impl ImmediateStop {
         process::stop_child(&mut self.postgres, libc::SIGQUIT);
         stopped
     }
+}
+
+/// Lets the replica (and `pg_basebackup`) connect for replication, over the
+/// Unix socket and local TCP, without a password. `initdb -A trust` writes
+/// these lines too; they are stated here rather than relied upon.
+fn allow_replication(data: &Path) -> Result<(), TestingError> {
+    use std::io::Write as _;
+    let path = data.join("pg_hba.conf");
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| {
+            f.write_all(
+                b"\n# pgwarden-testing: the replica's WAL stream\n\
+                  local   replication   all                  trust\n\
+                  host    replication   all   127.0.0.1/32   trust\n",
+            )
+        })
+        .map_err(io_err(format!("adding replication to {}", path.display())))
 }
 
 /// A fresh directory for a node, owned by the server user, and its watchdog.
