@@ -155,21 +155,31 @@ impl Cluster {
     }
 
     /// Creates a fresh, uniquely named database on the primary and returns
-    /// its name once the replica has replayed its creation.
+    /// its name once the replica has replayed its creation (when there is
+    /// one running: after a failover the old primary is stopped).
     pub async fn create_database(&self) -> Result<String, TestingError> {
         let name = format!("pgwarden_failover_{:016x}", rand::random::<u64>());
         let admin = self.primary().connect("postgres").await?;
         admin
             .batch_execute(&format!("CREATE DATABASE \"{name}\""))
             .await?;
-        self.wait_replayed().await?;
+        if self.replica().is_running() {
+            self.wait_replayed().await?;
+        }
         Ok(name)
     }
 
     /// Waits (up to 30 s) until the replica has replayed everything the
     /// primary has written so far: `pg_last_wal_replay_lsn()` on the replica
-    /// at or past the primary's `pg_current_wal_lsn()`.
+    /// at or past the primary's `pg_current_wal_lsn()`. Fails at once when
+    /// the replica is stopped, and after the 30 s when it is not a standby.
     pub async fn wait_replayed(&self) -> Result<(), TestingError> {
+        if !self.replica().is_running() {
+            return Err(self.failed(
+                "waiting for replay",
+                &format!("{} is stopped: there is no replica", self.replica().label()),
+            ));
+        }
         let primary = self.primary().connect("postgres").await?;
         let lsn: String = primary
             .query_one("SELECT pg_current_wal_lsn()::text", &[])

@@ -115,6 +115,11 @@ async fn replica_streams_then_takes_over_after_a_crash() -> Result {
         .batch_execute("INSERT INTO t VALUES ('after')")
         .await?;
     assert_eq!(values(&multi).await?, ["after", "before"]);
+    // No replica any more: nothing to wait for, and saying so at once.
+    let fresh = cluster.create_database().await?;
+    cluster.primary().connect(&fresh).await?;
+    let err = cluster.wait_replayed().await.unwrap_err();
+    assert!(err.to_string().contains("node0 is stopped"), "{err}");
 
     // Dropped: both servers stop and their directories go.
     drop((primary, replica, multi, parsed));
