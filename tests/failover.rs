@@ -37,7 +37,7 @@ use pgwarden::LostReason;
 /// "Within a few seconds of promotion": a bound for a loaded 2-core machine.
 /// The pool needs no action: a request fails on a dead connection, the next
 /// checkout connects anew and `target_session_attrs=read-write` skips the old
-/// primary; measured at ≈20-100 ms.
+/// primary; measured at 45-150 ms on a busy 2-core machine.
 const SERVE_WITHIN: Duration = Duration::from_secs(5);
 
 #[test]

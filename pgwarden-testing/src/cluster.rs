@@ -212,9 +212,9 @@ impl Cluster {
             .map_err(|e| failed("pg_ctl stop -m immediate", e.to_string()))?
     }
 
-    /// Promotes the replica (`pg_promote(wait => true)`), and returns once
-    /// it answers `pg_is_in_recovery() = false`, with how long that took
-    /// (at most 30 s). From then on [`Cluster::primary`] is the promoted
+    /// Promotes the replica (`pg_promote(wait => true)`, which waits up to
+    /// 30 s), and returns once it answers `pg_is_in_recovery() = false`
+    /// (another 30 s at most), with how long that took. From then on [`Cluster::primary`] is the promoted
     /// server and [`Cluster::replica`] the old primary.
     ///
     /// The old primary is not touched: stop it first
