@@ -70,6 +70,15 @@ pub enum TestingError {
         /// What was attempted, and why it cannot be done on this server.
         operation: &'static str,
     },
+    /// A step of a replication [`Cluster`](crate::Cluster) failed or did not
+    /// finish within its bound.
+    #[error("replication cluster: {step} failed: {reason}")]
+    Cluster {
+        /// The step: `pg_basebackup`, `pg_ctl stop`, `promotion`, a wait…
+        step: String,
+        /// What went wrong, with the end of the servers' logs where they help.
+        reason: String,
+    },
     /// An optional tool is missing and [`ci`](crate::ci) is true.
     #[error(
         "`{tool}` is required on CI (CI=true) but was not found; \

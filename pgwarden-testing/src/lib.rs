@@ -50,6 +50,16 @@
 //! closes and the watchdog stops the server and removes its directory.
 //! [`PgBouncer`] and [`Prometheus`] work the same way.
 //!
+//! # A primary and its replica
+//!
+//! [`Cluster`] starts a primary and a streaming replica (`pg_basebackup -R`)
+//! on two ports of `127.0.0.1`, asynchronous or synchronous
+//! ([`Replication`]), for failover tests: crash the primary
+//! ([`Cluster::stop_primary_immediate`]), promote the replica
+//! ([`Cluster::promote_replica`]), stop WAL shipping to construct a lost tail
+//! ([`Cluster::pause_streaming`]), and reach whichever server takes writes
+//! through a multi-host connection string ([`Cluster::multi_host_url`]).
+//!
 //! # Faults
 //!
 //! [`Stopped::stop`] stops processes (a backend, found by its pid) with
@@ -67,6 +77,7 @@
 use std::time::Duration;
 
 mod bouncer;
+mod cluster;
 mod db;
 mod error;
 mod fault;
@@ -77,6 +88,7 @@ mod tools;
 mod wait;
 
 pub use bouncer::{PgBouncer, PoolMode};
+pub use cluster::{Cluster, Node, Replication};
 pub use db::{deadpool, TestDb};
 pub use error::TestingError;
 pub use fault::{Frozen, Stopped};

@@ -254,13 +254,17 @@ impl TestServer {
 
 /// The end of a started server's logs: the postmaster's stderr and the
 /// logging collector's files.
-fn server_log_tail(root: &Path, lines: usize) -> String {
+pub(crate) fn server_log_tail(root: &Path, lines: usize) -> String {
     process::log_tail(&[root.join("postmaster.log"), root.join("log")], lines)
 }
 
 /// Polls until the server answers a startup message on its socket. On
 /// failure: the error, and whether another port is worth a try.
-fn wait_ready(postgres: &mut Child, root: &Path, port: u16) -> Result<(), (TestingError, bool)> {
+pub(crate) fn wait_ready(
+    postgres: &mut Child,
+    root: &Path,
+    port: u16,
+) -> Result<(), (TestingError, bool)> {
     let socket = root.join(format!(".s.PGSQL.{port}"));
     let deadline = Instant::now() + STARTUP_TIMEOUT;
     let mut last = String::from("no answer yet");
@@ -305,7 +309,7 @@ fn wait_ready(postgres: &mut Child, root: &Path, port: u16) -> Result<(), (Testi
 }
 
 /// Runs `initdb` (as the server user), trying the `C.UTF-8` locale, then `C`.
-fn initdb(
+pub(crate) fn initdb(
     bins: &process::PgBinaries,
     run_as: Option<RunAs>,
     root: &Path,

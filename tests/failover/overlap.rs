@@ -1,0 +1,92 @@
+//! Asynchronous replication can lose renewals too: the promoted standby's
+//! copy of a term then expires earlier than the holder's own reckoning, and
+//! another holder can take the lease over before the old holder's local
+//! deadline warns it. The fence still rejects the old holder's writes.
+//!
+//! The construction: holder A (TTL 4 s, renewed every 250 ms, so its local
+//! deadline falls 3.5 s after its last renewal) reaches the first server
+//! only. WAL shipping stops; A keeps renewing on the primary until the
+//! standby's copy of its term has expired. The primary crashes, the standby
+//! is promoted, and C takes the lease over there at once: A's deadline is
+//! still more than 3 s away.
+
+use std::time::{Duration, Instant};
+
+use pgwarden::{LeaseOptions, Leases, LostReason, Pool, Pooler};
+use pgwarden_testing::{within, Replication};
+
+use super::common::{cluster, fenced_write, lease_row, service_pool, until, WriteError, STEP};
+
+const LEASE: &str = "overlap";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline() {
+    let (mut cluster, db, old) = cluster(Replication::Asynchronous).await;
+    // A knows the first server only: it cannot follow the failover.
+    let inner = pgwarden_testing::deadpool(cluster.primary().pg_config(&db), 3).unwrap();
+    let pool_a = Pool::builder(inner)
+        .name("holder-a")
+        .pooler(Pooler::Direct)
+        .wait_timeout(STEP)
+        .build()
+        .unwrap();
+    let la = Leases::new(&pool_a);
+    la.install().await.unwrap();
+    let opts = LeaseOptions::new(Duration::from_secs(4)).renew_every(Duration::from_millis(250));
+    let a = la
+        .try_acquire_with(LEASE, &opts)
+        .await
+        .unwrap()
+        .expect("A takes the lease");
+    let a_handle = a.handle();
+    cluster.wait_replayed().await.unwrap();
+
+    // The standby stops receiving A's renewals, and its copy of A's term
+    // runs out while A keeps renewing on the primary.
+    cluster.pause_streaming().await.unwrap();
+    let replica = cluster.replica().connect(&db).await.unwrap();
+    let ran_out = until(STEP * 2, || async {
+        lease_row(&replica, LEASE)
+            .await
+            .is_some_and(|(_, _, left)| left < 0.0)
+    })
+    .await;
+    assert!(
+        ran_out.is_some(),
+        "the standby's copy of A's term did not expire"
+    );
+    let (_, _, left_on_primary) = lease_row(&old, LEASE).await.unwrap();
+    assert!(
+        left_on_primary > 3.0,
+        "A renews on the primary: {left_on_primary} s left"
+    );
+    assert!(!a.is_lost());
+
+    cluster.stop_primary_immediate().await.unwrap();
+    cluster.promote_replica().await.unwrap();
+
+    // C takes the lease over on the new primary while A still trusts it.
+    let pool_c = service_pool(&cluster, &db, "holder-c", 3);
+    let c = Leases::new(&pool_c)
+        .acquire_with(LEASE, &LeaseOptions::new(Duration::from_secs(4)), STEP)
+        .await
+        .expect("C takes over on the new primary");
+    let c_took_over = Instant::now();
+    assert_eq!(c.took_over_from(), Some(a.holder()));
+    assert!(c.token() > a.token());
+    assert!(!a.is_lost(), "A's deadline warned it first");
+
+    // The database is not fooled: A's fenced writes are rejected there.
+    let a_write = fenced_write(&pool_c, &a_handle, 0).await;
+    assert_eq!(a_write, Err(WriteError::Rejected(LostReason::Taken)));
+    fenced_write(&pool_c, &c.handle(), 0)
+        .await
+        .expect("C writes");
+
+    // A learns only at its deadline (it cannot reach the new primary).
+    let reason = within(STEP, "A's lost signal", a.lost()).await;
+    let overlap = c_took_over.elapsed();
+    eprintln!("async lost renewals: C held the lease {overlap:?} before A's deadline fired");
+    assert_eq!(reason, LostReason::Deadline);
+    assert!(overlap > Duration::from_millis(500), "{overlap:?}");
+}

@@ -1,0 +1,296 @@
+//! The failover scenario, run once per test binary and observed by several
+//! tests: two service instances on a synchronous primary/replica pair, under
+//! request traffic, fenced writers and a scheduled job, holding a long and a
+//! short lease and a session advisory lock; the primary crashes
+//! (`pg_ctl stop -m immediate`), the short lease's deadline passes, the
+//! replica is promoted, and the service finds it on its own.
+//!
+//! The scenario records what it sees ([`Outcome`], in `outcome.rs`) and asserts only what
+//! it needs to go on; the tests assert the rest.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pgwarden::{Error, Lane, LeaseOptions, Leases, LockKey};
+use pgwarden_testing::{within, Replication};
+use tokio_postgres::Client;
+
+use super::common::{
+    cluster, fenced_rows, fenced_write, sequence, service_pool, until, Row, Tokens, STEP,
+};
+use super::outcome::Outcome;
+use super::traffic::{self, Acked, Request};
+
+/// The key of the session lock held across the failover.
+const KEY: i64 = 0x5EED_F00D;
+/// How long the scenario waits for anything to come back after promotion.
+const RECOVERY: Duration = Duration::from_secs(20);
+
+async fn lease_rows(c: &Client) -> Vec<(String, String, i64)> {
+    c.query(
+        "SELECT name, holder, token FROM pgwarden_leases ORDER BY name",
+        &[],
+    )
+    .await
+    .expect("lease rows")
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+    .collect()
+}
+
+async fn expiry(c: &Client, name: &str) -> f64 {
+    c.query_one(
+        "SELECT extract(epoch FROM expires_at)::float8 FROM pgwarden_leases WHERE name = $1",
+        &[&name],
+    )
+    .await
+    .expect("expires_at")
+    .get(0)
+}
+
+pub async fn run() -> Outcome {
+    let (mut cluster, db, old) = cluster(Replication::Synchronous).await;
+
+    // Two service instances, each on the multi-host connection string.
+    let svc = service_pool(&cluster, &db, "svc-a", 8);
+    let other = service_pool(&cluster, &db, "svc-b", 4);
+    let leases = Leases::new(&svc);
+    let other_leases = Leases::new(&other);
+    leases.install().await.expect("lease table");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let tokens = Tokens::default();
+    let acked: Acked = Arc::default();
+    let requests: Arc<Mutex<Vec<Request>>> = Arc::default();
+    let mut tasks = traffic::requests(&svc, 4, &stop, &requests);
+    for (l, p) in [(&leases, &svc), (&other_leases, &other)] {
+        let w = traffic::writer(
+            l.clone(),
+            p.clone(),
+            stop.clone(),
+            tokens.clone(),
+            acked.clone(),
+        );
+        tasks.push(w);
+    }
+    let schedulers = [
+        traffic::scheduler(&leases, "node-a", &svc, &tokens, &acked),
+        traffic::scheduler(&other_leases, "node-b", &other, &tokens, &acked),
+    ];
+
+    // The long lease outlives the outage; the short one does not.
+    let long_opts =
+        LeaseOptions::new(Duration::from_secs(60)).renew_every(Duration::from_millis(250));
+    let long = leases
+        .try_acquire_with("long", &long_opts)
+        .await
+        .unwrap()
+        .expect("long lease");
+    let short = leases
+        .try_acquire("short", Duration::from_secs(2))
+        .await
+        .unwrap()
+        .expect("short lease");
+    tokens.record(long.token(), "long");
+    tokens.record(short.token(), "short");
+    let long_id = (long.holder().to_owned(), long.token());
+    let short_id = (short.holder().to_owned(), short.token());
+    let lock = svc
+        .try_session_lock(LockKey::Single(KEY))
+        .await
+        .unwrap()
+        .expect("session lock");
+
+    // Warm-up: the job ran, writers wrote under several terms, requests flow.
+    let warm = until(Duration::from_secs(30), || async {
+        let terms: BTreeSet<i64> = acked.lock().unwrap().iter().map(|(_, r)| r.token).collect();
+        let ok = requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .count();
+        tokens.count("job") >= 2 && terms.len() >= 4 && ok >= 20
+    })
+    .await;
+    assert!(
+        warm.is_some(),
+        "no warm-up: job, writers or requests did not run"
+    );
+    // The last look at the old primary.
+    let rows_before = lease_rows(&old).await;
+    let seq_primary_before_crash = sequence(&old).await;
+    let replica = cluster.replica().connect(&db).await.expect("replica");
+
+    // ---- the crash ----
+    let crashed_at = Instant::now();
+    within(STEP * 4, "immediate stop", cluster.stop_primary_immediate())
+        .await
+        .expect("immediate stop");
+    let short_lost = tokio::time::timeout(STEP * 2, short.lost()).await.ok();
+    let short_lost_after_crash = short_lost.map(|_| crashed_at.elapsed());
+    let seq_replica_before_promotion = sequence(&replica).await;
+
+    // ---- the promotion ----
+    let promote_call = Instant::now();
+    let promote_took = within(STEP * 6, "promotion", cluster.promote_replica())
+        .await
+        .expect("promotion");
+    let promoted = Instant::now();
+    let (old_port, new_port) = (cluster.replica().port(), cluster.primary().port());
+    let new = cluster.primary().connect(&db).await.expect("new primary");
+    let rows_at_promotion = lease_rows(&new).await;
+    let long_expiry_at_promotion = expiry(&new, "long").await;
+
+    // ---- what comes back by itself ----
+    until(RECOVERY, || async {
+        requests
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(at, r)| *at >= promote_call && r.is_ok())
+    })
+    .await;
+    let long_renewed = until(RECOVERY, || async {
+        expiry(&new, "long").await > long_expiry_at_promotion
+    })
+    .await;
+    let long_fenced_write_after = fenced_write(&svc, &long.handle(), 0).await;
+    until(RECOVERY, || async {
+        tokens.count_since("job", promoted) >= 1
+    })
+    .await;
+    until(RECOVERY, || async {
+        acked
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(at, r)| *at >= promoted && r.lease == traffic::WRITER_LEASE)
+            .count()
+            >= 5
+    })
+    .await;
+    let short_opts = LeaseOptions::new(Duration::from_secs(2));
+    let short_takeover = match other_leases
+        .acquire_with("short", &short_opts, STEP * 2)
+        .await
+    {
+        Ok(l) => {
+            tokens.record(l.token(), "takeover");
+            let t = (l.token(), l.took_over_from().map(str::to_owned));
+            let _ = l.release().await;
+            Some(t)
+        }
+        Err(_) => None,
+    };
+
+    // ---- the session lock held at the crash ----
+    let (classid, objid, objsubid) = LockKey::Single(KEY).to_pg_locks();
+    let lock_rows_on_new_primary: i64 = new
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+              AND classid = $1 AND objid = $2 AND objsubid = $3",
+            &[&classid, &objid, &objsubid],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let lock_free_on_new_primary: bool = new
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&KEY])
+        .await
+        .unwrap()
+        .get(0);
+    new.query_one("SELECT pg_advisory_unlock_all()", &[])
+        .await
+        .unwrap();
+    let unlock = within(STEP, "unlock", lock.unlock()).await;
+    let unlock_was_closed_connection = matches!(&unlock, Err(Error::Db(e)) if e.is_closed());
+    let session_lane_emptied = until(STEP, || async {
+        svc.status().lane(Lane::SessionLock).in_use == 0
+    })
+    .await
+    .is_some();
+
+    // ---- stop the load, collect ----
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        within(STEP * 2, "traffic task", t)
+            .await
+            .expect("traffic task");
+    }
+    for s in schedulers {
+        within(STEP * 3, "scheduler shutdown", s.shutdown()).await;
+    }
+    let long_lost = long.lost_reason();
+    let long_release = long.release().await.map_err(|e| e.to_string());
+    drop(short);
+    let seq_cache: i64 = new
+        .query_one(
+            "SELECT cache_size FROM pg_sequences WHERE sequencename = 'pgwarden_leases_token_seq'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let fenced = fenced_rows(&new).await;
+    let (tokens_before, tokens_after) = tokens.split(promote_call);
+    let requests = std::mem::take(&mut *requests.lock().unwrap());
+    let acked = std::mem::take(&mut *acked.lock().unwrap());
+    let first_served = requests
+        .iter()
+        .filter(|(at, r)| *at >= promote_call && r.is_ok())
+        .map(|(at, _)| *at)
+        .min();
+    let ports = |f: &dyn Fn(Instant) -> bool| -> BTreeSet<u16> {
+        requests
+            .iter()
+            .filter(|(at, _)| f(*at))
+            .filter_map(|(_, r)| r.as_ref().ok().copied())
+            .collect()
+    };
+    let pick = |f: &dyn Fn(Instant) -> bool| -> Vec<Row> {
+        acked
+            .iter()
+            .filter(|(at, _)| f(*at))
+            .map(|(_, r)| r.clone())
+            .collect()
+    };
+    Outcome {
+        old_port,
+        new_port,
+        promote_took,
+        outage: promoted - crashed_at,
+        served_after_promote_call: first_served.map(|t| t - promote_call),
+        ports_before: ports(&|at| at < crashed_at),
+        ports_after: ports(&|at| at >= promote_call),
+        requests_ok: requests.iter().filter(|(_, r)| r.is_ok()).count(),
+        requests_failed: requests.iter().filter(|(_, r)| r.is_err()).count(),
+        rows_before,
+        rows_at_promotion,
+        long: long_id,
+        long_lost,
+        long_renewed_after_promotion: long_renewed.map(|t| t - promoted),
+        long_fenced_write_after,
+        long_release,
+        short: short_id,
+        short_lost,
+        short_lost_after_crash,
+        short_takeover,
+        seq_primary_before_crash,
+        seq_replica_before_promotion,
+        seq_cache,
+        tokens_before,
+        tokens_after,
+        job_runs_after: tokens.count_since("job", promoted),
+        fenced,
+        acked_before_crash: pick(&|at| at < crashed_at),
+        acked_after_promotion: pick(&|at| at >= promoted),
+        lock_rows_on_new_primary,
+        lock_free_on_new_primary,
+        unlock: unlock.map_err(|e| format!("{e:?}: {e}")),
+        unlock_was_closed_connection,
+        session_lane_emptied,
+    }
+}

@@ -1,0 +1,139 @@
+//! The load the failover scenario runs under: request tasks, fenced writers
+//! contending for one lease, and a scheduled job that writes fenced rows.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pgwarden::{Job, LeaseOptions, Leases, Pool, Scheduler};
+use tokio::task::JoinHandle;
+
+use super::common::{fenced_write, Row, Tokens, WriteError, STEP};
+
+/// What one request saw: when it ended, and the port of the server that
+/// answered (or the error).
+pub type Request = (Instant, Result<u16, String>);
+
+/// Request traffic: `tasks` tasks, each checking out a request connection,
+/// asking which server answers, and going again (10 ms after a success,
+/// 25 ms after a failure) until `stop`.
+pub fn requests(
+    pool: &Pool,
+    tasks: usize,
+    stop: &Arc<AtomicBool>,
+    log: &Arc<Mutex<Vec<Request>>>,
+) -> Vec<JoinHandle<()>> {
+    (0..tasks)
+        .map(|_| {
+            let (pool, stop, log) = (pool.clone(), stop.clone(), log.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let r = tokio::time::timeout(STEP, async {
+                        let c = pool.get().await.map_err(|e| e.to_string())?;
+                        let row = c
+                            .query_one(
+                                "SELECT inet_server_port() WHERE NOT pg_is_in_recovery()",
+                                &[],
+                            )
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        u16::try_from(row.get::<_, i32>(0)).map_err(|e| e.to_string())
+                    })
+                    .await
+                    .unwrap_or_else(|_| Err(format!("not done within {STEP:?}")));
+                    let pause = if r.is_ok() { 10 } else { 25 };
+                    log.lock().unwrap().push((Instant::now(), r));
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// Acknowledged fenced writes, with when they were acknowledged.
+pub type Acked = Arc<Mutex<Vec<(Instant, Row)>>>;
+
+/// The lease the writers contend for.
+pub const WRITER_LEASE: &str = "writer";
+
+/// A fenced writer: takes the `writer` lease when free (TTL 3 s), writes up
+/// to 5 fenced rows under it, releases it, and goes again until `stop`.
+/// While the database is away it retries under the same term, until the
+/// term is lost.
+pub fn writer(
+    leases: Leases,
+    pool: Pool,
+    stop: Arc<AtomicBool>,
+    tokens: Tokens,
+    acked: Acked,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let opts = LeaseOptions::new(Duration::from_secs(3));
+        while !stop.load(Ordering::Relaxed) {
+            let lease = match leases.try_acquire_with(WRITER_LEASE, &opts).await {
+                Ok(Some(lease)) => lease,
+                Ok(None) => {
+                    tokio::time::sleep(Duration::from_millis(15)).await;
+                    continue;
+                }
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            tokens.record(lease.token(), "writer");
+            let handle = lease.handle();
+            let mut seq = 0;
+            while seq < 5 && !handle.is_lost() && !stop.load(Ordering::Relaxed) {
+                match fenced_write(&pool, &handle, seq).await {
+                    Ok(row) => {
+                        acked.lock().unwrap().push((Instant::now(), row));
+                        seq += 1;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Err(WriteError::Rejected(_)) => break,
+                    Err(WriteError::Failed(_)) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                }
+            }
+            // Taken over, expired or lost: an error here is expected.
+            let _ = tokio::time::timeout(STEP, lease.release()).await;
+            let pause = rand::random::<u64>() % 20;
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+        }
+    })
+}
+
+/// The scheduled job: every second on exactly one of the schedulers, a
+/// fenced row under the job's lease (TTL 3 s).
+pub const JOB: &str = "tick";
+
+/// A scheduler on `leases` (node `node`) running [`JOB`] on `pool`.
+pub fn scheduler(
+    leases: &Leases,
+    node: &str,
+    pool: &Pool,
+    tokens: &Tokens,
+    acked: &Acked,
+) -> Scheduler {
+    let (pool, tokens, acked) = (pool.clone(), tokens.clone(), acked.clone());
+    let job = Job::every(JOB, Duration::from_secs(1), move |lease| {
+        let (pool, tokens, acked) = (pool.clone(), tokens.clone(), acked.clone());
+        async move {
+            tokens.record(lease.token(), "job");
+            let row = fenced_write(&pool, &lease, 0)
+                .await
+                .map_err(|e| format!("{e:?}"))?;
+            acked.lock().unwrap().push((Instant::now(), row));
+            Ok::<(), String>(())
+        }
+    })
+    .options(LeaseOptions::new(Duration::from_secs(3)));
+    Scheduler::builder(leases)
+        .node(node)
+        .job(job)
+        .shutdown_grace(STEP)
+        .start()
+        .expect("scheduler")
+}
