@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::types::Type;
 
-use crate::budget::Lane;
+use crate::admission::Lane;
 use crate::error::Error;
 use crate::pool::Pool;
 

@@ -137,7 +137,10 @@ async fn builds_from_url_and_config() {
         Err(pgwarden::BuildError::InvalidUrl(_))
     ));
     let e = Pool::builder(db.deadpool(1).unwrap()).build().unwrap_err();
-    assert_eq!(e, pgwarden::BuildError::TooSmall { size: 1 });
+    assert_eq!(
+        e,
+        pgwarden::BuildError::Limits(pgwarden::LimitsError::TooSmall { size: 1 })
+    );
     let e = Pool::builder(db.deadpool(4).unwrap())
         .name("bad name; drop table")
         .build()
@@ -198,6 +201,7 @@ async fn request_timeout_carries_the_status_and_get_keeps_deadpool_error() {
             lane,
             waited,
             status,
+            ..
         } => {
             assert_eq!(*lane, Lane::Request);
             assert!(*waited >= Duration::from_millis(200));
@@ -261,10 +265,16 @@ async fn waiters_are_served_in_fifo_order() {
 
 #[tokio::test]
 async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it() {
-    // Pool 4: request max 3, control reserve 1. Three request connections and
+    // Pool 5, request max 3, probe reserve 1. Three request connections and
     // one control connection out; two request waiters queue (their lane is
-    // at its maximum), then a control waiter (the pool is full).
-    let (_db, pool) = pool(4).await;
+    // at its maximum), then a session-lock waiter (the one free connection
+    // is the probe's).
+    let db = db().await;
+    let pool = Pool::builder(db.deadpool(5).unwrap())
+        .lane(Lane::Request, 1, 3)
+        .wait_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
     let mut requests = Vec::new();
     for _ in 0..3 {
         requests.push(pool.get().await.unwrap());
@@ -285,7 +295,7 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
     };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let mut tasks = Vec::new();
-    for (i, lane) in [Lane::Request, Lane::Request, Lane::Control]
+    for (i, lane) in [Lane::Request, Lane::Request, Lane::SessionLock]
         .into_iter()
         .enumerate()
     {
@@ -298,8 +308,8 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
         wait_for(lane, if i == 1 { 2 } else { 1 }).await;
     }
     // The control connection comes back: the request waiters ahead of the
-    // control waiter may not take it (their lane is full); the control
-    // waiter behind them gets it.
+    // session-lock waiter may not take it (their lane is full); the
+    // session-lock waiter behind them gets it.
     drop(control);
     let first = tokio::time::timeout(Duration::from_secs(5), rx.recv())
         .await

@@ -206,7 +206,7 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
     )
     .await;
 
-    // Full strength: every request connection and the control reserve at once.
+    // Full strength: every request connection and the probe reserve at once.
     let mut held = Vec::new();
     for _ in 0..5 {
         held.push(
@@ -216,7 +216,7 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
         );
     }
     held.push(
-        pool.timeout_get_for(Lane::Control, Duration::from_secs(2))
+        pool.timeout_get_for(Lane::Probe, Duration::from_secs(2))
             .await
             .unwrap(),
     );
