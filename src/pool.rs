@@ -140,6 +140,7 @@ pub(crate) struct Known {
 pub(crate) struct State {
     pub(crate) adm: Admission,
     waiters: Slab<Waiter>,
+    next_waiter: u64,
     pub(crate) checkouts: Slab<Checkout>,
     warned_sites: HashSet<usize>,
     /// Every physical connection seen, by deadpool object id.
@@ -154,6 +155,7 @@ impl State {
         State {
             adm: Admission::new(limits),
             waiters: Slab::new(),
+            next_waiter: 0,
             checkouts: Slab::new(),
             warned_sites: HashSet::new(),
             pids: IdMap::default(),

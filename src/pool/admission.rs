@@ -32,6 +32,10 @@ type Outcome = Result<Permit, Refusal>;
 
 /// A queued checkout, as the shell keeps it.
 pub(crate) struct Waiter {
+    /// Unique for the pool's life: the table's keys are reused, and a
+    /// waiter that gave up just as it was granted must not touch the next
+    /// waiter filed under the same key.
+    id: u64,
     site: &'static Location<'static>,
     /// When its checkout began: the checkout record's age until attached.
     start: Instant,
@@ -42,6 +46,7 @@ pub(crate) struct Waiter {
 struct WaiterGuard<'a> {
     shared: &'a Arc<Shared>,
     key: WaiterKey,
+    id: u64,
     lane: Lane,
     prio: Priority,
 }
@@ -53,9 +58,13 @@ impl Drop for WaiterGuard<'_> {
             let mut st = self.shared.state.lock();
             let mut effects = Effects::default();
             let st = &mut *st;
-            if st
-                .adm
-                .cancel(self.lane, self.prio, self.key, |e| effects.push(e))
+            // Still in the table under its own id: still queued (a grant or
+            // refusal takes it out, and its key may serve another since).
+            let queued = st.waiters.get(self.key).is_some_and(|w| w.id == self.id);
+            if queued
+                && st
+                    .adm
+                    .cancel(self.lane, self.prio, self.key, |e| effects.push(e))
             {
                 st.waiters.try_remove(self.key);
                 self.shared.apply(st, effects, &mut fired);
@@ -203,7 +212,7 @@ impl Shared {
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
     ) -> Result<Permit, Error> {
-        let (key, rx) = {
+        let (key, id, rx) = {
             let mut st = self.state.lock();
             let key = st.waiters.vacant_key();
             match st.adm.request(lane, prio, key) {
@@ -233,19 +242,23 @@ impl Shared {
                 }
                 Answer::Queued => {
                     let (tx, rx) = oneshot::channel();
+                    st.next_waiter += 1;
+                    let id = st.next_waiter;
                     st.waiters.insert(Waiter {
+                        id,
                         site,
                         start: start.into_std(),
                         tx,
                     });
                     self.publish(&st, 1 << lane.idx());
-                    (key, rx)
+                    (key, id, rx)
                 }
             }
         };
         let guard = WaiterGuard {
             shared: self,
             key,
+            id,
             lane,
             prio,
         };

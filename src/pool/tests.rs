@@ -314,3 +314,23 @@ async fn housekeeping_survives_a_panic_and_keeps_publishing() {
         0.0
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_dropped_after_its_grant_leaves_the_next_waiter_alone() {
+    let (pool, _snap) = pool(2);
+    let held = admit(&pool, Lane::Request, Duration::ZERO).await.unwrap();
+    let mut a = Box::pin(admit(&pool, Lane::Request, Duration::from_secs(5)));
+    assert!((&mut a).now_or_never().is_none());
+    // Granted while nobody polls it: its permit waits in its channel.
+    drop(held);
+    // The next waiter takes the table slot the first one had.
+    let mut b = Box::pin(admit(&pool, Lane::Request, Duration::from_secs(5)));
+    assert!((&mut b).now_or_never().is_none());
+    assert_eq!(pool.status().waiting, 1);
+    // The first one gives up without reading its grant: its permit comes
+    // back, and goes to the second, whose place in the queue was kept. (Its
+    // guard must not cancel the second, filed under the same table key: the
+    // guard checks the waiter's id, not only the key.)
+    drop(a);
+    assert!(b.await.is_ok());
+}

@@ -133,9 +133,10 @@ async fn worker(pool: Pool, seed: u64) -> Tally {
                 finish(lock, &mut rng).await;
             }
             Some(Err(e)) if e.is_lock_timeout() => t.not_granted += 1,
-            Some(Err(e)) if e.is_budget_exhausted() => {
+            Some(Err(e)) if e.is_budget_exhausted() || e.is_timeout() => {
                 // The budget at work (guards being released hold their
-                // connection until it is confirmed): wait for a slot, retry.
+                // connection until it is confirmed; a checkout waits for
+                // them within its bound): wait for a slot, retry.
                 t.refused += 1;
                 let full = || pool.status().lane(Lane::SessionLock).in_use >= 4;
                 eventually(Duration::from_secs(5), "a session-lock slot", || async {
