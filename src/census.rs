@@ -160,7 +160,10 @@ impl Pool {
             return Ok((Census { locks }, conn, Owners::default()));
         }
         let owners = Owners::snapshot(&self.shared.state.lock());
-        for l in &mut locks {
+        for (i, l) in locks.iter_mut().enumerate() {
+            if i % 4096 == 4095 {
+                tokio::task::yield_now().await;
+            }
             l.owner = match l.pid {
                 Some(pid) if pid == conn.pid() => Owner::Idle,
                 pid => owners.owner(pid),
@@ -223,7 +226,12 @@ impl Owners {
 async fn read(conn: &tokio_postgres::Client) -> Result<Vec<AdvisoryLock>, Error> {
     let rows = conn.query_typed(CENSUS_SQL, &[]).await?;
     let mut locks = Vec::with_capacity(rows.len());
-    for r in rows {
+    for (i, r) in rows.into_iter().enumerate() {
+        // Tens of thousands of locks take a while to decode: let the other
+        // tasks of this worker run in between.
+        if i % 1024 == 1023 {
+            tokio::task::yield_now().await;
+        }
         let (classid, objid, objsubid): (u32, u32, i16) =
             (r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
         let mode: String = r.try_get(4)?;
