@@ -69,7 +69,10 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
     // ...and the slot it frees is the first one's: a second one can never
     // be admitted while the first holds it, and hears so at once.
     let start = Instant::now();
-    let e = pool.session_lock(LockKey::Single(504), T).await.unwrap_err();
+    let e = pool
+        .session_lock(LockKey::Single(504), T)
+        .await
+        .unwrap_err();
     let took = start.elapsed();
     assert!(e.is_budget_exhausted(), "{e}");
     assert!(took < Duration::from_millis(200), "refused after {took:?}");

@@ -64,7 +64,10 @@ async fn every_settings_error_names_the_setting_and_the_value() {
         .census_interval(Some(Duration::ZERO))
         .build()
         .unwrap_err();
-    assert!(e.to_string().starts_with("invalid census_interval 0ns"), "{e}");
+    assert!(
+        e.to_string().starts_with("invalid census_interval 0ns"),
+        "{e}"
+    );
 
     let e = Pool::builder(db.deadpool(1).unwrap()).build().unwrap_err();
     assert_eq!(e, BuildError::Limits(LimitsError::TooSmall { size: 1 }));
@@ -73,12 +76,18 @@ async fn every_settings_error_names_the_setting_and_the_value() {
         .lane(Lane::Control, 3, 2)
         .build()
         .unwrap_err();
-    assert_eq!(e.to_string(), "control lane reserves 3 but its maximum is 2");
+    assert_eq!(
+        e.to_string(),
+        "control lane reserves 3 but its maximum is 2"
+    );
     let e = Pool::builder(db.deadpool(4).unwrap())
         .lane(Lane::Lease, 0, 1)
         .build()
         .unwrap_err();
-    assert!(e.to_string().contains("lease lane maximum 1 is too small"), "{e}");
+    assert!(
+        e.to_string().contains("lease lane maximum 1 is too small"),
+        "{e}"
+    );
     let e = Pool::builder(db.deadpool(4).unwrap())
         .lane(Lane::Probe, 0, 1)
         .build()
