@@ -13,6 +13,8 @@ mod ab;
 mod incident;
 mod leases;
 mod overhead;
+mod paused;
+mod paused_holder;
 mod profile;
 mod renewal;
 mod takeover;
@@ -111,6 +113,11 @@ fn main() -> Result<(), BoxError> {
         if want("6") {
             rows.push(takeover::takeover(server, settings).await?);
             timed("6", began);
+        }
+        let began = std::time::Instant::now();
+        if want("7") {
+            rows.push(paused::paused_holder(server, settings).await?);
+            timed("7", began);
         }
         Ok::<_, BoxError>(rows)
     })?;
@@ -218,6 +225,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
         leases::describe(s),
         renewal::describe(s),
         takeover::describe(s),
+        paused::describe(s),
     ] {
         let _ = writeln!(md, "- {line}");
     }

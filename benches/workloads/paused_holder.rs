@@ -74,6 +74,29 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// Adds another round's figures to these.
+    pub fn merge(&mut self, o: Outcome) {
+        self.probes.extend(o.probes);
+        self.probes_ok += o.probes_ok;
+        self.own_lost += o.own_lost;
+        self.renewed += o.renewed;
+        self.renewal_failures += o.renewal_failures;
+        self.attempts += o.attempts;
+        self.attempt_errors += o.attempt_errors;
+        self.requests += o.requests;
+    }
+
+    /// One line: readiness success and p99, own leases lost.
+    pub fn summary(&self) -> String {
+        let pct = 100.0 * self.probes_ok as f64 / self.probes.len().max(1) as f64;
+        format!(
+            "readiness {pct:.1} % of {}, p99 {:.1} ms; own leases lost {}",
+            self.probes.len(),
+            self.probe_percentile(99.0).as_secs_f64() * 1000.0,
+            self.own_lost
+        )
+    }
+
     /// The `p`-th percentile of the probe latencies (nearest rank).
     pub fn probe_percentile(&self, p: f64) -> Duration {
         let mut v = self.probes.clone();
