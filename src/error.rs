@@ -66,8 +66,8 @@ pub enum Error {
         waited: Duration,
         /// What the checkout was doing when its bound ran out.
         stage: Stage,
-        /// The pool at that moment.
-        status: Status,
+        /// The pool at that moment (boxed: it keeps `Error` small).
+        status: Box<Status>,
     },
 
     /// pgwarden admitted a checkout but the wrapped deadpool pool had no

@@ -6,6 +6,7 @@
 //! leases are renewed, not lost.
 
 #[path = "../benches/workloads/paused_holder.rs"]
+#[allow(dead_code)]
 mod paused_holder;
 
 use pgwarden::testing::TestServer;

@@ -302,7 +302,7 @@ impl Shared {
             lane,
             waited,
             stage,
-            status,
+            status: Box::new(status),
         }
     }
 
