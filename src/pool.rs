@@ -194,7 +194,19 @@ impl State {
         site: &'static Location<'static>,
         since: Instant,
     ) -> usize {
-        self.checkouts.insert(Checkout {
+        self.checkouts
+            .insert(Checkout::new(lane, prio, site, since))
+    }
+}
+
+impl Checkout {
+    fn new(
+        lane: Lane,
+        prio: Priority,
+        site: &'static Location<'static>,
+        since: Instant,
+    ) -> Checkout {
+        Checkout {
             lane,
             prio,
             site,
@@ -204,7 +216,7 @@ impl State {
             long_warned: false,
             releasing: false,
             note: None,
-        })
+        }
     }
 }
 

@@ -61,16 +61,20 @@ pub(crate) struct Budget {
     /// come back within a bound).
     releasing: [usize; Lane::COUNT],
     total: usize,
+    /// The sum of every lane's unmet reservation, kept as counts change.
+    unmet_total: usize,
 }
 
 impl Budget {
     pub(crate) fn new(limits: Limits) -> Budget {
+        let unmet_total = limits.lanes().iter().map(|l| l.reserved).sum();
         Budget {
             limits,
             in_use: [0; Lane::COUNT],
             urgent: [0; Lane::COUNT],
             releasing: [0; Lane::COUNT],
             total: 0,
+            unmet_total,
         }
     }
 
@@ -80,6 +84,12 @@ impl Budget {
 
     pub(crate) fn in_use(&self, lane: Lane) -> usize {
         self.in_use[lane.idx()]
+    }
+
+    /// The kept unmet total matches the lanes' (for the property tests).
+    #[cfg(test)]
+    pub(crate) fn consistent(&self) -> bool {
+        self.unmet_total == Lane::ALL.iter().map(|l| self.unmet(*l)).sum::<usize>()
     }
 
     #[cfg(test)]
@@ -172,13 +182,14 @@ impl Budget {
         // lease acquisitions, which may hold on for long, may not.
         let borrows_request = matches!(lane, Lane::Control | Lane::Probe)
             || (lane == Lane::Lease && prio == Priority::Urgent);
-        let mut owed = 0;
-        for l in Lane::ALL {
-            let own = l == lane && !(l == Lane::Lease && prio == Priority::Normal);
-            if own || (l == Lane::Request && borrows_request) {
-                continue;
-            }
-            owed += self.unmet(l);
+        let mut owed = self.unmet_total;
+        // A lease acquisition owes its own lane's reservation too: it is
+        // the renewals'.
+        if !(lane == Lane::Lease && prio == Priority::Normal) {
+            owed -= self.unmet(lane);
+        }
+        if borrows_request {
+            owed -= self.unmet(Lane::Request);
         }
         free > owed
     }
@@ -186,11 +197,13 @@ impl Budget {
     /// Counts one connection of `lane` as taken (the caller decided first).
     pub(crate) fn take(&mut self, lane: Lane, prio: Priority) {
         let i = lane.idx();
+        let before = self.unmet(lane);
         self.in_use[i] += 1;
         self.total += 1;
         if prio == Priority::Urgent {
             self.urgent[i] += 1;
         }
+        self.unmet_total = self.unmet_total - before + self.unmet(lane);
     }
 
     /// Marks one connection of `lane` as being released. False when every
@@ -214,6 +227,7 @@ impl Budget {
         {
             return false;
         }
+        let before = self.unmet(lane);
         self.in_use[i] -= 1;
         self.total -= 1;
         if prio == Priority::Urgent {
@@ -222,6 +236,7 @@ impl Budget {
         if releasing {
             self.releasing[i] -= 1;
         }
+        self.unmet_total = self.unmet_total - before + self.unmet(lane);
         true
     }
 }

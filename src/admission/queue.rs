@@ -86,6 +86,8 @@ pub(crate) enum Effect {
 pub(crate) struct Admission {
     budget: Budget,
     queues: [VecDeque<Queued>; QUEUES],
+    /// A bit per non-empty queue: a return looks at those only.
+    nonempty: u16,
     pending: [usize; Lane::COUNT],
     waiting: usize,
     seq: u64,
@@ -97,6 +99,7 @@ impl Admission {
         Admission {
             budget: Budget::new(limits),
             queues: Default::default(),
+            nonempty: 0,
             pending: [0; Lane::COUNT],
             waiting: 0,
             seq: 0,
@@ -155,6 +158,7 @@ impl Admission {
             _ => {
                 self.seq += 1;
                 self.queues[q].push_back(Queued { key, seq: self.seq });
+                self.nonempty |= 1 << q;
                 self.pending[lane.idx()] += 1;
                 self.waiting += 1;
                 Answer::Queued
@@ -177,6 +181,7 @@ impl Admission {
             return false;
         };
         self.queues[q].remove(pos);
+        self.mark(q);
         self.pending[lane.idx()] -= 1;
         self.waiting -= 1;
         // Those behind it claimed less than they thought: serve again.
@@ -220,16 +225,36 @@ impl Admission {
         }
         self.pending = [0; Lane::COUNT];
         self.waiting = 0;
+        self.nonempty = 0;
+    }
+
+    /// Keeps queue `q`'s bit in `nonempty` true to its contents.
+    fn mark(&mut self, q: usize) {
+        if self.queues[q].is_empty() {
+            self.nonempty &= !(1 << q);
+        }
     }
 
     /// Grants every queued waiter that may be admitted now, urgent ones
     /// first, then oldest first; refuses those that never can be.
     fn serve(&mut self, mut emit: impl FnMut(Effect)) {
+        // One queue waiting (the usual case under load): its heads in order.
+        if self.nonempty.count_ones() == 1 {
+            let q = self.nonempty.trailing_zeros() as usize;
+            let (lane, _) = class_of(q);
+            while let Some((_, over_budget)) = self.head(q, lane, &mut emit) {
+                self.grant(q, over_budget, &mut emit);
+            }
+            return;
+        }
         while self.waiting > 0 {
             // The admissible queue head to serve: urgent before normal, then
             // the lowest sequence number.
             let mut best: Option<(usize, bool, u64, bool)> = None;
-            for q in 0..QUEUES {
+            let mut bits = self.nonempty;
+            while bits != 0 {
+                let q = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
                 let (lane, prio) = class_of(q);
                 let Some(head) = self.head(q, lane, &mut emit) else {
                     continue;
@@ -249,20 +274,26 @@ impl Admission {
             let Some((q, _, _, over_budget)) = best else {
                 return;
             };
-            let (lane, prio) = class_of(q);
-            let Some(w) = self.queues[q].pop_front() else {
-                return;
-            };
-            self.pending[lane.idx()] -= 1;
-            self.waiting -= 1;
-            self.budget.take(lane, prio);
-            emit(Effect::Grant {
-                key: w.key,
-                lane,
-                prio,
-                over_budget,
-            });
+            self.grant(q, over_budget, &mut emit);
         }
+    }
+
+    /// Grants the head of queue `q` (the caller decided it may be admitted).
+    fn grant(&mut self, q: usize, over_budget: bool, emit: &mut impl FnMut(Effect)) {
+        let (lane, prio) = class_of(q);
+        let Some(w) = self.queues[q].pop_front() else {
+            return;
+        };
+        self.mark(q);
+        self.pending[lane.idx()] -= 1;
+        self.waiting -= 1;
+        self.budget.take(lane, prio);
+        emit(Effect::Grant {
+            key: w.key,
+            lane,
+            prio,
+            over_budget,
+        });
     }
 
     /// The head of queue `q` when it may be admitted now (its sequence
@@ -278,6 +309,7 @@ impl Admission {
                 Decision::Wait => return None,
                 Decision::Refuse(refusal) => {
                     self.queues[q].pop_front();
+                    self.mark(q);
                     self.pending[lane.idx()] -= 1;
                     self.waiting -= 1;
                     emit(Effect::Refuse {
@@ -296,5 +328,12 @@ impl Admission {
     /// The budget, for the property tests' invariants.
     pub(crate) fn budget(&self) -> &Budget {
         &self.budget
+    }
+
+    /// The kept summaries match the queues and the budget.
+    pub(crate) fn consistent(&self) -> bool {
+        let bits =
+            (0..QUEUES).all(|q| (self.nonempty & (1 << q) != 0) == !self.queues[q].is_empty());
+        bits && self.budget.consistent()
     }
 }

@@ -150,6 +150,7 @@ impl Ledger {
     fn check(&self) -> Result<(), TestCaseError> {
         let l = self.adm.limits().clone();
         let b = self.adm.budget();
+        prop_assert!(self.adm.consistent(), "kept summaries drifted");
         prop_assert_eq!(b.total(), self.out.len());
         prop_assert!(b.total() <= l.size(), "more than N out");
         for lane in Lane::ALL {

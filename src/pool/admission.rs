@@ -10,7 +10,11 @@ use std::time::Instant;
 use deadpool_postgres::PoolError;
 use tokio::sync::oneshot;
 
-use super::{Shared, State};
+use std::collections::HashSet;
+
+use slab::Slab;
+
+use super::{Checkout, Shared, State};
 use crate::admission::{Answer, Effect, Lane, Priority, Refusal, WaiterKey};
 use crate::error::{Error, Stage};
 
@@ -55,41 +59,25 @@ impl Drop for WaiterGuard<'_> {
     fn drop(&mut self) {
         let mut fired = Fired::default();
         {
-            let mut st = self.shared.state.lock();
-            let mut effects = Effects::default();
-            let st = &mut *st;
+            let mut guard = self.shared.state.lock();
+            let st = &mut *guard;
             // Still in the table under its own id: still queued (a grant or
             // refusal takes it out, and its key may serve another since).
             let queued = st.waiters.get(self.key).is_some_and(|w| w.id == self.id);
-            if queued
-                && st
-                    .adm
-                    .cancel(self.lane, self.prio, self.key, |e| effects.push(e))
-            {
+            if queued {
                 st.waiters.try_remove(self.key);
-                self.shared.apply(st, effects, &mut fired);
+                let mut t = Tables {
+                    waiters: &mut st.waiters,
+                    checkouts: &mut st.checkouts,
+                    warned_sites: &mut st.warned_sites,
+                };
+                st.adm.cancel(self.lane, self.prio, self.key, |e| {
+                    self.shared.apply(&mut t, e, &mut fired)
+                });
                 self.shared.publish(st, 1 << self.lane.idx() | fired.lanes);
             }
         }
         fired.send(self.shared);
-    }
-}
-
-/// The effects of one core step: usually none or one, so the first needs no
-/// allocation.
-#[derive(Default)]
-struct Effects {
-    first: Option<Effect>,
-    rest: Vec<Effect>,
-}
-
-impl Effects {
-    fn push(&mut self, e: Effect) {
-        if self.first.is_none() {
-            self.first = Some(e);
-        } else {
-            self.rest.push(e);
-        }
     }
 }
 
@@ -100,8 +88,8 @@ struct Fired {
     rest: Vec<(oneshot::Sender<Outcome>, Outcome)>,
     /// Lanes whose gauges moved (bit per lane index).
     lanes: u8,
-    /// Session locks admitted past the budget: (site, first at that site, in use).
-    overs: Vec<(&'static Location<'static>, bool, usize)>,
+    /// Session locks admitted past the budget: (site, first at that site).
+    overs: Vec<(&'static Location<'static>, bool)>,
 }
 
 impl Fired {
@@ -114,8 +102,8 @@ impl Fired {
     }
 
     fn send(self, shared: &Shared) {
-        for (site, first, n) in self.overs {
-            shared.over_budget(site, first, n);
+        for (site, first) in self.overs {
+            shared.over_budget(site, first);
         }
         for (tx, outcome) in self.first.into_iter().chain(self.rest) {
             // A waiter that gave up in the meantime hands a permit back,
@@ -125,39 +113,47 @@ impl Fired {
     }
 }
 
+/// The shell's tables, apart from the admission core that is borrowed
+/// while its effects are applied to them.
+struct Tables<'a> {
+    waiters: &'a mut Slab<Waiter>,
+    checkouts: &'a mut Slab<Checkout>,
+    warned_sites: &'a mut HashSet<usize>,
+}
+
 impl Shared {
-    /// Applies the core's effects to the waiters' table (under the lock).
-    fn apply(self: &Arc<Self>, st: &mut State, effects: Effects, fired: &mut Fired) {
-        for e in effects.first.into_iter().chain(effects.rest) {
-            match e {
-                Effect::Grant {
-                    key,
-                    lane,
-                    prio,
-                    over_budget,
-                } => {
-                    let Some(w) = st.waiters.try_remove(key) else {
-                        debug_assert!(false, "granted an unknown waiter");
-                        continue;
-                    };
-                    let slot = st.insert(lane, prio, w.site, w.start);
-                    if over_budget {
-                        let first = st.warned_sites.insert(w.site as *const _ as usize);
-                        fired.overs.push((w.site, first, st.adm.in_use(lane)));
-                    }
-                    fired.lanes |= 1 << lane.idx();
-                    let permit = Permit {
-                        shared: self.clone(),
-                        slot,
-                        lane,
-                    };
-                    fired.push(w.tx, Ok(permit));
+    /// Applies one of the core's effects (under the lock).
+    fn apply(self: &Arc<Self>, t: &mut Tables<'_>, e: Effect, fired: &mut Fired) {
+        match e {
+            Effect::Grant {
+                key,
+                lane,
+                prio,
+                over_budget,
+            } => {
+                let Some(w) = t.waiters.try_remove(key) else {
+                    debug_assert!(false, "granted an unknown waiter");
+                    return;
+                };
+                let slot = t
+                    .checkouts
+                    .insert(Checkout::new(lane, prio, w.site, w.start));
+                if over_budget {
+                    let first = t.warned_sites.insert(w.site as *const _ as usize);
+                    fired.overs.push((w.site, first));
                 }
-                Effect::Refuse { key, lane, refusal } => {
-                    if let Some(w) = st.waiters.try_remove(key) {
-                        fired.lanes |= 1 << lane.idx();
-                        fired.push(w.tx, Err(refusal));
-                    }
+                fired.lanes |= 1 << lane.idx();
+                let permit = Permit {
+                    shared: self.clone(),
+                    slot,
+                    lane,
+                };
+                fired.push(w.tx, Ok(permit));
+            }
+            Effect::Refuse { key, lane, refusal } => {
+                if let Some(w) = t.waiters.try_remove(key) {
+                    fired.lanes |= 1 << lane.idx();
+                    fired.push(w.tx, Err(refusal));
                 }
             }
         }
@@ -166,12 +162,13 @@ impl Shared {
     /// Sets the in-use and pending gauges of the lanes in `lanes` (a bit per
     /// lane index), under the lock that guards what they describe.
     pub(super) fn publish(&self, st: &State, lanes: u8) {
-        for lane in Lane::ALL {
-            if lanes & (1 << lane.idx()) != 0 {
-                let m = self.metrics.lane(lane);
-                m.in_use.set(st.adm.in_use(lane) as f64);
-                m.pending.set(st.adm.pending(lane) as f64);
-            }
+        let mut bits = lanes & ((1 << Lane::COUNT) - 1);
+        while bits != 0 {
+            let lane = Lane::ALL[bits.trailing_zeros() as usize];
+            bits &= bits - 1;
+            let m = self.metrics.lane(lane);
+            m.in_use.set(st.adm.in_use(lane) as f64);
+            m.pending.set(st.adm.pending(lane) as f64);
         }
     }
 
@@ -223,7 +220,7 @@ impl Shared {
                     let first = over_budget && st.warned_sites.insert(site as *const _ as usize);
                     drop(st);
                     if over_budget {
-                        self.over_budget(site, first, in_use);
+                        self.over_budget(site, first);
                     }
                     return Ok(Permit {
                         shared: self.clone(),
@@ -306,10 +303,14 @@ impl Shared {
         }
     }
 
-    fn over_budget(&self, site: &'static Location<'static>, first: bool, in_use: usize) {
+    fn over_budget(&self, site: &'static Location<'static>, first: bool) {
         self.metrics.overrun_warn.increment(1);
         if first {
-            let limit = self.state.lock().adm.limits().lane(Lane::SessionLock).max;
+            let (in_use, limit) = {
+                let st = self.state.lock();
+                let lane = Lane::SessionLock;
+                (st.adm.in_use(lane), st.adm.limits().lane(lane).max)
+            };
             tracing::warn!(
                 pool = %self.name,
                 %site,
@@ -326,18 +327,20 @@ impl Shared {
     fn release(self: &Arc<Self>, slot: usize) {
         let mut fired = Fired::default();
         {
-            let mut st = self.state.lock();
-            let st = &mut *st;
+            let mut guard = self.state.lock();
+            let st = &mut *guard;
             let Some(c) = st.checkouts.try_remove(slot) else {
                 debug_assert!(false, "released an unknown checkout");
                 return;
             };
-            let mut effects = Effects::default();
-            st.adm
-                .release(c.lane, c.prio, c.releasing, |e| effects.push(e));
-            if effects.first.is_some() {
-                self.apply(st, effects, &mut fired);
-            }
+            let mut t = Tables {
+                waiters: &mut st.waiters,
+                checkouts: &mut st.checkouts,
+                warned_sites: &mut st.warned_sites,
+            };
+            st.adm.release(c.lane, c.prio, c.releasing, |e| {
+                self.apply(&mut t, e, &mut fired)
+            });
             self.publish(st, 1 << c.lane.idx() | fired.lanes);
         }
         fired.send(self);

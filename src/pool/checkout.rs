@@ -61,7 +61,24 @@ impl Pool {
         let permit = shared.admit(lane, prio, site, start, deadline).await?;
         let lm = shared.metrics.lane(lane);
         loop {
-            let obj = match shared.object(&permit, start, deadline).await {
+            // deadpool is asked not to wait (after admission it always has
+            // room) and polled in place: a free connection comes back at
+            // once, with no timer and no move of deadpool's future.
+            let get = shared.inner.timeout_get(&shared.get_timeouts);
+            tokio::pin!(get);
+            let got = match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
+                Poll::Ready(r) => Some(r),
+                Poll::Pending => tokio::time::timeout_at(deadline, get).await.ok(),
+            };
+            let got = match got {
+                Some(Ok(o)) => Ok(o),
+                Some(Err(e)) => shared.no_object(e, &permit, start, deadline).await,
+                None => {
+                    let status = shared.status();
+                    Err(shared.timed_out(lane, Stage::Connection, start, status))
+                }
+            };
+            let obj = match got {
                 Ok(o) => o,
                 Err(e) => {
                     match &e {
@@ -143,28 +160,21 @@ impl Pool {
 }
 
 impl Shared {
-    /// The admitted checkout's object from deadpool, by `deadline`. deadpool
-    /// is asked not to wait: after admission it always has room, unless its
-    /// capacity was changed or taken outside pgwarden.
-    async fn object(
+    /// deadpool answered an admitted checkout with `e`. A wait timeout
+    /// means it had no room: after admission that happens only while a
+    /// return is on its way (resolved at once), or when deadpool's capacity
+    /// was changed or taken outside pgwarden (reported by `deadline`).
+    async fn no_object(
         &self,
+        e: PoolError,
         permit: &Permit,
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
     ) -> Result<Object, Error> {
         let lane = permit.lane;
-        match until(deadline, self.inner.timeout_get(&self.get_timeouts)).await {
-            Some(Ok(obj)) => return Ok(obj),
-            Some(Err(PoolError::Timeout(TimeoutType::Wait))) => {}
-            Some(Err(e)) => return Err(Error::Pool(e)),
-            None => {
-                let status = self.status();
-                return Err(self.timed_out(lane, Stage::Connection, start, status));
-            }
+        if !matches!(e, PoolError::Timeout(TimeoutType::Wait)) {
+            return Err(Error::Pool(e));
         }
-        // deadpool has no room for an admitted checkout. A return in flight
-        // (its object on the way back) resolves at once; a resize or objects
-        // held outside pgwarden do not, and are reported by the deadline.
         let size = self.state.lock().adm.limits().size();
         let deadpool_max = self.inner.status().max_size;
         let wait = deadpool_postgres::Timeouts {
