@@ -120,6 +120,23 @@ where
     }
 }
 
+/// Runs `fut`, which must fail within `limit`; returns its error.
+async fn fails_within<T, E: std::fmt::Debug>(
+    limit: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, E>>,
+) -> E {
+    let start = Instant::now();
+    let r = fut.await;
+    let took = start.elapsed();
+    assert!(took <= limit, "{what}: {took:?}, over {limit:?}");
+    eprintln!("{what}: failed after {took:?}");
+    match r {
+        Ok(_) => panic!("{what}: succeeded against a stopped server"),
+        Err(e) => e,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
     let Some((server, db)) = own_server().await else {
@@ -131,36 +148,18 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
     pool.readiness(Duration::from_secs(1)).await.unwrap();
     let stopped = Stopped::server(&server);
 
-    let start = Instant::now();
-    let e = pool.readiness(Duration::from_secs(1)).await.unwrap_err();
-    let took = start.elapsed();
+    let ms = Duration::from_millis;
+    let readiness = || pool.readiness(Duration::from_secs(1));
+    let e = fails_within(ms(1200), "readiness(1 s), query hung", readiness()).await;
     assert!(e.is_timeout(), "{e}");
-    assert!(
-        took <= Duration::from_millis(1200),
-        "readiness took {took:?}"
-    );
-    eprintln!("readiness(1 s), query on an idle connection hung: {took:?}");
-
-    let start = Instant::now();
-    let e = pool.get().await.unwrap_err();
-    let took = start.elapsed();
+    let e = fails_within(ms(2200), "get() bound 2 s, connecting hung", pool.get()).await;
     assert!(
         matches!(e, deadpool_postgres::PoolError::Timeout(_)),
         "{e:?}"
     );
-    assert!(took <= Duration::from_millis(2200), "get took {took:?}");
-    eprintln!("get() with a 2 s bound, connecting hung: {took:?}");
-
     // The probe's connection was closed: the next probe connects, and hangs.
-    let start = Instant::now();
-    let e = pool.readiness(Duration::from_secs(1)).await.unwrap_err();
-    let took = start.elapsed();
+    let e = fails_within(ms(1200), "readiness(1 s), connecting hung", readiness()).await;
     assert!(e.is_timeout(), "{e}");
-    assert!(
-        took <= Duration::from_millis(1200),
-        "readiness took {took:?}"
-    );
-    eprintln!("readiness(1 s), connecting hung: {took:?}");
 
     let e = pool
         .timeout_get_for(Lane::Control, Duration::from_millis(500))
@@ -216,12 +215,10 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     drop(c);
 
     let stopped = Stopped::stop(vec![idle_backend]);
-    let start = Instant::now();
-    let e = pool
-        .timeout_get_for(Lane::Request, Duration::from_secs(1))
-        .await
-        .unwrap_err();
-    let took = start.elapsed();
+    let bound = Duration::from_secs(1);
+    let limit = Duration::from_millis(1200);
+    let get = || pool.timeout_get_for(Lane::Request, bound);
+    let e = fails_within(limit, "checkout bound 1 s, recycling hung", get()).await;
     assert!(
         matches!(
             e,
@@ -232,8 +229,6 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
         ),
         "{e}"
     );
-    assert!(took <= Duration::from_millis(1200), "recycling: {took:?}");
-    eprintln!("checkout with a 1 s bound, recycling hung: {took:?}");
     drop(stopped);
 
     // Connecting: one connection out and working, the postmaster stopped
@@ -241,15 +236,8 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     let working = recovers(Duration::from_secs(10), "get", || pool.get()).await;
     let stopped = Stopped::stop(vec![server.pid().unwrap()]);
     working.simple_query("SELECT 1").await.unwrap();
-    let start = Instant::now();
-    let e = pool
-        .timeout_get_for(Lane::Request, Duration::from_secs(1))
-        .await
-        .unwrap_err();
-    let took = start.elapsed();
+    let e = fails_within(limit, "checkout bound 1 s, connecting hung", get()).await;
     assert!(e.is_timeout(), "{e}");
-    assert!(took <= Duration::from_millis(1200), "connecting: {took:?}");
-    eprintln!("checkout with a 1 s bound, connecting hung: {took:?}");
     drop(stopped);
     drop(working);
     let c = recovers(Duration::from_secs(10), "get after SIGCONT", || {

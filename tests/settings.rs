@@ -4,18 +4,14 @@
 //! one resized or drained behind pgwarden's back is reported within the
 //! checkout's bound.
 
+#![cfg(feature = "testing")]
+
+mod support;
+
 use std::time::{Duration, Instant};
 
-use pgwarden::testing::{TestDb, TestServer};
 use pgwarden::{BuildError, Error, Lane, LimitsError, Pool, MAX_POOL_SIZE};
-
-async fn db() -> TestDb {
-    TestServer::shared()
-        .expect("throwaway PostgreSQL")
-        .create_database()
-        .await
-        .expect("fresh database")
-}
+use support::db;
 
 #[test]
 fn pool_sizes_past_the_maximum_are_errors_not_panics_or_aborts() {

@@ -112,30 +112,23 @@ impl Shared {
     }
 }
 
+/// Sleeps `every`, then the pool, unless it is gone or closed: the tasks
+/// hold no strong reference between passes.
+async fn tick(shared: &Weak<Shared>, every: Duration) -> Option<Arc<Shared>> {
+    tokio::time::sleep_until(deadline(tokio::time::Instant::now(), every)).await;
+    shared.upgrade().filter(|s| !s.inner.is_closed())
+}
+
 async fn housekeeping(shared: Weak<Shared>, every: Duration) {
-    loop {
-        tokio::time::sleep_until(deadline(tokio::time::Instant::now(), every)).await;
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        if shared.inner.is_closed() {
-            return;
-        }
+    while let Some(shared) = tick(&shared, every).await {
         shared.housekeep_caught();
     }
 }
 
 /// The periodic census, in its own task: a slow `pg_locks` never delays the
 /// housekeeping pass, and each census is bounded.
-async fn census(shared: Weak<Shared>, every: Duration) {
-    loop {
-        tokio::time::sleep_until(deadline(tokio::time::Instant::now(), every)).await;
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        if shared.inner.is_closed() {
-            return;
-        }
+async fn census(weak: Weak<Shared>, every: Duration) {
+    while let Some(shared) = tick(&weak, every).await {
         let bound = shared
             .opts
             .wait_timeout
