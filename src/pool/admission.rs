@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use slab::Slab;
 
 use super::{Checkout, Shared, State};
-use crate::admission::{Answer, Effect, Lane, Priority, Refusal, WaiterKey};
+use crate::admission::{Answer as Admitted, Effect, Lane, Priority, Refusal, WaiterKey};
 use crate::error::{Error, Stage};
 
 /// The right to one connection of a lane: counted in the budget until dropped.
@@ -81,11 +81,16 @@ impl Drop for WaiterGuard<'_> {
     }
 }
 
+/// A grant's checkout slot and lane, or a refusal: made into what the
+/// waiter is told once the lock is released (the permit's `Arc` clone is
+/// an atomic every checkout touches: not under the lock).
+type Answer = Result<(usize, Lane), Refusal>;
+
 /// Channels to fire once the lock is released, and what changed.
 #[derive(Default)]
 struct Fired {
-    first: Option<(oneshot::Sender<Outcome>, Outcome)>,
-    rest: Vec<(oneshot::Sender<Outcome>, Outcome)>,
+    first: Option<(oneshot::Sender<Outcome>, Answer)>,
+    rest: Vec<(oneshot::Sender<Outcome>, Answer)>,
     /// Lanes whose gauges moved (bit per lane index).
     lanes: u8,
     /// Session locks admitted past the budget: (site, first at that site).
@@ -93,19 +98,24 @@ struct Fired {
 }
 
 impl Fired {
-    fn push(&mut self, tx: oneshot::Sender<Outcome>, o: Outcome) {
+    fn push(&mut self, tx: oneshot::Sender<Outcome>, a: Answer) {
         if self.first.is_none() {
-            self.first = Some((tx, o));
+            self.first = Some((tx, a));
         } else {
-            self.rest.push((tx, o));
+            self.rest.push((tx, a));
         }
     }
 
-    fn send(self, shared: &Shared) {
+    fn send(self, shared: &Arc<Shared>) {
         for (site, first) in self.overs {
             shared.over_budget(site, first);
         }
-        for (tx, outcome) in self.first.into_iter().chain(self.rest) {
+        for (tx, answer) in self.first.into_iter().chain(self.rest) {
+            let outcome = answer.map(|(slot, lane)| Permit {
+                shared: shared.clone(),
+                slot,
+                lane,
+            });
             // A waiter that gave up in the meantime hands a permit back,
             // whose drop releases it again.
             let _ = tx.send(outcome);
@@ -123,7 +133,7 @@ struct Tables<'a> {
 
 impl Shared {
     /// Applies one of the core's effects (under the lock).
-    fn apply(self: &Arc<Self>, t: &mut Tables<'_>, e: Effect, fired: &mut Fired) {
+    fn apply(&self, t: &mut Tables<'_>, e: Effect, fired: &mut Fired) {
         match e {
             Effect::Grant {
                 key,
@@ -143,12 +153,7 @@ impl Shared {
                     fired.overs.push((w.site, first));
                 }
                 fired.lanes |= 1 << lane.idx();
-                let permit = Permit {
-                    shared: self.clone(),
-                    slot,
-                    lane,
-                };
-                fired.push(w.tx, Ok(permit));
+                fired.push(w.tx, Ok((slot, lane)));
             }
             Effect::Refuse { key, lane, refusal } => {
                 if let Some(w) = t.waiters.try_remove(key) {
@@ -213,7 +218,7 @@ impl Shared {
             let mut st = self.state.lock();
             let key = st.waiters.vacant_key();
             match st.adm.request(lane, prio, key) {
-                Answer::Admit { over_budget } => {
+                Admitted::Admit { over_budget } => {
                     let slot = st.insert(lane, prio, site, start.into_std());
                     let in_use = st.adm.in_use(lane);
                     self.metrics.lane(lane).in_use.set(in_use as f64);
@@ -228,16 +233,16 @@ impl Shared {
                         lane,
                     });
                 }
-                Answer::Refused(r) => {
+                Admitted::Refused(r) => {
                     let err = self.refusal(&st, lane, r);
                     drop(st);
                     return Err(self.refused(lane, r, err));
                 }
-                Answer::Closed => {
+                Admitted::Closed => {
                     drop(st);
                     return Err(self.closed(lane));
                 }
-                Answer::Queued => {
+                Admitted::Queued => {
                     let (tx, rx) = oneshot::channel();
                     st.next_waiter += 1;
                     let id = st.next_waiter;
