@@ -16,6 +16,8 @@ mod queue;
 #[cfg(test)]
 mod budget_tests;
 #[cfg(test)]
+mod queue_tests;
+#[cfg(test)]
 mod tests;
 
 pub(crate) use budget::Refusal;

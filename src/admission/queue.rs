@@ -333,7 +333,7 @@ impl Admission {
     /// The kept summaries match the queues and the budget.
     pub(crate) fn consistent(&self) -> bool {
         let bits =
-            (0..QUEUES).all(|q| (self.nonempty & (1 << q) != 0) == !self.queues[q].is_empty());
+            (0..QUEUES).all(|q| (self.nonempty & (1 << q) != 0) != self.queues[q].is_empty());
         bits && self.budget.consistent()
     }
 }
