@@ -99,7 +99,7 @@ pub enum Error {
          hold no connection for background exclusivity: use a table lease \
          (pgwarden::Leases), or a transaction-scoped lock (pool.with_xact_lock)",
         holders = Holders(holders),
-        floor = if *hard_floor { " (hard floor: the control reserve and one request connection)" } else { "" }
+        floor = if *hard_floor { " (hard floor: the other lanes' reservations and one request connection)" } else { "" }
     )]
     BudgetExhausted {
         /// The lane refused (always [`Lane::SessionLock`] today).
