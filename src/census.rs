@@ -1,17 +1,25 @@
 //! The census: the advisory locks in the database, read from `pg_locks`
 //! joined with `pg_stat_activity`, matched to this pool's connections.
 //!
-//! A periodic census ([`PoolBuilder::census_interval`](crate::PoolBuilder::census_interval))
-//! flags an advisory lock held by a connection idle in the pool, which is
-//! a lock taken with raw SQL on an ordinary connection and never released:
-//! it logs a warning, counts it (`pgwarden_census_leaks_total`), and the
-//! connection is discarded at its next checkout instead of being reused.
+//! A periodic census ([`PoolBuilder::census_interval`](crate::PoolBuilder::census_interval),
+//! in a task of its own) flags advisory locks held by a connection idle in
+//! the pool, which are locks taken with raw SQL on an ordinary connection
+//! and never released: it logs one warning per connection with the count,
+//! counts the locks (`pgwarden_census_leaks_total`), and closes the
+//! connection at once (or, if it was checked out in the meantime, at its
+//! next checkout) instead of letting it be reused.
+//!
+//! The pool's mutex is held only to copy who holds which backend pid (one
+//! entry per connection); the locks are matched outside it, in time linear
+//! in their number.
 
-use std::collections::{HashMap, HashSet};
+mod sweep;
+
+use std::collections::HashMap;
 use std::panic::Location;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
-use crate::budget::Lane;
+use crate::admission::Lane;
 use crate::error::Error;
 use crate::lock::{LockKey, LockMode};
 use crate::pool::{Conn, Pool, State};
@@ -93,7 +101,8 @@ pub struct CensusSummary {
     /// Of those, on connections idle in the pool.
     pub idle: usize,
     /// Connections newly found holding a leaked lock while idle (confirmed
-    /// twice, and now tainted: discarded at their next checkout).
+    /// twice, and now closed, or discarded at their next checkout when they
+    /// were checked out in the meantime).
     pub leaked: usize,
 }
 
@@ -127,93 +136,17 @@ impl Pool {
     #[track_caller]
     pub fn census(&self) -> impl std::future::Future<Output = Result<Census, Error>> + Send + '_ {
         let site = Location::caller();
-        async move { self.census_at(site).await.map(|(census, _)| census) }
+        async move { self.census_at(site).await.map(|(census, ..)| census) }
     }
 
-    /// One census pass, as the housekeeping task runs every census interval:
-    /// sets the census gauges, and flags connections idle in the pool that
-    /// hold an advisory lock (warned, counted, tainted: discarded at their
-    /// next checkout). A suspect is confirmed by a second look: its backend
-    /// ran no statement in between and still holds the lock, so a lock seen
-    /// while a connection was being returned is not mistaken for a leak.
-    /// When the leaking connection is the one the census itself was handed,
-    /// it is closed at once.
-    ///
-    /// Behind a transaction pooler, pids say nothing about this pool's
-    /// connections: the gauges are set, nothing is flagged.
-    #[track_caller]
-    pub fn census_sweep(
+    /// Reads the census on a control connection, and returns it, that
+    /// connection, and the pool's connections as they were. The connection
+    /// was idle in the pool a moment ago and runs nothing but the census: a
+    /// lock on it is a lock on an idle connection.
+    async fn census_at(
         &self,
-    ) -> impl std::future::Future<Output = Result<CensusSummary, Error>> + Send + '_ {
-        let site = Location::caller();
-        async move {
-            let (census, conn) = self.census_at(site).await?;
-            let m = &self.shared.metrics;
-            let mut summary = CensusSummary {
-                locks: census.locks.len(),
-                ours: census.ours().count(),
-                idle: census.idle().count(),
-                leaked: 0,
-            };
-            m.census_locks.set(summary.ours as f64);
-            m.census_idle_locks.set(summary.idle as f64);
-            if summary.idle == 0 || self.pooler() == Pooler::Transaction {
-                return Ok(summary);
-            }
-            let own = conn.pid();
-            let others = census.idle().any(|l| l.pid != Some(own));
-            let again = if others {
-                read(&conn).await?
-            } else {
-                Vec::new()
-            };
-            let mut leaks = Vec::new();
-            {
-                let mut st = self.shared.state.lock();
-                let ids: HashMap<i32, deadpool_postgres::ObjectId> =
-                    st.pids.iter().map(|(id, pid)| (*pid, *id)).collect();
-                for l in census.idle().filter(|l| l.granted) {
-                    let Some(pid) = l.pid else { continue };
-                    let confirmed = pid == own
-                        || again.iter().any(|a| {
-                            a.pid == Some(pid)
-                                && a.key == l.key
-                                && a.granted
-                                && a.state_change == l.state_change
-                        });
-                    let Some(&id) = ids.get(&pid) else { continue };
-                    if confirmed && (pid == own || st.tainted.insert(id)) {
-                        leaks.push(l.clone());
-                    }
-                }
-            }
-            if leaks.iter().any(|l| l.pid == Some(own)) {
-                conn.discard();
-            } else {
-                drop(conn);
-            }
-            let pids: HashSet<i32> = leaks.iter().filter_map(|l| l.pid).collect();
-            summary.leaked = pids.len();
-            m.census_leaks.increment(leaks.len() as u64);
-            for l in &leaks {
-                tracing::warn!(
-                    pool = %self.shared.name,
-                    pid = l.pid,
-                    key = %l.key,
-                    mode = %l.mode,
-                    application_name = l.application_name.as_deref().unwrap_or(""),
-                    "advisory lock held by a connection idle in the pool (taken with raw SQL and never \
-                     released?): the connection is discarded instead of reused"
-                );
-            }
-            Ok(summary)
-        }
-    }
-
-    /// Reads the census on a control connection, and returns it too. That
-    /// connection was idle in the pool a moment ago and runs nothing but the
-    /// census: a lock on it is a lock on an idle connection.
-    async fn census_at(&self, site: &'static Location<'static>) -> Result<(Census, Conn), Error> {
+        site: &'static Location<'static>,
+    ) -> Result<(Census, Conn, Owners), Error> {
         // Owners are matched by backend pid, which means nothing behind a
         // transaction pooler: know which it is first (probed once per pool).
         if self.pooler() == Pooler::Auto {
@@ -224,17 +157,68 @@ impl Pool {
             .await?;
         let mut locks = read(&conn).await?;
         if self.pooler() == Pooler::Transaction {
-            return Ok((Census { locks }, conn));
+            return Ok((Census { locks }, conn, Owners::default()));
         }
-        let st = self.shared.state.lock();
-        for l in &mut locks {
+        let owners = Owners::snapshot(&self.shared.state.lock());
+        for (i, l) in locks.iter_mut().enumerate() {
+            if i % 4096 == 4095 {
+                tokio::task::yield_now().await;
+            }
             l.owner = match l.pid {
                 Some(pid) if pid == conn.pid() => Owner::Idle,
-                pid => owner(&st, pid),
+                pid => owners.owner(pid),
             };
         }
-        drop(st);
-        Ok((Census { locks }, conn))
+        Ok((Census { locks }, conn, owners))
+    }
+}
+
+/// The pool's connections at one moment, by backend pid: copied under the
+/// pool's mutex (one entry per connection), read without it.
+#[derive(Default)]
+pub(crate) struct Owners {
+    out: HashMap<i32, Owner>,
+    /// Idle connections: deadpool object id and creation instant.
+    idle: HashMap<i32, (deadpool_postgres::ObjectId, Instant)>,
+}
+
+impl Owners {
+    fn snapshot(st: &State) -> Owners {
+        let now = Instant::now();
+        let mut out = HashMap::with_capacity(st.checkouts.len());
+        for (_, c) in st.checkouts.iter() {
+            if let Some(pid) = c.pid {
+                out.insert(
+                    pid,
+                    Owner::CheckedOut {
+                        lane: c.lane,
+                        site: c.site,
+                        age: now.saturating_duration_since(c.since),
+                        note: c.note.clone(),
+                    },
+                );
+            }
+        }
+        let idle = st
+            .pids
+            .iter()
+            .filter(|(_, k)| !out.contains_key(&k.pid))
+            .map(|(id, k)| (k.pid, (*id, k.created)))
+            .collect();
+        Owners { out, idle }
+    }
+
+    /// The pool's view of a backend pid.
+    fn owner(&self, pid: Option<i32>) -> Owner {
+        let Some(pid) = pid else { return Owner::Other };
+        if let Some(o) = self.out.get(&pid) {
+            return o.clone();
+        }
+        if self.idle.contains_key(&pid) {
+            Owner::Idle
+        } else {
+            Owner::Other
+        }
     }
 }
 
@@ -242,7 +226,12 @@ impl Pool {
 async fn read(conn: &tokio_postgres::Client) -> Result<Vec<AdvisoryLock>, Error> {
     let rows = conn.query_typed(CENSUS_SQL, &[]).await?;
     let mut locks = Vec::with_capacity(rows.len());
-    for r in rows {
+    for (i, r) in rows.into_iter().enumerate() {
+        // Tens of thousands of locks take a while to decode: let the other
+        // tasks of this worker run in between.
+        if i % 1024 == 1023 {
+            tokio::task::yield_now().await;
+        }
         let (classid, objid, objsubid): (u32, u32, i16) =
             (r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
         let mode: String = r.try_get(4)?;
@@ -271,23 +260,4 @@ async fn read(conn: &tokio_postgres::Client) -> Result<Vec<AdvisoryLock>, Error>
         });
     }
     Ok(locks)
-}
-
-/// The pool's view of a backend pid.
-fn owner(st: &State, pid: Option<i32>) -> Owner {
-    let Some(pid) = pid else { return Owner::Other };
-    let now = std::time::Instant::now();
-    if let Some((_, c)) = st.checkouts.iter().find(|(_, c)| c.pid == Some(pid)) {
-        return Owner::CheckedOut {
-            lane: c.lane,
-            site: c.site,
-            age: now.saturating_duration_since(c.since),
-            note: c.note.clone(),
-        };
-    }
-    if st.pids.values().any(|p| *p == pid) {
-        Owner::Idle
-    } else {
-        Owner::Other
-    }
 }

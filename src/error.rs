@@ -5,7 +5,7 @@ use std::fmt;
 use std::panic::Location;
 use std::time::Duration;
 
-use crate::budget::Lane;
+use crate::admission::{Lane, LimitsError};
 use crate::pool::Status;
 
 /// A checkout that holds a lane's connection, as named in errors and logs.
@@ -55,15 +55,42 @@ pub enum Error {
     #[error("pool error: {0}")]
     Pool(#[from] deadpool_postgres::PoolError),
 
-    /// No connection of `lane` became free within the wait timeout.
-    #[error("timed out after {waited:?} waiting for a {lane} connection ({status})")]
+    /// No connection of `lane` came within the caller's bound: the bound
+    /// covers admission, deadpool's wait, connecting, recycling and the
+    /// backend-pid query.
+    #[error("timed out after {waited:?} {stage} for a {lane} connection ({status})")]
     Timeout {
         /// The lane asked for.
         lane: Lane,
         /// How long the caller waited.
         waited: Duration,
-        /// The pool at that moment.
-        status: Status,
+        /// What the checkout was doing when its bound ran out.
+        stage: Stage,
+        /// The pool at that moment (boxed: it keeps `Error` small).
+        status: Box<Status>,
+    },
+
+    /// pgwarden admitted a checkout but the wrapped deadpool pool had no
+    /// connection for it: deadpool's capacity was changed, or its objects
+    /// taken, outside pgwarden (a clone of the deadpool pool given to
+    /// `Pool::builder`, or a `resize` on it).
+    #[error(
+        "pgwarden admitted a {lane} checkout but deadpool had no connection for it: {}",
+        if deadpool_max != size {
+            format!("deadpool's max_size is {deadpool_max}, pgwarden owns {size} (the deadpool pool was resized outside pgwarden)")
+        } else {
+            format!("pgwarden has {in_use} of {size} out; the others are held outside pgwarden (a clone of the wrapped deadpool pool): build pgwarden over a pool nothing else uses")
+        }
+    )]
+    DeadpoolMismatch {
+        /// The lane asked for.
+        lane: Lane,
+        /// The size pgwarden recorded at build.
+        size: usize,
+        /// deadpool's `max_size` now.
+        deadpool_max: usize,
+        /// Connections pgwarden had out.
+        in_use: usize,
     },
 
     /// A session-lock checkout past its budget was refused.
@@ -72,7 +99,7 @@ pub enum Error {
          hold no connection for background exclusivity: use a table lease \
          (pgwarden::Leases), or a transaction-scoped lock (pool.with_xact_lock)",
         holders = Holders(holders),
-        floor = if *hard_floor { " (hard floor: the control reserve and one request connection)" } else { "" }
+        floor = if *hard_floor { " (hard floor: the other lanes' reservations and one request connection)" } else { "" }
     )]
     BudgetExhausted {
         /// The lane refused (always [`Lane::SessionLock`] today).
@@ -311,77 +338,63 @@ impl fmt::Display for Chain<'_> {
     }
 }
 
-/// Settings that cannot work, refused by `build()`.
+/// What a checkout was doing when its bound ran out ([`Error::Timeout`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Stage {
+    /// Waiting for admission: the lane, or the pool, was full.
+    Admission,
+    /// Getting the connection from deadpool: connecting to the server, or
+    /// recycling an idle connection (the server did not answer in time).
+    Connection,
+    /// Asking a new connection for its backend pid.
+    BackendPid,
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Stage::Admission => "waiting for admission",
+            Stage::Connection => "connecting or recycling",
+            Stage::BackendPid => "asking the backend pid",
+        })
+    }
+}
+
+/// Settings that cannot work, refused by `build()` (and by
+/// `Pool::from_url`/`Pool::from_config` for the pool size). Each names the
+/// setting and the value.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BuildError {
-    /// Fewer than two connections: one must stay in reserve for control
-    /// statements and one for request work.
+    /// The pool size or the lane limits cannot work.
+    #[error(transparent)]
+    Limits(#[from] LimitsError),
+    /// A duration setting is out of range.
+    #[error("invalid {setting} {value:?}: {why}")]
+    InvalidDuration {
+        /// The setting, as the builder method names it.
+        setting: &'static str,
+        /// The value given.
+        value: Duration,
+        /// What is allowed.
+        why: &'static str,
+    },
+    /// The deadpool pool handed to `Pool::builder` has connections out (or
+    /// callers waiting) already: pgwarden must own all of its capacity.
     #[error(
-        "pool size {size} is too small: pgwarden needs at least 2 (1 control reserve + 1 request)"
+        "the deadpool pool has {in_use} of {max_size} connections out or waited for already: \
+         pgwarden must own all of its capacity; build pgwarden over a pool nothing else uses"
     )]
-    TooSmall {
-        /// The size given.
-        size: usize,
+    DeadpoolInUse {
+        /// Objects out or callers waiting in deadpool.
+        in_use: usize,
+        /// deadpool's `max_size`.
+        max_size: usize,
     },
-    /// Reservations add up past the pool size.
-    #[error(
-        "lane reservations exceed the pool size: {request} (request) + {session_lock} (session_lock) + {control} (control) = {} > {size}",
-        request + session_lock + control
-    )]
-    ReservationsExceedSize {
-        /// Pool size.
-        size: usize,
-        /// Request reservation.
-        request: usize,
-        /// Session-lock reservation.
-        session_lock: usize,
-        /// Control reservation.
-        control: usize,
-    },
-    /// A lane reserves more than its maximum.
-    #[error("{lane} lane reserves {reserved} but its maximum is {max}")]
-    ReservedAboveMax {
-        /// The lane.
-        lane: Lane,
-        /// Its reservation.
-        reserved: usize,
-        /// Its maximum.
-        max: usize,
-    },
-    /// A lane's maximum is above the pool size.
-    #[error("{lane} lane maximum {max} is above the pool size {size}")]
-    MaxAboveSize {
-        /// The lane.
-        lane: Lane,
-        /// Its maximum.
-        max: usize,
-        /// Pool size.
-        size: usize,
-    },
-    /// The request lane must reserve at least one connection.
-    #[error("the request lane must reserve at least 1 connection: the work done under held locks needs it")]
-    NoRequestReserve,
-    /// The control lane must reserve at least one connection.
-    #[error("the control lane must reserve at least 1 connection: readiness probes and lease renewals need it")]
-    NoControlReserve,
-    /// The session-lock maximum would leave the work under those locks no
-    /// connection.
-    #[error(
-        "session_lock maximum {max} leaves the work under those locks no connection: \
-         pool size {size} - control reserve {control_reserved} - request reserve {request_reserved} = {} is the most session locks may pin",
-        size - control_reserved - request_reserved
-    )]
-    SessionLockMaxStarvesWork {
-        /// The maximum asked for.
-        max: usize,
-        /// Pool size.
-        size: usize,
-        /// Control reservation.
-        control_reserved: usize,
-        /// Request reservation.
-        request_reserved: usize,
-    },
+    /// The deadpool pool handed to `Pool::builder` is closed.
+    #[error("the deadpool pool is closed")]
+    DeadpoolClosed,
     /// The pool name is empty or too long.
     #[error("invalid pool name {0:?}: use 1 to 64 characters of [A-Za-z0-9_.-]")]
     InvalidName(String),

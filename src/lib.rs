@@ -2,7 +2,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
-pub mod budget;
+mod admission;
 mod census;
 mod error;
 pub mod lease;
@@ -11,9 +11,9 @@ pub mod metrics;
 mod pool;
 mod pooler;
 
-pub use budget::{Lane, LaneLimits, Limits, Policy};
+pub use admission::{Lane, LaneLimits, Limits, LimitsError, Policy, MAX_POOL_SIZE};
 pub use census::{AdvisoryLock, Census, CensusSummary, Owner};
-pub use error::{BuildError, Error, Holder};
+pub use error::{BuildError, Error, Holder, Stage};
 pub use lease::{
     Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder,
     LostReason, OnLost, Scheduler, SchedulerBuilder,
@@ -22,5 +22,5 @@ pub use lock::{
     fnv1a32, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, LockKey, LockMode,
     Namespace, RunOnce, SessionLock, RUN_ONCE_LEDGER,
 };
-pub use pool::{Conn, LaneStatus, Pool, PoolBuilder, Status};
+pub use pool::{Conn, DeadpoolView, LaneStatus, Pool, PoolBuilder, Status};
 pub use pooler::Pooler;

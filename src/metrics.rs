@@ -12,7 +12,7 @@ use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
 
-use crate::budget::Lane;
+use crate::admission::Lane;
 
 /// Connections by `state` (`idle`, `in_use`).
 pub const CONNECTIONS: &str = "pgwarden_connections";
@@ -28,7 +28,10 @@ pub const LANE_MAX: &str = "pgwarden_lane_max";
 pub const LANE_PENDING: &str = "pgwarden_lane_pending";
 /// Time from asking for a connection to getting it, per `lane`.
 pub const ACQUIRE_DURATION: &str = "pgwarden_acquire_duration_seconds";
-/// Checkouts that failed, per `lane` and `reason` (`timeout`, `refused`, `backend`, `closed`).
+/// Checkouts that failed, per `lane` and `reason` (`timeout`: the caller's
+/// bound ran out; `refused`: the budget said no; `backend`: deadpool could
+/// not give a connection, or had none for an admitted checkout; `closed`:
+/// the pool is closed).
 pub const ACQUIRE_FAILURES: &str = "pgwarden_acquire_failures_total";
 /// Session-lock checkouts past the budget, per `policy` (`refuse`: refused, `warn`: admitted).
 pub const BUDGET_OVERRUNS: &str = "pgwarden_budget_overruns_total";
@@ -48,6 +51,10 @@ pub const CENSUS_LOCKS: &str = "pgwarden_census_advisory_locks";
 pub const CENSUS_IDLE_LOCKS: &str = "pgwarden_census_idle_advisory_locks";
 /// Leaked advisory locks found on idle pooled connections (connections discarded).
 pub const CENSUS_LEAKS: &str = "pgwarden_census_leaks_total";
+/// Time one census pass took (`pg_locks` read and matched).
+pub const CENSUS_DURATION: &str = "pgwarden_census_duration_seconds";
+/// Panics caught in the housekeeping or census task (the task goes on).
+pub const HOUSEKEEPING_PANICS: &str = "pgwarden_housekeeping_panics_total";
 /// Readiness probe latency.
 pub const READINESS_DURATION: &str = "pgwarden_readiness_duration_seconds";
 /// Readiness probe failures, per `reason` (`timeout`, `error`).
@@ -146,6 +153,12 @@ pub fn describe() {
         Unit::Count,
         "Leaked advisory locks found on idle pooled connections."
     );
+    describe_histogram!(CENSUS_DURATION, Unit::Seconds, "Time one census pass took.");
+    describe_counter!(
+        HOUSEKEEPING_PANICS,
+        Unit::Count,
+        "Panics caught in the housekeeping or census task."
+    );
     describe_histogram!(
         READINESS_DURATION,
         Unit::Seconds,
@@ -194,12 +207,13 @@ pub(crate) struct LaneMetrics {
     pub(crate) fail_timeout: Counter,
     pub(crate) fail_refused: Counter,
     pub(crate) fail_backend: Counter,
+    pub(crate) fail_closed: Counter,
 }
 
 /// Handles of one pool, registered once at build.
 #[derive(Clone, Debug)]
 pub(crate) struct PoolMetrics {
-    pub(crate) lanes: [LaneMetrics; 3],
+    pub(crate) lanes: [LaneMetrics; Lane::COUNT],
     pub(crate) idle: Gauge,
     pub(crate) in_use: Gauge,
     pub(crate) overrun_refuse: Counter,
@@ -209,13 +223,15 @@ pub(crate) struct PoolMetrics {
     pub(crate) census_locks: Gauge,
     pub(crate) census_idle_locks: Gauge,
     pub(crate) census_leaks: Counter,
+    pub(crate) census_duration: Histogram,
+    pub(crate) housekeeping_panics: Counter,
     pub(crate) readiness: Histogram,
     pub(crate) readiness_timeout: Counter,
     pub(crate) readiness_error: Counter,
 }
 
 impl PoolMetrics {
-    pub(crate) fn register(pool: &str, limits: &crate::budget::Limits) -> PoolMetrics {
+    pub(crate) fn register(pool: &str, limits: &crate::admission::Limits) -> PoolMetrics {
         describe();
         let p = pool.to_owned();
         let lane = |lane: Lane| {
@@ -235,13 +251,10 @@ impl PoolMetrics {
                 fail_timeout: fail("timeout"),
                 fail_refused: fail("refused"),
                 fail_backend: fail("backend"),
+                fail_closed: fail("closed"),
             }
         };
-        let lanes = [
-            lane(Lane::Request),
-            lane(Lane::SessionLock),
-            lane(Lane::Control),
-        ];
+        let lanes = Lane::ALL.map(lane);
         metrics::gauge!(CONNECTIONS_MAX, "pool" => p.clone()).set(limits.size() as f64);
         PoolMetrics {
             lanes,
@@ -254,6 +267,8 @@ impl PoolMetrics {
             census_locks: metrics::gauge!(CENSUS_LOCKS, "pool" => p.clone()),
             census_idle_locks: metrics::gauge!(CENSUS_IDLE_LOCKS, "pool" => p.clone()),
             census_leaks: metrics::counter!(CENSUS_LEAKS, "pool" => p.clone()),
+            census_duration: metrics::histogram!(CENSUS_DURATION, "pool" => p.clone()),
+            housekeeping_panics: metrics::counter!(HOUSEKEEPING_PANICS, "pool" => p.clone()),
             readiness: metrics::histogram!(READINESS_DURATION, "pool" => p.clone()),
             readiness_timeout: metrics::counter!(READINESS_FAILURES, "pool" => p.clone(), "reason" => "timeout"),
             readiness_error: metrics::counter!(READINESS_FAILURES, "pool" => p, "reason" => "error"),

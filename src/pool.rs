@@ -1,32 +1,40 @@
 //! [`Pool`], its builder, the checked-out [`Conn`], and [`Status`].
+//!
+//! The pool is a thin shell around the pure admission core
+//! ([`crate::admission`]): it keeps each waiter's channel, the checkout
+//! records and the backend pids, applies the core's grants and refusals, and
+//! takes the admitted connection from deadpool, whose capacity it owns.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::panic::Location;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deadpool_postgres::{Object, PoolError, TimeoutType};
+use deadpool_postgres::{PoolError, TimeoutType};
 use parking_lot::Mutex;
 use slab::Slab;
-use tokio::sync::oneshot;
 
-use crate::budget::{Budget, Lane, Limits};
+use crate::admission::{Admission, Lane, Limits, Priority};
 use crate::error::{BuildError, Error, Holder};
 use crate::metrics::PoolMetrics;
 
 mod admission;
 mod builder;
+mod checkout;
 mod conn;
 mod housekeeping;
+mod names;
 mod status;
+#[cfg(test)]
+mod tests;
 
 pub use builder::PoolBuilder;
 pub use conn::Conn;
-pub use status::{LaneStatus, Status};
+pub use status::{DeadpoolView, LaneStatus, Status};
 
-use admission::Permit;
+use admission::Waiter;
 
 type ObjectId = deadpool_postgres::ObjectId;
 
@@ -86,12 +94,21 @@ pub(crate) struct Options {
 
 pub(crate) struct Shared {
     pub(crate) name: Arc<str>,
+    _name: names::Claim,
     pub(crate) inner: deadpool_postgres::Pool,
+    /// deadpool's timeouts with a zero wait: an admitted checkout never
+    /// waits inside deadpool, it finds out at once that it would.
+    get_timeouts: deadpool_postgres::Timeouts,
     pub(crate) state: Mutex<State>,
     pub(crate) opts: Options,
     pub(crate) metrics: PoolMetrics,
     pub(crate) locks: crate::lock::LockShared,
     housekeeping_started: AtomicBool,
+    /// Set once a deadpool resize was reported (warned once).
+    resize_warned: AtomicBool,
+    /// Tests: the next housekeeping pass panics.
+    #[cfg(test)]
+    pub(crate) inject_panic: AtomicBool,
     /// The pool's own lease table (`Pool::leases`, `Pool::try_exclusive`).
     pub(crate) leases: std::sync::OnceLock<crate::lease::Leases>,
 }
@@ -100,38 +117,52 @@ pub(crate) struct Shared {
 #[derive(Debug)]
 pub(crate) struct Checkout {
     pub(crate) lane: Lane,
+    pub(crate) prio: Priority,
     pub(crate) site: &'static Location<'static>,
     pub(crate) since: Instant,
     pub(crate) pid: Option<i32>,
     pub(crate) object: Option<ObjectId>,
     pub(crate) long_warned: bool,
+    /// Its owner let go and its return is under way.
+    pub(crate) releasing: bool,
     /// What the checkout is for, for logs (e.g. the session lock keys held).
     pub(crate) note: Option<String>,
 }
 
-struct Waiter {
-    id: u64,
-    lane: Lane,
-    site: &'static Location<'static>,
-    /// When its checkout began: the checkout record's age until attached.
-    start: Instant,
-    tx: oneshot::Sender<Permit>,
+/// A physical connection seen by the pool: its backend pid, and when
+/// deadpool created it (the identity `deadpool::Pool::retain` can see).
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Known {
+    pub(crate) pid: i32,
+    pub(crate) created: Instant,
 }
 
 pub(crate) struct State {
-    pub(crate) budget: Budget,
-    waiters: VecDeque<Waiter>,
-    pending: [usize; 3],
+    pub(crate) adm: Admission,
+    waiters: Slab<Waiter>,
     next_waiter: u64,
     pub(crate) checkouts: Slab<Checkout>,
     warned_sites: HashSet<usize>,
-    /// Backend pid of every physical connection seen, by deadpool object id.
-    pub(crate) pids: IdMap<i32>,
-    /// Connections to discard at their next checkout (a leaked lock on them).
+    /// Every physical connection seen, by deadpool object id.
+    pub(crate) pids: IdMap<Known>,
+    /// Connections to discard at their next checkout (a leaked lock on them,
+    /// found while they were out).
     pub(crate) tainted: IdSet,
 }
 
 impl State {
+    fn new(limits: Limits) -> State {
+        State {
+            adm: Admission::new(limits),
+            waiters: Slab::new(),
+            next_waiter: 0,
+            checkouts: Slab::new(),
+            warned_sites: HashSet::new(),
+            pids: IdMap::default(),
+            tainted: IdSet::default(),
+        }
+    }
+
     fn holders(&self, lane: Lane, now: Instant) -> Vec<Holder> {
         self.checkouts
             .iter()
@@ -156,44 +187,42 @@ impl State {
         now
     }
 
-    fn insert(&mut self, lane: Lane, site: &'static Location<'static>, since: Instant) -> usize {
-        self.checkouts.insert(Checkout {
+    fn insert(
+        &mut self,
+        lane: Lane,
+        prio: Priority,
+        site: &'static Location<'static>,
+        since: Instant,
+    ) -> usize {
+        self.checkouts
+            .insert(Checkout::new(lane, prio, site, since))
+    }
+}
+
+impl Checkout {
+    fn new(
+        lane: Lane,
+        prio: Priority,
+        site: &'static Location<'static>,
+        since: Instant,
+    ) -> Checkout {
+        Checkout {
             lane,
+            prio,
             site,
             since,
             pid: None,
             object: None,
             long_warned: false,
+            releasing: false,
             note: None,
-        })
-    }
-}
-
-impl Shared {
-    pub(crate) fn status(&self) -> Status {
-        let d = self.inner.status();
-        let st = self.state.lock();
-        let limits = st.budget.limits();
-        let lanes = Lane::ALL.map(|lane| LaneStatus {
-            lane,
-            in_use: st.budget.in_use(lane),
-            waiting: st.pending[lane.idx()],
-            reserved: limits.lane(lane).reserved,
-            max: limits.lane(lane).max,
-        });
-        Status {
-            max: limits.size(),
-            size: d.size,
-            idle: d.available,
-            in_use: st.budget.total(),
-            waiting: st.pending.iter().sum(),
-            lanes,
         }
     }
 }
 
 impl Pool {
     /// Starts a builder over an existing deadpool pool (the drop-in path).
+    /// pgwarden owns that pool's capacity from then on: keep no clone of it.
     pub fn builder(inner: deadpool_postgres::Pool) -> PoolBuilder {
         PoolBuilder::new(inner)
     }
@@ -203,67 +232,30 @@ impl Pool {
         PoolBuilder::new(inner).build()
     }
 
-    /// Starts a builder from a deadpool-postgres [`Config`](deadpool_postgres::Config)
-    /// (no TLS, tokio runtime).
-    pub fn from_config(config: &deadpool_postgres::Config) -> Result<PoolBuilder, BuildError> {
-        let inner = config
-            .create_pool(
-                Some(deadpool_postgres::Runtime::Tokio1),
-                tokio_postgres::NoTls,
-            )
-            .map_err(|e| BuildError::Deadpool(e.to_string()))?;
-        Ok(PoolBuilder::new(inner))
-    }
-
-    /// Starts a builder from a `DATABASE_URL`-style connection string
-    /// (`postgres://…` or `host=… user=…`), no TLS, `max_size` connections.
-    pub fn from_url(url: &str, max_size: usize) -> Result<PoolBuilder, BuildError> {
-        let pg: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
-            // The parser's reason is the source ("invalid value for option
-            // `port`", "unexpected EOF"…); the error itself only says
-            // "invalid connection string".
-            BuildError::InvalidUrl(match std::error::Error::source(&e) {
-                Some(reason) => crate::error::Chain(reason).to_string(),
-                None => e.to_string(),
-            })
-        })?;
-        let mgr = deadpool_postgres::Manager::from_config(
-            pg,
-            tokio_postgres::NoTls,
-            deadpool_postgres::ManagerConfig {
-                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-            },
-        );
-        let inner = deadpool_postgres::Pool::builder(mgr)
-            .max_size(max_size)
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .build()
-            .map_err(|e| BuildError::Deadpool(e.to_string()))?;
-        Ok(PoolBuilder::new(inner))
-    }
-
     /// The pool's name, as in logs and metric labels.
     pub fn name(&self) -> &str {
         &self.shared.name
     }
 
-    /// The wrapped deadpool pool. Checkouts made on it directly bypass the
-    /// budget: use it for inspection, not for connections.
-    pub fn inner(&self) -> &deadpool_postgres::Pool {
-        &self.shared.inner
+    /// A read-only view of the wrapped deadpool pool (its status and
+    /// timeouts). Its connections come only through pgwarden.
+    pub fn inner(&self) -> DeadpoolView<'_> {
+        DeadpoolView(&self.shared.inner)
     }
 
     /// The lane limits in force.
     pub fn limits(&self) -> Limits {
-        self.shared.state.lock().budget.limits().clone()
+        self.shared.state.lock().adm.limits().clone()
     }
 
     /// A request-lane connection: the drop-in replacement for
     /// [`deadpool_postgres::Pool::get`], with deadpool's error type.
     ///
-    /// Waits in FIFO order up to the pool's wait timeout; a timeout is
-    /// `PoolError::Timeout(TimeoutType::Wait)`, logged with the pool's status
-    /// (use [`Pool::get_for`] for an error that carries it).
+    /// Bounded end to end by the pool's wait timeout: admission (FIFO),
+    /// deadpool, connecting or recycling, and the backend-pid query of a new
+    /// connection. A timeout is `PoolError::Timeout` (`Wait` while waiting
+    /// for admission, `Create` after), logged with the pool's status (use
+    /// [`Pool::get_for`] for an error that carries it).
     #[track_caller]
     pub fn get(&self) -> impl std::future::Future<Output = Result<Conn, PoolError>> + Send + '_ {
         let site = Location::caller();
@@ -274,7 +266,8 @@ impl Pool {
         }
     }
 
-    /// A connection of `lane`, waiting up to the pool's wait timeout.
+    /// A connection of `lane`, within the pool's wait timeout (checkout
+    /// included, as in [`Pool::get`]).
     ///
     /// Session-lock checkouts are budgeted: past the budget they are refused
     /// ([`Error::BudgetExhausted`]) or admitted with a warning, by policy.
@@ -287,7 +280,7 @@ impl Pool {
         self.checkout(lane, site, self.shared.opts.wait_timeout)
     }
 
-    /// A connection of `lane`, waiting up to `timeout`.
+    /// A connection of `lane`, within `timeout` (checkout included).
     #[track_caller]
     pub fn timeout_get_for(
         &self,
@@ -298,91 +291,14 @@ impl Pool {
         self.checkout(lane, site, timeout)
     }
 
-    pub(crate) async fn checkout(
-        &self,
-        lane: Lane,
-        site: &'static Location<'static>,
-        timeout: Duration,
-    ) -> Result<Conn, Error> {
-        let shared = &self.shared;
-        shared.ensure_housekeeping();
-        let start = Instant::now();
-        let permit = shared.acquire(lane, site, start, timeout).await?;
-        let lm = shared.metrics.lane(lane);
-        loop {
-            let obj = match shared.inner.get().await {
-                Ok(o) => o,
-                Err(e) => {
-                    lm.fail_backend.increment(1);
-                    return Err(Error::Pool(e));
-                }
-            };
-            let id = Object::id(&obj);
-            enum Seen {
-                Tainted,
-                Known(i32, Instant),
-                New,
-            }
-            // One lock: discard a tainted connection, or find its pid and,
-            // when known, complete the checkout record.
-            let seen = {
-                let mut st = shared.state.lock();
-                if !st.tainted.is_empty() && st.tainted.remove(&id) {
-                    st.pids.remove(&id);
-                    Seen::Tainted
-                } else if let Some(pid) = st.pids.get(&id).copied() {
-                    Seen::Known(pid, st.attach(permit.slot, pid, id))
-                } else {
-                    Seen::New
-                }
-            };
-            let (pid, since) = match seen {
-                Seen::Known(pid, since) => (pid, since),
-                Seen::Tainted => {
-                    tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
-                    drop(Object::take(obj));
-                    continue;
-                }
-                Seen::New => match backend_pid(&obj).await {
-                    Ok(pid) => {
-                        let mut st = shared.state.lock();
-                        // Connections deadpool dropped on its own leave stale
-                        // entries: keep the map bounded (idle pids are asked again).
-                        if st.pids.len() >= 4 * st.budget.limits().size() {
-                            let out: IdSet =
-                                st.checkouts.iter().filter_map(|(_, c)| c.object).collect();
-                            st.pids.retain(|id, _| out.contains(id));
-                        }
-                        st.pids.insert(id, pid);
-                        (pid, st.attach(permit.slot, pid, id))
-                    }
-                    Err(e) => {
-                        lm.fail_backend.increment(1);
-                        drop(Object::take(obj));
-                        return Err(e);
-                    }
-                },
-            };
-            lm.acquire
-                .record(since.saturating_duration_since(start).as_secs_f64());
-            return Ok(Conn {
-                obj: Some(obj),
-                permit,
-                pid,
-                site,
-                since,
-                object: id,
-            });
-        }
-    }
-
     /// The pool now: size, idle, and per lane in use, waiting and limits.
     pub fn status(&self) -> Status {
         self.shared.status()
     }
 
-    /// The readiness probe: `SELECT 1` on the control lane, bounded by
-    /// `timeout` (checkout included). Returns its latency.
+    /// The readiness probe: `SELECT 1` on the probe lane, whose reserve no
+    /// other lane may take, bounded by `timeout` (checkout included). Returns
+    /// its latency. A probe cut off by its bound closes its connection.
     #[track_caller]
     pub fn readiness(
         &self,
@@ -390,20 +306,31 @@ impl Pool {
     ) -> impl std::future::Future<Output = Result<Duration, Error>> + Send + '_ {
         let site = Location::caller();
         async move {
-            let start = Instant::now();
-            let probe = async {
-                let c = self.checkout(Lane::Control, site, timeout).await?;
-                c.simple_query("SELECT 1").await?;
-                Ok::<_, Error>(())
-            };
+            let start = tokio::time::Instant::now();
             let m = &self.shared.metrics;
-            match tokio::time::timeout(timeout, probe).await {
-                Ok(Ok(())) => {
+            let result = match self.checkout(Lane::Probe, site, timeout).await {
+                Ok(c) => {
+                    let left = timeout.saturating_sub(start.elapsed());
+                    match tokio::time::timeout(left, c.simple_query("SELECT 1")).await {
+                        Ok(r) => r.map(drop).map_err(Error::from),
+                        Err(_) => {
+                            // The server did not answer: this connection is
+                            // in an unknown state, never reuse it.
+                            c.discard();
+                            Err(Error::ReadinessTimeout(timeout))
+                        }
+                    }
+                }
+                Err(e) if e.is_timeout() => Err(Error::ReadinessTimeout(timeout)),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(()) => {
                     let took = start.elapsed();
                     m.readiness.record(took.as_secs_f64());
                     Ok(took)
                 }
-                Ok(Err(e)) => {
+                Err(e) => {
                     if e.is_timeout() {
                         m.readiness_timeout.increment(1);
                     } else {
@@ -411,28 +338,19 @@ impl Pool {
                     }
                     Err(e)
                 }
-                Err(_) => {
-                    m.readiness_timeout.increment(1);
-                    Err(Error::ReadinessTimeout(timeout))
-                }
             }
         }
     }
 
     /// Closes the pool: idle connections are closed, waiters fail, checkouts
-    /// fail from now on.
+    /// fail from now on (each counted as failure reason `closed`).
     pub fn close(&self) {
-        self.shared.inner.close();
-        let waiters: Vec<Waiter> = {
-            let mut st = self.shared.state.lock();
-            st.pending = [0; 3];
-            st.waiters.drain(..).collect()
-        };
-        drop(waiters);
+        self.shared.close();
     }
 
     /// Runs one housekeeping pass now (the background task runs one every
-    /// housekeeping interval): oldest-hold gauges, long-hold warnings.
+    /// housekeeping interval): oldest-hold gauges, long-hold warnings, lane
+    /// and connection gauges.
     pub fn housekeep(&self) {
         self.shared.housekeep();
     }
@@ -448,21 +366,17 @@ impl fmt::Debug for Pool {
 }
 
 fn into_pool_error(e: Error) -> PoolError {
+    use crate::error::Stage;
     match e {
         Error::Pool(e) => e,
         Error::Db(e) => PoolError::Backend(e),
-        Error::Timeout { .. } => PoolError::Timeout(TimeoutType::Wait),
+        Error::Timeout {
+            stage: Stage::Admission,
+            ..
+        }
+        | Error::DeadpoolMismatch { .. } => PoolError::Timeout(TimeoutType::Wait),
+        Error::Timeout { .. } => PoolError::Timeout(TimeoutType::Create),
         // The request lane is never refused and runs no other statement.
         _ => PoolError::Closed,
     }
-}
-
-async fn backend_pid(obj: &deadpool_postgres::Client) -> Result<i32, Error> {
-    let msgs = obj.simple_query("SELECT pg_backend_pid()").await?;
-    msgs.iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).and_then(|v| v.parse().ok()),
-            _ => None,
-        })
-        .ok_or_else(|| Error::invalid("backend pid", "SELECT pg_backend_pid() returned no row"))
 }

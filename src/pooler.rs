@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 pub(crate) use probe::{backend_pid, Detection, Motion, MOTION_STATEMENTS};
 
-use crate::budget::Lane;
+use crate::admission::Lane;
 use crate::error::Error;
 use crate::pool::Pool;
 

@@ -87,6 +87,7 @@ async fn census_decodes_keys_and_owners() {
 
 /// deadpool hands out its idle connections oldest first (FIFO): the order
 /// of the returns below decides which connection the census runs on.
+/// The leaker, idle, is closed by the sweep itself (deadpool's `retain`).
 #[tokio::test]
 async fn sweep_confirms_a_leak_on_an_idle_connection_and_discards_it() {
     let db = db().await;
@@ -111,16 +112,16 @@ async fn sweep_confirms_a_leak_on_an_idle_connection_and_discards_it() {
         m.get("pgwarden_census_idle_advisory_locks{pool=leaky}"),
         Some(&1.0)
     );
-    assert_eq!(pool.census_sweep().await.unwrap().leaked, 0, "counted once");
-
-    // Not reused: discarded at its checkout, and the session ends with its lock.
-    for _ in 0..2 {
-        assert_ne!(pool.get().await.unwrap().pid(), leaked_pid);
-    }
+    // Closed at once, while idle: the session ends with its lock, before
+    // any checkout could find it.
     eventually(T, "leaked session closed", || async {
         !alive(&raw, leaked_pid).await
     })
     .await;
+    assert_eq!(pool.census_sweep().await.unwrap().leaked, 0, "counted once");
+    for _ in 0..2 {
+        assert_ne!(pool.get().await.unwrap().pid(), leaked_pid);
+    }
     assert!(free(&raw, LockKey::Single(42)).await);
     assert_eq!(pool.census_sweep().await.unwrap().ours, 0);
 }
@@ -185,4 +186,36 @@ async fn periodic_census_runs_in_housekeeping() {
     })
     .await;
     assert_eq!(leaks, 1.0);
+}
+
+#[tokio::test]
+async fn an_unbounded_wait_timeout_keeps_housekeeping_and_the_census_alive() {
+    let db = db().await;
+    let b = builder(&db, 3)
+        .name("unbounded")
+        .wait_timeout(Duration::MAX)
+        .housekeeping_interval(Duration::from_millis(20))
+        .census_interval(Some(Duration::from_millis(50)));
+    let (pool, snap) = with_recorder(b);
+    let held = pool.get().await.unwrap();
+    for round in 0..3 {
+        metrics_now(&snap); // a reading resets the gauges: only a pass sets them again
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = metrics_now(&snap);
+        let oldest = now
+            .get("pgwarden_oldest_hold_seconds{lane=request,pool=unbounded}")
+            .copied()
+            .unwrap_or(0.0);
+        assert!(oldest > 0.0, "round {round}: housekeeping stopped");
+        let census = now
+            .get("pgwarden_census_duration_seconds{pool=unbounded}")
+            .copied()
+            .unwrap_or(0.0);
+        assert!(census >= 1.0, "round {round}: the census stopped");
+        assert_eq!(
+            now.get("pgwarden_housekeeping_panics_total{pool=unbounded}"),
+            Some(&0.0)
+        );
+    }
+    drop(held);
 }

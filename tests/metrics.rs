@@ -32,7 +32,7 @@ async fn pool_events_are_recorded() {
         1.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=control,pool=mx}}", m::LANE_RESERVED)),
+        gauge(&s, &format!("{}{{lane=probe,pool=mx}}", m::LANE_RESERVED)),
         1.0
     );
     assert_eq!(

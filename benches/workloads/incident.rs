@@ -56,7 +56,7 @@ pub fn describe(s: Settings) -> String {
          {PROBE_EVERY:?} (`SELECT 1`, pgwarden: `Pool::readiness`; bound {PROBE_BOUND:?}, a probe \
          past it counts as failed and as {PROBE_BOUND:?} in the p99); {rounds} round(s) of \
          {round:?} per side, interleaved raw, session locks, leases; pgwarden pools with default \
-         limits (request max 7, session-lock budget 2, control reserve 1)"
+         limits (request max 7, session-lock budget 2, probe reserve 1)"
     )
 }
 

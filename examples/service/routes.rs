@@ -50,7 +50,7 @@ async fn up() -> &'static str {
     "up\n"
 }
 
-/// Readiness: `SELECT 1` on the pool's reserved control lane within 1 s, so
+/// Readiness: `SELECT 1` on the pool's reserved probe lane within 1 s, so
 /// it answers even when request and lock traffic hold every other
 /// connection (the seed's node went out of rotation exactly there).
 async fn ready(State(s): State<AppState>) -> Reply {

@@ -119,6 +119,10 @@ impl TestServer {
                 .args(["-c", "synchronous_commit=off"])
                 .args(["-c", "full_page_writes=off"])
                 .args(["-c", "max_connections=200"])
+                // A lock table for 51,200 locks (the default 64 per connection
+                // holds about 13,000): the census is tested with tens of
+                // thousands of advisory locks.
+                .args(["-c", "max_locks_per_transaction=256"])
                 .args(["-c", "logging_collector=on"])
                 .arg("-c")
                 .arg(format!("log_directory={}", root.join("log").display()))

@@ -16,7 +16,7 @@ use super::options::LeaseOptions;
 use super::renewer::Registry;
 use super::sql::{Attempt, Statements};
 use super::table::TableName;
-use crate::budget::Lane;
+use crate::admission::{Lane, Priority};
 use crate::error::Error;
 use crate::metrics::LeaseMetrics;
 use crate::pool::{Conn, Pool, Shared};
@@ -88,11 +88,18 @@ impl Inner {
         }
     }
 
-    /// A control-lane connection for one statement.
-    pub(crate) async fn control(&self, timeout: Duration) -> Result<Conn, Error> {
+    /// A connection for one statement: lease statements on the lease lane
+    /// (renewals and releases urgent, acquisitions normal), the install on
+    /// the control lane.
+    pub(crate) async fn control(
+        &self,
+        lane: Lane,
+        priority: Priority,
+        timeout: Duration,
+    ) -> Result<Conn, Error> {
         let pool = self.pool()?;
         let site = Location::caller();
-        pool.checkout(Lane::Control, site, timeout).await
+        pool.checkout_with(lane, priority, site, timeout).await
     }
 
     pub(crate) fn count_statement(&self) {
@@ -116,7 +123,9 @@ impl Inner {
     /// bounded by the statement timeout.
     pub(crate) async fn install(&self) -> Result<bool, Error> {
         let began = Instant::now();
-        let mut conn = self.control(self.statement_timeout).await?;
+        let mut conn = self
+            .control(Lane::Control, Priority::Normal, self.statement_timeout)
+            .await?;
         let left = self.statement_timeout.saturating_sub(began.elapsed());
         self.count_statement();
         let ran = match tokio::time::timeout(left, self.sql.install(&mut conn, left)).await {
@@ -147,7 +156,9 @@ impl Inner {
         self.ensure_installed().await?;
         let holder = name::new_holder();
         let began = Instant::now();
-        let conn = self.control(self.statement_timeout).await?;
+        let conn = self
+            .control(Lane::Lease, Priority::Normal, self.statement_timeout)
+            .await?;
         let start = Instant::now();
         let left = self.statement_timeout.saturating_sub(began.elapsed());
         self.count_statement();
@@ -243,7 +254,9 @@ impl Inner {
         forget_hold: bool,
     ) -> Result<(), Error> {
         let began = Instant::now();
-        let conn = self.control(self.statement_timeout).await?;
+        let conn = self
+            .control(Lane::Lease, Priority::Urgent, self.statement_timeout)
+            .await?;
         let left = self.statement_timeout.saturating_sub(began.elapsed());
         self.count_statement();
         let fut = self

@@ -26,6 +26,7 @@ use tokio::sync::Notify;
 use super::guard::{LeaseState, LostReason};
 use super::timing::{self, Timing};
 use super::Inner;
+use crate::admission::{Lane, Priority};
 use crate::error::Error;
 
 /// The most leases one renewal statement carries.
@@ -205,7 +206,7 @@ impl Inner {
         let ttls: Vec<f64> = items.iter().map(|i| i.ttl).collect();
         let mut sent = false;
         let result = async {
-            let conn = self.control(budget).await?;
+            let conn = self.control(Lane::Lease, Priority::Urgent, budget).await?;
             let left = budget.saturating_sub(start.elapsed());
             sent = true;
             let fut = self.sql.renew(&conn, &names, &holders, &tokens, &ttls);

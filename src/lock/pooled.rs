@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tokio_postgres::types::{ToSql, Type};
 
 use super::{lock_fn, LockKey, LockMode, Scope};
-use crate::budget::Lane;
+use crate::admission::Lane;
 use crate::error::Error;
 use crate::pool::{Conn, Pool};
 use crate::pooler::{backend_pid, Motion, MOTION_STATEMENTS};

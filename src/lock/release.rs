@@ -211,11 +211,15 @@ impl Drop for Held {
             drop(conn);
             return;
         }
-        let mut guard = DiscardOnDrop(Some(conn));
         let (key, mode, lock_pid, bound) =
             (self.key, self.mode, self.lock_pid, self.unlock_timeout);
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
+                // Its slot frees when the unlock below is done: a session
+                // lock asked for meanwhile waits for it instead of being
+                // refused because of it.
+                conn.mark_releasing();
+                let mut guard = DiscardOnDrop(Some(conn));
                 rt.spawn(async move {
                     release(&mut guard, key, mode, lock_pid, bound).await;
                     drop(tally);
@@ -224,7 +228,7 @@ impl Drop for Held {
             // No runtime to unlock on: close the connection.
             Err(_) => {
                 tracing::warn!(%key, "session lock dropped outside a tokio runtime: closing its connection");
-                drop(guard);
+                drop(DiscardOnDrop(Some(conn)));
                 drop(tally);
             }
         }

@@ -10,7 +10,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::IsolationLevel;
 
 use super::{xact_lock, LockKey, Namespace};
-use crate::budget::Lane;
+use crate::admission::Lane;
 use crate::error::Error;
 use crate::pool::{Conn, Pool};
 

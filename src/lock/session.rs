@@ -10,7 +10,7 @@ use tokio_postgres::types::Type;
 use super::pooled::{self, Act};
 use super::release::{Held, Tally};
 use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
-use crate::budget::Lane;
+use crate::admission::Lane;
 use crate::error::Error;
 use crate::pool::{Conn, Pool};
 

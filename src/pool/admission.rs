@@ -1,15 +1,22 @@
-//! Admission: permits, the FIFO wait queue, and returns.
+//! The shell around the admission core: permits, each waiter's channel and
+//! deadline, returns, the "releasing" mark, and closing. Every change to the
+//! core happens under the state lock, and the lane gauges it moves are set
+//! there too, so they always describe the state they were read from.
 
 use std::panic::Location;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use deadpool_postgres::PoolError;
 use tokio::sync::oneshot;
 
-use super::{Shared, State, Waiter};
-use crate::budget::{Decision, Lane, Refusal};
-use crate::error::Error;
+use std::collections::HashSet;
+
+use slab::Slab;
+
+use super::{Checkout, Shared, State};
+use crate::admission::{Answer as Admitted, Effect, Lane, Priority, Refusal, WaiterKey};
+use crate::error::{Error, Stage};
 
 /// The right to one connection of a lane: counted in the budget until dropped.
 pub(crate) struct Permit {
@@ -20,31 +27,156 @@ pub(crate) struct Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.shared.release(self.slot, self.lane);
+        self.shared.release(self.slot);
     }
 }
 
+/// What a queued waiter is told: its permit, or why never.
+type Outcome = Result<Permit, Refusal>;
+
+/// A queued checkout, as the shell keeps it.
+pub(crate) struct Waiter {
+    /// Unique for the pool's life: the table's keys are reused, and a
+    /// waiter that gave up just as it was granted must not touch the next
+    /// waiter filed under the same key.
+    id: u64,
+    site: &'static Location<'static>,
+    /// When its checkout began: the checkout record's age until attached.
+    start: Instant,
+    tx: oneshot::Sender<Outcome>,
+}
+
 /// Removes a waiter from the queue when its checkout gives up or is dropped.
-pub(super) struct WaiterGuard<'a> {
-    shared: &'a Shared,
+struct WaiterGuard<'a> {
+    shared: &'a Arc<Shared>,
+    key: WaiterKey,
     id: u64,
     lane: Lane,
+    prio: Priority,
 }
 
 impl Drop for WaiterGuard<'_> {
     fn drop(&mut self) {
-        let mut st = self.shared.state.lock();
-        if let Some(pos) = st.waiters.iter().position(|w| w.id == self.id) {
-            st.waiters.remove(pos);
-            st.pending[self.lane.idx()] -= 1;
-            let n = st.pending[self.lane.idx()];
-            drop(st);
-            self.shared.metrics.lane(self.lane).pending.set(n as f64);
+        let mut fired = Fired::default();
+        {
+            let mut guard = self.shared.state.lock();
+            let st = &mut *guard;
+            // Still in the table under its own id: still queued (a grant or
+            // refusal takes it out, and its key may serve another since).
+            let queued = st.waiters.get(self.key).is_some_and(|w| w.id == self.id);
+            if queued {
+                st.waiters.try_remove(self.key);
+                let mut t = Tables {
+                    waiters: &mut st.waiters,
+                    checkouts: &mut st.checkouts,
+                    warned_sites: &mut st.warned_sites,
+                };
+                st.adm.cancel(self.lane, self.prio, self.key, |e| {
+                    self.shared.apply(&mut t, e, &mut fired)
+                });
+                self.shared.publish(st, 1 << self.lane.idx() | fired.lanes);
+            }
+        }
+        fired.send(self.shared);
+    }
+}
+
+/// A grant's checkout slot and lane, or a refusal: made into what the
+/// waiter is told once the lock is released (the permit's `Arc` clone is
+/// an atomic every checkout touches: not under the lock).
+type Answer = Result<(usize, Lane), Refusal>;
+
+/// Channels to fire once the lock is released, and what changed.
+#[derive(Default)]
+struct Fired {
+    first: Option<(oneshot::Sender<Outcome>, Answer)>,
+    rest: Vec<(oneshot::Sender<Outcome>, Answer)>,
+    /// Lanes whose gauges moved (bit per lane index).
+    lanes: u8,
+    /// Session locks admitted past the budget: (site, first at that site).
+    overs: Vec<(&'static Location<'static>, bool)>,
+}
+
+impl Fired {
+    fn push(&mut self, tx: oneshot::Sender<Outcome>, a: Answer) {
+        if self.first.is_none() {
+            self.first = Some((tx, a));
+        } else {
+            self.rest.push((tx, a));
+        }
+    }
+
+    fn send(self, shared: &Arc<Shared>) {
+        for (site, first) in self.overs {
+            shared.over_budget(site, first);
+        }
+        for (tx, answer) in self.first.into_iter().chain(self.rest) {
+            let outcome = answer.map(|(slot, lane)| Permit {
+                shared: shared.clone(),
+                slot,
+                lane,
+            });
+            // A waiter that gave up in the meantime hands a permit back,
+            // whose drop releases it again.
+            let _ = tx.send(outcome);
         }
     }
 }
 
+/// The shell's tables, apart from the admission core that is borrowed
+/// while its effects are applied to them.
+struct Tables<'a> {
+    waiters: &'a mut Slab<Waiter>,
+    checkouts: &'a mut Slab<Checkout>,
+    warned_sites: &'a mut HashSet<usize>,
+}
+
 impl Shared {
+    /// Applies one of the core's effects (under the lock).
+    fn apply(&self, t: &mut Tables<'_>, e: Effect, fired: &mut Fired) {
+        match e {
+            Effect::Grant {
+                key,
+                lane,
+                prio,
+                over_budget,
+            } => {
+                let Some(w) = t.waiters.try_remove(key) else {
+                    debug_assert!(false, "granted an unknown waiter");
+                    return;
+                };
+                let slot = t
+                    .checkouts
+                    .insert(Checkout::new(lane, prio, w.site, w.start));
+                if over_budget {
+                    let first = t.warned_sites.insert(w.site as *const _ as usize);
+                    fired.overs.push((w.site, first));
+                }
+                fired.lanes |= 1 << lane.idx();
+                fired.push(w.tx, Ok((slot, lane)));
+            }
+            Effect::Refuse { key, lane, refusal } => {
+                if let Some(w) = t.waiters.try_remove(key) {
+                    fired.lanes |= 1 << lane.idx();
+                    fired.push(w.tx, Err(refusal));
+                }
+            }
+        }
+    }
+
+    /// Sets the in-use and pending gauges of the lanes in `lanes` (a bit per
+    /// lane index), under the lock that guards what they describe.
+    pub(super) fn publish(&self, st: &State, lanes: u8) {
+        let mut bits = lanes & ((1 << Lane::COUNT) - 1);
+        while bits != 0 {
+            let lane = Lane::ALL[bits.trailing_zeros() as usize];
+            bits &= bits - 1;
+            let m = self.metrics.lane(lane);
+            m.in_use.set(st.adm.in_use(lane) as f64);
+            m.pending.set(st.adm.pending(lane) as f64);
+        }
+    }
+
     fn refusal(&self, st: &State, lane: Lane, r: Refusal) -> Error {
         let (limit, hard_floor) = match r {
             Refusal::Budget { limit } => (limit, false),
@@ -53,40 +185,47 @@ impl Shared {
         Error::BudgetExhausted {
             lane,
             limit,
-            in_use: st.budget.in_use(lane),
+            in_use: st.adm.in_use(lane),
             hard_floor,
             holders: st.holders(lane, Instant::now()),
         }
     }
 
-    /// Admits one checkout of `lane`, waiting in FIFO order up to `timeout`.
-    pub(super) async fn acquire(
+    fn refused(&self, lane: Lane, r: Refusal, err: Error) -> Error {
+        self.metrics.lane(lane).fail_refused.increment(1);
+        if matches!(r, Refusal::Budget { .. }) {
+            self.metrics.overrun_refuse.increment(1);
+        }
+        err
+    }
+
+    fn closed(&self, lane: Lane) -> Error {
+        self.metrics.lane(lane).fail_closed.increment(1);
+        Error::Pool(PoolError::Closed)
+    }
+
+    /// Admits one checkout of `lane` at `prio`, waiting in FIFO order up to
+    /// `deadline`.
+    pub(super) async fn admit(
         self: &Arc<Self>,
         lane: Lane,
+        prio: Priority,
         site: &'static Location<'static>,
-        start: Instant,
-        timeout: Duration,
+        start: tokio::time::Instant,
+        deadline: tokio::time::Instant,
     ) -> Result<Permit, Error> {
-        let lm = self.metrics.lane(lane);
-        let (id, rx) = {
+        let (key, id, rx) = {
             let mut st = self.state.lock();
-            let queued = st.pending[lane.idx()] > 0;
-            let d = match st.budget.decide(lane) {
-                // Others of this lane wait already: queue behind them.
-                Decision::Admit | Decision::AdmitOverBudget if queued => Decision::Wait,
-                Decision::Admit | Decision::AdmitOverBudget => st.budget.acquire(lane),
-                d => d,
-            };
-            match d {
-                Decision::Admit | Decision::AdmitOverBudget => {
-                    let slot = st.insert(lane, site, start);
-                    let in_use = st.budget.in_use(lane);
-                    let over = d == Decision::AdmitOverBudget;
-                    let first = over && st.warned_sites.insert(site as *const _ as usize);
+            let key = st.waiters.vacant_key();
+            match st.adm.request(lane, prio, key) {
+                Admitted::Admit { over_budget } => {
+                    let slot = st.insert(lane, prio, site, start.into_std());
+                    let in_use = st.adm.in_use(lane);
+                    self.metrics.lane(lane).in_use.set(in_use as f64);
+                    let first = over_budget && st.warned_sites.insert(site as *const _ as usize);
                     drop(st);
-                    lm.in_use.set(in_use as f64);
-                    if over {
-                        self.over_budget(site, first, in_use);
+                    if over_budget {
+                        self.over_budget(site, first);
                     }
                     return Ok(Permit {
                         shared: self.clone(),
@@ -94,72 +233,89 @@ impl Shared {
                         lane,
                     });
                 }
-                Decision::Refuse(r) => {
+                Admitted::Refused(r) => {
                     let err = self.refusal(&st, lane, r);
                     drop(st);
-                    lm.fail_refused.increment(1);
-                    if matches!(r, Refusal::Budget { .. }) {
-                        self.metrics.overrun_refuse.increment(1);
-                    }
-                    return Err(err);
+                    return Err(self.refused(lane, r, err));
                 }
-                Decision::Wait => {
+                Admitted::Closed => {
+                    drop(st);
+                    return Err(self.closed(lane));
+                }
+                Admitted::Queued => {
                     let (tx, rx) = oneshot::channel();
-                    let id = st.next_waiter;
                     st.next_waiter += 1;
-                    st.waiters.push_back(Waiter {
+                    let id = st.next_waiter;
+                    st.waiters.insert(Waiter {
                         id,
-                        lane,
                         site,
-                        start,
+                        start: start.into_std(),
                         tx,
                     });
-                    st.pending[lane.idx()] += 1;
-                    lm.pending.set(st.pending[lane.idx()] as f64);
-                    (id, rx)
+                    self.publish(&st, 1 << lane.idx());
+                    (key, id, rx)
                 }
             }
         };
         let guard = WaiterGuard {
             shared: self,
+            key,
             id,
             lane,
+            prio,
         };
-        let res = tokio::time::timeout(timeout.saturating_sub(start.elapsed()), rx).await;
-        match res {
-            Ok(Ok(permit)) => {
-                // `release` took this waiter off the queue before granting
-                // it: nothing to remove, skip the guard's scan of the queue.
+        match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(Ok(permit))) => {
+                // Granted: off the queue already, skip the guard's scan.
                 std::mem::forget(guard);
                 Ok(permit)
             }
-            // The sender went away without a permit: the pool is closing.
-            Ok(Err(_)) => Err(Error::Pool(PoolError::Closed)),
+            Ok(Ok(Err(r))) => {
+                std::mem::forget(guard);
+                let err = self.refusal(&self.state.lock(), lane, r);
+                Err(self.refused(lane, r, err))
+            }
+            // The sender went away without an answer: the pool closed.
+            Ok(Err(_)) => {
+                std::mem::forget(guard);
+                Err(self.closed(lane))
+            }
             Err(_) => {
                 // The status as this waiter saw it, itself still counted.
                 let status = self.status();
                 drop(guard);
-                lm.fail_timeout.increment(1);
-                tracing::warn!(pool = %self.name, %lane, waited = ?start.elapsed(), %status, "checkout timed out");
-                Err(Error::Timeout {
-                    lane,
-                    waited: start.elapsed(),
-                    status,
-                })
+                Err(self.timed_out(lane, Stage::Admission, start, status))
             }
         }
     }
 
-    fn over_budget(&self, site: &'static Location<'static>, first: bool, in_use: usize) {
+    /// Counts and logs a checkout whose bound ran out.
+    pub(super) fn timed_out(
+        &self,
+        lane: Lane,
+        stage: Stage,
+        start: tokio::time::Instant,
+        status: super::Status,
+    ) -> Error {
+        self.metrics.lane(lane).fail_timeout.increment(1);
+        let waited = start.elapsed();
+        tracing::warn!(pool = %self.name, %lane, ?waited, %stage, %status, "checkout timed out");
+        Error::Timeout {
+            lane,
+            waited,
+            stage,
+            status: Box::new(status),
+        }
+    }
+
+    fn over_budget(&self, site: &'static Location<'static>, first: bool) {
         self.metrics.overrun_warn.increment(1);
         if first {
-            let limit = self
-                .state
-                .lock()
-                .budget
-                .limits()
-                .lane(Lane::SessionLock)
-                .max;
+            let (in_use, limit) = {
+                let st = self.state.lock();
+                let lane = Lane::SessionLock;
+                (st.adm.in_use(lane), st.adm.limits().lane(lane).max)
+            };
             tracing::warn!(
                 pool = %self.name,
                 %site,
@@ -171,84 +327,61 @@ impl Shared {
         }
     }
 
-    /// Returns one connection of `lane` to the budget and serves waiters.
-    fn release(self: &Arc<Self>, slot: usize, lane: Lane) {
-        // Usually one grant per return: the first needs no allocation.
-        let mut grant: Option<(oneshot::Sender<Permit>, usize, Lane)> = None;
-        let mut grants = Vec::new();
-        let mut overs = Vec::new();
-        let mut st = self.state.lock();
-        if st.checkouts.try_remove(slot).is_none() {
-            debug_assert!(false, "released an unknown checkout");
-        }
-        st.budget.release(lane);
-        // A lane that must wait stays blocked for the rest of this pass:
-        // granting a connection never makes room for another lane. Stop
-        // once every lane with waiters is blocked, instead of asking the
-        // budget again for each of the waiters queued behind.
-        let mut blocked = [false; 3];
-        let mut i = 0;
-        while i < st.waiters.len() {
-            let wl = st.waiters[i].lane;
-            if blocked[wl.idx()] {
-                i += 1;
-                continue;
-            }
-            match st.budget.acquire(wl) {
-                d @ (Decision::Admit | Decision::AdmitOverBudget) => {
-                    let Some(w) = st.waiters.remove(i) else { break };
-                    st.pending[wl.idx()] -= 1;
-                    let slot = st.insert(wl, w.site, w.start);
-                    if d == Decision::AdmitOverBudget {
-                        let first = st.warned_sites.insert(w.site as *const _ as usize);
-                        overs.push((w.site, first, st.budget.in_use(wl)));
-                    }
-                    if grant.is_none() {
-                        grant = Some((w.tx, slot, wl));
-                    } else {
-                        grants.push((w.tx, slot, wl));
-                    }
-                }
-                Decision::Refuse(_) | Decision::Wait => {
-                    blocked[wl.idx()] = true;
-                    let pending = st.pending;
-                    if Lane::ALL
-                        .iter()
-                        .all(|l| blocked[l.idx()] || pending[l.idx()] == 0)
-                    {
-                        break;
-                    }
-                    i += 1;
-                }
-            }
-        }
-        let in_use = st.budget.in_use(lane);
-        // Lanes whose gauges changed besides the returned one: those granted.
-        let mut granted: [Option<(usize, usize)>; 3] = [None; 3];
-        for (_, _, l) in grant.iter().chain(&grants) {
-            granted[l.idx()] = Some((st.budget.in_use(*l), st.pending[l.idx()]));
-        }
-        drop(st);
-        self.metrics.lane(lane).in_use.set(in_use as f64);
-        for l in Lane::ALL {
-            if let Some((n, p)) = granted[l.idx()] {
-                let m = self.metrics.lane(l);
-                m.in_use.set(n as f64);
-                m.pending.set(p as f64);
-            }
-        }
-        for (site, first, n) in overs {
-            self.over_budget(site, first, n);
-        }
-        for (tx, slot, lane) in grant.into_iter().chain(grants) {
-            let permit = Permit {
-                shared: self.clone(),
-                slot,
-                lane,
+    /// Returns one checkout to the budget and serves the waiters it makes
+    /// room for.
+    fn release(self: &Arc<Self>, slot: usize) {
+        let mut fired = Fired::default();
+        {
+            let mut guard = self.state.lock();
+            let st = &mut *guard;
+            let Some(c) = st.checkouts.try_remove(slot) else {
+                debug_assert!(false, "released an unknown checkout");
+                return;
             };
-            // A waiter that gave up in the meantime hands the permit back,
-            // whose drop releases it again.
-            let _ = tx.send(permit);
+            let mut t = Tables {
+                waiters: &mut st.waiters,
+                checkouts: &mut st.checkouts,
+                warned_sites: &mut st.warned_sites,
+            };
+            st.adm.release(c.lane, c.prio, c.releasing, |e| {
+                self.apply(&mut t, e, &mut fired)
+            });
+            self.publish(st, 1 << c.lane.idx() | fired.lanes);
         }
+        fired.send(self);
+    }
+
+    /// The owner of checkout `slot` let go and its return is under way: a
+    /// checkout of its lane refused only because of it waits instead.
+    pub(super) fn mark_releasing(&self, slot: usize) {
+        let mut st = self.state.lock();
+        let lane = match st.checkouts.get_mut(slot) {
+            Some(c) if !c.releasing => {
+                c.releasing = true;
+                c.lane
+            }
+            _ => return,
+        };
+        st.adm.mark_releasing(lane);
+    }
+
+    /// Closes deadpool and fails every waiter.
+    pub(super) fn close(&self) {
+        self.inner.close();
+        let mut gone = Vec::new();
+        {
+            let mut st = self.state.lock();
+            let st = &mut *st;
+            let mut keys = Vec::new();
+            st.adm.close(|k| keys.push(k));
+            for k in keys {
+                if let Some(w) = st.waiters.try_remove(k) {
+                    gone.push(w);
+                }
+            }
+            self.publish(st, u8::MAX);
+        }
+        // Their receivers see the sender gone: `closed`.
+        drop(gone);
     }
 }

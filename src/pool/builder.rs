@@ -1,25 +1,104 @@
-use std::collections::{HashSet, VecDeque};
+//! [`PoolBuilder`], and the deadpool pools pgwarden builds itself.
+
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use slab::Slab;
 
-use super::{IdMap, IdSet, Options, Pool, Shared, State};
-use crate::budget::{Budget, Lane, LaneLimits, Limits, Policy};
+use super::{names, Options, Pool, Shared, State};
+use crate::admission::{Lane, LaneLimits, Limits, LimitsError, Policy, MAX_POOL_SIZE};
 use crate::error::BuildError;
 use crate::lock::LockShared;
 use crate::metrics::PoolMetrics;
 use crate::pooler::Pooler;
+
+/// deadpool's create timeout on pools pgwarden builds, unless configured:
+/// a server that accepts connections but never answers fails the connect.
+const CREATE_TIMEOUT: Duration = Duration::from_secs(10);
+/// deadpool's recycle timeout on pools pgwarden builds, unless configured.
+const RECYCLE_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn check_size(size: usize) -> Result<(), BuildError> {
+    if size > MAX_POOL_SIZE {
+        return Err(LimitsError::TooLarge {
+            size,
+            max: MAX_POOL_SIZE,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+impl Pool {
+    /// Starts a builder from a deadpool-postgres [`Config`](deadpool_postgres::Config)
+    /// (no TLS, tokio runtime). Its pool size must be at most
+    /// [`MAX_POOL_SIZE`](crate::MAX_POOL_SIZE); deadpool create and recycle
+    /// timeouts left unset become 10 s and 5 s (every checkout is bounded by
+    /// its caller's bound too).
+    pub fn from_config(config: &deadpool_postgres::Config) -> Result<PoolBuilder, BuildError> {
+        let mut config = config.clone();
+        let pool = config
+            .pool
+            .get_or_insert_with(deadpool_postgres::PoolConfig::default);
+        check_size(pool.max_size)?;
+        pool.timeouts.create.get_or_insert(CREATE_TIMEOUT);
+        pool.timeouts.recycle.get_or_insert(RECYCLE_TIMEOUT);
+        let inner = config
+            .create_pool(
+                Some(deadpool_postgres::Runtime::Tokio1),
+                tokio_postgres::NoTls,
+            )
+            .map_err(|e| BuildError::Deadpool(e.to_string()))?;
+        Ok(PoolBuilder::new(inner))
+    }
+
+    /// Starts a builder from a `DATABASE_URL`-style connection string
+    /// (`postgres://…` or `host=… user=…`), no TLS, `max_size` connections
+    /// (at most [`MAX_POOL_SIZE`](crate::MAX_POOL_SIZE)), deadpool create and
+    /// recycle timeouts of 10 s and 5 s (every checkout is bounded by its
+    /// caller's bound too).
+    ///
+    /// ```
+    /// let e = pgwarden::Pool::from_url("host=/tmp", usize::MAX).unwrap_err();
+    /// assert!(e.to_string().contains("above the maximum 262143"), "{e}");
+    /// ```
+    pub fn from_url(url: &str, max_size: usize) -> Result<PoolBuilder, BuildError> {
+        check_size(max_size)?;
+        let pg: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
+            // The parser's reason is the source ("invalid value for option
+            // `port`", "unexpected EOF"…); the error itself only says
+            // "invalid connection string".
+            BuildError::InvalidUrl(match std::error::Error::source(&e) {
+                Some(reason) => crate::error::Chain(reason).to_string(),
+                None => e.to_string(),
+            })
+        })?;
+        let mgr = deadpool_postgres::Manager::from_config(
+            pg,
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        let inner = deadpool_postgres::Pool::builder(mgr)
+            .max_size(max_size)
+            .create_timeout(Some(CREATE_TIMEOUT))
+            .recycle_timeout(Some(RECYCLE_TIMEOUT))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(|e| BuildError::Deadpool(e.to_string()))?;
+        Ok(PoolBuilder::new(inner))
+    }
+}
 
 /// Builds a [`Pool`] over a deadpool pool. Every setting has a default.
 #[must_use = "builder does nothing until .build()"]
 #[derive(Debug)]
 pub struct PoolBuilder {
     inner: deadpool_postgres::Pool,
-    name: String,
-    lanes: [Option<LaneLimits>; 3],
+    name: Option<String>,
+    lanes: [Option<LaneLimits>; Lane::COUNT],
     policy: Policy,
     wait_timeout: Option<Duration>,
     long_hold: Duration,
@@ -33,8 +112,8 @@ impl PoolBuilder {
     pub(crate) fn new(inner: deadpool_postgres::Pool) -> PoolBuilder {
         PoolBuilder {
             inner,
-            name: "default".into(),
-            lanes: [None; 3],
+            name: None,
+            lanes: [None; Lane::COUNT],
             policy: Policy::Refuse,
             wait_timeout: None,
             long_hold: Duration::from_secs(30),
@@ -46,9 +125,12 @@ impl PoolBuilder {
     }
 
     /// The pool's name in logs and metric labels: 1 to 64 characters of
-    /// `[A-Za-z0-9_.-]`. Default: `"default"`.
+    /// `[A-Za-z0-9_.-]`. Default: `"default"`, or `"default-2"`,
+    /// `"default-3"`… while a pool of that name lives, so that two pools
+    /// never share the `pool` label unnoticed (a name given here is kept; a
+    /// clash with a live pool is logged as a warning).
     pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into();
+        self.name = Some(name.into());
         self
     }
 
@@ -59,7 +141,7 @@ impl PoolBuilder {
     }
 
     /// The most connections session locks may pin.
-    /// Default: `min(max(1, N / 4), N - 2)`.
+    /// Default: `min(max(1, N / 4), N - 2)` (0 for a pool of 2).
     pub fn session_lock_max(mut self, max: usize) -> Self {
         self.lanes[Lane::SessionLock.idx()] = Some(LaneLimits { reserved: 0, max });
         self
@@ -71,7 +153,8 @@ impl PoolBuilder {
         self
     }
 
-    /// How long request and control checkouts wait, in FIFO order.
+    /// How long checkouts may take, end to end (admission in FIFO order,
+    /// connecting or recycling, the backend-pid query).
     /// Default: deadpool's wait timeout when it has one, else 30 s.
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = Some(timeout);
@@ -85,14 +168,15 @@ impl PoolBuilder {
         self
     }
 
-    /// How often the housekeeping task looks at the holds. Default: 1 s.
+    /// How often the housekeeping task looks at the holds and republishes
+    /// the gauges; above zero. Default: 1 s.
     pub fn housekeeping_interval(mut self, every: Duration) -> Self {
         self.housekeeping = every;
         self
     }
 
-    /// How often the periodic census of `pg_locks` runs; `None` turns it off.
-    /// Default: 60 s.
+    /// How often the periodic census of `pg_locks` runs (in its own task);
+    /// `None` turns it off; above zero. Default: 60 s.
     pub fn census_interval(mut self, every: Option<Duration>) -> Self {
         self.census_interval = every;
         self
@@ -115,53 +199,88 @@ impl PoolBuilder {
         self
     }
 
+    /// The limits these settings give a pool of `size`.
+    fn limits(&self, size: usize) -> Result<Limits, LimitsError> {
+        let d = Limits::default_lanes(size);
+        let mut lanes = d;
+        for lane in Lane::ALL {
+            if let Some(l) = self.lanes[lane.idx()] {
+                lanes[lane.idx()] = l;
+            }
+        }
+        // Unless set, the request maximum is what the other lanes'
+        // reservations leave.
+        if self.lanes[Lane::Request.idx()].is_none() {
+            let reserved: usize = Lane::ALL
+                .iter()
+                .filter(|l| **l != Lane::Request)
+                .map(|l| lanes[l.idx()].reserved)
+                .fold(0, usize::saturating_add);
+            let r = &mut lanes[Lane::Request.idx()];
+            r.max = size.saturating_sub(reserved).max(r.reserved);
+        }
+        Limits::new(size, lanes, self.policy)
+    }
+
     /// Validates every setting and builds the pool. Call inside a tokio
     /// runtime to start the housekeeping task at once (otherwise it starts at
     /// the first checkout).
     pub fn build(self) -> Result<Pool, BuildError> {
-        let valid_name = !self.name.is_empty()
-            && self.name.len() <= 64
-            && self
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-        if !valid_name {
-            return Err(BuildError::InvalidName(self.name));
+        if let Some(name) = &self.name {
+            let valid = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+            if !valid {
+                return Err(BuildError::InvalidName(name.clone()));
+            }
         }
-        let size = self.inner.status().max_size;
-        let d = Limits::defaults(size)?;
-        let pick = |lane: Lane| self.lanes[lane.idx()].unwrap_or_else(|| d.lane(lane));
-        let mut request = pick(Lane::Request);
-        let session = pick(Lane::SessionLock);
-        let control = pick(Lane::Control);
-        // A control reservation set alone shrinks the request default to fit.
-        if self.lanes[Lane::Request.idx()].is_none() {
-            request.max = size.saturating_sub(control.reserved).max(request.reserved);
+        let positive = |setting: &'static str, value: Duration| {
+            if value.is_zero() {
+                Err(BuildError::InvalidDuration {
+                    setting,
+                    value,
+                    why: "must be above zero",
+                })
+            } else {
+                Ok(())
+            }
+        };
+        positive("housekeeping_interval", self.housekeeping)?;
+        if let Some(every) = self.census_interval {
+            positive("census_interval", every)?;
         }
-        let limits = Limits::new(size, request, session, control, self.policy)?;
+        if self.inner.is_closed() {
+            return Err(BuildError::DeadpoolClosed);
+        }
+        let d = self.inner.status();
+        let limits = self.limits(d.max_size)?;
+        // Objects out, or callers waiting: someone else uses this pool.
+        let in_use = d.size.saturating_sub(d.available) + d.waiting;
+        if in_use > 0 {
+            return Err(BuildError::DeadpoolInUse {
+                in_use,
+                max_size: d.max_size,
+            });
+        }
         let wait_timeout = self
             .wait_timeout
             .or(self.inner.timeouts().wait)
             .unwrap_or(Duration::from_secs(30));
-        if self.housekeeping.is_zero() {
-            return Err(BuildError::Deadpool(
-                "housekeeping interval must be above zero".into(),
-            ));
-        }
-        let metrics = PoolMetrics::register(&self.name, &limits);
+        let claim = names::Claim::new(self.name.as_deref());
+        let name = claim.name();
+        let metrics = PoolMetrics::register(&name, &limits);
+        let get_timeouts = deadpool_postgres::Timeouts {
+            wait: Some(Duration::ZERO),
+            ..self.inner.timeouts()
+        };
         let shared = Arc::new(Shared {
-            name: self.name.into(),
+            name,
+            _name: claim,
             inner: self.inner,
-            state: Mutex::new(State {
-                budget: Budget::new(limits),
-                waiters: VecDeque::new(),
-                pending: [0; 3],
-                next_waiter: 0,
-                checkouts: Slab::new(),
-                warned_sites: HashSet::new(),
-                pids: IdMap::default(),
-                tainted: IdSet::default(),
-            }),
+            get_timeouts,
+            state: Mutex::new(State::new(limits)),
             opts: Options {
                 wait_timeout,
                 long_hold: self.long_hold,
@@ -173,6 +292,9 @@ impl PoolBuilder {
             metrics,
             locks: LockShared::default(),
             housekeeping_started: AtomicBool::new(false),
+            resize_warned: AtomicBool::new(false),
+            #[cfg(test)]
+            inject_panic: AtomicBool::new(false),
             leases: std::sync::OnceLock::new(),
         });
         shared.ensure_housekeeping();

@@ -9,7 +9,7 @@ use deadpool_postgres::Object;
 
 use super::admission::Permit;
 use super::{ObjectId, Pool};
-use crate::budget::Lane;
+use crate::admission::Lane;
 
 /// A checked-out connection. Derefs to [`deadpool_postgres::Client`], so code
 /// written against deadpool runs unchanged; returns to the pool on drop.
@@ -62,6 +62,13 @@ impl Conn {
             self.permit.shared.state.lock().pids.remove(&self.object);
             drop(Object::take(obj));
         }
+    }
+
+    /// Its owner let go and its return is under way (a dropped session-lock
+    /// guard whose unlock is in flight): a checkout of its lane refused only
+    /// because of it waits for it instead.
+    pub(crate) fn mark_releasing(&self) {
+        self.permit.shared.mark_releasing(self.permit.slot);
     }
 
     /// Sets what the checkout is for, shown in long-hold warnings.

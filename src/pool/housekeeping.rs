@@ -1,12 +1,20 @@
-//! Housekeeping: one task per pool for the oldest-hold gauges, long-hold
-//! warnings, connection gauges and the periodic census.
+//! Housekeeping, which cannot die: one task per pool for the oldest-hold
+//! gauges, long-hold warnings and the republished lane and connection
+//! gauges, and another for the periodic census. Every pass runs under
+//! `catch_unwind`: a panic is logged, counted
+//! (`pgwarden_housekeeping_panics_total`) and the task goes on. All their
+//! duration arithmetic saturates.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
+
+use super::checkout::deadline;
 use super::{Pool, Shared};
-use crate::budget::Lane;
+use crate::admission::Lane;
 
 impl Shared {
     pub(super) fn ensure_housekeeping(self: &Arc<Self>) {
@@ -16,17 +24,26 @@ impl Shared {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             if !self.housekeeping_started.swap(true, Ordering::AcqRel) {
                 rt.spawn(housekeeping(Arc::downgrade(self), self.opts.housekeeping));
+                if let Some(every) = self.opts.census_interval {
+                    rt.spawn(census(Arc::downgrade(self), every));
+                }
             }
         }
     }
 
     /// One housekeeping pass: the oldest hold per lane, long-hold warnings,
-    /// connection gauges.
+    /// the lane gauges republished from the state (under its lock), the
+    /// connection gauges, and a check that deadpool still has the size
+    /// pgwarden owns.
     pub(crate) fn housekeep(&self) {
+        #[cfg(test)]
+        if self.inject_panic.swap(false, Ordering::AcqRel) {
+            panic!("injected housekeeping panic");
+        }
         let now = Instant::now();
-        let mut oldest = [Duration::ZERO; 3];
+        let mut oldest = [Duration::ZERO; Lane::COUNT];
         let mut long = Vec::new();
-        {
+        let size = {
             let mut st = self.state.lock();
             for (_, c) in st.checkouts.iter_mut() {
                 let age = now.saturating_duration_since(c.since);
@@ -37,7 +54,9 @@ impl Shared {
                     long.push((c.lane, c.site, c.pid, age, c.note.clone()));
                 }
             }
-        }
+            self.publish(&st, u8::MAX);
+            st.adm.limits().size()
+        };
         for l in Lane::ALL {
             self.metrics
                 .lane(l)
@@ -59,41 +78,72 @@ impl Shared {
         }
         let s = self.inner.status();
         self.metrics.idle.set(s.available as f64);
-        self.metrics.in_use.set((s.size - s.available) as f64);
+        self.metrics
+            .in_use
+            .set(s.size.saturating_sub(s.available) as f64);
+        if s.max_size != size
+            && !self.inner.is_closed()
+            && !self.resize_warned.swap(true, Ordering::AcqRel)
+        {
+            tracing::warn!(
+                pool = %self.name,
+                deadpool_max_size = s.max_size,
+                size,
+                "the wrapped deadpool pool was resized outside pgwarden: checkouts past its new size fail"
+            );
+        }
     }
+
+    /// A housekeeping pass that cannot take the task down.
+    fn housekeep_caught(&self) {
+        if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| self.housekeep())) {
+            self.panicked("housekeeping", &*panic);
+        }
+    }
+
+    fn panicked(&self, what: &str, panic: &(dyn std::any::Any + Send)) {
+        self.metrics.housekeeping_panics.increment(1);
+        let msg = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        tracing::error!(pool = %self.name, task = what, panic = %msg, "housekeeping pass panicked; the task goes on");
+    }
+}
+
+/// Sleeps `every`, then the pool, unless it is gone or closed: the tasks
+/// hold no strong reference between passes.
+async fn tick(shared: &Weak<Shared>, every: Duration) -> Option<Arc<Shared>> {
+    tokio::time::sleep_until(deadline(tokio::time::Instant::now(), every)).await;
+    shared.upgrade().filter(|s| !s.inner.is_closed())
 }
 
 async fn housekeeping(shared: Weak<Shared>, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The first tick is immediate: nothing has been held yet.
-    tick.tick().await;
-    // The first census runs one interval after start, not at build time.
-    let mut last_census = Instant::now();
-    loop {
-        tick.tick().await;
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        if shared.inner.is_closed() {
-            return;
-        }
-        shared.housekeep();
-        if let Some(every) = shared.opts.census_interval {
-            if last_census.elapsed() >= every {
-                last_census = Instant::now();
-                census_pass(Pool { shared }, every).await;
-            }
-        }
+    while let Some(shared) = tick(&shared, every).await {
+        shared.housekeep_caught();
     }
 }
 
-/// The periodic census, bounded so that housekeeping never stalls on it.
-async fn census_pass(pool: Pool, every: Duration) {
-    let bound = pool.shared.opts.wait_timeout + every.min(Duration::from_secs(30));
-    match tokio::time::timeout(bound, pool.census_sweep()).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => tracing::warn!(pool = %pool.shared.name, error = %e, "census failed"),
-        Err(_) => tracing::warn!(pool = %pool.shared.name, ?bound, "census did not finish in time"),
+/// The periodic census, in its own task: a slow `pg_locks` never delays the
+/// housekeeping pass, and each census is bounded.
+async fn census(weak: Weak<Shared>, every: Duration) {
+    while let Some(shared) = tick(&weak, every).await {
+        let bound = shared
+            .opts
+            .wait_timeout
+            .saturating_add(every.min(Duration::from_secs(30)));
+        let pool = Pool {
+            shared: shared.clone(),
+        };
+        let pass = tokio::time::timeout(bound, pool.census_sweep());
+        match AssertUnwindSafe(pass).catch_unwind().await {
+            Ok(Ok(Ok(_))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(pool = %shared.name, error = %e, "census failed"),
+            Ok(Err(_)) => {
+                tracing::warn!(pool = %shared.name, ?bound, "census did not finish in time")
+            }
+            Err(panic) => shared.panicked("census", &*panic),
+        }
     }
 }

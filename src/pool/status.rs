@@ -1,6 +1,10 @@
+//! [`Status`]: the pool at one moment; [`DeadpoolView`]: the wrapped
+//! deadpool pool, read only.
+
 use std::fmt;
 
-use crate::budget::Lane;
+use super::Shared;
+use crate::admission::Lane;
 
 /// One lane of [`Status`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -9,6 +13,9 @@ pub struct LaneStatus {
     pub lane: Lane,
     /// Connections of this lane checked out now.
     pub in_use: usize,
+    /// Of those, connections being released (a dropped session-lock guard
+    /// whose unlock is in flight): they come back within the unlock timeout.
+    pub releasing: usize,
     /// Checkouts of this lane waiting now.
     pub waiting: usize,
     /// Its reservation.
@@ -31,7 +38,7 @@ pub struct Status {
     /// Checkouts waiting, all lanes.
     pub waiting: usize,
     /// Per lane, in [`Lane::ALL`] order.
-    pub lanes: [LaneStatus; 3],
+    pub lanes: [LaneStatus; Lane::COUNT],
 }
 
 impl Status {
@@ -53,6 +60,9 @@ impl fmt::Display for Status {
                 f.write_str(", ")?;
             }
             write!(f, "{} {}/{}", l.lane, l.in_use, l.max)?;
+            if l.releasing > 0 {
+                write!(f, " ({} releasing)", l.releasing)?;
+            }
         }
         write!(f, "), waiting {}", self.waiting)?;
         if self.waiting > 0 {
@@ -68,5 +78,52 @@ impl fmt::Display for Status {
             f.write_str(")")?;
         }
         Ok(())
+    }
+}
+
+impl Shared {
+    pub(crate) fn status(&self) -> Status {
+        let d = self.inner.status();
+        let st = self.state.lock();
+        let limits = st.adm.limits();
+        let lanes = Lane::ALL.map(|lane| LaneStatus {
+            lane,
+            in_use: st.adm.in_use(lane),
+            releasing: st.adm.releasing(lane),
+            waiting: st.adm.pending(lane),
+            reserved: limits.lane(lane).reserved,
+            max: limits.lane(lane).max,
+        });
+        Status {
+            max: limits.size(),
+            size: d.size,
+            idle: d.available,
+            in_use: st.adm.total(),
+            waiting: st.adm.waiting(),
+            lanes,
+        }
+    }
+}
+
+/// The wrapped deadpool pool, read only ([`crate::Pool::inner`]): pgwarden
+/// owns its capacity, so its connections come only through pgwarden.
+#[derive(Clone, Copy, Debug)]
+pub struct DeadpoolView<'a>(pub(super) &'a deadpool_postgres::Pool);
+
+impl DeadpoolView<'_> {
+    /// deadpool's own status: `max_size`, `size` (open), `available` (idle),
+    /// `waiting`.
+    pub fn status(&self) -> deadpool_postgres::Status {
+        self.0.status()
+    }
+
+    /// deadpool's configured timeouts.
+    pub fn timeouts(&self) -> deadpool_postgres::Timeouts {
+        self.0.timeouts()
+    }
+
+    /// Whether the pool was closed.
+    pub fn is_closed(&self) -> bool {
+        self.0.is_closed()
     }
 }

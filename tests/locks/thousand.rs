@@ -133,9 +133,10 @@ async fn worker(pool: Pool, seed: u64) -> Tally {
                 finish(lock, &mut rng).await;
             }
             Some(Err(e)) if e.is_lock_timeout() => t.not_granted += 1,
-            Some(Err(e)) if e.is_budget_exhausted() => {
+            Some(Err(e)) if e.is_budget_exhausted() || e.is_timeout() => {
                 // The budget at work (guards being released hold their
-                // connection until it is confirmed): wait for a slot, retry.
+                // connection until it is confirmed; a checkout waits for
+                // them within its bound): wait for a slot, retry.
                 t.refused += 1;
                 let full = || pool.status().lane(Lane::SessionLock).in_use >= 4;
                 eventually(Duration::from_secs(5), "a session-lock slot", || async {
@@ -206,7 +207,7 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
     )
     .await;
 
-    // Full strength: every request connection and the control reserve at once.
+    // Full strength: every request connection and the probe reserve at once.
     let mut held = Vec::new();
     for _ in 0..5 {
         held.push(
@@ -216,7 +217,7 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
         );
     }
     held.push(
-        pool.timeout_get_for(Lane::Control, Duration::from_secs(2))
+        pool.timeout_get_for(Lane::Probe, Duration::from_secs(2))
             .await
             .unwrap(),
     );

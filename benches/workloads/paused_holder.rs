@@ -1,0 +1,216 @@
+//! A lease holder paused inside a fenced transaction, and what it does to
+//! a healthy instance: the scenario of the readiness-reserve test
+//! (`tests/readiness_reserve.rs`) and of benchmark row 7.
+//!
+//! Instance B holds lease `x` and sits in a transaction after
+//! `lease.fence(&tx)` (a GC pause, a stopped process). Instance A (pool of
+//! 4) runs contenders polling `try_acquire("x")`, whose statement blocks on
+//! B's row lock; request traffic that keeps its request lane full; its own
+//! unrelated leases (TTL 2 s, renewed every 500 ms); and the readiness probe
+//! every 100 ms with a 1 s bound. Public API only: the same file builds
+//! against older versions of pgwarden, for comparison.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden_testing::TestDb;
+use pgwarden::{LeaseOptions, Leases, Pool};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The scenario's knobs.
+#[derive(Debug, Clone, Copy)]
+pub struct Setup {
+    /// Instance A's pool size.
+    pub pool: usize,
+    /// How long B sits in its fenced transaction.
+    pub hold: Duration,
+    /// Tasks polling `try_acquire("x")` on A.
+    pub contenders: usize,
+    /// Tasks looping `get` + a 2 ms statement on A.
+    pub request_tasks: usize,
+    /// A's own leases.
+    pub own_leases: usize,
+    /// Their TTL.
+    pub own_ttl: Duration,
+    /// Probe period and bound.
+    pub probe_every: Duration,
+    pub probe_bound: Duration,
+}
+
+impl Default for Setup {
+    fn default() -> Setup {
+        Setup {
+            pool: 4,
+            hold: Duration::from_secs(10),
+            contenders: 3,
+            request_tasks: 8,
+            own_leases: 3,
+            own_ttl: Duration::from_secs(2),
+            probe_every: Duration::from_millis(100),
+            probe_bound: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What A went through.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// Probe latencies; a failed probe counts as the bound.
+    pub probes: Vec<Duration>,
+    pub probes_ok: usize,
+    /// A's own leases lost during the hold.
+    pub own_lost: usize,
+    /// Renewals of A's leases during the hold, and failed renewal statements.
+    pub renewed: u64,
+    pub renewal_failures: u64,
+    /// Contenders' `try_acquire("x")` calls that returned, and of those
+    /// errors (statement timeouts, checkout timeouts).
+    pub attempts: usize,
+    pub attempt_errors: usize,
+    /// Request checkouts that ran their statement.
+    pub requests: usize,
+}
+
+impl Outcome {
+    /// Adds another round's figures to these.
+    pub fn merge(&mut self, o: Outcome) {
+        self.probes.extend(o.probes);
+        self.probes_ok += o.probes_ok;
+        self.own_lost += o.own_lost;
+        self.renewed += o.renewed;
+        self.renewal_failures += o.renewal_failures;
+        self.attempts += o.attempts;
+        self.attempt_errors += o.attempt_errors;
+        self.requests += o.requests;
+    }
+
+    /// One line: readiness success and p99, own leases lost.
+    pub fn summary(&self) -> String {
+        let pct = 100.0 * self.probes_ok as f64 / self.probes.len().max(1) as f64;
+        format!(
+            "readiness {pct:.1} % of {}, p99 {:.1} ms; own leases lost {}",
+            self.probes.len(),
+            self.probe_percentile(99.0).as_secs_f64() * 1000.0,
+            self.own_lost
+        )
+    }
+
+    /// The `p`-th percentile of the probe latencies (nearest rank).
+    pub fn probe_percentile(&self, p: f64) -> Duration {
+        let mut v = self.probes.clone();
+        v.sort();
+        if v.is_empty() {
+            return Duration::ZERO;
+        }
+        let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+        v[rank.clamp(1, v.len()) - 1]
+    }
+}
+
+fn pool(db: &TestDb, size: usize, name: &str) -> Result<Pool, BoxError> {
+    Ok(Pool::builder(db.deadpool(size)?)
+        .name(name)
+        .wait_timeout(Duration::from_secs(5))
+        .build()?)
+}
+
+/// Runs the scenario once on `db` (a fresh database).
+pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
+    let pool_b = pool(db, 4, "paused-holder")?;
+    let b = Leases::new(&pool_b);
+    b.install().await?;
+    let held = b
+        .try_acquire("x", Duration::from_secs(60))
+        .await?
+        .ok_or("lease x is free at the start")?;
+    let pool_a = pool(db, s.pool, "healthy")?;
+    let a = Leases::new(&pool_a);
+    let mut own = Vec::new();
+    for i in 0..s.own_leases {
+        let opts = LeaseOptions::new(s.own_ttl);
+        let name = format!("own-{i}");
+        own.push(
+            a.try_acquire_with(&name, &opts)
+                .await?
+                .ok_or("own lease free")?,
+        );
+    }
+    let before = a.stats();
+
+    // B pauses inside its fenced transaction.
+    let mut conn_b = pool_b.get().await?;
+    let tx = conn_b.transaction().await?;
+    held.fence(&tx).await?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let attempt_errors = Arc::new(AtomicUsize::new(0));
+    let requests = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..s.contenders {
+        let (a, stop) = (a.clone(), stop.clone());
+        let (attempts, errors) = (attempts.clone(), attempt_errors.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                match a.try_acquire("x", Duration::from_secs(60)).await {
+                    Ok(Some(l)) => drop(l.release().await),
+                    Ok(None) => {}
+                    Err(_) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                attempts.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }));
+    }
+    for _ in 0..s.request_tasks {
+        let (pool, stop, requests) = (pool_a.clone(), stop.clone(), requests.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(c) = pool.get().await {
+                    if c.simple_query("SELECT pg_sleep(0.002)").await.is_ok() {
+                        requests.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+
+    let mut out = Outcome::default();
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(s.probe_every);
+    while start.elapsed() < s.hold {
+        tick.tick().await;
+        let t = Instant::now();
+        match pool_a.readiness(s.probe_bound).await {
+            Ok(_) => {
+                out.probes_ok += 1;
+                out.probes.push(t.elapsed());
+            }
+            Err(_) => out.probes.push(t.elapsed().max(s.probe_bound)),
+        }
+    }
+    out.own_lost = own.iter().filter(|l| l.is_lost()).count();
+    let after = a.stats();
+    out.renewed = after.renewed - before.renewed;
+    out.renewal_failures = after.renewal_failures - before.renewal_failures;
+
+    // B wakes up and commits; everything winds down.
+    tx.commit().await?;
+    drop(conn_b);
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
+    }
+    out.attempts = attempts.load(Ordering::Relaxed);
+    out.attempt_errors = attempt_errors.load(Ordering::Relaxed);
+    out.requests = requests.load(Ordering::Relaxed);
+    for l in own {
+        let _ = l.release().await;
+    }
+    let _ = held.release().await;
+    Ok(out)
+}

@@ -1,0 +1,282 @@
+//! The admission state machine, the code that runs, driven through random
+//! interleavings of checkouts, returns, releases and cancellations; every
+//! effect it hands back is applied to a ledger of who holds and who waits,
+//! and the invariants are checked after every step.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::budget::Decision;
+use super::lane::{Lane, Policy, Priority};
+use super::limits::{LaneLimits, Limits};
+use super::queue::{Admission, Answer, Effect, WaiterKey};
+
+/// The classes of checkout the pool makes: lease statements urgent
+/// (renewals, releases) or normal (acquisitions); every other lane normal.
+fn class_strategy() -> impl Strategy<Value = (Lane, Priority)> {
+    prop_oneof![
+        3 => Just((Lane::Request, Priority::Normal)),
+        3 => Just((Lane::SessionLock, Priority::Normal)),
+        1 => Just((Lane::Control, Priority::Normal)),
+        1 => Just((Lane::Probe, Priority::Normal)),
+        2 => Just((Lane::Lease, Priority::Normal)),
+        2 => Just((Lane::Lease, Priority::Urgent)),
+    ]
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// A checkout asks.
+    Request(Lane, Priority),
+    /// The k-th checkout out comes back.
+    Return(usize),
+    /// The k-th checkout out is let go, its return under way.
+    MarkReleasing(usize),
+    /// The k-th waiter gives up.
+    Cancel(usize),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => class_strategy().prop_map(|(l, p)| Op::Request(l, p)),
+        3 => any::<usize>().prop_map(Op::Return),
+        1 => any::<usize>().prop_map(Op::MarkReleasing),
+        1 => any::<usize>().prop_map(Op::Cancel),
+    ]
+}
+
+fn limits_strategy() -> impl Strategy<Value = Limits> {
+    (
+        2usize..10,
+        any::<bool>(),
+        0usize..3,
+        0usize..2,
+        0usize..3,
+        any::<bool>(),
+    )
+        .prop_filter_map(
+            "valid limits",
+            |(size, defaults, sess_max, lease_res, ctl_res, warn)| {
+                let policy = if warn { Policy::Warn } else { Policy::Refuse };
+                let d = Limits::defaults(size).ok()?.with_policy(policy);
+                if defaults {
+                    return Some(d);
+                }
+                let mut lanes = d.lanes();
+                lanes[Lane::SessionLock.idx()].max = sess_max;
+                lanes[Lane::Lease.idx()] = LaneLimits {
+                    reserved: lease_res,
+                    max: (lease_res.max(1) + 1).max(lanes[Lane::Lease.idx()].max),
+                };
+                lanes[Lane::Control.idx()] = LaneLimits {
+                    reserved: ctl_res,
+                    max: ctl_res.max(1),
+                };
+                Limits::new(size, lanes, policy).ok()
+            },
+        )
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Out {
+    lane: Lane,
+    prio: Priority,
+    releasing: bool,
+}
+
+/// Who holds and who waits, as the effects say.
+struct Ledger {
+    adm: Admission,
+    out: Vec<Out>,
+    /// Queued waiters by key: (lane, priority), in the order they queued.
+    waiting: BTreeMap<WaiterKey, (Lane, Priority)>,
+    next_key: WaiterKey,
+    cancelled: Vec<WaiterKey>,
+}
+
+impl Ledger {
+    fn apply(&mut self, effects: Vec<Effect>) -> Result<(), TestCaseError> {
+        for e in effects {
+            match e {
+                Effect::Grant {
+                    key, lane, prio, ..
+                } => {
+                    prop_assert!(
+                        !self.cancelled.contains(&key),
+                        "a cancelled waiter was granted"
+                    );
+                    let class = self.waiting.remove(&key);
+                    prop_assert_eq!(class, Some((lane, prio)), "granted a waiter not queued");
+                    // FIFO within a lane and priority: nobody of its class
+                    // queued before it is still waiting.
+                    let older = self
+                        .waiting
+                        .iter()
+                        .any(|(k, c)| *k < key && *c == (lane, prio));
+                    prop_assert!(!older, "{lane} {prio:?}: granted out of order");
+                    self.out.push(Out {
+                        lane,
+                        prio,
+                        releasing: false,
+                    });
+                }
+                Effect::Refuse { key, lane, .. } => {
+                    prop_assert!(!self.cancelled.contains(&key));
+                    prop_assert_eq!(lane, Lane::SessionLock, "only session locks are refused");
+                    prop_assert!(self.waiting.remove(&key).is_some());
+                    // Refused only when it can never be admitted while the
+                    // current holders hold.
+                    let (held, rel) = (self.adm.in_use(lane), self.adm.releasing(lane));
+                    prop_assert!(
+                        held - rel >= self.session_limit(),
+                        "refused with room to come"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The most session locks may hold under the policy.
+    fn session_limit(&self) -> usize {
+        let l = self.adm.limits();
+        match l.policy() {
+            Policy::Refuse => l.lane(Lane::SessionLock).max.min(l.session_lock_ceiling()),
+            Policy::Warn => l.session_lock_ceiling(),
+        }
+    }
+
+    fn check(&self) -> Result<(), TestCaseError> {
+        let l = self.adm.limits().clone();
+        let b = self.adm.budget();
+        prop_assert!(self.adm.consistent(), "kept summaries drifted");
+        prop_assert_eq!(b.total(), self.out.len());
+        prop_assert!(b.total() <= l.size(), "more than N out");
+        for lane in Lane::ALL {
+            let mine: Vec<&Out> = self.out.iter().filter(|o| o.lane == lane).collect();
+            prop_assert_eq!(b.in_use(lane), mine.len(), "{} in use", lane);
+            prop_assert_eq!(
+                b.releasing(lane),
+                mine.iter().filter(|o| o.releasing).count()
+            );
+            let urgent = mine.iter().filter(|o| o.prio == Priority::Urgent).count();
+            prop_assert_eq!(b.urgent(lane), urgent);
+            let max = if lane == Lane::SessionLock {
+                self.session_limit()
+            } else {
+                l.lane(lane).max
+            };
+            prop_assert!(mine.len() <= max, "{} past its max", lane);
+            let queued = self.waiting.values().filter(|c| c.0 == lane).count();
+            prop_assert_eq!(self.adm.pending(lane), queued);
+        }
+        prop_assert_eq!(self.adm.waiting(), self.waiting.len());
+        // The probe reserve is never taken by another lane.
+        let others = b.total() - b.in_use(Lane::Probe);
+        prop_assert!(
+            others <= l.size() - l.lane(Lane::Probe).reserved,
+            "probe reserve taken"
+        );
+        // Lease acquisitions never hold the slots kept for renewals.
+        let lease_normal = b.in_use(Lane::Lease) - b.urgent(Lane::Lease);
+        prop_assert!(lease_normal <= l.lease_normal_cap());
+        // Session locks: the hard ceiling, and the budget under Refuse.
+        prop_assert!(b.in_use(Lane::SessionLock) <= self.session_limit());
+        // Nobody waits who could be admitted now, and every queued session
+        // lock will fit once the releases in flight and those ahead are done.
+        let mut session_pos = 0;
+        for (lane, _) in self.waiting.values() {
+            if *lane == Lane::SessionLock {
+                let settled = b.in_use(*lane) - b.releasing(*lane) + session_pos;
+                prop_assert!(
+                    settled < self.session_limit(),
+                    "a session lock waits for nothing"
+                );
+                session_pos += 1;
+            }
+        }
+        let mut heads: Vec<(Lane, Priority)> = self.waiting.values().copied().collect();
+        heads.dedup();
+        for (lane, prio) in heads {
+            let d = b.decide(lane, prio, 0);
+            prop_assert!(
+                !matches!(d, Decision::Admit | Decision::AdmitOverBudget),
+                "{lane} {prio:?} waits though admissible"
+            );
+        }
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    #[test]
+    fn interleavings_keep_the_invariants(
+        limits in limits_strategy(),
+        ops in prop::collection::vec(op_strategy(), 1..200),
+    ) {
+        let mut g = Ledger {
+            adm: Admission::new(limits),
+            out: vec![],
+            waiting: BTreeMap::new(),
+            next_key: 0,
+            cancelled: vec![],
+        };
+        for op in ops {
+            let mut effects = Vec::new();
+            match op {
+                Op::Request(lane, prio) => {
+                    let key = g.next_key;
+                    g.next_key += 1;
+                    let claims = g.waiting.values().filter(|c| c.0 == Lane::SessionLock).count();
+                    let before = (g.adm.in_use(lane), g.adm.releasing(lane));
+                    match g.adm.request(lane, prio, key) {
+                        Answer::Admit { .. } => g.out.push(Out { lane, prio, releasing: false }),
+                        Answer::Queued => {
+                            g.waiting.insert(key, (lane, prio));
+                        }
+                        Answer::Refused(_) => {
+                            prop_assert_eq!(lane, Lane::SessionLock);
+                            prop_assert_eq!((g.adm.in_use(lane), g.adm.releasing(lane)), before);
+                            prop_assert!(before.0 - before.1 + claims >= g.session_limit());
+                        }
+                        Answer::Closed => prop_assert!(false, "not closed"),
+                    }
+                }
+                Op::Return(k) if !g.out.is_empty() => {
+                    let o = g.out.remove(k % g.out.len());
+                    let ok = g.adm.release(o.lane, o.prio, o.releasing, |e| effects.push(e));
+                    prop_assert!(ok);
+                }
+                Op::MarkReleasing(k) if !g.out.is_empty() => {
+                    let i = k % g.out.len();
+                    if !g.out[i].releasing {
+                        prop_assert!(g.adm.mark_releasing(g.out[i].lane));
+                        g.out[i].releasing = true;
+                    }
+                }
+                Op::Cancel(k) if !g.waiting.is_empty() => {
+                    let (&key, &(lane, prio)) = g.waiting.iter().nth(k % g.waiting.len()).unwrap();
+                    prop_assert!(g.adm.cancel(lane, prio, key, |e| effects.push(e)));
+                    g.waiting.remove(&key);
+                    g.cancelled.push(key);
+                    // Gone without a trace: cancelling again finds nothing.
+                    prop_assert!(!g.adm.cancel(lane, prio, key, |e| effects.push(e)));
+                }
+                _ => {}
+            }
+            g.apply(effects)?;
+            g.check()?;
+        }
+        // Everyone returns: every waiter is served or refused, nothing is left.
+        while let Some(o) = g.out.pop() {
+            let mut effects = Vec::new();
+            g.adm.release(o.lane, o.prio, o.releasing, |e| effects.push(e));
+            g.apply(effects)?;
+            g.check()?;
+        }
+        prop_assert!(g.waiting.is_empty(), "left waiting: {:?}", g.waiting);
+    }
+}
