@@ -1,4 +1,4 @@
-//! Table leases against a real PostgreSQL: the seed's scenario, one holder,
+//! Table leases against a real PostgreSQL: four jobs on a pool of two, one holder,
 //! take-over, late release, the lost signal, fencing, batched renewal,
 //! run_exclusive, holds, bad input.
 
@@ -35,7 +35,7 @@ async fn row(admin: &tokio_postgres::Client, name: &str) -> Option<(String, i64)
         .map(|r| (r.get(0), r.get(1)))
 }
 
-// ---- seed 000: TestLeasesHoldNoConnection, and the old TryExclusive ----
+// ---- leases hold no connection; the session-lock version starves the pool ----
 
 const JOBS: [&str; 4] = ["cleanup", "alerts", "mail-checks", "uptime@node-a"];
 
@@ -50,7 +50,10 @@ async fn leases_hold_no_connection() {
         .await
         .unwrap();
     // The smallest pool pgwarden allows: 1 control reserve + 1 request.
-    let pool = pool(&db, 2, "seed");
+    let pool = pool(&db, 2, "four-jobs");
+    // Known direct before counting connections (the first lease statement
+    // would otherwise find out in the background).
+    pool.detect_pooler().await.unwrap();
     let mut held = Vec::new();
     for job in JOBS {
         let lease = pool.try_exclusive(job).await.unwrap();
@@ -83,7 +86,7 @@ async fn leases_hold_no_connection() {
     assert_eq!(pool.status().in_use, 0);
 }
 
-/// The seed's old `TryExclusive`: a pooled connection holding a session
+/// "Run on one instance only" with a session advisory lock: a pooled connection holding a session
 /// advisory lock for as long as the job runs.
 async fn old_try_exclusive(
     pool: &deadpool_postgres::Pool,
@@ -780,16 +783,22 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
     leases.install().await.unwrap();
     // Drop acquisitions and releases after every number of polls.
     for polls in 0..12 {
+        // Polled `polls` times (or until it completes: a completed future
+        // must not be polled again), then dropped.
         let mut fut = Box::pin(leases.try_acquire("c", S));
         for _ in 0..polls {
-            let _ = futures_util::poll!(&mut fut);
+            if futures_util::poll!(&mut fut).is_ready() {
+                break;
+            }
             tokio::task::yield_now().await;
         }
         drop(fut);
         if let Some(lease) = leases.try_acquire("r", S).await.unwrap() {
             let mut fut = Box::pin(lease.release());
             for _ in 0..polls {
-                let _ = futures_util::poll!(&mut fut);
+                if futures_util::poll!(&mut fut).is_ready() {
+                    break;
+                }
                 tokio::task::yield_now().await;
             }
             drop(fut);

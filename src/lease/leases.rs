@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::guard::{Lease, LostReason};
-use super::inner::{Inner, PoolRef, MAX_POLL};
+use super::inner::{Inner, PoolRef, PurgeSettings, Settings, MAX_POLL};
+use super::name::check_name;
 use super::options::LeaseOptions;
 use super::table::{TableName, DEFAULT_TABLE};
 use super::timing;
@@ -13,8 +14,18 @@ use crate::error::Error;
 use crate::pool::Pool;
 
 /// The longest a lease statement may take by default (checkout included)
-/// before it fails and its connection is closed: 10 s.
+/// before it is cancelled on the server and fails: 10 s.
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Rows released or expired for longer than this are purged by default:
+/// 10 minutes.
+pub const DEFAULT_PURGE_AFTER: Duration = Duration::from_secs(600);
+
+/// How often the renewer purges by default: once a minute.
+pub const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
+
+/// The shortest purge interval accepted: 10 ms.
+pub const MIN_PURGE_INTERVAL: Duration = Duration::from_millis(10);
 
 /// The lease table of one pool: acquire, renew (batched, in the background),
 /// release, run jobs exclusively.
@@ -49,8 +60,8 @@ pub struct Leases {
 pub struct LeaseStats {
     /// Leases held now.
     pub held: usize,
-    /// Statements sent: acquisitions, renewals, releases, fences (and each
-    /// install, counted once).
+    /// Statements sent: acquisitions, busy checks, renewals, releases,
+    /// fences, purges and installs.
     pub statements: u64,
     /// Renewal statements sent (each renews a batch).
     pub renewal_statements: u64,
@@ -63,6 +74,11 @@ pub struct LeaseStats {
     /// Renewal attempts that failed (a database or pool error, a timeout):
     /// retried with back-off until the local deadline.
     pub renewal_failures: u64,
+    /// Rows deleted by purges.
+    pub purged: u64,
+    /// Purge rounds that found the table lock busy (lease statements in
+    /// flight) and gave up until the next round.
+    pub purges_skipped: u64,
 }
 
 /// Builds a [`Leases`]. Every setting has a default.
@@ -73,6 +89,8 @@ pub struct LeasesBuilder {
     table: String,
     statement_timeout: Duration,
     auto_install: bool,
+    purge: PurgeSettings,
+    declared: Vec<String>,
 }
 
 impl LeasesBuilder {
@@ -86,8 +104,9 @@ impl LeasesBuilder {
     }
 
     /// The longest a lease statement may take, checkout included, before it
-    /// fails with [`Error::LeaseTimeout`] and its connection is closed.
-    /// Renewals are bounded by the local deadline as well.
+    /// fails with [`Error::LeaseTimeout`]: it is then cancelled on the server
+    /// (a cancel request) and its connection closed. Renewals are bounded by
+    /// the local deadline as well.
     /// Default: [`DEFAULT_STATEMENT_TIMEOUT`] (10 s).
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.statement_timeout = timeout;
@@ -102,9 +121,70 @@ impl LeasesBuilder {
         self
     }
 
+    /// Declares lease names up front: each becomes a value of the `lease`
+    /// label of the lease metrics. Every name not declared (here or as a
+    /// [`Scheduler`](super::Scheduler) job) counts under
+    /// [`UNDECLARED_LEASE`](super::UNDECLARED_LEASE), so that names made at
+    /// run time (per user, per tenant) cannot grow the metrics without bound.
+    /// Default: none.
+    pub fn declare<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.declared.extend(names.into_iter().map(Into::into));
+        self
+    }
+
+    /// Purge rows released or expired for longer than `age`: the renewer
+    /// deletes them, one statement (at most 5,000 rows) per
+    /// [`LeasesBuilder::purge_interval`]. A purged name starts again with a
+    /// new row; its tokens still grow (see [`Leases::purge`]). Between 0 and
+    /// 366 days. Default: [`DEFAULT_PURGE_AFTER`] (10 min).
+    pub fn purge_after(mut self, age: Duration) -> Self {
+        self.purge.age = age;
+        self
+    }
+
+    /// How often the renewer purges: at least [`MIN_PURGE_INTERVAL`].
+    /// Default: [`DEFAULT_PURGE_INTERVAL`] (60 s).
+    pub fn purge_interval(mut self, every: Duration) -> Self {
+        self.purge.every = every;
+        self
+    }
+
+    /// Whether the renewer purges at all ([`Leases::purge`] still works).
+    /// Default: true.
+    pub fn auto_purge(mut self, on: bool) -> Self {
+        self.purge.auto = on;
+        self
+    }
+
     /// Validates the settings.
     pub fn build(self) -> Result<Leases, Error> {
         let table = TableName::parse(&self.table)?;
+        let p = self.purge;
+        {
+            if p.age > timing::MAX_HOLD {
+                return Err(Error::invalid(
+                    "lease purge age",
+                    format!("{:?} is more than {:?}", p.age, timing::MAX_HOLD),
+                ));
+            }
+            if p.every < MIN_PURGE_INTERVAL || p.every > timing::MAX_HOLD {
+                return Err(Error::invalid(
+                    "lease purge interval",
+                    format!(
+                        "{:?} is outside {MIN_PURGE_INTERVAL:?} to {:?}",
+                        p.every,
+                        timing::MAX_HOLD
+                    ),
+                ));
+            }
+        }
+        for name in &self.declared {
+            check_name(name)?;
+        }
         if self.statement_timeout.is_zero() || self.statement_timeout > timing::MAX_TTL {
             return Err(Error::invalid(
                 "lease statement timeout",
@@ -115,35 +195,53 @@ impl LeasesBuilder {
                 ),
             ));
         }
+        let settings = Settings {
+            table,
+            statement_timeout: self.statement_timeout,
+            auto_install: self.auto_install,
+            purge: self.purge,
+            declared: self.declared,
+        };
         Ok(Leases::from_parts(
             PoolRef::Strong(self.pool.clone()),
             &self.pool,
-            table,
-            self.statement_timeout,
-            self.auto_install,
+            settings,
         ))
     }
 }
 
+fn default_settings() -> Settings {
+    Settings {
+        table: TableName::default(),
+        statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+        auto_install: true,
+        purge: PurgeSettings {
+            age: DEFAULT_PURGE_AFTER,
+            every: DEFAULT_PURGE_INTERVAL,
+            auto: true,
+        },
+        declared: Vec::new(),
+    }
+}
+
 impl Leases {
-    /// The default lease table ([`DEFAULT_TABLE`]) of `pool`.
+    /// The default lease table ([`DEFAULT_TABLE`]) of `pool`, with every
+    /// setting at its default.
     pub fn new(pool: &Pool) -> Leases {
-        Leases::from_parts(
-            PoolRef::Strong(pool.clone()),
-            pool,
-            TableName::default(),
-            DEFAULT_STATEMENT_TIMEOUT,
-            true,
-        )
+        Leases::from_parts(PoolRef::Strong(pool.clone()), pool, default_settings())
     }
 
-    /// Starts a builder: table name, statement timeout, auto-install.
+    /// Starts a builder: table name, statement timeout, auto-install,
+    /// purge, declared names.
     pub fn builder(pool: &Pool) -> LeasesBuilder {
+        let d = default_settings();
         LeasesBuilder {
             pool: pool.clone(),
             table: DEFAULT_TABLE.to_owned(),
-            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
-            auto_install: true,
+            statement_timeout: d.statement_timeout,
+            auto_install: d.auto_install,
+            purge: d.purge,
+            declared: d.declared,
         }
     }
 
@@ -152,27 +250,13 @@ impl Leases {
         Leases::from_parts(
             PoolRef::Weak(Arc::downgrade(&pool.shared)),
             pool,
-            TableName::default(),
-            DEFAULT_STATEMENT_TIMEOUT,
-            true,
+            default_settings(),
         )
     }
 
-    fn from_parts(
-        pool_ref: PoolRef,
-        pool: &Pool,
-        table: TableName,
-        statement_timeout: Duration,
-        auto_install: bool,
-    ) -> Leases {
+    fn from_parts(pool_ref: PoolRef, pool: &Pool, settings: Settings) -> Leases {
         Leases {
-            inner: Arc::new(Inner::new(
-                pool_ref,
-                pool.name(),
-                table,
-                statement_timeout,
-                auto_install,
-            )),
+            inner: Arc::new(Inner::new(pool_ref, pool.name(), settings)),
         }
     }
 
@@ -189,18 +273,27 @@ impl Leases {
 
     /// Creates the lease table and its token sequence when they do not both
     /// exist, inside a transaction holding the transaction-scoped advisory
-    /// lock [`INSTALL_LOCK_KEY`](super::INSTALL_LOCK_KEY), so instances starting together do not race.
+    /// lock [`INSTALL_LOCK_KEY`](super::INSTALL_LOCK_KEY), so instances
+    /// starting together do not race; then checks the shape of what exists.
     /// The schema must exist. Returns true when it ran the DDL.
+    ///
+    /// A table (or sequence) of another shape fails with
+    /// [`Error::LeaseTableMismatch`], naming each difference: a missing or
+    /// mistyped column, the primary key (it must be `(name)`), the token
+    /// sequence (a `bigint` sequence named after the table). With
+    /// `auto_install` on (the default) the first acquisition runs this.
     pub async fn install(&self) -> Result<bool, Error> {
         self.inner.install().await
     }
 
     /// Takes `name` for `ttl` if nobody holds it; `None` when another term
-    /// holds it (a skip). Renewal every TTL / 4 starts at once.
+    /// holds it (a skip), in one statement's round trip: the statement never
+    /// waits on a live holder, not even one inside a fenced transaction.
+    /// Renewal every TTL / 4 starts at once.
     ///
     /// Cancellation: a future dropped after its statement reached the
-    /// database may have taken the lease with no guard to renew it; it
-    /// expires after `ttl`, as a crashed holder's would.
+    /// database cancels the statement on the server, then releases the
+    /// lease in the background in case the statement took it first.
     pub async fn try_acquire(&self, name: &str, ttl: Duration) -> Result<Option<Lease>, Error> {
         self.try_acquire_with(name, &LeaseOptions::new(ttl)).await
     }
@@ -211,13 +304,11 @@ impl Leases {
         name: &str,
         opts: &LeaseOptions,
     ) -> Result<Option<Lease>, Error> {
-        match self.inner.attempt(name, opts).await? {
-            Ok(lease) => Ok(Some(lease)),
-            Err(_) => {
-                self.inner.metrics.skipped(name);
-                Ok(None)
-            }
+        let lease = self.inner.attempt(name, opts).await?;
+        if lease.is_none() {
+            self.inner.metrics.skipped(name);
         }
+        Ok(lease)
     }
 
     /// Takes `name` for `ttl`, waiting up to `wait` for its holder to release
@@ -235,9 +326,14 @@ impl Leases {
     ) -> Result<Lease, Error> {
         let start = Instant::now();
         loop {
-            let retry_in = match self.inner.attempt(name, opts).await? {
-                Ok(lease) => return Ok(lease),
-                Err(retry_in) => retry_in,
+            if let Some(lease) = self.inner.attempt(name, opts).await? {
+                return Ok(lease);
+            }
+            let left = wait.saturating_sub(start.elapsed());
+            let retry_in = if left.is_zero() {
+                Duration::ZERO
+            } else {
+                self.inner.free_in(name).await?
             };
             let left = wait.saturating_sub(start.elapsed());
             if left.is_zero() {
@@ -276,6 +372,41 @@ impl Leases {
         match first_err {
             Some(e) => Err(e),
             None => Ok(released),
+        }
+    }
+
+    /// Deletes the rows released or expired for longer than the purge age
+    /// (set on the builder; [`DEFAULT_PURGE_AFTER`] by default), all of them,
+    /// 5,000 per statement; returns how many. The renewer does the same on
+    /// its own, one statement per purge interval.
+    ///
+    /// Tokens keep growing across purges: each purge statement holds the
+    /// table in `SHARE ROW EXCLUSIVE` mode, which it gets only while no
+    /// lease statement is in flight, so no acquisition that drew its token
+    /// before a purged term can insert it after the purge. It waits at most
+    /// 10 ms for that lock at a time (lease statements queue behind it
+    /// meanwhile) and tries again until the statement timeout, then fails
+    /// with [`Error::LeaseTimeout`].
+    pub async fn purge(&self) -> Result<u64, Error> {
+        let age = self.inner.purge.age;
+        let start = Instant::now();
+        let mut total = 0;
+        loop {
+            match self.inner.purge_with(age).await? {
+                Some(n) => {
+                    total += n;
+                    if n < super::batch::PURGE_BATCH as u64 {
+                        return Ok(total);
+                    }
+                }
+                None if start.elapsed() >= self.inner.statement_timeout => {
+                    return Err(Error::LeaseTimeout {
+                        what: "purge",
+                        waited: start.elapsed(),
+                    })
+                }
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
         }
     }
 

@@ -60,7 +60,7 @@ pub(crate) fn hostname() -> &'static str {
 
 /// A new holder id for one acquisition: `host:pid:64 random bits`.
 ///
-/// Every call is its own holder (seed 000): two tasks of one process exclude
+/// Every call is its own holder: two tasks of one process exclude
 /// each other, and a late release can never match a later term.
 pub(crate) fn new_holder() -> String {
     format!(

@@ -1,90 +1,129 @@
 //! Every lease statement, as text built once per table, and the calls that
 //! run them.
 //!
-//! All of them go through `query_typed` (or `simple_query`-free transaction
-//! control), never named prepared statements: they work behind PgBouncer in
-//! transaction mode. Every time comes from the database clock; durations
-//! travel as `float8` seconds. Names, holders and tokens are parameters; the
-//! table name, validated by [`TableName`], is the only text spliced in.
+//! Each statement runs either as a named prepared statement, cached per
+//! connection (`prepare_typed_cached`: parsed and planned once per
+//! connection), or as an unnamed one (`query_typed`: parsed and planned on
+//! every call), which is what works behind a transaction-mode pooler. The
+//! caller chooses (see `Inner::named`). Every time comes from the database
+//! clock; durations travel as `float8` seconds. Names, holders and tokens
+//! are parameters; the table name, validated by [`TableName`], is the only
+//! text spliced in.
+//!
+//! # Why the statements look the way they do
+//!
+//! - **Acquire** reads the current term before it locks anything: a name
+//!   held by a live term is a skip without a row lock, so a contender never
+//!   waits on a holder, not even on one inside a fenced transaction. Only an
+//!   expired (or missing) row goes on to `ON CONFLICT … DO UPDATE`, whose
+//!   `SET name = excluded.name` makes the take-over lock the row `FOR UPDATE`:
+//!   it waits for a fenced transaction (`FOR KEY SHARE`) of the term it
+//!   replaces. A take-over draws its token there, with the row locked.
+//! - **Tokens grow with every term of a name**, also when rows are deleted.
+//!   A new row draws its token before it is inserted, and a statement can
+//!   stall between the two; if the row of a later term were deleted during
+//!   that stall, the stalled statement would insert a smaller token. Two
+//!   guards rule it out. An acquisition holds a shared transaction-scoped
+//!   advisory lock on the name (try-only: it never waits) from before its
+//!   draw to its commit, and a release deletes its row only if it gets that
+//!   lock exclusively (try-only): otherwise it keeps the row, marked
+//!   released, and the stalled statement meets it and takes the `DO UPDATE`
+//!   path. The purge deletes old rows only while holding `SHARE ROW
+//!   EXCLUSIVE` on the table, which no statement that drew a token can hold
+//!   a lock against at the same time.
+//! - **Busy** is a statement that returns no row. Waiting callers ask when
+//!   the lease may be free with a second, read-only statement.
 
 use std::time::Duration;
 
-use tokio_postgres::types::Type;
-use tokio_postgres::{Client, Error as PgError, GenericClient};
+use deadpool_postgres::ClientWrapper as Client;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Error as PgError, Row};
 
-use super::table::TableName;
-use crate::error::Error;
-use crate::lock::{xact_lock, LockKey, Namespace};
+use super::table::{quote_literal, TableName};
+use crate::lock::{LockKey, Namespace};
 
 /// The key of the transaction-scoped advisory lock `install()` holds:
 /// `Namespace::PGWARDEN.named("leases.install")`, that is the pair
 /// `(1885828964, 594100531)`, in pgwarden's own key space.
 pub const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install");
 
+/// How long the purge waits for its table lock before it gives up until its
+/// next round. Lease statements that arrive meanwhile queue behind it, so
+/// this is short.
+pub(crate) const PURGE_LOCK_WAIT: Duration = Duration::from_millis(10);
+
 /// The statements of one lease table.
 #[derive(Debug)]
 pub(crate) struct Statements {
-    exists: String,
     acquire: String,
+    free_in: String,
     renew: String,
-    release: String,
+    release_delete: String,
+    release_keep: String,
     fence: String,
-    ddl: String,
-    table: String,
-    sequence: String,
+    purge_lock: String,
+    purge: String,
+    pub(crate) ddl: String,
+    pub(crate) table: String,
+    pub(crate) sequence: String,
 }
 
-/// What one acquisition attempt found.
+/// A term just taken.
 #[derive(Debug)]
-pub(crate) enum Attempt {
-    /// Taken: the new term.
-    Taken {
-        token: i64,
-        /// The holder of the previous term: `None` for a new row, `Some("")`
-        /// for a released row kept by its hold, else an expired holder's id.
-        prev_holder: Option<String>,
-        /// The database's `now()` at the take, as Unix seconds.
-        taken_at: f64,
-    },
-    /// Held by another term; free again in about `retry_in` seconds (database
-    /// clock), unless its holder releases it first.
-    Busy { retry_in: f64 },
+pub(crate) struct Taken {
+    pub(crate) token: i64,
+    /// The holder of the term taken over: `None` for a new row, `Some("")`
+    /// for a released row kept by its hold, else an expired holder's id.
+    pub(crate) prev_holder: Option<String>,
+    /// The database's `now()` at the take, as Unix seconds.
+    pub(crate) taken_at: f64,
 }
+
+const ACQUIRE_TYPES: &[Type] = &[
+    Type::TEXT,
+    Type::TEXT,
+    Type::FLOAT8,
+    Type::FLOAT8,
+    Type::FLOAT8,
+];
+const NAME_TYPES: &[Type] = &[Type::TEXT];
+const RENEW_TYPES: &[Type] = &[
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
+    Type::FLOAT8_ARRAY,
+];
+const RELEASE_DELETE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
+const RELEASE_KEEP_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::BOOL];
+const PURGE_TYPES: &[Type] = &[Type::FLOAT8, Type::INT8];
 
 impl Statements {
     pub(crate) fn new(t: &TableName) -> Statements {
         let tbl = t.quoted();
         let seq = t.sequence_literal();
+        // The per-name advisory lock: pgwarden's namespace, and the name
+        // hashed with the table (`hashtext` is consistent among the sessions
+        // of one server, which is all a transaction-scoped lock needs).
+        let ns = Namespace::PGWARDEN.id();
+        let key = format!("{ns}, hashtext({} || $1)", quote_literal(&tbl));
         Statements {
-            exists: "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL".to_owned(),
-            // Seed 000's statement, extended: a token from the sequence on
-            // every take, the previous holder, the hold, and the time until
-            // free when busy. A take-over draws its token in the DO UPDATE
-            // branch, with the row locked: after the previous term's, so
-            // tokens grow with every term of a name even when a statement
-            // that drew a value in VALUES stalls (they do not when drawn
-            // before the lock: seen under 16 contenders). `name = excluded.name` makes a
-            // take-over lock the row FOR UPDATE, so it waits for fenced
-            // transactions (FOR KEY SHARE) while renewals do not.
             acquire: format!(
-                "WITH a AS (
-  INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until, prev_holder)
-  VALUES ($1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
-          greatest(now() + make_interval(secs => $4),
-                   CASE WHEN $5 > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / $5) + 1) * $5) END),
-          NULL)
-  ON CONFLICT (name) DO UPDATE
-     SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
-         taken_at = excluded.taken_at, expires_at = excluded.expires_at,
-         held_until = excluded.held_until, prev_holder = l.holder
-   WHERE l.expires_at < now() AND l.held_until <= now()
-  RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8 AS taken_at
-)
-SELECT true, a.token, a.prev_holder, a.taken_at, 0::float8 FROM a
-UNION ALL
-SELECT false, NULL::int8, NULL::text, NULL::float8,
-       greatest(0, extract(epoch FROM greatest(l.expires_at, l.held_until) - now()))::float8
-  FROM {tbl} l WHERE l.name = $1 AND NOT EXISTS (SELECT 1 FROM a)"
+                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until)
+SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
+       greatest(now() + make_interval(secs => $4),
+                CASE WHEN $5 > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / $5) + 1) * $5) END)
+ WHERE pg_try_advisory_xact_lock_shared({key})
+   AND NOT EXISTS (SELECT FROM {tbl} c WHERE c.name = $1 AND (c.expires_at >= now() OR c.held_until > now()))
+ON CONFLICT (name) DO UPDATE
+   SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
+       taken_at = excluded.taken_at, expires_at = excluded.expires_at,
+       held_until = excluded.held_until, prev_holder = l.holder
+ WHERE l.expires_at < now() AND l.held_until <= now()
+RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8"
+            ),
+            free_in: format!(
+                "SELECT extract(epoch FROM greatest(expires_at, held_until) - now())::float8 FROM {tbl} WHERE name = $1"
             ),
             // One statement renews every lease of the batch, each within its
             // own term only.
@@ -94,149 +133,233 @@ SELECT false, NULL::int8, NULL::text, NULL::float8,
  WHERE l.name = r.name AND l.holder = r.holder AND l.token = r.token
 RETURNING l.name, l.token"
             ),
-            // The holder's own term only. The row stays, marked released
-            // (holder ''), keeping its token and its hold: the next term's
-            // token is drawn under the row lock, after this one's. `$4`
-            // forgets the hold (an interrupted run).
-            release: format!(
+            // Holder ids are new on every acquisition: a holder matches its
+            // own term only, so a late release never touches a later term.
+            release_delete: format!(
+                "DELETE FROM {tbl} WHERE name = $1 AND holder = $2 AND held_until <= now()
+   AND pg_try_advisory_xact_lock({key})"
+            ),
+            // The row stays, marked released (holder ''): for a hold, or
+            // when an acquisition of the name is in flight. `$3` forgets the
+            // hold (an interrupted run).
+            release_keep: format!(
                 "UPDATE {tbl} SET holder = '', expires_at = now(),
-       held_until = CASE WHEN $4 THEN least(held_until, now()) ELSE held_until END
- WHERE name = $1 AND holder = $2 AND token = $3
-RETURNING 1"
+       held_until = CASE WHEN $3 THEN least(held_until, now()) ELSE held_until END
+ WHERE name = $1 AND holder = $2"
             ),
             fence: format!(
-                "SELECT holder, token, expires_at > clock_timestamp() FROM {tbl} WHERE name = $1 FOR KEY SHARE"
+                "SELECT holder, token, expires_at > clock_timestamp(),
+       current_setting('transaction_isolation') <> 'read committed'
+  FROM {tbl} WHERE name = $1 FOR KEY SHARE"
+            ),
+            purge_lock: format!(
+                "SET LOCAL lock_timeout = '{}ms'; LOCK TABLE {tbl} IN SHARE ROW EXCLUSIVE MODE",
+                PURGE_LOCK_WAIT.as_millis()
+            ),
+            purge: format!(
+                "DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
+  SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))"
             ),
             ddl: t.ddl(),
             table: tbl,
             sequence: t.sequence_quoted(),
         }
     }
+}
 
-    /// Creates the table and its sequence unless both exist, inside a
-    /// transaction holding the transaction-scoped advisory lock
-    /// [`INSTALL_LOCK_KEY`] (waiting up to `wait` for it). Returns true when
-    /// it ran the DDL.
-    pub(crate) async fn install(&self, client: &mut Client, wait: Duration) -> Result<bool, Error> {
-        if self.exists(&*client).await? {
-            return Ok(false);
-        }
-        let tx = client.transaction().await?;
-        xact_lock(&tx, INSTALL_LOCK_KEY, wait).await?;
-        tx.batch_execute(&self.ddl).await?;
-        tx.commit().await?;
-        Ok(true)
+/// Runs `text` with `params`: prepared and cached on the connection when
+/// `named`, else as an unnamed statement.
+async fn query(
+    client: &Client,
+    named: bool,
+    text: &str,
+    types: &[Type],
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, PgError> {
+    if named {
+        let stmt = client.prepare_typed_cached(text, types).await?;
+        client.query(&stmt, params).await
+    } else {
+        client.query_typed(text, &typed(params, types)).await
     }
+}
 
-    pub(crate) async fn exists(&self, client: &impl GenericClient) -> Result<bool, PgError> {
-        let row = client
-            .query_typed_one(
-                &self.exists,
-                &[(&self.table, Type::TEXT), (&self.sequence, Type::TEXT)],
-            )
-            .await?;
-        Ok(row.try_get::<_, Option<bool>>(0)?.unwrap_or(false))
+fn typed<'a>(
+    params: &[&'a (dyn ToSql + Sync)],
+    types: &[Type],
+) -> Vec<(&'a (dyn ToSql + Sync), Type)> {
+    params
+        .iter()
+        .zip(types)
+        .map(|(p, t)| (*p, t.clone()))
+        .collect()
+}
+
+async fn execute(
+    client: &Client,
+    named: bool,
+    text: &str,
+    types: &[Type],
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<u64, PgError> {
+    if named {
+        let stmt = client.prepare_typed_cached(text, types).await?;
+        client.execute(&stmt, params).await
+    } else {
+        client.execute_typed(text, &typed(params, types)).await
     }
+}
 
+impl Statements {
+    /// One acquisition attempt: the new term, or `None` when the name is held.
     pub(crate) async fn acquire(
         &self,
         client: &Client,
+        named: bool,
         name: &str,
         holder: &str,
         ttl: f64,
         at_least: f64,
         period: f64,
-    ) -> Result<Attempt, PgError> {
-        let row = client
-            .query_typed_opt(
-                &self.acquire,
-                &[
-                    (&name, Type::TEXT),
-                    (&holder, Type::TEXT),
-                    (&ttl, Type::FLOAT8),
-                    (&at_least, Type::FLOAT8),
-                    (&period, Type::FLOAT8),
-                ],
-            )
-            .await?;
-        let Some(row) = row else {
-            // The row that stopped us was committed after this statement's
-            // snapshot: held, by someone who just took it.
-            return Ok(Attempt::Busy { retry_in: 0.05 });
-        };
-        if row.try_get::<_, bool>(0)? {
-            Ok(Attempt::Taken {
-                token: row.try_get(1)?,
-                prev_holder: row.try_get(2)?,
-                taken_at: row.try_get(3)?,
+    ) -> Result<Option<Taken>, PgError> {
+        let rows = query(
+            client,
+            named,
+            &self.acquire,
+            ACQUIRE_TYPES,
+            &[&name, &holder, &ttl, &at_least, &period],
+        )
+        .await?;
+        rows.first()
+            .map(|r| {
+                Ok(Taken {
+                    token: r.try_get(0)?,
+                    prev_holder: r.try_get(1)?,
+                    taken_at: r.try_get(2)?,
+                })
             })
-        } else {
-            Ok(Attempt::Busy {
-                retry_in: row.try_get(4)?,
-            })
-        }
+            .transpose()
+    }
+
+    /// Seconds until `name` may be free (database clock): `None` when there
+    /// is no row.
+    pub(crate) async fn free_in(
+        &self,
+        client: &Client,
+        named: bool,
+        name: &str,
+    ) -> Result<Option<f64>, PgError> {
+        let rows = query(client, named, &self.free_in, NAME_TYPES, &[&name]).await?;
+        rows.first().map(|r| r.try_get(0)).transpose()
     }
 
     /// Renews a batch; returns the `(name, token)` of the leases renewed.
     pub(crate) async fn renew(
         &self,
         client: &Client,
+        named: bool,
         names: &[&str],
         holders: &[&str],
         tokens: &[i64],
         ttls: &[f64],
     ) -> Result<Vec<(String, i64)>, PgError> {
-        let rows = client
-            .query_typed(
-                &self.renew,
-                &[
-                    (&names, Type::TEXT_ARRAY),
-                    (&holders, Type::TEXT_ARRAY),
-                    (&tokens, Type::INT8_ARRAY),
-                    (&ttls, Type::FLOAT8_ARRAY),
-                ],
-            )
-            .await?;
+        let rows = query(
+            client,
+            named,
+            &self.renew,
+            RENEW_TYPES,
+            &[&names, &holders, &tokens, &ttls],
+        )
+        .await?;
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
             .collect()
     }
 
-    /// Releases one term; returns whether a row was ours to release.
-    pub(crate) async fn release(
+    /// Deletes the row of a term without a hold when no acquisition of its
+    /// name is in flight; true when it did.
+    pub(crate) async fn release_delete(
         &self,
         client: &Client,
+        named: bool,
         name: &str,
         holder: &str,
-        token: i64,
+    ) -> Result<bool, PgError> {
+        let n = execute(
+            client,
+            named,
+            &self.release_delete,
+            RELEASE_DELETE_TYPES,
+            &[&name, &holder],
+        )
+        .await?;
+        Ok(n > 0)
+    }
+
+    /// Marks a term's row released, keeping the row; true when the term was
+    /// this holder's.
+    pub(crate) async fn release_keep(
+        &self,
+        client: &Client,
+        named: bool,
+        name: &str,
+        holder: &str,
         forget_hold: bool,
     ) -> Result<bool, PgError> {
-        let row = client
-            .query_typed_opt(
-                &self.release,
-                &[
-                    (&name, Type::TEXT),
-                    (&holder, Type::TEXT),
-                    (&token, Type::INT8),
-                    (&forget_hold, Type::BOOL),
-                ],
-            )
-            .await?;
-        Ok(row.is_some())
+        let n = execute(
+            client,
+            named,
+            &self.release_keep,
+            RELEASE_KEEP_TYPES,
+            &[&name, &holder, &forget_hold],
+        )
+        .await?;
+        Ok(n > 0)
     }
 
     /// Locks the lease row `FOR KEY SHARE` in the caller's transaction;
-    /// returns its holder, token and whether it is unexpired.
+    /// returns its holder, its token, whether it is unexpired, and whether
+    /// the transaction reads from one snapshot (repeatable read or
+    /// serializable).
     pub(crate) async fn fence(
         &self,
-        client: &impl GenericClient,
+        tx: &tokio_postgres::Transaction<'_>,
         name: &str,
-    ) -> Result<Option<(String, i64, bool)>, PgError> {
-        let row = client
+    ) -> Result<Option<(String, i64, bool, bool)>, PgError> {
+        let row = tx
             .query_typed_opt(&self.fence, &[(&name, Type::TEXT)])
             .await?;
-        row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+        row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
             .transpose()
+    }
+
+    /// Deletes up to `limit` rows released or expired for longer than `age`,
+    /// in a transaction holding `SHARE ROW EXCLUSIVE` on the table (waiting
+    /// at most [`PURGE_LOCK_WAIT`] for it). `None` when the lock was busy.
+    pub(crate) async fn purge(
+        &self,
+        client: &mut Client,
+        named: bool,
+        age: Duration,
+        limit: i64,
+    ) -> Result<Option<u64>, PgError> {
+        let tx = client.transaction().await?;
+        if let Err(e) = tx.batch_execute(&self.purge_lock).await {
+            if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+                return Ok(None); // the transaction rolls back on drop
+            }
+            return Err(e);
+        }
+        let age = age.as_secs_f64();
+        let n = if named {
+            let stmt = tx.prepare_typed_cached(&self.purge, PURGE_TYPES).await?;
+            tx.execute(&stmt, &[&age, &limit]).await?
+        } else {
+            tx.execute_typed(&self.purge, &[(&age, Type::FLOAT8), (&limit, Type::INT8)])
+                .await?
+        };
+        tx.commit().await?;
+        Ok(Some(n))
     }
 }
 
@@ -247,12 +370,46 @@ mod tests {
     #[test]
     fn the_table_name_is_the_only_splice() {
         let s = Statements::new(&TableName::parse("app.leases").unwrap());
-        for text in [&s.acquire, &s.renew, &s.release, &s.fence] {
+        for text in [
+            &s.acquire,
+            &s.free_in,
+            &s.renew,
+            &s.release_delete,
+            &s.release_keep,
+            &s.fence,
+            &s.purge_lock,
+            &s.purge,
+        ] {
             assert!(text.contains(r#""app"."leases""#), "{text}");
             assert!(!text.contains("pgwarden_leases"));
         }
         assert!(s.acquire.contains(r#"nextval('"app"."leases_token_seq"')"#));
+        // The acquisition's shared lock and the release's exclusive one are
+        // on the same key.
+        let key = r#"(1885828964, hashtext('"app"."leases"' || $1))"#;
+        assert!(s
+            .acquire
+            .contains(&format!("pg_try_advisory_xact_lock_shared{key}")));
+        assert!(s
+            .release_delete
+            .contains(&format!("pg_try_advisory_xact_lock{key}")));
         assert_eq!(INSTALL_LOCK_KEY, LockKey::Pair(1_885_828_964, 594_100_531));
         assert!(s.ddl.contains("(1885828964, 594100531)"));
+    }
+
+    #[test]
+    fn the_shared_lock_comes_before_the_token_is_drawn() {
+        // The draw in VALUES is the target list of an INSERT … SELECT whose
+        // WHERE holds the lock: PostgreSQL evaluates the qualification of a
+        // row before it projects it.
+        let s = Statements::new(&TableName::default());
+        let select = s.acquire.find("SELECT $1, $2, nextval").unwrap();
+        let lock = s
+            .acquire
+            .find("\n WHERE pg_try_advisory_xact_lock_shared")
+            .unwrap();
+        let targets = &s.acquire[select..lock];
+        assert!(!targets.contains(r#"FROM "pgwarden_leases""#), "{targets}");
+        assert!(s.acquire.contains("token = nextval"));
     }
 }

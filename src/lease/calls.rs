@@ -1,0 +1,165 @@
+//! Each lease statement with its parameters, as [`Inner::run`] takes it.
+//!
+//! [`Inner::run`]: super::inner::Inner::run
+
+use std::future::Future;
+use std::time::Duration;
+
+use deadpool_postgres::ClientWrapper as Client;
+use tokio_postgres::Error as PgError;
+
+use super::sql::{Statements, Taken};
+use super::statement::LeaseStatement;
+
+/// One acquisition attempt: `None` when another term holds the name.
+pub(crate) struct Acquire<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) holder: &'a str,
+    pub(crate) ttl: f64,
+    pub(crate) at_least: f64,
+    pub(crate) period: f64,
+}
+
+impl LeaseStatement for Acquire<'_> {
+    type Out = Option<Taken>;
+    const WHAT: &'static str = "acquisition";
+    fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        named: bool,
+    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+        sql.acquire(
+            client,
+            named,
+            self.name,
+            self.holder,
+            self.ttl,
+            self.at_least,
+            self.period,
+        )
+    }
+}
+
+/// Seconds until a held name may be free.
+pub(crate) struct FreeIn<'a> {
+    pub(crate) name: &'a str,
+}
+
+impl LeaseStatement for FreeIn<'_> {
+    type Out = Option<f64>;
+    const WHAT: &'static str = "busy check";
+    fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        named: bool,
+    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+        sql.free_in(client, named, self.name)
+    }
+}
+
+/// One batched renewal.
+pub(crate) struct Renew<'a> {
+    pub(crate) names: Vec<&'a str>,
+    pub(crate) holders: Vec<&'a str>,
+    pub(crate) tokens: Vec<i64>,
+    pub(crate) ttls: Vec<f64>,
+}
+
+impl LeaseStatement for Renew<'_> {
+    type Out = Vec<(String, i64)>;
+    const WHAT: &'static str = "renewal";
+    fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        named: bool,
+    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+        sql.renew(
+            client,
+            named,
+            &self.names,
+            &self.holders,
+            &self.tokens,
+            &self.ttls,
+        )
+    }
+}
+
+/// A release that deletes the row (no hold, no acquisition in flight).
+pub(crate) struct ReleaseDelete<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) holder: &'a str,
+}
+
+impl LeaseStatement for ReleaseDelete<'_> {
+    type Out = bool;
+    const WHAT: &'static str = "release";
+    fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        named: bool,
+    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+        sql.release_delete(client, named, self.name, self.holder)
+    }
+}
+
+/// A release that keeps the row, marked released.
+pub(crate) struct ReleaseKeep<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) holder: &'a str,
+    pub(crate) forget_hold: bool,
+}
+
+impl LeaseStatement for ReleaseKeep<'_> {
+    type Out = bool;
+    const WHAT: &'static str = "release";
+    fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        named: bool,
+    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+        sql.release_keep(client, named, self.name, self.holder, self.forget_hold)
+    }
+}
+
+/// One purge batch: `None` when the table lock was busy.
+pub(crate) struct Purge {
+    pub(crate) age: Duration,
+    pub(crate) limit: i64,
+}
+
+impl LeaseStatement for Purge {
+    type Out = Option<u64>;
+    const WHAT: &'static str = "purge";
+    fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        named: bool,
+    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+        sql.purge(client, named, self.age, self.limit)
+    }
+}
+
+/// Create the table if missing, then check its shape.
+pub(crate) struct Install<'a> {
+    pub(crate) wait: Duration,
+    pub(crate) table: &'a str,
+}
+
+impl LeaseStatement for Install<'_> {
+    type Out = Result<bool, crate::error::Error>;
+    const WHAT: &'static str = "install";
+    fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        _named: bool,
+    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+        async move { Ok(sql.install(client, self.wait, self.table).await) }
+    }
+}
