@@ -17,9 +17,11 @@ use super::timing;
 use super::Inner;
 use crate::error::Error;
 
-/// The most rows one purge statement deletes: the table lock it holds stays
-/// short.
-pub(crate) const PURGE_BATCH: i64 = 5_000;
+/// The most rows one purge statement deletes. Each holds a
+/// transaction-scoped advisory lock until the statement ends: few enough to
+/// stay far from PostgreSQL's shared lock table limit
+/// (`max_locks_per_transaction` × connections).
+pub(crate) const PURGE_BATCH: i64 = 500;
 
 /// Clears the in-flight mark of a batch's leases however the batch ends; a
 /// batch that did not complete (it panicked) retries with back-off.
@@ -188,13 +190,12 @@ impl Inner {
         }
     }
 
-    /// One purge statement: rows deleted, or `None` when the table lock was
-    /// busy (statements in flight).
-    pub(crate) async fn purge_once(&self) -> Result<Option<u64>, Error> {
+    /// One purge statement: rows deleted.
+    pub(crate) async fn purge_once(&self) -> Result<u64, Error> {
         self.purge_with(self.purge.age).await
     }
 
-    pub(crate) async fn purge_with(&self, age: Duration) -> Result<Option<u64>, Error> {
+    pub(crate) async fn purge_with(&self, age: Duration) -> Result<u64, Error> {
         let stmt = Purge {
             age,
             limit: PURGE_BATCH,
@@ -204,16 +205,12 @@ impl Inner {
             .await?;
         {
             let mut s = self.stats.lock();
-            match n {
-                Some(n) => s.purged += n,
-                None => s.purges_skipped += 1,
-            }
+            s.purged += n;
+            s.purge_statements += 1;
         }
-        if let Some(n) = n {
-            self.metrics.purged.increment(n);
-            if n > 0 {
-                tracing::debug!(pool = %self.pool_name, rows = n, "lease rows purged");
-            }
+        self.metrics.purged.increment(n);
+        if n > 0 {
+            tracing::debug!(pool = %self.pool_name, rows = n, "lease rows purged");
         }
         Ok(n)
     }

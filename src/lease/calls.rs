@@ -126,14 +126,14 @@ impl LeaseStatement for ReleaseKeep<'_> {
     }
 }
 
-/// One purge batch: `None` when the table lock was busy.
+/// One purge statement: rows deleted.
 pub(crate) struct Purge {
     pub(crate) age: Duration,
     pub(crate) limit: i64,
 }
 
 impl LeaseStatement for Purge {
-    type Out = Option<u64>;
+    type Out = u64;
     const WHAT: &'static str = "purge";
     fn exec<'a>(
         &'a self,

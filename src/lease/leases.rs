@@ -76,9 +76,8 @@ pub struct LeaseStats {
     pub renewal_failures: u64,
     /// Rows deleted by purges.
     pub purged: u64,
-    /// Purge rounds that found the table lock busy (lease statements in
-    /// flight) and gave up until the next round.
-    pub purges_skipped: u64,
+    /// Purge statements sent.
+    pub purge_statements: u64,
 }
 
 /// Builds a [`Leases`]. Every setting has a default.
@@ -137,7 +136,7 @@ impl LeasesBuilder {
     }
 
     /// Purge rows released or expired for longer than `age`: the renewer
-    /// deletes them, one statement (at most 5,000 rows) per
+    /// deletes them, one statement (at most 500 rows) per
     /// [`LeasesBuilder::purge_interval`]. A purged name starts again with a
     /// new row; its tokens still grow (see [`Leases::purge`]). Between 0 and
     /// 366 days. Default: [`DEFAULT_PURGE_AFTER`] (10 min).
@@ -377,35 +376,23 @@ impl Leases {
 
     /// Deletes the rows released or expired for longer than the purge age
     /// (set on the builder; [`DEFAULT_PURGE_AFTER`] by default), all of them,
-    /// 5,000 per statement; returns how many. The renewer does the same on
-    /// its own, one statement per purge interval.
+    /// 500 per statement; returns how many. The renewer does the same on its
+    /// own, one statement per purge interval.
     ///
-    /// Tokens keep growing across purges: each purge statement holds the
-    /// table in `SHARE ROW EXCLUSIVE` mode, which it gets only while no
-    /// lease statement is in flight, so no acquisition that drew its token
-    /// before a purged term can insert it after the purge. It waits at most
-    /// 10 ms for that lock at a time (lease statements queue behind it
-    /// meanwhile) and tries again until the statement timeout, then fails
-    /// with [`Error::LeaseTimeout`].
+    /// Tokens keep growing across purges: a row is deleted only under an
+    /// exclusive transaction-scoped try-lock on its name, which it cannot get
+    /// while an acquisition of that name (which holds the lock shared from
+    /// before it draws its token until it commits) is in flight. Rows it
+    /// cannot lock stay for the next purge; an acquisition that meets the
+    /// purge of its name in the same instant reports the name busy.
     pub async fn purge(&self) -> Result<u64, Error> {
         let age = self.inner.purge.age;
-        let start = Instant::now();
         let mut total = 0;
         loop {
-            match self.inner.purge_with(age).await? {
-                Some(n) => {
-                    total += n;
-                    if n < super::batch::PURGE_BATCH as u64 {
-                        return Ok(total);
-                    }
-                }
-                None if start.elapsed() >= self.inner.statement_timeout => {
-                    return Err(Error::LeaseTimeout {
-                        what: "purge",
-                        waited: start.elapsed(),
-                    })
-                }
-                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            let n = self.inner.purge_with(age).await?;
+            total += n;
+            if n < super::batch::PURGE_BATCH as u64 {
+                return Ok(total);
             }
         }
     }

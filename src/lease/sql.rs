@@ -28,9 +28,9 @@
 //!   draw to its commit, and a release deletes its row only if it gets that
 //!   lock exclusively (try-only): otherwise it keeps the row, marked
 //!   released, and the stalled statement meets it and takes the `DO UPDATE`
-//!   path. The purge deletes old rows only while holding `SHARE ROW
-//!   EXCLUSIVE` on the table, which no statement that drew a token can hold
-//!   a lock against at the same time.
+//!   path. The purge deletes an old row under the same exclusive try-lock,
+//!   and skips (until its next round) the rows it cannot lock. Neither ever
+//!   waits, and no table lock holds up other lease statements.
 //! - **Busy** is a statement that returns no row. Waiting callers ask when
 //!   the lease may be free with a second, read-only statement.
 
@@ -48,11 +48,6 @@ use crate::lock::{LockKey, Namespace};
 /// `(1885828964, 594100531)`, in pgwarden's own key space.
 pub const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install");
 
-/// How long the purge waits for its table lock before it gives up until its
-/// next round. Lease statements that arrive meanwhile queue behind it, so
-/// this is short.
-pub(crate) const PURGE_LOCK_WAIT: Duration = Duration::from_millis(10);
-
 /// The statements of one lease table.
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -62,7 +57,6 @@ pub(crate) struct Statements {
     release_delete: String,
     release_keep: String,
     fence: String,
-    purge_lock: String,
     purge: String,
     pub(crate) ddl: String,
     pub(crate) table: String,
@@ -152,13 +146,15 @@ RETURNING l.name, l.token"
        current_setting('transaction_isolation') <> 'read committed'
   FROM {tbl} WHERE name = $1 FOR KEY SHARE"
             ),
-            purge_lock: format!(
-                "SET LOCAL lock_timeout = '{}ms'; LOCK TABLE {tbl} IN SHARE ROW EXCLUSIVE MODE",
-                PURGE_LOCK_WAIT.as_millis()
-            ),
+            // Candidates by age, each deleted only under the exclusive
+            // try-lock of its name (the row's name: `$1` of the key is
+            // replaced). A candidate changed meanwhile has another ctid.
             purge: format!(
                 "DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
-  SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))"
+  SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))
+   AND greatest(expires_at, held_until) < now() - make_interval(secs => $1)
+   AND pg_try_advisory_xact_lock({})",
+                key.replace("$1", "name")
             ),
             ddl: t.ddl(),
             table: tbl,
@@ -334,32 +330,16 @@ impl Statements {
     }
 
     /// Deletes up to `limit` rows released or expired for longer than `age`,
-    /// in a transaction holding `SHARE ROW EXCLUSIVE` on the table (waiting
-    /// at most [`PURGE_LOCK_WAIT`] for it). `None` when the lock was busy.
+    /// skipping those whose name an acquisition holds; returns how many.
     pub(crate) async fn purge(
         &self,
-        client: &mut Client,
+        client: &Client,
         named: bool,
         age: Duration,
         limit: i64,
-    ) -> Result<Option<u64>, PgError> {
-        let tx = client.transaction().await?;
-        if let Err(e) = tx.batch_execute(&self.purge_lock).await {
-            if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
-                return Ok(None); // the transaction rolls back on drop
-            }
-            return Err(e);
-        }
+    ) -> Result<u64, PgError> {
         let age = age.as_secs_f64();
-        let n = if named {
-            let stmt = tx.prepare_typed_cached(&self.purge, PURGE_TYPES).await?;
-            tx.execute(&stmt, &[&age, &limit]).await?
-        } else {
-            tx.execute_typed(&self.purge, &[(&age, Type::FLOAT8), (&limit, Type::INT8)])
-                .await?
-        };
-        tx.commit().await?;
-        Ok(Some(n))
+        execute(client, named, &self.purge, PURGE_TYPES, &[&age, &limit]).await
     }
 }
 
@@ -377,7 +357,6 @@ mod tests {
             &s.release_delete,
             &s.release_keep,
             &s.fence,
-            &s.purge_lock,
             &s.purge,
         ] {
             assert!(text.contains(r#""app"."leases""#), "{text}");
@@ -393,6 +372,9 @@ mod tests {
         assert!(s
             .release_delete
             .contains(&format!("pg_try_advisory_xact_lock{key}")));
+        assert!(s.purge.contains(
+            r#"pg_try_advisory_xact_lock(1885828964, hashtext('"app"."leases"' || name))"#
+        ));
         assert_eq!(INSTALL_LOCK_KEY, LockKey::Pair(1_885_828_964, 594_100_531));
         assert!(s.ddl.contains("(1885828964, 594100531)"));
     }

@@ -117,3 +117,65 @@ where
 pub async fn admin(db: &TestDb) -> Client {
     db.connect().await.expect("admin connection")
 }
+
+/// A postmaster and every process it started (backends, background
+/// workers), read from `/proc`.
+pub fn server_processes(postmaster: i32) -> Vec<i32> {
+    let mut pids = vec![postmaster];
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return pids;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid …: comm may hold spaces, so split after ')'.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<i32>().ok());
+        if ppid == Some(postmaster) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The number of backends named `app` waiting on a lock, or running a
+/// statement at all (`active`).
+pub async fn busy_backends(admin: &Client, app: &str) -> (i64, i64) {
+    let row = admin
+        .query_typed_one(
+            "SELECT count(*) FILTER (WHERE wait_event_type = 'Lock'),
+                    count(*) FILTER (WHERE state = 'active')
+               FROM pg_stat_activity WHERE application_name = $1",
+            &[(&app, tokio_postgres::types::Type::TEXT)],
+        )
+        .await
+        .expect("pg_stat_activity");
+    (row.get(0), row.get(1))
+}
+
+/// A session that holds `FOR UPDATE` (or another lock clause) on lease rows
+/// in an open transaction: what a slow writer or a stale holder's fenced
+/// transaction does. Rolled back on drop of the client.
+pub async fn lock_rows(db: &TestDb, table: &str, names: &[&str], clause: &str) -> Client {
+    let c = db.connect().await.expect("locker connection");
+    c.batch_execute("BEGIN").await.expect("BEGIN");
+    for name in names {
+        c.query_typed(
+            &format!("SELECT 1 FROM {table} WHERE name = $1 {clause}"),
+            &[(name, tokio_postgres::types::Type::TEXT)],
+        )
+        .await
+        .expect("lock the row");
+    }
+    c
+}
