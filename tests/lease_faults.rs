@@ -1,0 +1,465 @@
+//! The lost signal under faults, against a real PostgreSQL: for each, the
+//! holder's `lost()` fires before the lease expires on the server, that is
+//! before any other instance can take it. A hung server (postmaster and
+//! backends stopped), the holder's backend stopped or terminated, a slow
+//! renewal batch, the renewer's runtime dropped, and the renewer panicking.
+
+#![cfg(feature = "testing")]
+
+mod lease_support;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lease_support::{
+    admin, backends, busy_backends, db, lock_rows, pool, server_processes, until, within, Stopped,
+};
+use pgwarden::testing::TestServer;
+use pgwarden::{LeaseOptions, Leases, LostReason};
+
+const S: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+/// Renewed every 1 s, lost 1 s before the database could let anyone in (a
+/// wide margin: the tests assert that order on a loaded machine).
+fn short() -> LeaseOptions {
+    LeaseOptions::new(3 * S).renew_every(S).safety_margin(S)
+}
+
+/// The lease's expiry in the database, as wall-clock time (the server runs
+/// on this machine: one clock).
+async fn expiry(client: &tokio_postgres::Client, name: &str) -> SystemTime {
+    let secs: f64 = client
+        .query_typed_one(
+            "SELECT extract(epoch FROM expires_at)::float8 FROM pgwarden_leases WHERE name = $1",
+            &[(&name, tokio_postgres::types::Type::TEXT)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    UNIX_EPOCH + Duration::from_secs_f64(secs)
+}
+
+/// The current term of `name`, if held (a released row has holder '').
+async fn row(admin: &tokio_postgres::Client, name: &str) -> Option<(String, i64)> {
+    admin
+        .query_typed_opt(
+            "SELECT holder, token FROM pgwarden_leases WHERE name = $1 AND holder <> ''",
+            &[(&name, tokio_postgres::types::Type::TEXT)],
+        )
+        .await
+        .unwrap()
+        .map(|r| (r.get(0), r.get(1)))
+}
+
+/// How long before `expiry` the signal came (negative: after).
+fn ahead(lost: SystemTime, expiry: SystemTime) -> f64 {
+    match expiry.duration_since(lost) {
+        Ok(d) => d.as_secs_f64(),
+        Err(e) => -e.duration().as_secs_f64(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_fires_before_expiry_when_the_server_hangs() {
+    // A server of its own: every process of it is stopped.
+    let server = tokio::task::spawn_blocking(TestServer::start_local)
+        .await
+        .unwrap()
+        .expect("a dedicated throwaway PostgreSQL");
+    let postmaster = server.pid().expect("a local server") as i32;
+    let db = server.create_database().await.unwrap();
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 3, "hung"));
+    let opts = LeaseOptions::new(2 * S)
+        .renew_every(500 * MS)
+        .safety_margin(500 * MS);
+    let lease = leases
+        .try_acquire_with("job", &opts)
+        .await
+        .unwrap()
+        .unwrap();
+    // Right after a renewal: the expiry the database holds until it hangs.
+    let renewed = leases.stats().renewed;
+    until(3 * S, "a renewal", || async {
+        leases.stats().renewed > renewed
+    })
+    .await;
+    let expires = expiry(&admin, "job").await;
+    let stopped = Stopped::stop(server_processes(postmaster));
+    let t = Instant::now();
+
+    let reason = within(3 * S, "lost signal", lease.lost()).await;
+    let lost_at = SystemTime::now();
+    assert_eq!(reason, LostReason::Deadline);
+    assert!(lease.is_lost());
+    let margin = ahead(lost_at, expires);
+    eprintln!(
+        "hung server: lost {:?} after the stop, {margin:.3} s before the lease expired in the database",
+        t.elapsed()
+    );
+    assert!(margin > 0.0, "lost after the expiry: {margin} s");
+    // Renewals were tried and bounded, not stuck.
+    until(3 * S, "a failed renewal", || async {
+        leases.stats().renewal_failures >= 1
+    })
+    .await;
+    drop(stopped);
+    // Back: nothing of the holder's is left waiting on the server.
+    until(5 * S, "no statement of the holder left running", || async {
+        busy_backends(&admin, "hung").await == (0, 0)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let a = Leases::new(&pool(&db, 2, "stop-a"));
+    let b = Leases::new(&pool(&db, 2, "stop-b"));
+    b.install().await.unwrap();
+    let lease = a
+        .try_acquire_with("alerts", &short())
+        .await
+        .unwrap()
+        .unwrap();
+    let lost = lease.lost();
+    let stopped = Stopped::stop(backends(&admin, "stop-a").await);
+    let taker = tokio::spawn(async move {
+        let l = b.acquire_with("alerts", &short(), 10 * S).await;
+        (Instant::now(), l)
+    });
+    let reason = within(5 * S, "lost signal", lost).await;
+    let lost_at = Instant::now();
+    assert_eq!(reason, LostReason::Deadline);
+    let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
+    let taken = taken.unwrap();
+    assert!(
+        lost_at < taken_at,
+        "lost {:?} before the take-over",
+        taken_at - lost_at
+    );
+    eprintln!(
+        "SIGSTOP: lost signal {:?} before the take-over",
+        taken_at - lost_at
+    );
+    assert!(taken.token() > lease.token());
+    assert_eq!(taken.took_over_from(), Some(lease.holder()));
+    drop(stopped);
+}
+
+#[tokio::test]
+async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let b = Leases::new(&pool(&db, 2, "term-b"));
+    b.install().await.unwrap();
+    // A connects as its own role, so that it cannot come back once cut off.
+    let role = format!("{}_a", db.name());
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN;
+             GRANT SELECT, INSERT, UPDATE, DELETE ON pgwarden_leases TO \"{role}\";
+             GRANT USAGE ON SEQUENCE pgwarden_leases_token_seq TO \"{role}\";"
+        ))
+        .await
+        .unwrap();
+    let mut cfg = db.pg_config();
+    cfg.user(&role);
+    let a = Leases::new(&lease_support::pool_with(cfg, 2, "term-a"));
+    let lease = a
+        .try_acquire_with("alerts", &short())
+        .await
+        .unwrap()
+        .unwrap();
+    let lost = lease.lost();
+    admin
+        .batch_execute(&format!(
+            "ALTER ROLE \"{role}\" NOLOGIN;
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';"
+        ))
+        .await
+        .unwrap();
+    let taker = tokio::spawn(async move {
+        let l = b.acquire_with("alerts", &short(), 10 * S).await;
+        (Instant::now(), l)
+    });
+    let reason = within(5 * S, "lost signal", lost).await;
+    let lost_at = Instant::now();
+    assert_eq!(reason, LostReason::Deadline);
+    let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
+    let taken = taken.unwrap();
+    assert!(lost_at < taken_at);
+    eprintln!(
+        "terminated: lost signal {:?} before the take-over",
+        taken_at - lost_at
+    );
+    // The failed renewals were retried, not given up at the first error.
+    assert!(a.stats().renewal_failures >= 2, "{:?}", a.stats());
+    // Back in: A's late release leaves B's term alone.
+    admin
+        .batch_execute(&format!("ALTER ROLE \"{role}\" LOGIN"))
+        .await
+        .unwrap();
+    assert!(lease.release().await.unwrap_err().is_lease_lost());
+    assert_eq!(
+        row(&admin, "alerts").await,
+        Some((taken.holder().to_owned(), taken.token()))
+    );
+}
+
+#[tokio::test]
+async fn a_slow_batch_holds_up_no_other_lease() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let a = Leases::new(&pool(&db, 5, "slow-a"));
+    let b = Leases::new(&pool(&db, 2, "slow-b"));
+    b.install().await.unwrap();
+    // x: deadline 3 s after each renewal starts, expiry 4 s after.
+    let x_opts = LeaseOptions::new(4 * S).renew_every(S).safety_margin(S);
+    let x = a.try_acquire_with("x", &x_opts).await.unwrap().unwrap();
+    // Another session locks x's row: x's renewal batch waits on it.
+    let locker = lock_rows(&db, "pgwarden_leases", &["x"], "FOR UPDATE").await;
+    let x_expires = expiry(&locker, "x").await;
+    until(3 * S, "x's renewal waits on the row lock", || async {
+        busy_backends(&admin, "slow-a").await.0 >= 1
+    })
+    .await;
+
+    // Registered during the slow batch: y, healthy, and z, whose row gets
+    // locked too and whose deadline (1.5 s) comes before x's.
+    let y = a.try_acquire_with("y", &short()).await.unwrap().unwrap();
+    let z_opts = LeaseOptions::new(2 * S)
+        .renew_every(500 * MS)
+        .safety_margin(500 * MS);
+    let z_start = Instant::now();
+    let z = a.try_acquire_with("z", &z_opts).await.unwrap().unwrap();
+    locker
+        .batch_execute("SELECT 1 FROM pgwarden_leases WHERE name = 'z' FOR UPDATE")
+        .await
+        .unwrap();
+    let z_expires = expiry(&locker, "z").await;
+
+    // z: lost at its own deadline, not when x's batch gives up.
+    let (x_lost, z_lost) = (x.lost(), z.lost());
+    assert_eq!(within(3 * S, "z lost", z_lost).await, LostReason::Deadline);
+    let z_lost_at = SystemTime::now();
+    eprintln!(
+        "slow batch: z lost {:?} after it was taken, {:.3} s before its expiry",
+        z_start.elapsed(),
+        ahead(z_lost_at, z_expires)
+    );
+    assert!(z_start.elapsed() < 1900 * MS, "{:?}", z_start.elapsed());
+    assert!(ahead(z_lost_at, z_expires) > 0.0);
+    assert!(!x.is_lost(), "x's deadline is later");
+
+    // x: lost at its deadline, before its expiry in the database.
+    assert_eq!(within(4 * S, "x lost", x_lost).await, LostReason::Deadline);
+    let x_lost_at = SystemTime::now();
+    eprintln!(
+        "slow batch: x lost {:.3} s before its expiry",
+        ahead(x_lost_at, x_expires)
+    );
+    assert!(ahead(x_lost_at, x_expires) > 0.0);
+    // y was renewed all along, by batches of its own.
+    assert!(!y.is_lost());
+    // The stuck renewals were cancelled on the server: once the lock goes,
+    // nothing renews x behind its holder's back, and B takes it over.
+    until(3 * S, "x's renewal cancelled", || async {
+        busy_backends(&admin, "slow-a").await.0 == 0
+    })
+    .await;
+    drop(locker);
+    let taken = b.acquire_with("x", &x_opts, 10 * S).await.unwrap();
+    assert!(SystemTime::now() > x_lost_at);
+    assert_eq!(taken.took_over_from(), Some(x.holder()));
+    assert!(!y.is_lost());
+    y.release().await.unwrap();
+}
+
+/// The lease is taken in a runtime that is then dropped, with its renewer:
+/// the lease still reports itself lost at its deadline, before another
+/// instance takes it; the next acquisition starts a renewer again.
+#[test]
+fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (db, a, b) = main.block_on(async {
+        let db = db().await;
+        let pool_a = pool(&db, 3, "rt-a");
+        // The pool's connections live in this runtime.
+        drop(pool_a.get().await.unwrap());
+        let a = Leases::new(&pool_a);
+        let b = Leases::new(&pool(&db, 2, "rt-b"));
+        b.install().await.unwrap();
+        (db, a, b)
+    });
+    // Taken in a runtime of its own, which starts the renewer there...
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let lease = other
+        .block_on(a.try_acquire_with("job", &short()))
+        .unwrap()
+        .unwrap();
+    // ...and is dropped, with the renewer.
+    drop(other);
+    let renewals = a.stats().renewal_statements;
+    main.block_on(async {
+        let admin = admin(&db).await;
+        let expires = expiry(&admin, "job").await;
+        let taker = tokio::spawn(async move {
+            let l = b.acquire_with("job", &short(), 10 * S).await;
+            (SystemTime::now(), l)
+        });
+        let reason = within(5 * S, "lost signal", lease.lost()).await;
+        let lost_at = SystemTime::now();
+        assert_eq!(reason, LostReason::Deadline);
+        assert_eq!(a.stats().renewal_statements, renewals, "nothing renewed it");
+        let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
+        let taken = taken.unwrap();
+        eprintln!(
+            "runtime dropped: lost {:.3} s before the expiry, {:.3} s before the take-over",
+            ahead(lost_at, expires),
+            ahead(lost_at, taken_at)
+        );
+        assert!(ahead(lost_at, expires) > 0.0);
+        assert!(lost_at < taken_at);
+        assert_eq!(taken.took_over_from(), Some(lease.holder()));
+
+        // The next acquisition starts a renewer in this runtime.
+        let fresh = a
+            .try_acquire_with("again", &short())
+            .await
+            .unwrap()
+            .unwrap();
+        let before = a.stats().renewed;
+        until(4 * S, "renewals again", || async {
+            a.stats().renewed >= before + 2
+        })
+        .await;
+        assert!(!fresh.is_lost());
+        fresh.release().await.unwrap();
+        taken.release().await.unwrap();
+    });
+}
+
+/// A metrics recorder that panics: the renewal histogram on its first 3
+/// records (inside renewal batches), the renew-interval gauge on its first
+/// 5 sets (inside the renewer's tick). It counts the renewer's panics.
+#[derive(Default)]
+struct Panicky {
+    histogram: Arc<AtomicUsize>,
+    gauge: Arc<AtomicUsize>,
+    renewer_panics: Arc<AtomicU64>,
+}
+
+struct Fails(Arc<AtomicUsize>, usize);
+struct Counts(Arc<AtomicU64>);
+
+impl metrics::HistogramFn for Fails {
+    fn record(&self, _: f64) {
+        if self.0.fetch_add(1, Ordering::SeqCst) < self.1 {
+            panic!("recorder failure (histogram)");
+        }
+    }
+}
+
+impl metrics::GaugeFn for Fails {
+    fn increment(&self, _: f64) {}
+    fn decrement(&self, _: f64) {}
+    fn set(&self, _: f64) {
+        if self.0.fetch_add(1, Ordering::SeqCst) < self.1 {
+            panic!("recorder failure (gauge)");
+        }
+    }
+}
+
+impl metrics::CounterFn for Counts {
+    fn increment(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::SeqCst);
+    }
+    fn absolute(&self, _: u64) {}
+}
+
+impl metrics::Recorder for Panicky {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() == pgwarden::metrics::LEASE_RENEWER_PANICS {
+            metrics::Counter::from_arc(Arc::new(Counts(self.renewer_panics.clone())))
+        } else {
+            metrics::Counter::noop()
+        }
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        if key.name() == pgwarden::metrics::LEASE_RENEW_INTERVAL {
+            metrics::Gauge::from_arc(Arc::new(Fails(self.gauge.clone(), 5)))
+        } else {
+            metrics::Gauge::noop()
+        }
+    }
+    fn register_histogram(
+        &self,
+        key: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        if key.name() == pgwarden::metrics::LEASE_RENEWAL_DURATION {
+            metrics::Histogram::from_arc(Arc::new(Fails(self.histogram.clone(), 3)))
+        } else {
+            metrics::Histogram::noop()
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_renewer_survives_panics() {
+    let db = db().await;
+    let recorder = Panicky::default();
+    let pool = pool(&db, 3, "panicky");
+    // The handles are registered with the recorder when the instance is built.
+    let leases = metrics::with_local_recorder(&recorder, || Leases::new(&pool));
+    let opts = LeaseOptions::new(2 * S).renew_every(250 * MS);
+    let lease = leases
+        .try_acquire_with("job", &opts)
+        .await
+        .unwrap()
+        .unwrap();
+    // Twice the TTL: the lease lives on, renewed, through 8 panics.
+    tokio::time::sleep(4 * S).await;
+    let panics = recorder.renewer_panics.load(Ordering::SeqCst);
+    let stats = leases.stats();
+    eprintln!("{panics} renewer panics caught; {stats:?}");
+    assert_eq!(
+        panics, 8,
+        "3 in batches + 5 in ticks, each caught and counted"
+    );
+    assert!(!lease.is_lost(), "{:?}", lease.lost_reason());
+    assert!(stats.renewed >= 8, "{stats:?}");
+    lease.release().await.unwrap();
+}
