@@ -9,7 +9,7 @@ use deadpool_postgres::ClientWrapper as Client;
 use tokio_postgres::Error as PgError;
 
 use super::sql::{Statements, Taken};
-use super::statement::LeaseStatement;
+use super::statement::{Call, LeaseStatement};
 
 /// One acquisition attempt: `None` when another term holds the name.
 pub(crate) struct Acquire<'a> {
@@ -27,16 +27,17 @@ impl LeaseStatement for Acquire<'_> {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        named: bool,
+        call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
         sql.acquire(
             client,
-            named,
+            call.named,
             self.name,
             self.holder,
             self.ttl,
             self.at_least,
             self.period,
+            call.wait_ms,
         )
     }
 }
@@ -53,9 +54,9 @@ impl LeaseStatement for FreeIn<'_> {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        named: bool,
+        call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.free_in(client, named, self.name)
+        sql.free_in(client, call.named, self.name)
     }
 }
 
@@ -74,15 +75,16 @@ impl LeaseStatement for Renew<'_> {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        named: bool,
+        call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
         sql.renew(
             client,
-            named,
+            call.named,
             &self.names,
             &self.holders,
             &self.tokens,
             &self.ttls,
+            call.wait_ms,
         )
     }
 }
@@ -100,9 +102,9 @@ impl LeaseStatement for ReleaseDelete<'_> {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        named: bool,
+        call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.release_delete(client, named, self.name, self.holder)
+        sql.release_delete(client, call.named, self.name, self.holder, call.wait_ms)
     }
 }
 
@@ -120,9 +122,16 @@ impl LeaseStatement for ReleaseKeep<'_> {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        named: bool,
+        call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.release_keep(client, named, self.name, self.holder, self.forget_hold)
+        sql.release_keep(
+            client,
+            call.named,
+            self.name,
+            self.holder,
+            self.forget_hold,
+            call.wait_ms,
+        )
     }
 }
 
@@ -139,9 +148,9 @@ impl LeaseStatement for Purge {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        named: bool,
+        call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.purge(client, named, self.age, self.limit)
+        sql.purge(client, call.named, self.age, self.limit, call.wait_ms)
     }
 }
 
@@ -158,7 +167,7 @@ impl LeaseStatement for Install<'_> {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        _named: bool,
+        _call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
         async move { Ok(sql.install(client, self.wait, self.table).await) }
     }

@@ -33,6 +33,11 @@
 //!   waits, and no table lock holds up other lease statements.
 //! - **Busy** is a statement that returns no row. Waiting callers ask when
 //!   the lease may be free with a second, read-only statement.
+//! - **Bounded on the server too.** Every statement that may wait for a row
+//!   lock first sets `lock_timeout` for its own transaction
+//!   (`set_config(…, true)`, its last parameter, in milliseconds) to what is
+//!   left of its budget: the server ends the wait by itself, even when the
+//!   client is gone (killed, or cut off) and no cancel request can come.
 
 use std::time::Duration;
 
@@ -80,6 +85,7 @@ const ACQUIRE_TYPES: &[Type] = &[
     Type::FLOAT8,
     Type::FLOAT8,
     Type::FLOAT8,
+    Type::INT4,
 ];
 const NAME_TYPES: &[Type] = &[Type::TEXT];
 const RENEW_TYPES: &[Type] = &[
@@ -87,10 +93,18 @@ const RENEW_TYPES: &[Type] = &[
     Type::TEXT_ARRAY,
     Type::INT8_ARRAY,
     Type::FLOAT8_ARRAY,
+    Type::INT4,
 ];
-const RELEASE_DELETE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
-const RELEASE_KEEP_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::BOOL];
-const PURGE_TYPES: &[Type] = &[Type::FLOAT8, Type::INT8];
+const RELEASE_DELETE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::INT4];
+const RELEASE_KEEP_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::BOOL, Type::INT4];
+const PURGE_TYPES: &[Type] = &[Type::FLOAT8, Type::INT8, Type::INT4];
+
+/// The server-side bound of a statement: `lock_timeout` for its own
+/// transaction, from parameter `$n` (milliseconds, at least 1: 0 would mean
+/// no bound).
+fn wait_bound(n: usize) -> String {
+    format!("set_config('lock_timeout', ${n}::int4::text, true) IS NOT NULL")
+}
 
 impl Statements {
     pub(crate) fn new(t: &TableName) -> Statements {
@@ -101,13 +115,16 @@ impl Statements {
         // of one server, which is all a transaction-scoped lock needs).
         let ns = Namespace::PGWARDEN.id();
         let key = format!("{ns}, hashtext({} || $1)", quote_literal(&tbl));
+        let (w4, w5, w6) = (wait_bound(4), wait_bound(5), wait_bound(6));
+        let w3 = wait_bound(3);
         Statements {
             acquire: format!(
                 "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until)
 SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
        greatest(now() + make_interval(secs => $4),
                 CASE WHEN $5 > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / $5) + 1) * $5) END)
- WHERE pg_try_advisory_xact_lock_shared({key})
+ WHERE {w6}
+   AND pg_try_advisory_xact_lock_shared({key})
    AND NOT EXISTS (SELECT FROM {tbl} c WHERE c.name = $1 AND (c.expires_at >= now() OR c.held_until > now()))
 ON CONFLICT (name) DO UPDATE
    SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
@@ -124,13 +141,13 @@ RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8"
             renew: format!(
                 "UPDATE {tbl} AS l SET expires_at = now() + make_interval(secs => r.ttl)
   FROM unnest($1::text[], $2::text[], $3::int8[], $4::float8[]) AS r(name, holder, token, ttl)
- WHERE l.name = r.name AND l.holder = r.holder AND l.token = r.token
+ WHERE {w5} AND l.name = r.name AND l.holder = r.holder AND l.token = r.token
 RETURNING l.name, l.token"
             ),
             // Holder ids are new on every acquisition: a holder matches its
             // own term only, so a late release never touches a later term.
             release_delete: format!(
-                "DELETE FROM {tbl} WHERE name = $1 AND holder = $2 AND held_until <= now()
+                "DELETE FROM {tbl} WHERE {w3} AND name = $1 AND holder = $2 AND held_until <= now()
    AND pg_try_advisory_xact_lock({key})"
             ),
             // The row stays, marked released (holder ''): for a hold, or
@@ -139,7 +156,7 @@ RETURNING l.name, l.token"
             release_keep: format!(
                 "UPDATE {tbl} SET holder = '', expires_at = now(),
        held_until = CASE WHEN $3 THEN least(held_until, now()) ELSE held_until END
- WHERE name = $1 AND holder = $2"
+ WHERE {w4} AND name = $1 AND holder = $2"
             ),
             fence: format!(
                 "SELECT holder, token, expires_at > clock_timestamp(),
@@ -152,6 +169,7 @@ RETURNING l.name, l.token"
             purge: format!(
                 "DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
   SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))
+   AND {w3}
    AND greatest(expires_at, held_until) < now() - make_interval(secs => $1)
    AND pg_try_advisory_xact_lock({})",
                 key.replace("$1", "name")
@@ -217,13 +235,14 @@ impl Statements {
         ttl: f64,
         at_least: f64,
         period: f64,
+        wait_ms: i32,
     ) -> Result<Option<Taken>, PgError> {
         let rows = query(
             client,
             named,
             &self.acquire,
             ACQUIRE_TYPES,
-            &[&name, &holder, &ttl, &at_least, &period],
+            &[&name, &holder, &ttl, &at_least, &period, &wait_ms],
         )
         .await?;
         rows.first()
@@ -258,13 +277,14 @@ impl Statements {
         holders: &[&str],
         tokens: &[i64],
         ttls: &[f64],
+        wait_ms: i32,
     ) -> Result<Vec<(String, i64)>, PgError> {
         let rows = query(
             client,
             named,
             &self.renew,
             RENEW_TYPES,
-            &[&names, &holders, &tokens, &ttls],
+            &[&names, &holders, &tokens, &ttls, &wait_ms],
         )
         .await?;
         rows.iter()
@@ -280,13 +300,14 @@ impl Statements {
         named: bool,
         name: &str,
         holder: &str,
+        wait_ms: i32,
     ) -> Result<bool, PgError> {
         let n = execute(
             client,
             named,
             &self.release_delete,
             RELEASE_DELETE_TYPES,
-            &[&name, &holder],
+            &[&name, &holder, &wait_ms],
         )
         .await?;
         Ok(n > 0)
@@ -301,13 +322,14 @@ impl Statements {
         name: &str,
         holder: &str,
         forget_hold: bool,
+        wait_ms: i32,
     ) -> Result<bool, PgError> {
         let n = execute(
             client,
             named,
             &self.release_keep,
             RELEASE_KEEP_TYPES,
-            &[&name, &holder, &forget_hold],
+            &[&name, &holder, &forget_hold, &wait_ms],
         )
         .await?;
         Ok(n > 0)
@@ -337,9 +359,17 @@ impl Statements {
         named: bool,
         age: Duration,
         limit: i64,
+        wait_ms: i32,
     ) -> Result<u64, PgError> {
         let age = age.as_secs_f64();
-        execute(client, named, &self.purge, PURGE_TYPES, &[&age, &limit]).await
+        execute(
+            client,
+            named,
+            &self.purge,
+            PURGE_TYPES,
+            &[&age, &limit, &wait_ms],
+        )
+        .await
     }
 }
 
@@ -388,10 +418,16 @@ mod tests {
         let select = s.acquire.find("SELECT $1, $2, nextval").unwrap();
         let lock = s
             .acquire
-            .find("\n WHERE pg_try_advisory_xact_lock_shared")
+            .find("\n WHERE set_config('lock_timeout'")
             .unwrap();
         let targets = &s.acquire[select..lock];
         assert!(!targets.contains(r#"FROM "pgwarden_leases""#), "{targets}");
         assert!(s.acquire.contains("token = nextval"));
+        // And the lock timeout is set before both: before any row lock.
+        let bound = s.acquire.find("set_config('lock_timeout', $6").unwrap();
+        assert!(bound < s.acquire.find("pg_try_advisory_xact_lock_shared").unwrap());
+        for text in [&s.renew, &s.release_delete, &s.release_keep, &s.purge] {
+            assert!(text.contains("set_config('lock_timeout', $"), "{text}");
+        }
     }
 }

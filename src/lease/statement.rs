@@ -26,7 +26,7 @@ use crate::pooler::Pooler;
 
 /// How long a cancel request may take (it connects anew, and a hung server
 /// does not answer).
-const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
+const CANCEL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How urgent a lease statement's connection is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -43,13 +43,33 @@ pub(crate) trait LeaseStatement: Sync {
     type Out: Send;
     /// What it is, in errors and metrics: `acquisition`, `renewal`…
     const WHAT: &'static str;
-    /// Runs it once on `client`, named (prepared, cached) or unnamed.
+    /// Runs it once on `client`, named (prepared, cached) or unnamed, its
+    /// lock waits bounded on the server by `wait_ms` milliseconds.
     fn exec<'a>(
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        named: bool,
+        call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a;
+}
+
+/// How one statement is sent.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Call {
+    /// A named prepared statement (direct connections), or unnamed.
+    pub(crate) named: bool,
+    /// The server-side bound on its lock waits, in milliseconds (≥ 1).
+    pub(crate) wait_ms: i32,
+}
+
+impl Call {
+    fn new(named: bool, left: Duration) -> Call {
+        let ms = left.as_millis().clamp(1, i32::MAX as u128);
+        Call {
+            named,
+            wait_ms: i32::try_from(ms).unwrap_or(i32::MAX),
+        }
+    }
 }
 
 /// What to run after a cancelled statement's cancel request: for an
@@ -106,6 +126,7 @@ impl Inner {
             inner: self,
             what: S::WHAT,
             conn: None,
+            cancel: named,
             follow_up: Some(follow_up),
         };
         for attempt in 0..2 {
@@ -113,8 +134,9 @@ impl Inner {
             let outcome = tokio::time::timeout(left, async {
                 let conn = self.checkout(urgency, left).await?;
                 self.count_statement();
+                let call = Call::new(named, budget.saturating_sub(began.elapsed()));
                 let conn = flight.conn.insert(conn);
-                Ok::<_, Error>(stmt.exec(&self.sql, conn, named).await)
+                Ok::<_, Error>(stmt.exec(&self.sql, conn, call).await)
             })
             .await;
             match outcome {
@@ -135,9 +157,18 @@ impl Inner {
                         conn.discard();
                     }
                     named = false;
+                    flight.cancel = false;
                 }
                 Ok(Ok(Err(e))) => {
                     flight.conn = None;
+                    // Its own lock_timeout: the server ended the wait.
+                    if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+                        self.metrics.timed_out(S::WHAT);
+                        return Err(Error::LeaseTimeout {
+                            what: S::WHAT,
+                            waited: began.elapsed(),
+                        });
+                    }
                     return Err(Error::Db(e));
                 }
                 Ok(Err(e)) => return Err(e), // the checkout failed
@@ -169,10 +200,19 @@ fn refused_prepared(e: &PgError) -> bool {
 /// The connection of a statement in flight. Dropped while it still holds
 /// one (a timeout, a dropped future), it cancels the statement on the server
 /// and closes the connection.
+///
+/// The cancel request goes only to a connection known to be direct. Behind
+/// a transaction pooler it is not sent: PgBouncer before 1.20 crashes when a
+/// cancel request's client closes before PgBouncer has forwarded it
+/// (pgbouncer/pgbouncer#801), and tokio-postgres closes it right after
+/// writing. There the statement's own `lock_timeout` ends its wait on the
+/// server, and the connection is closed at once.
 struct InFlight<'i, F: FnOnce() -> Option<FollowUp>> {
     inner: &'i Inner,
     what: &'static str,
     conn: Option<Conn>,
+    /// Whether to send a cancel request.
+    cancel: bool,
     follow_up: Option<F>,
 }
 
@@ -181,19 +221,29 @@ impl<F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, F> {
         let Some(conn) = self.conn.take() else {
             return;
         };
-        let token = conn.cancel_token();
-        let pid = conn.pid();
-        conn.discard();
         let pool = self.inner.pool_name.clone();
         let what = self.what;
+        let pid = conn.pid();
         let follow_up = self.follow_up.take().and_then(|f| f());
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            conn.discard();
             tracing::warn!(
                 pool = %pool, statement = what, pid,
-                "lease statement abandoned outside a tokio runtime: not cancelled on the server"
+                "lease statement abandoned outside a tokio runtime: its connection is closed; its lock_timeout ends it on the server"
             );
             return;
         };
+        if !self.cancel {
+            conn.discard();
+            if let Some(f) = follow_up {
+                rt.spawn(f);
+            }
+            return;
+        }
+        // Cancel first, then close: behind a transaction pooler the cancel
+        // request finds the server connection through this client's link,
+        // which closing the connection would cut.
+        let token = conn.cancel_token();
         rt.spawn(async move {
             match tokio::time::timeout(CANCEL_TIMEOUT, token.cancel_query(NoTls)).await {
                 Ok(Ok(())) => {
@@ -208,6 +258,7 @@ impl<F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, F> {
                     "cancel request for a lease statement got no answer within {CANCEL_TIMEOUT:?}; its connection is closed"
                 ),
             }
+            conn.discard();
             if let Some(f) = follow_up {
                 f.await;
             }
