@@ -25,8 +25,10 @@
 CREATE SEQUENCE IF NOT EXISTS "pgwarden_leases_token_seq" AS bigint CACHE 1;
 
 CREATE TABLE IF NOT EXISTS "pgwarden_leases" (
-    -- The lease's name: 1 to 128 bytes, chosen by the application.
-    name        text        PRIMARY KEY CHECK (name <> '' AND octet_length(name) <= 128),
+    -- The lease's name: 1 to 128 bytes, chosen by the application (pgwarden
+    -- checks it before any statement; a CHECK here would cost every insert
+    -- a parse of its expression).
+    name        text        PRIMARY KEY,
     -- Who holds it: host:pid:64 random bits, new on every acquisition;
     -- '' once released while the row is kept.
     holder      text        NOT NULL,

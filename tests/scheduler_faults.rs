@@ -21,6 +21,11 @@ use tokio_postgres::types::Type;
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
+/// Runs per job: (period, whether that run panicked).
+type PanicLog = Arc<parking_lot::Mutex<BTreeMap<&'static str, Vec<(i64, bool)>>>>;
+/// Runs: (period, the holder taken over from, token).
+type RunLog = Arc<parking_lot::Mutex<Vec<(i64, Option<String>, i64)>>>;
+
 fn slot_of(lease: &LeaseHandle, period: Duration) -> i64 {
     let t = lease.taken_at().duration_since(UNIX_EPOCH).unwrap();
     (t.as_secs_f64() / period.as_secs_f64()).floor() as i64
@@ -32,8 +37,7 @@ async fn a_panicking_job_runs_again_next_period() {
     let recorder = DebuggingRecorder::new();
     let snap = recorder.snapshotter();
     let pool = pool(&db, 3, "panics");
-    // Runs per job: (slot, whether that run panicked).
-    let log: Arc<parking_lot::Mutex<BTreeMap<&'static str, Vec<(i64, bool)>>>> = Arc::default();
+    let log: PanicLog = Arc::default();
     let job = |name: &'static str, in_future: bool| {
         let log = log.clone();
         Job::every(name, S, move |lease: LeaseHandle| {
@@ -182,7 +186,7 @@ async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period() {
     let crashed_slot = (at / 2.0).floor() as i64;
 
     // Another instance runs the same job from now on.
-    let runs: Arc<parking_lot::Mutex<Vec<(i64, Option<String>, i64)>>> = Arc::default();
+    let runs: RunLog = Arc::default();
     let log = runs.clone();
     let leases = Leases::new(&pool(&db, 3, "crash-b"));
     let b = Scheduler::builder(&leases)

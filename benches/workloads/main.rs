@@ -13,7 +13,9 @@ mod ab;
 mod incident;
 mod leases;
 mod overhead;
+mod plain;
 mod profile;
+mod profile_leases;
 mod renewal;
 mod takeover;
 
@@ -52,6 +54,9 @@ fn main() -> Result<(), BoxError> {
     if let Some(i) = args.iter().position(|a| a == "--lease-holder") {
         return takeover::holder_main(&args[i + 1..]);
     }
+    if let Some(i) = args.iter().position(|a| a == "--profile-leases") {
+        return profile_leases::profile_main(&args[i + 1..]);
+    }
     if let Some(i) = args.iter().position(|a| a == "--profile") {
         return profile::profile_main(&args[i + 1..]);
     }
@@ -80,7 +85,11 @@ fn main() -> Result<(), BoxError> {
     let rows = rt.block_on(async {
         let server = TestServer::shared()?;
         let mut rows = Vec::new();
-        let want = |id: &str| only.as_deref().is_none_or(|o| o == id);
+        // `--only 4` runs the lease cost rows 4, 4b and 4c.
+        let want = |id: &str| {
+            only.as_deref()
+                .is_none_or(|o| o == id || (o == "4" && id.starts_with('4')))
+        };
         let timed = |id: &str, began: std::time::Instant| {
             eprintln!("workload {id}: {:.1} s", began.elapsed().as_secs_f64());
         };
@@ -101,6 +110,16 @@ fn main() -> Result<(), BoxError> {
         if want("4") {
             rows.push(leases::acquire_release(server, settings).await?);
             timed("4", began);
+        }
+        let began = std::time::Instant::now();
+        if want("4b") {
+            rows.push(plain::against_plain(server, settings, false).await?);
+            timed("4b", began);
+        }
+        let began = std::time::Instant::now();
+        if want("4c") {
+            rows.push(plain::against_plain(server, settings, true).await?);
+            timed("4c", began);
         }
         let began = std::time::Instant::now();
         if want("5") {
@@ -216,6 +235,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
         "2: criterion (`benches/checkout.rs`), one task on a current-thread runtime, pool 16, a connection already open: `get` then drop; the mean of each side".to_owned(),
         incident::describe(s),
         leases::describe(s),
+        plain::describe(s),
         renewal::describe(s),
         takeover::describe(s),
     ] {

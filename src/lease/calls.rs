@@ -16,8 +16,8 @@ pub(crate) struct Acquire<'a> {
     pub(crate) name: &'a str,
     pub(crate) holder: &'a str,
     pub(crate) ttl: f64,
-    pub(crate) at_least: f64,
-    pub(crate) period: f64,
+    /// The at-least time and the period, in seconds, when either is set.
+    pub(crate) hold: Option<(f64, f64)>,
 }
 
 impl LeaseStatement for Acquire<'_> {
@@ -35,8 +35,7 @@ impl LeaseStatement for Acquire<'_> {
             self.name,
             self.holder,
             self.ttl,
-            self.at_least,
-            self.period,
+            self.hold,
             call.wait_ms,
         )
     }
@@ -163,12 +162,12 @@ pub(crate) struct Install<'a> {
 impl LeaseStatement for Install<'_> {
     type Out = Result<bool, crate::error::Error>;
     const WHAT: &'static str = "install";
-    fn exec<'a>(
+    async fn exec<'a>(
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
         _call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        async move { Ok(sql.install(client, self.wait, self.table).await) }
+    ) -> Result<Self::Out, PgError> {
+        Ok(sql.install(client, self.wait, self.table).await)
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use tokio::sync::{Notify, OnceCell};
 
-use super::calls::{Acquire, FreeIn, Install, ReleaseDelete, ReleaseKeep};
+use super::calls::{Acquire, FreeIn, Install};
 use super::guard::{Lease, LeaseHandle, LostReason};
 use super::leases::LeaseStats;
 use super::metrics::LeaseMetrics;
@@ -177,6 +177,7 @@ impl Inner {
     /// Creates the table unless it exists, then checks its shape (see
     /// [`super::Leases::install`]), bounded by the statement timeout.
     pub(crate) async fn install(&self) -> Result<bool, Error> {
+        self.detect_pooler_in_background();
         let table = self.table.to_string();
         let stmt = Install {
             wait: self.statement_timeout,
@@ -216,12 +217,17 @@ impl Inner {
         self.ensure_renewer();
         self.ensure_ready().await?;
         let at_least = opts.at_least_time();
+        let has_hold = !at_least.is_zero() || opts.period.is_some();
         let stmt = Acquire {
             name,
             holder: &holder,
             ttl: timing.ttl.as_secs_f64(),
-            at_least: at_least.as_secs_f64(),
-            period: opts.period.map_or(0.0, |p| p.as_secs_f64()),
+            hold: has_hold.then(|| {
+                (
+                    at_least.as_secs_f64(),
+                    opts.period.map_or(0.0, |p| p.as_secs_f64()),
+                )
+            }),
         };
         let start = Instant::now();
         // Cancelled after it reached the server, the statement may have
@@ -249,7 +255,7 @@ impl Inner {
             ttl: timing.ttl,
             taken_at,
             prev_holder: taken.prev_holder,
-            has_hold: !at_least.is_zero() || opts.period.is_some(),
+            has_hold,
         };
         let state = Arc::new(LeaseState::new(info, timing.deadline(start)));
         self.metrics.acquired(name);
@@ -284,128 +290,6 @@ impl Inner {
         Ok(secs
             .and_then(|s| Duration::try_from_secs_f64(s.max(0.0)).ok())
             .unwrap_or(Duration::from_millis(10)))
-    }
-
-    /// Releases one term for its guard or runner: stops renewing it, then
-    /// releases its row.
-    pub(crate) async fn release(
-        &self,
-        id: u64,
-        state: &LeaseState,
-        forget_hold: bool,
-    ) -> Result<(), Error> {
-        self.unregister(id);
-        match state.lost_reason() {
-            Some(LostReason::Taken) => Err(Error::LeaseLost {
-                name: state.name.to_string(),
-                reason: LostReason::Taken,
-            }),
-            // `release_all` released it already.
-            Some(LostReason::Released) => Ok(()),
-            _ => self.release_row(state, forget_hold).await,
-        }
-    }
-
-    /// The release of one term: the row is deleted when the term has no
-    /// hold and no acquisition of the name is in flight, else marked
-    /// released. Bounded by the statement timeout.
-    pub(crate) async fn release_row(
-        &self,
-        state: &LeaseState,
-        forget_hold: bool,
-    ) -> Result<(), Error> {
-        let began = Instant::now();
-        let (name, holder) = (&*state.name, state.holder.as_str());
-        let keep = ReleaseKeep {
-            name,
-            holder,
-            forget_hold,
-        };
-        let ours = if state.has_hold && !forget_hold {
-            self.run(Urgency::Urgent, self.statement_timeout, &keep)
-                .await?
-        } else {
-            let delete = ReleaseDelete { name, holder };
-            self.run(Urgency::Urgent, self.statement_timeout, &delete)
-                .await?
-                || self
-                    .run(
-                        Urgency::Urgent,
-                        self.statement_timeout.saturating_sub(began.elapsed()),
-                        &keep,
-                    )
-                    .await?
-        };
-        if ours {
-            return Ok(());
-        }
-        tracing::warn!(
-            pool = %self.pool_name,
-            lease = name,
-            token = state.token,
-            "late release: the lease had been taken over; the new holder's lease is untouched"
-        );
-        Err(Error::LeaseLost {
-            name: name.to_owned(),
-            reason: LostReason::Taken,
-        })
-    }
-
-    /// After a cancelled acquisition: releases the lease if the statement
-    /// took it before the cancel reached the server.
-    pub(crate) async fn release_cancelled(&self, name: &str, holder: &str) {
-        let keep = ReleaseKeep {
-            name,
-            holder,
-            forget_hold: true,
-        };
-        match self
-            .run(Urgency::Urgent, self.statement_timeout, &keep)
-            .await
-        {
-            Ok(true) => tracing::info!(
-                pool = %self.pool_name, lease = name,
-                "a cancelled acquisition had taken the lease: released"
-            ),
-            Ok(false) => {}
-            Err(e) => tracing::warn!(
-                pool = %self.pool_name, lease = name, error = %e,
-                "could not release after a cancelled acquisition; if it took the lease, it expires after its TTL"
-            ),
-        }
-    }
-
-    /// The guard's drop: stop renewing now, release in the background.
-    pub(crate) fn release_in_background(self: &Arc<Self>, id: u64, state: Arc<LeaseState>) {
-        self.unregister(id);
-        if matches!(
-            state.lost_reason(),
-            Some(LostReason::Taken | LostReason::Released)
-        ) {
-            return;
-        }
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                let inner = self.clone();
-                rt.spawn(async move {
-                    if let Err(e) = inner.release(id, &state, false).await {
-                        if !e.is_lease_lost() {
-                            tracing::warn!(
-                                pool = %inner.pool_name,
-                                lease = %state.name,
-                                error = %e,
-                                "lease release on drop failed; it expires after its TTL"
-                            );
-                        }
-                    }
-                });
-            }
-            Err(_) => tracing::warn!(
-                pool = %self.pool_name,
-                lease = %state.name,
-                "lease dropped outside a tokio runtime; it expires after its TTL"
-            ),
-        }
     }
 
     /// Fires the lost signal of a lease: logged and counted once.

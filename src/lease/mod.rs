@@ -85,6 +85,7 @@
 use crate::error::Error;
 
 mod batch;
+mod builder;
 mod calls;
 mod exclusive;
 mod guard;
@@ -95,6 +96,8 @@ mod leases;
 mod metrics;
 mod name;
 mod options;
+mod queries;
+mod release;
 mod renewer;
 mod runner;
 mod scheduler;
@@ -104,12 +107,13 @@ mod statement;
 mod table;
 mod timing;
 
+pub use builder::{
+    LeasesBuilder, DEFAULT_PURGE_AFTER, DEFAULT_PURGE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT,
+    MIN_PURGE_INTERVAL,
+};
 pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};
-pub use leases::{
-    LeaseStats, Leases, LeasesBuilder, DEFAULT_PURGE_AFTER, DEFAULT_PURGE_INTERVAL,
-    DEFAULT_STATEMENT_TIMEOUT, MIN_PURGE_INTERVAL,
-};
+pub use leases::{LeaseStats, Leases};
 pub use metrics::UNDECLARED_LEASE;
 pub use name::MAX_NAME_LEN;
 pub use options::{LeaseOptions, OnLost, DEFAULT_TTL};

@@ -39,11 +39,7 @@
 //!   left of its budget: the server ends the wait by itself, even when the
 //!   client is gone (killed, or cut off) and no cancel request can come.
 
-use std::time::Duration;
-
-use deadpool_postgres::ClientWrapper as Client;
-use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Error as PgError, Row};
+use tokio_postgres::types::Type;
 
 use super::table::{quote_literal, TableName};
 use crate::lock::{LockKey, Namespace};
@@ -56,13 +52,14 @@ pub const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install"
 /// The statements of one lease table.
 #[derive(Debug)]
 pub(crate) struct Statements {
-    acquire: String,
-    free_in: String,
-    renew: String,
-    release_delete: String,
-    release_keep: String,
-    fence: String,
-    purge: String,
+    pub(super) acquire: String,
+    pub(super) acquire_held: String,
+    pub(super) free_in: String,
+    pub(super) renew: String,
+    pub(super) release_delete: String,
+    pub(super) release_keep: String,
+    pub(super) fence: String,
+    pub(super) purge: String,
     pub(crate) ddl: String,
     pub(crate) table: String,
     pub(crate) sequence: String,
@@ -79,7 +76,8 @@ pub(crate) struct Taken {
     pub(crate) taken_at: f64,
 }
 
-const ACQUIRE_TYPES: &[Type] = &[
+pub(super) const ACQUIRE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::INT4];
+pub(super) const ACQUIRE_HELD_TYPES: &[Type] = &[
     Type::TEXT,
     Type::TEXT,
     Type::FLOAT8,
@@ -87,17 +85,17 @@ const ACQUIRE_TYPES: &[Type] = &[
     Type::FLOAT8,
     Type::INT4,
 ];
-const NAME_TYPES: &[Type] = &[Type::TEXT];
-const RENEW_TYPES: &[Type] = &[
+pub(super) const NAME_TYPES: &[Type] = &[Type::TEXT];
+pub(super) const RENEW_TYPES: &[Type] = &[
     Type::TEXT_ARRAY,
     Type::TEXT_ARRAY,
     Type::INT8_ARRAY,
     Type::FLOAT8_ARRAY,
     Type::INT4,
 ];
-const RELEASE_DELETE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::INT4];
-const RELEASE_KEEP_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::BOOL, Type::INT4];
-const PURGE_TYPES: &[Type] = &[Type::FLOAT8, Type::INT8, Type::INT4];
+pub(super) const RELEASE_DELETE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::INT4];
+pub(super) const RELEASE_KEEP_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::BOOL, Type::INT4];
+pub(super) const PURGE_TYPES: &[Type] = &[Type::FLOAT8, Type::INT8, Type::INT4];
 
 /// The server-side bound of a statement: `lock_timeout` for its own
 /// transaction, from parameter `$n` (milliseconds, at least 1: 0 would mean
@@ -115,10 +113,27 @@ impl Statements {
         // of one server, which is all a transaction-scoped lock needs).
         let ns = Namespace::PGWARDEN.id();
         let key = format!("{ns}, hashtext({} || $1)", quote_literal(&tbl));
-        let (w4, w5, w6) = (wait_bound(4), wait_bound(5), wait_bound(6));
-        let w3 = wait_bound(3);
+        let (w3, w4, w5, w6) = (wait_bound(3), wait_bound(4), wait_bound(5), wait_bound(6));
+        let on_conflict = format!(
+            "ON CONFLICT (name) DO UPDATE
+   SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
+       taken_at = excluded.taken_at, expires_at = excluded.expires_at,
+       held_until = excluded.held_until, prev_holder = l.holder
+ WHERE l.expires_at < now() AND l.held_until <= now()
+RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8"
+        );
         Statements {
+            // Without a hold, `held_until` keeps its default ('-infinity'):
+            // fewer expressions for the server to set up on every call.
             acquire: format!(
+                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at)
+SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3)
+ WHERE {w4}
+   AND pg_try_advisory_xact_lock_shared({key})
+   AND NOT EXISTS (SELECT FROM {tbl} c WHERE c.name = $1 AND (c.expires_at >= now() OR c.held_until > now()))
+{on_conflict}"
+            ),
+            acquire_held: format!(
                 "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until)
 SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
        greatest(now() + make_interval(secs => $4),
@@ -126,12 +141,7 @@ SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
  WHERE {w6}
    AND pg_try_advisory_xact_lock_shared({key})
    AND NOT EXISTS (SELECT FROM {tbl} c WHERE c.name = $1 AND (c.expires_at >= now() OR c.held_until > now()))
-ON CONFLICT (name) DO UPDATE
-   SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
-       taken_at = excluded.taken_at, expires_at = excluded.expires_at,
-       held_until = excluded.held_until, prev_holder = l.holder
- WHERE l.expires_at < now() AND l.held_until <= now()
-RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8"
+{on_conflict}"
             ),
             free_in: format!(
                 "SELECT extract(epoch FROM greatest(expires_at, held_until) - now())::float8 FROM {tbl} WHERE name = $1"
@@ -181,198 +191,6 @@ RETURNING l.name, l.token"
     }
 }
 
-/// Runs `text` with `params`: prepared and cached on the connection when
-/// `named`, else as an unnamed statement.
-async fn query(
-    client: &Client,
-    named: bool,
-    text: &str,
-    types: &[Type],
-    params: &[&(dyn ToSql + Sync)],
-) -> Result<Vec<Row>, PgError> {
-    if named {
-        let stmt = client.prepare_typed_cached(text, types).await?;
-        client.query(&stmt, params).await
-    } else {
-        client.query_typed(text, &typed(params, types)).await
-    }
-}
-
-fn typed<'a>(
-    params: &[&'a (dyn ToSql + Sync)],
-    types: &[Type],
-) -> Vec<(&'a (dyn ToSql + Sync), Type)> {
-    params
-        .iter()
-        .zip(types)
-        .map(|(p, t)| (*p, t.clone()))
-        .collect()
-}
-
-async fn execute(
-    client: &Client,
-    named: bool,
-    text: &str,
-    types: &[Type],
-    params: &[&(dyn ToSql + Sync)],
-) -> Result<u64, PgError> {
-    if named {
-        let stmt = client.prepare_typed_cached(text, types).await?;
-        client.execute(&stmt, params).await
-    } else {
-        client.execute_typed(text, &typed(params, types)).await
-    }
-}
-
-impl Statements {
-    /// One acquisition attempt: the new term, or `None` when the name is held.
-    pub(crate) async fn acquire(
-        &self,
-        client: &Client,
-        named: bool,
-        name: &str,
-        holder: &str,
-        ttl: f64,
-        at_least: f64,
-        period: f64,
-        wait_ms: i32,
-    ) -> Result<Option<Taken>, PgError> {
-        let rows = query(
-            client,
-            named,
-            &self.acquire,
-            ACQUIRE_TYPES,
-            &[&name, &holder, &ttl, &at_least, &period, &wait_ms],
-        )
-        .await?;
-        rows.first()
-            .map(|r| {
-                Ok(Taken {
-                    token: r.try_get(0)?,
-                    prev_holder: r.try_get(1)?,
-                    taken_at: r.try_get(2)?,
-                })
-            })
-            .transpose()
-    }
-
-    /// Seconds until `name` may be free (database clock): `None` when there
-    /// is no row.
-    pub(crate) async fn free_in(
-        &self,
-        client: &Client,
-        named: bool,
-        name: &str,
-    ) -> Result<Option<f64>, PgError> {
-        let rows = query(client, named, &self.free_in, NAME_TYPES, &[&name]).await?;
-        rows.first().map(|r| r.try_get(0)).transpose()
-    }
-
-    /// Renews a batch; returns the `(name, token)` of the leases renewed.
-    pub(crate) async fn renew(
-        &self,
-        client: &Client,
-        named: bool,
-        names: &[&str],
-        holders: &[&str],
-        tokens: &[i64],
-        ttls: &[f64],
-        wait_ms: i32,
-    ) -> Result<Vec<(String, i64)>, PgError> {
-        let rows = query(
-            client,
-            named,
-            &self.renew,
-            RENEW_TYPES,
-            &[&names, &holders, &tokens, &ttls, &wait_ms],
-        )
-        .await?;
-        rows.iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
-            .collect()
-    }
-
-    /// Deletes the row of a term without a hold when no acquisition of its
-    /// name is in flight; true when it did.
-    pub(crate) async fn release_delete(
-        &self,
-        client: &Client,
-        named: bool,
-        name: &str,
-        holder: &str,
-        wait_ms: i32,
-    ) -> Result<bool, PgError> {
-        let n = execute(
-            client,
-            named,
-            &self.release_delete,
-            RELEASE_DELETE_TYPES,
-            &[&name, &holder, &wait_ms],
-        )
-        .await?;
-        Ok(n > 0)
-    }
-
-    /// Marks a term's row released, keeping the row; true when the term was
-    /// this holder's.
-    pub(crate) async fn release_keep(
-        &self,
-        client: &Client,
-        named: bool,
-        name: &str,
-        holder: &str,
-        forget_hold: bool,
-        wait_ms: i32,
-    ) -> Result<bool, PgError> {
-        let n = execute(
-            client,
-            named,
-            &self.release_keep,
-            RELEASE_KEEP_TYPES,
-            &[&name, &holder, &forget_hold, &wait_ms],
-        )
-        .await?;
-        Ok(n > 0)
-    }
-
-    /// Locks the lease row `FOR KEY SHARE` in the caller's transaction;
-    /// returns its holder, its token, whether it is unexpired, and whether
-    /// the transaction reads from one snapshot (repeatable read or
-    /// serializable).
-    pub(crate) async fn fence(
-        &self,
-        tx: &tokio_postgres::Transaction<'_>,
-        name: &str,
-    ) -> Result<Option<(String, i64, bool, bool)>, PgError> {
-        let row = tx
-            .query_typed_opt(&self.fence, &[(&name, Type::TEXT)])
-            .await?;
-        row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
-            .transpose()
-    }
-
-    /// Deletes up to `limit` rows released or expired for longer than `age`,
-    /// skipping those whose name an acquisition holds; returns how many.
-    pub(crate) async fn purge(
-        &self,
-        client: &Client,
-        named: bool,
-        age: Duration,
-        limit: i64,
-        wait_ms: i32,
-    ) -> Result<u64, PgError> {
-        let age = age.as_secs_f64();
-        execute(
-            client,
-            named,
-            &self.purge,
-            PURGE_TYPES,
-            &[&age, &limit, &wait_ms],
-        )
-        .await
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -382,6 +200,7 @@ mod tests {
         let s = Statements::new(&TableName::parse("app.leases").unwrap());
         for text in [
             &s.acquire,
+            &s.acquire_held,
             &s.free_in,
             &s.renew,
             &s.release_delete,
@@ -424,8 +243,20 @@ mod tests {
         assert!(!targets.contains(r#"FROM "pgwarden_leases""#), "{targets}");
         assert!(s.acquire.contains("token = nextval"));
         // And the lock timeout is set before both: before any row lock.
-        let bound = s.acquire.find("set_config('lock_timeout', $6").unwrap();
+        let bound = s.acquire.find("set_config('lock_timeout', $4").unwrap();
         assert!(bound < s.acquire.find("pg_try_advisory_xact_lock_shared").unwrap());
+        let bound = s
+            .acquire_held
+            .find("set_config('lock_timeout', $6")
+            .unwrap();
+        assert!(
+            bound
+                < s.acquire_held
+                    .find("pg_try_advisory_xact_lock_shared")
+                    .unwrap()
+        );
+        assert!(!s.acquire.contains("held_until)\nSELECT"));
+        assert!(s.acquire_held.contains("held_until)\nSELECT"));
         for text in [&s.renew, &s.release_delete, &s.release_keep, &s.purge] {
             assert!(text.contains("set_config('lock_timeout', $"), "{text}");
         }

@@ -126,7 +126,6 @@ impl Inner {
             inner: self,
             what: S::WHAT,
             conn: None,
-            cancel: named,
             follow_up: Some(follow_up),
         };
         for attempt in 0..2 {
@@ -157,7 +156,6 @@ impl Inner {
                         conn.discard();
                     }
                     named = false;
-                    flight.cancel = false;
                 }
                 Ok(Ok(Err(e))) => {
                     flight.conn = None;
@@ -211,8 +209,6 @@ struct InFlight<'i, F: FnOnce() -> Option<FollowUp>> {
     inner: &'i Inner,
     what: &'static str,
     conn: Option<Conn>,
-    /// Whether to send a cancel request.
-    cancel: bool,
     follow_up: Option<F>,
 }
 
@@ -233,7 +229,8 @@ impl<F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, F> {
             );
             return;
         };
-        if !self.cancel {
+        // Known direct by now (detection may have finished meanwhile).
+        if !self.inner.named() {
             conn.discard();
             if let Some(f) = follow_up {
                 rt.spawn(f);
