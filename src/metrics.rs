@@ -71,7 +71,8 @@ pub const LEASE_LOST: &str = "pgwarden_lease_lost_total";
 pub const LEASE_TAKEOVERS: &str = "pgwarden_lease_takeovers_total";
 /// Panics caught in the lease renewer; renewal goes on.
 pub const LEASE_RENEWER_PANICS: &str = "pgwarden_lease_renewer_panics_total";
-/// Scheduled job runs that panicked, per `job`; the job runs again next period.
+/// Scheduled job runs that panicked, per `lease` (the job's name: `job` is
+/// Prometheus's own label); the job runs again next period.
 pub const LEASE_JOB_PANICS: &str = "pgwarden_lease_job_panics_total";
 /// Lease rows purged: released or expired for longer than the purge age.
 pub const LEASE_PURGED: &str = "pgwarden_lease_purged_total";
@@ -198,7 +199,7 @@ pub fn describe() {
     describe_counter!(
         LEASE_JOB_PANICS,
         Unit::Count,
-        "Scheduled job runs that panicked, per job."
+        "Scheduled job runs that panicked, per job (lease label)."
     );
     describe_counter!(LEASE_PURGED, Unit::Count, "Lease rows purged.");
     describe_counter!(

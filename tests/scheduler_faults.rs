@@ -91,7 +91,7 @@ async fn a_panicking_job_runs_again_next_period() {
             let job = k
                 .key()
                 .labels()
-                .find(|l| l.key() == "job")
+                .find(|l| l.key() == "lease")
                 .map(|l| l.value().to_owned())
                 .unwrap();
             let DebugValue::Counter(n) = v else {

@@ -147,8 +147,9 @@ impl LeaseMetrics {
         }
     }
 
-    /// The panic counter of a scheduled job (declared by the scheduler).
+    /// The panic counter of a scheduled job (declared by the scheduler),
+    /// labelled `lease` by its job name (`job` is Prometheus's own label).
     pub(crate) fn job_panics(&self, job: &str) -> Counter {
-        metrics::counter!(LEASE_JOB_PANICS, "pool" => self.pool.clone(), "job" => job.to_owned())
+        metrics::counter!(LEASE_JOB_PANICS, "pool" => self.pool.clone(), "lease" => job.to_owned())
     }
 }
