@@ -53,7 +53,7 @@ pub fn describe(s: Settings) -> String {
          (unnamed); 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {HELD} names held \
          by another holder; {} rounds of {:?} per side, the order rotating; server CPU per statement \
          = utime + stime of the side's client backends (`/proc/<pid>/stat`) / statements sent",
-        s.rounds, s.round
+        s.rounds * 2, s.round / 2
     )
 }
 
@@ -147,19 +147,22 @@ async fn measure(sides: &[Side], s: Settings) -> Result<Vec<Measured>, BoxError>
     for side in sides {
         before.push((side.cpu.sample().await?, (side.statements)()));
     }
+    // Twice the rounds at half the length: more pairs for the median, on a
+    // machine whose load changes from second to second.
+    let (rounds, round) = (s.rounds * 2, s.round / 2);
     let mut rates = vec![Vec::new(); sides.len()];
-    for round in 0..s.rounds {
+    for n in 0..rounds {
         for k in 0..sides.len() {
-            let i = (round + k) % sides.len();
+            let i = (n + k) % sides.len();
             let op = sides[i].op.clone();
-            rates[i].push(throughput(TASKS, s.round, move || op()).await);
+            rates[i].push(throughput(TASKS, round, move || op()).await);
         }
     }
     let mut out = Vec::new();
     for ((side, (cpu0, st0)), rates) in sides.iter().zip(before).zip(rates) {
         let cpu = Cpu::delta(&cpu0, &side.cpu.sample().await?);
         let statements = (side.statements)() - st0;
-        let ops: f64 = rates.iter().sum::<f64>() * s.round.as_secs_f64();
+        let ops: f64 = rates.iter().sum::<f64>() * round.as_secs_f64();
         out.push(Measured {
             cpu_us: cpu * 1e6 / statements.max(1) as f64,
             per_op: statements as f64 / ops.max(1.0),

@@ -48,9 +48,12 @@ impl LeasesBuilder {
     }
 
     /// The longest a lease statement may take, checkout included, before it
-    /// fails with [`Error::LeaseTimeout`]: it is then cancelled on the server
-    /// (a cancel request) and its connection closed. Renewals are bounded by
-    /// the local deadline as well.
+    /// fails with [`Error::LeaseTimeout`]. The bound holds on the server too:
+    /// each statement sets its own transaction's `lock_timeout` to what is
+    /// left of it, so the server ends a wait on a row lock by itself, even
+    /// when the client is gone; on a connection known to be direct a cancel
+    /// request is sent as well. Its connection is then closed. Renewals are
+    /// bounded by the local deadline as well.
     /// Default: [`DEFAULT_STATEMENT_TIMEOUT`] (10 s).
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.statement_timeout = timeout;

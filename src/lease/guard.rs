@@ -216,6 +216,8 @@ impl LeaseHandle {
     }
 
     fn fence_failed(&self, reason: LostReason) -> Error {
+        // The term is over: the lost signal says so too (once).
+        self.inner.mark_lost(&self.state, reason);
         tracing::warn!(
             pool = %self.inner.pool_name,
             lease = %self.state.name,
@@ -315,11 +317,13 @@ impl Lease {
         self.handle.fence(tx).await
     }
 
-    /// Releases the lease: marks the row of this term only (holder and
-    /// token) released, so a late release never touches a later holder's
-    /// lease. The row itself stays (one per lease name), keeping its token
-    /// so that the next term's is larger; an at-least-hold or a schedule
-    /// keeps the lease from being taken again until its time.
+    /// Releases the lease, this term's only (its holder id is new on every
+    /// acquisition), so a late release never touches a later holder's
+    /// lease. The row is deleted, unless the term has a hold (an at-least
+    /// time or a schedule, which keeps the lease from being taken again until
+    /// its time) or an acquisition of the name is in flight: then it is
+    /// marked released and kept, until the purge. Either way the next term's
+    /// token is larger.
     ///
     /// Fails with [`Error::LeaseLost`] when the term was already over (taken
     /// over), or with the database error; either way the lease is no longer
