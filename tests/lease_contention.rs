@@ -9,7 +9,9 @@ mod lease_support;
 
 use std::time::{Duration, Instant};
 
-use lease_support::{admin, backends, busy_backends, db, lock_rows, pool, until, within, Stopped};
+use lease_support::{
+    admin, backends, busy_backends, db, insert_expired, lock_rows, pool, until, within, Stopped,
+};
 use pgwarden::Leases;
 
 const S: Duration = Duration::from_secs(1);
@@ -80,13 +82,7 @@ async fn a_timed_out_statement_is_cancelled_on_the_server() {
     b.install().await.unwrap();
     // An expired term whose stale holder sits in a fenced transaction: the
     // take-over must wait for it, longer than B's statement timeout.
-    admin
-        .batch_execute(
-            "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
-             VALUES ('stale', 'old-holder', nextval('pgwarden_leases_token_seq'), now() - interval '1 s')",
-        )
-        .await
-        .unwrap();
+    insert_expired(&admin, "stale", "old-holder").await;
     let locker = lock_rows(&db, "pgwarden_leases", &["stale"], "FOR KEY SHARE").await;
 
     let t = Instant::now();

@@ -8,56 +8,17 @@
 
 mod lease_support;
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use lease_support::{
-    admin, backends, busy_backends, db, lock_rows, pool, server_processes, until, within, Stopped,
+    admin, ahead, backends, busy_backends, db, expiry, lock_rows, pool, row, server_processes,
+    short, until, within, Stopped,
 };
 use pgwarden::testing::TestServer;
 use pgwarden::{LeaseOptions, Leases, LostReason};
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
-
-/// Renewed every 1 s, lost 1 s before the database could let anyone in (a
-/// wide margin: the tests assert that order on a loaded machine).
-fn short() -> LeaseOptions {
-    LeaseOptions::new(3 * S).renew_every(S).safety_margin(S)
-}
-
-/// The lease's expiry in the database, as wall-clock time (the server runs
-/// on this machine: one clock).
-async fn expiry(client: &tokio_postgres::Client, name: &str) -> SystemTime {
-    let secs: f64 = client
-        .query_typed_one(
-            "SELECT extract(epoch FROM expires_at)::float8 FROM pgwarden_leases WHERE name = $1",
-            &[(&name, tokio_postgres::types::Type::TEXT)],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    UNIX_EPOCH + Duration::from_secs_f64(secs)
-}
-
-/// The current term of `name`, if held (a released row has holder '').
-async fn row(admin: &tokio_postgres::Client, name: &str) -> Option<(String, i64)> {
-    admin
-        .query_typed_opt(
-            "SELECT holder, token FROM pgwarden_leases WHERE name = $1 AND holder <> ''",
-            &[(&name, tokio_postgres::types::Type::TEXT)],
-        )
-        .await
-        .unwrap()
-        .map(|r| (r.get(0), r.get(1)))
-}
-
-/// How long before `expiry` the signal came (negative: after).
-fn ahead(lost: SystemTime, expiry: SystemTime) -> f64 {
-    match expiry.duration_since(lost) {
-        Ok(d) => d.as_secs_f64(),
-        Err(e) => -e.duration().as_secs_f64(),
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_fires_before_expiry_when_the_server_hangs() {

@@ -116,6 +116,18 @@ async fn fencing_rejects_the_stale_holder() {
     tx.commit().await.unwrap();
 }
 
+/// A transaction at `level`.
+async fn begin(
+    conn: &mut pgwarden::Conn,
+    level: IsolationLevel,
+) -> deadpool_postgres::Transaction<'_> {
+    conn.build_transaction()
+        .isolation_level(level)
+        .start()
+        .await
+        .expect("BEGIN")
+}
+
 /// Under a snapshot isolation level: a renewal by the holder itself after
 /// the snapshot leaves the fence passing, even once the snapshot's expiry
 /// has passed; a take-over committed after the snapshot fails the fence
@@ -135,12 +147,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     let opts = LeaseOptions::new(S).renew_every(200 * MS);
     let own = a.try_acquire_with("own", &opts).await.unwrap().unwrap();
     let mut conn = pool_a.get().await.unwrap();
-    let tx = conn
-        .build_transaction()
-        .isolation_level(level)
-        .start()
-        .await
-        .unwrap();
+    let tx = begin(&mut conn, level).await;
     own.fence(&tx).await.unwrap(); // the snapshot is taken here
                                    // Past the snapshot's expiry, renewed meanwhile.
     let renewed = a.stats().renewed;
@@ -161,12 +168,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         .await
         .unwrap()
         .unwrap();
-    let tx = conn
-        .build_transaction()
-        .isolation_level(level)
-        .start()
-        .await
-        .unwrap();
+    let tx = begin(&mut conn, level).await;
     tx.batch_execute("SELECT 1").await.unwrap(); // the snapshot
     admin
         .batch_execute(
@@ -191,12 +193,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     );
     drop(tx);
     // 3. Taken over before the snapshot: the same.
-    let tx = conn
-        .build_transaction()
-        .isolation_level(level)
-        .start()
-        .await
-        .unwrap();
+    let tx = begin(&mut conn, level).await;
     let err = stale.fence(&tx).await.unwrap_err();
     assert!(err.is_lease_lost(), "{err}");
     drop(tx);

@@ -10,7 +10,7 @@ mod lease_support;
 
 use std::time::Duration;
 
-use lease_support::{pool_with, until, within};
+use lease_support::{insert_expired, pool_behind, pool_with, until, within};
 use pgwarden::testing::{require_tool, PgBouncer, TestServer};
 use pgwarden::{LeaseOptions, Leases, LostReason, Pooler};
 use tokio_postgres::types::Type;
@@ -96,26 +96,7 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
 
 /// A pool through `bouncer`, its pooler configured as `pooler`.
 fn bounced(bouncer: &PgBouncer, size: usize, app: &str, pooler: Pooler) -> pgwarden::Pool {
-    let mut config = bouncer.pg_config();
-    config.application_name(app);
-    let mgr = deadpool_postgres::Manager::from_config(
-        config,
-        tokio_postgres::NoTls,
-        deadpool_postgres::ManagerConfig {
-            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-        },
-    );
-    let inner = deadpool_postgres::Pool::builder(mgr)
-        .max_size(size)
-        .runtime(deadpool_postgres::Runtime::Tokio1)
-        .build()
-        .unwrap();
-    pgwarden::Pool::builder(inner)
-        .name(app)
-        .pooler(pooler)
-        .wait_timeout(Duration::from_secs(5))
-        .build()
-        .unwrap()
+    pool_behind(bouncer.pg_config(), size, app, pooler)
 }
 
 /// Backends of `db` waiting on a lock (behind PgBouncer the application
@@ -165,13 +146,7 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
 
     // A take-over that must wait longer than B's statement timeout: it
     // times out, and the cancel goes through PgBouncer to the server.
-    admin
-        .batch_execute(
-            "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
-             VALUES ('stale', 'old', nextval('pgwarden_leases_token_seq'), now() - interval '1 s')",
-        )
-        .await
-        .unwrap();
+    insert_expired(&admin, "stale", "old").await;
     admin
         .batch_execute("BEGIN; SELECT 1 FROM pgwarden_leases WHERE name = 'stale' FOR KEY SHARE")
         .await

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lease_support::{admin, backends, db, pool, until, Stopped};
+use lease_support::{admin, backends, db, insert_expired, pool, until, Stopped};
 use pgwarden::{LeaseOptions, Leases};
 
 const S: Duration = Duration::from_secs(1);
@@ -208,13 +208,7 @@ async fn purge_deletes_only_rows_older_than_its_age() {
         .release()
         .await
         .unwrap();
-    admin
-        .batch_execute(
-            "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
-             VALUES ('crashed', 'gone', nextval('pgwarden_leases_token_seq'), now() - interval '1 s')",
-        )
-        .await
-        .unwrap();
+    insert_expired(&admin, "crashed", "gone").await;
     let names = || async {
         admin
             .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])

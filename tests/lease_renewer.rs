@@ -10,39 +10,13 @@ mod lease_support;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
-use lease_support::{admin, db, pool, until, within};
+use lease_support::{admin, ahead, db, expiry, pool, short, until, within};
 use pgwarden::{LeaseOptions, Leases, LostReason};
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
-
-/// Renewed every 1 s, lost 1 s before the database could let anyone in.
-fn short() -> LeaseOptions {
-    LeaseOptions::new(3 * S).renew_every(S).safety_margin(S)
-}
-
-/// The lease's expiry in the database, as wall-clock time.
-async fn expiry(client: &tokio_postgres::Client, name: &str) -> SystemTime {
-    let secs: f64 = client
-        .query_typed_one(
-            "SELECT extract(epoch FROM expires_at)::float8 FROM pgwarden_leases WHERE name = $1",
-            &[(&name, tokio_postgres::types::Type::TEXT)],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    UNIX_EPOCH + Duration::from_secs_f64(secs)
-}
-
-/// How long before `expiry` the signal came (negative: after).
-fn ahead(lost: SystemTime, expiry: SystemTime) -> f64 {
-    match expiry.duration_since(lost) {
-        Ok(d) => d.as_secs_f64(),
-        Err(e) => -e.duration().as_secs_f64(),
-    }
-}
 
 /// The lease is taken in a runtime that is then dropped, with its renewer:
 /// the lease still reports itself lost at its deadline, before another

@@ -10,24 +10,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lease_support::{admin, db, pool, until, within};
+use lease_support::{admin, db, pool, row, until, within};
 use pgwarden::{Error, LeaseOptions, Leases, LostReason, OnLost};
-use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
-
-/// The current term of `name`, if held (a released row has holder '').
-async fn row(admin: &tokio_postgres::Client, name: &str) -> Option<(String, i64)> {
-    admin
-        .query_typed_opt(
-            "SELECT holder, token FROM pgwarden_leases WHERE name = $1 AND holder <> ''",
-            &[(&name, Type::TEXT)],
-        )
-        .await
-        .unwrap()
-        .map(|r| (r.get(0), r.get(1)))
-}
 
 // ---- run_exclusive ----
 

@@ -10,30 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lease_support::{admin, backends, db, pool, until, within, Stopped};
+use lease_support::{admin, backends, db, pool, row, short, until, within, Stopped};
 use pgwarden::{LeaseOptions, Leases, LostReason};
 use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
-
-/// Renewed every 1 s, lost 1 s before the database could let anyone in (a
-/// wide margin: the tests assert that order on a loaded machine).
-fn short() -> LeaseOptions {
-    LeaseOptions::new(3 * S).renew_every(S).safety_margin(S)
-}
-
-/// The current term of `name`, if held (a released row has holder '').
-async fn row(admin: &tokio_postgres::Client, name: &str) -> Option<(String, i64)> {
-    admin
-        .query_typed_opt(
-            "SELECT holder, token FROM pgwarden_leases WHERE name = $1 AND holder <> ''",
-            &[(&name, Type::TEXT)],
-        )
-        .await
-        .unwrap()
-        .map(|r| (r.get(0), r.get(1)))
-}
 
 // ---- leases hold no connection; the session-lock version starves the pool ----
 

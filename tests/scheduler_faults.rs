@@ -13,7 +13,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use lease_support::{admin, busy_backends, db, lock_rows, pool, pool_with, until, within};
+use lease_support::{
+    admin, busy_backends, db, insert_expired, lock_rows, pool, pool_with, until, within,
+};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use pgwarden::{Job, LeaseHandle, LeaseOptions, Leases, Scheduler};
 use tokio_postgres::types::Type;
@@ -225,13 +227,7 @@ async fn shutdown_cancels_an_acquisition_in_flight() {
     leases.install().await.unwrap();
     // The job's lease: an expired term whose holder sits in a fenced
     // transaction, so the take-over waits on it.
-    admin
-        .batch_execute(
-            "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
-             VALUES ('stuck', 'stale', nextval('pgwarden_leases_token_seq'), now() - interval '1 s')",
-        )
-        .await
-        .unwrap();
+    insert_expired(&admin, "stuck", "stale").await;
     let locker = lock_rows(&db, "pgwarden_leases", &["stuck"], "FOR KEY SHARE").await;
     let scheduler = Scheduler::builder(&leases)
         .node("n1")

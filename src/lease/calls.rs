@@ -11,6 +11,27 @@ use tokio_postgres::Error as PgError;
 use super::sql::{Statements, Taken};
 use super::statement::{Call, LeaseStatement};
 
+/// Implements [`LeaseStatement`] for `$ty`: `$out` from the `Statements`
+/// call `$body` makes with the statement `$s`, the statements `$sql`, the
+/// client `$c` and how it is sent, `$call`.
+macro_rules! lease_statement {
+    ($ty:ty, $out:ty, $what:literal, |$s:ident, $sql:ident, $c:ident, $call:ident| $body:expr) => {
+        impl LeaseStatement for $ty {
+            type Out = $out;
+            const WHAT: &'static str = $what;
+            fn exec<'a>(
+                &'a self,
+                $sql: &'a Statements,
+                $c: &'a mut Client,
+                $call: Call,
+            ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+                let $s = self;
+                $body
+            }
+        }
+    };
+}
+
 /// One acquisition attempt: `None` when another term holds the name.
 pub(crate) struct Acquire<'a> {
     pub(crate) name: &'a str,
@@ -20,44 +41,20 @@ pub(crate) struct Acquire<'a> {
     pub(crate) hold: Option<(f64, f64)>,
 }
 
-impl LeaseStatement for Acquire<'_> {
-    type Out = Option<Taken>;
-    const WHAT: &'static str = "acquisition";
-    fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut Client,
-        call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.acquire(
-            client,
-            call.named,
-            self.name,
-            self.holder,
-            self.ttl,
-            self.hold,
-            call.wait_ms,
-        )
-    }
-}
+lease_statement!(
+    Acquire<'_>,
+    Option<Taken>,
+    "acquisition",
+    |s, sql, c, call| sql.acquire(c, call.named, s.name, s.holder, s.ttl, s.hold, call.wait_ms)
+);
 
 /// Seconds until a held name may be free.
 pub(crate) struct FreeIn<'a> {
     pub(crate) name: &'a str,
 }
 
-impl LeaseStatement for FreeIn<'_> {
-    type Out = Option<f64>;
-    const WHAT: &'static str = "busy check";
-    fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut Client,
-        call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.free_in(client, call.named, self.name)
-    }
-}
+lease_statement!(FreeIn<'_>, Option<f64>, "busy check", |s, sql, c, call| sql
+    .free_in(c, call.named, s.name));
 
 /// One batched renewal.
 pub(crate) struct Renew<'a> {
@@ -67,26 +64,20 @@ pub(crate) struct Renew<'a> {
     pub(crate) ttls: Vec<f64>,
 }
 
-impl LeaseStatement for Renew<'_> {
-    type Out = Vec<(String, i64)>;
-    const WHAT: &'static str = "renewal";
-    fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut Client,
-        call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.renew(
-            client,
-            call.named,
-            &self.names,
-            &self.holders,
-            &self.tokens,
-            &self.ttls,
-            call.wait_ms,
-        )
-    }
-}
+lease_statement!(
+    Renew<'_>,
+    Vec<(String, i64)>,
+    "renewal",
+    |s, sql, c, call| sql.renew(
+        c,
+        call.named,
+        &s.names,
+        &s.holders,
+        &s.tokens,
+        &s.ttls,
+        call.wait_ms,
+    )
+);
 
 /// A release that deletes the row (no hold, no acquisition in flight).
 pub(crate) struct ReleaseDelete<'a> {
@@ -94,18 +85,8 @@ pub(crate) struct ReleaseDelete<'a> {
     pub(crate) holder: &'a str,
 }
 
-impl LeaseStatement for ReleaseDelete<'_> {
-    type Out = bool;
-    const WHAT: &'static str = "release";
-    fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut Client,
-        call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.release_delete(client, call.named, self.name, self.holder, call.wait_ms)
-    }
-}
+lease_statement!(ReleaseDelete<'_>, bool, "release", |s, sql, c, call| sql
+    .release_delete(c, call.named, s.name, s.holder, call.wait_ms));
 
 /// A release that keeps the row, marked released.
 pub(crate) struct ReleaseKeep<'a> {
@@ -114,25 +95,15 @@ pub(crate) struct ReleaseKeep<'a> {
     pub(crate) forget_hold: bool,
 }
 
-impl LeaseStatement for ReleaseKeep<'_> {
-    type Out = bool;
-    const WHAT: &'static str = "release";
-    fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut Client,
-        call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.release_keep(
-            client,
-            call.named,
-            self.name,
-            self.holder,
-            self.forget_hold,
-            call.wait_ms,
-        )
-    }
-}
+lease_statement!(ReleaseKeep<'_>, bool, "release", |s, sql, c, call| sql
+    .release_keep(
+        c,
+        call.named,
+        s.name,
+        s.holder,
+        s.forget_hold,
+        call.wait_ms
+    ));
 
 /// One purge statement: rows deleted.
 pub(crate) struct Purge {
@@ -140,18 +111,13 @@ pub(crate) struct Purge {
     pub(crate) limit: i64,
 }
 
-impl LeaseStatement for Purge {
-    type Out = u64;
-    const WHAT: &'static str = "purge";
-    fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut Client,
-        call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
-        sql.purge(client, call.named, self.age, self.limit, call.wait_ms)
-    }
-}
+lease_statement!(Purge, u64, "purge", |s, sql, c, call| sql.purge(
+    c,
+    call.named,
+    s.age,
+    s.limit,
+    call.wait_ms
+));
 
 /// Create the table if missing, then check its shape.
 pub(crate) struct Install<'a> {
@@ -159,15 +125,9 @@ pub(crate) struct Install<'a> {
     pub(crate) table: &'a str,
 }
 
-impl LeaseStatement for Install<'_> {
-    type Out = Result<bool, crate::error::Error>;
-    const WHAT: &'static str = "install";
-    async fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut Client,
-        _call: Call,
-    ) -> Result<Self::Out, PgError> {
-        Ok(sql.install(client, self.wait, self.table).await)
-    }
-}
+lease_statement!(
+    Install<'_>,
+    Result<bool, crate::error::Error>,
+    "install",
+    |s, sql, c, _call| async move { Ok(sql.install(c, s.wait, s.table).await) }
+);

@@ -5,10 +5,11 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pgwarden::testing::{TestDb, TestServer};
-use pgwarden::Pool;
+use pgwarden::{LeaseOptions, Pool, Pooler};
+use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 
 /// A fresh database on the shared throwaway server.
@@ -27,7 +28,17 @@ pub fn pool(db: &TestDb, size: usize, app: &str) -> Pool {
 }
 
 /// The same, connecting with `config` (another user, PgBouncer).
-pub fn pool_with(mut config: tokio_postgres::Config, size: usize, app: &str) -> Pool {
+pub fn pool_with(config: tokio_postgres::Config, size: usize, app: &str) -> Pool {
+    pool_behind(config, size, app, Pooler::Auto)
+}
+
+/// The same, its pooler configured as `pooler`.
+pub fn pool_behind(
+    mut config: tokio_postgres::Config,
+    size: usize,
+    app: &str,
+    pooler: Pooler,
+) -> Pool {
     config.application_name(app);
     let mgr = deadpool_postgres::Manager::from_config(
         config,
@@ -41,11 +52,13 @@ pub fn pool_with(mut config: tokio_postgres::Config, size: usize, app: &str) -> 
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .expect("deadpool");
-    Pool::builder(inner)
+    let mut builder = Pool::builder(inner)
         .name(app)
-        .wait_timeout(Duration::from_secs(5))
-        .build()
-        .expect("pgwarden pool")
+        .wait_timeout(Duration::from_secs(5));
+    if pooler != Pooler::Auto {
+        builder = builder.pooler(pooler);
+    }
+    builder.build().expect("pgwarden pool")
 }
 
 /// Backend pids of the connections named `app`.
@@ -178,4 +191,59 @@ pub async fn lock_rows(db: &TestDb, table: &str, names: &[&str], clause: &str) -
         .expect("lock the row");
     }
     c
+}
+
+/// Renewed every 1 s, lost 1 s before the database could let anyone in (a
+/// wide margin: the tests assert that order on a loaded machine).
+pub fn short() -> LeaseOptions {
+    let s = Duration::from_secs(1);
+    LeaseOptions::new(3 * s).renew_every(s).safety_margin(s)
+}
+
+/// The current term of `name` in the default table, if held (a released
+/// row has holder '').
+pub async fn row(admin: &Client, name: &str) -> Option<(String, i64)> {
+    admin
+        .query_typed_opt(
+            "SELECT holder, token FROM pgwarden_leases WHERE name = $1 AND holder <> ''",
+            &[(&name, Type::TEXT)],
+        )
+        .await
+        .expect("lease row")
+        .map(|r| (r.get(0), r.get(1)))
+}
+
+/// The lease's expiry in the database, as wall-clock time (the server runs
+/// on this machine: one clock).
+pub async fn expiry(client: &Client, name: &str) -> SystemTime {
+    let secs: f64 = client
+        .query_typed_one(
+            "SELECT extract(epoch FROM expires_at)::float8 FROM pgwarden_leases WHERE name = $1",
+            &[(&name, Type::TEXT)],
+        )
+        .await
+        .expect("lease expiry")
+        .get(0);
+    UNIX_EPOCH + Duration::from_secs_f64(secs)
+}
+
+/// How long before `expiry` the signal came (negative: after), in seconds.
+pub fn ahead(lost: SystemTime, expiry: SystemTime) -> f64 {
+    match expiry.duration_since(lost) {
+        Ok(d) => d.as_secs_f64(),
+        Err(e) => -e.duration().as_secs_f64(),
+    }
+}
+
+/// Inserts, by hand, an expired term of `name` held by `holder` in the
+/// default table: what a holder that crashed or was cut off leaves.
+pub async fn insert_expired(admin: &Client, name: &str, holder: &str) {
+    admin
+        .query_typed(
+            "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             VALUES ($1, $2, nextval('pgwarden_leases_token_seq'), now() - interval '1 s')",
+            &[(&name, Type::TEXT), (&holder, Type::TEXT)],
+        )
+        .await
+        .expect("an expired term");
 }
