@@ -11,19 +11,26 @@
 -- together do not race.
 --
 -- A logged table on purpose: unlike advisory locks, leases survive a primary
--- failover. Every time comes from the database clock. Rows stay after their
--- release (one per lease name): a take-over draws its token with the row
--- locked, after the previous term's, so tokens grow with every term.
+-- failover. Every time comes from the database clock. A released row is
+-- deleted when it has no hold and no acquisition of its name is in flight
+-- (a transaction-scoped advisory lock on the name tells), else kept, marked
+-- released, until the purge deletes it; a take-over draws its token with
+-- the row locked. Either way tokens grow with every term of a name.
+--
+-- pgwarden checks this shape at install and first use: the columns and
+-- their types, PRIMARY KEY (name), and the bigint sequence.
 
 -- Fencing tokens: one value per take-over, increasing across the cluster.
 -- CACHE 1 keeps values increasing in the order sessions take them.
 CREATE SEQUENCE IF NOT EXISTS "pgwarden_leases_token_seq" AS bigint CACHE 1;
 
 CREATE TABLE IF NOT EXISTS "pgwarden_leases" (
-    -- The lease's name: 1 to 128 bytes, chosen by the application.
-    name        text        PRIMARY KEY CHECK (name <> '' AND octet_length(name) <= 128),
+    -- The lease's name: 1 to 128 bytes, chosen by the application (pgwarden
+    -- checks it before any statement; a CHECK here would cost every insert
+    -- a parse of its expression).
+    name        text        PRIMARY KEY,
     -- Who holds it: host:pid:64 random bits, new on every acquisition;
-    -- '' once released while `held_until` keeps the row.
+    -- '' once released while the row is kept.
     holder      text        NOT NULL,
     -- The fencing token of the current term.
     token       bigint      NOT NULL,

@@ -248,6 +248,22 @@ pub enum Error {
         /// How long it ran.
         waited: std::time::Duration,
     },
+
+    /// The lease table (or its token sequence) exists with another shape
+    /// than pgwarden's: `install()` and the first use with `auto_install`
+    /// check it, so that acquisitions do not fail later with SQL errors.
+    #[error(
+        "lease table {table} does not have the shape pgwarden needs: {}; \
+         alter it to match sql/leases.sql, or drop it (when no lease is held) and call install()",
+        differences.join("; ")
+    )]
+    LeaseTableMismatch {
+        /// The table, as configured.
+        table: String,
+        /// Each difference, in words: a missing or mistyped column, the
+        /// primary key, the sequence.
+        differences: Vec<String>,
+    },
 }
 
 impl Error {

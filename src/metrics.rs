@@ -6,7 +6,8 @@
 //! before building the pool.
 //!
 //! Labels are bounded: `pool` (the pool's name), `lane`, `reason`, `result`,
-//! `state`, `policy`, and the lease or job names that the application declares.
+//! `state`, `policy`, `statement`, and the lease or job names that the application
+//! declares (every other lease name counts under one fixed value, `_other`).
 
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
@@ -75,6 +76,16 @@ pub const LEASE_RENEW_INTERVAL: &str = "pgwarden_lease_renew_interval_seconds";
 pub const LEASE_LOST: &str = "pgwarden_lease_lost_total";
 /// Leases taken over from an expired holder, per `lease`.
 pub const LEASE_TAKEOVERS: &str = "pgwarden_lease_takeovers_total";
+/// Panics caught in the lease renewer; renewal goes on.
+pub const LEASE_RENEWER_PANICS: &str = "pgwarden_lease_renewer_panics_total";
+/// Scheduled job runs that panicked, per `lease` (the job's name: `job` is
+/// Prometheus's own label); the job runs again next period.
+pub const LEASE_JOB_PANICS: &str = "pgwarden_lease_job_panics_total";
+/// Lease rows purged: released or expired for longer than the purge age.
+pub const LEASE_PURGED: &str = "pgwarden_lease_purged_total";
+/// Lease statements that did not finish in time and were cancelled on the
+/// server, per `statement` (`acquisition`, `busy check`, `renewal`, `release`, `purge`, `install`).
+pub const LEASE_STATEMENT_TIMEOUTS: &str = "pgwarden_lease_statement_timeouts_total";
 
 /// Bucket bounds (seconds) for acquire, hold, readiness and renewal latencies.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -193,6 +204,22 @@ pub fn describe() {
         Unit::Count,
         "Leases taken over from an expired holder."
     );
+    describe_counter!(
+        LEASE_RENEWER_PANICS,
+        Unit::Count,
+        "Panics caught in the lease renewer (renewal goes on)."
+    );
+    describe_counter!(
+        LEASE_JOB_PANICS,
+        Unit::Count,
+        "Scheduled job runs that panicked, per job (lease label)."
+    );
+    describe_counter!(LEASE_PURGED, Unit::Count, "Lease rows purged.");
+    describe_counter!(
+        LEASE_STATEMENT_TIMEOUTS,
+        Unit::Count,
+        "Lease statements timed out and cancelled on the server, per statement."
+    );
 }
 
 /// Handles of one lane, registered once per pool.
@@ -303,53 +330,4 @@ pub fn prometheus_builder(
     PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(HOLD_DURATION.into()), HOLD_BUCKETS)?
         .set_buckets_for_metric(Matcher::Suffix("_duration_seconds".into()), LATENCY_BUCKETS)
-}
-
-/// Handles of one lease table's instance, registered once per
-/// [`crate::Leases`]; per-lease counters are looked up at the event.
-#[derive(Clone, Debug)]
-pub(crate) struct LeaseMetrics {
-    pool: String,
-    pub(crate) held: Gauge,
-    pub(crate) renew_ok: Counter,
-    pub(crate) renew_lost: Counter,
-    pub(crate) renew_error: Counter,
-    pub(crate) renewal: Histogram,
-    pub(crate) renew_interval: Gauge,
-}
-
-impl LeaseMetrics {
-    pub(crate) fn register(pool: &str) -> LeaseMetrics {
-        describe();
-        let p = pool.to_owned();
-        let renewals = |result: &'static str| metrics::counter!(LEASE_RENEWALS, "pool" => p.clone(), "result" => result);
-        LeaseMetrics {
-            held: metrics::gauge!(LEASES_HELD, "pool" => p.clone()),
-            renew_ok: renewals("ok"),
-            renew_lost: renewals("lost"),
-            renew_error: renewals("error"),
-            renewal: metrics::histogram!(LEASE_RENEWAL_DURATION, "pool" => p.clone()),
-            renew_interval: metrics::gauge!(LEASE_RENEW_INTERVAL, "pool" => p.clone()),
-            pool: p,
-        }
-    }
-
-    pub(crate) fn acquired(&self, lease: &str) {
-        metrics::counter!(LEASE_ACQUIRED, "pool" => self.pool.clone(), "lease" => lease.to_owned())
-            .increment(1);
-    }
-
-    pub(crate) fn skipped(&self, lease: &str) {
-        metrics::counter!(LEASE_SKIPPED, "pool" => self.pool.clone(), "lease" => lease.to_owned())
-            .increment(1);
-    }
-
-    pub(crate) fn takeover(&self, lease: &str) {
-        metrics::counter!(LEASE_TAKEOVERS, "pool" => self.pool.clone(), "lease" => lease.to_owned()).increment(1);
-    }
-
-    pub(crate) fn lost(&self, lease: &str, reason: crate::lease::LostReason) {
-        metrics::counter!(LEASE_LOST, "pool" => self.pool.clone(), "lease" => lease.to_owned(), "reason" => reason.as_str())
-            .increment(1);
-    }
 }

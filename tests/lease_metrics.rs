@@ -1,9 +1,10 @@
 //! Lease metrics, checked with a local debugging recorder after scripted
-//! events (acquire, skip, renew, lose, take over, release).
+//! events (acquire, skip, renew, lose, take over, release), and their
+//! labels bounded, counted on the Prometheus exporter's own output.
 
 mod support;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
@@ -65,8 +66,13 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     let db = db().await;
     let admin = admin(&db).await;
     let pool_a = pool(&db, 2, "mx");
-    let a = Leases::new(&pool_a);
-    let b = Leases::new(&pool(&db, 2, "mx"));
+    // Declared names are labels of their own.
+    let declared = ["cleanup", "alerts"];
+    let a = Leases::builder(&pool_a).declare(declared).build().unwrap();
+    let b = Leases::builder(&pool(&db, 2, "mx"))
+        .declare(declared)
+        .build()
+        .unwrap();
     let held = a.try_acquire("cleanup", S).await.unwrap().unwrap();
     assert!(b.try_acquire("cleanup", S).await.unwrap().is_none());
     let renewed = a.stats().renewed;
@@ -148,4 +154,124 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     drop(crashed);
     let s = totals.read(snap);
     assert_eq!(gauge(s, &format!("{}{{pool=mx}}", m::LEASES_HELD)), 0.0);
+
+    // An undeclared name counts under the one fixed label.
+    let other = b.try_acquire("user-1234", S).await.unwrap().unwrap();
+    other.release().await.unwrap();
+    let s = totals.read(snap);
+    assert_eq!(
+        counter(s, &format!("{}{{lease=_other,pool=mx}}", m::LEASE_ACQUIRED)),
+        1
+    );
+    assert!(!s.keys().any(|k| k.contains("user-1234")));
+}
+
+/// The series of each lease metric in an exposition: `name{labels}` lines
+/// (histogram buckets, sums and counts fold into their metric).
+fn series(text: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for line in text.lines().filter(|l| l.starts_with("pgwarden_lease")) {
+        let (name, rest) = line.split_once('{').unwrap_or((line, ""));
+        let labels = rest.rsplit_once('}').map_or("", |(l, _)| l);
+        let labels: Vec<&str> = labels
+            .split(',')
+            .filter(|l| !l.starts_with("le="))
+            .collect();
+        let name = name
+            .trim_end_matches("_bucket")
+            .trim_end_matches("_sum")
+            .trim_end_matches("_count");
+        out.entry(name.split_whitespace().next().unwrap().to_owned())
+            .or_default()
+            .insert(labels.join(","));
+    }
+    out
+}
+
+#[test]
+fn ten_thousand_dynamic_names_make_at_most_declared_plus_one_series() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let db = db().await;
+            let pool = pool(&db, 8, "labels");
+            let leases = Leases::builder(&pool).declare(["cleanup"]).build().unwrap();
+            let other = Leases::new(&pool);
+            let scheduler = pgwarden::Scheduler::builder(&leases)
+                .node("host-7f3a")
+                .job(pgwarden::Job::per_node("uptime", S, |_| async {}))
+                .start()
+                .unwrap();
+            let cleanup = leases.try_acquire("cleanup", S).await.unwrap().unwrap();
+            let before = handle.render().len();
+            // 10,000 names made at run time: taken, skipped, released.
+            let t = std::time::Instant::now();
+            let tasks: Vec<_> = (0..16)
+                .map(|task| {
+                    let (leases, other) = (leases.clone(), other.clone());
+                    tokio::spawn(async move {
+                        for i in (task..10_000).step_by(16) {
+                            let name = format!("user-{i}");
+                            let lease = leases.try_acquire(&name, S).await.unwrap().unwrap();
+                            assert!(other.try_acquire(&name, S).await.unwrap().is_none());
+                            lease.release().await.unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for task in tasks {
+                task.await.unwrap();
+            }
+            eventually(5 * S, "the per-node job ran", || async {
+                scheduler.runs() >= 1
+            })
+            .await;
+            scheduler.shutdown().await;
+            cleanup.release().await.unwrap();
+            let text = handle.render();
+            let all = series(&text);
+            eprintln!(
+                "10,000 dynamic names in {:?}: exposition {} -> {} bytes",
+                t.elapsed(),
+                before,
+                text.len()
+            );
+            // Declared: "cleanup" (builder) and "uptime" (the per-node job,
+            // under its job name, never its host); everything else is "_other".
+            for metric in [m::LEASE_ACQUIRED, m::LEASE_SKIPPED] {
+                let got = &all[metric];
+                eprintln!("{metric}: {got:?}");
+                assert!(got.len() <= 3, "{metric}: {got:?}");
+                assert!(
+                    got.iter().any(|l| l.contains("lease=\"_other\"")),
+                    "{got:?}"
+                );
+            }
+            // Every lease metric: at most declared + 1 values of `lease`
+            // (other labels, such as `reason`, multiply by their own bounded
+            // sets).
+            for (metric, labels) in &all {
+                let leases: BTreeSet<&str> = labels
+                    .iter()
+                    .flat_map(|l| l.split(','))
+                    .filter(|l| l.starts_with("lease="))
+                    .collect();
+                assert!(leases.len() <= 3, "{metric}: {leases:?}");
+            }
+            let lost = &all[m::LEASE_LOST];
+            assert!(lost.len() <= 3 * 4, "{lost:?}");
+            assert!(!text.contains("user-"), "no dynamic name in the exposition");
+            assert!(!text.contains("host-7f3a"), "no host in the exposition");
+            assert!(
+                text.contains("lease=\"uptime\""),
+                "the per-node job by job name"
+            );
+            assert!(text.len() < 64 * 1024, "{} bytes", text.len());
+        });
+    });
 }

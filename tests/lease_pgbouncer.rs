@@ -1,15 +1,16 @@
-//! Leases behind PgBouncer in transaction mode: every lease statement is an
-//! unnamed `query_typed` (or a plain transaction), so install, acquisition,
-//! batched renewal, fencing, release and take-over all work there, where
-//! named prepared statements and session state do not.
+//! Leases behind PgBouncer in transaction mode: lease statements go unnamed
+//! there (detected, configured, or after the server refused a prepared one),
+//! so install, acquisition, batched renewal, fencing, release, take-over,
+//! purge and the cancel of a timed-out statement all work there, where named
+//! prepared statements and session state do not.
 
 mod support;
 
 use std::time::Duration;
 
-use pgwarden::{LeaseOptions, Leases, LostReason};
+use pgwarden::{LeaseOptions, Leases, LostReason, Pooler};
 use pgwarden_testing::{require_tool, PgBouncer, TestServer};
-use support::leases::pool_with;
+use support::leases::{insert_expired, pool_behind, pool_with};
 use support::{eventually, within};
 use tokio_postgres::types::Type;
 
@@ -90,4 +91,123 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
         LostReason::Deadline
     );
     new.release().await.unwrap();
+}
+
+/// A pool through `bouncer`, its pooler configured as `pooler`.
+fn bounced(bouncer: &PgBouncer, size: usize, app: &str, pooler: Pooler) -> pgwarden::Pool {
+    pool_behind(bouncer.pg_config(), size, app, pooler)
+}
+
+/// Backends of `db` waiting on a lock (behind PgBouncer the application
+/// name is the bouncer's, so count by database, the locker excluded).
+async fn lock_waiters(admin: &tokio_postgres::Client, db: &str) -> i64 {
+    admin
+        .query_typed_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = $1 AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()",
+            &[(&db, Type::TEXT)],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test]
+async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancelled() {
+    if !require_tool("pgbouncer").unwrap() {
+        return;
+    }
+    let server = TestServer::shared().unwrap();
+    let db = server.create_database().await.unwrap();
+    let admin = db.connect().await.unwrap();
+    let bouncer = PgBouncer::start_with_pool_size(server, &db, 4).unwrap();
+    let pool_a = bounced(&bouncer, 3, "pgb-a", Pooler::Auto);
+    let a = Leases::new(&pool_a);
+    let b = Leases::builder(&bounced(&bouncer, 3, "pgb-b", Pooler::Transaction))
+        .statement_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+
+    // The holder in a fenced transaction (it pins a server connection):
+    // the contender skips at once.
+    let lease = a.try_acquire("ledger", 30 * S).await.unwrap().unwrap();
+    let mut conn = pool_a.get().await.unwrap();
+    let tx = conn.transaction().await.unwrap();
+    lease.fence(&tx).await.unwrap();
+    for _ in 0..3 {
+        let got = within(S, "a skip", b.try_acquire("ledger", 30 * S))
+            .await
+            .unwrap();
+        assert!(got.is_none());
+    }
+    tx.commit().await.unwrap();
+    drop(conn);
+
+    // A take-over that must wait longer than B's statement timeout: it
+    // times out, and the cancel goes through PgBouncer to the server.
+    insert_expired(&admin, "stale", "old").await;
+    admin
+        .batch_execute("BEGIN; SELECT 1 FROM pgwarden_leases WHERE name = 'stale' FOR KEY SHARE")
+        .await
+        .unwrap();
+    let err = b.try_acquire("stale", 30 * S).await.unwrap_err();
+    assert!(err.is_lease_timeout(), "{err}");
+    eventually(3 * S, "the waiting statement is cancelled", || async {
+        let other = db.connect().await.unwrap();
+        lock_waiters(&other, db.name()).await == 0
+    })
+    .await;
+    admin.batch_execute("COMMIT").await.unwrap();
+    let old: String = admin
+        .query_typed_one(
+            "SELECT holder FROM pgwarden_leases WHERE name = 'stale'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(old, "old", "the cancelled take-over did not happen");
+    if let Err(e) = lease.release().await {
+        panic!("{e}\n{}", bouncer.log_tail(30));
+    }
+}
+
+#[tokio::test]
+async fn through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back() {
+    if !require_tool("pgbouncer").unwrap() {
+        return;
+    }
+    let server = TestServer::shared().unwrap();
+    let db = server.create_database().await.unwrap();
+    let bouncer = PgBouncer::start_with_pool_size(server, &db, 2).unwrap();
+    // Told it is direct: its first prepared statements are refused by
+    // PgBouncer's server connections, and it goes on unnamed.
+    let wrong = Leases::builder(&bounced(&bouncer, 6, "pgb-direct", Pooler::Direct))
+        .purge_after(Duration::ZERO)
+        .auto_purge(false)
+        .build()
+        .unwrap();
+    let opts = LeaseOptions::new(10 * S).at_least(Duration::from_millis(1));
+    let tasks: Vec<_> = (0..6)
+        .map(|t| {
+            let (wrong, opts) = (wrong.clone(), opts.clone());
+            tokio::spawn(async move {
+                for i in 0..40 {
+                    let lease = wrong
+                        .try_acquire_with(&format!("n{t}-{i}"), &opts)
+                        .await
+                        .unwrap()
+                        .expect("a new name is free");
+                    lease.release().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // Released rows kept by their hold: purged through PgBouncer.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(wrong.purge().await.unwrap(), 240);
+    assert_eq!(wrong.stats().purged, 240);
 }

@@ -1,4 +1,4 @@
-//! Table leases against a real PostgreSQL: the seed's scenario, one holder,
+//! Table leases against a real PostgreSQL: four jobs on a pool of two, one holder,
 //! take-over, late release, the lost signal, fencing, batched renewal,
 //! run_exclusive, holds, bad input.
 
@@ -8,33 +8,15 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, LeaseOptions, Leases, LostReason, OnLost};
-use support::leases::{backends, pool, pool_with, TwoHolders};
+use pgwarden::{LeaseOptions, Leases, LostReason, Pooler};
+use support::leases::{backends, pool, pool_behind, row, short, TwoHolders};
 use support::{admin, db, eventually, within, Stopped};
 use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
-/// Renewed every 1 s, lost 1 s before the database could let anyone in (a
-/// wide margin: the tests assert that order on a loaded machine).
-fn short() -> LeaseOptions {
-    LeaseOptions::new(3 * S).renew_every(S).safety_margin(S)
-}
-
-/// The current term of `name`, if held (a released row has holder '').
-async fn row(admin: &tokio_postgres::Client, name: &str) -> Option<(String, i64)> {
-    admin
-        .query_typed_opt(
-            "SELECT holder, token FROM pgwarden_leases WHERE name = $1 AND holder <> ''",
-            &[(&name, Type::TEXT)],
-        )
-        .await
-        .unwrap()
-        .map(|r| (r.get(0), r.get(1)))
-}
-
-// ---- seed 000: TestLeasesHoldNoConnection, and the old TryExclusive ----
+// ---- leases hold no connection; the session-lock version starves the pool ----
 
 const JOBS: [&str; 4] = ["cleanup", "alerts", "mail-checks", "uptime@node-a"];
 
@@ -48,8 +30,11 @@ async fn leases_hold_no_connection() {
         )
         .await
         .unwrap();
-    // The smallest pool pgwarden allows: 1 control reserve + 1 request.
-    let pool = pool(&db, 2, "seed");
+    // The smallest pool pgwarden allows: the probe reserve + 1 shared
+    // connection. Known direct before counting connections (configured:
+    // detection takes two connections outside the probe reserve, more than
+    // a pool of 2 has).
+    let pool = pool_behind(db.pg_config(), 2, "four-jobs", Pooler::Direct);
     let mut held = Vec::new();
     for job in JOBS {
         let lease = pool.try_exclusive(job).await.unwrap();
@@ -82,7 +67,7 @@ async fn leases_hold_no_connection() {
     assert_eq!(pool.status().in_use, 0);
 }
 
-/// The seed's old `TryExclusive`: a pooled connection holding a session
+/// "Run on one instance only" with a session advisory lock: a pooled connection holding a session
 /// advisory lock for as long as the job runs.
 async fn old_try_exclusive(
     pool: &deadpool_postgres::Pool,
@@ -136,69 +121,6 @@ async fn old_try_exclusive_never_gets_there() {
         .unwrap()
         .get(0);
     assert_eq!(n, 2);
-}
-
-// ---- install ----
-
-#[tokio::test]
-async fn install_is_idempotent_race_free_and_matches_the_sql_file() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    admin.batch_execute("CREATE SCHEMA app").await.unwrap();
-    let pool = pool(&db, 6, "install");
-    // Four instances starting together.
-    let all: Vec<Leases> = (0..4)
-        .map(|_| Leases::builder(&pool).table("app.leases").build().unwrap())
-        .collect();
-    let ran = futures_util::future::join_all(all.iter().map(|l| l.install())).await;
-    let ran: Vec<bool> = ran.into_iter().map(|r| r.expect("install")).collect();
-    assert!(ran.contains(&true), "{ran:?}");
-    assert!(
-        !all[0].install().await.unwrap(),
-        "second install is a no-op"
-    );
-
-    // sql/leases.sql, run by hand, makes the same table.
-    admin
-        .batch_execute(include_str!("../sql/leases.sql"))
-        .await
-        .unwrap();
-    let columns = |schema: &'static str, table: &'static str| {
-        let admin = &admin;
-        async move {
-            admin
-                .query_typed(
-                    "SELECT column_name::text, data_type::text, is_nullable::text, coalesce(column_default, '')::text
-                       FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2
-                      ORDER BY ordinal_position",
-                    &[(&schema, Type::TEXT), (&table, Type::TEXT)],
-                )
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1), r.get::<_, String>(2), r.get::<_, String>(3)))
-                .collect::<Vec<_>>()
-        }
-    };
-    let a = columns("app", "leases").await;
-    assert_eq!(a.len(), 7, "{a:?}");
-    assert_eq!(a, columns("public", "pgwarden_leases").await);
-    // Logged (survives failover), sequence owned by the table.
-    let r = admin
-        .query_typed_one(
-            "SELECT c.relpersistence::text, s.seqcache, s.seqtypid::regtype::text
-               FROM pg_class c, pg_sequence s
-              WHERE c.oid = 'app.leases'::regclass AND s.seqrelid = 'app.leases_token_seq'::regclass",
-            &[],
-        )
-        .await
-        .unwrap();
-    assert_eq!(r.get::<_, String>(0), "p");
-    assert_eq!(r.get::<_, i64>(1), 1);
-    assert_eq!(r.get::<_, String>(2), "bigint");
-    // And the schema-qualified table works.
-    let lease = all[1].try_acquire("x", 2 * S).await.unwrap().unwrap();
-    lease.release().await.unwrap();
 }
 
 // ---- one holder ----
@@ -325,205 +247,6 @@ async fn late_release_never_deletes_a_lease_taken_since() {
     assert_eq!(row(&admin, "report").await, None);
 }
 
-// ---- the lost signal ----
-
-#[tokio::test]
-async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
-    let TwoHolders { admin, a, b, .. } = TwoHolders::installed("stop").await;
-    let lease = a
-        .try_acquire_with("alerts", &short())
-        .await
-        .unwrap()
-        .unwrap();
-    let lost = lease.lost();
-    let stopped = Stopped::stop(backends(&admin, "stop-a").await).expect("SIGSTOP");
-    let taker = tokio::spawn(async move {
-        let l = b.acquire_with("alerts", &short(), 10 * S).await;
-        (Instant::now(), l)
-    });
-    let reason = within(5 * S, "lost signal", lost).await;
-    let lost_at = Instant::now();
-    assert_eq!(reason, LostReason::Deadline);
-    let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
-    let taken = taken.unwrap();
-    assert!(
-        lost_at < taken_at,
-        "lost {:?} before the take-over",
-        taken_at - lost_at
-    );
-    eprintln!(
-        "SIGSTOP: lost signal {:?} before the take-over",
-        taken_at - lost_at
-    );
-    assert!(taken.token() > lease.token());
-    assert_eq!(taken.took_over_from(), Some(lease.holder()));
-    drop(stopped);
-}
-
-#[tokio::test]
-async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    let b = Leases::new(&pool(&db, 2, "term-b"));
-    b.install().await.unwrap();
-    // A connects as its own role, so that it cannot come back once cut off.
-    let role = format!("{}_a", db.name());
-    admin
-        .batch_execute(&format!(
-            "CREATE ROLE \"{role}\" LOGIN;
-             GRANT SELECT, INSERT, UPDATE, DELETE ON pgwarden_leases TO \"{role}\";
-             GRANT USAGE ON SEQUENCE pgwarden_leases_token_seq TO \"{role}\";"
-        ))
-        .await
-        .unwrap();
-    let mut cfg = db.pg_config();
-    cfg.user(&role);
-    let a = Leases::new(&pool_with(cfg, 2, "term-a"));
-    let lease = a
-        .try_acquire_with("alerts", &short())
-        .await
-        .unwrap()
-        .unwrap();
-    let lost = lease.lost();
-    admin
-        .batch_execute(&format!(
-            "ALTER ROLE \"{role}\" NOLOGIN;
-             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';"
-        ))
-        .await
-        .unwrap();
-    let taker = tokio::spawn(async move {
-        let l = b.acquire_with("alerts", &short(), 10 * S).await;
-        (Instant::now(), l)
-    });
-    let reason = within(5 * S, "lost signal", lost).await;
-    let lost_at = Instant::now();
-    assert_eq!(reason, LostReason::Deadline);
-    let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
-    let taken = taken.unwrap();
-    assert!(lost_at < taken_at);
-    eprintln!(
-        "terminated: lost signal {:?} before the take-over",
-        taken_at - lost_at
-    );
-    // The failed renewals were retried, not given up at the first error.
-    assert!(a.stats().renewal_failures >= 2, "{:?}", a.stats());
-    // Back in: A's late release leaves B's term alone.
-    admin
-        .batch_execute(&format!("ALTER ROLE \"{role}\" LOGIN"))
-        .await
-        .unwrap();
-    assert!(lease.release().await.unwrap_err().is_lease_lost());
-    assert_eq!(
-        row(&admin, "alerts").await,
-        Some((taken.holder().to_owned(), taken.token()))
-    );
-}
-
-// ---- fencing ----
-
-#[tokio::test]
-async fn fencing_rejects_the_stale_holder() {
-    let TwoHolders {
-        admin,
-        pool_a,
-        a,
-        b,
-        ..
-    } = TwoHolders::new("fence", 3).await;
-    admin
-        .batch_execute("CREATE TABLE ledger (writer text, token bigint)")
-        .await
-        .unwrap();
-    // No renewal within the next 5 s: the steps below expire the term by hand.
-    let opts = LeaseOptions::new(10 * S).renew_every(5 * S);
-    let old = a.try_acquire_with("ledger", &opts).await.unwrap().unwrap();
-
-    // A writes under its fence and holds the transaction open.
-    let mut conn = pool_a.get().await.unwrap();
-    let tx = conn.transaction().await.unwrap();
-    old.fence(&tx).await.unwrap();
-    let token = old.token();
-    tx.query_typed(
-        "INSERT INTO ledger VALUES ('a', $1)",
-        &[(&token, Type::INT8)],
-    )
-    .await
-    .unwrap();
-    // A is cut off: its term expires in the database (time passes).
-    admin
-        .batch_execute(
-            "UPDATE pgwarden_leases SET expires_at = now() - interval '1 ms' WHERE name = 'ledger'",
-        )
-        .await
-        .unwrap();
-    // B's take-over waits for A's fenced transaction…
-    let taker = tokio::spawn(async move { b.try_acquire_with("ledger", &opts).await });
-    eventually(5 * S, "B waits on the fenced row", || async {
-        admin
-            .query_typed_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'fence-b' AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-            == 1
-    })
-    .await;
-    assert!(!taker.is_finished());
-    // …and takes it once A commits.
-    tx.commit().await.unwrap();
-    let new = within(5 * S, "take-over", taker)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert!(new.token() > old.token());
-
-    // A, stale, tries again: rejected, nothing written.
-    let tx = conn.transaction().await.unwrap();
-    let err = old.fence(&tx).await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::LeaseLost {
-                reason: LostReason::Taken,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    drop(tx);
-    let rows: Vec<(String, i64)> = admin
-        .query_typed("SELECT writer, token FROM ledger", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
-    assert_eq!(rows, [("a".to_owned(), old.token())]);
-    drop(conn);
-
-    // A fenced transaction does not hold up its own lease's renewals.
-    let keep = a
-        .try_acquire_with("keep", &LeaseOptions::new(S))
-        .await
-        .unwrap()
-        .unwrap();
-    let mut conn = pool_a.get().await.unwrap();
-    let tx = conn.transaction().await.unwrap();
-    keep.fence(&tx).await.unwrap();
-    let renewed = a.stats().renewed;
-    eventually(3 * S, "renewals during a fenced transaction", || async {
-        a.stats().renewed >= renewed + 3
-    })
-    .await;
-    assert!(!keep.is_lost());
-    keep.fence(&tx).await.unwrap();
-    tx.commit().await.unwrap();
-}
-
 // ---- batched renewal ----
 
 #[tokio::test]
@@ -589,215 +312,4 @@ async fn one_statement_renews_a_thousand_leases() {
         .iter()
         .all(|l| l.lost_reason() == Some(LostReason::Released)));
     drop(held);
-}
-
-// ---- run_exclusive ----
-
-#[tokio::test]
-async fn run_exclusive_skips_renews_releases_and_cancels() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 3, "run"));
-    // Runs; a concurrent run skips; it outlives its TTL, renewed.
-    let l2 = leases.clone();
-    let out = leases
-        .run_exclusive("nightly", S, |lease| async move {
-            let inner = l2.run_exclusive("nightly", S, |_| async {}).await.unwrap();
-            assert!(inner.is_none(), "a second run skips");
-            tokio::time::sleep(1500 * MS).await;
-            assert!(!lease.is_lost());
-            lease.token()
-        })
-        .await
-        .unwrap();
-    assert!(out.is_some());
-    // Released after: free at once.
-    assert_eq!(row(&admin, "nightly").await, None);
-
-    // OnLost::Cancel: the job is dropped at once when its lease is taken.
-    let dropped = Arc::new(AtomicBool::new(false));
-    struct Flag(Arc<AtomicBool>);
-    impl Drop for Flag {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::SeqCst);
-        }
-    }
-    let opts = LeaseOptions::new(S).on_lost(OnLost::Cancel);
-    let flag = Flag(dropped.clone());
-    let admin2 = &admin;
-    let err = within(5 * S, "cancelled run", leases.run_exclusive_with("steal-me", &opts, |_| async move {
-        let _flag = flag;
-        // Another holder takes the row over.
-        admin2
-            .batch_execute("UPDATE pgwarden_leases SET holder = 'thief', token = 0 WHERE name = 'steal-me'")
-            .await
-            .unwrap();
-        tokio::time::sleep(60 * S).await;
-    }))
-    .await
-    .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::LeaseLost {
-                reason: LostReason::Taken,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert!(dropped.load(Ordering::SeqCst));
-    assert_eq!(row(&admin, "steal-me").await, Some(("thief".to_owned(), 0)));
-
-    // OnLost::Signal (default): the job sees the signal and finishes its way.
-    let out = within(
-        5 * S,
-        "signalled run",
-        leases.run_exclusive("steal-me-too", S, |lease| async move {
-            admin2
-                .batch_execute(
-                    "UPDATE pgwarden_leases SET holder = 'thief' WHERE name = 'steal-me-too'",
-                )
-                .await
-                .unwrap();
-            lease.lost().await
-        }),
-    )
-    .await
-    .unwrap();
-    assert_eq!(out, Some(LostReason::Taken));
-}
-
-// ---- at-least-hold ----
-
-#[tokio::test]
-async fn at_least_hold_outlives_an_early_release() {
-    let db = db().await;
-    let leases = Leases::new(&pool(&db, 2, "hold"));
-    let opts = LeaseOptions::new(S).at_least(1500 * MS);
-    let start = Instant::now();
-    let first = leases
-        .try_acquire_with("mail", &opts)
-        .await
-        .unwrap()
-        .unwrap();
-    let first_token = first.token();
-    first.release().await.unwrap();
-    // Released, still held: nobody gets it before 1.5 s.
-    assert!(leases.try_acquire("mail", S).await.unwrap().is_none());
-    let second = leases.acquire("mail", S, 5 * S).await.unwrap();
-    assert!(start.elapsed() >= 1400 * MS, "{:?}", start.elapsed());
-    // A released row is not a take-over.
-    assert_eq!(second.took_over_from(), None);
-    assert!(second.token() > first_token);
-    second.release().await.unwrap();
-    assert!(leases.try_acquire("mail", S).await.unwrap().is_some());
-}
-
-// ---- bad input ----
-
-#[tokio::test]
-async fn bad_input_is_a_typed_error_at_the_call() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    let pool = pool(&db, 2, "bad");
-    let invalid = |e: Error| assert!(matches!(e, Error::InvalidInput { .. }), "{e}");
-    for table in [
-        "",
-        "lea ses",
-        "leases\"; DROP TABLE x; --",
-        "a.b.c",
-        "app.",
-        "x'y",
-        "n\0ul",
-        &"t".repeat(54),
-    ] {
-        invalid(Leases::builder(&pool).table(table).build().unwrap_err());
-    }
-    invalid(
-        Leases::builder(&pool)
-            .statement_timeout(Duration::ZERO)
-            .build()
-            .unwrap_err(),
-    );
-    let leases = Leases::new(&pool);
-    let long = "n".repeat(129);
-    for name in ["", "a\0b", "new\nline", long.as_str()] {
-        invalid(leases.try_acquire(name, S).await.unwrap_err());
-        invalid(leases.acquire(name, S, S).await.unwrap_err());
-        invalid(pool.try_exclusive(name).await.unwrap_err());
-    }
-    for ttl in [Duration::ZERO, 999 * MS, 25 * 3600 * S, Duration::MAX] {
-        invalid(leases.try_acquire("x", ttl).await.unwrap_err());
-    }
-    for opts in [
-        LeaseOptions::new(2 * S).renew_every(2 * S),
-        LeaseOptions::new(2 * S).renew_every(3 * S),
-        LeaseOptions::new(2 * S).renew_every(Duration::ZERO),
-        LeaseOptions::new(2 * S).safety_margin(2 * S),
-        LeaseOptions::new(2 * S).at_least(400 * 24 * 3600 * S),
-    ] {
-        invalid(leases.try_acquire_with("x", &opts).await.unwrap_err());
-        invalid(
-            leases
-                .run_exclusive_with("x", &opts, |_| async {})
-                .await
-                .unwrap_err(),
-        );
-    }
-    // Refused before any statement: nothing was installed.
-    assert_eq!(leases.stats().statements, 0);
-    let exists: bool = admin
-        .query_typed_one("SELECT to_regclass('pgwarden_leases') IS NOT NULL", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert!(!exists);
-    // A name that looks like SQL is only data.
-    let odd = "x'); DROP TABLE pgwarden_leases; --";
-    let lease = leases.try_acquire(odd, S).await.unwrap().unwrap();
-    assert_eq!(row(&admin, odd).await.unwrap().1, lease.token());
-    lease.release().await.unwrap();
-}
-
-// ---- cancellation ----
-
-#[tokio::test]
-async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
-    let db = db().await;
-    let pool = pool(&db, 2, "cancel");
-    let leases = Leases::new(&pool);
-    leases.install().await.unwrap();
-    // Drop acquisitions and releases after every number of polls.
-    for polls in 0..12 {
-        let mut fut = Box::pin(leases.try_acquire("c", S));
-        for _ in 0..polls {
-            // A future polled again after it finished panics: stop there.
-            if futures_util::poll!(&mut fut).is_ready() {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
-        drop(fut);
-        if let Some(lease) = leases.try_acquire("r", S).await.unwrap() {
-            let mut fut = Box::pin(lease.release());
-            for _ in 0..polls {
-                if futures_util::poll!(&mut fut).is_ready() {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
-            drop(fut);
-        }
-    }
-    // No connection stays out; a dropped acquisition registers nothing, and
-    // whatever it took in the database expires after its TTL.
-    eventually(3 * S, "connections back", || async {
-        pool.status().in_use == 0
-    })
-    .await;
-    assert_eq!(leases.stats().held, 0);
-    let c = leases.acquire("c", S, 3 * S).await.unwrap();
-    let r = leases.acquire("r", S, 3 * S).await.unwrap();
-    assert!(!c.is_lost() && !r.is_lost());
 }

@@ -189,3 +189,33 @@ async fn graceful_shutdown_releases_leases() {
     // The completed daily run keeps its period: nobody reruns it today.
     assert!(b.try_acquire("daily", S).await.unwrap().is_none());
 }
+
+#[tokio::test]
+async fn polls_are_jittered() {
+    let db = db().await;
+    let leases = Leases::new(&pool(&db, 3, "jitter"));
+    leases.install().await.unwrap();
+    // When, within its period, each run took its lease (database clock).
+    let offsets: Arc<parking_lot::Mutex<Vec<f64>>> = Arc::default();
+    let log = offsets.clone();
+    let s = Scheduler::builder(&leases)
+        .node("n1")
+        .poll_jitter(Duration::from_millis(400)) // capped at period / 4: 250 ms
+        .job(Job::every("spread", S, move |lease: LeaseHandle| {
+            let t = lease.taken_at().duration_since(UNIX_EPOCH).unwrap();
+            log.lock().push(t.as_secs_f64().fract());
+            std::future::ready(())
+        }))
+        .start()
+        .unwrap();
+    eventually(10 * S, "seven runs", || async { offsets.lock().len() >= 7 }).await;
+    s.shutdown().await;
+    // The first run came at start-up, not at a boundary.
+    let offsets: Vec<f64> = offsets.lock()[1..].to_vec();
+    eprintln!("offsets into the period: {offsets:?}");
+    // Uniform in [0, 250 ms) past the boundary: six runs all within the
+    // first 40 ms would happen once in 60,000 tries. The upper bound leaves
+    // room for a loaded machine.
+    assert!(offsets.iter().any(|&o| o > 0.04), "{offsets:?}");
+    assert!(offsets.iter().all(|&o| o < 0.6), "{offsets:?}");
+}

@@ -1,14 +1,15 @@
 //! Workload 4: lease acquire + release through pgwarden (B) against the same
-//! SQL pair sent raw through deadpool (A).
+//! SQL pair sent raw through deadpool (A): what pgwarden's client side adds.
 //!
 //! Both sides send pgwarden's own acquisition and release statements, read
 //! from `src/lease/sql.rs` at compile time (so they cannot drift apart),
-//! with `query_typed` (unnamed statements, one round trip each), each
-//! statement on its own checkout, as a lease holds no connection between
-//! them. Every pair uses a new lease name (no contention). Each side has its
-//! own database, so the server's own count of committed transactions
-//! (`pg_stat_database.xact_commit`, read after the side's backends exited,
-//! which flushes their statistics) shows what each side really sent.
+//! prepared and cached per connection (`prepare_typed_cached`, as pgwarden
+//! does on a pool known to be direct), each statement on its own checkout,
+//! as a lease holds no connection between them. Every pair uses a new lease
+//! name (no contention). Each side has its own database, so the server's own
+//! count of committed transactions (`pg_stat_database.xact_commit`, read
+//! after the side's backends exited, which flushes their statistics) shows
+//! what each side really sent.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,14 +31,16 @@ const SEQUENCE_LITERAL: &str = "'\"pgwarden_leases_token_seq\"'";
 pub fn describe(s: Settings) -> String {
     format!(
         "4: {TASKS} tasks, pool {POOL} on each side; a pair is `try_acquire(new name, {TTL:?})` + \
-         `release()` (B) or the same two statements with `query_typed` on two raw checkouts (A); \
-         {} interleaved round pairs of {:?}; the default lease table",
+         `release()` (B, its pool detected direct) or the same two statements, prepared and cached, \
+         on two raw checkouts (A); {} interleaved round pairs of {:?}; the default lease table",
         s.rounds, s.round
     )
 }
 
-/// The text of one of pgwarden's lease statements (`acquire`, `release`)
-/// for the default table, taken from its source.
+/// The text of one of pgwarden's lease statements (`acquire`,
+/// `release_delete`) for the default table, taken from its source, with the
+/// per-name lock key and the server-side lock bound spelled out as
+/// `Statements::new` does.
 pub fn statement(field: &str) -> Result<String, BoxError> {
     const SRC: &str = include_str!("../../src/lease/sql.rs");
     let err = || format!("src/lease/sql.rs: cannot find the `{field}` statement's text");
@@ -46,13 +49,33 @@ pub fn statement(field: &str) -> Result<String, BoxError> {
     let open = rest.find('"').ok_or_else(err)? + 1;
     let body = &rest[open..];
     let close = body.find("\"\n").ok_or_else(err)?;
-    let text = body[..close]
+    let mut text = body[..close]
         .replace("{tbl}", TABLE)
-        .replace("{seq}", SEQUENCE_LITERAL);
+        .replace("{seq}", SEQUENCE_LITERAL)
+        .replace("{key}", &format!("1885828964, hashtext('{TABLE}' || $1)"))
+        .replace("{on_conflict}", &on_conflict()?);
+    for n in 1..=9 {
+        text = text.replace(
+            &format!("{{w{n}}}"),
+            &format!("set_config('lock_timeout', ${n}::int4::text, true) IS NOT NULL"),
+        );
+    }
     if text.contains(['{', '}']) || !text.contains(TABLE) {
         return Err(err().into());
     }
     Ok(text)
+}
+
+/// The `ON CONFLICT` clause both acquisition statements share.
+fn on_conflict() -> Result<String, BoxError> {
+    const SRC: &str = include_str!("../../src/lease/sql.rs");
+    let err = "src/lease/sql.rs: cannot find the ON CONFLICT clause";
+    let at = SRC.find("let on_conflict = format!(").ok_or(err)?;
+    let rest = &SRC[at..];
+    let open = rest.find('"').ok_or(err)? + 1;
+    let body = &rest[open..];
+    let close = body.find("\"\n").ok_or(err)?;
+    Ok(body[..close].replace("{seq}", SEQUENCE_LITERAL))
 }
 
 /// Statistics of one database, read from another connection.
@@ -88,7 +111,7 @@ pub async fn wait_disconnected(monitor: &tokio_postgres::Client, db: &str) -> Re
 }
 
 /// Creates the lease table in `db` through a short-lived pgwarden pool.
-async fn install(db: &TestDb) -> Result<(), BoxError> {
+pub async fn install(db: &TestDb) -> Result<(), BoxError> {
     let pool = Pool::builder(db.deadpool(2)?)
         .name("bench-install")
         .build()?;
@@ -97,7 +120,7 @@ async fn install(db: &TestDb) -> Result<(), BoxError> {
     Ok(())
 }
 
-struct Raw {
+pub struct Raw {
     pool: deadpool_postgres::Pool,
     acquire: String,
     release: String,
@@ -105,52 +128,45 @@ struct Raw {
 }
 
 impl Raw {
-    async fn pair(&self, name: &str) -> Result<(), BoxError> {
+    /// pgwarden's pair of statements on a raw pool of `db`.
+    pub fn new(db: &TestDb, size: usize) -> Result<Raw, BoxError> {
+        Ok(Raw {
+            pool: db.deadpool(size)?,
+            acquire: statement("acquire")?,
+            release: statement("release_delete")?,
+            host: std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_else(|_| "bench".into()),
+        })
+    }
+
+    pub async fn pair(&self, name: &str) -> Result<(), BoxError> {
         let holder = format!(
             "{}:{}:{:016x}",
             self.host,
             std::process::id(),
             rand::random::<u64>()
         );
-        let ttl = TTL.as_secs_f64();
-        let zero = 0.0f64;
-        let row = self
-            .pool
-            .get()
-            .await?
-            .query_typed_opt(
+        let (ttl, wait_ms) = (TTL.as_secs_f64(), 10_000i32);
+        let conn = self.pool.get().await?;
+        let stmt = conn
+            .prepare_typed_cached(
                 &self.acquire,
-                &[
-                    (&name, Type::TEXT),
-                    (&holder, Type::TEXT),
-                    (&ttl, Type::FLOAT8),
-                    (&zero, Type::FLOAT8),
-                    (&zero, Type::FLOAT8),
-                ],
-            )
-            .await?
-            .ok_or("acquire: no row")?;
-        if !row.try_get::<_, bool>(0)? {
-            return Err("acquire: busy".into());
-        }
-        let token: i64 = row.try_get(1)?;
-        let released = self
-            .pool
-            .get()
-            .await?
-            .query_typed_opt(
-                &self.release,
-                &[
-                    (&name, Type::TEXT),
-                    (&holder, Type::TEXT),
-                    (&token, Type::INT8),
-                    (&false, Type::BOOL),
-                ],
+                &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::INT4],
             )
             .await?;
-        released
-            .map(|_| ())
-            .ok_or_else(|| "release: not ours".into())
+        conn.query_opt(&stmt, &[&name, &holder, &ttl, &wait_ms])
+            .await?
+            .ok_or("acquire: busy")?;
+        drop(conn);
+        let conn = self.pool.get().await?;
+        let stmt = conn
+            .prepare_typed_cached(&self.release, &[Type::TEXT, Type::TEXT, Type::INT4])
+            .await?;
+        match conn.execute(&stmt, &[&name, &holder, &wait_ms]).await? {
+            1 => Ok(()),
+            _ => Err("release: not ours".into()),
+        }
     }
 }
 
@@ -169,17 +185,13 @@ pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, Bo
         xact_commit(&monitor, db_b.name()).await?,
     );
 
-    let raw = Arc::new(Raw {
-        pool: db_a.deadpool(POOL)?,
-        acquire: statement("acquire")?,
-        release: statement("release")?,
-        host: std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_owned())
-            .unwrap_or_else(|_| "bench".into()),
-    });
+    let raw = Arc::new(Raw::new(&db_a, POOL)?);
     let warden = Pool::builder(db_b.deadpool(POOL)?)
         .name("bench-leases")
         .build()?;
+    if warden.detect_pooler().await? != pgwarden::Pooler::Direct {
+        return Err("the benchmark server should be detected direct".into());
+    }
     let leases = Leases::new(&warden);
 
     // Every pair done (warm-up included) and the statements each side sent.
@@ -253,7 +265,7 @@ pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, Bo
             "lease acquire + release, new name per pair, {TASKS} tasks, pool {POOL}"
         ),
         a: format!(
-            "same SQL raw: {:.0} pairs/s; 2 statements/pair; server {server_a:.3} xacts/pair",
+            "same SQL raw (prepared): {:.0} pairs/s; 2 statements/pair; server {server_a:.3} xacts/pair",
             median(&a)
         ),
         b: format!(

@@ -15,7 +15,9 @@ mod leases;
 mod overhead;
 mod paused;
 mod paused_holder;
+mod plain;
 mod profile;
+mod profile_leases;
 mod renewal;
 mod takeover;
 
@@ -54,6 +56,9 @@ fn main() -> Result<(), BoxError> {
     if let Some(i) = args.iter().position(|a| a == "--lease-holder") {
         return takeover::holder_main(&args[i + 1..]);
     }
+    if let Some(i) = args.iter().position(|a| a == "--profile-leases") {
+        return profile_leases::profile_main(&args[i + 1..]);
+    }
     if let Some(i) = args.iter().position(|a| a == "--profile") {
         return profile::profile_main(&args[i + 1..]);
     }
@@ -82,7 +87,11 @@ fn main() -> Result<(), BoxError> {
     let rows = rt.block_on(async {
         let server = TestServer::shared()?;
         let mut rows = Vec::new();
-        let want = |id: &str| only.as_deref().is_none_or(|o| o == id);
+        // `--only 4` runs the lease cost rows 4, 4b and 4c.
+        let want = |id: &str| {
+            only.as_deref()
+                .is_none_or(|o| o == id || (o == "4" && id.starts_with('4')))
+        };
         let timed = |id: &str, began: std::time::Instant| {
             eprintln!("workload {id}: {:.1} s", began.elapsed().as_secs_f64());
         };
@@ -103,6 +112,16 @@ fn main() -> Result<(), BoxError> {
         if want("4") {
             rows.push(leases::acquire_release(server, settings).await?);
             timed("4", began);
+        }
+        let began = std::time::Instant::now();
+        if want("4b") {
+            rows.push(plain::against_plain(server, settings, false).await?);
+            timed("4b", began);
+        }
+        let began = std::time::Instant::now();
+        if want("4c") {
+            rows.push(plain::against_plain(server, settings, true).await?);
+            timed("4c", began);
         }
         let began = std::time::Instant::now();
         if want("5") {
@@ -223,6 +242,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
         "2: criterion (`benches/checkout.rs`), one task on a current-thread runtime, pool 16, a connection already open: `get` then drop; the mean of each side".to_owned(),
         incident::describe(s),
         leases::describe(s),
+        plain::describe(s),
         renewal::describe(s),
         takeover::describe(s),
         paused::describe(s),
@@ -278,4 +298,38 @@ Workload 1 alone, this build and `main` (a44f94e) run alternately in the
 same minutes (load averages 2 to 7): this build 0.968, 0.949, 0.966, 0.940,
 0.959; `main` 0.968, 0.983, 0.959, 0.956; the full run above: 1.014. The
 differences are within the run-to-run noise (pair ratios from 0.64 to 1.53).
+Rows 4b and 4c compare pgwarden's lease statements with the plain lease SQL
+(no token, no fencing, no bound). What each guarantee costs the server,
+counted with `valgrind --tool=callgrind` on a single-user PostgreSQL 15
+backend running 2,000 prepared executions of each (`EXECUTE`, one
+transaction each, fsync off), minus 2,000 `EXECUTE` of `SELECT $1`;
+instructions per pair (acquire + release, a new name each) or per attempt
+on a held name:
+
+| statements | per pair | per attempt |
+|---|---|---|
+| the plain lease SQL (`INSERT … ON CONFLICT … DO UPDATE … WHERE expires_at < now()` / `DELETE`) | 156k | 63k |
+| pgwarden's, as shipped | 277k | 108k |
+| … without the server-side bound (`set_config('lock_timeout', …, true)`) | 255k | 104k |
+| … without the guard that keeps tokens growing across deletes (the per-name advisory try-locks) | 264k | 104k |
+| … without both | 244k | 100k |
+| … and without the lock-free check of a live term (a plain `INSERT … VALUES … ON CONFLICT`) | 205k | — |
+
+The rest is the token (`nextval`), the take-over's `DO UPDATE` list and the
+`RETURNING` of the term (the harness prints returned rows, which adds about
+12k per pair for pgwarden's three columns). Two changes came out of these
+counts: a `CHECK` on the name column made the server parse the constraint's
+expression on every insert (35k per pair; the name is checked by pgwarden
+before any statement), and the hold expression (at-least time, next period)
+cost 33k per statement; it is now sent only by leases that have a hold.
+An attempt on a held name counts more instructions than the plain SQL's but
+costs less server CPU in row 4c: the plain statement locks the row (a WAL
+record, a transaction id, a commit record), pgwarden's only reads it.
+
+Rows 4b and 4c move with the machine's load more than the others: five
+full-length runs on this shared 2-core machine, with other engineers'
+builds and tests running, gave 4b from 0.54 to 0.91 and 4c from 0.89 to
+1.19. The server's CPU per statement is the steadier figure: pgwarden's pair
+cost 1.04 to 2.2 times the plain SQL's (1.4 times in most runs), its
+attempt on a held name 0.88 to 0.93 times.
 ";

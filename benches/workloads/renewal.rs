@@ -79,7 +79,7 @@ pub fn describe(s: Settings) -> String {
     )
 }
 
-fn clock_ticks() -> u64 {
+pub fn clock_ticks() -> u64 {
     std::process::Command::new("getconf")
         .arg("CLK_TCK")
         .output()
@@ -97,7 +97,17 @@ pub struct Cpu {
 }
 
 impl Cpu {
-    async fn sample(&self) -> Result<HashMap<i32, f64>, BoxError> {
+    /// A sampler of `db`'s client backends, reading `pg_stat_activity`
+    /// through `monitor`.
+    pub fn new(monitor: tokio_postgres::Client, db: &str) -> Cpu {
+        Cpu {
+            monitor,
+            db: db.to_owned(),
+            tick: 1.0 / clock_ticks() as f64,
+        }
+    }
+
+    pub async fn sample(&self) -> Result<HashMap<i32, f64>, BoxError> {
         let rows = self
             .monitor
             .query(
@@ -127,7 +137,7 @@ impl Cpu {
     }
 
     /// CPU seconds spent between two samples by backends in both.
-    fn delta(a: &HashMap<i32, f64>, b: &HashMap<i32, f64>) -> f64 {
+    pub fn delta(a: &HashMap<i32, f64>, b: &HashMap<i32, f64>) -> f64 {
         b.iter()
             .filter_map(|(pid, t)| a.get(pid).map(|t0| t - t0))
             .sum()

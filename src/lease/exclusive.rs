@@ -1,5 +1,6 @@
-//! Running jobs under a lease: [`Leases::run_exclusive`], and the seed's
-//! `TryExclusive` on the pool, answered by a lease.
+//! Running jobs under a lease: [`Leases::run_exclusive`], and
+//! [`Pool::try_exclusive`], "run this on one instance only", answered by a
+//! lease.
 
 use std::future::Future;
 use std::time::Duration;
@@ -111,9 +112,9 @@ impl Pool {
             .clone()
     }
 
-    /// Seed 000's `TryExclusive`, answered by a table lease instead of a
-    /// session advisory lock: `Some(lease)` if this call took `name` (run the
-    /// work, then `lease.release().await` or drop it), `None` if another
+    /// "Run this on one instance only", answered by a table lease instead of
+    /// a session advisory lock: `Some(lease)` if this call took `name` (run
+    /// the work, then `lease.release().await` or drop it), `None` if another
     /// instance (or task) holds it.
     ///
     /// Unlike the advisory-lock version, it holds no connection: the work

@@ -4,10 +4,9 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
-use tokio::sync::watch;
-
+use super::state::LeaseState;
 use super::Inner;
 use crate::error::Error;
 
@@ -49,54 +48,6 @@ impl fmt::Display for LostReason {
             LostReason::Expired => "expired in the database",
             LostReason::Released => "released by release_all",
         })
-    }
-}
-
-/// One term of one lease, shared by its guard, its handles and the renewer.
-pub(crate) struct LeaseState {
-    pub(crate) name: Arc<str>,
-    pub(crate) holder: String,
-    pub(crate) token: i64,
-    pub(crate) ttl: Duration,
-    pub(crate) taken_at: SystemTime,
-    pub(crate) prev_holder: Option<String>,
-    lost: watch::Sender<Option<LostReason>>,
-}
-
-impl LeaseState {
-    pub(crate) fn new(
-        name: Arc<str>,
-        holder: String,
-        token: i64,
-        ttl: Duration,
-        taken_at: SystemTime,
-        prev_holder: Option<String>,
-    ) -> LeaseState {
-        LeaseState {
-            name,
-            holder,
-            token,
-            ttl,
-            taken_at,
-            prev_holder,
-            lost: watch::Sender::new(None),
-        }
-    }
-
-    /// Fires the lost signal; true the first time only.
-    pub(crate) fn lose(&self, reason: LostReason) -> bool {
-        self.lost.send_if_modified(|r| {
-            if r.is_none() {
-                *r = Some(reason);
-                true
-            } else {
-                false
-            }
-        })
-    }
-
-    pub(crate) fn lost_reason(&self) -> Option<LostReason> {
-        *self.lost.borrow()
     }
 }
 
@@ -145,40 +96,56 @@ impl LeaseHandle {
         self.state.prev_holder.as_deref().filter(|h| !h.is_empty())
     }
 
-    /// Has the lease been lost (signal fired)?
+    /// Has the lease been lost? True once the signal fired, and as soon as
+    /// the local deadline has passed (it fires the signal then), whatever
+    /// the renewer is doing.
     pub fn is_lost(&self) -> bool {
-        self.state.lost_reason().is_some()
+        self.inner.check_lost(&self.state).is_some()
     }
 
-    /// Why it was lost, once it was.
+    /// Why it was lost, once it was (the local deadline counts, as in
+    /// [`LeaseHandle::is_lost`]).
     pub fn lost_reason(&self) -> Option<LostReason> {
-        self.state.lost_reason()
+        self.inner.check_lost(&self.state)
     }
 
     /// Completes when the lease is lost: a renewal touched no row (another
-    /// holder took it), or no renewal succeeded before the local deadline,
-    /// which falls a safety margin before the database could let anyone else
-    /// in. Never completes while the lease is held; completes at once if it
-    /// was already lost. The future owns what it needs (`'static`): select on
-    /// it, or move it into another task.
+    /// holder took it), or the local deadline passed without a successful
+    /// renewal, which falls a safety margin before the database could let
+    /// anyone else in. Never completes while the lease is held; completes at
+    /// once if it was already lost.
+    ///
+    /// It keeps its own timer on the deadline (re-read when renewals move
+    /// it), so it fires on time even when the renewer is stuck, panicked or
+    /// gone with its runtime. The future owns what it needs (`'static`):
+    /// select on it, or move it into another task.
     pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
-        let state = self.state.clone();
-        let mut rx = state.lost.subscribe();
+        let (state, inner) = (self.state.clone(), self.inner.clone());
+        let mut rx = state.subscribe();
         async move {
-            // `state` keeps the sender alive, so `wait_for` cannot fail; the
-            // fallback only satisfies the types.
-            let reason = match rx.wait_for(Option::is_some).await {
-                Ok(r) => *r,
-                Err(_) => None,
-            };
-            drop(state);
-            reason.unwrap_or(LostReason::Taken)
+            loop {
+                if let Some(reason) = inner.check_lost(&state) {
+                    return reason;
+                }
+                let at = tokio::time::Instant::from_std(state.deadline());
+                tokio::select! {
+                    changed = rx.changed() => {
+                        // `state` keeps the sender alive: this cannot fail,
+                        // but if it did, the deadline still ends the wait.
+                        if changed.is_err() {
+                            tokio::time::sleep_until(at).await;
+                        }
+                    }
+                    _ = tokio::time::sleep_until(at) => {}
+                }
+            }
         }
     }
 
     /// The fenced-transaction check: inside the caller's transaction, locks
     /// the lease row `FOR KEY SHARE` and checks that it is still this term
-    /// (holder and token) and unexpired (`clock_timestamp()`).
+    /// (holder and token) and unexpired, and that the local deadline has not
+    /// passed (before and after the statement).
     ///
     /// On success, the writes of that transaction commit only under this
     /// term: a take-over (which locks the row `FOR UPDATE`) waits for the
@@ -186,8 +153,24 @@ impl LeaseHandle {
     /// Renewals of this lease do not wait (they take `FOR NO KEY UPDATE`).
     /// Keep fenced transactions short: a take-over waits on them.
     ///
-    /// Fails with [`Error::LeaseLost`] (`Taken` or `Expired`) when the term
-    /// is over: roll back, the writes come from a stale holder.
+    /// Fails with [`Error::LeaseLost`] when the term is over: `Taken` (the
+    /// row is another term's, or gone), `Expired` (still this term, expired
+    /// in the database) or `Deadline`. Roll back: the writes would come from
+    /// a stale holder.
+    ///
+    /// # Isolation levels
+    ///
+    /// All three of PostgreSQL's levels are supported. Under `READ
+    /// COMMITTED` the check reads the row as it is now. Under `REPEATABLE
+    /// READ` and `SERIALIZABLE` it reads the transaction's snapshot: a
+    /// take-over committed since then makes PostgreSQL refuse the lock with
+    /// a serialization failure, which `fence` reports as
+    /// `LeaseLost { reason: Taken }`; a renewal by this holder since then is
+    /// no conflict (it changes no key), and the expiry it carries is newer
+    /// than the snapshot's, so there the local deadline stands in for the
+    /// expiry check. Take the snapshot after the lease: call `fence` first
+    /// in the transaction (a snapshot older than the acquisition sees
+    /// another term, and the fence fails with `Taken`).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::LeaseHandle) -> Result<(), pgwarden::Error> {
@@ -199,19 +182,42 @@ impl LeaseHandle {
     /// # Ok(()) }
     /// ```
     pub async fn fence(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<(), Error> {
+        if let Some(reason) = self.inner.check_lost(&self.state) {
+            return Err(self.fence_failed(reason));
+        }
         self.inner.count_statement();
-        let row = self.inner.sql.fence(tx, &self.state.name).await?;
+        let row = match self.inner.sql.fence(tx, &self.state.name).await {
+            Ok(row) => row,
+            // A take-over (or purge) committed after the transaction's
+            // snapshot: the term is over.
+            Err(e) if is_serialization_failure(&e) => {
+                return Err(self.fence_failed(LostReason::Taken))
+            }
+            Err(e) => return Err(Error::Db(e)),
+        };
         let reason = match row {
-            Some((holder, token, fresh))
+            Some((holder, token, fresh, snapshot))
                 if holder == self.state.holder && token == self.state.token =>
             {
-                if fresh {
-                    return Ok(());
+                // Under a snapshot the expiry read may predate renewals made
+                // since: the local deadline (checked below) decides.
+                if fresh || snapshot {
+                    match self.inner.check_lost(&self.state) {
+                        None => return Ok(()),
+                        Some(reason) => reason,
+                    }
+                } else {
+                    LostReason::Expired
                 }
-                LostReason::Expired
             }
             _ => LostReason::Taken,
         };
+        Err(self.fence_failed(reason))
+    }
+
+    fn fence_failed(&self, reason: LostReason) -> Error {
+        // The term is over: the lost signal says so too (once).
+        self.inner.mark_lost(&self.state, reason);
         tracing::warn!(
             pool = %self.inner.pool_name,
             lease = %self.state.name,
@@ -219,11 +225,21 @@ impl LeaseHandle {
             %reason,
             "fenced write rejected: the lease term is over"
         );
-        Err(Error::LeaseLost {
+        Error::LeaseLost {
             name: self.state.name.to_string(),
             reason,
-        })
+        }
     }
+
+    /// The local deadline: when this holder stops trusting the lease unless
+    /// a renewal succeeds first (monotonic clock).
+    pub fn deadline(&self) -> Instant {
+        self.state.deadline()
+    }
+}
+
+fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
+    e.code() == Some(&tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE)
 }
 
 impl fmt::Debug for LeaseHandle {
@@ -301,11 +317,13 @@ impl Lease {
         self.handle.fence(tx).await
     }
 
-    /// Releases the lease: marks the row of this term only (holder and
-    /// token) released, so a late release never touches a later holder's
-    /// lease. The row itself stays (one per lease name), keeping its token
-    /// so that the next term's is larger; an at-least-hold or a schedule
-    /// keeps the lease from being taken again until its time.
+    /// Releases the lease, this term's only (its holder id is new on every
+    /// acquisition), so a late release never touches a later holder's
+    /// lease. The row is deleted, unless the term has a hold (an at-least
+    /// time or a schedule, which keeps the lease from being taken again until
+    /// its time) or an acquisition of the name is in flight: then it is
+    /// marked released and kept, until the purge. Either way the next term's
+    /// token is larger.
     ///
     /// Fails with [`Error::LeaseLost`] when the term was already over (taken
     /// over), or with the database error; either way the lease is no longer

@@ -1,7 +1,6 @@
 //! The state one [`Leases`](super::Leases) instance shares with its
-//! guards and its renewer, and the statements it runs.
+//! guards and its renewer, and the acquisitions and releases it runs.
 
-use std::panic::Location;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -9,17 +8,20 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use tokio::sync::{Notify, OnceCell};
 
-use super::guard::{Lease, LeaseHandle, LeaseState, LostReason};
+use super::calls::{Acquire, FreeIn, Install};
+use super::guard::{Lease, LeaseHandle, LostReason};
 use super::leases::LeaseStats;
+use super::metrics::LeaseMetrics;
 use super::name;
 use super::options::LeaseOptions;
 use super::renewer::Registry;
-use super::sql::{Attempt, Statements};
+use super::sql::Statements;
+use super::state::{LeaseState, TermInfo};
+use super::statement::{FollowUp, Urgency};
 use super::table::TableName;
-use crate::admission::{Lane, Priority};
 use crate::error::Error;
-use crate::metrics::LeaseMetrics;
-use crate::pool::{Conn, Pool, Shared};
+use crate::pool::{Pool, Shared};
+use crate::pooler::Pooler;
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
 /// a holder may release early.
@@ -31,6 +33,17 @@ pub(crate) enum PoolRef {
     Weak(Weak<Shared>),
 }
 
+/// When to delete old rows.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PurgeSettings {
+    /// Rows released or expired for longer than this are deleted.
+    pub(crate) age: Duration,
+    /// At most one purge statement per this interval.
+    pub(crate) every: Duration,
+    /// Whether the renewer purges.
+    pub(crate) auto: bool,
+}
+
 pub(crate) struct Inner {
     pub(crate) pool: PoolRef,
     pub(crate) pool_name: Arc<str>,
@@ -39,9 +52,15 @@ pub(crate) struct Inner {
     pub(crate) auto_install: bool,
     pub(crate) installed: OnceCell<()>,
     pub(crate) statement_timeout: Duration,
+    pub(crate) purge: PurgeSettings,
     pub(crate) registry: Mutex<Registry>,
     pub(crate) wake: Arc<Notify>,
-    pub(crate) renewer_started: AtomicBool,
+    /// True while a renewer task exists; its task clears it when dropped
+    /// (it ended, or its runtime is gone).
+    pub(crate) renewer_alive: Arc<AtomicBool>,
+    /// Set once the server refused a named prepared statement.
+    pub(crate) unnamed_only: AtomicBool,
+    detect_started: AtomicBool,
     /// Counts, updated under one lock so a snapshot is consistent.
     pub(crate) stats: Mutex<LeaseStats>,
     pub(crate) metrics: LeaseMetrics,
@@ -54,27 +73,37 @@ impl Drop for Inner {
     }
 }
 
+/// The settings [`Inner::new`] takes.
+pub(crate) struct Settings {
+    pub(crate) table: TableName,
+    pub(crate) statement_timeout: Duration,
+    pub(crate) auto_install: bool,
+    pub(crate) purge: PurgeSettings,
+    pub(crate) declared: Vec<String>,
+}
+
 impl Inner {
-    pub(crate) fn new(
-        pool: PoolRef,
-        pool_name: &str,
-        table: TableName,
-        statement_timeout: Duration,
-        auto_install: bool,
-    ) -> Inner {
+    pub(crate) fn new(pool: PoolRef, pool_name: &str, s: Settings) -> Inner {
+        let metrics = LeaseMetrics::register(pool_name);
+        for name in &s.declared {
+            metrics.declare(name, name);
+        }
         Inner {
             pool,
             pool_name: pool_name.into(),
-            sql: Statements::new(&table),
-            table,
-            auto_install,
+            sql: Statements::new(&s.table),
+            table: s.table,
+            auto_install: s.auto_install,
             installed: OnceCell::new(),
-            statement_timeout,
+            statement_timeout: s.statement_timeout,
+            purge: s.purge,
             registry: Mutex::new(Registry::default()),
             wake: Arc::new(Notify::new()),
-            renewer_started: AtomicBool::new(false),
+            renewer_alive: Arc::new(AtomicBool::new(false)),
+            unnamed_only: AtomicBool::new(false),
+            detect_started: AtomicBool::new(false),
             stats: Mutex::new(LeaseStats::default()),
-            metrics: LeaseMetrics::register(pool_name),
+            metrics,
         }
     }
 
@@ -88,25 +117,16 @@ impl Inner {
         }
     }
 
-    /// A connection for one statement: lease statements on the lease lane
-    /// (renewals and releases urgent, acquisitions normal), the install on
-    /// the control lane.
-    pub(crate) async fn control(
-        &self,
-        lane: Lane,
-        priority: Priority,
-        timeout: Duration,
-    ) -> Result<Conn, Error> {
-        let pool = self.pool()?;
-        let site = Location::caller();
-        pool.checkout_with(lane, priority, site, timeout).await
-    }
-
     pub(crate) fn count_statement(&self) {
         self.stats.lock().statements += 1;
     }
 
-    pub(crate) async fn ensure_installed(&self) -> Result<(), Error> {
+    /// Before the first statement: find out, in the background, whether the
+    /// pool talks to PostgreSQL directly (statements are sent unnamed until
+    /// it is known), and install the table (with its shape check) when
+    /// `auto_install` is on.
+    pub(crate) async fn ensure_ready(&self) -> Result<(), Error> {
+        self.detect_pooler_in_background();
         if !self.auto_install {
             return Ok(());
         }
@@ -119,25 +139,53 @@ impl Inner {
             .map(|_| ())
     }
 
-    /// Creates the table unless it exists (see [`super::Leases::install`]),
-    /// bounded by the statement timeout.
-    pub(crate) async fn install(&self) -> Result<bool, Error> {
-        let began = Instant::now();
-        let mut conn = self
-            .control(Lane::Control, Priority::Normal, self.statement_timeout)
-            .await?;
-        let left = self.statement_timeout.saturating_sub(began.elapsed());
-        self.count_statement();
-        let ran = match tokio::time::timeout(left, self.sql.install(&mut conn, left)).await {
-            Ok(r) => r?,
-            Err(_) => {
-                conn.discard();
-                return Err(Error::LeaseTimeout {
-                    what: "install",
-                    waited: began.elapsed(),
-                });
-            }
+    fn detect_pooler_in_background(&self) {
+        if self
+            .detect_started
+            .load(std::sync::atomic::Ordering::Relaxed)
+            || self
+                .detect_started
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        let Ok(pool) = self.pool() else { return };
+        if pool.pooler() != Pooler::Auto {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
         };
+        let bound = self.statement_timeout;
+        rt.spawn(async move {
+            match tokio::time::timeout(bound, pool.detect_pooler()).await {
+                Ok(Ok(found)) => {
+                    tracing::debug!(pool = %pool.name(), pooler = ?found, "lease statements: pooler known")
+                }
+                Ok(Err(e)) => tracing::warn!(
+                    pool = %pool.name(), error = %e,
+                    "pooler detection failed: lease statements stay unnamed (parsed on every call)"
+                ),
+                Err(_) => tracing::warn!(
+                    pool = %pool.name(),
+                    "pooler detection did not finish within {bound:?}: lease statements stay unnamed"
+                ),
+            }
+        });
+    }
+
+    /// Creates the table unless it exists, then checks its shape (see
+    /// [`super::Leases::install`]), bounded by the statement timeout.
+    pub(crate) async fn install(&self) -> Result<bool, Error> {
+        self.detect_pooler_in_background();
+        let table = self.table.to_string();
+        let stmt = Install {
+            wait: self.statement_timeout,
+            table: &table,
+        };
+        let ran = self
+            .run(Urgency::Normal, self.statement_timeout, &stmt)
+            .await??;
         if ran {
             tracing::info!(pool = %self.pool_name, table = %self.table, "lease table installed");
         }
@@ -145,79 +193,84 @@ impl Inner {
         Ok(ran)
     }
 
-    /// One acquisition attempt: the lease, or how long until it may be free.
+    /// One acquisition attempt: the lease, or `None` when another term holds
+    /// the name.
     pub(crate) async fn attempt(
         self: &Arc<Self>,
         name: &str,
         opts: &LeaseOptions,
-    ) -> Result<Result<Lease, Duration>, Error> {
+    ) -> Result<Option<Lease>, Error> {
+        self.attempt_as(name, opts, name::new_holder()).await
+    }
+
+    /// [`Inner::attempt`] under a holder id the caller made
+    /// ([`name::new_holder`]), so that it can release by holder after
+    /// cancelling the attempt.
+    pub(crate) async fn attempt_as(
+        self: &Arc<Self>,
+        name: &str,
+        opts: &LeaseOptions,
+        holder: String,
+    ) -> Result<Option<Lease>, Error> {
         name::check_name(name)?;
         let timing = opts.validate()?;
-        self.ensure_installed().await?;
-        let holder = name::new_holder();
-        let began = Instant::now();
-        let conn = self
-            .control(Lane::Lease, Priority::Normal, self.statement_timeout)
-            .await?;
-        let start = Instant::now();
-        let left = self.statement_timeout.saturating_sub(began.elapsed());
-        self.count_statement();
-        let fut = self.sql.acquire(
-            &conn,
+        self.ensure_renewer();
+        self.ensure_ready().await?;
+        let at_least = opts.at_least_time();
+        let has_hold = !at_least.is_zero() || opts.period.is_some();
+        let stmt = Acquire {
             name,
-            &holder,
-            timing.ttl.as_secs_f64(),
-            opts.at_least_time().as_secs_f64(),
-            opts.period.map_or(0.0, |p| p.as_secs_f64()),
-        );
-        let attempt = match tokio::time::timeout(left, fut).await {
-            Ok(r) => r?,
-            Err(_) => {
-                conn.discard();
-                return Err(Error::LeaseTimeout {
-                    what: "acquisition",
-                    waited: began.elapsed(),
-                });
-            }
+            holder: &holder,
+            ttl: timing.ttl.as_secs_f64(),
+            hold: has_hold.then(|| {
+                (
+                    at_least.as_secs_f64(),
+                    opts.period.map_or(0.0, |p| p.as_secs_f64()),
+                )
+            }),
         };
-        drop(conn);
-        let (token, prev_holder, taken_at) = match attempt {
-            Attempt::Busy { retry_in } => {
-                return Ok(Err(
-                    Duration::try_from_secs_f64(retry_in).unwrap_or(MAX_POLL)
-                ));
-            }
-            Attempt::Taken {
-                token,
-                prev_holder,
-                taken_at,
-            } => (token, prev_holder, taken_at),
+        let start = Instant::now();
+        // Cancelled after it reached the server, the statement may have
+        // taken the lease: release whatever this holder got.
+        let follow_up = || -> Option<FollowUp> {
+            let (inner, name, holder) = (self.clone(), name.to_owned(), holder.clone());
+            Some(Box::pin(async move {
+                inner.release_cancelled(&name, &holder).await;
+            }))
         };
-        let taken_at = Duration::try_from_secs_f64(taken_at)
+        let taken = self
+            .run_then(Urgency::Normal, self.statement_timeout, &stmt, follow_up)
+            .await?;
+        let Some(taken) = taken else {
+            return Ok(None);
+        };
+        let taken_at = Duration::try_from_secs_f64(taken.taken_at)
             .ok()
             .and_then(|d| UNIX_EPOCH.checked_add(d))
             .unwrap_or_else(SystemTime::now);
-        let state = Arc::new(LeaseState::new(
-            name.into(),
+        let info = TermInfo {
+            name: name.into(),
             holder,
-            token,
-            timing.ttl,
+            token: taken.token,
+            ttl: timing.ttl,
             taken_at,
-            prev_holder,
-        ));
+            prev_holder: taken.prev_holder,
+            has_hold,
+        };
+        let state = Arc::new(LeaseState::new(info, timing.deadline(start)));
         self.metrics.acquired(name);
         if let Some(prev) = state.prev_holder.as_deref().filter(|h| !h.is_empty()) {
             self.metrics.takeover(name);
             tracing::warn!(
                 pool = %self.pool_name,
                 lease = name,
-                token,
+                token = taken.token,
                 previous_holder = prev,
                 "lease taken over from an expired holder"
             );
         }
         let id = self.register(state.clone(), timing, start);
-        Ok(Ok(Lease {
+        Ok(Some(Lease {
             handle: LeaseHandle {
                 state,
                 inner: self.clone(),
@@ -227,96 +280,42 @@ impl Inner {
         }))
     }
 
-    /// Releases one term for its guard or runner: stops renewing it, then
-    /// marks its row released.
-    pub(crate) async fn release(
-        &self,
-        id: u64,
-        state: &LeaseState,
-        forget_hold: bool,
-    ) -> Result<(), Error> {
-        self.unregister(id);
-        match state.lost_reason() {
-            Some(LostReason::Taken) => Err(Error::LeaseLost {
-                name: state.name.to_string(),
-                reason: LostReason::Taken,
-            }),
-            // `release_all` released it already.
-            Some(LostReason::Released) => Ok(()),
-            _ => self.release_row(state, forget_hold).await,
-        }
+    /// How long until a held name may be free (database clock), for callers
+    /// that wait: at most [`MAX_POLL`]'s worth is ever slept at once.
+    pub(crate) async fn free_in(&self, name: &str) -> Result<Duration, Error> {
+        let secs = self
+            .run(Urgency::Normal, self.statement_timeout, &FreeIn { name })
+            .await?;
+        // No row: taken and released, or being inserted. Ask again soon.
+        Ok(secs
+            .and_then(|s| Duration::try_from_secs_f64(s.max(0.0)).ok())
+            .unwrap_or(Duration::from_millis(10)))
     }
 
-    /// The release statement of one term.
-    pub(crate) async fn release_row(
-        &self,
-        state: &LeaseState,
-        forget_hold: bool,
-    ) -> Result<(), Error> {
-        let began = Instant::now();
-        let conn = self
-            .control(Lane::Lease, Priority::Urgent, self.statement_timeout)
-            .await?;
-        let left = self.statement_timeout.saturating_sub(began.elapsed());
-        self.count_statement();
-        let fut = self
-            .sql
-            .release(&conn, &state.name, &state.holder, state.token, forget_hold);
-        let ours = match tokio::time::timeout(left, fut).await {
-            Ok(r) => r?,
-            Err(_) => {
-                conn.discard();
-                return Err(Error::LeaseTimeout {
-                    what: "release",
-                    waited: began.elapsed(),
-                });
-            }
-        };
-        if ours {
-            return Ok(());
+    /// Fires the lost signal of a lease: logged and counted once.
+    pub(crate) fn mark_lost(&self, state: &LeaseState, reason: LostReason) {
+        if !state.lose(reason) {
+            return;
         }
+        self.metrics.lost(&state.name, reason);
         tracing::warn!(
             pool = %self.pool_name,
             lease = %state.name,
             token = state.token,
-            "late release: the lease had been taken over; the new holder's lease is untouched"
+            reason = reason.as_str(),
+            "lease lost: {reason}; a job still running under it may overlap with the next holder"
         );
-        Err(Error::LeaseLost {
-            name: state.name.to_string(),
-            reason: LostReason::Taken,
-        })
     }
 
-    /// The guard's drop: stop renewing now, release in the background.
-    pub(crate) fn release_in_background(self: &Arc<Self>, id: u64, state: Arc<LeaseState>) {
-        self.unregister(id);
-        if matches!(
-            state.lost_reason(),
-            Some(LostReason::Taken | LostReason::Released)
-        ) {
-            return;
+    /// The lost reason of a lease, firing [`LostReason::Deadline`] first if
+    /// its local deadline has passed.
+    pub(crate) fn check_lost(&self, state: &LeaseState) -> Option<LostReason> {
+        if let Some(r) = state.lost_reason() {
+            return Some(r);
         }
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                let inner = self.clone();
-                rt.spawn(async move {
-                    if let Err(e) = inner.release(id, &state, false).await {
-                        if !e.is_lease_lost() {
-                            tracing::warn!(
-                                pool = %inner.pool_name,
-                                lease = %state.name,
-                                error = %e,
-                                "lease release on drop failed; it expires after its TTL"
-                            );
-                        }
-                    }
-                });
-            }
-            Err(_) => tracing::warn!(
-                pool = %self.pool_name,
-                lease = %state.name,
-                "lease dropped outside a tokio runtime; it expires after its TTL"
-            ),
+        if state.past_deadline(Instant::now()) {
+            self.mark_lost(state, LostReason::Deadline);
         }
+        state.lost_reason()
     }
 }

@@ -4,17 +4,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::builder::default_settings;
 use super::guard::{Lease, LostReason};
-use super::inner::{Inner, PoolRef, MAX_POLL};
+use super::inner::{Inner, PoolRef, Settings, MAX_POLL};
 use super::options::LeaseOptions;
-use super::table::{TableName, DEFAULT_TABLE};
-use super::timing;
 use crate::error::Error;
 use crate::pool::Pool;
-
-/// The longest a lease statement may take by default (checkout included)
-/// before it fails and its connection is closed: 10 s.
-pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The lease table of one pool: acquire, renew (batched, in the background),
 /// release, run jobs exclusively.
@@ -49,8 +44,8 @@ pub struct Leases {
 pub struct LeaseStats {
     /// Leases held now.
     pub held: usize,
-    /// Statements sent: acquisitions, renewals, releases, fences (and each
-    /// install, counted once).
+    /// Statements sent: acquisitions, busy checks, renewals, releases,
+    /// fences, purges and installs.
     pub statements: u64,
     /// Renewal statements sent (each renews a batch).
     pub renewal_statements: u64,
@@ -63,88 +58,17 @@ pub struct LeaseStats {
     /// Renewal attempts that failed (a database or pool error, a timeout):
     /// retried with back-off until the local deadline.
     pub renewal_failures: u64,
-}
-
-/// Builds a [`Leases`]. Every setting has a default.
-#[must_use = "builder does nothing until .build()"]
-#[derive(Debug)]
-pub struct LeasesBuilder {
-    pool: Pool,
-    table: String,
-    statement_timeout: Duration,
-    auto_install: bool,
-}
-
-impl LeasesBuilder {
-    /// The lease table: `table` or `schema.table`, each part of
-    /// `[A-Za-z0-9_]` not starting with a digit, the table part at most
-    /// [`MAX_TABLE_LEN`](super::MAX_TABLE_LEN) bytes (its sequence adds `_token_seq`). Quotes,
-    /// spaces and other characters are refused. Default: [`DEFAULT_TABLE`].
-    pub fn table(mut self, name: impl Into<String>) -> Self {
-        self.table = name.into();
-        self
-    }
-
-    /// The longest a lease statement may take, checkout included, before it
-    /// fails with [`Error::LeaseTimeout`] and its connection is closed.
-    /// Renewals are bounded by the local deadline as well.
-    /// Default: [`DEFAULT_STATEMENT_TIMEOUT`] (10 s).
-    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
-        self.statement_timeout = timeout;
-        self
-    }
-
-    /// Create the table (and its sequence) at the first acquisition when it
-    /// does not exist, as [`Leases::install`] does. Turn off when migrations
-    /// own the schema. Default: true.
-    pub fn auto_install(mut self, on: bool) -> Self {
-        self.auto_install = on;
-        self
-    }
-
-    /// Validates the settings.
-    pub fn build(self) -> Result<Leases, Error> {
-        let table = TableName::parse(&self.table)?;
-        if self.statement_timeout.is_zero() || self.statement_timeout > timing::MAX_TTL {
-            return Err(Error::invalid(
-                "lease statement timeout",
-                format!(
-                    "{:?} is outside (0, {:?}]",
-                    self.statement_timeout,
-                    timing::MAX_TTL
-                ),
-            ));
-        }
-        Ok(Leases::from_parts(
-            PoolRef::Strong(self.pool.clone()),
-            &self.pool,
-            table,
-            self.statement_timeout,
-            self.auto_install,
-        ))
-    }
+    /// Rows deleted by purges.
+    pub purged: u64,
+    /// Purge statements sent.
+    pub purge_statements: u64,
 }
 
 impl Leases {
-    /// The default lease table ([`DEFAULT_TABLE`]) of `pool`.
+    /// The default lease table ([`DEFAULT_TABLE`](super::DEFAULT_TABLE)) of `pool`, with every
+    /// setting at its default.
     pub fn new(pool: &Pool) -> Leases {
-        Leases::from_parts(
-            PoolRef::Strong(pool.clone()),
-            pool,
-            TableName::default(),
-            DEFAULT_STATEMENT_TIMEOUT,
-            true,
-        )
-    }
-
-    /// Starts a builder: table name, statement timeout, auto-install.
-    pub fn builder(pool: &Pool) -> LeasesBuilder {
-        LeasesBuilder {
-            pool: pool.clone(),
-            table: DEFAULT_TABLE.to_owned(),
-            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
-            auto_install: true,
-        }
+        Leases::from_parts(PoolRef::Strong(pool.clone()), pool, default_settings())
     }
 
     /// The instance [`Pool::leases`] keeps: it does not keep the pool alive.
@@ -152,27 +76,13 @@ impl Leases {
         Leases::from_parts(
             PoolRef::Weak(Arc::downgrade(&pool.shared)),
             pool,
-            TableName::default(),
-            DEFAULT_STATEMENT_TIMEOUT,
-            true,
+            default_settings(),
         )
     }
 
-    fn from_parts(
-        pool_ref: PoolRef,
-        pool: &Pool,
-        table: TableName,
-        statement_timeout: Duration,
-        auto_install: bool,
-    ) -> Leases {
+    pub(super) fn from_parts(pool_ref: PoolRef, pool: &Pool, settings: Settings) -> Leases {
         Leases {
-            inner: Arc::new(Inner::new(
-                pool_ref,
-                pool.name(),
-                table,
-                statement_timeout,
-                auto_install,
-            )),
+            inner: Arc::new(Inner::new(pool_ref, pool.name(), settings)),
         }
     }
 
@@ -189,18 +99,27 @@ impl Leases {
 
     /// Creates the lease table and its token sequence when they do not both
     /// exist, inside a transaction holding the transaction-scoped advisory
-    /// lock [`INSTALL_LOCK_KEY`](super::INSTALL_LOCK_KEY), so instances starting together do not race.
+    /// lock [`INSTALL_LOCK_KEY`](super::INSTALL_LOCK_KEY), so instances
+    /// starting together do not race; then checks the shape of what exists.
     /// The schema must exist. Returns true when it ran the DDL.
+    ///
+    /// A table (or sequence) of another shape fails with
+    /// [`Error::LeaseTableMismatch`], naming each difference: a missing or
+    /// mistyped column, the primary key (it must be `(name)`), the token
+    /// sequence (a `bigint` sequence named after the table). With
+    /// `auto_install` on (the default) the first acquisition runs this.
     pub async fn install(&self) -> Result<bool, Error> {
         self.inner.install().await
     }
 
     /// Takes `name` for `ttl` if nobody holds it; `None` when another term
-    /// holds it (a skip). Renewal every TTL / 4 starts at once.
+    /// holds it (a skip), in one statement's round trip: the statement never
+    /// waits on a live holder, not even one inside a fenced transaction.
+    /// Renewal every TTL / 4 starts at once.
     ///
     /// Cancellation: a future dropped after its statement reached the
-    /// database may have taken the lease with no guard to renew it; it
-    /// expires after `ttl`, as a crashed holder's would.
+    /// database cancels the statement on the server, then releases the
+    /// lease in the background in case the statement took it first.
     pub async fn try_acquire(&self, name: &str, ttl: Duration) -> Result<Option<Lease>, Error> {
         self.try_acquire_with(name, &LeaseOptions::new(ttl)).await
     }
@@ -211,13 +130,11 @@ impl Leases {
         name: &str,
         opts: &LeaseOptions,
     ) -> Result<Option<Lease>, Error> {
-        match self.inner.attempt(name, opts).await? {
-            Ok(lease) => Ok(Some(lease)),
-            Err(_) => {
-                self.inner.metrics.skipped(name);
-                Ok(None)
-            }
+        let lease = self.inner.attempt(name, opts).await?;
+        if lease.is_none() {
+            self.inner.metrics.skipped(name);
         }
+        Ok(lease)
     }
 
     /// Takes `name` for `ttl`, waiting up to `wait` for its holder to release
@@ -235,9 +152,14 @@ impl Leases {
     ) -> Result<Lease, Error> {
         let start = Instant::now();
         loop {
-            let retry_in = match self.inner.attempt(name, opts).await? {
-                Ok(lease) => return Ok(lease),
-                Err(retry_in) => retry_in,
+            if let Some(lease) = self.inner.attempt(name, opts).await? {
+                return Ok(lease);
+            }
+            let left = wait.saturating_sub(start.elapsed());
+            let retry_in = if left.is_zero() {
+                Duration::ZERO
+            } else {
+                self.inner.free_in(name).await?
             };
             let left = wait.saturating_sub(start.elapsed());
             if left.is_zero() {
@@ -276,6 +198,29 @@ impl Leases {
         match first_err {
             Some(e) => Err(e),
             None => Ok(released),
+        }
+    }
+
+    /// Deletes the rows released or expired for longer than the purge age
+    /// (set on the builder; [`DEFAULT_PURGE_AFTER`](super::DEFAULT_PURGE_AFTER) by default), all of them,
+    /// 500 per statement; returns how many. The renewer does the same on its
+    /// own, one statement per purge interval.
+    ///
+    /// Tokens keep growing across purges: a row is deleted only under an
+    /// exclusive transaction-scoped try-lock on its name, which it cannot get
+    /// while an acquisition of that name (which holds the lock shared from
+    /// before it draws its token until it commits) is in flight. Rows it
+    /// cannot lock stay for the next purge; an acquisition that meets the
+    /// purge of its name in the same instant reports the name busy.
+    pub async fn purge(&self) -> Result<u64, Error> {
+        let age = self.inner.purge.age;
+        let mut total = 0;
+        loop {
+            let n = self.inner.purge_with(age).await?;
+            total += n;
+            if n < super::batch::PURGE_BATCH as u64 {
+                return Ok(total);
+            }
         }
     }
 

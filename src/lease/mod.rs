@@ -3,26 +3,36 @@
 //! A lease is a row of a table (default `pgwarden_leases`, see
 //! `sql/leases.sql`), taken with one `INSERT … ON CONFLICT … WHERE
 //! expires_at < now()` statement, renewed by its holder, released by its
-//! holder only. Each statement borrows a connection of the pool's control
-//! lane for that statement only, so a process holding any number of leases
-//! holds no connection between statements, and renewals never queue behind
-//! request traffic. This is seed 000's design, with what it lacked:
+//! holder only. Each statement borrows a connection for that statement only,
+//! so a process holding any number of leases holds no connection between
+//! statements, and renewals never queue behind request traffic. Beyond the
+//! plain lease row:
 //!
-//! - **Fencing tokens.** Every take draws a new token from one sequence, a
-//!   take-over with the row locked (rows stay after release, one per name):
-//!   a later term always has a larger token ([`LeaseHandle::token`]), and
-//!   [`LeaseHandle::fence`] makes a transaction's writes commit only under the
-//!   current term.
-//! - **A lost signal.** [`LeaseHandle::lost`] fires when a renewal finds the
-//!   lease taken, or when no renewal succeeded by the local deadline (start
+//! - **Fencing tokens.** Every term draws a new token from one sequence: a
+//!   later term of a name always has a larger token ([`LeaseHandle::token`]),
+//!   across take-overs, releases and purges, and [`LeaseHandle::fence`] makes
+//!   a transaction's writes commit only under the current term.
+//! - **A contender never waits.** An attempt on a name held by a live term
+//!   is a skip in one round trip, even while the holder sits in a fenced
+//!   transaction; only the take-over of an expired term waits, for the
+//!   fenced commit of the term it replaces.
+//! - **A lost signal that cannot be silenced.** [`LeaseHandle::lost`] fires
+//!   when a renewal finds the lease taken, or at the local deadline (start
 //!   of the last successful renewal + TTL − safety margin, monotonic clock),
-//!   which falls before anyone else can take it over. Transient renewal
+//!   which falls before anyone else can take it over. The deadline lives in
+//!   the lease itself: it fires whatever the renewer does. Transient renewal
 //!   errors are retried until then.
-//! - **Batched renewal.** One task per [`Leases`] renews every lease due in
-//!   one statement: 1,000 leases cost one statement per interval.
-//! - **Holds and schedules.** An at-least-hold ([`LeaseOptions::at_least`])
-//!   and a [`Scheduler`] that runs jobs every period on exactly one instance,
-//!   or once per node.
+//! - **Batched, supervised renewal.** One task per [`Leases`] renews every
+//!   lease due in one statement (1,000 leases: one statement per interval);
+//!   a slow batch holds up no other lease; a panic is caught and counted.
+//! - **Bounded statements.** Every statement is bounded end to end; one
+//!   that times out is cancelled on the server before its connection closes.
+//! - **Holds, schedules, purge.** An at-least-hold ([`LeaseOptions::at_least`]),
+//!   a [`Scheduler`] that runs jobs every period on at most one instance (or
+//!   once per node), and a purge of old rows.
+//! - **Cheap statements.** Prepared once per connection on direct
+//!   connections; unnamed behind a transaction pooler (or until the pool
+//!   knows it is direct).
 //!
 //! # Trade-offs
 //!
@@ -30,12 +40,43 @@
 //! its lease). A holder cut off from the database for longer than the TTL
 //! while another instance reaches it can overlap with the next holder: it
 //! learns of it through the lost signal, and by default ([`OnLost::Signal`])
-//! its job keeps running, which is fine for idempotent jobs (seed 000's four
-//! are). Use [`OnLost::Cancel`] to stop the job instead, and a fenced
-//! transaction for writes a stale holder must never make.
+//! its job keeps running, which is fine for idempotent jobs. Use
+//! [`OnLost::Cancel`] to stop the job instead, and a fenced transaction for
+//! writes a stale holder must never make.
+//!
+//! # Clocks
 //!
 //! Every time is the database's (`now()`, `clock_timestamp()`); the local
 //! clock only measures intervals (monotonic). Node clocks may drift freely.
+//!
+//! The safety margin ([`LeaseOptions::safety_margin`], TTL / 8 by default)
+//! is how much earlier than the database the holder gives up. It covers the
+//! time between the holder's view and the database's: the local deadline is
+//! measured from the moment a renewal was *sent*, which is before the
+//! database ran it, so the holder always stops trusting the lease at least
+//! a margin before the database can let anyone in; and the margin absorbs
+//! how late the lost signal reaches a busy job (timer and scheduling
+//! delays), and a difference in *rate* between the local monotonic clock and
+//! the server's clock (1/8 of a TTL is far beyond any real drift).
+//!
+//! It does not cover:
+//!
+//! - **A forward jump of the server's clock.** `now()` jumps, and every
+//!   lease's `expires_at` is suddenly that much nearer: a jump of more than
+//!   the margin lets another instance take a lease over while its holder
+//!   still trusts it (its local deadline is measured on its own monotonic
+//!   clock, which did not jump). Both may run the job for a while, until the
+//!   old holder's next renewal finds the row taken and fires `lost(Taken)`.
+//!   Fenced writes stay safe: a fence checks the term under a row lock, not
+//!   the clock. A backward jump only delays take-overs.
+//! - **A holder paused longer than the margin** (a stopped process, a long
+//!   GC-like stall) between checking its lease and acting on it: it acts
+//!   after the deadline. Check [`LeaseHandle::is_lost`] just before acting,
+//!   and put writes that must never come from a stale holder under
+//!   [`LeaseHandle::fence`].
+//!
+//! Keep the server clock slewed, not stepped (NTP `slew`/chrony `makestep`
+//! only at boot), or make the margin larger than any step you expect.
 
 // `Error` is large (its `Timeout` variant carries the pool's `Status`); the
 // synchronous validators here return it as the rest of the crate does.
@@ -43,26 +84,41 @@
 
 use crate::error::Error;
 
+mod batch;
+mod builder;
+mod calls;
 mod exclusive;
 mod guard;
 mod inner;
+mod install;
 mod job;
 mod leases;
+mod metrics;
 mod name;
 mod options;
+mod queries;
+mod release;
 mod renewer;
+mod runner;
 mod scheduler;
 mod sql;
+mod state;
+mod statement;
 mod table;
 mod timing;
 
+pub use builder::{
+    LeasesBuilder, DEFAULT_PURGE_AFTER, DEFAULT_PURGE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT,
+    MIN_PURGE_INTERVAL,
+};
 pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};
-pub use leases::{LeaseStats, Leases, LeasesBuilder, DEFAULT_STATEMENT_TIMEOUT};
+pub use leases::{LeaseStats, Leases};
+pub use metrics::UNDECLARED_LEASE;
 pub use name::MAX_NAME_LEN;
 pub use options::{LeaseOptions, OnLost, DEFAULT_TTL};
 pub use renewer::MAX_BATCH;
-pub use scheduler::{Scheduler, SchedulerBuilder};
+pub use scheduler::{Scheduler, SchedulerBuilder, DEFAULT_POLL_JITTER};
 pub use sql::INSTALL_LOCK_KEY;
 pub use table::{DEFAULT_TABLE, MAX_SCHEMA_LEN, MAX_TABLE_LEN};
 pub use timing::{MAX_HOLD, MAX_TTL, MIN_PERIOD, MIN_RENEW_EVERY, MIN_TTL};
@@ -83,5 +139,10 @@ impl Error {
     /// A lease statement timed out ([`Error::LeaseTimeout`]).
     pub fn is_lease_timeout(&self) -> bool {
         matches!(self, Error::LeaseTimeout { .. })
+    }
+
+    /// The lease table exists with another shape ([`Error::LeaseTableMismatch`]).
+    pub fn is_lease_table_mismatch(&self) -> bool {
+        matches!(self, Error::LeaseTableMismatch { .. })
     }
 }

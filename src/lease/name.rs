@@ -60,15 +60,17 @@ pub(crate) fn hostname() -> &'static str {
 
 /// A new holder id for one acquisition: `host:pid:64 random bits`.
 ///
-/// Every call is its own holder (seed 000): two tasks of one process exclude
+/// Every call is its own holder: two tasks of one process exclude
 /// each other, and a late release can never match a later term.
 pub(crate) fn new_holder() -> String {
-    format!(
-        "{}:{}:{:016x}",
-        hostname(),
-        std::process::id(),
-        rand::random::<u64>()
-    )
+    use std::fmt::Write as _;
+    static PREFIX: OnceLock<String> = OnceLock::new();
+    let prefix = PREFIX.get_or_init(|| format!("{}:{}:", hostname(), std::process::id()));
+    let mut holder = String::with_capacity(prefix.len() + 16);
+    holder.push_str(prefix);
+    // infallible: writing to a String cannot fail.
+    let _ = write!(holder, "{:016x}", rand::random::<u64>());
+    holder
 }
 
 #[cfg(test)]

@@ -5,15 +5,15 @@ use std::time::Duration;
 use super::timing::{self, Timing};
 use crate::error::Error;
 
-/// The seed's lease TTL: 2 minutes.
+/// The default lease TTL: 2 minutes.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(120);
 
 /// What a job does when its lease is lost while it runs.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum OnLost {
     /// Keep running; the loss is logged, counted, and visible through
-    /// [`LeaseHandle::lost`](crate::LeaseHandle::lost). Default: seed 000
-    /// accepts that an idempotent job may run twice rather than stop halfway.
+    /// [`LeaseHandle::lost`](crate::LeaseHandle::lost). Default: an
+    /// idempotent job may run twice rather than stop halfway.
     /// Writes that a second run would damage belong in a fenced transaction
     /// ([`LeaseHandle::fence`](crate::LeaseHandle::fence)).
     #[default]

@@ -1,65 +1,88 @@
-//! The renewer: one background task per [`Leases`](crate::Leases) that
-//! renews, in one statement per tick, every lease of the instance that is
-//! due, and fires the lost signal of leases it cannot keep.
+//! The renewer: one supervised background task per [`Leases`](crate::Leases)
+//! that sends, for every lease of the instance that is due, one renewal
+//! statement per batch, and purges old rows.
 //!
 //! Each tick it
-//! 1. fires `lost(Deadline)` for every lease whose local deadline passed,
-//! 2. renews every lease due now or within half its interval (so leases
-//!    taken at different times fold into one statement per interval) in one
-//!    `UPDATE … FROM unnest(…)`, up to [`MAX_BATCH`] leases per statement,
-//! 3. fires `lost(Taken)` for leases of the batch that statement did not
-//!    touch, and schedules a retry with back-off for all of the batch when
-//!    it failed (a transient error never drops a lease before its deadline),
-//! 4. sleeps until the earliest due time or deadline, or a registration.
+//! 1. drops the leases whose local deadline passed (firing `lost(Deadline)`,
+//!    which the lease's own views fire too, whatever the renewer does),
+//! 2. gathers every lease due now or within half its interval (so leases
+//!    taken at different times fold into one statement per interval) and
+//!    not already in a batch, and starts batches of up to [`MAX_BATCH`] as
+//!    tasks of their own: a slow batch never holds up another lease,
+//! 3. starts a purge when one is due (at most one per interval),
+//! 4. sleeps until the earliest due time, deadline or purge, or a wake-up
+//!    (a registration due sooner, a batch done).
 //!
-//! A renewal statement may run until the earliest local deadline of any lease
-//! held; past that, its connection is discarded (it may be stuck on a stopped
-//! backend), and the deadline fires on time.
+//! Supervision: a panic inside a tick or a batch (pgwarden's bug, or a
+//! metrics recorder's) is caught, logged and counted, and renewal goes on.
+//! When the task is gone (its runtime was dropped), the next acquisition
+//! starts a new one in the current runtime; until then every lease still
+//! reports itself lost at its deadline.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::Ordering;
+use std::any::Any;
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use super::guard::{LeaseState, LostReason};
+use super::guard::LostReason;
+use super::state::LeaseState;
 use super::timing::{self, Timing};
 use super::Inner;
-use crate::admission::{Lane, Priority};
-use crate::error::Error;
 
 /// The most leases one renewal statement carries.
 pub const MAX_BATCH: usize = 5_000;
+
+/// How long the renewer pauses after a panic, so that a panic on every tick
+/// does not spin.
+const PANIC_PAUSE: Duration = Duration::from_millis(50);
 
 /// The leases an instance holds, by registration id.
 #[derive(Default)]
 pub(crate) struct Registry {
     next_id: u64,
-    entries: HashMap<u64, Entry>,
+    pub(super) entries: HashMap<u64, Entry>,
     /// When the renewer plans to wake next (`None`: it waits for a
     /// registration). A registration wakes it only when it is due sooner.
     next_wake: Option<Instant>,
+    /// When the next purge is due (set at the renewer's first tick).
+    pub(super) next_purge: Option<Instant>,
+    /// A purge is running.
+    pub(super) purging: bool,
 }
 
-struct Entry {
-    state: Arc<LeaseState>,
-    timing: Timing,
-    due: Instant,
-    deadline: Instant,
-    attempt: u32,
+pub(super) struct Entry {
+    pub(super) state: Arc<LeaseState>,
+    pub(super) timing: Timing,
+    pub(super) due: Instant,
+    pub(super) attempt: u32,
+    /// Part of a batch in flight.
+    pub(super) in_flight: bool,
 }
 
-struct Item {
-    id: u64,
-    state: Arc<LeaseState>,
-    ttl: f64,
-    deadline: Instant,
+/// One lease of a batch.
+pub(super) struct Item {
+    pub(super) id: u64,
+    pub(super) state: Arc<LeaseState>,
+    pub(super) ttl: f64,
 }
 
 impl Registry {
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
+    }
+}
+
+/// Clears [`Inner::renewer_alive`] when the renewer task is dropped: it
+/// ended, or its runtime went away with it.
+struct Alive(Arc<AtomicBool>);
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
@@ -76,22 +99,22 @@ impl Inner {
             let id = reg.next_id;
             reg.next_id += 1;
             let due = timing.due_after(start);
-            let deadline = timing.deadline(start);
+            let wake = due.min(state.deadline());
             reg.entries.insert(
                 id,
                 Entry {
                     state,
                     timing,
                     due,
-                    deadline,
                     attempt: 0,
+                    in_flight: false,
                 },
             );
             // Acquiring many leases must not wake the renewer (and its scan
             // of every lease held) once per lease.
-            let sooner = reg.next_wake.is_none_or(|w| due.min(deadline) < w);
+            let sooner = reg.next_wake.is_none_or(|w| wake < w);
             if sooner {
-                reg.next_wake = Some(due.min(deadline));
+                reg.next_wake = Some(wake);
             }
             (id, sooner)
         };
@@ -121,191 +144,117 @@ impl Inner {
             .collect()
     }
 
-    fn ensure_renewer(self: &Arc<Self>) {
-        if self.renewer_started.load(Ordering::Acquire) {
+    /// Starts the renewer task in the current runtime unless one is alive.
+    pub(crate) fn ensure_renewer(self: &Arc<Self>) {
+        if self.renewer_alive.load(Ordering::Acquire) {
             return;
         }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            if !self.renewer_started.swap(true, Ordering::AcqRel) {
-                rt.spawn(run(Arc::downgrade(self), self.wake.clone()));
-            }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self.renewer_alive.swap(true, Ordering::AcqRel) {
+            let alive = Alive(self.renewer_alive.clone());
+            rt.spawn(run(Arc::downgrade(self), self.wake.clone(), alive));
         }
     }
 
-    /// Fires the lost signal of a lease the renewer gave up on: logged and
-    /// counted once.
-    fn lost(&self, state: &LeaseState, reason: LostReason) {
-        if !state.lose(reason) {
-            return;
-        }
-        self.metrics.lost(&state.name, reason);
-        tracing::warn!(
+    /// A panic caught in the renewer: logged and counted.
+    pub(super) fn renewer_panicked(&self, panic: &(dyn Any + Send)) {
+        tracing::error!(
             pool = %self.pool_name,
-            lease = %state.name,
-            token = state.token,
-            reason = reason.as_str(),
-            "lease lost: {reason}; a job still running under it may overlap with the next holder"
+            panic = %super::runner::panic_message(panic),
+            "panic in the lease renewer: caught, renewal goes on"
         );
+        // The recorder that panicked may panic again: never let the count
+        // take the renewer down.
+        let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.metrics.renewer_panics.increment(1)
+        }));
     }
 
-    /// One tick; returns when to wake next (`None`: nothing held).
-    async fn tick(&self) -> Option<Instant> {
+    /// One tick; returns when to wake next (`None`: nothing to do until a
+    /// registration). Starts batches and the purge as tasks of their own.
+    fn tick(self: &Arc<Self>) -> Option<Instant> {
         let now = Instant::now();
-        let mut expired = Vec::new();
+        let mut gone = Vec::new();
         let mut batch = Vec::new();
-        let earliest = {
+        let purge = {
             let mut reg = self.registry.lock();
             reg.entries.retain(|_, e| {
-                if now >= e.deadline {
-                    expired.push(e.state.clone());
+                if e.state.past_deadline(now) || e.state.lost_reason().is_some() {
+                    gone.push(e.state.clone());
                     return false;
                 }
                 true
             });
-            for (id, e) in reg.entries.iter() {
-                if timing::is_due(now, e.due, e.attempt, e.timing.window()) {
+            for (id, e) in reg.entries.iter_mut() {
+                if !e.in_flight && timing::is_due(now, e.due, e.attempt, e.timing.window()) {
+                    e.in_flight = true;
                     batch.push(Item {
                         id: *id,
                         state: e.state.clone(),
                         ttl: e.timing.ttl.as_secs_f64(),
-                        deadline: e.deadline,
                     });
                 }
             }
-            reg.entries.values().map(|e| e.deadline).min()
+            self.purge_due(&mut reg, now)
         };
-        for state in &expired {
+        for state in &gone {
             self.metrics.held.decrement(1.0);
-            self.lost(state, LostReason::Deadline);
+            self.mark_lost(state, LostReason::Deadline);
         }
-        for chunk in batch.chunks(MAX_BATCH) {
-            self.renew_batch(chunk, earliest).await;
+        if !batch.is_empty() || purge {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                while !batch.is_empty() {
+                    let rest = batch.split_off(batch.len().min(MAX_BATCH));
+                    rt.spawn(
+                        self.clone()
+                            .renew_batch(std::mem::replace(&mut batch, rest)),
+                    );
+                }
+                if purge {
+                    rt.spawn(self.clone().purge_round());
+                }
+            }
         }
         let mut reg = self.registry.lock();
         let min_interval = reg.entries.values().map(|e| e.timing.renew_every).min();
         self.metrics
             .renew_interval
             .set(min_interval.unwrap_or(Duration::ZERO).as_secs_f64());
-        reg.next_wake = reg.entries.values().map(|e| e.due.min(e.deadline)).min();
+        let leases = reg
+            .entries
+            .values()
+            .map(|e| {
+                let deadline = e.state.deadline();
+                if e.in_flight {
+                    deadline
+                } else {
+                    e.due.min(deadline)
+                }
+            })
+            .min();
+        let purge_at = reg.next_purge.filter(|_| self.purge.auto);
+        reg.next_wake = match (leases, purge_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         reg.next_wake
-    }
-
-    /// Sends one renewal statement for `items` and applies its outcome.
-    /// It may run until `earliest`, the first local deadline of any lease
-    /// held, so that no deadline waits for a stuck statement.
-    async fn renew_batch(&self, items: &[Item], earliest: Option<Instant>) {
-        let start = Instant::now();
-        let deadlines = items.iter().map(|i| i.deadline).chain(earliest);
-        let Some(budget) = timing::statement_budget(start, deadlines) else {
-            return; // a deadline passed meanwhile: the next tick fires it
-        };
-        let budget = budget.min(self.statement_timeout);
-        let names: Vec<&str> = items.iter().map(|i| &*i.state.name).collect();
-        let holders: Vec<&str> = items.iter().map(|i| i.state.holder.as_str()).collect();
-        let tokens: Vec<i64> = items.iter().map(|i| i.state.token).collect();
-        let ttls: Vec<f64> = items.iter().map(|i| i.ttl).collect();
-        let mut sent = false;
-        let result = async {
-            let conn = self.control(Lane::Lease, Priority::Urgent, budget).await?;
-            let left = budget.saturating_sub(start.elapsed());
-            sent = true;
-            let fut = self.sql.renew(&conn, &names, &holders, &tokens, &ttls);
-            match tokio::time::timeout(left, fut).await {
-                Ok(r) => Ok(r?),
-                Err(_) => {
-                    conn.discard();
-                    Err(Error::LeaseTimeout {
-                        what: "renewal",
-                        waited: start.elapsed(),
-                    })
-                }
-            }
-        }
-        .await;
-        let took = start.elapsed();
-        self.metrics.renewal.record(took.as_secs_f64());
-        let (ok_count, failed) = match &result {
-            Ok(rows) => (rows.len() as u64, false),
-            Err(_) => (0, true),
-        };
-        {
-            // One lock: a snapshot never sees a statement without its renewals.
-            let mut s = self.stats.lock();
-            if sent {
-                s.statements += 1;
-                s.renewal_statements += 1;
-            }
-            if failed {
-                s.renewal_failures += 1;
-            } else {
-                s.renewed += ok_count;
-                s.last_batch = items.len();
-                s.last_renewal = took;
-            }
-        }
-        match result {
-            Ok(rows) => {
-                let renewed: HashSet<(&str, i64)> =
-                    rows.iter().map(|(n, t)| (n.as_str(), *t)).collect();
-                let mut taken = Vec::new();
-                let mut ok = 0u64;
-                {
-                    let mut reg = self.registry.lock();
-                    for item in items {
-                        let Some(e) = reg.entries.get_mut(&item.id) else {
-                            continue; // released meanwhile
-                        };
-                        if renewed.contains(&(&*item.state.name, item.state.token)) {
-                            e.due = e.timing.due_after(start);
-                            e.deadline = e.timing.deadline(start);
-                            e.attempt = 0;
-                            ok += 1;
-                        } else if let Some(e) = reg.entries.remove(&item.id) {
-                            taken.push(e.state);
-                        }
-                    }
-                }
-                self.metrics.renew_ok.increment(ok);
-                self.metrics.renew_lost.increment(taken.len() as u64);
-                for state in &taken {
-                    self.metrics.held.decrement(1.0);
-                    self.lost(state, LostReason::Taken);
-                }
-            }
-            Err(err) => {
-                self.metrics.renew_error.increment(items.len() as u64);
-                let now = Instant::now();
-                let mut reg = self.registry.lock();
-                let mut first = None;
-                for item in items {
-                    if let Some(e) = reg.entries.get_mut(&item.id) {
-                        e.attempt = e.attempt.saturating_add(1);
-                        e.due = now + e.timing.backoff(e.attempt);
-                        first.get_or_insert((e.attempt, e.deadline));
-                    }
-                }
-                drop(reg);
-                if let Some((attempt, deadline)) = first {
-                    tracing::warn!(
-                        pool = %self.pool_name,
-                        leases = items.len(),
-                        attempt,
-                        until_deadline = ?deadline.saturating_duration_since(now),
-                        error = %err,
-                        "lease renewal failed; retrying until the local deadline"
-                    );
-                }
-            }
-        }
     }
 }
 
 /// The renewer task: runs while its [`Inner`] lives.
-async fn run(inner: Weak<Inner>, wake: Arc<Notify>) {
+async fn run(inner: Weak<Inner>, wake: Arc<Notify>, _alive: Alive) {
     loop {
         let next = {
             let Some(inner) = inner.upgrade() else { return };
-            inner.tick().await
+            match std::panic::catch_unwind(AssertUnwindSafe(|| inner.tick())) {
+                Ok(next) => next,
+                Err(panic) => {
+                    inner.renewer_panicked(&*panic);
+                    Some(Instant::now() + PANIC_PAUSE)
+                }
+            }
         };
         match next {
             Some(at) => {

@@ -6,9 +6,34 @@
 //! in the row (`held_until`), and nobody can take the lease again before
 //! then, even once it is released: however fast the job, it runs at most
 //! once per slot, on whichever instance asked first. Every instance sleeps
-//! until the slot boundary the database reports, so one of them takes the
-//! next slot as soon as it opens. A job still running at the boundary keeps
-//! its lease (renewed), and the slots it overlaps are skipped.
+//! until the slot boundary the database reports (plus a random jitter, so
+//! that a fleet does not poll in the same millisecond), and one of them
+//! takes the next slot as soon as it opens. A job still running at the
+//! boundary keeps its lease (renewed), and the slots it overlaps are
+//! skipped.
+//!
+//! # The guarantee, and what a crash does
+//!
+//! A job starts **at most once per period across the cluster**: the slot is
+//! recorded in the row when its lease is taken, and no instance can take
+//! the lease again before the next slot, whatever happens to the run.
+//!
+//! - A run that panics is caught, logged and counted
+//!   (`pgwarden_lease_job_panics_total`); its lease is released keeping its
+//!   slot, and the job runs again the next period.
+//! - A holder that crashes mid-job leaves its run unfinished, and nobody
+//!   reruns it within that period. Its lease stays until its TTL expires;
+//!   the next period's run starts on another instance once both the slot
+//!   has come and the TTL has passed (with a TTL longer than the period, a
+//!   crash skips the periods in between). The next holder sees the crashed
+//!   one in [`LeaseHandle::took_over_from`](crate::LeaseHandle::took_over_from).
+//! - A holder cut off from the database longer than its TTL keeps running
+//!   its job by default ([`OnLost::Signal`](super::OnLost::Signal)): the next
+//!   period's run on another instance may then overlap it. Jobs that must
+//!   never overlap use [`OnLost::Cancel`](super::OnLost::Cancel) and fenced
+//!   transactions.
+//! - It is at most once per period, not at least once: a period in which
+//!   every instance is down, busy past the boundary, or crashed, is skipped.
 
 use std::collections::HashSet;
 use std::fmt;
@@ -19,13 +44,15 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::exclusive::run_under;
-use super::guard::Lease;
 use super::job::Job;
 use super::name::{check_name, hostname};
+use super::runner::Runner;
 use super::timing::check_period;
 use super::Leases;
 use crate::error::Error;
+
+/// The default largest random delay added to each poll: 100 ms.
+pub const DEFAULT_POLL_JITTER: Duration = Duration::from_millis(100);
 
 /// Builds a [`Scheduler`].
 #[must_use = "builder does nothing until .start()"]
@@ -35,6 +62,7 @@ pub struct SchedulerBuilder {
     node: Option<String>,
     jobs: Vec<Job>,
     grace: Duration,
+    jitter: Duration,
 }
 
 impl SchedulerBuilder {
@@ -54,6 +82,15 @@ impl SchedulerBuilder {
     /// dropping them. Default: 10 s.
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
+        self
+    }
+
+    /// The largest random delay added to each poll (uniform in
+    /// `[0, jitter)`; at most a quarter of the job's period), so that the
+    /// instances of a fleet do not all poll at the slot boundary.
+    /// Default: [`DEFAULT_POLL_JITTER`] (100 ms).
+    pub fn poll_jitter(mut self, jitter: Duration) -> Self {
+        self.jitter = jitter;
         self
     }
 
@@ -97,17 +134,23 @@ impl SchedulerBuilder {
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| Error::invalid("scheduler", "start() needs a running tokio runtime"))?;
         let (stop, _) = watch::channel(false);
-        let runs = Arc::new(AtomicU64::new(0));
+        let counts = Arc::new(Counts::default());
+        let metrics = &self.leases.inner.metrics;
         let tasks = planned
             .into_iter()
             .map(|(lease, job)| {
+                // Declared: the job's runs count under its own name (a
+                // per-node job's under its job name, not its host).
+                metrics.declare(&lease, &job.name);
                 let r = Runner {
                     leases: self.leases.clone(),
+                    panics: metrics.job_panics(&job.name),
+                    jitter: self.jitter.min(job.period / 4),
                     lease,
                     job,
                     stop: stop.subscribe(),
                     grace: self.grace,
-                    runs: runs.clone(),
+                    counts: counts.clone(),
                 };
                 rt.spawn(r.run())
             })
@@ -116,7 +159,7 @@ impl SchedulerBuilder {
             node,
             stop,
             tasks,
-            runs,
+            counts,
         })
     }
 }
@@ -146,7 +189,14 @@ pub struct Scheduler {
     node: String,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
-    runs: Arc<AtomicU64>,
+    counts: Arc<Counts>,
+}
+
+/// What the jobs of one scheduler did.
+#[derive(Debug, Default)]
+pub(crate) struct Counts {
+    pub(crate) runs: AtomicU64,
+    pub(crate) panics: AtomicU64,
 }
 
 impl Scheduler {
@@ -157,6 +207,7 @@ impl Scheduler {
             node: None,
             jobs: Vec::new(),
             grace: Duration::from_secs(10),
+            jitter: DEFAULT_POLL_JITTER,
         }
     }
 
@@ -165,15 +216,22 @@ impl Scheduler {
         &self.node
     }
 
-    /// Job runs completed on this instance.
+    /// Job runs completed on this instance (a panicked run does not count).
     pub fn runs(&self) -> u64 {
-        self.runs.load(Ordering::Relaxed)
+        self.counts.runs.load(Ordering::Relaxed)
     }
 
-    /// Graceful shutdown: starts no new run, lets running jobs finish within
-    /// the grace period (then drops them), and releases every lease held. A
-    /// completed run keeps its slot (no other instance reruns it in the same
-    /// period); an interrupted one frees its lease at once.
+    /// Job runs that panicked on this instance.
+    pub fn panics(&self) -> u64 {
+        self.counts.panics.load(Ordering::Relaxed)
+    }
+
+    /// Graceful shutdown: starts no new run, cancels acquisitions in flight
+    /// (on the server too, releasing what one took before the cancel), lets
+    /// running jobs finish within the grace period (then drops them), and
+    /// releases every lease held. A completed run keeps its slot (no other
+    /// instance reruns it in the same period); an interrupted one frees its
+    /// lease at once.
     pub async fn shutdown(mut self) {
         let _ = self.stop.send(true);
         for t in std::mem::take(&mut self.tasks) {
@@ -203,90 +261,6 @@ impl fmt::Debug for Scheduler {
             .field("runs", &self.runs())
             .finish()
     }
-}
-
-/// One job's loop on one instance.
-struct Runner {
-    leases: Leases,
-    lease: String,
-    job: Job,
-    stop: watch::Receiver<bool>,
-    grace: Duration,
-    runs: Arc<AtomicU64>,
-}
-
-/// Slack past a slot boundary, so the database sees it passed.
-const BOUNDARY_SLACK: Duration = Duration::from_millis(5);
-
-impl Runner {
-    async fn run(mut self) {
-        loop {
-            if *self.stop.borrow() {
-                return;
-            }
-            let wait = match self.leases.inner.attempt(&self.lease, &self.job.opts).await {
-                Ok(Ok(lease)) => {
-                    self.run_once(lease).await;
-                    continue;
-                }
-                Ok(Err(retry_in)) => {
-                    self.leases.inner.metrics.skipped(&self.lease);
-                    retry_in.min(self.job.period) + BOUNDARY_SLACK
-                }
-                Err(e) => {
-                    tracing::warn!(job = %self.job.name, lease = %self.lease, error = %e, "scheduler could not try the job's lease");
-                    self.job.period.min(Duration::from_secs(5))
-                }
-            };
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = stopped(&mut self.stop) => return,
-            }
-        }
-    }
-
-    async fn run_once(&mut self, lease: Lease) {
-        let on_lost = self.job.opts.on_lost_policy();
-        let outcome = {
-            let fut = run_under(&lease, on_lost, (self.job.run)(lease.handle()));
-            tokio::pin!(fut);
-            let first = tokio::select! {
-                out = &mut fut => Some(out),
-                _ = stopped(&mut self.stop) => None,
-            };
-            match first {
-                Some(out) => Some(out),
-                None => tokio::time::timeout(self.grace, &mut fut).await.ok(),
-            }
-        };
-        let name = &self.job.name;
-        match outcome {
-            Some(Ok(err)) => {
-                self.runs.fetch_add(1, Ordering::Relaxed);
-                if let Some(e) = err {
-                    tracing::warn!(job = %name, lease = %self.lease, error = %e, "job failed");
-                }
-                if let Err(e) = lease.release().await {
-                    if !e.is_lease_lost() {
-                        tracing::warn!(job = %name, error = %e, "job lease release failed; it expires after its TTL");
-                    }
-                }
-            }
-            Some(Err(reason)) => {
-                tracing::warn!(job = %name, lease = %self.lease, %reason, "job cancelled: its lease was lost");
-                let _ = lease.release_now().await;
-            }
-            None => {
-                tracing::warn!(job = %name, grace = ?self.grace, "job still running at shutdown past its grace: dropped");
-                let _ = lease.release_now().await;
-            }
-        }
-    }
-}
-
-/// Completes once the scheduler stops (or is gone).
-async fn stopped(stop: &mut watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await;
 }
 
 #[cfg(test)]

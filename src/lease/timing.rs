@@ -38,7 +38,7 @@ pub(crate) struct Timing {
 impl Timing {
     /// Validates `ttl` and the optional renewal interval and safety margin.
     ///
-    /// Defaults: renew every `ttl / 4` (the seed's 30 s for 2 min), margin
+    /// Defaults: renew every `ttl / 4` (30 s for the default 2 min), margin
     /// `ttl / 8`. The margin is at most `ttl / 2`; the renewal interval is at
     /// least 10 ms and strictly below `ttl - margin`, so that at least one
     /// renewal is attempted before the local deadline.
@@ -170,7 +170,7 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     #[test]
-    fn defaults_are_the_seeds() {
+    fn defaults_renew_at_a_quarter_and_trust_seven_eighths() {
         let t = Timing::new(120 * S, None, None).unwrap();
         assert_eq!(t.renew_every, 30 * S);
         assert_eq!(t.margin, 15 * S);

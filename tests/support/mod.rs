@@ -8,7 +8,7 @@
 //! * [`recorder`]: pools built under a local metrics recorder, metric
 //!   snapshots and lookups;
 //! * [`leases`]: lease-test pools named by `application_name`, their
-//!   backends, and the two-holder fixture;
+//!   backends, the two-holder fixture, and views of the lease table;
 //! * [`pooler`]: load through PgBouncer or PostgreSQL, pools through
 //!   PgBouncer, detection figures from the logs;
 //! * [`service`] and [`promql`]: the `service` example run as real

@@ -1,0 +1,336 @@
+//! Workloads 4b and 4c: pgwarden's leases against the plain lease SQL, the
+//! statements a service writes by hand without fencing:
+//!
+//! - acquire: `INSERT … ON CONFLICT (name) DO UPDATE … WHERE leases.expires_at < now() RETURNING true`
+//! - release: `DELETE FROM leases WHERE name = $1 AND holder = $2`
+//!
+//! sent the way a user of deadpool would: prepared and cached per connection
+//! (`prepare_cached`), and also unnamed (`query_typed`, parsed and planned on
+//! every call, what a transaction pooler allows). pgwarden runs on a pool
+//! known to be direct (its statements prepared once per connection), and on
+//! one configured behind a transaction pooler (unnamed) for comparison.
+//!
+//! 4b: acquire + release, a new name per pair. 4c: attempts on names held by
+//! another holder (what every instance's scheduler does at each poll).
+//! Each side has its own database on the one server, so the CPU time of its
+//! backends (`/proc/<pid>/stat`) divided by the statements it sent is the
+//! server-side cost per statement. Rounds of all four sides interleave, the
+//! order rotating from round to round.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwarden::{Leases, Pool, Pooler};
+use pgwarden_testing::{TestDb, TestServer};
+use tokio_postgres::types::Type;
+
+use crate::ab::{median, ratio, spread, throughput};
+use crate::renewal::Cpu;
+use crate::{BoxError, Row, Settings};
+
+const TASKS: usize = 16;
+const POOL: usize = 16;
+const TTL: Duration = Duration::from_secs(60);
+/// Names held by another holder, for 4c.
+const HELD: usize = 64;
+
+const PLAIN_DDL: &str = "CREATE TABLE leases (name text PRIMARY KEY, holder text NOT NULL, \
+     taken_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz NOT NULL)";
+const PLAIN_ACQUIRE: &str = "INSERT INTO leases (name, holder, taken_at, expires_at) \
+     VALUES ($1, $2, now(), now() + make_interval(secs => $3)) ON CONFLICT (name) DO UPDATE \
+     SET holder = excluded.holder, taken_at = excluded.taken_at, expires_at = excluded.expires_at \
+     WHERE leases.expires_at < now() RETURNING true";
+const PLAIN_RELEASE: &str = "DELETE FROM leases WHERE name = $1 AND holder = $2";
+
+pub fn describe(s: Settings) -> String {
+    format!(
+        "4b, 4c: {TASKS} tasks, pool {POOL} per side, four sides with a database each on one server: \
+         the plain lease SQL prepared (`prepare_cached`) and unnamed (`query_typed`) through deadpool, \
+         pgwarden on a pool detected direct (prepared) and on one configured `Pooler::Transaction` \
+         (unnamed); 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {HELD} names held \
+         by another holder; {} rounds of {:?} per side, the order rotating; server CPU per statement \
+         = utime + stime of the side's client backends (`/proc/<pid>/stat`) / statements sent",
+        s.rounds * 2, s.round / 2
+    )
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Prepared,
+    Unnamed,
+}
+
+/// The plain lease SQL on a raw deadpool pool.
+struct Plain {
+    pool: deadpool_postgres::Pool,
+    mode: Mode,
+}
+
+impl Plain {
+    async fn acquire(&self, name: &str, holder: &str) -> Result<bool, BoxError> {
+        let conn = self.pool.get().await?;
+        let ttl = TTL.as_secs_f64();
+        let row = match self.mode {
+            Mode::Prepared => {
+                let stmt = conn.prepare_cached(PLAIN_ACQUIRE).await?;
+                conn.query_opt(&stmt, &[&name, &holder, &ttl]).await?
+            }
+            Mode::Unnamed => {
+                conn.query_typed_opt(
+                    PLAIN_ACQUIRE,
+                    &[
+                        (&name, Type::TEXT),
+                        (&holder, Type::TEXT),
+                        (&ttl, Type::FLOAT8),
+                    ],
+                )
+                .await?
+            }
+        };
+        Ok(row.is_some())
+    }
+
+    async fn release(&self, name: &str, holder: &str) -> Result<bool, BoxError> {
+        let conn = self.pool.get().await?;
+        let n = match self.mode {
+            Mode::Prepared => {
+                let stmt = conn.prepare_cached(PLAIN_RELEASE).await?;
+                conn.execute(&stmt, &[&name, &holder]).await?
+            }
+            Mode::Unnamed => {
+                conn.execute_typed(PLAIN_RELEASE, &[(&name, Type::TEXT), (&holder, Type::TEXT)])
+                    .await?
+            }
+        };
+        Ok(n == 1)
+    }
+}
+
+fn holder() -> String {
+    format!(
+        "bench:{}:{:016x}",
+        std::process::id(),
+        rand::random::<u64>()
+    )
+}
+
+type Op = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+/// One side: its operation, its database's CPU sampler, and a count of the
+/// statements it sent.
+struct Side {
+    label: &'static str,
+    op: Op,
+    cpu: Cpu,
+    statements: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+struct Measured {
+    rates: Vec<f64>,
+    /// Server CPU per statement, µs.
+    cpu_us: f64,
+    per_op: f64,
+}
+
+/// Rounds of every side, the order rotating; each side's rates, and its
+/// server CPU per statement over all its rounds.
+async fn measure(sides: &[Side], s: Settings) -> Result<Vec<Measured>, BoxError> {
+    let warm = Duration::from_millis(300);
+    for side in sides {
+        let op = side.op.clone();
+        throughput(TASKS, warm, move || op()).await;
+    }
+    let mut before = Vec::new();
+    for side in sides {
+        before.push((side.cpu.sample().await?, (side.statements)()));
+    }
+    // Twice the rounds at half the length: more pairs for the median, on a
+    // machine whose load changes from second to second.
+    let (rounds, round) = (s.rounds * 2, s.round / 2);
+    let mut rates = vec![Vec::new(); sides.len()];
+    for n in 0..rounds {
+        for k in 0..sides.len() {
+            let i = (n + k) % sides.len();
+            let op = sides[i].op.clone();
+            rates[i].push(throughput(TASKS, round, move || op()).await);
+        }
+    }
+    let mut out = Vec::new();
+    for ((side, (cpu0, st0)), rates) in sides.iter().zip(before).zip(rates) {
+        let cpu = Cpu::delta(&cpu0, &side.cpu.sample().await?);
+        let statements = (side.statements)() - st0;
+        let ops: f64 = rates.iter().sum::<f64>() * round.as_secs_f64();
+        out.push(Measured {
+            cpu_us: cpu * 1e6 / statements.max(1) as f64,
+            per_op: statements as f64 / ops.max(1.0),
+            rates,
+        });
+        let _ = side.label;
+    }
+    Ok(out)
+}
+
+async fn plain_side(
+    server: &TestServer,
+    mode: Mode,
+    label: &'static str,
+    held: bool,
+) -> Result<(Side, TestDb), BoxError> {
+    let db = server.create_database().await?;
+    let pool = db.deadpool(POOL)?;
+    let conn = pool.get().await?;
+    conn.batch_execute(PLAIN_DDL).await?;
+    if held {
+        conn.execute(
+            "INSERT INTO leases (name, holder, expires_at)
+             SELECT 'held-' || i, 'another-holder', now() + interval '1 hour' FROM generate_series(0, $1 - 1) i",
+            &[&(HELD as i32)],
+        )
+        .await?;
+    }
+    drop(conn);
+    let plain = Arc::new(Plain { pool, mode });
+    let sent = Arc::new(AtomicU64::new(0));
+    let next = Arc::new(AtomicU64::new(0));
+    let op: Op = {
+        let (plain, sent) = (plain.clone(), sent.clone());
+        Arc::new(move || {
+            let (plain, sent, next) = (plain.clone(), sent.clone(), next.clone());
+            Box::pin(async move {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if held {
+                    let name = format!("held-{}", n % HELD as u64);
+                    let took = plain
+                        .acquire(&name, &holder())
+                        .await
+                        .expect("plain attempt");
+                    assert!(!took, "a held name is busy");
+                    sent.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    let (name, holder) = (format!("p-{n}"), holder());
+                    assert!(plain.acquire(&name, &holder).await.expect("plain acquire"));
+                    assert!(plain.release(&name, &holder).await.expect("plain release"));
+                    sent.fetch_add(2, Ordering::Relaxed);
+                }
+            })
+        })
+    };
+    let cpu = Cpu::new(server.create_database().await?.connect().await?, db.name());
+    let side = Side {
+        label,
+        op,
+        cpu,
+        statements: Box::new(move || sent.load(Ordering::Relaxed)),
+    };
+    Ok((side, db))
+}
+
+async fn warden_side(
+    server: &TestServer,
+    pooler: Pooler,
+    label: &'static str,
+    held: bool,
+) -> Result<(Side, TestDb), BoxError> {
+    let db = server.create_database().await?;
+    let mut builder = Pool::builder(db.deadpool(POOL)?).name(label);
+    if pooler != Pooler::Auto {
+        builder = builder.pooler(pooler);
+    }
+    let pool = builder.build()?;
+    if pooler == Pooler::Auto && pool.detect_pooler().await? != Pooler::Direct {
+        return Err("the benchmark server should be detected direct".into());
+    }
+    let leases = Leases::new(&pool);
+    leases.install().await?;
+    if held {
+        pool.get()
+            .await?
+            .execute(
+                "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+                 SELECT 'held-' || i, 'another-holder', nextval('pgwarden_leases_token_seq'), now() + interval '1 hour'
+                   FROM generate_series(0, $1 - 1) i",
+                &[&(HELD as i32)],
+            )
+            .await?;
+    }
+    let next = Arc::new(AtomicU64::new(0));
+    let op: Op = {
+        let leases = leases.clone();
+        Arc::new(move || {
+            let (leases, next) = (leases.clone(), next.clone());
+            Box::pin(async move {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if held {
+                    let name = format!("held-{}", n % HELD as u64);
+                    let got = leases
+                        .try_acquire(&name, TTL)
+                        .await
+                        .expect("pgwarden attempt");
+                    assert!(got.is_none(), "a held name is busy");
+                } else {
+                    let lease = leases
+                        .try_acquire(&format!("p-{n}"), TTL)
+                        .await
+                        .expect("pgwarden acquire")
+                        .expect("a new name is free");
+                    lease.release().await.expect("pgwarden release");
+                }
+            })
+        })
+    };
+    let cpu = Cpu::new(server.create_database().await?.connect().await?, db.name());
+    let side = Side {
+        label,
+        op,
+        cpu,
+        statements: Box::new(move || leases.stats().statements),
+    };
+    Ok((side, db))
+}
+
+/// Rows 4b (`held` false) and 4c (`held` true).
+pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Result<Row, BoxError> {
+    let (prepared, _d1) = plain_side(server, Mode::Prepared, "plain prepared", held).await?;
+    let (unnamed, _d2) = plain_side(server, Mode::Unnamed, "plain unnamed", held).await?;
+    let (warden, _d3) = warden_side(server, Pooler::Auto, "bench-direct", held).await?;
+    let (warden_unnamed, _d4) =
+        warden_side(server, Pooler::Transaction, "bench-pooled", held).await?;
+    let m = measure(&[prepared, unnamed, warden, warden_unnamed], s).await?;
+    let (p, u, w, wu) = (&m[0], &m[1], &m[2], &m[3]);
+    let r = ratio(&p.rates, &w.rates);
+    let unit = if held { "attempts/s" } else { "pairs/s" };
+    let side = |x: &Measured| {
+        format!(
+            "{:.0} {unit}, {:.0} µs server CPU/statement, {:.2} statements/op",
+            median(&x.rates),
+            x.cpu_us,
+            x.per_op
+        )
+    };
+    Ok(Row {
+        id: if held { "4c" } else { "4b" },
+        workload: if held {
+            format!("attempts on names held by another holder, {TASKS} tasks, pool {POOL}: pgwarden vs the plain lease SQL (INSERT … ON CONFLICT … DO UPDATE … WHERE expires_at < now())")
+        } else {
+            format!("lease acquire + release, new name per pair, {TASKS} tasks, pool {POOL}: pgwarden vs the plain lease SQL (INSERT … ON CONFLICT … / DELETE)")
+        },
+        a: format!("plain SQL prepared: {}; unnamed: {}", side(p), side(u)),
+        b: format!(
+            "pgwarden, direct (prepared): {}; behind a pooler (unnamed): {}",
+            side(w),
+            side(wu)
+        ),
+        ratio: format!("{r:.3}"),
+        target: "≥ 1.0 (prepared vs prepared)",
+        met: (!s.smoke).then_some(r >= 1.0),
+        notes: format!(
+            "{}; unnamed vs unnamed {:.3}; pgwarden prepared vs plain unnamed {:.3}",
+            spread(&p.rates, &w.rates),
+            ratio(&u.rates, &wu.rates),
+            ratio(&u.rates, &w.rates)
+        ),
+    })
+}

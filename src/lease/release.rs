@@ -1,0 +1,136 @@
+//! Releasing a term: by its guard or runner, in the background when the
+//! guard is dropped, and after a cancelled acquisition.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::calls::{ReleaseDelete, ReleaseKeep};
+use super::guard::LostReason;
+use super::inner::Inner;
+use super::state::LeaseState;
+use super::statement::Urgency;
+use crate::error::Error;
+
+impl Inner {
+    /// Releases one term for its guard or runner: stops renewing it, then
+    /// releases its row.
+    pub(crate) async fn release(
+        &self,
+        id: u64,
+        state: &LeaseState,
+        forget_hold: bool,
+    ) -> Result<(), Error> {
+        self.unregister(id);
+        match state.lost_reason() {
+            Some(LostReason::Taken) => Err(Error::LeaseLost {
+                name: state.name.to_string(),
+                reason: LostReason::Taken,
+            }),
+            // `release_all` released it already.
+            Some(LostReason::Released) => Ok(()),
+            _ => self.release_row(state, forget_hold).await,
+        }
+    }
+
+    /// The release of one term: the row is deleted when the term has no
+    /// hold and no acquisition of the name is in flight, else marked
+    /// released. Bounded by the statement timeout.
+    pub(crate) async fn release_row(
+        &self,
+        state: &LeaseState,
+        forget_hold: bool,
+    ) -> Result<(), Error> {
+        let began = Instant::now();
+        let (name, holder) = (&*state.name, state.holder.as_str());
+        let keep = ReleaseKeep {
+            name,
+            holder,
+            forget_hold,
+        };
+        let ours = if state.has_hold && !forget_hold {
+            self.run(Urgency::Urgent, self.statement_timeout, &keep)
+                .await?
+        } else {
+            let delete = ReleaseDelete { name, holder };
+            self.run(Urgency::Urgent, self.statement_timeout, &delete)
+                .await?
+                || self
+                    .run(
+                        Urgency::Urgent,
+                        self.statement_timeout.saturating_sub(began.elapsed()),
+                        &keep,
+                    )
+                    .await?
+        };
+        if ours {
+            return Ok(());
+        }
+        tracing::warn!(
+            pool = %self.pool_name,
+            lease = name,
+            token = state.token,
+            "late release: the lease had been taken over; the new holder's lease is untouched"
+        );
+        Err(Error::LeaseLost {
+            name: name.to_owned(),
+            reason: LostReason::Taken,
+        })
+    }
+
+    /// After a cancelled acquisition: releases the lease if the statement
+    /// took it before the cancel reached the server.
+    pub(crate) async fn release_cancelled(&self, name: &str, holder: &str) {
+        let keep = ReleaseKeep {
+            name,
+            holder,
+            forget_hold: true,
+        };
+        match self
+            .run(Urgency::Urgent, self.statement_timeout, &keep)
+            .await
+        {
+            Ok(true) => tracing::info!(
+                pool = %self.pool_name, lease = name,
+                "a cancelled acquisition had taken the lease: released"
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(
+                pool = %self.pool_name, lease = name, error = %e,
+                "could not release after a cancelled acquisition; if it took the lease, it expires after its TTL"
+            ),
+        }
+    }
+
+    /// The guard's drop: stop renewing now, release in the background.
+    pub(crate) fn release_in_background(self: &Arc<Self>, id: u64, state: Arc<LeaseState>) {
+        self.unregister(id);
+        if matches!(
+            state.lost_reason(),
+            Some(LostReason::Taken | LostReason::Released)
+        ) {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                let inner = self.clone();
+                rt.spawn(async move {
+                    if let Err(e) = inner.release(id, &state, false).await {
+                        if !e.is_lease_lost() {
+                            tracing::warn!(
+                                pool = %inner.pool_name,
+                                lease = %state.name,
+                                error = %e,
+                                "lease release on drop failed; it expires after its TTL"
+                            );
+                        }
+                    }
+                });
+            }
+            Err(_) => tracing::warn!(
+                pool = %self.pool_name,
+                lease = %state.name,
+                "lease dropped outside a tokio runtime; it expires after its TTL"
+            ),
+        }
+    }
+}

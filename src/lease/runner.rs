@@ -1,0 +1,173 @@
+//! One scheduled job's loop on one instance: poll for the job's lease at
+//! each slot, run the job under it, survive the job.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use metrics::Counter;
+use tokio::sync::watch;
+
+use super::exclusive::run_under;
+use super::guard::{Lease, LostReason};
+use super::job::Job;
+use super::name::new_holder;
+use super::scheduler::Counts;
+use super::Leases;
+
+/// Slack past a slot boundary, so the database sees it passed.
+const BOUNDARY_SLACK: Duration = Duration::from_millis(5);
+
+/// How a run ended.
+enum Outcome {
+    /// The job returned (its error, if any), or was cancelled on a lost lease.
+    Done(Result<Option<String>, LostReason>),
+    /// The job panicked.
+    Panicked(String),
+    /// Still running at shutdown past the grace period: dropped.
+    Dropped,
+}
+
+pub(crate) struct Runner {
+    pub(crate) leases: Leases,
+    pub(crate) lease: String,
+    pub(crate) job: Job,
+    pub(crate) stop: watch::Receiver<bool>,
+    pub(crate) grace: Duration,
+    pub(crate) jitter: Duration,
+    pub(crate) counts: Arc<Counts>,
+    pub(crate) panics: Counter,
+}
+
+impl Runner {
+    pub(crate) async fn run(mut self) {
+        let inner = self.leases.inner.clone();
+        loop {
+            if *self.stop.borrow() {
+                return;
+            }
+            let holder = new_holder();
+            let attempt = inner.attempt_as(&self.lease, &self.job.opts, holder.clone());
+            let result = tokio::select! {
+                r = attempt => r,
+                _ = stopped(&mut self.stop) => {
+                    // The attempt is dropped: cancelled on the server, and
+                    // released if it took the lease first.
+                    inner.release_cancelled(&self.lease, &holder).await;
+                    return;
+                }
+            };
+            let wait = match result {
+                Ok(Some(lease)) => {
+                    if *self.stop.borrow() {
+                        let _ = lease.release_now().await;
+                        return;
+                    }
+                    self.run_once(lease).await;
+                    continue;
+                }
+                Ok(None) => {
+                    inner.metrics.skipped(&self.lease);
+                    match inner.free_in(&self.lease).await {
+                        Ok(free_in) => free_in.min(self.job.period) + BOUNDARY_SLACK,
+                        Err(_) => self.job.period.min(Duration::from_secs(5)),
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(job = %self.job.name, lease = %self.lease, error = %e, "scheduler could not try the job's lease");
+                    self.job.period.min(Duration::from_secs(5))
+                }
+            };
+            let jitter = self.jitter.mul_f64(rand::random::<f64>());
+            tokio::select! {
+                _ = tokio::time::sleep(wait + jitter) => {}
+                _ = stopped(&mut self.stop) => return,
+            }
+        }
+    }
+
+    async fn run_once(&mut self, lease: Lease) {
+        let outcome = self.run_job(&lease).await;
+        let name = &self.job.name;
+        match outcome {
+            Outcome::Done(Ok(err)) => {
+                self.counts.runs.fetch_add(1, Ordering::Relaxed);
+                if let Some(e) = err {
+                    tracing::warn!(job = %name, lease = %self.lease, error = %e, "job failed");
+                }
+                self.release(lease).await;
+            }
+            Outcome::Done(Err(reason)) => {
+                tracing::warn!(job = %name, lease = %self.lease, %reason, "job cancelled: its lease was lost");
+                let _ = lease.release_now().await;
+            }
+            Outcome::Panicked(msg) => {
+                self.counts.panics.fetch_add(1, Ordering::Relaxed);
+                self.panics.increment(1);
+                tracing::error!(
+                    job = %name, lease = %self.lease, panic = %msg,
+                    "job panicked: caught; it runs again next period"
+                );
+                // Keeps the slot: a panicking job is not rerun at once.
+                self.release(lease).await;
+            }
+            Outcome::Dropped => {
+                tracing::warn!(job = %name, grace = ?self.grace, "job still running at shutdown past its grace: dropped");
+                let _ = lease.release_now().await;
+            }
+        }
+    }
+
+    /// Runs the job to its end, its panic, its lost lease (with
+    /// [`OnLost::Cancel`](super::OnLost::Cancel)), or shutdown past the grace.
+    async fn run_job(&mut self, lease: &Lease) -> Outcome {
+        let on_lost = self.job.opts.on_lost_policy();
+        let run = &self.job.run;
+        // Making the job's future is the job's code too.
+        let fut = match std::panic::catch_unwind(AssertUnwindSafe(|| run(lease.handle()))) {
+            Ok(fut) => fut,
+            Err(panic) => return Outcome::Panicked(panic_message(&*panic)),
+        };
+        let fut = AssertUnwindSafe(run_under(lease, on_lost, fut)).catch_unwind();
+        tokio::pin!(fut);
+        let first = tokio::select! {
+            out = &mut fut => Some(out),
+            _ = stopped(&mut self.stop) => None,
+        };
+        let out = match first {
+            Some(out) => out,
+            None => match tokio::time::timeout(self.grace, &mut fut).await {
+                Ok(out) => out,
+                Err(_) => return Outcome::Dropped,
+            },
+        };
+        match out {
+            Ok(done) => Outcome::Done(done),
+            Err(panic) => Outcome::Panicked(panic_message(&*panic)),
+        }
+    }
+
+    async fn release(&self, lease: Lease) {
+        if let Err(e) = lease.release().await {
+            if !e.is_lease_lost() {
+                tracing::warn!(job = %self.job.name, error = %e, "job lease release failed; it expires after its TTL");
+            }
+        }
+    }
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
+}
+
+/// Completes once the scheduler stops (or is gone).
+pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}

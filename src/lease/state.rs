@@ -1,0 +1,145 @@
+//! The state of one term, shared by its guard, its handles and the renewer:
+//! who holds it, its token, its local deadline, and the lost signal.
+//!
+//! The local deadline lives here, not in the renewer: whatever the renewer
+//! is doing (stuck in a slow statement, panicked, its runtime gone), the
+//! lease's own views (`lost()`, `is_lost()`, `fence()`) see the deadline
+//! pass and report the lease lost.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::watch;
+
+use super::guard::LostReason;
+
+/// One term of one lease.
+pub(crate) struct LeaseState {
+    pub(crate) name: Arc<str>,
+    pub(crate) holder: String,
+    pub(crate) token: i64,
+    pub(crate) ttl: Duration,
+    pub(crate) taken_at: SystemTime,
+    pub(crate) prev_holder: Option<String>,
+    /// Whether the row keeps a hold after release (at-least time or a
+    /// schedule): its release keeps the row instead of deleting it.
+    pub(crate) has_hold: bool,
+    /// The origin of `deadline_ns`.
+    origin: Instant,
+    /// The local deadline, in nanoseconds after `origin`; only grows.
+    deadline_ns: AtomicU64,
+    lost: watch::Sender<Option<LostReason>>,
+}
+
+/// What the state is built from.
+pub(crate) struct TermInfo {
+    pub(crate) name: Arc<str>,
+    pub(crate) holder: String,
+    pub(crate) token: i64,
+    pub(crate) ttl: Duration,
+    pub(crate) taken_at: SystemTime,
+    pub(crate) prev_holder: Option<String>,
+    pub(crate) has_hold: bool,
+}
+
+impl LeaseState {
+    /// A term whose first local deadline is `deadline`.
+    pub(crate) fn new(info: TermInfo, deadline: Instant) -> LeaseState {
+        let origin = Instant::now().min(deadline);
+        LeaseState {
+            name: info.name,
+            holder: info.holder,
+            token: info.token,
+            ttl: info.ttl,
+            taken_at: info.taken_at,
+            prev_holder: info.prev_holder,
+            has_hold: info.has_hold,
+            origin,
+            deadline_ns: AtomicU64::new(nanos(deadline - origin)),
+            lost: watch::Sender::new(None),
+        }
+    }
+
+    /// The instant the holder stops trusting the lease.
+    pub(crate) fn deadline(&self) -> Instant {
+        self.origin + Duration::from_nanos(self.deadline_ns.load(Ordering::Acquire))
+    }
+
+    /// Moves the deadline later (a renewal succeeded); never earlier.
+    pub(crate) fn extend(&self, deadline: Instant) {
+        let ns = nanos(deadline.saturating_duration_since(self.origin));
+        self.deadline_ns.fetch_max(ns, Ordering::AcqRel);
+    }
+
+    /// Fires the lost signal; true the first time only.
+    pub(crate) fn lose(&self, reason: LostReason) -> bool {
+        self.lost.send_if_modified(|r| {
+            if r.is_none() {
+                *r = Some(reason);
+                true
+            } else {
+                false
+            }
+        })
+    }
+
+    /// The reason given, if the signal fired (the deadline is not looked at).
+    pub(crate) fn lost_reason(&self) -> Option<LostReason> {
+        *self.lost.borrow()
+    }
+
+    /// Whether the deadline has passed at `now`, the signal not yet fired.
+    pub(crate) fn past_deadline(&self, now: Instant) -> bool {
+        now >= self.deadline()
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Option<LostReason>> {
+        self.lost.subscribe()
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(deadline: Instant) -> LeaseState {
+        LeaseState::new(
+            TermInfo {
+                name: "x".into(),
+                holder: "h".into(),
+                token: 1,
+                ttl: Duration::from_secs(1),
+                taken_at: SystemTime::now(),
+                prev_holder: None,
+                has_hold: false,
+            },
+            deadline,
+        )
+    }
+
+    #[test]
+    fn the_deadline_only_moves_later() {
+        let t0 = Instant::now();
+        let s = state(t0 + Duration::from_secs(2));
+        assert_eq!(s.deadline(), t0 + Duration::from_secs(2));
+        s.extend(t0 + Duration::from_secs(3));
+        assert_eq!(s.deadline(), t0 + Duration::from_secs(3));
+        s.extend(t0 + Duration::from_secs(1));
+        assert_eq!(s.deadline(), t0 + Duration::from_secs(3));
+        assert!(!s.past_deadline(t0 + Duration::from_millis(2999)));
+        assert!(s.past_deadline(t0 + Duration::from_secs(3)));
+    }
+
+    #[test]
+    fn the_first_reason_wins() {
+        let s = state(Instant::now());
+        assert!(s.lose(LostReason::Deadline));
+        assert!(!s.lose(LostReason::Taken));
+        assert_eq!(s.lost_reason(), Some(LostReason::Deadline));
+    }
+}

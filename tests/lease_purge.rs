@@ -1,0 +1,312 @@
+//! The purge against a real PostgreSQL: old rows go, live ones stay, and
+//! tokens still grow with every term of a name, under 16 contenders with an
+//! aggressive purge and stalled backends.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden::{LeaseOptions, Leases};
+use support::leases::{backends, insert_expired, pool};
+use support::{admin, db, eventually, Stopped};
+
+const S: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+/// Sixteen contenders take and release one name for a second, while every
+/// instance purges each 10 ms everything released (age zero). Half the
+/// contenders hold for at least 1 ms, so their release keeps the row and the
+/// purge deletes it; the others' release deletes it at once when it can.
+/// Terms alternate between a new row (its token drawn before the insert)
+/// and a take-over of a kept one, and tokens still grow with every term.
+#[tokio::test]
+async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
+    let db = db().await;
+    let instances: Vec<Leases> = (0..4)
+        .map(|i| {
+            Leases::builder(&pool(&db, 5, &format!("purge{i}")))
+                .purge_after(Duration::ZERO)
+                .purge_interval(10 * MS)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    instances[0].install().await.unwrap();
+    // Keep every renewer (and its purge) running: each instance holds a
+    // lease of its own.
+    let mut keep = Vec::new();
+    for (i, l) in instances.iter().enumerate() {
+        keep.push(
+            l.try_acquire(&format!("keep{i}"), 3 * S)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+
+    let inside = Arc::new(AtomicUsize::new(0));
+    let tokens = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let stop = Instant::now() + S;
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let leases = instances[i % 4].clone();
+            let (inside, tokens) = (inside.clone(), tokens.clone());
+            let opts = match i % 2 {
+                0 => LeaseOptions::new(2 * S).at_least(MS),
+                _ => LeaseOptions::new(2 * S),
+            };
+            tokio::spawn(async move {
+                while Instant::now() < stop {
+                    if let Some(lease) = leases.try_acquire_with("mutex", &opts).await.unwrap() {
+                        assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                        // The token of each term, in the order terms happened.
+                        tokens.lock().push(lease.token());
+                        tokio::time::sleep(2 * MS).await;
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        lease.release().await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    // Meanwhile, contenders' backends stall at random points of their
+    // statements (SIGSTOP for 1 to 20 ms): a statement that drew its token
+    // and then stalls is what could make a token go backwards.
+    let staller = {
+        let admin = admin(&db).await;
+        tokio::spawn(async move {
+            let mut stalls = 0;
+            while Instant::now() < stop {
+                let mut pids = Vec::new();
+                for i in 0..4 {
+                    pids.extend(backends(&admin, &format!("purge{i}")).await);
+                }
+                if let Some(&pid) = pids.get(rand::random::<usize>() % pids.len().max(1)) {
+                    let pause = Duration::from_millis(1 + rand::random::<u64>() % 20);
+                    let stopped = Stopped::stop(vec![pid]).expect("SIGSTOP");
+                    tokio::time::sleep(pause).await;
+                    drop(stopped);
+                    stalls += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(rand::random::<u64>() % 5)).await;
+            }
+            stalls
+        })
+    };
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let stalls = staller.await.unwrap();
+    let tokens = tokens.lock().clone();
+    let purged: u64 = instances.iter().map(|l| l.stats().purged).sum();
+    let purges: u64 = instances.iter().map(|l| l.stats().purge_statements).sum();
+    eprintln!(
+        "16 contenders, purge every 10 ms, {stalls} backend stalls: {} terms, {purges} purge statements deleted {purged} rows",
+        tokens.len()
+    );
+    assert!(tokens.len() > 5, "{} terms", tokens.len());
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens grow: {tokens:?}"
+    );
+    assert!(purged > 0, "the purge deleted rows between terms");
+    for lease in keep {
+        lease.release().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn ten_thousand_released_names_leave_under_a_hundred_rows() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool(&db, 8, "purge-10k");
+    // Takes and releases the names; purges nothing itself.
+    let leases = Leases::builder(&pool).auto_purge(false).build().unwrap();
+    leases.install().await.unwrap();
+    // Half with a hold (their rows are kept at release, for the purge), half
+    // without (their release deletes the row when it can).
+    let held = LeaseOptions::new(10 * S).at_least(MS);
+    let plain = LeaseOptions::new(10 * S);
+    let t = Instant::now();
+    let tasks: Vec<_> = (0..16)
+        .map(|task| {
+            let (leases, held, plain) = (leases.clone(), held.clone(), plain.clone());
+            tokio::spawn(async move {
+                for i in (task..10_000).step_by(16) {
+                    let opts = if i % 2 == 0 { &held } else { &plain };
+                    let lease = leases
+                        .try_acquire_with(&format!("n{i:05}"), opts)
+                        .await
+                        .unwrap()
+                        .expect("a new name is free");
+                    lease.release().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let rows = || async {
+        admin
+            .query_typed_one("SELECT count(*) FROM pgwarden_leases", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let before = rows().await;
+    eprintln!(
+        "10,000 names acquired and released in {:?}: {before} rows before the purge",
+        t.elapsed()
+    );
+    assert!(before >= 5_000, "held rows are kept at release: {before}");
+    // Another instance purges every 50 ms whatever was released; one lease
+    // held keeps its renewer (and so its purge) running.
+    let purger = Leases::builder(&pool)
+        .purge_after(Duration::ZERO)
+        .purge_interval(50 * MS)
+        .build()
+        .unwrap();
+    let keep = purger.try_acquire("keep", 3 * S).await.unwrap().unwrap();
+    let t = Instant::now();
+    eventually(10 * S, "the renewer purged", || async {
+        rows().await < 100
+    })
+    .await;
+    let after = rows().await;
+    let stats = purger.stats();
+    eprintln!(
+        "after {:?}: {after} rows; {} purge statements deleted {} rows",
+        t.elapsed(),
+        stats.purge_statements,
+        stats.purged
+    );
+    assert!(after < 100);
+    assert!(stats.purged >= 5_000);
+    keep.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn purge_deletes_only_rows_older_than_its_age() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 2, "purge-age"))
+        .purge_after(Duration::from_secs(3600))
+        .auto_purge(false)
+        .build()
+        .unwrap();
+    // A released row kept by its hold, and a crashed holder's expired row.
+    let opts = LeaseOptions::new(10 * S).at_least(MS);
+    leases
+        .try_acquire_with("released", &opts)
+        .await
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    insert_expired(&admin, "crashed", "gone").await;
+    let names = || async {
+        admin
+            .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names().await, ["crashed", "released"]);
+    // Younger than an hour: kept.
+    assert_eq!(leases.purge().await.unwrap(), 0);
+    assert_eq!(names().await, ["crashed", "released"]);
+    // Two hours old: purged, released and expired alike.
+    admin
+        .batch_execute(
+            "UPDATE pgwarden_leases SET expires_at = expires_at - interval '2 h',
+                    held_until = held_until - interval '2 h'",
+        )
+        .await
+        .unwrap();
+    // A live lease is never purged, however old its take.
+    let live = leases.try_acquire("live", 10 * S).await.unwrap().unwrap();
+    assert_eq!(leases.purge().await.unwrap(), 2);
+    assert_eq!(names().await, ["live"]);
+    // A purged name starts again with a larger token.
+    let again = leases
+        .try_acquire("crashed", 10 * S)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(again.token() > live.token());
+    assert_eq!(again.took_over_from(), None);
+}
+
+/// The guard behind growing tokens, step by step: while an acquisition of a
+/// name is in flight (it holds the name's advisory lock shared from before
+/// it draws its token), neither a release nor the purge deletes that name's
+/// row; and while a row is being deleted (exclusive), an acquisition draws
+/// no token and reports the name busy.
+#[tokio::test]
+async fn no_row_is_deleted_under_an_acquisition_in_flight() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 2, "guard"))
+        .purge_after(Duration::ZERO)
+        .auto_purge(false)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let key = "1885828964, hashtext('\"pgwarden_leases\"' || 'n')";
+    let row = || async {
+        admin
+            .query_typed_opt("SELECT holder FROM pgwarden_leases WHERE name = 'n'", &[])
+            .await
+            .unwrap()
+            .map(|r| r.get::<_, String>(0))
+    };
+
+    // Released with no acquisition in flight: the row goes.
+    let lease = leases.try_acquire("n", 10 * S).await.unwrap().unwrap();
+    lease.release().await.unwrap();
+    assert_eq!(row().await, None);
+
+    // An acquisition in flight (the shared lock): the release keeps the row,
+    // marked released, and the purge leaves it.
+    let lease = leases.try_acquire("n", 10 * S).await.unwrap().unwrap();
+    let inflight = db.connect().await.unwrap();
+    inflight
+        .batch_execute(&format!(
+            "BEGIN; SELECT pg_advisory_xact_lock_shared({key})"
+        ))
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+    assert_eq!(row().await.as_deref(), Some(""));
+    assert_eq!(leases.purge().await.unwrap(), 0);
+    assert_eq!(row().await.as_deref(), Some(""));
+    inflight.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(leases.purge().await.unwrap(), 1);
+    assert_eq!(row().await, None);
+
+    // A delete in flight (the exclusive lock): an acquisition draws no
+    // token and reports the name busy.
+    let seq = || async {
+        admin
+            .query_typed_one("SELECT last_value FROM pgwarden_leases_token_seq", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let before = seq().await;
+    inflight
+        .batch_execute(&format!("BEGIN; SELECT pg_advisory_xact_lock({key})"))
+        .await
+        .unwrap();
+    assert!(leases.try_acquire("n", 10 * S).await.unwrap().is_none());
+    assert_eq!(seq().await, before, "no token drawn");
+    inflight.batch_execute("COMMIT").await.unwrap();
+    let lease = leases.try_acquire("n", 10 * S).await.unwrap().unwrap();
+    assert!(lease.token() > before);
+}

@@ -1,0 +1,228 @@
+//! Running under leases against a real PostgreSQL: run_exclusive (skip,
+//! renewal, release, cancel on loss), the at-least hold, bad input refused
+//! at the call, and futures dropped mid-flight.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden::{Error, LeaseOptions, Leases, LostReason, OnLost};
+use support::leases::{pool, row};
+use support::{admin, db, eventually, within};
+
+const S: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+// ---- run_exclusive ----
+
+#[tokio::test]
+async fn run_exclusive_skips_renews_releases_and_cancels() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 3, "run"));
+    // Runs; a concurrent run skips; it outlives its TTL, renewed.
+    let l2 = leases.clone();
+    let out = leases
+        .run_exclusive("nightly", S, |lease| async move {
+            let inner = l2.run_exclusive("nightly", S, |_| async {}).await.unwrap();
+            assert!(inner.is_none(), "a second run skips");
+            tokio::time::sleep(1500 * MS).await;
+            assert!(!lease.is_lost());
+            lease.token()
+        })
+        .await
+        .unwrap();
+    assert!(out.is_some());
+    // Released after: free at once.
+    assert_eq!(row(&admin, "nightly").await, None);
+
+    // OnLost::Cancel: the job is dropped at once when its lease is taken.
+    let dropped = Arc::new(AtomicBool::new(false));
+    struct Flag(Arc<AtomicBool>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let opts = LeaseOptions::new(S).on_lost(OnLost::Cancel);
+    let flag = Flag(dropped.clone());
+    let admin2 = &admin;
+    let err = within(5 * S, "cancelled run", leases.run_exclusive_with("steal-me", &opts, |_| async move {
+        let _flag = flag;
+        // Another holder takes the row over.
+        admin2
+            .batch_execute("UPDATE pgwarden_leases SET holder = 'thief', token = 0 WHERE name = 'steal-me'")
+            .await
+            .unwrap();
+        tokio::time::sleep(60 * S).await;
+    }))
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::LeaseLost {
+                reason: LostReason::Taken,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(dropped.load(Ordering::SeqCst));
+    assert_eq!(row(&admin, "steal-me").await, Some(("thief".to_owned(), 0)));
+
+    // OnLost::Signal (default): the job sees the signal and finishes its way.
+    let out = within(
+        5 * S,
+        "signalled run",
+        leases.run_exclusive("steal-me-too", S, |lease| async move {
+            admin2
+                .batch_execute(
+                    "UPDATE pgwarden_leases SET holder = 'thief' WHERE name = 'steal-me-too'",
+                )
+                .await
+                .unwrap();
+            lease.lost().await
+        }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out, Some(LostReason::Taken));
+}
+
+// ---- at-least-hold ----
+
+#[tokio::test]
+async fn at_least_hold_outlives_an_early_release() {
+    let db = db().await;
+    let leases = Leases::new(&pool(&db, 2, "hold"));
+    let opts = LeaseOptions::new(S).at_least(1500 * MS);
+    let start = Instant::now();
+    let first = leases
+        .try_acquire_with("mail", &opts)
+        .await
+        .unwrap()
+        .unwrap();
+    let first_token = first.token();
+    first.release().await.unwrap();
+    // Released, still held: nobody gets it before 1.5 s.
+    assert!(leases.try_acquire("mail", S).await.unwrap().is_none());
+    let second = leases.acquire("mail", S, 5 * S).await.unwrap();
+    assert!(start.elapsed() >= 1400 * MS, "{:?}", start.elapsed());
+    // A released row is not a take-over.
+    assert_eq!(second.took_over_from(), None);
+    assert!(second.token() > first_token);
+    second.release().await.unwrap();
+    assert!(leases.try_acquire("mail", S).await.unwrap().is_some());
+}
+
+// ---- bad input ----
+
+#[tokio::test]
+async fn bad_input_is_a_typed_error_at_the_call() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool(&db, 2, "bad");
+    let invalid = |e: Error| assert!(matches!(e, Error::InvalidInput { .. }), "{e}");
+    for table in [
+        "",
+        "lea ses",
+        "leases\"; DROP TABLE x; --",
+        "a.b.c",
+        "app.",
+        "x'y",
+        "n\0ul",
+        &"t".repeat(54),
+    ] {
+        invalid(Leases::builder(&pool).table(table).build().unwrap_err());
+    }
+    invalid(
+        Leases::builder(&pool)
+            .statement_timeout(Duration::ZERO)
+            .build()
+            .unwrap_err(),
+    );
+    let leases = Leases::new(&pool);
+    let long = "n".repeat(129);
+    for name in ["", "a\0b", "new\nline", long.as_str()] {
+        invalid(leases.try_acquire(name, S).await.unwrap_err());
+        invalid(leases.acquire(name, S, S).await.unwrap_err());
+        invalid(pool.try_exclusive(name).await.unwrap_err());
+    }
+    for ttl in [Duration::ZERO, 999 * MS, 25 * 3600 * S, Duration::MAX] {
+        invalid(leases.try_acquire("x", ttl).await.unwrap_err());
+    }
+    for opts in [
+        LeaseOptions::new(2 * S).renew_every(2 * S),
+        LeaseOptions::new(2 * S).renew_every(3 * S),
+        LeaseOptions::new(2 * S).renew_every(Duration::ZERO),
+        LeaseOptions::new(2 * S).safety_margin(2 * S),
+        LeaseOptions::new(2 * S).at_least(400 * 24 * 3600 * S),
+    ] {
+        invalid(leases.try_acquire_with("x", &opts).await.unwrap_err());
+        invalid(
+            leases
+                .run_exclusive_with("x", &opts, |_| async {})
+                .await
+                .unwrap_err(),
+        );
+    }
+    // Refused before any statement: nothing was installed.
+    assert_eq!(leases.stats().statements, 0);
+    let exists: bool = admin
+        .query_typed_one("SELECT to_regclass('pgwarden_leases') IS NOT NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!exists);
+    // A name that looks like SQL is only data.
+    let odd = "x'); DROP TABLE pgwarden_leases; --";
+    let lease = leases.try_acquire(odd, S).await.unwrap().unwrap();
+    assert_eq!(row(&admin, odd).await.unwrap().1, lease.token());
+    lease.release().await.unwrap();
+}
+
+// ---- cancellation ----
+
+#[tokio::test]
+async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
+    let db = db().await;
+    let pool = pool(&db, 2, "cancel");
+    let leases = Leases::new(&pool);
+    leases.install().await.unwrap();
+    // Drop acquisitions and releases after every number of polls.
+    for polls in 0..12 {
+        // Polled `polls` times (or until it completes: a completed future
+        // must not be polled again), then dropped.
+        let mut fut = Box::pin(leases.try_acquire("c", S));
+        for _ in 0..polls {
+            if futures_util::poll!(&mut fut).is_ready() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        drop(fut);
+        if let Some(lease) = leases.try_acquire("r", S).await.unwrap() {
+            let mut fut = Box::pin(lease.release());
+            for _ in 0..polls {
+                if futures_util::poll!(&mut fut).is_ready() {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            drop(fut);
+        }
+    }
+    // No connection stays out; a dropped acquisition registers nothing, and
+    // whatever it took in the database expires after its TTL.
+    eventually(3 * S, "connections back", || async {
+        pool.status().in_use == 0
+    })
+    .await;
+    assert_eq!(leases.stats().held, 0);
+    let c = leases.acquire("c", S, 3 * S).await.unwrap();
+    let r = leases.acquire("r", S, 3 * S).await.unwrap();
+    assert!(!c.is_lost() && !r.is_lost());
+}
