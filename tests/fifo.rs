@@ -2,13 +2,12 @@
 //! the order they came, and a returned connection goes to the first waiter
 //! whose lane may take it.
 
-
 mod support;
 
 use std::time::Duration;
 
-use pgwarden_testing::TestDb;
 use pgwarden::{Lane, Pool};
+use pgwarden_testing::TestDb;
 use support::{builder, db};
 
 async fn pool(size: usize) -> (TestDb, Pool) {

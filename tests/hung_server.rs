@@ -7,8 +7,8 @@
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
-use pgwarden_testing::{TestDb, TestServer};
 use pgwarden::{Error, Lane, Pool, Stage};
+use pgwarden_testing::{TestDb, TestServer};
 
 /// Processes stopped with SIGSTOP; continued (SIGCONT) on drop.
 struct Stopped(Vec<u32>);

@@ -4,7 +4,6 @@
 //! one resized or drained behind pgwarden's back is reported within the
 //! checkout's bound.
 
-
 mod support;
 
 use std::time::{Duration, Instant};

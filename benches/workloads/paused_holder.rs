@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden_testing::TestDb;
 use pgwarden::{LeaseOptions, Leases, Pool};
+use pgwarden_testing::TestDb;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
