@@ -50,14 +50,15 @@ impl Pool {
     /// and remembers it (a configured mode is returned as is). Call it at
     /// start-up; otherwise the first session lock runs it.
     ///
-    /// The probe checks out two connections (request and control lanes) and
-    /// asks each for `pg_backend_pid()`; it sets nothing.
+    /// The probe checks out a control connection and asks it for
+    /// `pg_backend_pid()`; it sets nothing.
     ///
     /// - Straight to PostgreSQL, the pid a connection's server announced when
     ///   it connected (the key of its cancel requests) is its backend's pid:
-    ///   a match on both connections is certain, and the answer is
-    ///   [`Pooler::Direct`] after one statement each.
-    /// - A pooler makes up the announced pid. Through one, the probe asks
+    ///   a match is certain, and the answer is [`Pooler::Direct`] after that
+    ///   one statement.
+    /// - A pooler makes up the announced pid. Through one, the probe takes a
+    ///   second connection (request lane) at the same time, and asks
     ///   again, from either connection at random (up to 40
     ///   statements, stopping at the first proof): a connection that lands on
     ///   a backend other than its first, or on the other connection's, proves
@@ -65,6 +66,10 @@ impl Pool {
     ///   never shows that, and is [`Pooler::Direct`]; since a transaction
     ///   pooler can, rarely, hide it that long, each session lock through a
     ///   pooler is checked again on its own connection before it is granted.
+    ///   A pool of 2 cannot hold two connections outside the probe reserve:
+    ///   behind a proxy its mode stays unproven (reported
+    ///   [`Pooler::Direct`], with the same check at every session lock, and
+    ///   lease statements unnamed).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
@@ -88,11 +93,11 @@ impl Pool {
                 .pooler
                 .get_or_try_init(|| async {
                     let start = Instant::now();
-                    let a = self.checkout(Lane::Request, site, timeout).await?;
-                    let b = self
-                        .checkout(Lane::Control, site, timeout.saturating_sub(start.elapsed()))
-                        .await?;
-                    probe::detect(&a, &b).await.map(|d| self.remember(d))
+                    let a = self.checkout(Lane::Control, site, timeout).await?;
+                    let left = timeout.saturating_sub(start.elapsed());
+                    run(self, &a, Lane::Request, site, left)
+                        .await
+                        .map(|d| self.remember(d))
                 })
                 .await?;
             Ok(self.pooler())
@@ -129,6 +134,18 @@ impl Detection {
         } else {
             Pooler::Direct
         }
+    }
+}
+
+/// Whether each client of the pool keeps its server session: configured
+/// [`Pooler::Direct`], or detected straight to PostgreSQL (the announced pid
+/// matched). Through a proxy whose mode is unproven, false: named prepared
+/// statements, which a transaction pooler breaks, are not to be used.
+pub(crate) fn keeps_sessions(pool: &Pool) -> bool {
+    match pool.shared.opts.pooler {
+        Pooler::Direct => true,
+        Pooler::Transaction => false,
+        Pooler::Auto => detected(pool).is_some_and(|d| !d.transaction && !d.proxied),
     }
 }
 
@@ -175,8 +192,7 @@ pub(crate) async fn ensure_direct(
         .locks
         .pooler
         .get_or_try_init(|| async {
-            let other = pool.checkout(Lane::Control, site, timeout).await?;
-            probe::detect(lock_conn, &other)
+            run(pool, lock_conn, Lane::Control, site, timeout)
                 .await
                 .map(|d| pool.remember(d))
         })
@@ -185,4 +201,28 @@ pub(crate) async fn ensure_direct(
         Some(d) if d.transaction => Err(Error::BehindPooler { how: "detected" }),
         found => Ok(found.is_some_and(|d| d.proxied)),
     }
+}
+
+/// Detection with `a`, a connection the caller holds: one statement proves a
+/// direct connection. Behind a proxy, the motion probe runs with a second
+/// connection of `lane`, held at the same time, when the pool can hold two
+/// outside the probe reserve (a pool of 2 cannot: the mode stays unproven,
+/// and nothing waits for a connection that cannot come).
+async fn run(
+    pool: &Pool,
+    a: &tokio_postgres::Client,
+    lane: Lane,
+    site: &'static Location<'static>,
+    timeout: Duration,
+) -> Result<Detection, Error> {
+    let a_pid = match probe::direct(a).await? {
+        Ok(direct) => return Ok(direct),
+        Err(pid) => pid,
+    };
+    let status = pool.status();
+    if status.max.saturating_sub(status.lane(Lane::Probe).reserved) < 2 {
+        return Ok(probe::unproven());
+    }
+    let b = pool.checkout(lane, site, timeout).await?;
+    probe::motion(a, a_pid, &b).await
 }

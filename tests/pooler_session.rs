@@ -33,7 +33,7 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
         pool.close();
     }
     let counts = statements("session-");
-    assert_eq!(counts, vec![42; TRIES], "2 + 40 probe statements each");
+    assert_eq!(counts, vec![42; TRIES], "1 + 1 + 40 probe statements each");
 
     // Session locks work through it, checked on their own connection.
     let raw = db.connect().await.unwrap();

@@ -22,7 +22,6 @@ use super::sql::Statements;
 use crate::admission::{Lane, Priority};
 use crate::error::Error;
 use crate::pool::Conn;
-use crate::pooler::Pooler;
 
 /// How long a cancel request may take (it connects anew, and a hung server
 /// does not answer).
@@ -98,7 +97,7 @@ impl Inner {
     /// and never again after the server refused one.
     pub(crate) fn named(&self) -> bool {
         !self.unnamed_only.load(Ordering::Relaxed)
-            && self.pool().is_ok_and(|p| p.pooler() == Pooler::Direct)
+            && self.pool().is_ok_and(|p| crate::pooler::keeps_sessions(&p))
     }
 
     /// Runs `stmt` within `budget`, checkout included. See the module docs.

@@ -105,26 +105,35 @@ pub(crate) async fn backend_pid(c: &tokio_postgres::Client) -> Result<i32, Error
     Ok(row.try_get(0)?)
 }
 
-/// Probes with two live clients of the pool. The clients are left as they
-/// were: nothing is set, only `pg_backend_pid()` is asked.
-pub(crate) async fn detect(
+/// The first step, with one client: the backend a statement runs on
+/// against the pid announced at connection start. `Ok(Ok(detection))`:
+/// straight to PostgreSQL, proven; `Ok(Err(pid))`: a proxy is in between,
+/// the client was on backend `pid` (the motion probe goes on from there).
+pub(crate) async fn direct(a: &tokio_postgres::Client) -> Result<Result<Detection, i32>, Error> {
+    let pid = backend_pid(a).await?;
+    Ok(if announced_pid(a) == Some(pid) {
+        Ok(found(false, false, 1))
+    } else {
+        Err(pid)
+    })
+}
+
+/// The motion probe, behind a proxy, with two live clients of the pool:
+/// `a` already ran the first step and was on backend `a_pid`. The clients
+/// are left as they were: nothing is set, only `pg_backend_pid()` is asked.
+pub(crate) async fn motion(
     a: &tokio_postgres::Client,
+    a_pid: i32,
     b: &tokio_postgres::Client,
 ) -> Result<Detection, Error> {
     let clients = [a, b];
     let mut motion = Motion::new(2);
-    let mut statements = 0;
-    let mut direct = true;
-    for (i, c) in clients.iter().enumerate() {
-        let pid = backend_pid(c).await?;
-        statements += 1;
-        if motion.observe(i, pid) {
-            return Ok(found(true, true, statements));
-        }
-        direct &= announced_pid(c) == Some(pid);
-    }
-    if direct {
-        return Ok(found(false, false, statements));
+    motion.observe(0, a_pid);
+    let mut statements = 1;
+    let pid = backend_pid(b).await?;
+    statements += 1;
+    if motion.observe(1, pid) {
+        return Ok(found(true, true, statements));
     }
     for _ in 0..MOTION_STATEMENTS {
         // Which client asks next is drawn at random: a pooler whose servers
@@ -138,6 +147,13 @@ pub(crate) async fn detect(
         }
     }
     Ok(found(false, true, statements))
+}
+
+/// Behind a proxy, when the pool cannot hold the two connections the motion
+/// probe needs at once (a pool of 2 has one outside the probe reserve): the
+/// mode stays unproven.
+pub(crate) fn unproven() -> Detection {
+    found(false, true, 1)
 }
 
 fn found(transaction: bool, proxied: bool, statements: usize) -> Detection {

@@ -120,11 +120,12 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     let reason = within(STEP * 2, "B's lost signal", b.lost()).await;
     assert_eq!(reason, LostReason::Taken);
     // ...and neither stale term can write on the new primary: B's term is
-    // unknown there, A's is expired.
+    // unknown there; A's is expired there, and A had stopped trusting it at
+    // its own deadline already (the fence reports the lease's first reason).
     let b_write = fenced_write(&pool_b, &b_handle, 1).await;
     assert_eq!(b_write, Err(WriteError::Rejected(LostReason::Taken)));
     let a_write = fenced_write(&pool_b, &a_handle, 1).await;
-    assert_eq!(a_write, Err(WriteError::Rejected(LostReason::Expired)));
+    assert_eq!(a_write, Err(WriteError::Rejected(LostReason::Deadline)));
 
     // A new take-over: its token is above every token the new primary knows,
     // but it is B's token again (the sequence's WAL for it was lost too):
