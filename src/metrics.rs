@@ -75,6 +75,13 @@ pub const LEASE_RENEW_INTERVAL: &str = "pgwarden_lease_renew_interval_seconds";
 pub const LEASE_LOST: &str = "pgwarden_lease_lost_total";
 /// Leases taken over from an expired holder, per `lease`.
 pub const LEASE_TAKEOVERS: &str = "pgwarden_lease_takeovers_total";
+/// Requests the load-shedding layer (`pgwarden::http::ShedLayer`, feature
+/// `http`) answered with 503 at once, per `reason` (`busy`: the wait the
+/// request lane's queue implies is over the bound; `closed`: the pool is
+/// closed).
+pub const REQUESTS_SHED: &str = "pgwarden_requests_shed_total";
+/// Requests the load-shedding layer let through.
+pub const REQUESTS_ADMITTED: &str = "pgwarden_requests_admitted_total";
 
 /// Bucket bounds (seconds) for acquire, hold, readiness and renewal latencies.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -188,6 +195,16 @@ pub fn describe() {
         "Shortest renewal interval of the leases held."
     );
     describe_counter!(LEASE_LOST, Unit::Count, "Leases lost per lease and reason.");
+    describe_counter!(
+        REQUESTS_SHED,
+        Unit::Count,
+        "Requests shed (503 at once) by the load-shedding layer, per reason."
+    );
+    describe_counter!(
+        REQUESTS_ADMITTED,
+        Unit::Count,
+        "Requests the load-shedding layer let through."
+    );
     describe_counter!(
         LEASE_TAKEOVERS,
         Unit::Count,

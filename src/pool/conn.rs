@@ -115,11 +115,13 @@ impl Drop for Conn {
     fn drop(&mut self) {
         if let Some(obj) = &self.obj {
             let shared = &self.permit.shared;
+            let held = self.since.elapsed();
             shared
                 .metrics
                 .lane(self.permit.lane)
                 .hold
-                .record(self.since.elapsed().as_secs_f64());
+                .record(held.as_secs_f64());
+            shared.holds.record(self.permit.lane, held);
             if obj.is_closed() {
                 shared.state.lock().pids.remove(&self.object);
             }
