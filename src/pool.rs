@@ -109,8 +109,6 @@ pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
     pub(crate) opts: Options,
     pub(crate) metrics: PoolMetrics,
-    /// Recent hold times per lane, kept at every return.
-    pub(crate) holds: load::RecentHolds,
     pub(crate) locks: crate::lock::LockShared,
     housekeeping_started: AtomicBool,
     /// Set once a deadpool resize was reported (warned once).
@@ -157,6 +155,8 @@ pub(crate) struct State {
     /// Connections to discard at their next checkout (a leaked lock on them,
     /// found while they were out).
     pub(crate) tainted: IdSet,
+    /// Recent hold times per lane, kept at every return.
+    pub(crate) holds: load::RecentHolds,
 }
 
 impl State {
@@ -169,6 +169,7 @@ impl State {
             warned_sites: HashSet::new(),
             pids: IdMap::default(),
             tainted: IdSet::default(),
+            holds: load::RecentHolds::default(),
         }
     }
 

@@ -290,7 +290,6 @@ impl PoolBuilder {
                 unlock_timeout: self.unlock_timeout,
             },
             metrics,
-            holds: Default::default(),
             locks: LockShared::default(),
             housekeeping_started: AtomicBool::new(false),
             resize_warned: AtomicBool::new(false),

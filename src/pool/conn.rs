@@ -115,13 +115,11 @@ impl Drop for Conn {
     fn drop(&mut self) {
         if let Some(obj) = &self.obj {
             let shared = &self.permit.shared;
-            let held = self.since.elapsed();
             shared
                 .metrics
                 .lane(self.permit.lane)
                 .hold
-                .record(held.as_secs_f64());
-            shared.holds.record(self.permit.lane, held);
+                .record(self.since.elapsed().as_secs_f64());
             if obj.is_closed() {
                 shared.state.lock().pids.remove(&self.object);
             }

@@ -79,19 +79,9 @@ impl Deadline {
         self.at
     }
 
-    /// The per-checkout maximum, if any.
-    pub fn max_wait_per_checkout(&self) -> Option<Duration> {
-        self.max_wait
-    }
-
     /// Time left until the deadline (zero once it has passed).
     pub fn remaining(&self) -> Duration {
         self.at.saturating_duration_since(Instant::now())
-    }
-
-    /// Whether the deadline has passed.
-    pub fn is_expired(&self) -> bool {
-        Instant::now() >= self.at
     }
 
     /// The longest a checkout started now may wait: the time left, capped
@@ -129,7 +119,8 @@ impl Deadline {
 
     /// Runs `f` with this deadline in scope (for the synchronous part of a
     /// call that returns a future, such as `tower::Service::call`).
-    pub fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
         let d = Deadline::current().map_or(self, |outer| outer.min(self));
         SCOPE.sync_scope(d, f)
     }
@@ -176,7 +167,7 @@ mod tests {
                     .scope(async {
                         let d = Deadline::current().unwrap();
                         assert_eq!(d.instant(), start + Duration::from_secs(10));
-                        assert_eq!(d.max_wait_per_checkout(), Some(Duration::from_secs(3)));
+                        assert_eq!(d.max_wait, Some(Duration::from_secs(3)));
                     })
                     .await;
                 Deadline::after(Duration::from_secs(1))
@@ -184,7 +175,7 @@ mod tests {
                         assert_eq!(bounded(start, far), start + Duration::from_secs(1));
                         tokio::time::advance(Duration::from_secs(2)).await;
                         let d = Deadline::current().unwrap();
-                        assert!(d.is_expired());
+                        assert!(d.remaining().is_zero());
                         assert_eq!(d.checkout_bound(), Duration::ZERO);
                     })
                     .await;

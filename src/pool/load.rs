@@ -1,30 +1,28 @@
 //! What a lane looks like to someone deciding whether to queue for it: in
 //! use, limits, waiters, whether a checkout would be admitted now, and how
 //! long its connections have been held lately (an average kept in the
-//! return path, one atomic load and store per return).
+//! return path, under the lock the return takes anyway: no shared cache
+//! line of its own to bounce between cores).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::Shared;
 use crate::admission::{Lane, Priority};
 
 /// Recent hold times per lane: an exponentially weighted moving average,
-/// in nanoseconds, 0 until the first return.
+/// in nanoseconds, 0 until the first return. Part of the pool's state.
 ///
 /// It rises fast (half the gap per sample) and falls slowly (an eighth),
 /// so a wait estimated from it errs on the long side when holds grow.
 #[derive(Debug, Default)]
-pub(crate) struct RecentHolds([AtomicU64; Lane::COUNT]);
+pub(crate) struct RecentHolds([u64; Lane::COUNT]);
 
 impl RecentHolds {
-    /// Folds one hold into the lane's average. Concurrent returns may
-    /// overwrite each other's update: an average loses a sample, never
-    /// its meaning.
-    pub(crate) fn record(&self, lane: Lane, held: Duration) {
-        let slot = &self.0[lane.idx()];
+    /// Folds one hold into the lane's average.
+    pub(crate) fn record(&mut self, lane: Lane, held: Duration) {
+        let slot = &mut self.0[lane.idx()];
         let x = u64::try_from(held.as_nanos()).unwrap_or(u64::MAX);
-        let old = slot.load(Ordering::Relaxed);
+        let old = *slot;
         let new = if old == 0 {
             x
         } else if x > old {
@@ -34,11 +32,11 @@ impl RecentHolds {
             // Down: an eighth of the gap.
             old - (old - x) / 8
         };
-        slot.store(new.max(1), Ordering::Relaxed);
+        *slot = new.max(1);
     }
 
     pub(crate) fn get(&self, lane: Lane) -> Option<Duration> {
-        match self.0[lane.idx()].load(Ordering::Relaxed) {
+        match self.0[lane.idx()] {
             0 => None,
             n => Some(Duration::from_nanos(n)),
         }
@@ -68,8 +66,8 @@ pub(crate) struct LaneLoad {
 
 impl Shared {
     pub(crate) fn lane_load(&self, lane: Lane) -> LaneLoad {
-        let recent_hold = self.holds.get(lane);
         let st = self.state.lock();
+        let recent_hold = st.holds.get(lane);
         let adm = &st.adm;
         let limits = adm.limits();
         let in_use = adm.in_use(lane);
@@ -101,7 +99,7 @@ mod tests {
 
     #[test]
     fn recent_holds_rise_fast_and_fall_slowly() {
-        let h = RecentHolds::default();
+        let mut h = RecentHolds::default();
         assert_eq!(h.get(Lane::Request), None);
         let ms = Duration::from_millis;
         h.record(Lane::Request, ms(5));
