@@ -1,6 +1,9 @@
 //! A plain async HTTP/1.1 client over `tokio::net::TcpStream`, for the HTTP
-//! tests: one request per connection (`Connection: close`), the answer read
-//! to the end, the time from the request's first byte to the answer's last.
+//! tests and the HTTP benchmark (`benches/workloads/http.rs` includes this
+//! file): one request per connection (`Connection: close`, the answer read
+//! to the end) or requests on a kept-alive connection ([`KeepAlive`]), each
+//! timed from the request's first byte to the answer's last.
+#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -8,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::service::Result;
+pub type Result<T = ()> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 /// One answer.
 #[derive(Clone, Debug)]
