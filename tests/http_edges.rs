@@ -157,8 +157,10 @@ async fn a_bound_of_zero_answers_at_once_and_checks_nothing_out() {
     assert_eq!(shed.status, 503, "{}", shed.body);
     assert!(shed.body.contains("\"reason\":\"busy\""), "{}", shed.body);
     assert_eq!(shed.header("retry-after"), Some("1"));
+    // At once: the bounds here leave room for a loaded 2-core machine; what
+    // they rule out is a wait for the pool (5 s).
     assert!(
-        shed.took < Duration::from_millis(100),
+        shed.took < Duration::from_millis(500),
         "shed after {:?}",
         shed.took
     );
@@ -176,7 +178,7 @@ async fn a_bound_of_zero_answers_at_once_and_checks_nothing_out() {
         .unwrap_err();
     assert!(matches!(e, deadpool_postgres::PoolError::Timeout(_)), "{e}");
     assert!(
-        t.elapsed() < Duration::from_millis(100),
+        t.elapsed() < Duration::from_millis(500),
         "waited {:?}",
         t.elapsed()
     );
@@ -212,12 +214,14 @@ async fn a_pool_closed_during_requests_answers_503_and_leaves_nothing_checked_ou
 
     let closed_at = Instant::now();
     pool.close();
+    // The waiters hear at once (within 1 s on a loaded machine), not at
+    // their 5 s bound.
     for w in waiters {
         let r = w.await.unwrap().unwrap();
         assert_eq!(r.status, 503, "{}", r.body);
         assert!(r.body.contains("closed"), "{}", r.body);
         assert!(
-            closed_at.elapsed() < Duration::from_millis(400),
+            closed_at.elapsed() < Duration::from_secs(1),
             "answered {:?} after the close",
             closed_at.elapsed()
         );
@@ -359,7 +363,7 @@ async fn the_wait_the_queue_implies_decides_what_is_shed() {
         s.write_all(b"GET /work HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
             .await
             .unwrap();
-        let queued = tokio::time::timeout(Duration::from_millis(500), async {
+        let queued = tokio::time::timeout(Duration::from_secs(1), async {
             while pool.status().lane(Lane::Request).waiting == waiting {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
