@@ -5,6 +5,8 @@
 mod admission;
 mod census;
 mod error;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod lease;
 mod lock;
 pub mod metrics;
@@ -22,5 +24,5 @@ pub use lock::{
     fnv1a32, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, LockKey, LockMode,
     Namespace, RunOnce, SessionLock, RUN_ONCE_LEDGER,
 };
-pub use pool::{Conn, DeadpoolView, LaneStatus, Pool, PoolBuilder, Status};
+pub use pool::{Conn, Deadline, DeadpoolView, LaneStatus, Pool, PoolBuilder, Status};
 pub use pooler::Pooler;

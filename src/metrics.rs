@@ -86,6 +86,13 @@ pub const LEASE_PURGED: &str = "pgwarden_lease_purged_total";
 /// Lease statements that did not finish in time and were cancelled on the
 /// server, per `statement` (`acquisition`, `busy check`, `renewal`, `release`, `purge`, `install`).
 pub const LEASE_STATEMENT_TIMEOUTS: &str = "pgwarden_lease_statement_timeouts_total";
+/// Requests the load-shedding layer (`pgwarden::http::ShedLayer`, feature
+/// `http`) answered with 503 at once, per `reason` (`busy`: the wait the
+/// request lane's queue implies is over the bound; `closed`: the pool is
+/// closed).
+pub const REQUESTS_SHED: &str = "pgwarden_requests_shed_total";
+/// Requests the load-shedding layer let through.
+pub const REQUESTS_ADMITTED: &str = "pgwarden_requests_admitted_total";
 
 /// Bucket bounds (seconds) for acquire, hold, readiness and renewal latencies.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -199,6 +206,16 @@ pub fn describe() {
         "Shortest renewal interval of the leases held."
     );
     describe_counter!(LEASE_LOST, Unit::Count, "Leases lost per lease and reason.");
+    describe_counter!(
+        REQUESTS_SHED,
+        Unit::Count,
+        "Requests shed (503 at once) by the load-shedding layer, per reason."
+    );
+    describe_counter!(
+        REQUESTS_ADMITTED,
+        Unit::Count,
+        "Requests the load-shedding layer let through."
+    );
     describe_counter!(
         LEASE_TAKEOVERS,
         Unit::Count,

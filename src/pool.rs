@@ -24,7 +24,11 @@ mod admission;
 mod builder;
 mod checkout;
 mod conn;
+mod deadline;
 mod housekeeping;
+// The load accessor serves `crate::http` (feature `http`).
+#[cfg_attr(not(feature = "http"), allow(dead_code))]
+mod load;
 mod names;
 mod status;
 #[cfg(test)]
@@ -32,6 +36,9 @@ mod tests;
 
 pub use builder::PoolBuilder;
 pub use conn::Conn;
+pub use deadline::Deadline;
+#[cfg(feature = "http")]
+pub(crate) use load::LaneLoad;
 pub use status::{DeadpoolView, LaneStatus, Status};
 
 use admission::Waiter;
@@ -148,6 +155,8 @@ pub(crate) struct State {
     /// Connections to discard at their next checkout (a leaked lock on them,
     /// found while they were out).
     pub(crate) tainted: IdSet,
+    /// Recent hold times per lane, kept at every return.
+    pub(crate) holds: load::RecentHolds,
 }
 
 impl State {
@@ -160,6 +169,7 @@ impl State {
             warned_sites: HashSet::new(),
             pids: IdMap::default(),
             tainted: IdSet::default(),
+            holds: load::RecentHolds::default(),
         }
     }
 
@@ -294,6 +304,13 @@ impl Pool {
     /// The pool now: size, idle, and per lane in use, waiting and limits.
     pub fn status(&self) -> Status {
         self.shared.status()
+    }
+
+    /// One lane's load now: in use, maximum, waiting, capacity, whether a
+    /// checkout would be admitted at once, and its recent hold time.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn lane_load(&self, lane: Lane) -> load::LaneLoad {
+        self.shared.lane_load(lane)
     }
 
     /// The readiness probe: `SELECT 1` on the probe lane, whose reserve no

@@ -24,6 +24,11 @@ pub struct Config {
     /// that `0.01` runs the 10 s uptime check every 100 ms (periods are
     /// clamped to the scheduler's 1 s minimum).
     pub time_scale: f64,
+    /// `SHED_MAX_WAIT_MS` (default 250): the load-shedding bound on the
+    /// request routes; `off`: no shedding.
+    pub shed_max_wait: Option<Duration>,
+    /// `READINESS_BOUND_MS` (default 1000): the readiness bound.
+    pub readiness_bound: Duration,
 }
 
 impl Config {
@@ -62,7 +67,24 @@ impl Config {
             }
             None => 1.0,
         };
+        let ms = |name: &str, v: &str| -> Result<Duration, BoxError> {
+            let n: u64 = v
+                .parse()
+                .map_err(|e| format!("{name}={v:?} is not a number of milliseconds: {e}"))?;
+            Ok(Duration::from_millis(n))
+        };
+        let shed_max_wait = match var("SHED_MAX_WAIT_MS") {
+            Some(v) if v == "off" => None,
+            Some(v) => Some(ms("SHED_MAX_WAIT_MS", &v)?),
+            None => Some(pgwarden::http::ShedLayer::DEFAULT_MAX_WAIT),
+        };
+        let readiness_bound = match var("READINESS_BOUND_MS") {
+            Some(v) => ms("READINESS_BOUND_MS", &v)?,
+            None => pgwarden::http::Readiness::DEFAULT_BOUND,
+        };
         Ok(Config {
+            shed_max_wait,
+            readiness_bound,
             database_url: var("DATABASE_URL"),
             listen,
             node,

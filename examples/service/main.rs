@@ -9,10 +9,14 @@
 //!   PGWARDEN_TIME_SCALE=0.01 cargo run --example service
 //! ```
 //!
-//! Routes: `GET /up` (liveness, no database), `GET /health/ready` (200, or
-//! 503 when the readiness probe fails within 1 s), `GET /metrics`
-//! (Prometheus), `POST /items?name=…` and `GET /items?limit=…&slow_ms=…`
-//! (request work). Demo routes for lock and lease pressure:
+//! Routes: `GET /up` (liveness, no database: `pgwarden::http::Liveness`),
+//! `GET /health/ready` (`pgwarden::http::Readiness`: 200, or 503 with the
+//! reason when the probe on the pool's probe reserve fails within 1 s; small
+//! JSON), `GET /metrics` (Prometheus), and the request work behind
+//! `pgwarden::http::ShedLayer` (503 with `Retry-After` at once when the
+//! request lane cannot admit within 250 ms): `POST /items?name=…`,
+//! `GET /items?limit=…&slow_ms=…`, and `GET /work?hold_ms=…` (holds a
+//! connection, reports its checkout wait in `x-checkout-wait-us`). Demo routes for lock and lease pressure:
 //! `POST /debug/hold-lock?key=…&ms=…` (a session advisory lock, 409 when the
 //! session-lock budget refuses it) and `POST /debug/hold-lease?name=…&ms=…&ttl_ms=…`
 //! (a table lease, 409 when held elsewhere).
@@ -30,7 +34,9 @@
 //! `<node>-<pid>`), `POOL_SIZE` (default 4, the seed's), `POOL_NAME`
 //! (default `service`: the metrics' `pool` label), `PGWARDEN_TIME_SCALE`
 //! (default 1: multiplies the job periods, the lease TTL and the census
-//! interval; periods stay at least 1 s), `RUST_LOG` (default `info`).
+//! interval; periods stay at least 1 s), `SHED_MAX_WAIT_MS` (default 250,
+//! `off`: no shedding), `READINESS_BOUND_MS` (default 1000), `RUST_LOG`
+//! (default `info`).
 //!
 //! On start it prints `listening on http://<addr>` on stdout. SIGTERM or
 //! Ctrl-C: stops taking requests, lets running jobs finish, releases its
@@ -132,7 +138,11 @@ async fn run() -> Result<(), BoxError> {
         "instance {} (node {}, pool {} of {}) listening on http://{addr}",
         cfg.instance, cfg.node, cfg.pool_name, cfg.pool_size
     );
-    axum::serve(listener, routes::router(state))
+    let http = routes::HttpConfig {
+        readiness_bound: cfg.readiness_bound,
+        shed_max_wait: cfg.shed_max_wait,
+    };
+    axum::serve(listener, routes::router(state, http))
         .with_graceful_shutdown(async move {
             shutdown_signal().await;
             // In-flight demo requests stop holding, so the server can drain.

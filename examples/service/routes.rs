@@ -1,17 +1,18 @@
-//! The HTTP routes: liveness, readiness, metrics, request work, and a demo
-//! route that creates session-lock pressure.
+//! The HTTP routes: liveness, readiness, metrics, request work behind the
+//! load-shedding layer, and demo routes that create lock and lease pressure.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Query, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
+use axum::{Extension, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
-use pgwarden::{LockKey, Pool};
+use pgwarden::http::{Liveness, Readiness, ShedLayer};
+use pgwarden::{Deadline, LockKey, Pool};
 use tokio::sync::watch;
 
 /// What every handler sees.
@@ -32,33 +33,41 @@ async fn hold_for(d: Duration, shutdown: &mut watch::Receiver<bool>) -> bool {
     }
 }
 
-pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/up", get(up))
-        .route("/health/ready", get(ready))
-        .route("/metrics", get(render_metrics))
+/// How the HTTP side uses pgwarden.
+#[derive(Clone, Copy, Debug)]
+pub struct HttpConfig {
+    /// The readiness bound.
+    pub readiness_bound: Duration,
+    /// The shedding bound on the request routes; `None`: no shedding (the
+    /// handlers queue for connections up to the pool's wait timeout).
+    pub shed_max_wait: Option<Duration>,
+}
+
+pub fn router(state: AppState, http: HttpConfig) -> Router {
+    // The routes whose handlers take a request connection: shed at once
+    // when the request lane cannot admit within the bound.
+    let mut work = Router::new()
         .route("/items", get(list_items).post(add_item))
+        .route("/work", get(work));
+    if let Some(max_wait) = http.shed_max_wait {
+        work = work.layer(ShedLayer::new(&state.pool).max_wait(max_wait));
+    }
+    Router::new()
+        // Liveness never touches the database; readiness runs on the
+        // pool's probe reserve, so neither queues behind the request flood.
+        .route_service("/up", Liveness)
+        .route_service(
+            "/health/ready",
+            Readiness::new(state.pool.clone()).bound(http.readiness_bound),
+        )
+        .route("/metrics", get(render_metrics))
         .route("/debug/hold-lock", post(hold_lock))
         .route("/debug/hold-lease", post(hold_lease))
+        .merge(work)
         .with_state(state)
 }
 
 type Reply = (StatusCode, String);
-
-/// Liveness: the process answers. Never touches the database.
-async fn up() -> &'static str {
-    "up\n"
-}
-
-/// Readiness: `SELECT 1` on the pool's reserved probe lane within 1 s, so
-/// it answers even when request and lock traffic hold every other
-/// connection (the seed's node went out of rotation exactly there).
-async fn ready(State(s): State<AppState>) -> Reply {
-    match s.pool.readiness(Duration::from_secs(1)).await {
-        Ok(took) => (StatusCode::OK, format!("ready ({took:?})\n")),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")),
-    }
-}
 
 async fn render_metrics(State(s): State<AppState>) -> Response {
     (
@@ -86,6 +95,10 @@ fn pool_error(e: deadpool_postgres::PoolError) -> Reply {
         deadpool_postgres::PoolError::Timeout(_) => (
             StatusCode::SERVICE_UNAVAILABLE,
             "no database connection in time\n".to_owned(),
+        ),
+        deadpool_postgres::PoolError::Closed => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the pool is closed\n".to_owned(),
         ),
         e => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
     }
@@ -148,6 +161,49 @@ async fn list_items(State(s): State<AppState>, Query(q): Query<HashMap<String, S
         out.push('\n');
     }
     (StatusCode::OK, out)
+}
+
+/// `GET /work?hold_ms=M`: takes a request connection, runs `SELECT 1`, and
+/// holds the connection M ms (default 50, at most 10 s). The header
+/// `x-checkout-wait-us` says how long the checkout waited (microseconds),
+/// `x-checkout-bound-us` the bound it had (the shedding layer's deadline);
+/// 503 when no connection came within the bound.
+async fn work(
+    State(s): State<AppState>,
+    deadline: Option<Extension<Deadline>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let hold = match param(&q, "hold_ms", 50_u64) {
+        Ok(ms) => Duration::from_millis(ms.min(10_000)),
+        Err(r) => return r.into_response(),
+    };
+    let bound = deadline.map(|Extension(d)| d.checkout_bound());
+    let start = std::time::Instant::now();
+    let got = s.pool.get().await;
+    let waited = start.elapsed();
+    let mut resp = match got {
+        Ok(conn) => match conn.simple_query("SELECT 1").await {
+            Ok(_) => {
+                tokio::time::sleep(hold).await;
+                drop(conn);
+                (StatusCode::OK, format!("held a connection for {hold:?}\n")).into_response()
+            }
+            Err(e) => db_error(e).into_response(),
+        },
+        Err(e) => pool_error(e).into_response(),
+    };
+    let h = resp.headers_mut();
+    h.insert(
+        "x-checkout-wait-us",
+        HeaderValue::from(waited.as_micros() as u64),
+    );
+    if let Some(b) = bound {
+        h.insert(
+            "x-checkout-bound-us",
+            HeaderValue::from(b.as_micros() as u64),
+        );
+    }
+    resp
 }
 
 /// `POST /debug/hold-lock?key=N&ms=M`: takes the session advisory lock N

@@ -133,6 +133,29 @@ impl Admission {
         self.waiting
     }
 
+    /// Whether a checkout of `lane` at `prio` would be admitted at once
+    /// (nothing changes).
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn admits_now(&self, lane: Lane, prio: Priority) -> bool {
+        let claims = if lane == Lane::SessionLock {
+            self.pending[lane.idx()]
+        } else {
+            0
+        };
+        !self.closed
+            && self.queues[queue_of(lane, prio)].is_empty()
+            && matches!(
+                self.budget.decide(lane, prio, claims),
+                Decision::Admit | Decision::AdmitOverBudget
+            )
+    }
+
+    /// Whether [`Admission::close`] was called.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed
+    }
+
     /// A checkout of `lane` at `prio` asks for a connection. When queued, it
     /// is known as `key` from then on.
     pub(crate) fn request(&mut self, lane: Lane, prio: Priority, key: WaiterKey) -> Answer {

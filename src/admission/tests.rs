@@ -232,7 +232,11 @@ proptest! {
                     g.next_key += 1;
                     let claims = g.waiting.values().filter(|c| c.0 == Lane::SessionLock).count();
                     let before = (g.adm.in_use(lane), g.adm.releasing(lane));
-                    match g.adm.request(lane, prio, key) {
+                    // The read-only query predicts the answer exactly.
+                    let predicted = g.adm.admits_now(lane, prio);
+                    let answer = g.adm.request(lane, prio, key);
+                    prop_assert_eq!(predicted, matches!(answer, Answer::Admit { .. }), "{:?}", answer);
+                    match answer {
                         Answer::Admit { .. } => g.out.push(Out { lane, prio, releasing: false }),
                         Answer::Queued => {
                             g.waiting.insert(key, (lane, prio));

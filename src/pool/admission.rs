@@ -331,6 +331,7 @@ impl Shared {
     /// room for.
     fn release(self: &Arc<Self>, slot: usize) {
         let mut fired = Fired::default();
+        let now = Instant::now();
         {
             let mut guard = self.state.lock();
             let st = &mut *guard;
@@ -338,6 +339,12 @@ impl Shared {
                 debug_assert!(false, "released an unknown checkout");
                 return;
             };
+            // A connection was handed out (not a checkout that failed
+            // after admission): its hold counts in the lane's average.
+            if c.object.is_some() {
+                st.holds
+                    .record(c.lane, now.saturating_duration_since(c.since));
+            }
             let mut t = Tables {
                 waiters: &mut st.waiters,
                 checkouts: &mut st.checkouts,

@@ -11,19 +11,10 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
 use super::admission::Permit;
+use super::deadline::{bounded, deadline};
 use super::{Conn, IdSet, Known, Pool, Shared};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, Stage};
-
-/// A deadline `timeout` after `start`; a bound too large to add (say
-/// `Duration::MAX`) is a deadline decades away.
-pub(crate) fn deadline(start: tokio::time::Instant, timeout: Duration) -> tokio::time::Instant {
-    const FAR: Duration = Duration::from_secs(86_400 * 365 * 30);
-    start
-        .checked_add(timeout)
-        .or_else(|| start.checked_add(FAR))
-        .unwrap_or(start)
-}
 
 /// Polls `fut` once in place; only when it is not ready at once does it get
 /// a timer (a free connection is handed out without one).
@@ -57,7 +48,8 @@ impl Pool {
         let shared = &self.shared;
         shared.ensure_housekeeping();
         let start = tokio::time::Instant::now();
-        let deadline = deadline(start, timeout);
+        // The caller's bound, tightened by the `Deadline` scope it runs in.
+        let deadline = bounded(start, deadline(start, timeout));
         let permit = shared.admit(lane, prio, site, start, deadline).await?;
         let lm = shared.metrics.lane(lane);
         loop {

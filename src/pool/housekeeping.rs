@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
-use super::checkout::deadline;
+use super::deadline::deadline;
 use super::{Pool, Shared};
 use crate::admission::Lane;
 

@@ -12,7 +12,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::time::Instant;
 
 use super::admission::Permit;
-use super::checkout::deadline;
+use super::deadline::deadline;
 use super::Pool;
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, Stage};

@@ -12,9 +12,11 @@
 //! * [`pooler`]: load through PgBouncer or PostgreSQL, pools through
 //!   PgBouncer, detection figures from the logs;
 //! * [`service`] and [`promql`]: the `service` example run as real
-//!   processes, and PromQL against a real Prometheus.
+//!   processes, and PromQL against a real Prometheus;
+//! * [`http`]: a plain async HTTP/1.1 client, timed.
 #![allow(dead_code, unused_imports)]
 
+pub mod http;
 pub mod leases;
 pub mod pooler;
 pub mod promql;

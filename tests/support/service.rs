@@ -31,12 +31,22 @@ macro_rules! say {
 /// when `cargo test --all-features` built it already.
 pub fn service_binary() -> Result<PathBuf> {
     static BIN: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    BIN.get_or_init(|| build().map_err(|e| e.to_string()))
+    BIN.get_or_init(|| build(false).map_err(|e| e.to_string()))
         .clone()
         .map_err(Into::into)
 }
 
-fn build() -> Result<PathBuf> {
+/// The `service` example built with optimisations, whatever the test's own
+/// profile: for the tests that time what a deployed service does (a debug
+/// build of hyper and axum spends ten times the CPU per request).
+pub fn service_binary_release() -> Result<PathBuf> {
+    static BIN: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| build(true).map_err(|e| e.to_string()))
+        .clone()
+        .map_err(Into::into)
+}
+
+fn build(release: bool) -> Result<PathBuf> {
     // target/<profile>/deps/<test binary>
     let exe = std::env::current_exe()?;
     let profile_dir = exe
@@ -52,7 +62,8 @@ fn build() -> Result<PathBuf> {
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
         .arg("--target-dir")
         .arg(target_dir);
-    if profile_dir.file_name().is_some_and(|n| n == "release") {
+    let release = release || profile_dir.file_name().is_some_and(|n| n == "release");
+    if release {
         cmd.arg("--release");
     }
     let started = Instant::now();
@@ -65,7 +76,12 @@ fn build() -> Result<PathBuf> {
         )
         .into());
     }
-    let bin = profile_dir.join("examples").join("service");
+    let dir = if release {
+        target_dir.join("release")
+    } else {
+        profile_dir.to_owned()
+    };
+    let bin = dir.join("examples").join("service");
     if !bin.is_file() {
         return Err(format!("{} not found after the build", bin.display()).into());
     }
@@ -93,10 +109,20 @@ impl Instance {
         node: &str,
         env: &[(&str, &str)],
     ) -> Result<Instance> {
-        let bin = service_binary()?;
+        Instance::start_binary(&service_binary()?, database_url, name, node, env)
+    }
+
+    /// [`Instance::start`] with the binary `bin` (e.g. [`service_binary_release`]).
+    pub fn start_binary(
+        bin: &Path,
+        database_url: &str,
+        name: &str,
+        node: &str,
+        env: &[(&str, &str)],
+    ) -> Result<Instance> {
         let dir = tempfile::tempdir()?;
         let log = dir.path().join("stderr.log");
-        let mut cmd = Command::new(&bin);
+        let mut cmd = Command::new(bin);
         cmd.env("DATABASE_URL", database_url)
             .env("LISTEN_ADDR", "127.0.0.1:0")
             .env("NODE_NAME", node)
