@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::builder::default_settings;
 use super::guard::{Lease, LostReason};
-use super::inner::{Inner, PoolRef, Settings, MAX_POLL};
+use super::inner::{Inner, Settings, MAX_POLL};
 use super::options::LeaseOptions;
 use crate::error::Error;
 use crate::pool::Pool;
@@ -68,27 +68,13 @@ impl Leases {
     /// The default lease table ([`DEFAULT_TABLE`](super::DEFAULT_TABLE)) of `pool`, with every
     /// setting at its default.
     pub fn new(pool: &Pool) -> Leases {
-        Leases::from_parts(PoolRef::Strong(pool.clone()), pool, default_settings())
+        Leases::from_parts(pool, default_settings())
     }
 
-    /// The instance [`Pool::leases`] keeps: it does not keep the pool alive.
-    pub(crate) fn for_pool(pool: &Pool) -> Leases {
-        Leases::from_parts(
-            PoolRef::Weak(Arc::downgrade(&pool.shared)),
-            pool,
-            default_settings(),
-        )
-    }
-
-    pub(super) fn from_parts(pool_ref: PoolRef, pool: &Pool, settings: Settings) -> Leases {
+    pub(super) fn from_parts(pool: &Pool, settings: Settings) -> Leases {
         Leases {
-            inner: Arc::new(Inner::new(pool_ref, pool.name(), settings)),
+            inner: Arc::new(Inner::new(pool.clone(), pool.name(), settings)),
         }
-    }
-
-    /// The table, as given (`schema.table` or `table`).
-    pub fn table(&self) -> String {
-        self.inner.table.to_string()
     }
 
     /// The DDL [`Leases::install`] runs: `sql/leases.sql` with this table's
@@ -112,51 +98,54 @@ impl Leases {
         self.inner.install().await
     }
 
-    /// Takes `name` for `ttl` if nobody holds it; `None` when another term
-    /// holds it (a skip), in one statement's round trip: the statement never
-    /// waits on a live holder, not even one inside a fenced transaction.
-    /// Renewal every TTL / 4 starts at once.
+    /// Takes `name` under `opts`, the one way to acquire a lease.
+    ///
+    /// - `wait: None`: one attempt. `Ok(None)` when another term holds the
+    ///   name (a skip), in one statement's round trip: the statement never
+    ///   waits on a live holder, not even one inside a fenced transaction.
+    /// - `wait: Some(d)`: waits up to `d` for the holder to release the
+    ///   lease or let it expire (polling when the database says it may be
+    ///   free, at least every 500 ms); `Ok(None)` if it is still held then.
+    ///
+    /// Renewal (every TTL / 4 by default) starts at once. Errors are the
+    /// options' validation ([`Error::InvalidInput`]), a statement timeout
+    /// ([`Error::LeaseTimeout`]), a table of another shape
+    /// ([`Error::LeaseTableMismatch`]) or the database's.
     ///
     /// Cancellation: a future dropped after its statement reached the
     /// database cancels the statement on the server, then releases the
     /// lease in the background in case the statement took it first.
-    pub async fn try_acquire(&self, name: &str, ttl: Duration) -> Result<Option<Lease>, Error> {
-        self.try_acquire_with(name, &LeaseOptions::new(ttl)).await
-    }
-
-    /// [`Leases::try_acquire`] with every option.
-    pub async fn try_acquire_with(
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// use std::time::Duration;
+    /// use pgwarden::LeaseOptions;
+    /// // One attempt: skip this round when another instance has it.
+    /// if let Some(lease) = leases.acquire("cleanup", &LeaseOptions::default(), None).await? {
+    ///     // … the work; lease.lost() fires if the lease is lost
+    ///     lease.release().await?;
+    /// }
+    /// // Wait up to 5 s for a lease of 30 s.
+    /// let opts = LeaseOptions::new(Duration::from_secs(30));
+    /// match leases.acquire("migrate", &opts, Some(Duration::from_secs(5))).await? {
+    ///     Some(lease) => lease.release().await?,
+    ///     None => eprintln!("another instance kept \"migrate\" for 5 s"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn acquire(
         &self,
         name: &str,
         opts: &LeaseOptions,
+        wait: Option<Duration>,
     ) -> Result<Option<Lease>, Error> {
-        let lease = self.inner.attempt(name, opts).await?;
-        if lease.is_none() {
-            self.inner.metrics.skipped(name);
-        }
-        Ok(lease)
-    }
-
-    /// Takes `name` for `ttl`, waiting up to `wait` for its holder to release
-    /// it or let it expire; [`Error::LeaseBusy`] after that.
-    pub async fn acquire(&self, name: &str, ttl: Duration, wait: Duration) -> Result<Lease, Error> {
-        self.acquire_with(name, &LeaseOptions::new(ttl), wait).await
-    }
-
-    /// [`Leases::acquire`] with every option.
-    pub async fn acquire_with(
-        &self,
-        name: &str,
-        opts: &LeaseOptions,
-        wait: Duration,
-    ) -> Result<Lease, Error> {
         let start = Instant::now();
+        let wait = wait.unwrap_or(Duration::ZERO);
         loop {
             if let Some(lease) = self.inner.attempt(name, opts).await? {
-                return Ok(lease);
+                return Ok(Some(lease));
             }
-            let left = wait.saturating_sub(start.elapsed());
-            let retry_in = if left.is_zero() {
+            let retry_in = if wait.saturating_sub(start.elapsed()).is_zero() {
                 Duration::ZERO
             } else {
                 self.inner.free_in(name).await?
@@ -164,10 +153,7 @@ impl Leases {
             let left = wait.saturating_sub(start.elapsed());
             if left.is_zero() {
                 self.inner.metrics.skipped(name);
-                return Err(Error::LeaseBusy {
-                    name: name.to_owned(),
-                    waited: start.elapsed(),
-                });
+                return Ok(None);
             }
             let pause = retry_in
                 .clamp(Duration::from_millis(10), MAX_POLL)

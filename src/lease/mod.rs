@@ -87,7 +87,6 @@ use crate::error::Error;
 mod batch;
 mod builder;
 mod calls;
-mod exclusive;
 mod guard;
 mod inner;
 mod install;
@@ -99,6 +98,7 @@ mod options;
 mod queries;
 mod release;
 mod renewer;
+mod run;
 mod runner;
 mod scheduler;
 mod sql;
@@ -107,42 +107,32 @@ mod statement;
 mod table;
 mod timing;
 
-pub use builder::{
-    LeasesBuilder, DEFAULT_PURGE_AFTER, DEFAULT_PURGE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT,
-    MIN_PURGE_INTERVAL,
-};
+pub use builder::LeasesBuilder;
 pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};
 pub use leases::{LeaseStats, Leases};
-pub use metrics::UNDECLARED_LEASE;
-pub use name::MAX_NAME_LEN;
-pub use options::{LeaseOptions, OnLost, DEFAULT_TTL};
-pub use renewer::MAX_BATCH;
-pub use scheduler::{Scheduler, SchedulerBuilder, DEFAULT_POLL_JITTER};
-pub use sql::INSTALL_LOCK_KEY;
-pub use table::{DEFAULT_TABLE, MAX_SCHEMA_LEN, MAX_TABLE_LEN};
-pub use timing::{MAX_HOLD, MAX_TTL, MIN_PERIOD, MIN_RENEW_EVERY, MIN_TTL};
+pub use options::{LeaseOptions, OnLost};
+pub use scheduler::{Scheduler, SchedulerBuilder};
 
 pub(crate) use inner::Inner;
 
 impl Error {
-    /// The lease is no longer this holder's ([`Error::LeaseLost`]).
+    /// The lease is no longer this holder's ([`Error::LeaseLost`]): taken
+    /// over, expired, or given up at the local deadline. Stop the work that
+    /// must not come from a stale holder.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::Lease) -> Result<(), pgwarden::Error> {
+    /// let mut conn = pool.get().await?;
+    /// let tx = conn.transaction().await?;
+    /// match lease.fence(&tx).await {
+    ///     Ok(()) => tx.commit().await?,
+    ///     Err(e) if e.is_lease_lost() => return Ok(()), // rolled back on drop
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn is_lease_lost(&self) -> bool {
         matches!(self, Error::LeaseLost { .. })
-    }
-
-    /// Another holder kept the lease for the whole wait ([`Error::LeaseBusy`]).
-    pub fn is_lease_busy(&self) -> bool {
-        matches!(self, Error::LeaseBusy { .. })
-    }
-
-    /// A lease statement timed out ([`Error::LeaseTimeout`]).
-    pub fn is_lease_timeout(&self) -> bool {
-        matches!(self, Error::LeaseTimeout { .. })
-    }
-
-    /// The lease table exists with another shape ([`Error::LeaseTableMismatch`]).
-    pub fn is_lease_table_mismatch(&self) -> bool {
-        matches!(self, Error::LeaseTableMismatch { .. })
     }
 }
