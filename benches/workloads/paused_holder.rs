@@ -122,7 +122,7 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
     let b = Leases::new(&pool_b);
     b.install().await?;
     let held = b
-        .try_acquire("x", Duration::from_secs(60))
+        .acquire("x", &LeaseOptions::new(Duration::from_secs(60)), None)
         .await?
         .ok_or("lease x is free at the start")?;
     let pool_a = pool(db, s.pool, "healthy")?;
@@ -132,7 +132,7 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
         let opts = LeaseOptions::new(s.own_ttl);
         let name = format!("own-{i}");
         own.push(
-            a.try_acquire_with(&name, &opts)
+            a.acquire(&name, &opts, None)
                 .await?
                 .ok_or("own lease free")?,
         );
@@ -154,7 +154,10 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
         let (attempts, errors) = (attempts.clone(), attempt_errors.clone());
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                match a.try_acquire("x", Duration::from_secs(60)).await {
+                match a
+                    .acquire("x", &LeaseOptions::new(Duration::from_secs(60)), None)
+                    .await
+                {
                     Ok(Some(l)) => drop(l.release().await),
                     Ok(None) => {}
                     Err(_) => {

@@ -14,16 +14,19 @@ use crate::pool::Pool;
 /// The lease table of one pool: acquire, renew (batched, in the background),
 /// release, run jobs exclusively.
 ///
-/// Cloning is cheap; clones share one renewer. Create one per table and
-/// keep it (or use [`Pool::leases`], the pool's own).
+/// Cloning is cheap; clones share one renewer. Create one per table when
+/// the process starts ([`Leases::new`] for the default table, or
+/// [`Leases::builder`]) and keep it: each instance has its own renewer
+/// task and metrics registration.
 ///
 /// ```no_run
 /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
 /// use std::time::Duration;
 /// let leases = pgwarden::Leases::builder(&pool).table("app.leases").build()?;
 /// leases.install().await?;
+/// let opts = pgwarden::LeaseOptions::new(Duration::from_secs(120));
 /// let ran = leases
-///     .run_exclusive("cleanup", Duration::from_secs(120), |lease| async move {
+///     .run("cleanup", &opts, |lease| async move {
 ///         // … the hourly clean-up; lease.lost() fires if the lease is lost
 ///         lease.token()
 ///     })
@@ -39,6 +42,13 @@ pub struct Leases {
 }
 
 /// What a [`Leases`] instance has done, for logs and tests.
+///
+/// ```no_run
+/// # fn demo(leases: pgwarden::Leases) {
+/// let s = leases.stats();
+/// println!("{} held, {} renewal failures", s.held, s.renewal_failures);
+/// # }
+/// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LeaseStats {
@@ -65,8 +75,16 @@ pub struct LeaseStats {
 }
 
 impl Leases {
-    /// The default lease table ([`DEFAULT_TABLE`](super::DEFAULT_TABLE)) of `pool`, with every
-    /// setting at its default.
+    /// The default lease table of `pool`, `pgwarden_leases` (found through
+    /// `search_path`, created at first use), with every setting at its
+    /// default (see [`LeasesBuilder`](super::LeasesBuilder)).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) {
+    /// let leases = pgwarden::Leases::new(&pool); // keep it: one per process
+    /// # let _ = leases;
+    /// # }
+    /// ```
     pub fn new(pool: &Pool) -> Leases {
         Leases::from_parts(pool, default_settings())
     }
@@ -78,14 +96,23 @@ impl Leases {
     }
 
     /// The DDL [`Leases::install`] runs: `sql/leases.sql` with this table's
-    /// names.
+    /// names, for migrations that own the schema
+    /// ([`LeasesBuilder::auto_install`](super::LeasesBuilder::auto_install)`(false)`).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+    /// let leases = pgwarden::Leases::builder(&pool).table("app.leases").build()?;
+    /// std::fs::write("migrations/0042_leases.sql", leases.ddl()).ok();
+    /// # Ok(()) }
+    /// ```
     pub fn ddl(&self) -> String {
         self.inner.table.ddl()
     }
 
     /// Creates the lease table and its token sequence when they do not both
     /// exist, inside a transaction holding the transaction-scoped advisory
-    /// lock [`INSTALL_LOCK_KEY`](super::INSTALL_LOCK_KEY), so instances
+    /// lock `Namespace::PGWARDEN.named("leases.install")` (the pair
+    /// `(1885828964, 594100531)`, in pgwarden's own key space), so instances
     /// starting together do not race; then checks the shape of what exists.
     /// The schema must exist. Returns true when it ran the DDL.
     ///
@@ -94,6 +121,14 @@ impl Leases {
     /// mistyped column, the primary key (it must be `(name)`), the token
     /// sequence (a `bigint` sequence named after the table). With
     /// `auto_install` on (the default) the first acquisition runs this.
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// // At start-up: fail early on a table of another shape.
+    /// let created = leases.install().await?;
+    /// # let _ = created;
+    /// # Ok(()) }
+    /// ```
     pub async fn install(&self) -> Result<bool, Error> {
         self.inner.install().await
     }
@@ -165,6 +200,14 @@ impl Leases {
     /// Releases every lease this instance still holds (graceful shutdown):
     /// their guards fire `lost(Released)` and become inert. Returns how many
     /// rows were released; the first error is returned after trying all.
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// // on SIGTERM, after the scheduler's shutdown:
+    /// let released = leases.release_all().await?;
+    /// # let _ = released;
+    /// # Ok(()) }
+    /// ```
     pub async fn release_all(&self) -> Result<usize, Error> {
         let mut released = 0;
         let mut first_err = None;
@@ -188,9 +231,9 @@ impl Leases {
     }
 
     /// Deletes the rows released or expired for longer than the purge age
-    /// (set on the builder; [`DEFAULT_PURGE_AFTER`](super::DEFAULT_PURGE_AFTER) by default), all of them,
-    /// 500 per statement; returns how many. The renewer does the same on its
-    /// own, one statement per purge interval.
+    /// ([`LeasesBuilder::purge`](super::LeasesBuilder::purge); 10 min by default), all of them, 500 per
+    /// statement; returns how many. The renewer does the same on its own,
+    /// one statement per purge interval.
     ///
     /// Tokens keep growing across purges: a row is deleted only under an
     /// exclusive transaction-scoped try-lock on its name, which it cannot get
@@ -198,6 +241,13 @@ impl Leases {
     /// before it draws its token until it commits) is in flight. Rows it
     /// cannot lock stay for the next purge; an acquisition that meets the
     /// purge of its name in the same instant reports the name busy.
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// let deleted = leases.purge().await?;
+    /// # let _ = deleted;
+    /// # Ok(()) }
+    /// ```
     pub async fn purge(&self) -> Result<u64, Error> {
         let age = self.inner.purge.age;
         let mut total = 0;

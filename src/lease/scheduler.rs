@@ -52,7 +52,20 @@ use crate::error::Error;
 /// The default largest random delay added to each poll: 100 ms.
 pub(crate) const DEFAULT_POLL_JITTER: Duration = Duration::from_millis(100);
 
-/// Builds a [`Scheduler`].
+/// Builds a [`Scheduler`]: its node, its jobs, the poll jitter.
+///
+/// ```no_run
+/// # fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+/// use std::time::Duration;
+/// use pgwarden::{Job, Scheduler};
+/// let scheduler = Scheduler::builder(&leases)
+///     .node(std::env::var("NODE_NAME").unwrap_or_else(|_| "local".into()))
+///     .poll_jitter(Duration::from_millis(250))
+///     .job(Job::per_node("uptime", Duration::from_secs(10), |_| async {}))
+///     .start()?;
+/// # let _ = scheduler;
+/// # Ok(()) }
+/// ```
 #[must_use = "builder does nothing until .start()"]
 #[derive(Debug)]
 pub struct SchedulerBuilder {

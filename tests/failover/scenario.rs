@@ -84,12 +84,12 @@ pub async fn run() -> Outcome {
     let long_opts =
         LeaseOptions::new(Duration::from_secs(60)).renew_every(Duration::from_millis(250));
     let long = leases
-        .try_acquire_with("long", &long_opts)
+        .acquire("long", &long_opts, None)
         .await
         .unwrap()
         .expect("long lease");
     let short = leases
-        .try_acquire("short", Duration::from_secs(2))
+        .acquire("short", &LeaseOptions::new(Duration::from_secs(2)), None)
         .await
         .unwrap()
         .expect("short lease");
@@ -157,7 +157,7 @@ pub async fn run() -> Outcome {
         expiry(&new, "long").await > long_expiry_at_promotion
     })
     .await;
-    let long_fenced_write_after = fenced_write(&svc, &long.handle(), 0).await;
+    let long_fenced_write_after = fenced_write(&svc, &long, 0).await;
     until(RECOVERY, || async {
         tokens.count_since("job", promoted) >= 1
     })
@@ -174,16 +174,16 @@ pub async fn run() -> Outcome {
     .await;
     let short_opts = LeaseOptions::new(Duration::from_secs(2));
     let short_takeover = match other_leases
-        .acquire_with("short", &short_opts, STEP * 2)
+        .acquire("short", &short_opts, Some(STEP * 2))
         .await
     {
-        Ok(l) => {
+        Ok(Some(l)) => {
             tokens.record(l.token(), "takeover");
             let t = (l.token(), l.took_over_from().map(str::to_owned));
             let _ = l.release().await;
             Some(t)
         }
-        Err(_) => None,
+        Ok(None) | Err(_) => None,
     };
 
     // ---- the session lock held at the crash ----
@@ -221,9 +221,9 @@ pub async fn run() -> Outcome {
             .expect("traffic task");
     }
     for s in schedulers {
-        within(STEP * 3, "scheduler shutdown", s.shutdown()).await;
+        within(STEP * 3, "scheduler shutdown", s.shutdown(STEP)).await;
     }
-    let long_lost = long.lost_reason();
+    let long_lost = futures_util::FutureExt::now_or_never(long.lost());
     let long_release = long.release().await.map_err(|e| e.to_string());
     drop(short);
     let seq_cache: i64 = new

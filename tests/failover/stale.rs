@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use pgwarden::{Lease, LeaseOptions, Leases, LostReason, Pool};
+use pgwarden::{Lease, LeaseHandle, LeaseOptions, Leases, LostReason, Pool};
 use pgwarden_testing::{within, Cluster, Replication};
 use tokio_postgres::Client;
 
@@ -41,7 +41,7 @@ async fn expired(server: &Client) {
 async fn take_over(cluster: &Cluster, db: &str) -> (Pool, Lease) {
     let pool_c = service_pool(cluster, db, "holder-c", 3);
     let c = Leases::new(&pool_c)
-        .try_acquire_with(LEASE, &opts())
+        .acquire(LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("C takes over on the new primary");
@@ -58,11 +58,11 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
 
     // A's term and write reach the replica.
     let a = la
-        .try_acquire_with(LEASE, &opts())
+        .acquire(LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("A takes the lease");
-    let a_handle = a.handle();
+    let a_handle = LeaseHandle::clone(&a);
     let row_a = fenced_write(&pool_a, &a_handle, 0).await.expect("A writes");
     cluster.wait_replayed().await.unwrap();
 
@@ -82,7 +82,11 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
         }
         assert!(i < 100, "the sequence does not reach {covered}");
         let burn = lb
-            .try_acquire(&format!("burn-{i}"), Duration::from_secs(60))
+            .acquire(
+                &format!("burn-{i}"),
+                &LeaseOptions::new(Duration::from_secs(60)),
+                None,
+            )
             .await
             .unwrap();
         burn.expect("a fresh lease").release().await.unwrap();
@@ -93,11 +97,11 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     // the promotion comes from the new primary, not from its clock.
     let b_opts = LeaseOptions::new(Duration::from_secs(10)).renew_every(Duration::from_millis(250));
     let b = lb
-        .try_acquire_with(LEASE, &b_opts)
+        .acquire(LEASE, &b_opts, None)
         .await
         .unwrap()
         .expect("B takes over");
-    let b_handle = b.handle();
+    let b_handle = LeaseHandle::clone(&b);
     assert_eq!(b.took_over_from(), Some(a.holder()));
     let row_b = fenced_write(&pool_b, &b_handle, 0).await.expect("B writes");
     assert!(b.token() > covered);
@@ -141,9 +145,7 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     assert_eq!(c.took_over_from(), Some(a.holder()));
     assert!(c.token() > a.token());
     assert_eq!(c.token(), b.token(), "the lost term's token is drawn again");
-    fenced_write(&pool_c, &c.handle(), 0)
-        .await
-        .expect("C writes");
+    fenced_write(&pool_c, &c, 0).await.expect("C writes");
     // Same token, other holder: the fence checks both, B is still rejected.
     let b_write = fenced_write(&pool_b, &b_handle, 2).await;
     assert_eq!(b_write, Err(WriteError::Rejected(LostReason::Taken)));
@@ -175,7 +177,7 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
         .unwrap();
 
     let a = la
-        .try_acquire_with(LEASE, &opts())
+        .acquire(LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("A takes the lease");
@@ -189,9 +191,9 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
 
     // The take-over cannot commit without the standby: B is never told it
     // holds the lease, and gets no token.
-    let b = lb.try_acquire_with(LEASE, &opts()).await;
+    let b = lb.acquire(LEASE, &opts(), None).await;
     assert!(
-        matches!(&b, Err(e) if e.is_lease_timeout()),
+        matches!(&b, Err(pgwarden::Error::LeaseTimeout { .. })),
         "a take-over returned without the standby: {b:?}"
     );
 
