@@ -128,7 +128,7 @@ async fn a_timed_out_statement_is_cancelled_on_the_server() {
     .await
     .unwrap()
     .unwrap();
-    assert_eq!(lease.took_over_from(), Some("old-holder"));
+    assert_eq!(lease.term().took_over_from.as_deref(), Some("old-holder"));
     assert!(backends(&admin, "cancel-b").await.len() <= 2);
 }
 

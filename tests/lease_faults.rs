@@ -89,8 +89,11 @@ async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
         "SIGSTOP: lost signal {:?} before the take-over",
         taken_at - lost_at
     );
-    assert!(taken.token() > lease.token());
-    assert_eq!(taken.took_over_from(), Some(lease.holder()));
+    assert!(taken.term().token > lease.term().token);
+    assert_eq!(
+        taken.term().took_over_from.as_deref(),
+        Some(lease.term().holder.as_str())
+    );
     drop(stopped);
 }
 
@@ -146,7 +149,7 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
     assert!(lease.release().await.unwrap_err().is_lease_lost());
     assert_eq!(
         row(&admin, "alerts").await,
-        Some((taken.holder().to_owned(), taken.token()))
+        Some((taken.term().holder.clone(), taken.term().token))
     );
 }
 
@@ -218,7 +221,10 @@ async fn a_slow_batch_holds_up_no_other_lease() {
         .unwrap()
         .expect("taken within the wait");
     assert!(SystemTime::now() > x_lost_at);
-    assert_eq!(taken.took_over_from(), Some(x.holder()));
+    assert_eq!(
+        taken.term().took_over_from.as_deref(),
+        Some(x.term().holder.as_str())
+    );
     assert!(!y.is_lost());
     y.release().await.unwrap();
 }

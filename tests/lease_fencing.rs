@@ -36,7 +36,7 @@ async fn fencing_rejects_the_stale_holder() {
     let mut conn = pool_a.get().await.unwrap();
     let tx = conn.transaction().await.unwrap();
     old.fence(&tx).await.unwrap();
-    let token = old.token();
+    let token = old.term().token;
     tx.query_typed(
         "INSERT INTO ledger VALUES ('a', $1)",
         &[(&token, Type::INT8)],
@@ -64,7 +64,7 @@ async fn fencing_rejects_the_stale_holder() {
         .unwrap()
         .unwrap()
         .unwrap();
-    assert!(new.token() > old.token());
+    assert!(new.term().token > old.term().token);
 
     // A, stale, tries again: rejected, nothing written.
     let tx = conn.transaction().await.unwrap();
@@ -87,7 +87,7 @@ async fn fencing_rejects_the_stale_holder() {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    assert_eq!(rows, [("a".to_owned(), old.token())]);
+    assert_eq!(rows, [("a".to_owned(), old.term().token)]);
     drop(conn);
 
     // A fenced transaction does not hold up its own lease's renewals.
@@ -147,7 +147,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     tokio::time::sleep(1500 * MS).await;
     assert!(a.stats().renewed >= renewed + 4, "{:?}", a.stats());
     own.fence(&tx).await.unwrap();
-    let token = own.token();
+    let token = own.term().token;
     tx.query_typed("INSERT INTO ledger VALUES ($1)", &[(&token, Type::INT8)])
         .await
         .unwrap();
@@ -198,8 +198,8 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(rows, [own.token()]);
-    assert!(new.token() > stale.token());
+    assert_eq!(rows, [own.term().token]);
+    assert!(new.term().token > stale.term().token);
 }
 
 #[tokio::test]

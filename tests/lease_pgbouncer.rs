@@ -63,7 +63,7 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
         let mut conn = pool_a.get().await.unwrap();
         let tx = conn.transaction().await.unwrap();
         held[0].fence(&tx).await.unwrap();
-        let token = held[0].token();
+        let token = held[0].term().token;
         tx.query_typed("INSERT INTO ledger VALUES ($1)", &[(&token, Type::INT8)])
             .await
             .unwrap();
@@ -73,7 +73,7 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
     // run_exclusive, and release.
     let ran = b
         .run("report", &LeaseOptions::new(S), |lease| async move {
-            lease.token()
+            lease.term().token
         })
         .await
         .unwrap();
@@ -94,8 +94,11 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
         .await
         .unwrap()
         .expect("taken within the wait");
-    assert!(new.token() > old.token());
-    assert_eq!(new.took_over_from(), Some(old.holder()));
+    assert!(new.term().token > old.term().token);
+    assert_eq!(
+        new.term().took_over_from.as_deref(),
+        Some(old.term().holder.as_str())
+    );
     assert_eq!(
         within(3 * S, "A's lost signal", old.lost()).await,
         LostReason::Deadline

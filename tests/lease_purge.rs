@@ -61,7 +61,7 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
                     if let Some(lease) = leases.acquire("mutex", &opts, None).await.unwrap() {
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
                         // The token of each term, in the order terms happened.
-                        tokens.lock().push(lease.token());
+                        tokens.lock().push(lease.term().token);
                         tokio::time::sleep(2 * MS).await;
                         inside.fetch_sub(1, Ordering::SeqCst);
                         lease.release().await.unwrap();
@@ -247,8 +247,8 @@ async fn purge_deletes_only_rows_older_than_its_age() {
         .await
         .unwrap()
         .unwrap();
-    assert!(again.token() > live.token());
-    assert_eq!(again.took_over_from(), None);
+    assert!(again.term().token > live.term().token);
+    assert_eq!(again.term().took_over_from.as_deref(), None);
 }
 
 /// The guard behind growing tokens, step by step: while an acquisition of a
@@ -331,5 +331,5 @@ async fn no_row_is_deleted_under_an_acquisition_in_flight() {
         .await
         .unwrap()
         .unwrap();
-    assert!(lease.token() > before);
+    assert!(lease.term().token > before);
 }

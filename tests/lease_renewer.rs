@@ -69,7 +69,10 @@ fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
         );
         assert!(ahead(lost_at, expires) > 0.0);
         assert!(lost_at < taken_at);
-        assert_eq!(taken.took_over_from(), Some(lease.holder()));
+        assert_eq!(
+            taken.term().took_over_from.as_deref(),
+            Some(lease.term().holder.as_str())
+        );
 
         // The next acquisition starts a renewer in this runtime.
         let fresh = a.acquire("again", &short(), None).await.unwrap().unwrap();

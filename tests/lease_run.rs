@@ -33,7 +33,7 @@ async fn run_exclusive_skips_renews_releases_and_cancels() {
             assert!(inner.is_none(), "a second run skips");
             tokio::time::sleep(1500 * MS).await;
             assert!(!lease.is_lost());
-            lease.token()
+            lease.term().token
         })
         .await
         .unwrap();
@@ -104,7 +104,7 @@ async fn at_least_hold_outlives_an_early_release() {
     let opts = LeaseOptions::new(S).at_least(1500 * MS);
     let start = Instant::now();
     let first = leases.acquire("mail", &opts, None).await.unwrap().unwrap();
-    let first_token = first.token();
+    let first_token = first.term().token;
     first.release().await.unwrap();
     // Released, still held: nobody gets it before 1.5 s.
     assert!(leases
@@ -119,8 +119,8 @@ async fn at_least_hold_outlives_an_early_release() {
         .expect("taken within the wait");
     assert!(start.elapsed() >= 1400 * MS, "{:?}", start.elapsed());
     // A released row is not a take-over.
-    assert_eq!(second.took_over_from(), None);
-    assert!(second.token() > first_token);
+    assert_eq!(second.term().took_over_from.as_deref(), None);
+    assert!(second.term().token > first_token);
     second.release().await.unwrap();
     assert!(leases
         .acquire("mail", &LeaseOptions::new(S), None)
@@ -206,7 +206,7 @@ async fn bad_input_is_a_typed_error_at_the_call() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(row(&admin, odd).await.unwrap().1, lease.token());
+    assert_eq!(row(&admin, odd).await.unwrap().1, lease.term().token);
     lease.release().await.unwrap();
 }
 

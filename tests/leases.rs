@@ -61,8 +61,11 @@ async fn leases_hold_no_connection() {
 
     // Every lease is a row of its own term; none is lost.
     for lease in &held {
-        let (holder, token) = row(&admin, lease.name()).await.unwrap();
-        assert_eq!((holder.as_str(), token), (lease.holder(), lease.token()));
+        let (holder, token) = row(&admin, lease.term().name.as_str()).await.unwrap();
+        assert_eq!(
+            (holder.as_str(), token),
+            (lease.term().holder.as_str(), lease.term().token)
+        );
         assert!(!lease.is_lost());
     }
     for lease in held {
@@ -179,7 +182,7 @@ async fn one_holder_under_16_concurrent_contenders() {
                         .unwrap()
                     {
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
-                        tokens.lock().push(lease.token());
+                        tokens.lock().push(lease.term().token);
                         tokio::time::sleep(2 * MS).await;
                         inside.fetch_sub(1, Ordering::SeqCst);
                         lease.release().await.unwrap();
@@ -241,8 +244,11 @@ async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
         .await
         .unwrap()
         .expect("taken within the wait");
-    assert_eq!(taken.took_over_from(), Some(crashed.holder()));
-    assert!(taken.token() > crashed.token());
+    assert_eq!(
+        taken.term().took_over_from.as_deref(),
+        Some(crashed.term().holder.as_str())
+    );
+    assert!(taken.term().token > crashed.term().token);
     assert_eq!(
         within(3 * S, "A's lost signal", crashed.lost()).await,
         LostReason::Deadline
@@ -267,7 +273,7 @@ async fn late_release_never_deletes_a_lease_taken_since() {
     assert!(err.is_lease_lost(), "{err}");
     assert_eq!(
         row(&admin, "report").await,
-        Some((new.holder().to_owned(), new.token()))
+        Some((new.term().holder.clone(), new.term().token))
     );
     // B still renews and releases it.
     let renewed = b.stats().renewed;

@@ -25,7 +25,7 @@ struct Run {
 type Log = Arc<parking_lot::Mutex<Vec<Run>>>;
 
 fn slot_of(lease: &LeaseHandle, period: Duration) -> i64 {
-    let t = lease.taken_at().duration_since(UNIX_EPOCH).unwrap();
+    let t = lease.term().taken_at.duration_since(UNIX_EPOCH).unwrap();
     (t.as_secs_f64() / period.as_secs_f64()).floor() as i64
 }
 
@@ -37,7 +37,7 @@ fn recorder(
     move |lease| {
         log.lock().push(Run {
             instance,
-            lease: lease.name().to_owned(),
+            lease: lease.term().name.clone(),
             slot: slot_of(&lease, S),
         });
         std::future::ready(())
@@ -214,7 +214,7 @@ async fn polls_are_jittered() {
         .node("n1")
         .poll_jitter(Duration::from_millis(400)) // capped at period / 4: 250 ms
         .job(Job::every("spread", S, move |lease: LeaseHandle| {
-            let t = lease.taken_at().duration_since(UNIX_EPOCH).unwrap();
+            let t = lease.term().taken_at.duration_since(UNIX_EPOCH).unwrap();
             log.lock().push(t.as_secs_f64().fract());
             std::future::ready(())
         }))

@@ -26,7 +26,7 @@ type PanicLog = Arc<parking_lot::Mutex<BTreeMap<&'static str, Vec<(i64, bool)>>>
 type RunLog = Arc<parking_lot::Mutex<Vec<(i64, Option<String>, i64)>>>;
 
 fn slot_of(lease: &LeaseHandle, period: Duration) -> i64 {
-    let t = lease.taken_at().duration_since(UNIX_EPOCH).unwrap();
+    let t = lease.term().taken_at.duration_since(UNIX_EPOCH).unwrap();
     (t.as_secs_f64() / period.as_secs_f64()).floor() as i64
 }
 
@@ -122,7 +122,7 @@ async fn crash_child() {
                 let log = log.clone();
                 async move {
                     let conn = log.get().await.unwrap();
-                    let (holder, token) = (lease.holder().to_owned(), lease.token());
+                    let (holder, token) = (lease.term().holder.clone(), lease.term().token);
                     conn.query_typed(
                         "INSERT INTO runs VALUES ('child', $1, $2, now())",
                         &[(&holder, Type::TEXT), (&token, Type::INT8)],
@@ -192,8 +192,8 @@ async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period() {
             Job::every("report", 2 * S, move |lease: LeaseHandle| {
                 log.lock().push((
                     slot_of(&lease, 2 * S),
-                    lease.took_over_from().map(str::to_owned),
-                    lease.token(),
+                    lease.term().took_over_from.clone(),
+                    lease.term().token,
                 ));
                 std::future::ready(())
             })

@@ -85,7 +85,7 @@ pub fn holder_main(args: &[String]) -> Result<(), BoxError> {
             .acquire(name, &opts, None)
             .await?
             .ok_or("the lease is held")?;
-        println!("held {}", lease.token());
+        println!("held {}", lease.term().token);
         std::io::stdout().flush()?;
         let line = tokio::task::spawn_blocking(|| {
             let mut line = String::new();

@@ -118,12 +118,12 @@ async fn run(
             (&&*ctx.node, Type::TEXT),
             (&&*ctx.instance, Type::TEXT),
             (&period_ms, Type::INT8),
-            (&lease.token(), Type::INT8),
+            (&lease.term().token, Type::INT8),
         ],
     )
     .await?;
     tx.commit().await?;
-    tracing::debug!(job = name, token = lease.token(), done, "job ran");
+    tracing::debug!(job = name, token = lease.term().token, done, "job ran");
     Ok(())
 }
 

@@ -284,7 +284,7 @@ async fn hold_lease(State(s): State<AppState>, Query(q): Query<HashMap<String, S
         }
         Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
     };
-    let token = lease.token();
+    let token = lease.term().token;
     let mut shutdown = s.shutdown.clone();
     let lost = lease.lost();
     let held = tokio::select! {

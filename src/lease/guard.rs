@@ -5,9 +5,8 @@ use std::fmt;
 use std::future::Future;
 use std::ops::Deref;
 use std::sync::Arc;
-use std::time::SystemTime;
 
-use super::state::LeaseState;
+use super::state::{LeaseState, Term};
 use super::Inner;
 use crate::error::Error;
 
@@ -71,7 +70,8 @@ impl fmt::Display for LostReason {
 ///         }
 ///     });
 ///     # let _ = worker;
-///     println!("{} term {}", lease.name(), lease.token());
+///     let term = lease.term();
+///     println!("{} held with token {}", term.name, term.token);
 ///     lease.release().await?;
 /// }
 /// # Ok(()) }
@@ -83,32 +83,10 @@ pub struct LeaseHandle {
 }
 
 impl LeaseHandle {
-    /// The lease's name.
-    pub fn name(&self) -> &str {
-        &self.state.name
-    }
-
-    /// The fencing token of this term: it grows with every take-over of any
-    /// lease of the table (one sequence), so a later term always carries a
-    /// larger token. Pass it to systems that can reject stale writers.
-    pub fn token(&self) -> i64 {
-        self.state.token
-    }
-
-    /// This term's holder id: `host:pid:64 random bits`.
-    pub fn holder(&self) -> &str {
-        &self.state.holder
-    }
-
-    /// When the term began, on the database clock.
-    pub fn taken_at(&self) -> SystemTime {
-        self.state.taken_at
-    }
-
-    /// The holder whose expired term this one took over, if any (a crashed
-    /// or cut-off instance). `None` for a free lease.
-    pub fn took_over_from(&self) -> Option<&str> {
-        self.state.prev_holder.as_deref().filter(|h| !h.is_empty())
+    /// The term held: name, fencing token, holder, start, and whose expired
+    /// term it replaced. See [`Term`].
+    pub fn term(&self) -> &Term {
+        &self.state.term
     }
 
     /// Has the lease been lost? True once the signal fired, and as soon as

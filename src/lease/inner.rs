@@ -246,7 +246,7 @@ impl Inner {
         };
         let state = Arc::new(LeaseState::new(info, timing.deadline(start)));
         self.metrics.acquired(name);
-        if let Some(prev) = state.prev_holder.as_deref().filter(|h| !h.is_empty()) {
+        if let Some(prev) = state.term.took_over_from.as_deref() {
             self.metrics.takeover(name);
             tracing::warn!(
                 pool = %self.pool_name,

@@ -28,7 +28,7 @@ use crate::pool::Pool;
 /// let ran = leases
 ///     .run("cleanup", &opts, |lease| async move {
 ///         // … the hourly clean-up; lease.lost() fires if the lease is lost
-///         lease.token()
+///         lease.term().token
 ///     })
 ///     .await?;
 /// if ran.is_none() {

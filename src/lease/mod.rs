@@ -9,7 +9,7 @@
 //! plain lease row:
 //!
 //! - **Fencing tokens.** Every term draws a new token from one sequence: a
-//!   later term of a name always has a larger token ([`LeaseHandle::token`]),
+//!   later term of a name always has a larger token ([`Term::token`]),
 //!   across take-overs, releases and purges, and [`LeaseHandle::fence`] makes
 //!   a transaction's writes commit only under the current term.
 //! - **A contender never waits.** An attempt on a name held by a live term
@@ -113,6 +113,7 @@ pub use job::{Job, JobOutcome};
 pub use leases::{LeaseStats, Leases};
 pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Scheduler, SchedulerBuilder};
+pub use state::Term;
 
 pub(crate) use inner::Inner;
 

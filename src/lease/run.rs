@@ -34,7 +34,7 @@ impl Leases {
     /// let ran = leases
     ///     .run("cleanup", &opts, |lease| async move {
     ///         // … the hourly clean-up; lease.lost() fires if the lease is lost
-    ///         lease.token()
+    ///         lease.term().token
     ///     })
     ///     .await?;
     /// if ran.is_none() {
@@ -88,7 +88,7 @@ pub(crate) async fn run_under<T>(
 /// A failed release after a completed job is logged, not returned: the job
 /// ran, and the lease expires after its TTL.
 pub(crate) async fn finish<T>(lease: Lease, out: Result<T, LostReason>) -> Result<T, Error> {
-    let name = lease.name().to_owned();
+    let name = lease.term().name.clone();
     match out {
         Ok(v) => {
             if let Err(e) = lease.release().await {

@@ -26,7 +26,7 @@
 //!   the next period's run starts on another instance once both the slot
 //!   has come and the TTL has passed (with a TTL longer than the period, a
 //!   crash skips the periods in between). The next holder sees the crashed
-//!   one in [`LeaseHandle::took_over_from`](crate::LeaseHandle::took_over_from).
+//!   one in [`Term::took_over_from`](crate::Term::took_over_from).
 //! - A holder cut off from the database longer than its TTL keeps running
 //!   its job by default ([`OnLost::Signal`](super::OnLost::Signal)): the next
 //!   period's run on another instance may then overlap it. Jobs that must

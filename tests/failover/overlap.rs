@@ -77,8 +77,11 @@ async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline() {
         .expect("C's attempt")
         .expect("C takes over on the new primary");
     let c_took_over = Instant::now();
-    assert_eq!(c.took_over_from(), Some(a.holder()));
-    assert!(c.token() > a.token());
+    assert_eq!(
+        c.term().took_over_from.as_deref(),
+        Some(a.term().holder.as_str())
+    );
+    assert!(c.term().token > a.term().token);
     assert!(!a.is_lost(), "A's deadline has not warned it yet");
     // C holds the lease well before A's local deadline: the renewals that
     // would have kept A's term never reached the new primary. Measured: A

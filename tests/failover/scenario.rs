@@ -93,10 +93,10 @@ pub async fn run() -> Outcome {
         .await
         .unwrap()
         .expect("short lease");
-    tokens.record(long.token(), "long");
-    tokens.record(short.token(), "short");
-    let long_id = (long.holder().to_owned(), long.token());
-    let short_id = (short.holder().to_owned(), short.token());
+    tokens.record(long.term().token, "long");
+    tokens.record(short.term().token, "short");
+    let long_id = (long.term().holder.clone(), long.term().token);
+    let short_id = (short.term().holder.clone(), short.term().token);
     let lock = svc
         .try_session_lock(LockKey::Single(KEY))
         .await
@@ -178,8 +178,8 @@ pub async fn run() -> Outcome {
         .await
     {
         Ok(Some(l)) => {
-            tokens.record(l.token(), "takeover");
-            let t = (l.token(), l.took_over_from().map(str::to_owned));
+            tokens.record(l.term().token, "takeover");
+            let t = (l.term().token, l.term().took_over_from.clone());
             let _ = l.release().await;
             Some(t)
         }

@@ -102,9 +102,12 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
         .unwrap()
         .expect("B takes over");
     let b_handle = LeaseHandle::clone(&b);
-    assert_eq!(b.took_over_from(), Some(a.holder()));
+    assert_eq!(
+        b.term().took_over_from.as_deref(),
+        Some(a.term().holder.as_str())
+    );
     let row_b = fenced_write(&pool_b, &b_handle, 0).await.expect("B writes");
-    assert!(b.token() > covered);
+    assert!(b.term().token > covered);
 
     // The crash, and the stale replica promoted.
     cluster.stop_primary_immediate().await.unwrap();
@@ -114,7 +117,10 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     // Not guaranteed without synchronous replication: B's take-over and its
     // acknowledged write are gone; the row shows A's (expired) term.
     let (holder, token, left) = lease_row(&new, LEASE).await.expect("lease row");
-    assert_eq!((holder.as_str(), token), (a.holder(), a.token()));
+    assert_eq!(
+        (holder.as_str(), token),
+        (a.term().holder.as_str(), a.term().token)
+    );
     assert!(left < 0.0, "A's term is expired on the new primary");
     let rows = fenced_rows(&new).await;
     assert!(rows.contains(&row_a));
@@ -138,13 +144,20 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     eprintln!(
         "async lost tail: A's token {}, the replica's sequence covered up to {covered}, B's \
          token {} (lost), C's token on the new primary {}",
-        a.token(),
-        b.token(),
-        c.token()
+        a.term().token,
+        b.term().token,
+        c.term().token
     );
-    assert_eq!(c.took_over_from(), Some(a.holder()));
-    assert!(c.token() > a.token());
-    assert_eq!(c.token(), b.token(), "the lost term's token is drawn again");
+    assert_eq!(
+        c.term().took_over_from.as_deref(),
+        Some(a.term().holder.as_str())
+    );
+    assert!(c.term().token > a.term().token);
+    assert_eq!(
+        c.term().token,
+        b.term().token,
+        "the lost term's token is drawn again"
+    );
     fenced_write(&pool_c, &c, 0).await.expect("C writes");
     // Same token, other holder: the fence checks both, B is still rejected.
     let b_write = fenced_write(&pool_b, &b_handle, 2).await;
@@ -158,8 +171,8 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     assert_eq!(
         stale,
         [
-            (a.token(), a.holder().to_owned()),
-            (c.token(), c.holder().to_owned())
+            (a.term().token, a.term().holder.clone()),
+            (c.term().token, c.term().holder.clone())
         ]
     );
 }
@@ -201,8 +214,14 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
     cluster.promote_replica().await.unwrap();
     let new = cluster.primary().connect(&db).await.unwrap();
     let (holder, token, _) = lease_row(&new, LEASE).await.expect("lease row");
-    assert_eq!((holder.as_str(), token), (a.holder(), a.token()));
+    assert_eq!(
+        (holder.as_str(), token),
+        (a.term().holder.as_str(), a.term().token)
+    );
     let (_pool_c, c) = take_over(&cluster, &db).await;
-    assert_eq!(c.took_over_from(), Some(a.holder()));
-    assert!(c.token() > a.token());
+    assert_eq!(
+        c.term().took_over_from.as_deref(),
+        Some(a.term().holder.as_str())
+    );
+    assert!(c.term().token > a.term().token);
 }

@@ -81,7 +81,7 @@ pub fn writer(
                     continue;
                 }
             };
-            tokens.record(lease.token(), "writer");
+            tokens.record(lease.term().token, "writer");
             let handle = LeaseHandle::clone(&lease);
             let mut seq = 0;
             while seq < 5 && !handle.is_lost() && !stop.load(Ordering::Relaxed) {
@@ -121,7 +121,7 @@ pub fn scheduler(
     let job = Job::every(JOB, Duration::from_secs(1), move |lease| {
         let (pool, tokens, acked) = (pool.clone(), tokens.clone(), acked.clone());
         async move {
-            tokens.record(lease.token(), "job");
+            tokens.record(lease.term().token, "job");
             let row = fenced_write(&pool, &lease, 0)
                 .await
                 .map_err(|e| format!("{e:?}"))?;
