@@ -97,12 +97,18 @@ impl LeasesBuilder {
         self
     }
 
-    /// Old rows: rows released or expired for longer than `after` (0 to
-    /// 366 days) are deleted, by [`Leases::purge`] and, when `every` is
-    /// `Some`, by the renewer, one statement (at most 500 rows) per `every`
-    /// (10 ms to 366 days); `None` turns the renewer's purge off. A purged
-    /// name starts again with a new row; its tokens still grow (see
-    /// [`Leases::purge`]). Default: after 10 min, every 60 s.
+    /// Old rows: the renewer deletes rows released or expired for longer
+    /// than `after` (0 to 366 days), one statement (at most 500 rows) per
+    /// `every` (10 ms to 366 days); `None` turns the purge off (the rows then
+    /// stay: one per name ever used). Default: after 10 min, every 60 s.
+    ///
+    /// A purged name starts again with a new row, and its tokens still grow:
+    /// a row is deleted only under an exclusive transaction-scoped try-lock
+    /// on its name, which it cannot get while an acquisition of that name
+    /// (which holds the lock shared from before it draws its token until it
+    /// commits) is in flight. Rows it cannot lock stay for the next round; an
+    /// acquisition that meets the purge of its name in the same instant
+    /// finds the name busy (`Ok(None)`).
     pub fn purge(mut self, after: Duration, every: Option<Duration>) -> Self {
         self.purge.age = after;
         self.purge.auto = every.is_some();

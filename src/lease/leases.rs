@@ -230,36 +230,6 @@ impl Leases {
         }
     }
 
-    /// Deletes the rows released or expired for longer than the purge age
-    /// ([`LeasesBuilder::purge`](super::LeasesBuilder::purge); 10 min by default), all of them, 500 per
-    /// statement; returns how many. The renewer does the same on its own,
-    /// one statement per purge interval.
-    ///
-    /// Tokens keep growing across purges: a row is deleted only under an
-    /// exclusive transaction-scoped try-lock on its name, which it cannot get
-    /// while an acquisition of that name (which holds the lock shared from
-    /// before it draws its token until it commits) is in flight. Rows it
-    /// cannot lock stay for the next purge; an acquisition that meets the
-    /// purge of its name in the same instant reports the name busy.
-    ///
-    /// ```no_run
-    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
-    /// let deleted = leases.purge().await?;
-    /// # let _ = deleted;
-    /// # Ok(()) }
-    /// ```
-    pub async fn purge(&self) -> Result<u64, Error> {
-        let age = self.inner.purge.age;
-        let mut total = 0;
-        loop {
-            let n = self.inner.purge_with(age).await?;
-            total += n;
-            if n < super::batch::PURGE_BATCH as u64 {
-                return Ok(total);
-            }
-        }
-    }
-
     /// What this instance has done so far.
     pub fn stats(&self) -> LeaseStats {
         let held = self.inner.registry.lock().len();
