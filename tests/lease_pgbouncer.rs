@@ -70,7 +70,7 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
         tx.commit().await.unwrap();
     }
 
-    // run_exclusive, and release.
+    // run, and release.
     let ran = b
         .run("report", &LeaseOptions::new(S), |lease| async move {
             lease.term().token

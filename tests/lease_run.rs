@@ -1,4 +1,4 @@
-//! Running under leases against a real PostgreSQL: run_exclusive (skip,
+//! Running under leases against a real PostgreSQL: Leases::run (skip,
 //! renewal, release, cancel on loss), the at-least hold, bad input refused
 //! at the call, and futures dropped mid-flight.
 
@@ -15,10 +15,10 @@ use support::{admin, db, eventually, within};
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
-// ---- run_exclusive ----
+// ---- Leases::run ----
 
 #[tokio::test]
-async fn run_exclusive_skips_renews_releases_and_cancels() {
+async fn run_skips_renews_releases_and_cancels() {
     let db = db().await;
     let admin = admin(&db).await;
     let leases = Leases::new(&pool(&db, 3, "run"));

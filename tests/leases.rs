@@ -1,6 +1,6 @@
 //! Table leases against a real PostgreSQL: four jobs on a pool of two, one holder,
 //! take-over, late release, the lost signal, fencing, batched renewal,
-//! run_exclusive, holds, bad input.
+//! Leases::run, holds, bad input.
 
 mod support;
 

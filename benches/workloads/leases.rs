@@ -30,7 +30,7 @@ const SEQUENCE_LITERAL: &str = "'\"pgwarden_leases_token_seq\"'";
 
 pub fn describe(s: Settings) -> String {
     format!(
-        "4: {TASKS} tasks, pool {POOL} on each side; a pair is `try_acquire(new name, {TTL:?})` + \
+        "4: {TASKS} tasks, pool {POOL} on each side; a pair is `acquire(new name, {TTL:?}, None)` + \
          `release()` (B, its pool detected direct) or the same two statements, prepared and cached, \
          on two raw checkouts (A); {} interleaved round pairs of {:?}; the default lease table",
         s.rounds, s.round

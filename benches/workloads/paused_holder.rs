@@ -4,7 +4,7 @@
 //!
 //! Instance B holds lease `x` and sits in a transaction after
 //! `lease.fence(&tx)` (a GC pause, a stopped process). Instance A (pool of
-//! 4) runs contenders polling `try_acquire("x")`, whose statement blocks on
+//! 4) runs contenders polling `acquire("x", None)`, whose statement blocks on
 //! B's row lock; request traffic that keeps its request lane full; its own
 //! unrelated leases (TTL 2 s, renewed every 500 ms); and the readiness probe
 //! every 100 ms with a 1 s bound. Public API only: the same file builds
@@ -26,7 +26,7 @@ pub struct Setup {
     pub pool: usize,
     /// How long B sits in its fenced transaction.
     pub hold: Duration,
-    /// Tasks polling `try_acquire("x")` on A.
+    /// Tasks polling `acquire("x", None)` on A.
     pub contenders: usize,
     /// Tasks looping `get` + a 2 ms statement on A.
     pub request_tasks: usize,
@@ -65,7 +65,7 @@ pub struct Outcome {
     /// Renewals of A's leases during the hold, and failed renewal statements.
     pub renewed: u64,
     pub renewal_failures: u64,
-    /// Contenders' `try_acquire("x")` calls that returned, and of those
+    /// Contenders' `acquire("x", None)` calls that returned, and of those
     /// errors (statement timeouts, checkout timeouts).
     pub attempts: usize,
     pub attempt_errors: usize,
