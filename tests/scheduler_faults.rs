@@ -2,7 +2,7 @@
 //! panics runs again the next period (caught, logged, counted); a holder
 //! that crashes mid-job (a process killed with SIGKILL) is not rerun in its
 //! period and is taken over in the next; shutdown cancels an acquisition in
-//! flight on the server.
+//! flight on the server; a release that fails once is retried at once.
 
 mod support;
 
@@ -252,4 +252,78 @@ async fn shutdown_cancels_an_acquisition_in_flight() {
         .unwrap()
         .get(0);
     assert_eq!(holder, "stale");
+}
+
+/// A job's lease release that fails once (as on a connection the server
+/// closed right after a primary failover) is tried again at once, within the
+/// statement bound: the lease is released after the run, not left held
+/// until its TTL (30 s here).
+#[tokio::test]
+async fn a_failed_release_is_retried_at_once() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 3, "release-retry"));
+    leases.install().await.unwrap();
+    // The first release of any term fails on the server: a release marks the
+    // row released (holder ''); acquisitions and renewals set a holder.
+    admin
+        .batch_execute(
+            "CREATE SEQUENCE release_failures;
+             CREATE FUNCTION fail_first_release() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NEW.holder = '' AND nextval('release_failures') = 1 THEN
+                 RAISE EXCEPTION 'injected: the first release fails';
+               END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER fail_first_release BEFORE UPDATE ON pgwarden_leases
+               FOR EACH ROW EXECUTE FUNCTION fail_first_release();",
+        )
+        .await
+        .unwrap();
+    let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = ran.clone();
+    // Hourly: it runs once, at start-up; its release keeps the row (the
+    // period's hold), marked released.
+    let scheduler = Scheduler::builder(&leases)
+        .node("n1")
+        .job(
+            Job::every("report", 3600 * S, move |_| {
+                let flag = flag.clone();
+                async move { flag.store(true, std::sync::atomic::Ordering::SeqCst) }
+            })
+            .options(LeaseOptions::new(30 * S)),
+        )
+        .start()
+        .unwrap();
+    eventually(5 * S, "the run", || async {
+        ran.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+    let t = Instant::now();
+    let holder = || async {
+        admin
+            .query_typed_one(
+                "SELECT holder FROM pgwarden_leases WHERE name = 'report'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, String>(0)
+    };
+    eventually(
+        3 * S,
+        "the lease released despite the failed release",
+        || async { holder().await.is_empty() },
+    )
+    .await;
+    eprintln!("released {:?} after the run", t.elapsed());
+    let failures: i64 = admin
+        .query_typed_one("SELECT last_value FROM release_failures", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(failures >= 1, "the injected failure happened");
+    assert_eq!(leases.stats().held, 0);
+    scheduler.shutdown(S).await;
 }
