@@ -119,8 +119,25 @@ pub async fn run() -> Outcome {
         warm.is_some(),
         "no warm-up: job, writers or requests did not run"
     );
-    // The last look at the old primary.
-    let rows_before = lease_rows(&old).await;
+    // The last look at the old primary, taken while a writer holds its
+    // lease: the writers' row exists only while a term holds it (a release
+    // with no acquisition in flight deletes it), and a look between two
+    // terms would miss it.
+    let look: Mutex<Vec<(String, String, i64)>> = Mutex::default();
+    let writer_held = until(STEP, || async {
+        let rows = lease_rows(&old).await;
+        let held = rows
+            .iter()
+            .any(|(n, h, _)| n == traffic::WRITER_LEASE && !h.is_empty());
+        *look.lock().unwrap() = rows;
+        held
+    })
+    .await;
+    let rows_before = look.into_inner().unwrap();
+    assert!(
+        writer_held.is_some(),
+        "no writer held its lease: {rows_before:?}"
+    );
     let seq_primary_before_crash = sequence(&old).await;
     let replica = cluster.replica().connect(&db).await.expect("replica");
 
