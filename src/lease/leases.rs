@@ -133,7 +133,9 @@ impl Leases {
         self.inner.install().await
     }
 
-    /// Takes `name` under `opts`, the one way to acquire a lease.
+    /// Takes `name` under `opts`, the one way to acquire a lease. A name is
+    /// 1 to 128 bytes of UTF-8 without control characters; names are metric
+    /// labels only when declared ([`LeasesBuilder::declare`](super::LeasesBuilder::declare)).
     ///
     /// - `wait: None`: one attempt. `Ok(None)` when another term holds the
     ///   name (a skip), in one statement's round trip: the statement never

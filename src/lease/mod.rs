@@ -5,8 +5,27 @@
 //! expires_at < now()` statement, renewed by its holder, released by its
 //! holder only. Each statement borrows a connection for that statement only,
 //! so a process holding any number of leases holds no connection between
-//! statements, and renewals never queue behind request traffic. Beyond the
-//! plain lease row:
+//! statements, and renewals never queue behind request traffic.
+//!
+//! ```no_run
+//! # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+//! use std::time::Duration;
+//! use pgwarden::{Job, LeaseOptions, Leases, Scheduler};
+//! let leases = Leases::new(&pool); // one per process: it owns the renewer
+//! // One attempt (None) or a wait (Some): Ok(None) when another holder has it.
+//! if let Some(lease) = leases.acquire("cleanup", &LeaseOptions::default(), None).await? {
+//!     // … the work; lease.term().token fences it, lease.lost() warns of a loss
+//!     lease.release().await?;
+//! }
+//! // Or let a scheduler run jobs every period on one instance of the cluster.
+//! let scheduler = Scheduler::builder(&leases)
+//!     .job(Job::every("alerts", Duration::from_secs(30), |_lease| async {}))
+//!     .start()?;
+//! scheduler.shutdown(Duration::from_secs(10)).await;
+//! # Ok(()) }
+//! ```
+//!
+//! Beyond the plain lease row:
 //!
 //! - **Fencing tokens.** Every term draws a new token from one sequence: a
 //!   later term of a name always has a larger token ([`Term::token`]),
@@ -23,7 +42,8 @@
 //!   the lease itself: it fires whatever the renewer does. Transient renewal
 //!   errors are retried until then.
 //! - **Batched, supervised renewal.** One task per [`Leases`] renews every
-//!   lease due in one statement (1,000 leases: one statement per interval);
+//!   lease due in one statement (1,000 leases: one statement per interval;
+//!   at most 5,000 leases per statement);
 //!   a slow batch holds up no other lease; a panic is caught and counted.
 //! - **Bounded statements.** Every statement is bounded end to end; one
 //!   that times out is cancelled on the server before its connection closes.
