@@ -18,7 +18,7 @@ pub use census::{AdvisoryLock, Census, CensusSummary, Owner};
 pub use error::{BuildError, Error, Holder, Stage};
 pub use lease::{
     Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder,
-    LostReason, OnLost, Scheduler, SchedulerBuilder,
+    LostReason, OnLost, Scheduler, SchedulerBuilder, Term,
 };
 pub use lock::{
     fnv1a32, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, LockKey, LockMode,

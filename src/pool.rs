@@ -116,8 +116,6 @@ pub(crate) struct Shared {
     /// Tests: the next housekeeping pass panics.
     #[cfg(test)]
     pub(crate) inject_panic: AtomicBool,
-    /// The pool's own lease table (`Pool::leases`, `Pool::try_exclusive`).
-    pub(crate) leases: std::sync::OnceLock<crate::lease::Leases>,
 }
 
 /// One checked-out connection, as the pool sees it.

@@ -7,7 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{Leases, Pooler};
+use pgwarden::{LeaseHandle, LeaseOptions, Leases, Pooler};
 use support::leases::{backends, busy_backends, insert_expired, lock_rows, pool, pool_behind};
 use support::{admin, db, eventually, within, Stopped};
 
@@ -21,10 +21,14 @@ async fn a_contender_skips_at_once_while_the_holder_sits_in_a_fenced_transaction
     let pool_a = pool(&db, 3, "fenced-a");
     let a = Leases::new(&pool_a);
     let b = Leases::new(&pool(&db, 2, "skip-b"));
-    let lease = a.try_acquire("ledger", 30 * S).await.unwrap().unwrap();
+    let lease = a
+        .acquire("ledger", &LeaseOptions::new(30 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
 
     // The holder fences a transaction and stays in it for 10 s.
-    let handle = lease.handle();
+    let handle = LeaseHandle::clone(&lease);
     let holder = tokio::spawn(async move {
         let mut conn = pool_a.get().await.unwrap();
         let tx = conn.transaction().await.unwrap();
@@ -47,9 +51,13 @@ async fn a_contender_skips_at_once_while_the_holder_sits_in_a_fenced_transaction
 
     for _ in 0..3 {
         let t = Instant::now();
-        let got = within(S, "a skip", b.try_acquire("ledger", 30 * S))
-            .await
-            .unwrap();
+        let got = within(
+            S,
+            "a skip",
+            b.acquire("ledger", &LeaseOptions::new(30 * S), None),
+        )
+        .await
+        .unwrap();
         assert!(got.is_none(), "held by a live term");
         eprintln!("skip while the holder is fenced: {:?}", t.elapsed());
     }
@@ -83,9 +91,12 @@ async fn a_timed_out_statement_is_cancelled_on_the_server() {
     let locker = lock_rows(&db, "pgwarden_leases", &["stale"], "FOR KEY SHARE").await;
 
     let t = Instant::now();
-    let err = b.try_acquire("stale", 30 * S).await.unwrap_err();
+    let err = b
+        .acquire("stale", &LeaseOptions::new(30 * S), None)
+        .await
+        .unwrap_err();
     let took = t.elapsed();
-    assert!(err.is_lease_timeout(), "{err}");
+    assert!(matches!(err, pgwarden::Error::LeaseTimeout { .. }), "{err}");
     assert!(took < 1500 * MS, "{took:?}");
     // Cancelled on the server: B's backend does not go on waiting for the
     // row lock (it is gone: its connection was closed after the cancel).
@@ -109,11 +120,15 @@ async fn a_timed_out_statement_is_cancelled_on_the_server() {
         .get(0);
     assert_eq!(holder, "old-holder");
     // And B takes it now, at once.
-    let lease = within(2 * S, "take-over", b.try_acquire("stale", 30 * S))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(lease.took_over_from(), Some("old-holder"));
+    let lease = within(
+        2 * S,
+        "take-over",
+        b.acquire("stale", &LeaseOptions::new(30 * S), None),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(lease.term().took_over_from.as_deref(), Some("old-holder"));
     assert!(backends(&admin, "cancel-b").await.len() <= 2);
 }
 
@@ -133,8 +148,11 @@ async fn an_acquisition_abandoned_on_a_stopped_backend_leaves_no_lease() {
         .unwrap();
     b.install().await.unwrap();
     let stopped = Stopped::stop(backends(&admin, "stopped-b").await).expect("SIGSTOP");
-    let err = b.try_acquire("job", 30 * S).await.unwrap_err();
-    assert!(err.is_lease_timeout(), "{err}");
+    let err = b
+        .acquire("job", &LeaseOptions::new(30 * S), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, pgwarden::Error::LeaseTimeout { .. }), "{err}");
     drop(stopped);
     // Cancelled, or taken and released again: never left held.
     eventually(
@@ -154,5 +172,9 @@ async fn an_acquisition_abandoned_on_a_stopped_backend_leaves_no_lease() {
     )
     .await;
     let c = Leases::new(&pool(&db, 2, "stopped-c"));
-    assert!(c.try_acquire("job", 30 * S).await.unwrap().is_some());
+    assert!(c
+        .acquire("job", &LeaseOptions::new(30 * S), None)
+        .await
+        .unwrap()
+        .is_some());
 }

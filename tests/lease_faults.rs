@@ -31,11 +31,7 @@ async fn lost_fires_before_expiry_when_the_server_hangs() {
     let opts = LeaseOptions::new(2 * S)
         .renew_every(500 * MS)
         .safety_margin(500 * MS);
-    let lease = leases
-        .try_acquire_with("job", &opts)
-        .await
-        .unwrap()
-        .unwrap();
+    let lease = leases.acquire("job", &opts, None).await.unwrap().unwrap();
     // Right after a renewal: the expiry the database holds until it hangs.
     let renewed = leases.stats().renewed;
     eventually(3 * S, "a renewal", || async {
@@ -72,22 +68,18 @@ async fn lost_fires_before_expiry_when_the_server_hangs() {
 #[tokio::test]
 async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
     let TwoHolders { admin, a, b, .. } = TwoHolders::installed("stop").await;
-    let lease = a
-        .try_acquire_with("alerts", &short())
-        .await
-        .unwrap()
-        .unwrap();
+    let lease = a.acquire("alerts", &short(), None).await.unwrap().unwrap();
     let lost = lease.lost();
     let stopped = Stopped::stop(backends(&admin, "stop-a").await).expect("SIGSTOP");
     let taker = tokio::spawn(async move {
-        let l = b.acquire_with("alerts", &short(), 10 * S).await;
+        let l = b.acquire("alerts", &short(), Some(10 * S)).await;
         (Instant::now(), l)
     });
     let reason = within(5 * S, "lost signal", lost).await;
     let lost_at = Instant::now();
     assert_eq!(reason, LostReason::Deadline);
     let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
-    let taken = taken.unwrap();
+    let taken = taken.unwrap().expect("taken within the wait");
     assert!(
         lost_at < taken_at,
         "lost {:?} before the take-over",
@@ -97,8 +89,11 @@ async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
         "SIGSTOP: lost signal {:?} before the take-over",
         taken_at - lost_at
     );
-    assert!(taken.token() > lease.token());
-    assert_eq!(taken.took_over_from(), Some(lease.holder()));
+    assert!(taken.term().token > lease.term().token);
+    assert_eq!(
+        taken.term().took_over_from.as_deref(),
+        Some(lease.term().holder.as_str())
+    );
     drop(stopped);
 }
 
@@ -121,11 +116,7 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
     let mut cfg = db.pg_config();
     cfg.user(&role);
     let a = Leases::new(&pool_with(cfg, 2, "term-a"));
-    let lease = a
-        .try_acquire_with("alerts", &short())
-        .await
-        .unwrap()
-        .unwrap();
+    let lease = a.acquire("alerts", &short(), None).await.unwrap().unwrap();
     let lost = lease.lost();
     admin
         .batch_execute(&format!(
@@ -135,14 +126,14 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
         .await
         .unwrap();
     let taker = tokio::spawn(async move {
-        let l = b.acquire_with("alerts", &short(), 10 * S).await;
+        let l = b.acquire("alerts", &short(), Some(10 * S)).await;
         (Instant::now(), l)
     });
     let reason = within(5 * S, "lost signal", lost).await;
     let lost_at = Instant::now();
     assert_eq!(reason, LostReason::Deadline);
     let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
-    let taken = taken.unwrap();
+    let taken = taken.unwrap().expect("taken within the wait");
     assert!(lost_at < taken_at);
     eprintln!(
         "terminated: lost signal {:?} before the take-over",
@@ -158,7 +149,7 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
     assert!(lease.release().await.unwrap_err().is_lease_lost());
     assert_eq!(
         row(&admin, "alerts").await,
-        Some((taken.holder().to_owned(), taken.token()))
+        Some((taken.term().holder.clone(), taken.term().token))
     );
 }
 
@@ -171,7 +162,7 @@ async fn a_slow_batch_holds_up_no_other_lease() {
     b.install().await.unwrap();
     // x: deadline 3 s after each renewal starts, expiry 4 s after.
     let x_opts = LeaseOptions::new(4 * S).renew_every(S).safety_margin(S);
-    let x = a.try_acquire_with("x", &x_opts).await.unwrap().unwrap();
+    let x = a.acquire("x", &x_opts, None).await.unwrap().unwrap();
     // Another session locks x's row: x's renewal batch waits on it.
     let locker = lock_rows(&db, "pgwarden_leases", &["x"], "FOR UPDATE").await;
     let x_expires = expiry(&locker, "x").await;
@@ -182,12 +173,12 @@ async fn a_slow_batch_holds_up_no_other_lease() {
 
     // Registered during the slow batch: y, healthy, and z, whose row gets
     // locked too and whose deadline (1.5 s) comes before x's.
-    let y = a.try_acquire_with("y", &short()).await.unwrap().unwrap();
+    let y = a.acquire("y", &short(), None).await.unwrap().unwrap();
     let z_opts = LeaseOptions::new(2 * S)
         .renew_every(500 * MS)
         .safety_margin(500 * MS);
     let z_start = Instant::now();
-    let z = a.try_acquire_with("z", &z_opts).await.unwrap().unwrap();
+    let z = a.acquire("z", &z_opts, None).await.unwrap().unwrap();
     locker
         .batch_execute("SELECT 1 FROM pgwarden_leases WHERE name = 'z' FOR UPDATE")
         .await
@@ -224,9 +215,16 @@ async fn a_slow_batch_holds_up_no_other_lease() {
     })
     .await;
     drop(locker);
-    let taken = b.acquire_with("x", &x_opts, 10 * S).await.unwrap();
+    let taken = b
+        .acquire("x", &x_opts, Some(10 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
     assert!(SystemTime::now() > x_lost_at);
-    assert_eq!(taken.took_over_from(), Some(x.holder()));
+    assert_eq!(
+        taken.term().took_over_from.as_deref(),
+        Some(x.term().holder.as_str())
+    );
     assert!(!y.is_lost());
     y.release().await.unwrap();
 }

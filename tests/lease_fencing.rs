@@ -30,13 +30,13 @@ async fn fencing_rejects_the_stale_holder() {
         .unwrap();
     // No renewal within the next 5 s: the steps below expire the term by hand.
     let opts = LeaseOptions::new(10 * S).renew_every(5 * S);
-    let old = a.try_acquire_with("ledger", &opts).await.unwrap().unwrap();
+    let old = a.acquire("ledger", &opts, None).await.unwrap().unwrap();
 
     // A writes under its fence and holds the transaction open.
     let mut conn = pool_a.get().await.unwrap();
     let tx = conn.transaction().await.unwrap();
     old.fence(&tx).await.unwrap();
-    let token = old.token();
+    let token = old.term().token;
     tx.query_typed(
         "INSERT INTO ledger VALUES ('a', $1)",
         &[(&token, Type::INT8)],
@@ -51,7 +51,7 @@ async fn fencing_rejects_the_stale_holder() {
         .await
         .unwrap();
     // B's take-over waits for A's fenced transaction…
-    let taker = tokio::spawn(async move { b.try_acquire_with("ledger", &opts).await });
+    let taker = tokio::spawn(async move { b.acquire("ledger", &opts, None).await });
     eventually(5 * S, "B waits on the fenced row", || async {
         busy_backends(&admin, "fence-b").await.0 == 1
     })
@@ -64,7 +64,7 @@ async fn fencing_rejects_the_stale_holder() {
         .unwrap()
         .unwrap()
         .unwrap();
-    assert!(new.token() > old.token());
+    assert!(new.term().token > old.term().token);
 
     // A, stale, tries again: rejected, nothing written.
     let tx = conn.transaction().await.unwrap();
@@ -87,12 +87,12 @@ async fn fencing_rejects_the_stale_holder() {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    assert_eq!(rows, [("a".to_owned(), old.token())]);
+    assert_eq!(rows, [("a".to_owned(), old.term().token)]);
     drop(conn);
 
     // A fenced transaction does not hold up its own lease's renewals.
     let keep = a
-        .try_acquire_with("keep", &LeaseOptions::new(S))
+        .acquire("keep", &LeaseOptions::new(S), None)
         .await
         .unwrap()
         .unwrap();
@@ -138,7 +138,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
 
     // 1. Renewed after the snapshot: still ours.
     let opts = LeaseOptions::new(S).renew_every(200 * MS);
-    let own = a.try_acquire_with("own", &opts).await.unwrap().unwrap();
+    let own = a.acquire("own", &opts, None).await.unwrap().unwrap();
     let mut conn = pool_a.get().await.unwrap();
     let tx = begin(&mut conn, level).await;
     own.fence(&tx).await.unwrap(); // the snapshot is taken here
@@ -147,7 +147,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     tokio::time::sleep(1500 * MS).await;
     assert!(a.stats().renewed >= renewed + 4, "{:?}", a.stats());
     own.fence(&tx).await.unwrap();
-    let token = own.token();
+    let token = own.term().token;
     tx.query_typed("INSERT INTO ledger VALUES ($1)", &[(&token, Type::INT8)])
         .await
         .unwrap();
@@ -157,7 +157,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     // 2. Taken over after the snapshot: a typed error.
     let stale_opts = LeaseOptions::new(10 * S).renew_every(5 * S);
     let stale = a
-        .try_acquire_with("taken", &stale_opts)
+        .acquire("taken", &stale_opts, None)
         .await
         .unwrap()
         .unwrap();
@@ -169,7 +169,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         )
         .await
         .unwrap();
-    let new = within(5 * S, "take-over", b.try_acquire_with("taken", &stale_opts))
+    let new = within(5 * S, "take-over", b.acquire("taken", &stale_opts, None))
         .await
         .unwrap()
         .expect("expired: B takes it");
@@ -198,8 +198,8 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(rows, [own.token()]);
-    assert!(new.token() > stale.token());
+    assert_eq!(rows, [own.term().token]);
+    assert!(new.term().token > stale.term().token);
 }
 
 #[tokio::test]

@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use pgwarden::{Error, Leases};
+use pgwarden::{Error, LeaseOptions, Leases};
 use support::leases::pool;
 use support::{admin, db};
 use tokio_postgres::types::Type;
@@ -70,7 +70,11 @@ async fn install_is_idempotent_race_free_and_matches_the_sql_file() {
     assert_eq!(r.get::<_, i64>(1), 1);
     assert_eq!(r.get::<_, String>(2), "bigint");
     // And the schema-qualified table works.
-    let lease = all[1].try_acquire("x", 2 * S).await.unwrap().unwrap();
+    let lease = all[1]
+        .acquire("x", &LeaseOptions::new(2 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
     lease.release().await.unwrap();
 }
 
@@ -136,7 +140,10 @@ async fn a_table_of_another_shape_is_a_typed_error() {
         admin.batch_execute(ddl).await.unwrap();
         let leases = Leases::builder(&pool).table(table).build().unwrap();
         let err = leases.install().await.unwrap_err();
-        assert!(err.is_lease_table_mismatch(), "{err}");
+        assert!(
+            matches!(err, pgwarden::Error::LeaseTableMismatch { .. }),
+            "{err}"
+        );
         let text = err.to_string();
         assert!(text.contains(table), "{text}");
         let found = differences(err);
@@ -150,8 +157,14 @@ async fn a_table_of_another_shape_is_a_typed_error() {
         // At first use too (auto_install is on by default), before any
         // acquisition statement.
         let fresh = Leases::builder(&pool).table(table).build().unwrap();
-        let err = fresh.try_acquire("x", S).await.unwrap_err();
-        assert!(err.is_lease_table_mismatch(), "{err}");
+        let err = fresh
+            .acquire("x", &LeaseOptions::new(S), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, pgwarden::Error::LeaseTableMismatch { .. }),
+            "{err}"
+        );
         eprintln!("{table}: {err}");
     }
     // A table without its sequence: install creates the sequence, and the
@@ -172,6 +185,10 @@ async fn a_table_of_another_shape_is_a_typed_error() {
         .unwrap();
     let leases = Leases::builder(&pool).table("seqless").build().unwrap();
     assert!(leases.install().await.unwrap(), "the DDL ran");
-    let lease = leases.try_acquire("x", S).await.unwrap().unwrap();
+    let lease = leases
+        .acquire("x", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
     lease.release().await.unwrap();
 }

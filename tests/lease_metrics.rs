@@ -5,11 +5,13 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use pgwarden::metrics as m;
-use pgwarden::{Leases, LostReason};
+use pgwarden::{LeaseOptions, Leases, LostReason};
 use support::leases::pool;
 use support::recorder::{counter, gauge, key_of};
 use support::{admin, db, eventually, within};
@@ -73,8 +75,16 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
         .declare(declared)
         .build()
         .unwrap();
-    let held = a.try_acquire("cleanup", S).await.unwrap().unwrap();
-    assert!(b.try_acquire("cleanup", S).await.unwrap().is_none());
+    let held = a
+        .acquire("cleanup", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(b
+        .acquire("cleanup", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_none());
     let renewed = a.stats().renewed;
     eventually(3 * S, "two renewals", || async {
         a.stats().renewed >= renewed + 2
@@ -126,9 +136,17 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     drop(held);
 
     // A crashed holder's lease is taken over after its TTL.
-    let crashed = a.try_acquire("alerts", S).await.unwrap().unwrap();
+    let crashed = a
+        .acquire("alerts", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
     pool_a.close();
-    let taken = b.acquire("alerts", S, 5 * S).await.unwrap();
+    let taken = b
+        .acquire("alerts", &LeaseOptions::new(S), Some(5 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
     assert_eq!(
         within(3 * S, "lost", crashed.lost()).await,
         LostReason::Deadline
@@ -156,7 +174,11 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     assert_eq!(gauge(s, &format!("{}{{pool=mx}}", m::LEASES_HELD)), 0.0);
 
     // An undeclared name counts under the one fixed label.
-    let other = b.try_acquire("user-1234", S).await.unwrap().unwrap();
+    let other = b
+        .acquire("user-1234", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
     other.release().await.unwrap();
     let s = totals.read(snap);
     assert_eq!(
@@ -202,12 +224,21 @@ fn ten_thousand_dynamic_names_make_at_most_declared_plus_one_series() {
             let pool = pool(&db, 8, "labels");
             let leases = Leases::builder(&pool).declare(["cleanup"]).build().unwrap();
             let other = Leases::new(&pool);
+            let ran = Arc::new(AtomicBool::new(false));
+            let flag = ran.clone();
             let scheduler = pgwarden::Scheduler::builder(&leases)
                 .node("host-7f3a")
-                .job(pgwarden::Job::per_node("uptime", S, |_| async {}))
+                .job(pgwarden::Job::per_node("uptime", S, move |_| {
+                    let flag = flag.clone();
+                    async move { flag.store(true, Ordering::SeqCst) }
+                }))
                 .start()
                 .unwrap();
-            let cleanup = leases.try_acquire("cleanup", S).await.unwrap().unwrap();
+            let cleanup = leases
+                .acquire("cleanup", &LeaseOptions::new(S), None)
+                .await
+                .unwrap()
+                .unwrap();
             let before = handle.render().len();
             // 10,000 names made at run time: taken, skipped, released.
             let t = std::time::Instant::now();
@@ -217,8 +248,16 @@ fn ten_thousand_dynamic_names_make_at_most_declared_plus_one_series() {
                     tokio::spawn(async move {
                         for i in (task..10_000).step_by(16) {
                             let name = format!("user-{i}");
-                            let lease = leases.try_acquire(&name, S).await.unwrap().unwrap();
-                            assert!(other.try_acquire(&name, S).await.unwrap().is_none());
+                            let lease = leases
+                                .acquire(&name, &LeaseOptions::new(S), None)
+                                .await
+                                .unwrap()
+                                .unwrap();
+                            assert!(other
+                                .acquire(&name, &LeaseOptions::new(S), None)
+                                .await
+                                .unwrap()
+                                .is_none());
                             lease.release().await.unwrap();
                         }
                     })
@@ -228,10 +267,10 @@ fn ten_thousand_dynamic_names_make_at_most_declared_plus_one_series() {
                 task.await.unwrap();
             }
             eventually(5 * S, "the per-node job ran", || async {
-                scheduler.runs() >= 1
+                ran.load(Ordering::SeqCst)
             })
             .await;
-            scheduler.shutdown().await;
+            scheduler.shutdown(10 * S).await;
             cleanup.release().await.unwrap();
             let text = handle.render();
             let all = series(&text);

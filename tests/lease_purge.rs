@@ -27,8 +27,7 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
     let instances: Vec<Leases> = (0..4)
         .map(|i| {
             Leases::builder(&pool(&db, 5, &format!("purge{i}")))
-                .purge_after(Duration::ZERO)
-                .purge_interval(10 * MS)
+                .purge(Duration::ZERO, Some(10 * MS))
                 .build()
                 .unwrap()
         })
@@ -39,7 +38,7 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
     let mut keep = Vec::new();
     for (i, l) in instances.iter().enumerate() {
         keep.push(
-            l.try_acquire(&format!("keep{i}"), 3 * S)
+            l.acquire(&format!("keep{i}"), &LeaseOptions::new(3 * S), None)
                 .await
                 .unwrap()
                 .unwrap(),
@@ -59,10 +58,10 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
             };
             tokio::spawn(async move {
                 while Instant::now() < stop {
-                    if let Some(lease) = leases.try_acquire_with("mutex", &opts).await.unwrap() {
+                    if let Some(lease) = leases.acquire("mutex", &opts, None).await.unwrap() {
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
                         // The token of each term, in the order terms happened.
-                        tokens.lock().push(lease.token());
+                        tokens.lock().push(lease.term().token);
                         tokio::time::sleep(2 * MS).await;
                         inside.fetch_sub(1, Ordering::SeqCst);
                         lease.release().await.unwrap();
@@ -123,7 +122,10 @@ async fn ten_thousand_released_names_leave_under_a_hundred_rows() {
     let admin = admin(&db).await;
     let pool = pool(&db, 8, "purge-10k");
     // Takes and releases the names; purges nothing itself.
-    let leases = Leases::builder(&pool).auto_purge(false).build().unwrap();
+    let leases = Leases::builder(&pool)
+        .purge(Duration::from_secs(600), None)
+        .build()
+        .unwrap();
     leases.install().await.unwrap();
     // Half with a hold (their rows are kept at release, for the purge), half
     // without (their release deletes the row when it can).
@@ -137,7 +139,7 @@ async fn ten_thousand_released_names_leave_under_a_hundred_rows() {
                 for i in (task..10_000).step_by(16) {
                     let opts = if i % 2 == 0 { &held } else { &plain };
                     let lease = leases
-                        .try_acquire_with(&format!("n{i:05}"), opts)
+                        .acquire(&format!("n{i:05}"), opts, None)
                         .await
                         .unwrap()
                         .expect("a new name is free");
@@ -165,11 +167,14 @@ async fn ten_thousand_released_names_leave_under_a_hundred_rows() {
     // Another instance purges every 50 ms whatever was released; one lease
     // held keeps its renewer (and so its purge) running.
     let purger = Leases::builder(&pool)
-        .purge_after(Duration::ZERO)
-        .purge_interval(50 * MS)
+        .purge(Duration::ZERO, Some(50 * MS))
         .build()
         .unwrap();
-    let keep = purger.try_acquire("keep", 3 * S).await.unwrap().unwrap();
+    let keep = purger
+        .acquire("keep", &LeaseOptions::new(3 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
     let t = Instant::now();
     eventually(10 * S, "the renewer purged", || async {
         rows().await < 100
@@ -193,14 +198,13 @@ async fn purge_deletes_only_rows_older_than_its_age() {
     let db = db().await;
     let admin = admin(&db).await;
     let leases = Leases::builder(&pool(&db, 2, "purge-age"))
-        .purge_after(Duration::from_secs(3600))
-        .auto_purge(false)
+        .purge(Duration::from_secs(3600), Some(20 * MS))
         .build()
         .unwrap();
     // A released row kept by its hold, and a crashed holder's expired row.
     let opts = LeaseOptions::new(10 * S).at_least(MS);
     leases
-        .try_acquire_with("released", &opts)
+        .acquire("released", &opts, None)
         .await
         .unwrap()
         .unwrap()
@@ -218,9 +222,10 @@ async fn purge_deletes_only_rows_older_than_its_age() {
             .collect::<Vec<_>>()
     };
     assert_eq!(names().await, ["crashed", "released"]);
-    // Younger than an hour: kept.
-    assert_eq!(leases.purge().await.unwrap(), 0);
+    // Younger than an hour: kept by two whole purge statements.
+    purge_rounds(&leases, 2).await;
     assert_eq!(names().await, ["crashed", "released"]);
+    assert_eq!(leases.stats().purged, 0);
     // Two hours old: purged, released and expired alike.
     admin
         .batch_execute(
@@ -230,17 +235,24 @@ async fn purge_deletes_only_rows_older_than_its_age() {
         .await
         .unwrap();
     // A live lease is never purged, however old its take.
-    let live = leases.try_acquire("live", 10 * S).await.unwrap().unwrap();
-    assert_eq!(leases.purge().await.unwrap(), 2);
-    assert_eq!(names().await, ["live"]);
-    // A purged name starts again with a larger token.
-    let again = leases
-        .try_acquire("crashed", 10 * S)
+    let live = leases
+        .acquire("live", &LeaseOptions::new(10 * S), None)
         .await
         .unwrap()
         .unwrap();
-    assert!(again.token() > live.token());
-    assert_eq!(again.took_over_from(), None);
+    eventually(5 * S, "the old rows purged", || async {
+        names().await == ["live"]
+    })
+    .await;
+    assert_eq!(leases.stats().purged, 2);
+    // A purged name starts again with a larger token.
+    let again = leases
+        .acquire("crashed", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(again.term().token > live.term().token);
+    assert_eq!(again.term().took_over_from.as_deref(), None);
 }
 
 /// The guard behind growing tokens, step by step: while an acquisition of a
@@ -253,8 +265,7 @@ async fn no_row_is_deleted_under_an_acquisition_in_flight() {
     let db = db().await;
     let admin = admin(&db).await;
     let leases = Leases::builder(&pool(&db, 2, "guard"))
-        .purge_after(Duration::ZERO)
-        .auto_purge(false)
+        .purge(Duration::ZERO, Some(20 * MS))
         .build()
         .unwrap();
     leases.install().await.unwrap();
@@ -268,13 +279,21 @@ async fn no_row_is_deleted_under_an_acquisition_in_flight() {
     };
 
     // Released with no acquisition in flight: the row goes.
-    let lease = leases.try_acquire("n", 10 * S).await.unwrap().unwrap();
+    let lease = leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
     lease.release().await.unwrap();
     assert_eq!(row().await, None);
 
     // An acquisition in flight (the shared lock): the release keeps the row,
     // marked released, and the purge leaves it.
-    let lease = leases.try_acquire("n", 10 * S).await.unwrap().unwrap();
+    let lease = leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
     let inflight = db.connect().await.unwrap();
     inflight
         .batch_execute(&format!(
@@ -284,11 +303,17 @@ async fn no_row_is_deleted_under_an_acquisition_in_flight() {
         .unwrap();
     lease.release().await.unwrap();
     assert_eq!(row().await.as_deref(), Some(""));
-    assert_eq!(leases.purge().await.unwrap(), 0);
-    assert_eq!(row().await.as_deref(), Some(""));
+    purge_rounds(&leases, 2).await;
+    assert_eq!(
+        row().await.as_deref(),
+        Some(""),
+        "purged under the shared lock"
+    );
     inflight.batch_execute("COMMIT").await.unwrap();
-    assert_eq!(leases.purge().await.unwrap(), 1);
-    assert_eq!(row().await, None);
+    eventually(5 * S, "the released row purged", || async {
+        row().await.is_none()
+    })
+    .await;
 
     // A delete in flight (the exclusive lock): an acquisition draws no
     // token and reports the name busy.
@@ -304,9 +329,27 @@ async fn no_row_is_deleted_under_an_acquisition_in_flight() {
         .batch_execute(&format!("BEGIN; SELECT pg_advisory_xact_lock({key})"))
         .await
         .unwrap();
-    assert!(leases.try_acquire("n", 10 * S).await.unwrap().is_none());
+    assert!(leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .is_none());
     assert_eq!(seq().await, before, "no token drawn");
     inflight.batch_execute("COMMIT").await.unwrap();
-    let lease = leases.try_acquire("n", 10 * S).await.unwrap().unwrap();
-    assert!(lease.token() > before);
+    let lease = leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(lease.term().token > before);
+}
+
+/// Waits until `n` more purge statements have run: with `n` = 2, at least
+/// one ran from start to end after the call.
+async fn purge_rounds(leases: &Leases, n: u64) {
+    let before = leases.stats().purge_statements;
+    eventually(5 * S, "purge statements", || async {
+        leases.stats().purge_statements >= before + n
+    })
+    .await;
 }

@@ -43,7 +43,7 @@ fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
         .build()
         .unwrap();
     let lease = other
-        .block_on(a.try_acquire_with("job", &short()))
+        .block_on(a.acquire("job", &short(), None))
         .unwrap()
         .unwrap();
     // ...and is dropped, with the renewer.
@@ -53,7 +53,7 @@ fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
         let admin = admin(&db).await;
         let expires = expiry(&admin, "job").await;
         let taker = tokio::spawn(async move {
-            let l = b.acquire_with("job", &short(), 10 * S).await;
+            let l = b.acquire("job", &short(), Some(10 * S)).await;
             (SystemTime::now(), l)
         });
         let reason = within(5 * S, "lost signal", lease.lost()).await;
@@ -61,7 +61,7 @@ fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
         assert_eq!(reason, LostReason::Deadline);
         assert_eq!(a.stats().renewal_statements, renewals, "nothing renewed it");
         let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
-        let taken = taken.unwrap();
+        let taken = taken.unwrap().expect("taken within the wait");
         eprintln!(
             "runtime dropped: lost {:.3} s before the expiry, {:.3} s before the take-over",
             ahead(lost_at, expires),
@@ -69,14 +69,13 @@ fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
         );
         assert!(ahead(lost_at, expires) > 0.0);
         assert!(lost_at < taken_at);
-        assert_eq!(taken.took_over_from(), Some(lease.holder()));
+        assert_eq!(
+            taken.term().took_over_from.as_deref(),
+            Some(lease.term().holder.as_str())
+        );
 
         // The next acquisition starts a renewer in this runtime.
-        let fresh = a
-            .try_acquire_with("again", &short())
-            .await
-            .unwrap()
-            .unwrap();
+        let fresh = a.acquire("again", &short(), None).await.unwrap().unwrap();
         let before = a.stats().renewed;
         eventually(4 * S, "renewals again", || async {
             a.stats().renewed >= before + 2
@@ -183,11 +182,7 @@ async fn the_renewer_survives_panics() {
     // The handles are registered with the recorder when the instance is built.
     let leases = metrics::with_local_recorder(&recorder, || Leases::new(&pool));
     let opts = LeaseOptions::new(2 * S).renew_every(250 * MS);
-    let lease = leases
-        .try_acquire_with("job", &opts)
-        .await
-        .unwrap()
-        .unwrap();
+    let lease = leases.acquire("job", &opts, None).await.unwrap().unwrap();
     // Twice the TTL: the lease lives on, renewed, through 8 panics.
     tokio::time::sleep(4 * S).await;
     let panics = recorder.renewer_panics.load(Ordering::SeqCst);
@@ -197,7 +192,11 @@ async fn the_renewer_survives_panics() {
         panics, 8,
         "3 in batches + 5 in ticks, each caught and counted"
     );
-    assert!(!lease.is_lost(), "{:?}", lease.lost_reason());
+    assert!(
+        !lease.is_lost(),
+        "{:?}",
+        futures_util::FutureExt::now_or_never(lease.lost())
+    );
     assert!(stats.renewed >= 8, "{stats:?}");
     lease.release().await.unwrap();
 }

@@ -1,4 +1,4 @@
-//! Running under leases against a real PostgreSQL: run_exclusive (skip,
+//! Running under leases against a real PostgreSQL: Leases::run (skip,
 //! renewal, release, cancel on loss), the at-least hold, bad input refused
 //! at the call, and futures dropped mid-flight.
 
@@ -15,22 +15,25 @@ use support::{admin, db, eventually, within};
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
-// ---- run_exclusive ----
+// ---- Leases::run ----
 
 #[tokio::test]
-async fn run_exclusive_skips_renews_releases_and_cancels() {
+async fn run_skips_renews_releases_and_cancels() {
     let db = db().await;
     let admin = admin(&db).await;
     let leases = Leases::new(&pool(&db, 3, "run"));
     // Runs; a concurrent run skips; it outlives its TTL, renewed.
     let l2 = leases.clone();
     let out = leases
-        .run_exclusive("nightly", S, |lease| async move {
-            let inner = l2.run_exclusive("nightly", S, |_| async {}).await.unwrap();
+        .run("nightly", &LeaseOptions::new(S), |lease| async move {
+            let inner = l2
+                .run("nightly", &LeaseOptions::new(S), |_| async {})
+                .await
+                .unwrap();
             assert!(inner.is_none(), "a second run skips");
             tokio::time::sleep(1500 * MS).await;
             assert!(!lease.is_lost());
-            lease.token()
+            lease.term().token
         })
         .await
         .unwrap();
@@ -49,7 +52,7 @@ async fn run_exclusive_skips_renews_releases_and_cancels() {
     let opts = LeaseOptions::new(S).on_lost(OnLost::Cancel);
     let flag = Flag(dropped.clone());
     let admin2 = &admin;
-    let err = within(5 * S, "cancelled run", leases.run_exclusive_with("steal-me", &opts, |_| async move {
+    let err = within(5 * S, "cancelled run", leases.run("steal-me", &opts, |_| async move {
         let _flag = flag;
         // Another holder takes the row over.
         admin2
@@ -77,7 +80,7 @@ async fn run_exclusive_skips_renews_releases_and_cancels() {
     let out = within(
         5 * S,
         "signalled run",
-        leases.run_exclusive("steal-me-too", S, |lease| async move {
+        leases.run("steal-me-too", &LeaseOptions::new(S), |lease| async move {
             admin2
                 .batch_execute(
                     "UPDATE pgwarden_leases SET holder = 'thief' WHERE name = 'steal-me-too'",
@@ -100,22 +103,30 @@ async fn at_least_hold_outlives_an_early_release() {
     let leases = Leases::new(&pool(&db, 2, "hold"));
     let opts = LeaseOptions::new(S).at_least(1500 * MS);
     let start = Instant::now();
-    let first = leases
-        .try_acquire_with("mail", &opts)
-        .await
-        .unwrap()
-        .unwrap();
-    let first_token = first.token();
+    let first = leases.acquire("mail", &opts, None).await.unwrap().unwrap();
+    let first_token = first.term().token;
     first.release().await.unwrap();
     // Released, still held: nobody gets it before 1.5 s.
-    assert!(leases.try_acquire("mail", S).await.unwrap().is_none());
-    let second = leases.acquire("mail", S, 5 * S).await.unwrap();
+    assert!(leases
+        .acquire("mail", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_none());
+    let second = leases
+        .acquire("mail", &LeaseOptions::new(S), Some(5 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
     assert!(start.elapsed() >= 1400 * MS, "{:?}", start.elapsed());
     // A released row is not a take-over.
-    assert_eq!(second.took_over_from(), None);
-    assert!(second.token() > first_token);
+    assert_eq!(second.term().took_over_from.as_deref(), None);
+    assert!(second.term().token > first_token);
     second.release().await.unwrap();
-    assert!(leases.try_acquire("mail", S).await.unwrap().is_some());
+    assert!(leases
+        .acquire("mail", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_some());
 }
 
 // ---- bad input ----
@@ -147,12 +158,28 @@ async fn bad_input_is_a_typed_error_at_the_call() {
     let leases = Leases::new(&pool);
     let long = "n".repeat(129);
     for name in ["", "a\0b", "new\nline", long.as_str()] {
-        invalid(leases.try_acquire(name, S).await.unwrap_err());
-        invalid(leases.acquire(name, S, S).await.unwrap_err());
-        invalid(pool.try_exclusive(name).await.unwrap_err());
+        invalid(
+            leases
+                .acquire(name, &LeaseOptions::new(S), None)
+                .await
+                .unwrap_err(),
+        );
+        invalid(
+            leases
+                .acquire(name, &LeaseOptions::new(S), Some(S))
+                .await
+                .unwrap_err(),
+        );
+        let opts = LeaseOptions::default();
+        invalid(leases.run(name, &opts, |_| async {}).await.unwrap_err());
     }
     for ttl in [Duration::ZERO, 999 * MS, 25 * 3600 * S, Duration::MAX] {
-        invalid(leases.try_acquire("x", ttl).await.unwrap_err());
+        invalid(
+            leases
+                .acquire("x", &LeaseOptions::new(ttl), None)
+                .await
+                .unwrap_err(),
+        );
     }
     for opts in [
         LeaseOptions::new(2 * S).renew_every(2 * S),
@@ -161,13 +188,8 @@ async fn bad_input_is_a_typed_error_at_the_call() {
         LeaseOptions::new(2 * S).safety_margin(2 * S),
         LeaseOptions::new(2 * S).at_least(400 * 24 * 3600 * S),
     ] {
-        invalid(leases.try_acquire_with("x", &opts).await.unwrap_err());
-        invalid(
-            leases
-                .run_exclusive_with("x", &opts, |_| async {})
-                .await
-                .unwrap_err(),
-        );
+        invalid(leases.acquire("x", &opts, None).await.unwrap_err());
+        invalid(leases.run("x", &opts, |_| async {}).await.unwrap_err());
     }
     // Refused before any statement: nothing was installed.
     assert_eq!(leases.stats().statements, 0);
@@ -179,8 +201,12 @@ async fn bad_input_is_a_typed_error_at_the_call() {
     assert!(!exists);
     // A name that looks like SQL is only data.
     let odd = "x'); DROP TABLE pgwarden_leases; --";
-    let lease = leases.try_acquire(odd, S).await.unwrap().unwrap();
-    assert_eq!(row(&admin, odd).await.unwrap().1, lease.token());
+    let lease = leases
+        .acquire(odd, &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row(&admin, odd).await.unwrap().1, lease.term().token);
     lease.release().await.unwrap();
 }
 
@@ -196,7 +222,8 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
     for polls in 0..12 {
         // Polled `polls` times (or until it completes: a completed future
         // must not be polled again), then dropped.
-        let mut fut = Box::pin(leases.try_acquire("c", S));
+        let opts = LeaseOptions::new(S);
+        let mut fut = Box::pin(leases.acquire("c", &opts, None));
         for _ in 0..polls {
             if futures_util::poll!(&mut fut).is_ready() {
                 break;
@@ -204,7 +231,11 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
             tokio::task::yield_now().await;
         }
         drop(fut);
-        if let Some(lease) = leases.try_acquire("r", S).await.unwrap() {
+        if let Some(lease) = leases
+            .acquire("r", &LeaseOptions::new(S), None)
+            .await
+            .unwrap()
+        {
             let mut fut = Box::pin(lease.release());
             for _ in 0..polls {
                 if futures_util::poll!(&mut fut).is_ready() {
@@ -222,7 +253,15 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
     })
     .await;
     assert_eq!(leases.stats().held, 0);
-    let c = leases.acquire("c", S, 3 * S).await.unwrap();
-    let r = leases.acquire("r", S, 3 * S).await.unwrap();
+    let c = leases
+        .acquire("c", &LeaseOptions::new(S), Some(3 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
+    let r = leases
+        .acquire("r", &LeaseOptions::new(S), Some(3 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
     assert!(!c.is_lost() && !r.is_lost());
 }

@@ -1,6 +1,6 @@
 //! Table leases against a real PostgreSQL: four jobs on a pool of two, one holder,
 //! take-over, late release, the lost signal, fencing, batched renewal,
-//! run_exclusive, holds, bad input.
+//! Leases::run, holds, bad input.
 
 mod support;
 
@@ -35,9 +35,13 @@ async fn leases_hold_no_connection() {
     // detection takes two connections outside the probe reserve, more than
     // a pool of 2 has).
     let pool = pool_behind(db.pg_config(), 2, "four-jobs", Pooler::Direct);
+    let leases = Leases::new(&pool);
     let mut held = Vec::new();
     for job in JOBS {
-        let lease = pool.try_exclusive(job).await.unwrap();
+        let lease = leases
+            .acquire(job, &LeaseOptions::default(), None)
+            .await
+            .unwrap();
         held.push(lease.unwrap_or_else(|| panic!("{job} is free")));
     }
     let status = pool.status();
@@ -57,8 +61,11 @@ async fn leases_hold_no_connection() {
 
     // Every lease is a row of its own term; none is lost.
     for lease in &held {
-        let (holder, token) = row(&admin, lease.name()).await.unwrap();
-        assert_eq!((holder.as_str(), token), (lease.holder(), lease.token()));
+        let (holder, token) = row(&admin, lease.term().name.as_str()).await.unwrap();
+        assert_eq!(
+            (holder.as_str(), token),
+            (lease.term().holder.as_str(), lease.term().token)
+        );
         assert!(!lease.is_lost());
     }
     for lease in held {
@@ -144,7 +151,10 @@ async fn one_holder_under_16_concurrent_contenders() {
                 let (barrier, name) = (barrier.clone(), name.clone());
                 tokio::spawn(async move {
                     barrier.wait().await;
-                    leases.try_acquire(&name, 2 * S).await.unwrap()
+                    leases
+                        .acquire(&name, &LeaseOptions::new(2 * S), None)
+                        .await
+                        .unwrap()
                 })
             })
             .collect();
@@ -166,9 +176,13 @@ async fn one_holder_under_16_concurrent_contenders() {
             let (inside, tokens) = (inside.clone(), tokens.clone());
             tokio::spawn(async move {
                 while Instant::now() < stop {
-                    if let Some(lease) = leases.try_acquire("mutex", 2 * S).await.unwrap() {
+                    if let Some(lease) = leases
+                        .acquire("mutex", &LeaseOptions::new(2 * S), None)
+                        .await
+                        .unwrap()
+                    {
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
-                        tokens.lock().push(lease.token());
+                        tokens.lock().push(lease.term().token);
                         tokio::time::sleep(2 * MS).await;
                         inside.fetch_sub(1, Ordering::SeqCst);
                         lease.release().await.unwrap();
@@ -199,20 +213,42 @@ async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
     let TwoHolders { pool_a, a, b, .. } = TwoHolders::new("renew", 2).await;
 
     // Renewed: B waits 2.5 TTLs and never gets it.
-    let held = a.try_acquire("renewed", S).await.unwrap().unwrap();
-    let err = b.acquire("renewed", S, 2500 * MS).await.unwrap_err();
-    assert!(err.is_lease_busy(), "{err}");
+    let held = a
+        .acquire("renewed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let got = b
+        .acquire("renewed", &LeaseOptions::new(S), Some(2500 * MS))
+        .await
+        .unwrap();
+    assert!(got.is_none(), "B took a renewed lease");
     assert!(!held.is_lost());
     assert!(a.stats().renewed >= 5, "{:?}", a.stats());
     held.release().await.unwrap();
 
     // Not renewed: A crashes (its pool closes), B takes it over after the TTL.
-    let crashed = a.try_acquire("crashed", S).await.unwrap().unwrap();
-    assert!(b.try_acquire("crashed", S).await.unwrap().is_none());
+    let crashed = a
+        .acquire("crashed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(b
+        .acquire("crashed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_none());
     pool_a.close();
-    let taken = b.acquire("crashed", S, 5 * S).await.unwrap();
-    assert_eq!(taken.took_over_from(), Some(crashed.holder()));
-    assert!(taken.token() > crashed.token());
+    let taken = b
+        .acquire("crashed", &LeaseOptions::new(S), Some(5 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
+    assert_eq!(
+        taken.term().took_over_from.as_deref(),
+        Some(crashed.term().holder.as_str())
+    );
+    assert!(taken.term().token > crashed.term().token);
     assert_eq!(
         within(3 * S, "A's lost signal", crashed.lost()).await,
         LostReason::Deadline
@@ -223,21 +259,21 @@ async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
 #[tokio::test]
 async fn late_release_never_deletes_a_lease_taken_since() {
     let TwoHolders { admin, a, b, .. } = TwoHolders::installed("late").await;
-    let old = a
-        .try_acquire_with("report", &short())
-        .await
-        .unwrap()
-        .unwrap();
+    let old = a.acquire("report", &short(), None).await.unwrap().unwrap();
     // A's backend stops: its renewals hang, B takes the lease after its TTL.
     let stopped = Stopped::stop(backends(&admin, "late-a").await).expect("SIGSTOP");
-    let new = b.acquire_with("report", &short(), 10 * S).await.unwrap();
+    let new = b
+        .acquire("report", &short(), Some(10 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
     drop(stopped);
     // A, late, releases its old term: nothing of B's is touched.
     let err = old.release().await.unwrap_err();
     assert!(err.is_lease_lost(), "{err}");
     assert_eq!(
         row(&admin, "report").await,
-        Some((new.holder().to_owned(), new.token()))
+        Some((new.term().holder.clone(), new.term().token))
     );
     // B still renews and releases it.
     let renewed = b.stats().renewed;
@@ -260,13 +296,7 @@ async fn one_statement_renews_a_thousand_leases() {
     let mut held = Vec::with_capacity(1000);
     for i in 0..1000 {
         let name = format!("job-{i:04}");
-        held.push(
-            leases
-                .try_acquire_with(&name, &opts)
-                .await
-                .unwrap()
-                .unwrap(),
-        );
+        held.push(leases.acquire(&name, &opts, None).await.unwrap().unwrap());
     }
     eprintln!("1,000 acquisitions: {:?}", start.elapsed());
     // Batches fold together within one round; then one statement a tick.
@@ -310,6 +340,6 @@ async fn one_statement_renews_a_thousand_leases() {
     assert_eq!(leases.release_all().await.unwrap(), 1000);
     assert!(held
         .iter()
-        .all(|l| l.lost_reason() == Some(LostReason::Released)));
+        .all(|l| futures_util::FutureExt::now_or_never(l.lost()) == Some(LostReason::Released)));
     drop(held);
 }

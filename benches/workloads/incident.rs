@@ -13,7 +13,7 @@
 //! - B: pgwarden, the same jobs on budgeted session locks
 //!   (`try_session_lock`; the default budget of a pool of 8 is 2, so two
 //!   jobs run and the others are refused and retry after the pause);
-//! - C: pgwarden, the same jobs on table leases (`try_exclusive`).
+//! - C: pgwarden, the same jobs on table leases (`Leases::acquire`, one attempt).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -64,7 +64,8 @@ pub fn describe(s: Settings) -> String {
 enum Side {
     Raw(deadpool_postgres::Pool),
     Locks(Pool),
-    Leases(Pool),
+    /// The pool, and its one lease table.
+    Leases(Pool, pgwarden::Leases),
 }
 
 #[derive(Default)]
@@ -81,7 +82,7 @@ impl Side {
             Side::Raw(p) => {
                 p.get().await?.simple_query(sql).await?;
             }
-            Side::Locks(p) | Side::Leases(p) => {
+            Side::Locks(p) | Side::Leases(p, _) => {
                 p.get().await?.simple_query(sql).await?;
             }
         }
@@ -123,7 +124,10 @@ impl Side {
                 Err(e) if e.is_budget_exhausted() => Ok(false),
                 Err(e) => Err(e.into()),
             },
-            Side::Leases(p) => match p.try_exclusive(job).await? {
+            Side::Leases(_, leases) => match leases
+                .acquire(job, &pgwarden::LeaseOptions::default(), None)
+                .await?
+            {
                 Some(lease) => {
                     let worked = self.work().await;
                     lease.release().await?;
@@ -145,7 +149,7 @@ impl Side {
             })
             .await
             .is_ok_and(|r| r.is_ok()),
-            Side::Locks(p) | Side::Leases(p) => p.readiness(PROBE_BOUND).await.is_ok(),
+            Side::Locks(p) | Side::Leases(p, _) => p.readiness(PROBE_BOUND).await.is_ok(),
         };
         let took = start.elapsed();
         (ok && took <= PROBE_BOUND).then_some(took)
@@ -280,14 +284,16 @@ pub async fn incident(server: &TestServer, s: Settings) -> Result<Vec<Row>, BoxE
                 .name("bench-incident-locks")
                 .build()?,
         ),
-        Side::Leases(
-            Pool::builder(db.deadpool(POOL)?)
+        {
+            let pool = Pool::builder(db.deadpool(POOL)?)
                 .name("bench-incident-leases")
-                .build()?,
-        ),
+                .build()?;
+            let leases = pgwarden::Leases::new(&pool);
+            Side::Leases(pool, leases)
+        },
     ];
-    if let Side::Leases(p) = &sides[2] {
-        p.leases().install().await?;
+    if let Side::Leases(_, leases) = &sides[2] {
+        leases.install().await?;
     }
     // Warm-up, not recorded: every side opens its connections.
     for side in &sides {

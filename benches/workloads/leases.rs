@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{Leases, Pool};
+use pgwarden::{LeaseOptions, Leases, Pool};
 use pgwarden_testing::{TestDb, TestServer};
 use tokio_postgres::types::Type;
 
@@ -30,7 +30,7 @@ const SEQUENCE_LITERAL: &str = "'\"pgwarden_leases_token_seq\"'";
 
 pub fn describe(s: Settings) -> String {
     format!(
-        "4: {TASKS} tasks, pool {POOL} on each side; a pair is `try_acquire(new name, {TTL:?})` + \
+        "4: {TASKS} tasks, pool {POOL} on each side; a pair is `acquire(new name, {TTL:?}, None)` + \
          `release()` (B, its pool detected direct) or the same two statements, prepared and cached, \
          on two raw checkouts (A); {} interleaved round pairs of {:?}; the default lease table",
         s.rounds, s.round
@@ -215,7 +215,7 @@ pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, Bo
             async move {
                 let name = format!("w4-{}", next.fetch_add(1, Ordering::Relaxed));
                 let lease = leases
-                    .try_acquire(&name, TTL)
+                    .acquire(&name, &LeaseOptions::new(TTL), None)
                     .await
                     .expect("pgwarden acquire")
                     .expect("a new name is free");

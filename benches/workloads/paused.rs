@@ -36,7 +36,7 @@ pub fn describe(s: Settings) -> String {
     let (rounds, p) = plan(s);
     format!(
         "7: instance B holds lease `x` and pauses {:?} inside a transaction after `lease.fence(&tx)`; \
-         instance A (pool {}, default limits) runs {} tasks polling `try_acquire(\"x\")` (each blocks \
+         instance A (pool {}, default limits) runs {} tasks polling `acquire(\"x\", None)` (each blocks \
          on B's row lock), {} request tasks looping `get` + `SELECT pg_sleep(0.002)`, {} leases of its \
          own (TTL {:?}), and `readiness({:?})` every {:?}; a failed probe counts as the bound in the \
          p99; {rounds} round(s); A is the same scenario file built against `main` \

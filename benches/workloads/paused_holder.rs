@@ -4,7 +4,7 @@
 //!
 //! Instance B holds lease `x` and sits in a transaction after
 //! `lease.fence(&tx)` (a GC pause, a stopped process). Instance A (pool of
-//! 4) runs contenders polling `try_acquire("x")`, whose statement blocks on
+//! 4) runs contenders polling `acquire("x", None)`, whose statement blocks on
 //! B's row lock; request traffic that keeps its request lane full; its own
 //! unrelated leases (TTL 2 s, renewed every 500 ms); and the readiness probe
 //! every 100 ms with a 1 s bound. Public API only: the same file builds
@@ -26,7 +26,7 @@ pub struct Setup {
     pub pool: usize,
     /// How long B sits in its fenced transaction.
     pub hold: Duration,
-    /// Tasks polling `try_acquire("x")` on A.
+    /// Tasks polling `acquire("x", None)` on A.
     pub contenders: usize,
     /// Tasks looping `get` + a 2 ms statement on A.
     pub request_tasks: usize,
@@ -65,7 +65,7 @@ pub struct Outcome {
     /// Renewals of A's leases during the hold, and failed renewal statements.
     pub renewed: u64,
     pub renewal_failures: u64,
-    /// Contenders' `try_acquire("x")` calls that returned, and of those
+    /// Contenders' `acquire("x", None)` calls that returned, and of those
     /// errors (statement timeouts, checkout timeouts).
     pub attempts: usize,
     pub attempt_errors: usize,
@@ -122,7 +122,7 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
     let b = Leases::new(&pool_b);
     b.install().await?;
     let held = b
-        .try_acquire("x", Duration::from_secs(60))
+        .acquire("x", &LeaseOptions::new(Duration::from_secs(60)), None)
         .await?
         .ok_or("lease x is free at the start")?;
     let pool_a = pool(db, s.pool, "healthy")?;
@@ -132,7 +132,7 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
         let opts = LeaseOptions::new(s.own_ttl);
         let name = format!("own-{i}");
         own.push(
-            a.try_acquire_with(&name, &opts)
+            a.acquire(&name, &opts, None)
                 .await?
                 .ok_or("own lease free")?,
         );
@@ -154,7 +154,10 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
         let (attempts, errors) = (attempts.clone(), attempt_errors.clone());
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                match a.try_acquire("x", Duration::from_secs(60)).await {
+                match a
+                    .acquire("x", &LeaseOptions::new(Duration::from_secs(60)), None)
+                    .await
+                {
                     Ok(Some(l)) => drop(l.release().await),
                     Ok(None) => {}
                     Err(_) => {

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{Leases, Pool, Pooler};
+use pgwarden::{LeaseOptions, Leases, Pool, Pooler};
 use pgwarden_testing::{TestDb, TestServer};
 use tokio_postgres::types::Type;
 
@@ -266,13 +266,13 @@ async fn warden_side(
                 if held {
                     let name = format!("held-{}", n % HELD as u64);
                     let got = leases
-                        .try_acquire(&name, TTL)
+                        .acquire(&name, &LeaseOptions::new(TTL), None)
                         .await
                         .expect("pgwarden attempt");
                     assert!(got.is_none(), "a held name is busy");
                 } else {
                     let lease = leases
-                        .try_acquire(&format!("p-{n}"), TTL)
+                        .acquire(&format!("p-{n}"), &LeaseOptions::new(TTL), None)
                         .await
                         .expect("pgwarden acquire")
                         .expect("a new name is free");

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{Leases, Pool, Pooler};
+use pgwarden::{LeaseOptions, Leases, Pool, Pooler};
 use pgwarden_testing::TestServer;
 
 use crate::leases::{install, Raw};
@@ -50,7 +50,7 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
                             raw.pair(&name).await.expect("raw pair");
                         } else {
                             let lease = leases
-                                .try_acquire(&name, Duration::from_secs(60))
+                                .acquire(&name, &LeaseOptions::new(Duration::from_secs(60)), None)
                                 .await
                                 .expect("acquire")
                                 .expect("a new name is free");

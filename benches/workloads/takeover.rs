@@ -82,10 +82,10 @@ pub fn holder_main(args: &[String]) -> Result<(), BoxError> {
         let leases = Leases::new(&pool);
         let opts = LeaseOptions::new(ttl).renew_every(renew);
         let lease = leases
-            .try_acquire_with(name, &opts)
+            .acquire(name, &opts, None)
             .await?
             .ok_or("the lease is held")?;
-        println!("held {}", lease.token());
+        println!("held {}", lease.term().token);
         std::io::stdout().flush()?;
         let line = tokio::task::spawn_blocking(|| {
             let mut line = String::new();
@@ -172,10 +172,13 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
             let contender = {
                 let (leases, opts, name) = (leases.clone(), opts.clone(), name.clone());
                 tokio::spawn(async move {
-                    let lease = leases.acquire_with(&name, &opts, wait).await?;
+                    let lease = leases.acquire(&name, &opts, Some(wait)).await?;
                     let at = Instant::now();
+                    let Some(lease) = lease else {
+                        return Ok::<_, pgwarden::Error>(None);
+                    };
                     lease.release().await?;
-                    Ok::<_, pgwarden::Error>(at)
+                    Ok(Some(at))
                 })
             };
             // Past at least one renewal, at a random point of the renewal
@@ -191,7 +194,9 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
                 writeln!(stdin, "release")?;
                 stdin.flush()?;
             }
-            let at = contender.await??;
+            let at = contender
+                .await??
+                .ok_or_else(|| format!("the contender did not get the lease within {wait:?}"))?;
             let ms = at.saturating_duration_since(t0).as_secs_f64() * 1e3;
             if kill {
                 crash.push(ms);

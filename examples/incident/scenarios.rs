@@ -209,19 +209,17 @@ pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outco
     Ok(out)
 }
 
-/// pgwarden, pool of 4, the same four jobs on table leases
-/// (`pool.try_exclusive`, seed 000's call answered by a lease): no connection
-/// is held between statements.
+/// pgwarden, pool of 4, the same four jobs on table leases (one attempt
+/// each with `Leases::acquire`, "run this on one instance only" answered by a
+/// lease): no connection is held between statements.
 pub async fn pgwarden_leases(db: &TestDb) -> Result<Outcome, BoxError> {
     let pool = Pool::builder(db.deadpool(POOL_SIZE)?)
         .name("incident-leases")
         .build()?;
     let mut out = Outcome::new(format!("pgwarden table leases, pool {POOL_SIZE}"));
-    let attempts = join_all(JOBS.map(|job| {
-        let pool = pool.clone();
-        async move { pool.try_exclusive(job).await }
-    }))
-    .await;
+    let leases = pgwarden::Leases::new(&pool);
+    let opts = pgwarden::LeaseOptions::default();
+    let attempts = join_all(JOBS.map(|job| leases.acquire(job, &opts, None))).await;
     let mut held = Vec::new();
     for a in attempts {
         match a? {

@@ -10,15 +10,14 @@
 //! | `uptime` | 10 s | one instance per node |
 //!
 //! Periods are multiplied by `PGWARDEN_TIME_SCALE` (and clamped to the
-//! scheduler's minimum, [`MIN_PERIOD`]). Every run is recorded in
+//! scheduler's minimum, 1 s). Every run is recorded in
 //! `job_runs` inside a transaction fenced by the run's lease, so a holder
 //! whose lease was taken over can never record (or do) a run.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::lease::{MIN_PERIOD, MIN_TTL};
-use pgwarden::{Job, LeaseHandle, LeaseOptions, Pool, Scheduler};
+use pgwarden::{Job, LeaseHandle, LeaseOptions, Leases, Pool, Scheduler};
 use tokio_postgres::types::Type;
 
 use crate::config::Config;
@@ -26,6 +25,9 @@ use crate::BoxError;
 
 /// The seed's lease TTL, two minutes, scaled like the periods (at least 1 s).
 const TTL: Duration = Duration::from_secs(120);
+/// The shortest period the scheduler accepts, and the shortest lease TTL.
+const MIN_PERIOD: Duration = Duration::from_secs(1);
+const MIN_TTL: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
 struct Ctx {
@@ -47,7 +49,7 @@ pub fn periods(cfg: &Config) -> [(&'static str, Duration); 4] {
 }
 
 /// Starts the scheduler with the four jobs.
-pub fn start(pool: &Pool, cfg: &Config) -> Result<Scheduler, BoxError> {
+pub fn start(pool: &Pool, leases: &Leases, cfg: &Config) -> Result<Scheduler, BoxError> {
     let ctx = Ctx {
         pool: pool.clone(),
         node: Arc::from(cfg.node.as_str()),
@@ -75,7 +77,7 @@ pub fn start(pool: &Pool, cfg: &Config) -> Result<Scheduler, BoxError> {
         };
         j.options(opts.clone())
     };
-    let scheduler = Scheduler::builder(&pool.leases())
+    let scheduler = Scheduler::builder(leases)
         .node(cfg.node.clone())
         .job(job(cleanup_p, false))
         .job(job(alerts_p, false))
@@ -116,12 +118,12 @@ async fn run(
             (&&*ctx.node, Type::TEXT),
             (&&*ctx.instance, Type::TEXT),
             (&period_ms, Type::INT8),
-            (&lease.token(), Type::INT8),
+            (&lease.term().token, Type::INT8),
         ],
     )
     .await?;
     tx.commit().await?;
-    tracing::debug!(job = name, token = lease.token(), done, "job ran");
+    tracing::debug!(job = name, token = lease.term().token, done, "job ran");
     Ok(())
 }
 

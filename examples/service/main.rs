@@ -120,7 +120,9 @@ async fn run() -> Result<(), BoxError> {
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     let addr = listener.local_addr()?;
     schema::install(&pool, &cfg.instance, &addr.to_string()).await?;
-    let scheduler = jobs::start(&pool, &cfg)?;
+    // One lease table per process: the jobs and the demo route share it.
+    let leases = pgwarden::Leases::new(&pool);
+    let scheduler = jobs::start(&pool, &leases, &cfg)?;
     let periods: Vec<String> = jobs::periods(&cfg)
         .iter()
         .map(|(job, p)| format!("{job} every {p:?}"))
@@ -130,6 +132,7 @@ async fn run() -> Result<(), BoxError> {
     let (shutdown_tx, shutdown) = tokio::sync::watch::channel(false);
     let state = routes::AppState {
         pool: pool.clone(),
+        leases: leases.clone(),
         metrics,
         instance: Arc::from(cfg.instance.as_str()),
         shutdown,
@@ -152,10 +155,10 @@ async fn run() -> Result<(), BoxError> {
 
     println!("instance {}: shutting down", cfg.instance);
     // Running jobs finish (within a grace period); their leases are released.
-    scheduler.shutdown().await;
+    scheduler.shutdown(Duration::from_secs(10)).await;
     // Whatever else this process holds (the demo route's leases release
     // themselves when told to stop; this is the safety net).
-    let left = pool.leases().release_all().await?;
+    let left = leases.release_all().await?;
     println!(
         "instance {}: leases released ({left} left at shutdown)",
         cfg.instance

@@ -12,13 +12,15 @@ use axum::routing::{get, post};
 use axum::{Extension, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use pgwarden::http::{Liveness, Readiness, ShedLayer};
-use pgwarden::{Deadline, LockKey, Pool};
+use pgwarden::{Deadline, LeaseOptions, Leases, LockKey, Pool};
 use tokio::sync::watch;
 
 /// What every handler sees.
 #[derive(Clone)]
 pub struct AppState {
     pub pool: Pool,
+    /// The process's lease table (shared with the scheduler).
+    pub leases: Leases,
     pub metrics: PrometheusHandle,
     pub instance: Arc<str>,
     /// Becomes true at SIGTERM/Ctrl-C: the demo routes stop holding.
@@ -265,9 +267,12 @@ async fn hold_lease(State(s): State<AppState>, Query(q): Query<HashMap<String, S
         (Err(r), _) | (_, Err(r)) => return r,
     };
     let lease = match s
-        .pool
-        .leases()
-        .try_acquire(&name, Duration::from_millis(ttl_ms))
+        .leases
+        .acquire(
+            &name,
+            &LeaseOptions::new(Duration::from_millis(ttl_ms)),
+            None,
+        )
         .await
     {
         Ok(Some(lease)) => lease,
@@ -279,7 +284,7 @@ async fn hold_lease(State(s): State<AppState>, Query(q): Query<HashMap<String, S
         }
         Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
     };
-    let token = lease.token();
+    let token = lease.term().token;
     let mut shutdown = s.shutdown.clone();
     let lost = lease.lost();
     let held = tokio::select! {

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures_util::FutureExt;
 
@@ -192,12 +192,8 @@ impl Inner {
 
     /// One purge statement: rows deleted.
     pub(crate) async fn purge_once(&self) -> Result<u64, Error> {
-        self.purge_with(self.purge.age).await
-    }
-
-    pub(crate) async fn purge_with(&self, age: Duration) -> Result<u64, Error> {
         let stmt = Purge {
-            age,
+            age: self.purge.age,
             limit: PURGE_BATCH,
         };
         let n = self

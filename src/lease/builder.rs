@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::inner::{PoolRef, PurgeSettings, Settings};
+use super::inner::{PurgeSettings, Settings};
 use super::leases::Leases;
 use super::name::check_name;
 use super::table::{TableName, DEFAULT_TABLE};
@@ -13,19 +13,32 @@ use crate::pool::Pool;
 
 /// The longest a lease statement may take by default (checkout included)
 /// before it is cancelled on the server and fails: 10 s.
-pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Rows released or expired for longer than this are purged by default:
 /// 10 minutes.
-pub const DEFAULT_PURGE_AFTER: Duration = Duration::from_secs(600);
+pub(crate) const DEFAULT_PURGE_AFTER: Duration = Duration::from_secs(600);
 
 /// How often the renewer purges by default: once a minute.
-pub const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
 
 /// The shortest purge interval accepted: 10 ms.
-pub const MIN_PURGE_INTERVAL: Duration = Duration::from_millis(10);
+pub(crate) const MIN_PURGE_INTERVAL: Duration = Duration::from_millis(10);
 
 /// Builds a [`Leases`]. Every setting has a default.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use std::time::Duration;
+/// let leases = pgwarden::Leases::builder(&pool)
+///     .table("app.leases")
+///     .auto_install(false) // migrations create it: see Leases::ddl
+///     .declare(["cleanup", "report"])
+///     .purge(Duration::from_secs(3600), Some(Duration::from_secs(300)))
+///     .build()?;
+/// # let _ = leases;
+/// # Ok(()) }
+/// ```
 #[must_use = "builder does nothing until .build()"]
 #[derive(Debug)]
 pub struct LeasesBuilder {
@@ -39,9 +52,10 @@ pub struct LeasesBuilder {
 
 impl LeasesBuilder {
     /// The lease table: `table` or `schema.table`, each part of
-    /// `[A-Za-z0-9_]` not starting with a digit, the table part at most
-    /// [`MAX_TABLE_LEN`](super::MAX_TABLE_LEN) bytes (its sequence adds `_token_seq`). Quotes,
-    /// spaces and other characters are refused. Default: [`DEFAULT_TABLE`].
+    /// `[A-Za-z0-9_]` not starting with a digit, the table part at most 53
+    /// bytes (its sequence adds `_token_seq`; PostgreSQL's identifiers stop
+    /// at 63), the schema at most 63. Quotes, spaces and other characters
+    /// are refused. Default: `pgwarden_leases`, found through `search_path`.
     pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
         self
@@ -54,7 +68,7 @@ impl LeasesBuilder {
     /// when the client is gone; on a connection known to be direct a cancel
     /// request is sent as well. Its connection is then closed. Renewals are
     /// bounded by the local deadline as well.
-    /// Default: [`DEFAULT_STATEMENT_TIMEOUT`] (10 s).
+    /// More than zero, at most 24 h. Default: 10 s.
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.statement_timeout = timeout;
         self
@@ -70,10 +84,10 @@ impl LeasesBuilder {
 
     /// Declares lease names up front: each becomes a value of the `lease`
     /// label of the lease metrics. Every name not declared (here or as a
-    /// [`Scheduler`](super::Scheduler) job) counts under
-    /// [`UNDECLARED_LEASE`](super::UNDECLARED_LEASE), so that names made at
-    /// run time (per user, per tenant) cannot grow the metrics without bound.
-    /// Default: none.
+    /// [`Scheduler`](super::Scheduler) job) counts under the label value
+    /// `_other`, so that names made at run time (per user, per tenant)
+    /// cannot grow the metrics without bound. Names are 1 to 128 bytes of
+    /// UTF-8 without control characters. Default: none.
     pub fn declare<I, S>(mut self, names: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -83,27 +97,24 @@ impl LeasesBuilder {
         self
     }
 
-    /// Purge rows released or expired for longer than `age`: the renewer
-    /// deletes them, one statement (at most 500 rows) per
-    /// [`LeasesBuilder::purge_interval`]. A purged name starts again with a
-    /// new row; its tokens still grow (see [`Leases::purge`]). Between 0 and
-    /// 366 days. Default: [`DEFAULT_PURGE_AFTER`] (10 min).
-    pub fn purge_after(mut self, age: Duration) -> Self {
-        self.purge.age = age;
-        self
-    }
-
-    /// How often the renewer purges: at least [`MIN_PURGE_INTERVAL`].
-    /// Default: [`DEFAULT_PURGE_INTERVAL`] (60 s).
-    pub fn purge_interval(mut self, every: Duration) -> Self {
-        self.purge.every = every;
-        self
-    }
-
-    /// Whether the renewer purges at all ([`Leases::purge`] still works).
-    /// Default: true.
-    pub fn auto_purge(mut self, on: bool) -> Self {
-        self.purge.auto = on;
+    /// Old rows: the renewer deletes rows released or expired for longer
+    /// than `after` (0 to 366 days), one statement (at most 500 rows) per
+    /// `every` (10 ms to 366 days); `None` turns the purge off (the rows then
+    /// stay: one per name ever used). Default: after 10 min, every 60 s.
+    ///
+    /// A purged name starts again with a new row, and its tokens still grow:
+    /// a row is deleted only under an exclusive transaction-scoped try-lock
+    /// on its name, which it cannot get while an acquisition of that name
+    /// (which holds the lock shared from before it draws its token until it
+    /// commits) is in flight. Rows it cannot lock stay for the next round; an
+    /// acquisition that meets the purge of its name in the same instant
+    /// finds the name busy (`Ok(None)`).
+    pub fn purge(mut self, after: Duration, every: Option<Duration>) -> Self {
+        self.purge.age = after;
+        self.purge.auto = every.is_some();
+        if let Some(every) = every {
+            self.purge.every = every;
+        }
         self
     }
 
@@ -149,11 +160,7 @@ impl LeasesBuilder {
             purge: self.purge,
             declared: self.declared,
         };
-        Ok(Leases::from_parts(
-            PoolRef::Strong(self.pool.clone()),
-            &self.pool,
-            settings,
-        ))
+        Ok(Leases::from_parts(&self.pool, settings))
     }
 }
 
@@ -173,7 +180,7 @@ pub(super) fn default_settings() -> Settings {
 
 impl Leases {
     /// Starts a builder: table name, statement timeout, auto-install,
-    /// purge, declared names.
+    /// purge, declared names. See [`LeasesBuilder`].
     pub fn builder(pool: &Pool) -> LeasesBuilder {
         let d = default_settings();
         LeasesBuilder {

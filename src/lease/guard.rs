@@ -3,10 +3,10 @@
 
 use std::fmt;
 use std::future::Future;
+use std::ops::Deref;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
 
-use super::state::LeaseState;
+use super::state::{LeaseState, Term};
 use super::Inner;
 use crate::error::Error;
 
@@ -53,9 +53,29 @@ impl fmt::Display for LostReason {
 
 /// A shareable view of a held lease: name, fencing token, lost signal, fence.
 ///
-/// Cheap to clone; [`Leases::run_exclusive`](crate::Leases::run_exclusive)
-/// and scheduled jobs receive one. It cannot release the lease: its
-/// [`Lease`] guard (or the runner) does.
+/// Cheap to clone; [`Leases::run`](crate::Leases::run) and scheduled
+/// [`Job`](crate::Job)s receive one, and a [`Lease`] guard dereferences to
+/// one (`LeaseHandle::clone(&lease)` makes a handle to move into another
+/// task). It cannot release the lease: its guard (or the runner) does.
+///
+/// ```no_run
+/// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+/// let opts = pgwarden::LeaseOptions::default();
+/// if let Some(lease) = leases.acquire("report", &opts, None).await? {
+///     let handle = pgwarden::LeaseHandle::clone(&lease);
+///     let worker = tokio::spawn(async move {
+///         tokio::select! {
+///             reason = handle.lost() => eprintln!("stopped: lease {reason}"),
+///             _ = std::future::pending::<()>() => {} // the work
+///         }
+///     });
+///     # let _ = worker;
+///     let term = lease.term();
+///     println!("{} held with token {}", term.name, term.token);
+///     lease.release().await?;
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct LeaseHandle {
     pub(crate) state: Arc<LeaseState>,
@@ -63,50 +83,18 @@ pub struct LeaseHandle {
 }
 
 impl LeaseHandle {
-    /// The lease's name.
-    pub fn name(&self) -> &str {
-        &self.state.name
-    }
-
-    /// The fencing token of this term: it grows with every take-over of any
-    /// lease of the table (one sequence), so a later term always carries a
-    /// larger token. Pass it to systems that can reject stale writers.
-    pub fn token(&self) -> i64 {
-        self.state.token
-    }
-
-    /// This term's holder id: `host:pid:64 random bits`.
-    pub fn holder(&self) -> &str {
-        &self.state.holder
-    }
-
-    /// The TTL the lease is renewed to.
-    pub fn ttl(&self) -> Duration {
-        self.state.ttl
-    }
-
-    /// When the term began, on the database clock.
-    pub fn taken_at(&self) -> SystemTime {
-        self.state.taken_at
-    }
-
-    /// The holder whose expired term this one took over, if any (a crashed
-    /// or cut-off instance). `None` for a free lease.
-    pub fn took_over_from(&self) -> Option<&str> {
-        self.state.prev_holder.as_deref().filter(|h| !h.is_empty())
+    /// The term held: name, fencing token, holder, start, and whose expired
+    /// term it replaced. See [`Term`].
+    pub fn term(&self) -> &Term {
+        &self.state.term
     }
 
     /// Has the lease been lost? True once the signal fired, and as soon as
     /// the local deadline has passed (it fires the signal then), whatever
-    /// the renewer is doing.
+    /// the renewer is doing. [`LeaseHandle::lost`] tells why (at once, when
+    /// it is already lost).
     pub fn is_lost(&self) -> bool {
         self.inner.check_lost(&self.state).is_some()
-    }
-
-    /// Why it was lost, once it was (the local deadline counts, as in
-    /// [`LeaseHandle::is_lost`]).
-    pub fn lost_reason(&self) -> Option<LostReason> {
-        self.inner.check_lost(&self.state)
     }
 
     /// Completes when the lease is lost: a renewal touched no row (another
@@ -230,12 +218,6 @@ impl LeaseHandle {
             reason,
         }
     }
-
-    /// The local deadline: when this holder stops trusting the lease unless
-    /// a renewal succeeds first (monotonic clock).
-    pub fn deadline(&self) -> Instant {
-        self.state.deadline()
-    }
 }
 
 fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
@@ -257,9 +239,25 @@ impl fmt::Debug for LeaseHandle {
 /// connection; the process's renewer renews it (batched) until it is
 /// released.
 ///
+/// It dereferences to its [`LeaseHandle`]: name, token, lost signal, fence.
 /// [`Lease::release`] releases it and reports errors; dropping it releases it
 /// in the background (when a tokio runtime is running; otherwise it expires
 /// after its TTL).
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool, leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+/// let opts = pgwarden::LeaseOptions::default();
+/// if let Some(lease) = leases.acquire("cleanup", &opts, None).await? {
+///     let mut conn = pool.get().await?; // the work's own connection
+///     let tx = conn.transaction().await?;
+///     lease.fence(&tx).await?; // its writes commit only under this term
+///     tx.execute("DELETE FROM sso_requests WHERE expires_at < now()", &[]).await?;
+///     tx.commit().await?;
+///     drop(conn);
+///     lease.release().await?;
+/// }
+/// # Ok(()) }
+/// ```
 pub struct Lease {
     pub(crate) handle: LeaseHandle,
     pub(crate) id: u64,
@@ -267,56 +265,6 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// A shareable view: name, token, lost signal, fence.
-    pub fn handle(&self) -> LeaseHandle {
-        self.handle.clone()
-    }
-
-    /// The lease's name.
-    pub fn name(&self) -> &str {
-        self.handle.name()
-    }
-
-    /// The fencing token of this term. See [`LeaseHandle::token`].
-    pub fn token(&self) -> i64 {
-        self.handle.token()
-    }
-
-    /// This term's holder id.
-    pub fn holder(&self) -> &str {
-        self.handle.holder()
-    }
-
-    /// When the term began, on the database clock.
-    pub fn taken_at(&self) -> SystemTime {
-        self.handle.taken_at()
-    }
-
-    /// The holder whose expired term this one took over, if any.
-    pub fn took_over_from(&self) -> Option<&str> {
-        self.handle.took_over_from()
-    }
-
-    /// Has the lease been lost? See [`LeaseHandle::lost`].
-    pub fn is_lost(&self) -> bool {
-        self.handle.is_lost()
-    }
-
-    /// Why it was lost, once it was.
-    pub fn lost_reason(&self) -> Option<LostReason> {
-        self.handle.lost_reason()
-    }
-
-    /// Completes when the lease is lost. See [`LeaseHandle::lost`].
-    pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
-        self.handle.lost()
-    }
-
-    /// The fenced-transaction check. See [`LeaseHandle::fence`].
-    pub async fn fence(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<(), Error> {
-        self.handle.fence(tx).await
-    }
-
     /// Releases the lease, this term's only (its holder id is new on every
     /// acquisition), so a late release never touches a later holder's
     /// lease. The row is deleted, unless the term has a hold (an at-least
@@ -344,6 +292,14 @@ impl Lease {
         let r = h.inner.release(self.id, &h.state, true).await;
         self.done = true;
         r
+    }
+}
+
+impl Deref for Lease {
+    type Target = LeaseHandle;
+
+    fn deref(&self) -> &LeaseHandle {
+        &self.handle
     }
 }
 

@@ -2,7 +2,7 @@
 //! guards and its renewer, and the acquisitions and releases it runs.
 
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
@@ -20,18 +20,12 @@ use super::state::{LeaseState, TermInfo};
 use super::statement::{FollowUp, Urgency};
 use super::table::TableName;
 use crate::error::Error;
-use crate::pool::{Pool, Shared};
+use crate::pool::Pool;
 use crate::pooler::Pooler;
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
 /// a holder may release early.
 pub(crate) const MAX_POLL: Duration = Duration::from_millis(500);
-
-pub(crate) enum PoolRef {
-    Strong(Pool),
-    /// The pool's own instance ([`Pool::leases`]) must not keep the pool alive.
-    Weak(Weak<Shared>),
-}
 
 /// When to delete old rows.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -45,7 +39,7 @@ pub(crate) struct PurgeSettings {
 }
 
 pub(crate) struct Inner {
-    pub(crate) pool: PoolRef,
+    pub(crate) pool: Pool,
     pub(crate) pool_name: Arc<str>,
     pub(crate) table: TableName,
     pub(crate) sql: Statements,
@@ -83,7 +77,7 @@ pub(crate) struct Settings {
 }
 
 impl Inner {
-    pub(crate) fn new(pool: PoolRef, pool_name: &str, s: Settings) -> Inner {
+    pub(crate) fn new(pool: Pool, pool_name: &str, s: Settings) -> Inner {
         let metrics = LeaseMetrics::register(pool_name);
         for name in &s.declared {
             metrics.declare(name, name);
@@ -107,14 +101,8 @@ impl Inner {
         }
     }
 
-    pub(crate) fn pool(&self) -> Result<Pool, Error> {
-        match &self.pool {
-            PoolRef::Strong(p) => Ok(p.clone()),
-            PoolRef::Weak(w) => w
-                .upgrade()
-                .map(|shared| Pool { shared })
-                .ok_or(Error::Pool(deadpool_postgres::PoolError::Closed)),
-        }
+    pub(crate) fn pool(&self) -> Pool {
+        self.pool.clone()
     }
 
     pub(crate) fn count_statement(&self) {
@@ -149,7 +137,7 @@ impl Inner {
         {
             return;
         }
-        let Ok(pool) = self.pool() else { return };
+        let pool = self.pool();
         if pool.pooler() != Pooler::Auto {
             return;
         }
@@ -252,14 +240,13 @@ impl Inner {
             name: name.into(),
             holder,
             token: taken.token,
-            ttl: timing.ttl,
             taken_at,
             prev_holder: taken.prev_holder,
             has_hold,
         };
         let state = Arc::new(LeaseState::new(info, timing.deadline(start)));
         self.metrics.acquired(name);
-        if let Some(prev) = state.prev_holder.as_deref().filter(|h| !h.is_empty()) {
+        if let Some(prev) = state.term.took_over_from.as_deref() {
             self.metrics.takeover(name);
             tracing::warn!(
                 pool = %self.pool_name,

@@ -10,6 +10,16 @@ use super::options::LeaseOptions;
 use super::LeaseHandle;
 
 /// What a job returns: `()` or `Result<(), E>`; errors are logged.
+///
+/// ```
+/// use std::time::Duration;
+/// // A job returning a `Result`: its error is logged, and it runs again
+/// // next period.
+/// let job = pgwarden::Job::every("sync", Duration::from_secs(60), |_lease| async {
+///     Err::<(), _>("upstream unavailable")
+/// });
+/// # let _ = job;
+/// ```
 pub trait JobOutcome: Send + 'static {
     /// The error to log, if any.
     fn into_error(self) -> Option<String>;
@@ -75,7 +85,8 @@ impl Job {
     }
 
     /// Runs `f` once per `period` on exactly one instance of the cluster
-    /// (lease name: the job's name).
+    /// (lease name: the job's name). The period is 1 s to 366 days; job
+    /// names are unique within a scheduler, without `@`.
     pub fn every<F, Fut, R>(name: impl Into<String>, period: Duration, f: F) -> Job
     where
         F: Fn(LeaseHandle) -> Fut + Send + Sync + 'static,
@@ -102,11 +113,6 @@ impl Job {
     pub fn options(mut self, opts: LeaseOptions) -> Job {
         self.opts = opts;
         self
-    }
-
-    /// The job's name.
-    pub fn name(&self) -> &str {
-        &self.name
     }
 }
 

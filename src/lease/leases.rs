@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::builder::default_settings;
 use super::guard::{Lease, LostReason};
-use super::inner::{Inner, PoolRef, Settings, MAX_POLL};
+use super::inner::{Inner, Settings, MAX_POLL};
 use super::options::LeaseOptions;
 use crate::error::Error;
 use crate::pool::Pool;
@@ -14,18 +14,21 @@ use crate::pool::Pool;
 /// The lease table of one pool: acquire, renew (batched, in the background),
 /// release, run jobs exclusively.
 ///
-/// Cloning is cheap; clones share one renewer. Create one per table and
-/// keep it (or use [`Pool::leases`], the pool's own).
+/// Cloning is cheap; clones share one renewer. Create one per table when
+/// the process starts ([`Leases::new`] for the default table, or
+/// [`Leases::builder`]) and keep it: each instance has its own renewer
+/// task and metrics registration.
 ///
 /// ```no_run
 /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
 /// use std::time::Duration;
 /// let leases = pgwarden::Leases::builder(&pool).table("app.leases").build()?;
 /// leases.install().await?;
+/// let opts = pgwarden::LeaseOptions::new(Duration::from_secs(120));
 /// let ran = leases
-///     .run_exclusive("cleanup", Duration::from_secs(120), |lease| async move {
+///     .run("cleanup", &opts, |lease| async move {
 ///         // … the hourly clean-up; lease.lost() fires if the lease is lost
-///         lease.token()
+///         lease.term().token
 ///     })
 ///     .await?;
 /// if ran.is_none() {
@@ -39,6 +42,13 @@ pub struct Leases {
 }
 
 /// What a [`Leases`] instance has done, for logs and tests.
+///
+/// ```no_run
+/// # fn demo(leases: pgwarden::Leases) {
+/// let s = leases.stats();
+/// println!("{} held, {} renewal failures", s.held, s.renewal_failures);
+/// # }
+/// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LeaseStats {
@@ -65,41 +75,44 @@ pub struct LeaseStats {
 }
 
 impl Leases {
-    /// The default lease table ([`DEFAULT_TABLE`](super::DEFAULT_TABLE)) of `pool`, with every
-    /// setting at its default.
+    /// The default lease table of `pool`, `pgwarden_leases` (found through
+    /// `search_path`, created at first use), with every setting at its
+    /// default (see [`LeasesBuilder`](super::LeasesBuilder)).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) {
+    /// let leases = pgwarden::Leases::new(&pool); // keep it: one per process
+    /// # let _ = leases;
+    /// # }
+    /// ```
     pub fn new(pool: &Pool) -> Leases {
-        Leases::from_parts(PoolRef::Strong(pool.clone()), pool, default_settings())
+        Leases::from_parts(pool, default_settings())
     }
 
-    /// The instance [`Pool::leases`] keeps: it does not keep the pool alive.
-    pub(crate) fn for_pool(pool: &Pool) -> Leases {
-        Leases::from_parts(
-            PoolRef::Weak(Arc::downgrade(&pool.shared)),
-            pool,
-            default_settings(),
-        )
-    }
-
-    pub(super) fn from_parts(pool_ref: PoolRef, pool: &Pool, settings: Settings) -> Leases {
+    pub(super) fn from_parts(pool: &Pool, settings: Settings) -> Leases {
         Leases {
-            inner: Arc::new(Inner::new(pool_ref, pool.name(), settings)),
+            inner: Arc::new(Inner::new(pool.clone(), pool.name(), settings)),
         }
     }
 
-    /// The table, as given (`schema.table` or `table`).
-    pub fn table(&self) -> String {
-        self.inner.table.to_string()
-    }
-
     /// The DDL [`Leases::install`] runs: `sql/leases.sql` with this table's
-    /// names.
+    /// names, for migrations that own the schema
+    /// ([`LeasesBuilder::auto_install`](super::LeasesBuilder::auto_install)`(false)`).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+    /// let leases = pgwarden::Leases::builder(&pool).table("app.leases").build()?;
+    /// std::fs::write("migrations/0042_leases.sql", leases.ddl()).ok();
+    /// # Ok(()) }
+    /// ```
     pub fn ddl(&self) -> String {
         self.inner.table.ddl()
     }
 
     /// Creates the lease table and its token sequence when they do not both
     /// exist, inside a transaction holding the transaction-scoped advisory
-    /// lock [`INSTALL_LOCK_KEY`](super::INSTALL_LOCK_KEY), so instances
+    /// lock `Namespace::PGWARDEN.named("leases.install")` (the pair
+    /// `(1885828964, 594100531)`, in pgwarden's own key space), so instances
     /// starting together do not race; then checks the shape of what exists.
     /// The schema must exist. Returns true when it ran the DDL.
     ///
@@ -108,55 +121,68 @@ impl Leases {
     /// mistyped column, the primary key (it must be `(name)`), the token
     /// sequence (a `bigint` sequence named after the table). With
     /// `auto_install` on (the default) the first acquisition runs this.
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// // At start-up: fail early on a table of another shape.
+    /// let created = leases.install().await?;
+    /// # let _ = created;
+    /// # Ok(()) }
+    /// ```
     pub async fn install(&self) -> Result<bool, Error> {
         self.inner.install().await
     }
 
-    /// Takes `name` for `ttl` if nobody holds it; `None` when another term
-    /// holds it (a skip), in one statement's round trip: the statement never
-    /// waits on a live holder, not even one inside a fenced transaction.
-    /// Renewal every TTL / 4 starts at once.
+    /// Takes `name` under `opts`, the one way to acquire a lease. A name is
+    /// 1 to 128 bytes of UTF-8 without control characters; names are metric
+    /// labels only when declared ([`LeasesBuilder::declare`](super::LeasesBuilder::declare)).
+    ///
+    /// - `wait: None`: one attempt. `Ok(None)` when another term holds the
+    ///   name (a skip), in one statement's round trip: the statement never
+    ///   waits on a live holder, not even one inside a fenced transaction.
+    /// - `wait: Some(d)`: waits up to `d` for the holder to release the
+    ///   lease or let it expire (polling when the database says it may be
+    ///   free, at least every 500 ms); `Ok(None)` if it is still held then.
+    ///
+    /// Renewal (every TTL / 4 by default) starts at once. Errors are the
+    /// options' validation ([`Error::InvalidInput`]), a statement timeout
+    /// ([`Error::LeaseTimeout`]), a table of another shape
+    /// ([`Error::LeaseTableMismatch`]) or the database's.
     ///
     /// Cancellation: a future dropped after its statement reached the
     /// database cancels the statement on the server, then releases the
     /// lease in the background in case the statement took it first.
-    pub async fn try_acquire(&self, name: &str, ttl: Duration) -> Result<Option<Lease>, Error> {
-        self.try_acquire_with(name, &LeaseOptions::new(ttl)).await
-    }
-
-    /// [`Leases::try_acquire`] with every option.
-    pub async fn try_acquire_with(
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// use std::time::Duration;
+    /// use pgwarden::LeaseOptions;
+    /// // One attempt: skip this round when another instance has it.
+    /// if let Some(lease) = leases.acquire("cleanup", &LeaseOptions::default(), None).await? {
+    ///     // … the work; lease.lost() fires if the lease is lost
+    ///     lease.release().await?;
+    /// }
+    /// // Wait up to 5 s for a lease of 30 s.
+    /// let opts = LeaseOptions::new(Duration::from_secs(30));
+    /// match leases.acquire("migrate", &opts, Some(Duration::from_secs(5))).await? {
+    ///     Some(lease) => lease.release().await?,
+    ///     None => eprintln!("another instance kept \"migrate\" for 5 s"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn acquire(
         &self,
         name: &str,
         opts: &LeaseOptions,
+        wait: Option<Duration>,
     ) -> Result<Option<Lease>, Error> {
-        let lease = self.inner.attempt(name, opts).await?;
-        if lease.is_none() {
-            self.inner.metrics.skipped(name);
-        }
-        Ok(lease)
-    }
-
-    /// Takes `name` for `ttl`, waiting up to `wait` for its holder to release
-    /// it or let it expire; [`Error::LeaseBusy`] after that.
-    pub async fn acquire(&self, name: &str, ttl: Duration, wait: Duration) -> Result<Lease, Error> {
-        self.acquire_with(name, &LeaseOptions::new(ttl), wait).await
-    }
-
-    /// [`Leases::acquire`] with every option.
-    pub async fn acquire_with(
-        &self,
-        name: &str,
-        opts: &LeaseOptions,
-        wait: Duration,
-    ) -> Result<Lease, Error> {
         let start = Instant::now();
+        let wait = wait.unwrap_or(Duration::ZERO);
         loop {
             if let Some(lease) = self.inner.attempt(name, opts).await? {
-                return Ok(lease);
+                return Ok(Some(lease));
             }
-            let left = wait.saturating_sub(start.elapsed());
-            let retry_in = if left.is_zero() {
+            let retry_in = if wait.saturating_sub(start.elapsed()).is_zero() {
                 Duration::ZERO
             } else {
                 self.inner.free_in(name).await?
@@ -164,10 +190,7 @@ impl Leases {
             let left = wait.saturating_sub(start.elapsed());
             if left.is_zero() {
                 self.inner.metrics.skipped(name);
-                return Err(Error::LeaseBusy {
-                    name: name.to_owned(),
-                    waited: start.elapsed(),
-                });
+                return Ok(None);
             }
             let pause = retry_in
                 .clamp(Duration::from_millis(10), MAX_POLL)
@@ -179,6 +202,14 @@ impl Leases {
     /// Releases every lease this instance still holds (graceful shutdown):
     /// their guards fire `lost(Released)` and become inert. Returns how many
     /// rows were released; the first error is returned after trying all.
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// // on SIGTERM, after the scheduler's shutdown:
+    /// let released = leases.release_all().await?;
+    /// # let _ = released;
+    /// # Ok(()) }
+    /// ```
     pub async fn release_all(&self) -> Result<usize, Error> {
         let mut released = 0;
         let mut first_err = None;
@@ -198,29 +229,6 @@ impl Leases {
         match first_err {
             Some(e) => Err(e),
             None => Ok(released),
-        }
-    }
-
-    /// Deletes the rows released or expired for longer than the purge age
-    /// (set on the builder; [`DEFAULT_PURGE_AFTER`](super::DEFAULT_PURGE_AFTER) by default), all of them,
-    /// 500 per statement; returns how many. The renewer does the same on its
-    /// own, one statement per purge interval.
-    ///
-    /// Tokens keep growing across purges: a row is deleted only under an
-    /// exclusive transaction-scoped try-lock on its name, which it cannot get
-    /// while an acquisition of that name (which holds the lock shared from
-    /// before it draws its token until it commits) is in flight. Rows it
-    /// cannot lock stay for the next purge; an acquisition that meets the
-    /// purge of its name in the same instant reports the name busy.
-    pub async fn purge(&self) -> Result<u64, Error> {
-        let age = self.inner.purge.age;
-        let mut total = 0;
-        loop {
-            let n = self.inner.purge_with(age).await?;
-            total += n;
-            if n < super::batch::PURGE_BATCH as u64 {
-                return Ok(total);
-            }
         }
     }
 

@@ -22,7 +22,7 @@ use crate::metrics::{
 };
 
 /// The `lease` label value of every lease name that was not declared.
-pub const UNDECLARED_LEASE: &str = "_other";
+pub(crate) const UNDECLARED_LEASE: &str = "_other";
 
 /// The statements of `pgwarden_lease_statement_timeouts_total{statement}`.
 const STATEMENTS: [&str; 6] = [

@@ -5,11 +5,30 @@
 //! expires_at < now()` statement, renewed by its holder, released by its
 //! holder only. Each statement borrows a connection for that statement only,
 //! so a process holding any number of leases holds no connection between
-//! statements, and renewals never queue behind request traffic. Beyond the
-//! plain lease row:
+//! statements, and renewals never queue behind request traffic.
+//!
+//! ```no_run
+//! # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+//! use std::time::Duration;
+//! use pgwarden::{Job, LeaseOptions, Leases, Scheduler};
+//! let leases = Leases::new(&pool); // one per process: it owns the renewer
+//! // One attempt (None) or a wait (Some): Ok(None) when another holder has it.
+//! if let Some(lease) = leases.acquire("cleanup", &LeaseOptions::default(), None).await? {
+//!     // … the work; lease.term().token fences it, lease.lost() warns of a loss
+//!     lease.release().await?;
+//! }
+//! // Or let a scheduler run jobs every period on one instance of the cluster.
+//! let scheduler = Scheduler::builder(&leases)
+//!     .job(Job::every("alerts", Duration::from_secs(30), |_lease| async {}))
+//!     .start()?;
+//! scheduler.shutdown(Duration::from_secs(10)).await;
+//! # Ok(()) }
+//! ```
+//!
+//! Beyond the plain lease row:
 //!
 //! - **Fencing tokens.** Every term draws a new token from one sequence: a
-//!   later term of a name always has a larger token ([`LeaseHandle::token`]),
+//!   later term of a name always has a larger token ([`Term::token`]),
 //!   across take-overs, releases and purges, and [`LeaseHandle::fence`] makes
 //!   a transaction's writes commit only under the current term.
 //! - **A contender never waits.** An attempt on a name held by a live term
@@ -23,7 +42,8 @@
 //!   the lease itself: it fires whatever the renewer does. Transient renewal
 //!   errors are retried until then.
 //! - **Batched, supervised renewal.** One task per [`Leases`] renews every
-//!   lease due in one statement (1,000 leases: one statement per interval);
+//!   lease due in one statement (1,000 leases: one statement per interval;
+//!   at most 5,000 leases per statement);
 //!   a slow batch holds up no other lease; a panic is caught and counted.
 //! - **Bounded statements.** Every statement is bounded end to end; one
 //!   that times out is cancelled on the server before its connection closes.
@@ -87,7 +107,6 @@ use crate::error::Error;
 mod batch;
 mod builder;
 mod calls;
-mod exclusive;
 mod guard;
 mod inner;
 mod install;
@@ -99,6 +118,7 @@ mod options;
 mod queries;
 mod release;
 mod renewer;
+mod run;
 mod runner;
 mod scheduler;
 mod sql;
@@ -107,42 +127,33 @@ mod statement;
 mod table;
 mod timing;
 
-pub use builder::{
-    LeasesBuilder, DEFAULT_PURGE_AFTER, DEFAULT_PURGE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT,
-    MIN_PURGE_INTERVAL,
-};
+pub use builder::LeasesBuilder;
 pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};
 pub use leases::{LeaseStats, Leases};
-pub use metrics::UNDECLARED_LEASE;
-pub use name::MAX_NAME_LEN;
-pub use options::{LeaseOptions, OnLost, DEFAULT_TTL};
-pub use renewer::MAX_BATCH;
-pub use scheduler::{Scheduler, SchedulerBuilder, DEFAULT_POLL_JITTER};
-pub use sql::INSTALL_LOCK_KEY;
-pub use table::{DEFAULT_TABLE, MAX_SCHEMA_LEN, MAX_TABLE_LEN};
-pub use timing::{MAX_HOLD, MAX_TTL, MIN_PERIOD, MIN_RENEW_EVERY, MIN_TTL};
+pub use options::{LeaseOptions, OnLost};
+pub use scheduler::{Scheduler, SchedulerBuilder};
+pub use state::Term;
 
 pub(crate) use inner::Inner;
 
 impl Error {
-    /// The lease is no longer this holder's ([`Error::LeaseLost`]).
+    /// The lease is no longer this holder's ([`Error::LeaseLost`]): taken
+    /// over, expired, or given up at the local deadline. Stop the work that
+    /// must not come from a stale holder.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::Lease) -> Result<(), pgwarden::Error> {
+    /// let mut conn = pool.get().await?;
+    /// let tx = conn.transaction().await?;
+    /// match lease.fence(&tx).await {
+    ///     Ok(()) => tx.commit().await?,
+    ///     Err(e) if e.is_lease_lost() => return Ok(()), // rolled back on drop
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn is_lease_lost(&self) -> bool {
         matches!(self, Error::LeaseLost { .. })
-    }
-
-    /// Another holder kept the lease for the whole wait ([`Error::LeaseBusy`]).
-    pub fn is_lease_busy(&self) -> bool {
-        matches!(self, Error::LeaseBusy { .. })
-    }
-
-    /// A lease statement timed out ([`Error::LeaseTimeout`]).
-    pub fn is_lease_timeout(&self) -> bool {
-        matches!(self, Error::LeaseTimeout { .. })
-    }
-
-    /// The lease table exists with another shape ([`Error::LeaseTableMismatch`]).
-    pub fn is_lease_table_mismatch(&self) -> bool {
-        matches!(self, Error::LeaseTableMismatch { .. })
     }
 }

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 use crate::error::Error;
 
 /// The longest lease name, in bytes (the table's `CHECK` says the same).
-pub const MAX_NAME_LEN: usize = 128;
+pub(crate) const MAX_NAME_LEN: usize = 128;
 
 /// Validates a lease name: 1 to [`MAX_NAME_LEN`] bytes of UTF-8, no NUL
 /// byte and no other control character. Lease names are metric labels:

@@ -6,9 +6,16 @@ use super::timing::{self, Timing};
 use crate::error::Error;
 
 /// The default lease TTL: 2 minutes.
-pub const DEFAULT_TTL: Duration = Duration::from_secs(120);
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(120);
 
 /// What a job does when its lease is lost while it runs.
+///
+/// ```
+/// use pgwarden::{LeaseOptions, OnLost};
+/// // A job whose second concurrent run would do harm stops at the loss.
+/// let opts = LeaseOptions::default().on_lost(OnLost::Cancel);
+/// # let _ = opts;
+/// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum OnLost {
     /// Keep running; the loss is logged, counted, and visible through
@@ -23,7 +30,11 @@ pub enum OnLost {
     Cancel,
 }
 
-/// How to hold one lease. Validated when used, with a typed error.
+/// How to hold one lease: TTL, renewal, safety margin, at-least-hold, and
+/// what a job does on loss. Validated when used (by
+/// [`Leases::acquire`](crate::Leases::acquire), [`Leases::run`](crate::Leases::run)
+/// or [`SchedulerBuilder::start`](crate::SchedulerBuilder::start)), with a
+/// typed error.
 ///
 /// ```
 /// use std::time::Duration;
@@ -31,7 +42,7 @@ pub enum OnLost {
 ///     .renew_every(Duration::from_secs(30))
 ///     .at_least(Duration::from_secs(10))
 ///     .on_lost(pgwarden::OnLost::Cancel);
-/// assert_eq!(opts.ttl(), Duration::from_secs(120));
+/// assert_ne!(opts, pgwarden::LeaseOptions::default()); // default: 2 min TTL
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[must_use = "options do nothing until passed to an acquire or run call"]
@@ -51,7 +62,8 @@ impl Default for LeaseOptions {
 }
 
 impl LeaseOptions {
-    /// A lease of `ttl`: 1 s to 24 h. Default (through `Default`): 2 min.
+    /// A lease of `ttl`: how long the database keeps it without a renewal,
+    /// 1 s to 24 h. Default (through `Default`): 2 min.
     pub fn new(ttl: Duration) -> LeaseOptions {
         LeaseOptions {
             ttl,
@@ -61,11 +73,6 @@ impl LeaseOptions {
             on_lost: OnLost::Signal,
             period: None,
         }
-    }
-
-    /// How long the database keeps the lease without a renewal.
-    pub fn ttl(&self) -> Duration {
-        self.ttl
     }
 
     /// How often the lease is renewed while held: at least 10 ms and below
@@ -93,8 +100,9 @@ impl LeaseOptions {
         self
     }
 
-    /// What [`Leases::run_exclusive`](crate::Leases::run_exclusive) does when
-    /// the lease is lost mid-job. Default: [`OnLost::Signal`].
+    /// What [`Leases::run`](crate::Leases::run) and a scheduled
+    /// [`Job`](crate::Job) do when the lease is lost mid-job. Default:
+    /// [`OnLost::Signal`].
     pub fn on_lost(mut self, on_lost: OnLost) -> Self {
         self.on_lost = on_lost;
         self

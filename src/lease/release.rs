@@ -2,7 +2,7 @@
 //! guard is dropped, and after a cancelled acquisition.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::calls::{ReleaseDelete, ReleaseKeep};
 use super::guard::LostReason;
@@ -10,6 +10,15 @@ use super::inner::Inner;
 use super::state::LeaseState;
 use super::statement::Urgency;
 use crate::error::Error;
+
+/// The least time left worth a second release attempt.
+const MIN_RETRY_BUDGET: Duration = Duration::from_millis(50);
+
+/// Whether a failed release is worth a second attempt: not when the term is
+/// known to be over, nor when the bound is spent.
+fn retryable(e: &Error) -> bool {
+    !matches!(e, Error::LeaseLost { .. } | Error::LeaseTimeout { .. })
+}
 
 impl Inner {
     /// Releases one term for its guard or runner: stops renewing it, then
@@ -35,32 +44,42 @@ impl Inner {
     /// The release of one term: the row is deleted when the term has no
     /// hold and no acquisition of the name is in flight, else marked
     /// released. Bounded by the statement timeout.
+    ///
+    /// A release that fails (a connection the server closed, as right after
+    /// a primary failover, or any other error) is tried once more within
+    /// what is left of the bound: otherwise the lease would stay held until
+    /// its TTL. The first attempt's answer may have been lost after the
+    /// server ran it, so a retry that finds the term gone counts as
+    /// released.
     pub(crate) async fn release_row(
         &self,
         state: &LeaseState,
         forget_hold: bool,
     ) -> Result<(), Error> {
         let began = Instant::now();
-        let (name, holder) = (&*state.name, state.holder.as_str());
-        let keep = ReleaseKeep {
-            name,
-            holder,
-            forget_hold,
-        };
-        let ours = if state.has_hold && !forget_hold {
-            self.run(Urgency::Urgent, self.statement_timeout, &keep)
-                .await?
-        } else {
-            let delete = ReleaseDelete { name, holder };
-            self.run(Urgency::Urgent, self.statement_timeout, &delete)
-                .await?
-                || self
-                    .run(
-                        Urgency::Urgent,
-                        self.statement_timeout.saturating_sub(began.elapsed()),
-                        &keep,
-                    )
-                    .await?
+        let name = &*state.name;
+        let ours = match self
+            .release_once(state, forget_hold, self.statement_timeout)
+            .await
+        {
+            Err(e) if retryable(&e) => {
+                let left = self.statement_timeout.saturating_sub(began.elapsed());
+                if left < MIN_RETRY_BUDGET {
+                    return Err(e);
+                }
+                tracing::info!(
+                    pool = %self.pool_name, lease = name, error = %e,
+                    "lease release failed: trying once more"
+                );
+                if !self.release_once(state, forget_hold, left).await? {
+                    tracing::debug!(
+                        pool = %self.pool_name, lease = name,
+                        "lease release retried: the term is gone (released by the first attempt, or taken over)"
+                    );
+                }
+                true
+            }
+            other => other?,
         };
         if ours {
             return Ok(());
@@ -75,6 +94,34 @@ impl Inner {
             name: name.to_owned(),
             reason: LostReason::Taken,
         })
+    }
+
+    /// One release attempt within `budget`: whether the term was still ours.
+    async fn release_once(
+        &self,
+        state: &LeaseState,
+        forget_hold: bool,
+        budget: Duration,
+    ) -> Result<bool, Error> {
+        let began = Instant::now();
+        let (name, holder) = (&*state.name, state.holder.as_str());
+        let keep = ReleaseKeep {
+            name,
+            holder,
+            forget_hold,
+        };
+        if state.has_hold && !forget_hold {
+            return self.run(Urgency::Urgent, budget, &keep).await;
+        }
+        let delete = ReleaseDelete { name, holder };
+        Ok(self.run(Urgency::Urgent, budget, &delete).await?
+            || self
+                .run(
+                    Urgency::Urgent,
+                    budget.saturating_sub(began.elapsed()),
+                    &keep,
+                )
+                .await?)
     }
 
     /// After a cancelled acquisition: releases the lease if the statement

@@ -34,7 +34,7 @@ use super::timing::{self, Timing};
 use super::Inner;
 
 /// The most leases one renewal statement carries.
-pub const MAX_BATCH: usize = 5_000;
+pub(crate) const MAX_BATCH: usize = 5_000;
 
 /// How long the renewer pauses after a panic, so that a panic on every tick
 /// does not spin.

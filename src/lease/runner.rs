@@ -2,19 +2,16 @@
 //! each slot, run the job under it, survive the job.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use metrics::Counter;
 use tokio::sync::watch;
 
-use super::exclusive::run_under;
-use super::guard::{Lease, LostReason};
+use super::guard::{Lease, LeaseHandle, LostReason};
 use super::job::Job;
 use super::name::new_holder;
-use super::scheduler::Counts;
+use super::run::run_under;
 use super::Leases;
 
 /// Slack past a slot boundary, so the database sees it passed.
@@ -34,10 +31,10 @@ pub(crate) struct Runner {
     pub(crate) leases: Leases,
     pub(crate) lease: String,
     pub(crate) job: Job,
-    pub(crate) stop: watch::Receiver<bool>,
-    pub(crate) grace: Duration,
+    /// `Some(grace)` once the scheduler stops: how long a running job may
+    /// still take.
+    pub(crate) stop: watch::Receiver<Option<Duration>>,
     pub(crate) jitter: Duration,
-    pub(crate) counts: Arc<Counts>,
     pub(crate) panics: Counter,
 }
 
@@ -45,7 +42,7 @@ impl Runner {
     pub(crate) async fn run(mut self) {
         let inner = self.leases.inner.clone();
         loop {
-            if *self.stop.borrow() {
+            if self.stop.borrow().is_some() {
                 return;
             }
             let holder = new_holder();
@@ -61,7 +58,7 @@ impl Runner {
             };
             let wait = match result {
                 Ok(Some(lease)) => {
-                    if *self.stop.borrow() {
+                    if self.stop.borrow().is_some() {
                         let _ = lease.release_now().await;
                         return;
                     }
@@ -93,7 +90,6 @@ impl Runner {
         let name = &self.job.name;
         match outcome {
             Outcome::Done(Ok(err)) => {
-                self.counts.runs.fetch_add(1, Ordering::Relaxed);
                 if let Some(e) = err {
                     tracing::warn!(job = %name, lease = %self.lease, error = %e, "job failed");
                 }
@@ -104,7 +100,6 @@ impl Runner {
                 let _ = lease.release_now().await;
             }
             Outcome::Panicked(msg) => {
-                self.counts.panics.fetch_add(1, Ordering::Relaxed);
                 self.panics.increment(1);
                 tracing::error!(
                     job = %name, lease = %self.lease, panic = %msg,
@@ -114,7 +109,7 @@ impl Runner {
                 self.release(lease).await;
             }
             Outcome::Dropped => {
-                tracing::warn!(job = %name, grace = ?self.grace, "job still running at shutdown past its grace: dropped");
+                tracing::warn!(job = %name, "job still running at shutdown past its grace: dropped");
                 let _ = lease.release_now().await;
             }
         }
@@ -126,10 +121,11 @@ impl Runner {
         let on_lost = self.job.opts.on_lost_policy();
         let run = &self.job.run;
         // Making the job's future is the job's code too.
-        let fut = match std::panic::catch_unwind(AssertUnwindSafe(|| run(lease.handle()))) {
-            Ok(fut) => fut,
-            Err(panic) => return Outcome::Panicked(panic_message(&*panic)),
-        };
+        let fut =
+            match std::panic::catch_unwind(AssertUnwindSafe(|| run(LeaseHandle::clone(lease)))) {
+                Ok(fut) => fut,
+                Err(panic) => return Outcome::Panicked(panic_message(&*panic)),
+            };
         let fut = AssertUnwindSafe(run_under(lease, on_lost, fut)).catch_unwind();
         tokio::pin!(fut);
         let first = tokio::select! {
@@ -138,7 +134,7 @@ impl Runner {
         };
         let out = match first {
             Some(out) => out,
-            None => match tokio::time::timeout(self.grace, &mut fut).await {
+            None => match tokio::time::timeout(self.grace(), &mut fut).await {
                 Ok(out) => out,
                 Err(_) => return Outcome::Dropped,
             },
@@ -147,6 +143,11 @@ impl Runner {
             Ok(done) => Outcome::Done(done),
             Err(panic) => Outcome::Panicked(panic_message(&*panic)),
         }
+    }
+
+    /// The grace shutdown gives a running job (zero until it stops).
+    fn grace(&self) -> Duration {
+        self.stop.borrow().unwrap_or_default()
     }
 
     async fn release(&self, lease: Lease) {
@@ -168,6 +169,6 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Completes once the scheduler stops (or is gone).
-pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await;
+pub(crate) async fn stopped(stop: &mut watch::Receiver<Option<Duration>>) {
+    let _ = stop.wait_for(Option::is_some).await;
 }

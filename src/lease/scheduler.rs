@@ -26,7 +26,7 @@
 //!   the next period's run starts on another instance once both the slot
 //!   has come and the TTL has passed (with a TTL longer than the period, a
 //!   crash skips the periods in between). The next holder sees the crashed
-//!   one in [`LeaseHandle::took_over_from`](crate::LeaseHandle::took_over_from).
+//!   one in [`Term::took_over_from`](crate::Term::took_over_from).
 //! - A holder cut off from the database longer than its TTL keeps running
 //!   its job by default ([`OnLost::Signal`](super::OnLost::Signal)): the next
 //!   period's run on another instance may then overlap it. Jobs that must
@@ -37,8 +37,6 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -52,21 +50,35 @@ use super::Leases;
 use crate::error::Error;
 
 /// The default largest random delay added to each poll: 100 ms.
-pub const DEFAULT_POLL_JITTER: Duration = Duration::from_millis(100);
+pub(crate) const DEFAULT_POLL_JITTER: Duration = Duration::from_millis(100);
 
-/// Builds a [`Scheduler`].
+/// Builds a [`Scheduler`]: its node, its jobs, the poll jitter.
+///
+/// ```no_run
+/// # fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+/// use std::time::Duration;
+/// use pgwarden::{Job, Scheduler};
+/// let scheduler = Scheduler::builder(&leases)
+///     .node(std::env::var("NODE_NAME").unwrap_or_else(|_| "local".into()))
+///     .poll_jitter(Duration::from_millis(250))
+///     .job(Job::per_node("uptime", Duration::from_secs(10), |_| async {}))
+///     .start()?;
+/// # let _ = scheduler;
+/// # Ok(()) }
+/// ```
 #[must_use = "builder does nothing until .start()"]
 #[derive(Debug)]
 pub struct SchedulerBuilder {
     leases: Leases,
     node: Option<String>,
     jobs: Vec<Job>,
-    grace: Duration,
     jitter: Duration,
 }
 
 impl SchedulerBuilder {
-    /// This instance's node, for per-node jobs. Default: the host name.
+    /// This instance's node, for per-node jobs: two instances with the same
+    /// node share each per-node job. Default: the host name (in a container
+    /// that is often the container's own name: set the node's name here).
     pub fn node(mut self, node: impl Into<String>) -> Self {
         self.node = Some(node.into());
         self
@@ -78,17 +90,10 @@ impl SchedulerBuilder {
         self
     }
 
-    /// How long [`Scheduler::shutdown`] lets running jobs finish before
-    /// dropping them. Default: 10 s.
-    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
-        self.grace = grace;
-        self
-    }
-
     /// The largest random delay added to each poll (uniform in
     /// `[0, jitter)`; at most a quarter of the job's period), so that the
     /// instances of a fleet do not all poll at the slot boundary.
-    /// Default: [`DEFAULT_POLL_JITTER`] (100 ms).
+    /// Default: 100 ms.
     pub fn poll_jitter(mut self, jitter: Duration) -> Self {
         self.jitter = jitter;
         self
@@ -133,8 +138,7 @@ impl SchedulerBuilder {
         }
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| Error::invalid("scheduler", "start() needs a running tokio runtime"))?;
-        let (stop, _) = watch::channel(false);
-        let counts = Arc::new(Counts::default());
+        let (stop, _) = watch::channel(None);
         let metrics = &self.leases.inner.metrics;
         let tasks = planned
             .into_iter()
@@ -149,18 +153,11 @@ impl SchedulerBuilder {
                     lease,
                     job,
                     stop: stop.subscribe(),
-                    grace: self.grace,
-                    counts: counts.clone(),
                 };
                 rt.spawn(r.run())
             })
             .collect();
-        Ok(Scheduler {
-            node,
-            stop,
-            tasks,
-            counts,
-        })
+        Ok(Scheduler { node, stop, tasks })
     }
 }
 
@@ -171,7 +168,8 @@ impl SchedulerBuilder {
 /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
 /// use std::time::Duration;
 /// use pgwarden::{Job, Scheduler};
-/// let s = Scheduler::builder(&pool.leases())
+/// let leases = pgwarden::Leases::new(&pool);
+/// let s = Scheduler::builder(&leases)
 ///     .node("node-a")
 ///     .job(Job::every("cleanup", Duration::from_secs(3600), |_| async {}))
 ///     .job(Job::every("alerts", Duration::from_secs(30), |_| async {}))
@@ -179,7 +177,7 @@ impl SchedulerBuilder {
 ///     .job(Job::per_node("uptime", Duration::from_secs(10), |_| async {}))
 ///     .start()?;
 /// // … on SIGTERM:
-/// s.shutdown().await; // lets running jobs finish (grace), releases leases
+/// s.shutdown(Duration::from_secs(10)).await; // running jobs get 10 s; leases released
 /// # Ok(()) }
 /// ```
 ///
@@ -187,16 +185,8 @@ impl SchedulerBuilder {
 /// background); [`Scheduler::shutdown`] is the graceful way.
 pub struct Scheduler {
     node: String,
-    stop: watch::Sender<bool>,
+    stop: watch::Sender<Option<Duration>>,
     tasks: Vec<JoinHandle<()>>,
-    counts: Arc<Counts>,
-}
-
-/// What the jobs of one scheduler did.
-#[derive(Debug, Default)]
-pub(crate) struct Counts {
-    pub(crate) runs: AtomicU64,
-    pub(crate) panics: AtomicU64,
 }
 
 impl Scheduler {
@@ -206,34 +196,25 @@ impl Scheduler {
             leases: leases.clone(),
             node: None,
             jobs: Vec::new(),
-            grace: Duration::from_secs(10),
             jitter: DEFAULT_POLL_JITTER,
         }
     }
 
-    /// This instance's node name.
-    pub fn node(&self) -> &str {
-        &self.node
-    }
-
-    /// Job runs completed on this instance (a panicked run does not count).
-    pub fn runs(&self) -> u64 {
-        self.counts.runs.load(Ordering::Relaxed)
-    }
-
-    /// Job runs that panicked on this instance.
-    pub fn panics(&self) -> u64 {
-        self.counts.panics.load(Ordering::Relaxed)
-    }
-
     /// Graceful shutdown: starts no new run, cancels acquisitions in flight
     /// (on the server too, releasing what one took before the cancel), lets
-    /// running jobs finish within the grace period (then drops them), and
-    /// releases every lease held. A completed run keeps its slot (no other
-    /// instance reruns it in the same period); an interrupted one frees its
-    /// lease at once.
-    pub async fn shutdown(mut self) {
-        let _ = self.stop.send(true);
+    /// running jobs finish within `grace` (then drops them), and releases
+    /// every lease held. A completed run keeps its slot (no other instance
+    /// reruns it in the same period); an interrupted one frees its lease at
+    /// once. Returns when every job's task has ended.
+    ///
+    /// ```no_run
+    /// # async fn demo(s: pgwarden::Scheduler) {
+    /// // on SIGTERM: running jobs get up to 10 s
+    /// s.shutdown(std::time::Duration::from_secs(10)).await;
+    /// # }
+    /// ```
+    pub async fn shutdown(mut self, grace: Duration) {
+        let _ = self.stop.send(Some(grace));
         for t in std::mem::take(&mut self.tasks) {
             if let Err(e) = t.await {
                 if e.is_panic() {
@@ -246,7 +227,7 @@ impl Scheduler {
 
 impl Drop for Scheduler {
     fn drop(&mut self) {
-        let _ = self.stop.send(true);
+        let _ = self.stop.send(Some(Duration::ZERO));
         for t in &self.tasks {
             t.abort();
         }
@@ -258,7 +239,6 @@ impl fmt::Debug for Scheduler {
         f.debug_struct("Scheduler")
             .field("node", &self.node)
             .field("jobs", &self.tasks.len())
-            .field("runs", &self.runs())
             .finish()
     }
 }
@@ -317,7 +297,7 @@ mod tests {
             "n",
         )
         .unwrap();
-        assert_eq!(s.node(), "n");
+        assert_eq!(s.node, "n");
         drop(s);
     }
 }

@@ -47,7 +47,7 @@ use crate::lock::{LockKey, Namespace};
 /// The key of the transaction-scoped advisory lock `install()` holds:
 /// `Namespace::PGWARDEN.named("leases.install")`, that is the pair
 /// `(1885828964, 594100531)`, in pgwarden's own key space.
-pub const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install");
+pub(crate) const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install");
 
 /// The statements of one lease table.
 #[derive(Debug)]

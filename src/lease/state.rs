@@ -14,14 +14,50 @@ use tokio::sync::watch;
 
 use super::guard::LostReason;
 
+/// One term of a lease: its name, fencing token, holder, when it began, and
+/// whose expired term it replaced. Plain data, read through
+/// [`LeaseHandle::term`](crate::LeaseHandle::term).
+///
+/// ```no_run
+/// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+/// let opts = pgwarden::LeaseOptions::default();
+/// if let Some(lease) = leases.acquire("report", &opts, None).await? {
+///     let term = lease.term();
+///     if let Some(crashed) = &term.took_over_from {
+///         eprintln!("{}: taking over from {crashed}, token {}", term.name, term.token);
+///     }
+///     lease.release().await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Term {
+    /// The lease's name.
+    pub name: String,
+    /// The fencing token of this term: it grows with every take-over of any
+    /// lease of the table (one sequence), so a later term always carries a
+    /// larger token, across take-overs, releases and purges. Pass it to
+    /// systems that can reject stale writers.
+    pub token: i64,
+    /// This term's holder id: `host:pid:64 random bits`, new on every
+    /// acquisition.
+    pub holder: String,
+    /// When the term began, on the database clock. A scheduled job's run
+    /// belongs to the period this falls in.
+    pub taken_at: SystemTime,
+    /// The holder whose expired term this one took over (a crashed or
+    /// cut-off instance); `None` for a free or released lease.
+    pub took_over_from: Option<String>,
+}
+
 /// One term of one lease.
 pub(crate) struct LeaseState {
     pub(crate) name: Arc<str>,
     pub(crate) holder: String,
     pub(crate) token: i64,
-    pub(crate) ttl: Duration,
-    pub(crate) taken_at: SystemTime,
-    pub(crate) prev_holder: Option<String>,
+    /// The same, as users read it.
+    pub(crate) term: Term,
     /// Whether the row keeps a hold after release (at-least time or a
     /// schedule): its release keeps the row instead of deleting it.
     pub(crate) has_hold: bool,
@@ -37,7 +73,6 @@ pub(crate) struct TermInfo {
     pub(crate) name: Arc<str>,
     pub(crate) holder: String,
     pub(crate) token: i64,
-    pub(crate) ttl: Duration,
     pub(crate) taken_at: SystemTime,
     pub(crate) prev_holder: Option<String>,
     pub(crate) has_hold: bool,
@@ -47,13 +82,18 @@ impl LeaseState {
     /// A term whose first local deadline is `deadline`.
     pub(crate) fn new(info: TermInfo, deadline: Instant) -> LeaseState {
         let origin = Instant::now().min(deadline);
+        let term = Term {
+            name: info.name.to_string(),
+            token: info.token,
+            holder: info.holder.clone(),
+            taken_at: info.taken_at,
+            took_over_from: info.prev_holder.filter(|h| !h.is_empty()),
+        };
         LeaseState {
             name: info.name,
             holder: info.holder,
             token: info.token,
-            ttl: info.ttl,
-            taken_at: info.taken_at,
-            prev_holder: info.prev_holder,
+            term,
             has_hold: info.has_hold,
             origin,
             deadline_ns: AtomicU64::new(nanos(deadline - origin)),
@@ -113,7 +153,6 @@ mod tests {
                 name: "x".into(),
                 holder: "h".into(),
                 token: 1,
-                ttl: Duration::from_secs(1),
                 taken_at: SystemTime::now(),
                 prev_holder: None,
                 has_hold: false,

@@ -84,20 +84,19 @@ impl Inner {
         urgency: Urgency,
         timeout: Duration,
     ) -> Result<Conn, Error> {
-        let pool = self.pool()?;
         let priority = match urgency {
             Urgency::Urgent => Priority::Urgent,
             Urgency::Normal => Priority::Normal,
         };
-        pool.checkout_with(Lane::Lease, priority, Location::caller(), timeout)
+        self.pool
+            .checkout_with(Lane::Lease, priority, Location::caller(), timeout)
             .await
     }
 
     /// Named prepared statements only on a connection known to be direct,
     /// and never again after the server refused one.
     pub(crate) fn named(&self) -> bool {
-        !self.unnamed_only.load(Ordering::Relaxed)
-            && self.pool().is_ok_and(|p| crate::pooler::keeps_sessions(&p))
+        !self.unnamed_only.load(Ordering::Relaxed) && crate::pooler::keeps_sessions(&self.pool)
     }
 
     /// Runs `stmt` within `budget`, checkout included. See the module docs.

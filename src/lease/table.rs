@@ -5,14 +5,14 @@ use std::fmt;
 use crate::error::Error;
 
 /// The default lease table: `pgwarden_leases`, resolved through `search_path`.
-pub const DEFAULT_TABLE: &str = "pgwarden_leases";
+pub(crate) const DEFAULT_TABLE: &str = "pgwarden_leases";
 
 /// The longest table name part, in bytes: PostgreSQL truncates identifiers
 /// past 63 bytes, and the token sequence adds `_token_seq` (10 bytes).
-pub const MAX_TABLE_LEN: usize = 53;
+pub(crate) const MAX_TABLE_LEN: usize = 53;
 
 /// The longest schema name, in bytes (PostgreSQL's identifier limit).
-pub const MAX_SCHEMA_LEN: usize = 63;
+pub(crate) const MAX_SCHEMA_LEN: usize = 63;
 
 const SEQ_SUFFIX: &str = "_token_seq";
 

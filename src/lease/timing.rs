@@ -14,15 +14,15 @@ use std::time::{Duration, Instant};
 use crate::error::Error;
 
 /// The shortest TTL accepted: 1 s.
-pub const MIN_TTL: Duration = Duration::from_secs(1);
+pub(crate) const MIN_TTL: Duration = Duration::from_secs(1);
 /// The longest TTL accepted: 24 h.
-pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
 /// The shortest renewal interval accepted: 10 ms.
-pub const MIN_RENEW_EVERY: Duration = Duration::from_millis(10);
+pub(crate) const MIN_RENEW_EVERY: Duration = Duration::from_millis(10);
 /// The longest at-least-hold time and scheduling period accepted: 366 days.
-pub const MAX_HOLD: Duration = Duration::from_secs(366 * 24 * 3600);
+pub(crate) const MAX_HOLD: Duration = Duration::from_secs(366 * 24 * 3600);
 /// The shortest scheduling period accepted: 1 s.
-pub const MIN_PERIOD: Duration = Duration::from_secs(1);
+pub(crate) const MIN_PERIOD: Duration = Duration::from_secs(1);
 
 /// The first retry delay after a failed renewal; doubles per attempt.
 const BACKOFF_BASE: Duration = Duration::from_millis(50);

@@ -295,7 +295,6 @@ impl PoolBuilder {
             resize_warned: AtomicBool::new(false),
             #[cfg(test)]
             inject_panic: AtomicBool::new(false),
-            leases: std::sync::OnceLock::new(),
         });
         shared.ensure_housekeeping();
         Ok(Pool { shared })

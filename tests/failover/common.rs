@@ -94,16 +94,22 @@ pub async fn fenced_write(pool: &Pool, lease: &LeaseHandle, seq: i32) -> Result<
             .get(0);
         tx.execute(
             "INSERT INTO fenced (n, lease, token, seq, holder) VALUES ($1, $2, $3, $4, $5)",
-            &[&n, &lease.name(), &lease.token(), &seq, &lease.holder()],
+            &[
+                &n,
+                &lease.term().name.as_str(),
+                &lease.term().token,
+                &seq,
+                &lease.term().holder.as_str(),
+            ],
         )
         .await?;
         tx.commit().await?;
         Ok::<_, Error>(Row {
             n,
-            lease: lease.name().to_owned(),
-            token: lease.token(),
+            lease: lease.term().name.clone(),
+            token: lease.term().token,
             seq,
-            holder: lease.holder().to_owned(),
+            holder: lease.term().holder.clone(),
         })
     };
     match tokio::time::timeout(STEP, write).await {

@@ -84,19 +84,19 @@ pub async fn run() -> Outcome {
     let long_opts =
         LeaseOptions::new(Duration::from_secs(60)).renew_every(Duration::from_millis(250));
     let long = leases
-        .try_acquire_with("long", &long_opts)
+        .acquire("long", &long_opts, None)
         .await
         .unwrap()
         .expect("long lease");
     let short = leases
-        .try_acquire("short", Duration::from_secs(2))
+        .acquire("short", &LeaseOptions::new(Duration::from_secs(2)), None)
         .await
         .unwrap()
         .expect("short lease");
-    tokens.record(long.token(), "long");
-    tokens.record(short.token(), "short");
-    let long_id = (long.holder().to_owned(), long.token());
-    let short_id = (short.holder().to_owned(), short.token());
+    tokens.record(long.term().token, "long");
+    tokens.record(short.term().token, "short");
+    let long_id = (long.term().holder.clone(), long.term().token);
+    let short_id = (short.term().holder.clone(), short.term().token);
     let lock = svc
         .try_session_lock(LockKey::Single(KEY))
         .await
@@ -119,8 +119,25 @@ pub async fn run() -> Outcome {
         warm.is_some(),
         "no warm-up: job, writers or requests did not run"
     );
-    // The last look at the old primary.
-    let rows_before = lease_rows(&old).await;
+    // The last look at the old primary, taken while a writer holds its
+    // lease: the writers' row exists only while a term holds it (a release
+    // with no acquisition in flight deletes it), and a look between two
+    // terms would miss it.
+    let look: Mutex<Vec<(String, String, i64)>> = Mutex::default();
+    let writer_held = until(STEP, || async {
+        let rows = lease_rows(&old).await;
+        let held = rows
+            .iter()
+            .any(|(n, h, _)| n == traffic::WRITER_LEASE && !h.is_empty());
+        *look.lock().unwrap() = rows;
+        held
+    })
+    .await;
+    let rows_before = look.into_inner().unwrap();
+    assert!(
+        writer_held.is_some(),
+        "no writer held its lease: {rows_before:?}"
+    );
     let seq_primary_before_crash = sequence(&old).await;
     let replica = cluster.replica().connect(&db).await.expect("replica");
 
@@ -157,7 +174,7 @@ pub async fn run() -> Outcome {
         expiry(&new, "long").await > long_expiry_at_promotion
     })
     .await;
-    let long_fenced_write_after = fenced_write(&svc, &long.handle(), 0).await;
+    let long_fenced_write_after = fenced_write(&svc, &long, 0).await;
     until(RECOVERY, || async {
         tokens.count_since("job", promoted) >= 1
     })
@@ -174,16 +191,16 @@ pub async fn run() -> Outcome {
     .await;
     let short_opts = LeaseOptions::new(Duration::from_secs(2));
     let short_takeover = match other_leases
-        .acquire_with("short", &short_opts, STEP * 2)
+        .acquire("short", &short_opts, Some(STEP * 2))
         .await
     {
-        Ok(l) => {
-            tokens.record(l.token(), "takeover");
-            let t = (l.token(), l.took_over_from().map(str::to_owned));
+        Ok(Some(l)) => {
+            tokens.record(l.term().token, "takeover");
+            let t = (l.term().token, l.term().took_over_from.clone());
             let _ = l.release().await;
             Some(t)
         }
-        Err(_) => None,
+        Ok(None) | Err(_) => None,
     };
 
     // ---- the session lock held at the crash ----
@@ -221,9 +238,9 @@ pub async fn run() -> Outcome {
             .expect("traffic task");
     }
     for s in schedulers {
-        within(STEP * 3, "scheduler shutdown", s.shutdown()).await;
+        within(STEP * 3, "scheduler shutdown", s.shutdown(STEP)).await;
     }
-    let long_lost = long.lost_reason();
+    let long_lost = futures_util::FutureExt::now_or_never(long.lost());
     let long_release = long.release().await.map_err(|e| e.to_string());
     drop(short);
     let seq_cache: i64 = new

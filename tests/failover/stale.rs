@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use pgwarden::{Lease, LeaseOptions, Leases, LostReason, Pool};
+use pgwarden::{Lease, LeaseHandle, LeaseOptions, Leases, LostReason, Pool};
 use pgwarden_testing::{within, Cluster, Replication};
 use tokio_postgres::Client;
 
@@ -41,7 +41,7 @@ async fn expired(server: &Client) {
 async fn take_over(cluster: &Cluster, db: &str) -> (Pool, Lease) {
     let pool_c = service_pool(cluster, db, "holder-c", 3);
     let c = Leases::new(&pool_c)
-        .try_acquire_with(LEASE, &opts())
+        .acquire(LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("C takes over on the new primary");
@@ -58,11 +58,11 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
 
     // A's term and write reach the replica.
     let a = la
-        .try_acquire_with(LEASE, &opts())
+        .acquire(LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("A takes the lease");
-    let a_handle = a.handle();
+    let a_handle = LeaseHandle::clone(&a);
     let row_a = fenced_write(&pool_a, &a_handle, 0).await.expect("A writes");
     cluster.wait_replayed().await.unwrap();
 
@@ -82,7 +82,11 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
         }
         assert!(i < 100, "the sequence does not reach {covered}");
         let burn = lb
-            .try_acquire(&format!("burn-{i}"), Duration::from_secs(60))
+            .acquire(
+                &format!("burn-{i}"),
+                &LeaseOptions::new(Duration::from_secs(60)),
+                None,
+            )
             .await
             .unwrap();
         burn.expect("a fresh lease").release().await.unwrap();
@@ -93,14 +97,17 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     // the promotion comes from the new primary, not from its clock.
     let b_opts = LeaseOptions::new(Duration::from_secs(10)).renew_every(Duration::from_millis(250));
     let b = lb
-        .try_acquire_with(LEASE, &b_opts)
+        .acquire(LEASE, &b_opts, None)
         .await
         .unwrap()
         .expect("B takes over");
-    let b_handle = b.handle();
-    assert_eq!(b.took_over_from(), Some(a.holder()));
+    let b_handle = LeaseHandle::clone(&b);
+    assert_eq!(
+        b.term().took_over_from.as_deref(),
+        Some(a.term().holder.as_str())
+    );
     let row_b = fenced_write(&pool_b, &b_handle, 0).await.expect("B writes");
-    assert!(b.token() > covered);
+    assert!(b.term().token > covered);
 
     // The crash, and the stale replica promoted.
     cluster.stop_primary_immediate().await.unwrap();
@@ -110,7 +117,10 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     // Not guaranteed without synchronous replication: B's take-over and its
     // acknowledged write are gone; the row shows A's (expired) term.
     let (holder, token, left) = lease_row(&new, LEASE).await.expect("lease row");
-    assert_eq!((holder.as_str(), token), (a.holder(), a.token()));
+    assert_eq!(
+        (holder.as_str(), token),
+        (a.term().holder.as_str(), a.term().token)
+    );
     assert!(left < 0.0, "A's term is expired on the new primary");
     let rows = fenced_rows(&new).await;
     assert!(rows.contains(&row_a));
@@ -134,16 +144,21 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     eprintln!(
         "async lost tail: A's token {}, the replica's sequence covered up to {covered}, B's \
          token {} (lost), C's token on the new primary {}",
-        a.token(),
-        b.token(),
-        c.token()
+        a.term().token,
+        b.term().token,
+        c.term().token
     );
-    assert_eq!(c.took_over_from(), Some(a.holder()));
-    assert!(c.token() > a.token());
-    assert_eq!(c.token(), b.token(), "the lost term's token is drawn again");
-    fenced_write(&pool_c, &c.handle(), 0)
-        .await
-        .expect("C writes");
+    assert_eq!(
+        c.term().took_over_from.as_deref(),
+        Some(a.term().holder.as_str())
+    );
+    assert!(c.term().token > a.term().token);
+    assert_eq!(
+        c.term().token,
+        b.term().token,
+        "the lost term's token is drawn again"
+    );
+    fenced_write(&pool_c, &c, 0).await.expect("C writes");
     // Same token, other holder: the fence checks both, B is still rejected.
     let b_write = fenced_write(&pool_b, &b_handle, 2).await;
     assert_eq!(b_write, Err(WriteError::Rejected(LostReason::Taken)));
@@ -156,8 +171,8 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     assert_eq!(
         stale,
         [
-            (a.token(), a.holder().to_owned()),
-            (c.token(), c.holder().to_owned())
+            (a.term().token, a.term().holder.clone()),
+            (c.term().token, c.term().holder.clone())
         ]
     );
 }
@@ -175,7 +190,7 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
         .unwrap();
 
     let a = la
-        .try_acquire_with(LEASE, &opts())
+        .acquire(LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("A takes the lease");
@@ -189,9 +204,9 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
 
     // The take-over cannot commit without the standby: B is never told it
     // holds the lease, and gets no token.
-    let b = lb.try_acquire_with(LEASE, &opts()).await;
+    let b = lb.acquire(LEASE, &opts(), None).await;
     assert!(
-        matches!(&b, Err(e) if e.is_lease_timeout()),
+        matches!(&b, Err(pgwarden::Error::LeaseTimeout { .. })),
         "a take-over returned without the standby: {b:?}"
     );
 
@@ -199,8 +214,14 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
     cluster.promote_replica().await.unwrap();
     let new = cluster.primary().connect(&db).await.unwrap();
     let (holder, token, _) = lease_row(&new, LEASE).await.expect("lease row");
-    assert_eq!((holder.as_str(), token), (a.holder(), a.token()));
+    assert_eq!(
+        (holder.as_str(), token),
+        (a.term().holder.as_str(), a.term().token)
+    );
     let (_pool_c, c) = take_over(&cluster, &db).await;
-    assert_eq!(c.took_over_from(), Some(a.holder()));
-    assert!(c.token() > a.token());
+    assert_eq!(
+        c.term().took_over_from.as_deref(),
+        Some(a.term().holder.as_str())
+    );
+    assert!(c.term().token > a.term().token);
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgwarden::{Job, LeaseOptions, Leases, Pool, Scheduler};
+use pgwarden::{Job, LeaseHandle, LeaseOptions, Leases, Pool, Scheduler};
 use tokio::task::JoinHandle;
 
 use super::common::{fenced_write, Row, Tokens, WriteError, STEP};
@@ -70,7 +70,7 @@ pub fn writer(
     tokio::spawn(async move {
         let opts = LeaseOptions::new(Duration::from_secs(3));
         while !stop.load(Ordering::Relaxed) {
-            let lease = match leases.try_acquire_with(WRITER_LEASE, &opts).await {
+            let lease = match leases.acquire(WRITER_LEASE, &opts, None).await {
                 Ok(Some(lease)) => lease,
                 Ok(None) => {
                     tokio::time::sleep(Duration::from_millis(15)).await;
@@ -81,8 +81,8 @@ pub fn writer(
                     continue;
                 }
             };
-            tokens.record(lease.token(), "writer");
-            let handle = lease.handle();
+            tokens.record(lease.term().token, "writer");
+            let handle = LeaseHandle::clone(&lease);
             let mut seq = 0;
             while seq < 5 && !handle.is_lost() && !stop.load(Ordering::Relaxed) {
                 match fenced_write(&pool, &handle, seq).await {
@@ -121,7 +121,7 @@ pub fn scheduler(
     let job = Job::every(JOB, Duration::from_secs(1), move |lease| {
         let (pool, tokens, acked) = (pool.clone(), tokens.clone(), acked.clone());
         async move {
-            tokens.record(lease.token(), "job");
+            tokens.record(lease.term().token, "job");
             let row = fenced_write(&pool, &lease, 0)
                 .await
                 .map_err(|e| format!("{e:?}"))?;
@@ -133,7 +133,6 @@ pub fn scheduler(
     Scheduler::builder(leases)
         .node(node)
         .job(job)
-        .shutdown_grace(STEP)
         .start()
         .expect("scheduler")
 }
