@@ -94,7 +94,7 @@ fn pool(inner: deadpool_postgres::Pool, name: &str) -> Pool {
     Pool::builder(inner)
         .name(name)
         .wait_timeout(Duration::from_secs(2))
-        .pooler(pgwarden::Pooler::Direct)
+        .pooler(pgwarden::PoolerMode::Direct)
         .census_interval(None)
         .build()
         .unwrap()

@@ -5,7 +5,7 @@ mod support;
 use std::time::Duration;
 
 use pgwarden::metrics as m;
-use pgwarden::{Lane, Policy, Pool};
+use pgwarden::{BudgetPolicy, Lane, Pool};
 use support::{counter, db, gauge, histogram, snapshot, with_recorder};
 
 #[tokio::test]
@@ -14,7 +14,7 @@ async fn pool_events_are_recorded() {
     let (pool, snap) = with_recorder(
         Pool::builder(db.deadpool(4).unwrap())
             .name("mx")
-            .policy(Policy::Refuse)
+            .policy(BudgetPolicy::Refuse)
             .wait_timeout(Duration::from_millis(100))
             .long_hold_threshold(Duration::from_millis(1))
             // Passes run on demand below, not in the background.
@@ -201,7 +201,7 @@ async fn warn_overruns_are_counted() {
     let (pool, snap) = with_recorder(
         Pool::builder(db.deadpool(4).unwrap())
             .name("mw")
-            .policy(Policy::Warn),
+            .policy(BudgetPolicy::Warn),
     );
     let a = pool.get_for(Lane::SessionLock).await.unwrap();
     let b = pool.get_for(Lane::SessionLock).await.unwrap();

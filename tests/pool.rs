@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use deadpool_postgres::{GenericClient, PoolError};
-use pgwarden::{Error, Lane, Policy, Pool};
+use pgwarden::{BudgetPolicy, Error, Lane, Pool};
 use pgwarden_testing::TestDb;
 use support::db;
 
@@ -60,7 +60,7 @@ fn assert_send_sync<T: Send + Sync>() {}
 #[tokio::test]
 async fn deadpool_code_runs_through_conn_unchanged() {
     assert_send_sync::<Pool>();
-    assert_send_sync::<pgwarden::Conn>();
+    assert_send_sync::<pgwarden::Client>();
     let (_db, pool) = pool(4).await;
     pool.get()
         .await
@@ -297,7 +297,7 @@ async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
 async fn warn_policy_admits_up_to_the_hard_floor() {
     let db = db().await;
     let pool = Pool::builder(db.deadpool(4).unwrap())
-        .policy(Policy::Warn)
+        .policy(BudgetPolicy::Warn)
         .build()
         .unwrap();
     let a = pool.get_for(Lane::SessionLock).await.unwrap();

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{try_xact_lock, Error, LockKey, Pool, Pooler};
+use pgwarden::{try_xact_lock, Error, LockKey, Pool, PoolerMode};
 use pgwarden_testing::{require_tool, PgBouncer, TestServer};
 use support::*;
 
@@ -17,10 +17,10 @@ const T: Duration = Duration::from_secs(5);
 #[tokio::test]
 async fn direct_postgres_is_detected_direct() {
     let db = db().await;
-    let pool = builder(&db, 4).pooler(Pooler::Auto).build().unwrap();
-    assert_eq!(pool.pooler(), Pooler::Auto, "not probed yet");
-    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Direct);
-    assert_eq!(pool.pooler(), Pooler::Direct);
+    let pool = builder(&db, 4).pooler(PoolerMode::Auto).build().unwrap();
+    assert_eq!(pool.pooler(), PoolerMode::Auto, "not probed yet");
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
+    assert_eq!(pool.pooler(), PoolerMode::Direct);
     // The probe sets nothing in the session (an earlier one did).
     let c = pool.get().await.unwrap();
     let left: Option<String> = c
@@ -37,9 +37,9 @@ async fn direct_postgres_is_detected_direct() {
 #[tokio::test]
 async fn lazy_detection_at_the_first_session_lock_allows_it_direct() {
     let db = db().await;
-    let pool = builder(&db, 4).pooler(Pooler::Auto).build().unwrap();
+    let pool = builder(&db, 4).pooler(PoolerMode::Auto).build().unwrap();
     let lock = pool.session_lock(LockKey::Single(1), T).await.unwrap();
-    assert_eq!(pool.pooler(), Pooler::Direct);
+    assert_eq!(pool.pooler(), PoolerMode::Direct);
     lock.unlock().await.unwrap();
     assert_eq!(pool.status().in_use, 0);
 }
@@ -47,12 +47,15 @@ async fn lazy_detection_at_the_first_session_lock_allows_it_direct() {
 #[tokio::test]
 async fn configured_transaction_pooler_refuses_session_locks_without_a_probe() {
     let db = db().await;
-    let pool = builder(&db, 4).pooler(Pooler::Transaction).build().unwrap();
+    let pool = builder(&db, 4)
+        .pooler(PoolerMode::Transaction)
+        .build()
+        .unwrap();
     let e = pool.try_session_lock(LockKey::Single(1)).await.unwrap_err();
     assert!(e.is_behind_pooler(), "{e}");
     assert!(e.to_string().contains("(configured)"), "{e}");
     assert_eq!(pool.inner().status().size, 0, "refused before any checkout");
-    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Transaction);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Transaction);
 }
 
 fn bouncer(db: &pgwarden_testing::TestDb) -> Option<PgBouncer> {
@@ -85,7 +88,7 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
         msg.contains("(detected)") && msg.contains("with_xact_lock") && msg.contains("lease"),
         "{msg}"
     );
-    assert_eq!(pool.pooler(), Pooler::Transaction);
+    assert_eq!(pool.pooler(), PoolerMode::Transaction);
     assert!(pool
         .try_session_lock_shared(LockKey::Single(5))
         .await
@@ -95,7 +98,7 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
 
     // Detected on demand.
     let pool = through(&bouncer, 4);
-    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Transaction);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Transaction);
 
     // Transaction locks work, and serialise.
     let raw = db.connect().await.unwrap();
@@ -194,7 +197,7 @@ impl Pinned {
         let server = TestServer::shared().unwrap();
         let bouncer = PgBouncer::start_with_pool_size(server, db, 2).expect("pgbouncer");
         let pool = Pool::builder(bouncer.deadpool(4).unwrap())
-            .pooler(Pooler::Direct)
+            .pooler(PoolerMode::Direct)
             .unlock_timeout(unlock_timeout)
             .wait_timeout(T)
             .housekeeping_interval(Duration::from_secs(3600))
@@ -250,7 +253,7 @@ async fn an_unlock_a_pooler_moved_names_the_pooler_and_the_backend_left_holding_
         "transaction-mode pooler".to_owned(),
         format!("ran the guard's statement on backend pid {s1}, not on pid {s2}"),
         format!("pg_terminate_backend({s2})"),
-        "Pooler::Transaction".to_owned(),
+        "PoolerMode::Transaction".to_owned(),
     ] {
         assert!(msg.contains(&part), "{part:?} not in: {msg}");
     }

@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{LockKey, Pool, Pooler};
+use pgwarden::{LockKey, Pool, PoolerMode};
 use pgwarden_testing::PoolMode;
 use support::pooler::*;
 use support::*;
@@ -28,7 +28,7 @@ async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time() {
         let start = Instant::now();
         let found = pool.detect_pooler().await.unwrap();
         times.push(start.elapsed());
-        assert_eq!(found, Pooler::Transaction, "try {i}");
+        assert_eq!(found, PoolerMode::Transaction, "try {i}");
         pool.close();
     }
     let during = load.done() - before;
@@ -74,7 +74,7 @@ async fn session_locks_through_a_loaded_pgbouncer_are_never_granted() {
                 panic!("try {i}: session lock granted through a transaction pooler: {lock:?}")
             }
         }
-        assert_eq!(pool.pooler(), Pooler::Transaction, "try {i}");
+        assert_eq!(pool.pooler(), PoolerMode::Transaction, "try {i}");
         pool.close();
     }
     load.stop().await;
@@ -110,7 +110,7 @@ async fn loaded_postgres_is_direct_every_time() {
         let start = Instant::now();
         let found = pool.detect_pooler().await.unwrap();
         times.push(start.elapsed());
-        assert_eq!(found, Pooler::Direct, "try {i}");
+        assert_eq!(found, PoolerMode::Direct, "try {i}");
         pool.close();
     }
     load.stop().await;

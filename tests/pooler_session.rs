@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Instant;
 
-use pgwarden::{LockKey, Pooler};
+use pgwarden::{LockKey, PoolerMode};
 use pgwarden_testing::PoolMode;
 use support::pooler::*;
 use support::*;
@@ -29,7 +29,7 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
         let start = Instant::now();
         let found = pool.detect_pooler().await.unwrap();
         times.push(start.elapsed());
-        assert_eq!(found, Pooler::Direct, "try {i}");
+        assert_eq!(found, PoolerMode::Direct, "try {i}");
         pool.close();
     }
     let counts = statements("session-");
@@ -50,7 +50,7 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
         lock.unlock().await.unwrap();
         assert!(free(&raw, key).await, "released on the server");
     }
-    assert_eq!(pool.pooler(), Pooler::Direct);
+    assert_eq!(pool.pooler(), PoolerMode::Direct);
     load.stop().await;
     assert!(raw_locks(&raw).await.is_empty());
     eprintln!(
@@ -72,7 +72,7 @@ async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
     let mut pools = Vec::new();
     for i in 0..POOLS {
         let pool = through(&bouncer, &format!("missed-{i}"));
-        assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Direct);
+        assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
         pools.push(pool);
     }
     // Now it pools transactions, under load.
@@ -95,7 +95,7 @@ async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
             e.to_string().contains("(detected at the lock)"),
             "pool {i}: {e}"
         );
-        assert_eq!(pool.pooler(), Pooler::Transaction, "pool {i}");
+        assert_eq!(pool.pooler(), PoolerMode::Transaction, "pool {i}");
         // Refused from then on without a probe.
         let again = pool.try_session_lock(key).await.unwrap_err();
         assert!(

@@ -127,7 +127,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     let inner = db.deadpool(3).unwrap();
     let pool = Pool::builder(inner.clone())
         .name("drained")
-        .pooler(pgwarden::Pooler::Direct)
+        .pooler(pgwarden::PoolerMode::Direct)
         .census_interval(None)
         .build()
         .unwrap();

@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use pgwarden::{Namespace, Policy, Pool};
+use pgwarden::{BudgetPolicy, Namespace, Pool};
 use pgwarden_testing::TestDb;
 
 /// The application's lock namespace for its background jobs, declared once.
@@ -174,7 +174,10 @@ pub async fn raw_deadpool(db: &TestDb) -> Result<Outcome, BoxError> {
 /// pgwarden, pool of 4, the same four jobs with the same intent: each takes a
 /// budgeted session lock (`try_session_lock`), which checks out its
 /// connection on the session-lock lane.
-pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outcome, BoxError> {
+pub async fn pgwarden_session_locks(
+    db: &TestDb,
+    policy: BudgetPolicy,
+) -> Result<Outcome, BoxError> {
     let pool = Pool::builder(db.deadpool(POOL_SIZE)?)
         .name(format!("incident-{}", policy.as_str()))
         .policy(policy)

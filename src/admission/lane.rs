@@ -95,7 +95,7 @@ impl Priority {
 
 /// What a session-lock checkout past its budget gets.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Policy {
+pub enum BudgetPolicy {
     /// Refuse with [`crate::Error::BudgetExhausted`]. Default.
     #[default]
     Refuse,
@@ -105,12 +105,12 @@ pub enum Policy {
     Warn,
 }
 
-impl Policy {
+impl BudgetPolicy {
     /// The policy's name as used in logs and metric labels.
     pub const fn as_str(self) -> &'static str {
         match self {
-            Policy::Refuse => "refuse",
-            Policy::Warn => "warn",
+            BudgetPolicy::Refuse => "refuse",
+            BudgetPolicy::Warn => "warn",
         }
     }
 }

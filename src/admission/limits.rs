@@ -1,6 +1,6 @@
 //! Validated lane limits and their defaults.
 
-use super::lane::{Lane, Policy};
+use super::lane::{BudgetPolicy, Lane};
 
 /// The largest pool pgwarden accepts: PostgreSQL's own upper limit for
 /// `max_connections` (2^18 - 1). A larger size can never be served, and
@@ -127,7 +127,7 @@ pub enum LimitsError {
 pub struct Limits {
     size: usize,
     lanes: [LaneLimits; Lane::COUNT],
-    policy: Policy,
+    policy: BudgetPolicy,
     /// Precomputed: the session-lock hard ceiling.
     ceiling: usize,
 }
@@ -143,7 +143,7 @@ impl Limits {
     /// | probe | 1 | 1 |
     /// | lease | 0 | `min(max(2, size / 4), 4)` |
     ///
-    /// Policy: [`Policy::Refuse`].
+    /// BudgetPolicy: [`BudgetPolicy::Refuse`].
     ///
     /// - No lane but the probe may take the probe's reserve.
     /// - The request reserve is for the work under held session locks; short
@@ -167,7 +167,7 @@ impl Limits {
     pub fn defaults(size: usize) -> Result<Limits, LimitsError> {
         check_size(size)?;
         let lanes = Limits::default_lanes(size);
-        Limits::new(size, lanes, Policy::Refuse)
+        Limits::new(size, lanes, BudgetPolicy::Refuse)
     }
 
     /// The default limits of every lane (unvalidated; `size >= 2`).
@@ -204,18 +204,18 @@ impl Limits {
     /// Validates a full set of limits, one per lane in [`Lane::ALL`] order.
     ///
     /// ```
-    /// use pgwarden::{Lane, LaneLimits, Limits, LimitsError, Policy};
+    /// use pgwarden::{Lane, LaneLimits, Limits, LimitsError, BudgetPolicy};
     /// let mut lanes = Limits::defaults(4).unwrap().lanes();
     /// lanes[Lane::Probe as usize] = LaneLimits { reserved: 0, max: 1 };
     /// assert_eq!(
-    ///     Limits::new(4, lanes, Policy::Refuse).unwrap_err(),
+    ///     Limits::new(4, lanes, BudgetPolicy::Refuse).unwrap_err(),
     ///     LimitsError::NoProbeReserve { reserved: 0 }
     /// );
     /// ```
     pub fn new(
         size: usize,
         lanes: [LaneLimits; Lane::COUNT],
-        policy: Policy,
+        policy: BudgetPolicy,
     ) -> Result<Limits, LimitsError> {
         check_size(size)?;
         for lane in Lane::ALL {
@@ -295,12 +295,12 @@ impl Limits {
     }
 
     /// The session-lock policy.
-    pub fn policy(&self) -> Policy {
+    pub fn policy(&self) -> BudgetPolicy {
         self.policy
     }
 
     /// The same limits under another policy.
-    pub fn with_policy(mut self, policy: Policy) -> Limits {
+    pub fn with_policy(mut self, policy: BudgetPolicy) -> Limits {
         self.policy = policy;
         self
     }

@@ -181,7 +181,7 @@ where
             deadline = scope.min(deadline);
         }
         let bound = deadline.checkout_bound();
-        let load = c.pool.lane_load(Lane::Request);
+        let load = c.pool.shared.lane_load(Lane::Request);
         match decide(&load, bound) {
             Verdict::Admit { .. } => {
                 c.admitted.increment(1);

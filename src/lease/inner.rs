@@ -21,7 +21,7 @@ use super::statement::{FollowUp, Urgency};
 use super::table::TableName;
 use crate::error::Error;
 use crate::pool::{Pool, Shared};
-use crate::pooler::Pooler;
+use crate::pooler::PoolerMode;
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
 /// a holder may release early.
@@ -150,7 +150,7 @@ impl Inner {
             return;
         }
         let Ok(pool) = self.pool() else { return };
-        if pool.pooler() != Pooler::Auto {
+        if pool.pooler() != PoolerMode::Auto {
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {

@@ -12,7 +12,7 @@ use tokio_postgres::IsolationLevel;
 use super::{xact_lock, LockKey, Namespace};
 use crate::admission::Lane;
 use crate::error::Error;
-use crate::pool::{Conn, Pool};
+use crate::pool::{Client, Pool};
 
 /// The ledger of [`Pool::run_once`]: one row per name that ran.
 pub const RUN_ONCE_LEDGER: &str = "pgwarden_run_once";
@@ -185,7 +185,7 @@ impl Pool {
     }
 }
 
-async fn begin(conn: &mut Conn) -> Result<Transaction<'_>, Error> {
+async fn begin(conn: &mut Client) -> Result<Transaction<'_>, Error> {
     Ok(conn
         .build_transaction()
         .isolation_level(IsolationLevel::ReadCommitted)
@@ -219,7 +219,7 @@ async fn rollback(tx: Transaction<'_>) {
 
 /// Creates the ledger table once, under its own lock: concurrent
 /// `CREATE TABLE IF NOT EXISTS` would otherwise race on the catalog.
-async fn ensure_ledger(conn: &mut Conn, timeout: Duration) -> Result<(), Error> {
+async fn ensure_ledger(conn: &mut Client, timeout: Duration) -> Result<(), Error> {
     let exists: bool = conn
         .query_typed_one("SELECT to_regclass('pgwarden_run_once') IS NOT NULL", &[])
         .await?

@@ -12,7 +12,7 @@ use super::release::{Held, Tally};
 use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
 use crate::admission::Lane;
 use crate::error::Error;
-use crate::pool::{Conn, Pool};
+use crate::pool::{Client, Pool};
 
 /// A held session advisory lock: owns the connection it was taken on, for as
 /// long as it is held, and unlocks on that same connection.
@@ -62,7 +62,7 @@ impl SessionLock {
     /// lock's session go here. Other work belongs on a request connection
     /// (`pool.get()`). Releasing the lock with raw SQL on it makes the next
     /// unlock fail with [`Error::NotOwned`].
-    pub fn conn(&self) -> &Conn {
+    pub fn conn(&self) -> &Client {
         self.held.conn()
     }
 
@@ -208,7 +208,7 @@ pub(crate) async fn acquire(
     conn.set_note(Some(format!("session lock {key}")));
     // From here on the guard owns the connection: dropped at any await
     // point, it cleans up whatever the statement in flight may have taken.
-    let mut held = Held::new(conn, key, mode, pool.shared.opts.unlock_timeout);
+    let mut held = Held::new(conn, key, mode, super::unlock_timeout(pool));
     let row = match wait {
         Some(timeout) => {
             let setting = lock_timeout_setting(timeout.saturating_sub(start.elapsed()));

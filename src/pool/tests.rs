@@ -35,9 +35,8 @@ fn pool(size: usize) -> (Pool, Snapshotter) {
     let recorder = DebuggingRecorder::new();
     let snap = recorder.snapshotter();
     let pool = metrics::with_local_recorder(&recorder, || {
-        Pool::builder(nowhere(size))
-            .pooler(crate::Pooler::Direct)
-            .census_interval(None)
+        // The pool core alone: no census, no layer above.
+        super::PoolBuilder::new(nowhere(size))
             .housekeeping_interval(Duration::from_secs(1))
             .build()
             .unwrap()

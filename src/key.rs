@@ -161,6 +161,44 @@ pub const fn fnv1a32(bytes: &[u8]) -> u32 {
     h
 }
 
+/// Exclusive or shared: one holder, or many readers and no writer.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum LockMode {
+    /// One holder at a time (`pg_advisory_lock`); `ExclusiveLock` in `pg_locks`.
+    Exclusive,
+    /// Any number of shared holders, no exclusive one
+    /// (`pg_advisory_lock_shared`); `ShareLock` in `pg_locks`.
+    Shared,
+}
+
+impl LockMode {
+    /// The mode as `pg_locks.mode` names it.
+    pub const fn pg_mode(self) -> &'static str {
+        match self {
+            LockMode::Exclusive => "ExclusiveLock",
+            LockMode::Shared => "ShareLock",
+        }
+    }
+
+    /// Reads `pg_locks.mode`.
+    pub fn from_pg_mode(mode: &str) -> Option<LockMode> {
+        match mode {
+            "ExclusiveLock" => Some(LockMode::Exclusive),
+            "ShareLock" => Some(LockMode::Shared),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for LockMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LockMode::Exclusive => "exclusive",
+            LockMode::Shared => "shared",
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

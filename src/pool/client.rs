@@ -1,4 +1,4 @@
-//! [`Conn`]: a checked-out connection.
+//! [`Client`]: a checked-out connection.
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -7,15 +7,14 @@ use std::time::Instant;
 
 use deadpool_postgres::Object;
 
-use super::admission::Permit;
-use super::{ObjectId, Pool};
+use super::shared::{ObjectId, Permit, Pool};
 use crate::admission::Lane;
 
 /// A checked-out connection. Derefs to [`deadpool_postgres::Client`], so code
 /// written against deadpool runs unchanged; returns to the pool on drop.
 ///
 /// Knows its lane, its backend pid, where it was checked out and since when.
-pub struct Conn {
+pub struct Client {
     // Field order matters: the object goes back to deadpool before the permit
     // is released, so an admitted checkout never waits inside deadpool.
     pub(super) obj: Option<deadpool_postgres::Client>,
@@ -26,7 +25,7 @@ pub struct Conn {
     pub(super) object: ObjectId,
 }
 
-impl Conn {
+impl Client {
     /// The lane it was checked out on.
     pub fn lane(&self) -> Lane {
         self.permit.lane
@@ -91,27 +90,27 @@ impl Conn {
     }
 }
 
-impl Deref for Conn {
+impl Deref for Client {
     type Target = deadpool_postgres::Client;
     fn deref(&self) -> &Self::Target {
         self.client()
     }
 }
 
-impl DerefMut for Conn {
+impl DerefMut for Client {
     fn deref_mut(&mut self) -> &mut Self::Target {
         // infallible: `obj` is Some until drop or `discard`, which consume self.
         self.obj.as_mut().expect("connection present until drop") // infallible
     }
 }
 
-impl AsRef<deadpool_postgres::Client> for Conn {
+impl AsRef<deadpool_postgres::Client> for Client {
     fn as_ref(&self) -> &deadpool_postgres::Client {
         self.client()
     }
 }
 
-impl Drop for Conn {
+impl Drop for Client {
     fn drop(&mut self) {
         if let Some(obj) = &self.obj {
             let shared = &self.permit.shared;
@@ -129,9 +128,9 @@ impl Drop for Conn {
     }
 }
 
-impl fmt::Debug for Conn {
+impl fmt::Debug for Client {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Conn")
+        f.debug_struct("Client")
             .field("lane", &self.permit.lane)
             .field("pid", &self.pid)
             .field("site", &format_args!("{}", self.site))
