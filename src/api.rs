@@ -5,10 +5,13 @@ use std::future::Future;
 use std::panic::Location;
 use std::time::Duration;
 
-use deadpool_postgres::{PoolError, TimeoutType};
+use deadpool_postgres::{PoolError, TimeoutType, Transaction};
+use futures_util::future::BoxFuture;
 
 use crate::admission::Lane;
 use crate::census::Census;
+use crate::key::{LockKey, LockMode};
+use crate::lock::{Migrated, SessionLock};
 use crate::error::{BuildError, Error, Stage};
 use crate::pool::{Client, Pool, PoolBuilder};
 use crate::pooler::PoolerMode;
@@ -209,6 +212,126 @@ impl Pool {
     pub fn census(&self) -> impl Future<Output = Result<Census, Error>> + Send + '_ {
         let site = Location::caller();
         async move { self.census_at(site).await.map(|(census, ..)| census) }
+    }
+
+    /// Takes the session advisory lock `key` in `mode` on a connection of
+    /// its own ([`Lane::SessionLock`]): tries once when `wait` is `None` (the
+    /// checkout then waits up to the pool's wait timeout), or waits up to
+    /// `wait` in all (the checkout, then the lock, bounded by PostgreSQL's
+    /// `lock_timeout`).
+    ///
+    /// - `Ok(Some(lock))`: granted; the guard owns the connection.
+    /// - `Ok(None)`: only from a single try (`wait` is `None`): another
+    ///   session holds it.
+    /// - `Err(`[`Error::LockTimeout`]`)`: a wait ran out, as for
+    ///   [`xact_lock`](crate::xact_lock).
+    ///
+    /// The checkout is budgeted: past the session-lock budget it is refused
+    /// ([`Error::BudgetExhausted`]) or admitted with a warning, by policy.
+    /// Behind a transaction-mode pooler it is refused ([`Error::BehindPooler`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+    /// use std::time::Duration;
+    /// use pgwarden::{LockMode, Namespace};
+    /// const REPORTS: Namespace = Namespace::new(3);
+    ///
+    /// let key = REPORTS.named("monthly");
+    /// if let Some(lock) = pool.session_lock(key, LockMode::Exclusive, Some(Duration::from_secs(5))).await? {
+    ///     let work = pool.get().await?; // the work under the lock: a request connection
+    ///     work.simple_query("SELECT 1").await?;
+    ///     drop(work);
+    ///     lock.unlock().await?; // reports errors; dropping the guard also unlocks
+    /// }
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn session_lock(
+        &self,
+        key: LockKey,
+        mode: LockMode,
+        wait: Option<Duration>,
+    ) -> impl Future<Output = Result<Option<SessionLock>, Error>> + Send + '_ {
+        let site = Location::caller();
+        crate::lock::session_lock(self, key, mode, wait, site)
+    }
+
+    /// Runs `f` in one `READ COMMITTED` transaction, on a request connection,
+    /// under the exclusive transaction-scoped lock `key`: commits when `f`
+    /// returns `Ok`, rolls back when it returns `Err` (or panics, or the
+    /// future is dropped). The lock goes with the transaction: it cannot
+    /// leak, and it works behind a transaction pooler. The closure's future
+    /// may borrow the transaction, not the caller's locals: move owned data
+    /// into it. `timeout` bounds the checkout and the wait for the lock; past
+    /// it the error is [`Error::LockTimeout`] (or a checkout timeout),
+    /// converted into `E`.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+    /// const ACCOUNTS: pgwarden::Namespace = pgwarden::Namespace::new(2);
+    /// let created = pool
+    ///     .with_xact_lock(ACCOUNTS.key(42), std::time::Duration::from_secs(5), |tx| {
+    ///         Box::pin(async move {
+    ///             let n = tx.execute("INSERT INTO subscriptions (client_id) VALUES (42) ON CONFLICT DO NOTHING", &[]).await?;
+    ///             Ok::<_, pgwarden::Error>(n == 1)
+    ///         })
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn with_xact_lock<'p, T, E, F>(
+        &'p self,
+        key: LockKey,
+        timeout: Duration,
+        f: F,
+    ) -> impl Future<Output = Result<T, E>> + Send + 'p
+    where
+        F: for<'a> FnOnce(&'a Transaction<'a>) -> BoxFuture<'a, Result<T, E>> + Send + 'p,
+        T: Send + 'p,
+        E: From<Error> + Send + 'p,
+    {
+        let site = Location::caller();
+        crate::lock::with_xact_lock(self, key, timeout, f, site)
+    }
+
+    /// Runs `f` once per database, whatever the number of instances starting
+    /// at the same moment: for start-up DDL (`CREATE … IF NOT EXISTS` races
+    /// with itself across sessions) and migrations. `name` is the work's
+    /// identity (e.g. `"billing/0001_schema"`). Callers serialise on a
+    /// transaction-scoped lock derived from `name`; the first runs `f` in a
+    /// `READ COMMITTED` transaction and records `name` in the ledger table
+    /// `pgwarden_run_once` (created on first use, in the first schema of the
+    /// `search_path`) in that same transaction. The others wait, find the
+    /// row, and skip `f` ([`Migrated::Skipped`]). If `f` fails, nothing is
+    /// recorded and the next caller runs it. `timeout` bounds the checkout
+    /// and each lock wait.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+    /// pool.migrate_once("app/0001_schema", std::time::Duration::from_secs(30), |tx| {
+    ///     Box::pin(async move {
+    ///         tx.batch_execute("CREATE SCHEMA IF NOT EXISTS app").await?;
+    ///         Ok::<_, pgwarden::Error>(())
+    ///     })
+    /// })
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn migrate_once<'p, T, E, F>(
+        &'p self,
+        name: &'p str,
+        timeout: Duration,
+        f: F,
+    ) -> impl Future<Output = Result<Migrated<T>, E>> + Send + 'p
+    where
+        F: for<'a> FnOnce(&'a Transaction<'a>) -> BoxFuture<'a, Result<T, E>> + Send + 'p,
+        T: Send + 'p,
+        E: From<Error> + Send + 'p,
+    {
+        let site = Location::caller();
+        crate::lock::migrate_once(self, name, timeout, f, site)
     }
 }
 

@@ -94,17 +94,17 @@ impl Census {
 
 /// What one [`Pool::census_sweep`] found.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct CensusSummary {
+pub(crate) struct CensusSummary {
     /// Advisory locks in the database.
-    pub locks: usize,
+    pub(crate) locks: usize,
     /// Of those, on this pool's connections.
-    pub ours: usize,
+    pub(crate) ours: usize,
     /// Of those, on connections idle in the pool.
-    pub idle: usize,
+    pub(crate) idle: usize,
     /// Connections newly found holding a leaked lock while idle (confirmed
     /// twice, and now closed, or discarded at their next checkout when they
     /// were checked out in the meantime).
-    pub leaked: usize,
+    pub(crate) leaked: usize,
 }
 
 /// How often the census runs unless configured ([`PoolBuilder::census_interval`]).

@@ -35,16 +35,12 @@ pub enum LockKey {
 }
 
 impl LockKey {
-    /// A named key: `Pair(namespace, fnv1a32(name))`, see [`Namespace::named`].
-    pub fn named(namespace: Namespace, name: &str) -> LockKey {
-        namespace.named(name)
-    }
 
     /// Decodes a key from `pg_locks` (`classid`, `objid`, `objsubid`):
     /// a `bigint` key has `classid` = its high 32 bits, `objid` = its low 32
     /// bits and `objsubid` = 1; a pair has `classid` = the first key, `objid` =
     /// the second and `objsubid` = 2. `None` for any other `objsubid`.
-    pub fn from_pg_locks(classid: u32, objid: u32, objsubid: i16) -> Option<LockKey> {
+    pub(crate) fn from_pg_locks(classid: u32, objid: u32, objsubid: i16) -> Option<LockKey> {
         match objsubid {
             1 => Some(LockKey::Single(
                 ((u64::from(classid) << 32) | u64::from(objid)) as i64,
@@ -55,7 +51,8 @@ impl LockKey {
     }
 
     /// The key as it appears in `pg_locks`: (`classid`, `objid`, `objsubid`).
-    pub fn to_pg_locks(self) -> (u32, u32, i16) {
+    #[cfg(test)]
+    pub(crate) fn to_pg_locks(self) -> (u32, u32, i16) {
         match self {
             LockKey::Single(k) => ((k as u64 >> 32) as u32, k as u64 as u32, 1),
             LockKey::Pair(a, b) => (a as u32, b as u32, 2),
@@ -114,7 +111,7 @@ pub struct Namespace(i32);
 impl Namespace {
     /// pgwarden's own namespace (`0x7067_7764`, "pgwd" in ASCII), used by
     /// [`crate::Pool::run_once`]. Do not declare it in an application.
-    pub const PGWARDEN: Namespace = Namespace(0x7067_7764);
+    pub(crate) const PGWARDEN: Namespace = Namespace(0x7067_7764);
 
     /// A namespace with the given number.
     pub const fn new(id: i32) -> Namespace {
@@ -150,7 +147,7 @@ impl fmt::Display for Namespace {
 }
 
 /// 32-bit FNV-1a: offset basis `0x811c9dc5`, prime `0x01000193`.
-pub const fn fnv1a32(bytes: &[u8]) -> u32 {
+pub(crate) const fn fnv1a32(bytes: &[u8]) -> u32 {
     let mut h: u32 = 0x811c_9dc5;
     let mut i = 0;
     while i < bytes.len() {
@@ -173,7 +170,8 @@ pub enum LockMode {
 
 impl LockMode {
     /// The mode as `pg_locks.mode` names it.
-    pub const fn pg_mode(self) -> &'static str {
+    #[cfg(test)]
+    pub(crate) const fn pg_mode(self) -> &'static str {
         match self {
             LockMode::Exclusive => "ExclusiveLock",
             LockMode::Shared => "ShareLock",
@@ -181,7 +179,7 @@ impl LockMode {
     }
 
     /// Reads `pg_locks.mode`.
-    pub fn from_pg_mode(mode: &str) -> Option<LockMode> {
+    pub(crate) fn from_pg_mode(mode: &str) -> Option<LockMode> {
         match mode {
             "ExclusiveLock" => Some(LockMode::Exclusive),
             "ShareLock" => Some(LockMode::Shared),

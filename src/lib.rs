@@ -17,17 +17,14 @@ mod pool;
 mod pooler;
 mod status;
 
-pub use admission::{BudgetPolicy, Lane, LaneLimits, Limits, LimitsError, MAX_POOL_SIZE};
-pub use census::{AdvisoryLock, Census, CensusSummary, Owner};
+pub use admission::{BudgetPolicy, Lane, LimitsError};
+pub use census::{AdvisoryLock, Census, Owner};
 pub use error::{BuildError, Error, LaneHolder, Stage};
 pub use lease::{
     Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder,
     LostReason, OnLost, Scheduler, SchedulerBuilder,
 };
-pub use lock::{
-    fnv1a32, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, LockKey, LockMode,
-    Namespace, RunOnce, SessionLock, RUN_ONCE_LEDGER,
-};
+pub use lock::{xact_lock, LockKey, LockMode, Migrated, Namespace, SessionLock};
 pub use pool::{Client, Deadline, Pool, PoolBuilder};
 pub use pooler::PoolerMode;
 pub use status::{LaneStatus, Status};

@@ -29,10 +29,12 @@ use std::time::Duration;
 
 use crate::pool::{Pool, PoolBuilder};
 
-pub use crate::key::{fnv1a32, LockKey, LockMode, Namespace};
-pub use run_once::{RunOnce, RUN_ONCE_LEDGER};
+pub use crate::key::{LockKey, LockMode, Namespace};
+pub use run_once::Migrated;
+pub(crate) use run_once::{migrate_once, with_xact_lock};
+pub(crate) use session::acquire as session_lock;
 pub use session::SessionLock;
-pub use xact::{try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared};
+pub use xact::xact_lock;
 
 /// How long a dropped or cancelled session lock may take to confirm its
 /// release: a builder setting, in the pool's extension slot.

@@ -23,7 +23,7 @@ pub enum LostReason {
 
 impl LostReason {
     /// The reason as used in logs and metric labels.
-    pub const fn as_str(self) -> &'static str {
+    pub(crate) const fn as_str(self) -> &'static str {
         match self {
             LostReason::Taken => "taken",
             LostReason::Deadline => "deadline",

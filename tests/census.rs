@@ -24,7 +24,8 @@ async fn census_decodes_keys_and_owners() {
         .unwrap()
         .get(0);
     let big = LockKey::Single(0x1_0000_0002);
-    let lock = pool.session_lock(big, T).await.unwrap();
+    let lock = pool.session_lock(big, LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     // A third session waits for (-3, 7) exclusively.
     let waiter = db.connect().await.unwrap();
     let waiting = tokio::spawn(async move {
@@ -45,7 +46,7 @@ async fn census_decodes_keys_and_owners() {
         (ours[0].key, ours[0].mode, ours[0].granted),
         (big, LockMode::Exclusive, true)
     );
-    assert_eq!(ours[0].pid, Some(lock.conn().pid()));
+    assert_eq!(ours[0].pid, Some(lock.client().pid()));
     match &ours[0].owner {
         Owner::CheckedOut {
             lane, site, note, ..
@@ -159,7 +160,8 @@ async fn a_leak_on_the_census_own_connection_is_closed_at_once() {
 async fn held_guards_are_not_leaks() {
     let db = db().await;
     let pool = builder(&db, 4).build().unwrap();
-    let lock = pool.session_lock(LockKey::Pair(8, 8), T).await.unwrap();
+    let lock = pool.session_lock(LockKey::Pair(8, 8), LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     let s = pool.census_sweep().await.unwrap();
     assert_eq!((s.ours, s.idle, s.leaked), (1, 0, 0), "{s:?}");
     lock.unlock().await.unwrap();

@@ -15,7 +15,8 @@ async fn single_and_pair_are_distinct_key_spaces() {
     let db = db().await;
     let pool = builder(&db, 4).build().unwrap();
     let raw = db.connect().await.unwrap();
-    let single = pool.session_lock(LockKey::Single(1), T).await.unwrap();
+    let single = pool.session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     assert!(!free(&raw, LockKey::Single(1)).await, "Single(1) is held");
     assert!(
         free(&raw, LockKey::Pair(0, 1)).await,
@@ -24,7 +25,8 @@ async fn single_and_pair_are_distinct_key_spaces() {
     single.unlock().await.unwrap();
 
     const APP: Namespace = Namespace::new(7);
-    let named = pool.session_lock(APP.named("nightly"), T).await.unwrap();
+    let named = pool.session_lock(APP.named("nightly"), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     let hash = pgwarden::fnv1a32(b"nightly") as i32;
     assert!(
         !free(&raw, LockKey::Pair(7, hash)).await,
@@ -39,16 +41,17 @@ async fn session_locks_check_out_on_their_budgeted_lane() {
     let db = db().await;
     // Size 4: the default session-lock budget is 1, policy refuse.
     let pool = builder(&db, 4).build().unwrap();
-    let a = pool.session_lock(LockKey::Single(10), T).await.unwrap();
-    assert_eq!(a.conn().lane(), Lane::SessionLock);
+    let a = pool.session_lock(LockKey::Single(10), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
+    assert_eq!(a.client().lane(), Lane::SessionLock);
     assert!(
-        a.conn().site().file().ends_with("locks.rs"),
+        a.client().site().file().ends_with("locks.rs"),
         "{}",
-        a.conn().site()
+        a.client().site()
     );
     assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 1);
     let e = pool
-        .try_session_lock(LockKey::Single(11))
+        .session_lock(LockKey::Single(11), pgwarden::LockMode::Exclusive, None)
         .await
         .unwrap_err();
     assert!(e.is_budget_exhausted(), "{e}");
@@ -71,7 +74,8 @@ async fn reentry_is_counted_and_gauged() {
         let get = |k: &str| m.get(&format!("pgwarden_{k}{{pool=reentry}}")).copied();
         (get("session_locks_held"), get("session_lock_connections"))
     };
-    let mut lock = pool.session_lock(key, T).await.unwrap();
+    let mut lock = pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     assert_eq!(lock.lock_again().await.unwrap(), 2);
     assert_eq!(held(), (Some(2.0), Some(1.0)));
     assert_eq!(lock.unlock_one().await.unwrap(), 1);
@@ -94,25 +98,26 @@ async fn shared_and_try_variants() {
     let pool = builder(&db, 8).session_lock_max(3).build().unwrap();
     let raw = db.connect().await.unwrap();
     let key = LockKey::Single(-5);
-    let r1 = pool.session_lock_shared(key, T).await.unwrap();
+    let r1 = pool.session_lock(key, pgwarden::LockMode::Shared, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     let r2 = pool
-        .try_session_lock_shared(key)
+        .session_lock(key, pgwarden::LockMode::Shared, None)
         .await
         .unwrap()
         .expect("shared with shared");
     assert!(
-        pool.try_session_lock(key).await.unwrap().is_none(),
+        pool.session_lock(key, pgwarden::LockMode::Exclusive, None).await.unwrap().is_none(),
         "no writer while readers"
     );
     assert!(!free(&raw, key).await);
     r1.unlock().await.unwrap();
     r2.unlock().await.unwrap();
     let w = pool
-        .try_session_lock(key)
+        .session_lock(key, pgwarden::LockMode::Exclusive, None)
         .await
         .unwrap()
         .expect("free again");
-    assert!(pool.try_session_lock_shared(key).await.unwrap().is_none());
+    assert!(pool.session_lock(key, pgwarden::LockMode::Shared, None).await.unwrap().is_none());
     w.unlock().await.unwrap();
     assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 0);
 }
@@ -127,7 +132,7 @@ async fn lock_timeout_is_typed_and_leaves_the_connection_clean() {
         .unwrap();
     let start = Instant::now();
     let e = pool
-        .session_lock(LockKey::Single(77), Duration::from_millis(200))
+        .session_lock(LockKey::Single(77), pgwarden::LockMode::Exclusive, Some(Duration::from_millis(200)))
         .await
         .unwrap_err();
     let took = start.elapsed();
@@ -152,9 +157,10 @@ async fn unlock_that_postgres_refuses_is_an_error() {
     let db = db().await;
     let pool = builder(&db, 3).build().unwrap();
     let raw = db.connect().await.unwrap();
-    let lock = pool.session_lock(LockKey::Single(8), T).await.unwrap();
+    let lock = pool.session_lock(LockKey::Single(8), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     // Released behind the guard's back, on its own connection.
-    lock.conn()
+    lock.client()
         .batch_execute("SELECT pg_advisory_unlock_all()")
         .await
         .unwrap();
@@ -169,8 +175,9 @@ async fn dropped_guard_is_released_in_the_background() {
     let db = db().await;
     let (pool, snap) = with_recorder(builder(&db, 3).name("dropped"));
     let raw = db.connect().await.unwrap();
-    let lock = pool.session_lock(LockKey::Single(9), T).await.unwrap();
-    let pid = lock.conn().pid();
+    let lock = pool.session_lock(LockKey::Single(9), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
+    let pid = lock.client().pid();
     let size = pool.inner().status().size;
     drop(lock);
     eventually(T, "released", || async { pool.status().in_use == 0 }).await;
@@ -197,7 +204,8 @@ async fn panic_while_held_releases() {
     let raw = db.connect().await.unwrap();
     let p = pool.clone();
     let task = tokio::spawn(async move {
-        let _lock = p.session_lock(LockKey::Single(12), T).await.unwrap();
+        let _lock = p.session_lock(LockKey::Single(12), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
         panic!("work under the lock failed");
     });
     assert!(task.await.unwrap_err().is_panic());
@@ -222,7 +230,7 @@ async fn cancelled_while_waiting_unlocks_or_closes() {
 
     // Confirmed: lock_timeout (300 ms) ends the wait before the unlock bound (5 s).
     let pool = builder(&db, 3).build().unwrap();
-    let fut = pool.session_lock(key, Duration::from_millis(300));
+    let fut = pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(Duration::from_millis(300)));
     assert!(tokio::time::timeout(Duration::from_millis(100), fut)
         .await
         .is_err());
@@ -234,7 +242,7 @@ async fn cancelled_while_waiting_unlocks_or_closes() {
         .unlock_timeout(Duration::from_millis(100))
         .build()
         .unwrap();
-    let fut = pool.session_lock(key, Duration::from_secs(10));
+    let fut = pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(Duration::from_secs(10)));
     assert!(tokio::time::timeout(Duration::from_millis(100), fut)
         .await
         .is_err());
@@ -265,7 +273,8 @@ async fn long_hold_warning_names_the_key() {
         .name("held")
         .long_hold_threshold(Duration::from_millis(50));
     let (pool, snap) = with_recorder(b);
-    let lock = pool.session_lock(LockKey::Pair(5, 6), T).await.unwrap();
+    let lock = pool.session_lock(LockKey::Pair(5, 6), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     tokio::time::sleep(Duration::from_millis(80)).await; // the hold under test
     let logs = Logs::default();
     tracing::subscriber::with_default(logs.subscriber(), || {
@@ -277,7 +286,7 @@ async fn long_hold_warning_names_the_key() {
     for part in [
         "session lock 5:6",
         "session_lock",
-        &lock.conn().pid().to_string(),
+        &lock.client().pid().to_string(),
         "locks.rs",
     ] {
         assert!(text.contains(part), "{part:?} missing from {text}");

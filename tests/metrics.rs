@@ -4,7 +4,6 @@ mod support;
 
 use std::time::Duration;
 
-use pgwarden::metrics as m;
 use pgwarden::{BudgetPolicy, Lane, Pool};
 use support::{counter, db, gauge, histogram, snapshot, with_recorder};
 
@@ -24,26 +23,26 @@ async fn pool_events_are_recorded() {
     // Limits are published at build.
     let s = snapshot(&snap);
     assert_eq!(
-        gauge(&s, &format!("{}{{pool=mx}}", m::CONNECTIONS_MAX)),
+        gauge(&s, &format!("{}{{pool=mx}}", "pgwarden_connections_max")),
         4.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=session_lock,pool=mx}}", m::LANE_MAX)),
+        gauge(&s, &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_lane_max")),
         1.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=probe,pool=mx}}", m::LANE_RESERVED)),
+        gauge(&s, &format!("{}{{lane=probe,pool=mx}}", "pgwarden_lane_reserved")),
         1.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_MAX)),
+        gauge(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_max")),
         3.0
     );
 
     // A session-lock checkout, then one refused past the budget.
-    let lock = pool.get_for(Lane::SessionLock).await.unwrap();
+    let lock = pool.get_for(Lane::SessionLock, None).await.unwrap();
     assert!(pool
-        .get_for(Lane::SessionLock)
+        .get_for(Lane::SessionLock, None)
         .await
         .unwrap_err()
         .is_budget_exhausted());
@@ -53,7 +52,7 @@ async fn pool_events_are_recorded() {
     drop(b);
     let s = snapshot(&snap);
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_IN_USE)),
+        gauge(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_in_use")),
         1.0
     );
     assert_eq!(
@@ -61,7 +60,7 @@ async fn pool_events_are_recorded() {
             &s,
             &format!(
                 "{}{{lane=session_lock,pool=mx,reason=refused}}",
-                m::ACQUIRE_FAILURES
+                "pgwarden_acquire_failures_total"
             )
         ),
         1
@@ -71,7 +70,7 @@ async fn pool_events_are_recorded() {
             &s,
             &format!(
                 "{}{{lane=session_lock,policy=refuse,pool=mx}}",
-                m::BUDGET_OVERRUNS
+                "pgwarden_budget_overruns_total"
             )
         ),
         1
@@ -79,7 +78,7 @@ async fn pool_events_are_recorded() {
     assert_eq!(
         histogram(
             &s,
-            &format!("{}{{lane=request,pool=mx}}", m::ACQUIRE_DURATION)
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_acquire_duration_seconds")
         )
         .len(),
         2
@@ -87,13 +86,13 @@ async fn pool_events_are_recorded() {
     assert_eq!(
         histogram(
             &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", m::ACQUIRE_DURATION)
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_acquire_duration_seconds")
         )
         .len(),
         1
     );
     assert_eq!(
-        histogram(&s, &format!("{}{{lane=request,pool=mx}}", m::HOLD_DURATION)).len(),
+        histogram(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_hold_duration_seconds")).len(),
         1
     );
 
@@ -101,7 +100,7 @@ async fn pool_events_are_recorded() {
     let c = pool.get().await.unwrap();
     let waiter = {
         let pool = pool.clone();
-        tokio::spawn(async move { pool.get_for(Lane::Request).await.map(drop) })
+        tokio::spawn(async move { pool.get_for(Lane::Request, None).await.map(drop) })
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while pool.status().lane(Lane::Request).waiting == 0 {
@@ -110,7 +109,7 @@ async fn pool_events_are_recorded() {
     }
     let s = snapshot(&snap);
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_PENDING)),
+        gauge(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_pending")),
         1.0
     );
     assert!(waiter.await.unwrap().unwrap_err().is_timeout());
@@ -120,7 +119,7 @@ async fn pool_events_are_recorded() {
             &s,
             &format!(
                 "{}{{lane=request,pool=mx,reason=timeout}}",
-                m::ACQUIRE_FAILURES
+                "pgwarden_acquire_failures_total"
             )
         ),
         1
@@ -133,43 +132,43 @@ async fn pool_events_are_recorded() {
     pool.housekeep();
     let s = snapshot(&snap);
     assert_eq!(
-        histogram(&s, &format!("{}{{pool=mx}}", m::READINESS_DURATION)).len(),
+        histogram(&s, &format!("{}{{pool=mx}}", "pgwarden_readiness_duration_seconds")).len(),
         1
     );
     assert!(
         gauge(
             &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", m::OLDEST_HOLD)
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_oldest_hold_seconds")
         ) > 0.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=control,pool=mx}}", m::OLDEST_HOLD)),
+        gauge(&s, &format!("{}{{lane=control,pool=mx}}", "pgwarden_oldest_hold_seconds")),
         0.0
     );
     assert_eq!(
-        counter(&s, &format!("{}{{lane=request,pool=mx}}", m::LONG_HOLDS)),
+        counter(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_long_holds_total")),
         2
     );
     assert_eq!(
         counter(
             &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", m::LONG_HOLDS)
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_long_holds_total")
         ),
         1
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{pool=mx,state=in_use}}", m::CONNECTIONS)),
+        gauge(&s, &format!("{}{{pool=mx,state=in_use}}", "pgwarden_connections")),
         3.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{pool=mx,state=idle}}", m::CONNECTIONS)),
+        gauge(&s, &format!("{}{{pool=mx,state=idle}}", "pgwarden_connections")),
         1.0
     );
     // A long hold is reported once, not at every pass.
     pool.housekeep();
     let s = snapshot(&snap);
     assert_eq!(
-        counter(&s, &format!("{}{{lane=request,pool=mx}}", m::LONG_HOLDS)),
+        counter(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_long_holds_total")),
         0
     );
 
@@ -180,16 +179,16 @@ async fn pool_events_are_recorded() {
     let s = snapshot(&snap);
     let failures = counter(
         &s,
-        &format!("{}{{pool=mx,reason=error}}", m::READINESS_FAILURES),
+        &format!("{}{{pool=mx,reason=error}}", "pgwarden_readiness_failures_total"),
     ) + counter(
         &s,
-        &format!("{}{{pool=mx,reason=timeout}}", m::READINESS_FAILURES),
+        &format!("{}{{pool=mx,reason=timeout}}", "pgwarden_readiness_failures_total"),
     );
     assert_eq!(failures, 1);
     assert_eq!(
         gauge(
             &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", m::LANE_IN_USE)
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_lane_in_use")
         ),
         0.0
     );
@@ -203,16 +202,16 @@ async fn warn_overruns_are_counted() {
             .name("mw")
             .policy(BudgetPolicy::Warn),
     );
-    let a = pool.get_for(Lane::SessionLock).await.unwrap();
-    let b = pool.get_for(Lane::SessionLock).await.unwrap();
-    assert!(pool.get_for(Lane::SessionLock).await.is_err());
+    let a = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    let b = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    assert!(pool.get_for(Lane::SessionLock, None).await.is_err());
     let s = snapshot(&snap);
     assert_eq!(
         counter(
             &s,
             &format!(
                 "{}{{lane=session_lock,policy=warn,pool=mw}}",
-                m::BUDGET_OVERRUNS
+                "pgwarden_budget_overruns_total"
             )
         ),
         1
@@ -223,7 +222,7 @@ async fn warn_overruns_are_counted() {
             &s,
             &format!(
                 "{}{{lane=session_lock,pool=mw,reason=refused}}",
-                m::ACQUIRE_FAILURES
+                "pgwarden_acquire_failures_total"
             )
         ),
         1
@@ -231,7 +230,7 @@ async fn warn_overruns_are_counted() {
     assert_eq!(
         gauge(
             &s,
-            &format!("{}{{lane=session_lock,pool=mw}}", m::LANE_IN_USE)
+            &format!("{}{{lane=session_lock,pool=mw}}", "pgwarden_lane_in_use")
         ),
         2.0
     );

@@ -159,7 +159,7 @@ async fn conn_knows_lane_pid_site_and_age() {
         .unwrap()
         .get(0);
     assert_eq!(c.pid(), pid);
-    let ctl = pool.get_for(Lane::Control).await.unwrap();
+    let ctl = pool.get_for(Lane::Control, None).await.unwrap();
     assert_eq!(ctl.lane(), Lane::Control);
     assert_ne!(ctl.pid(), c.pid());
     let s = pool.status();
@@ -190,7 +190,7 @@ async fn request_timeout_carries_the_status_and_get_keeps_deadpool_error() {
         matches!(e, PoolError::Timeout(deadpool_postgres::TimeoutType::Wait)),
         "{e:?}"
     );
-    let e = pool.get_for(Lane::Request).await.unwrap_err();
+    let e = pool.get_for(Lane::Request, None).await.unwrap_err();
     match &e {
         Error::Timeout {
             lane,
@@ -270,8 +270,8 @@ async fn control_lane_answers_while_request_traffic_saturates() {
 async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
     let (_db, pool) = pool(4).await;
     let line = line!() + 1;
-    let first = pool.get_for(Lane::SessionLock).await.unwrap();
-    let e = pool.get_for(Lane::SessionLock).await.unwrap_err();
+    let first = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    let e = pool.get_for(Lane::SessionLock, None).await.unwrap_err();
     assert!(e.is_budget_exhausted());
     let msg = e.to_string();
     assert!(
@@ -289,7 +289,7 @@ async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
     // A refusal changes nothing.
     assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 1);
     drop(first);
-    let again = pool.get_for(Lane::SessionLock).await.unwrap();
+    let again = pool.get_for(Lane::SessionLock, None).await.unwrap();
     drop(again);
 }
 
@@ -300,9 +300,9 @@ async fn warn_policy_admits_up_to_the_hard_floor() {
         .policy(BudgetPolicy::Warn)
         .build()
         .unwrap();
-    let a = pool.get_for(Lane::SessionLock).await.unwrap();
-    let b = pool.get_for(Lane::SessionLock).await.unwrap();
-    let e = pool.get_for(Lane::SessionLock).await.unwrap_err();
+    let a = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    let b = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    let e = pool.get_for(Lane::SessionLock, None).await.unwrap_err();
     match &e {
         Error::BudgetExhausted {
             hard_floor,

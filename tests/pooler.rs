@@ -38,7 +38,8 @@ async fn direct_postgres_is_detected_direct() {
 async fn lazy_detection_at_the_first_session_lock_allows_it_direct() {
     let db = db().await;
     let pool = builder(&db, 4).pooler(PoolerMode::Auto).build().unwrap();
-    let lock = pool.session_lock(LockKey::Single(1), T).await.unwrap();
+    let lock = pool.session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     assert_eq!(pool.pooler(), PoolerMode::Direct);
     lock.unlock().await.unwrap();
     assert_eq!(pool.status().in_use, 0);
@@ -51,7 +52,7 @@ async fn configured_transaction_pooler_refuses_session_locks_without_a_probe() {
         .pooler(PoolerMode::Transaction)
         .build()
         .unwrap();
-    let e = pool.try_session_lock(LockKey::Single(1)).await.unwrap_err();
+    let e = pool.session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, None).await.unwrap_err();
     assert!(e.is_behind_pooler(), "{e}");
     assert!(e.to_string().contains("(configured)"), "{e}");
     assert_eq!(pool.inner().status().size, 0, "refused before any checkout");
@@ -81,7 +82,7 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
 
     // Detected lazily, at the first session lock.
     let pool = through(&bouncer, 4);
-    let e = pool.session_lock(LockKey::Single(5), T).await.unwrap_err();
+    let e = pool.session_lock(LockKey::Single(5), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap_err();
     assert!(e.is_behind_pooler(), "{e}");
     let msg = e.to_string();
     assert!(
@@ -90,7 +91,7 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
     );
     assert_eq!(pool.pooler(), PoolerMode::Transaction);
     assert!(pool
-        .try_session_lock_shared(LockKey::Single(5))
+        .session_lock(LockKey::Single(5), pgwarden::LockMode::Shared, None)
         .await
         .unwrap_err()
         .is_behind_pooler());
@@ -141,16 +142,16 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
 
     let mut c = pool.get().await.unwrap();
     let tx = c.transaction().await.unwrap();
-    assert!(try_xact_lock(&tx, LockKey::Single(6)).await.unwrap());
+    assert!(xact_lock(&tx, LockKey::Single(6), pgwarden::LockMode::Exclusive, None).await.unwrap());
     assert!(!free(&raw, LockKey::Single(6)).await);
     tx.commit().await.unwrap();
     drop(c);
 
-    // run_once and the census, through the pooler.
+    // migrate_once and the census, through the pooler.
     let ran = Arc::new(AtomicUsize::new(0));
     for _ in 0..2 {
         let ran = ran.clone();
-        pool.run_once("bouncer/0001", T, move |tx| {
+        pool.migrate_once("bouncer/0001", T, move |tx| {
             Box::pin(async move {
                 tx.batch_execute("CREATE TABLE IF NOT EXISTS t (id int)")
                     .await?;
@@ -236,7 +237,8 @@ async fn an_unlock_a_pooler_moved_names_the_pooler_and_the_backend_left_holding_
     let key = LockKey::Pair(13, 1);
     let (first, s1) = p.pin().await;
     // The only other server connection takes the lock.
-    let lock = p.pool.session_lock(key, T).await.unwrap();
+    let lock = p.pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     let holders = p.holders().await;
     let s2 = holders[0];
     assert_eq!(holders.len(), 1);
@@ -277,7 +279,8 @@ async fn a_lock_a_pooler_moved_is_released_on_its_backend_once_reachable() {
         return;
     };
     let key = LockKey::Pair(13, 2);
-    let mut lock = p.pool.session_lock(key, T).await.unwrap();
+    let mut lock = p.pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
+        .expect("a wait grants the lock or fails");
     // Held twice: reaching the backend must release every level.
     assert_eq!(lock.lock_again().await.unwrap(), 2);
     let x = p.holders().await[0];

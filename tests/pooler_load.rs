@@ -63,9 +63,9 @@ async fn session_locks_through_a_loaded_pgbouncer_are_never_granted() {
         let key = LockKey::Pair(9, i as i32);
         let start = Instant::now();
         let got = match i % 3 {
-            0 => pool.session_lock(key, T).await.map(Some),
-            1 => pool.try_session_lock(key).await,
-            _ => pool.session_lock_shared(key, T).await.map(Some),
+            0 => pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T)).await.map(Some),
+            1 => pool.session_lock(key, pgwarden::LockMode::Exclusive, None).await,
+            _ => pool.session_lock(key, pgwarden::LockMode::Shared, Some(T)).await.map(Some),
         };
         times.push(start.elapsed());
         match got {

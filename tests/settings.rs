@@ -136,7 +136,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     let first = pool.get().await.unwrap();
     let start = Instant::now();
     let e = pool
-        .timeout_get_for(Lane::Request, Duration::from_millis(500))
+        .get_for(Lane::Request, Some(Duration::from_millis(500)))
         .await
         .unwrap_err();
     let took = start.elapsed();
@@ -154,7 +154,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     // The objects come back: checkouts work again.
     drop(stolen);
     let second = pool
-        .timeout_get_for(Lane::Request, Duration::from_millis(500))
+        .get_for(Lane::Request, Some(Duration::from_millis(500)))
         .await
         .unwrap();
     drop((first, second));
@@ -164,7 +164,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     let held = pool.get().await.unwrap();
     let start = Instant::now();
     let e = pool
-        .timeout_get_for(Lane::Request, Duration::from_secs(5))
+        .get_for(Lane::Request, Some(Duration::from_secs(5)))
         .await
         .unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(1), "answered at once");

@@ -188,7 +188,7 @@ pub async fn pgwarden_session_locks(
     ));
     let attempts = join_all(JOBS.map(|job| {
         let pool = pool.clone();
-        async move { pool.try_session_lock(JOBS_NS.named(job)).await }
+        async move { pool.session_lock(JOBS_NS.named(job), pgwarden::LockMode::Exclusive, None).await }
     }))
     .await;
     let mut holders = Vec::new();

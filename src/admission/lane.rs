@@ -42,7 +42,7 @@ impl Lane {
     ];
 
     /// The lane's name as used in logs and metric labels.
-    pub const fn as_str(self) -> &'static str {
+    pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Lane::Request => "request",
             Lane::SessionLock => "session_lock",
@@ -105,12 +105,3 @@ pub enum BudgetPolicy {
     Warn,
 }
 
-impl BudgetPolicy {
-    /// The policy's name as used in logs and metric labels.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            BudgetPolicy::Refuse => "refuse",
-            BudgetPolicy::Warn => "warn",
-        }
-    }
-}

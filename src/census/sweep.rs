@@ -41,7 +41,7 @@ impl Pool {
     /// Behind a transaction pooler, pids say nothing about this pool's
     /// connections: the gauges are set, nothing is flagged.
     #[track_caller]
-    pub fn census_sweep(
+    pub(crate) fn census_sweep(
         &self,
     ) -> impl std::future::Future<Output = Result<CensusSummary, Error>> + Send + '_ {
         let site = Location::caller();

@@ -18,13 +18,8 @@ pub struct Body(Option<Bytes>);
 
 impl Body {
     /// No bytes (what a `HEAD` request gets).
-    pub fn empty() -> Body {
+    pub(crate) fn empty() -> Body {
         Body(None)
-    }
-
-    /// Its bytes (empty for an empty body).
-    pub fn bytes(&self) -> &[u8] {
-        self.0.as_deref().unwrap_or_default()
     }
 }
 

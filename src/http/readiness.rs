@@ -78,7 +78,7 @@ impl Readiness {
 
     /// The answer to a request with this `method`: what the service
     /// returns, for use inside a handler of your own.
-    pub async fn respond(&self, method: &Method) -> Response<Body> {
+    pub(crate) async fn respond(&self, method: &Method) -> Response<Body> {
         let head = match *method {
             Method::GET => false,
             Method::HEAD => true,
@@ -176,7 +176,7 @@ pub struct Liveness;
 
 impl Liveness {
     /// The answer to a request with this `method`.
-    pub fn respond(&self, method: &Method) -> Response<Body> {
+    pub(crate) fn respond(&self, method: &Method) -> Response<Body> {
         match *method {
             Method::GET => respond(StatusCode::OK, "text/plain", false, "up\n".into()),
             Method::HEAD => respond(StatusCode::OK, "text/plain", true, "up\n".into()),

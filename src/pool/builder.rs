@@ -147,7 +147,40 @@ impl PoolBuilder {
         self
     }
 
-    /// One lane's reservation and maximum. Default: see [`Limits::defaults`].
+    /// One lane's reservation and maximum. The defaults for a pool of `size`
+    /// connections (2 to 262 143):
+    ///
+    /// | lane | reserved | max |
+    /// |---|---|---|
+    /// | request | 1 (0 when `size` is 2) | `size - 1` |
+    /// | session lock | 0 | `min(max(1, size / 4), size - 2)` |
+    /// | control | 0 | 1 |
+    /// | probe | 1 | 1 |
+    /// | lease | 0 | `min(max(2, size / 4), 4)` |
+    ///
+    /// The default policy is [`BudgetPolicy::Refuse`].
+    ///
+    /// - No lane but the probe may take the probe's reserve.
+    /// - The request reserve is for the work under held session locks; short
+    ///   statements (control, the probe beyond its own reserve, lease renewals
+    ///   and releases) may borrow it for a moment, session locks and lease
+    ///   acquisitions may not.
+    /// - In the lease lane, renewals and releases go before acquisitions and
+    ///   every other waiter, and acquisitions hold at most `max - 1`
+    ///   connections (a lease reservation, when set, is theirs alone).
+    /// - A pool of 2 has the probe reserve and one shared connection: request
+    ///   work, control and lease statements take turns on it, and it has no
+    ///   session-lock budget. A pool of 3 has a session-lock budget of 1.
+    ///
+    ///
+    /// ```no_run
+    /// # fn demo() -> Result<(), pgwarden::BuildError> {
+    /// use pgwarden::{Lane, Pool};
+    /// let pool = Pool::from_url("postgres://app@db/app", 16)?
+    ///     .lane(Lane::SessionLock, 0, 2) // at most 2 connections pinned by session locks
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
     pub fn lane(mut self, lane: Lane, reserved: usize, max: usize) -> Self {
         self.lanes[lane.idx()] = Some(LaneLimits { reserved, max });
         self

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use deadpool_postgres::Object;
 
-use super::shared::{ObjectId, Permit, Pool};
+use super::shared::{ObjectId, Permit};
 use crate::admission::Lane;
 
 /// A checked-out connection. Derefs to [`deadpool_postgres::Client`], so code
@@ -47,12 +47,6 @@ impl Client {
         self.since
     }
 
-    /// The pool it came from.
-    pub fn pool(&self) -> Pool {
-        Pool {
-            shared: self.permit.shared.clone(),
-        }
-    }
 
     /// Closes the physical connection instead of returning it to the pool:
     /// PostgreSQL ends the session, and every session lock with it.

@@ -82,7 +82,7 @@ pub enum WriteError {
 /// commits. Bounded by [`STEP`] in all.
 pub async fn fenced_write(pool: &Pool, lease: &LeaseHandle, seq: i32) -> Result<Row, WriteError> {
     let write = async {
-        let mut conn = pool.timeout_get_for(Lane::Request, STEP).await?;
+        let mut conn = pool.get_for(Lane::Request, Some(STEP)).await?;
         let tx = conn.transaction().await?;
         lease.fence(&tx).await?;
         let n: i64 = tx

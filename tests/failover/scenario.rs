@@ -98,7 +98,7 @@ pub async fn run() -> Outcome {
     let long_id = (long.holder().to_owned(), long.token());
     let short_id = (short.holder().to_owned(), short.token());
     let lock = svc
-        .try_session_lock(LockKey::Single(KEY))
+        .session_lock(LockKey::Single(KEY), pgwarden::LockMode::Exclusive, None)
         .await
         .unwrap()
         .expect("session lock");

@@ -92,7 +92,7 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
         // with a wait (2 s) longer than the unlock timeout: closed.
         0 => {
             let within = Duration::from_micros(rng.gen_range(0..3000));
-            tokio::time::timeout(within, pool.session_lock(CONTENDED, Duration::from_secs(2)))
+            tokio::time::timeout(within, pool.session_lock(CONTENDED, pgwarden::LockMode::Exclusive, Some(Duration::from_secs(2))))
                 .await
                 .ok()
         }
@@ -100,15 +100,15 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
         1..=8 => {
             let within = Duration::from_micros(rng.gen_range(0..1500));
             let fut = if rng.gen_bool(0.25) {
-                pool.session_lock_shared(key, wait).boxed()
+                pool.session_lock(key, pgwarden::LockMode::Shared, Some(wait)).boxed()
             } else {
-                pool.session_lock(key, wait).boxed()
+                pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(wait)).boxed()
             };
             tokio::time::timeout(within, fut).await.ok()
         }
         // Polled a few times, then dropped.
-        9..=12 => poll_then_drop(pool.session_lock(key, wait), rng.gen_range(1..6)).await,
-        13..=15 => Some(match pool.try_session_lock(key).await {
+        9..=12 => poll_then_drop(pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(wait)), rng.gen_range(1..6)).await,
+        13..=15 => Some(match pool.session_lock(key, pgwarden::LockMode::Exclusive, None).await {
             Ok(Some(l)) => Ok(l),
             Ok(None) => Err(Error::LockTimeout {
                 key,
@@ -116,7 +116,7 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
             }),
             Err(e) => Err(e),
         }),
-        _ => Some(pool.session_lock(key, wait).await),
+        _ => Some(pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(wait)).await),
     }
 }
 
@@ -129,7 +129,7 @@ async fn worker(pool: Pool, seed: u64) -> Tally {
             None => t.cancelled += 1,
             Some(Ok(lock)) => {
                 t.granted += 1;
-                assert_eq!(lock.conn().lane(), Lane::SessionLock);
+                assert_eq!(lock.client().lane(), Lane::SessionLock);
                 finish(lock, &mut rng).await;
             }
             Some(Err(e)) if e.is_lock_timeout() => t.not_granted += 1,
@@ -211,13 +211,13 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
     let mut held = Vec::new();
     for _ in 0..5 {
         held.push(
-            pool.timeout_get_for(Lane::Request, Duration::from_secs(2))
+            pool.get_for(Lane::Request, Some(Duration::from_secs(2)))
                 .await
                 .unwrap(),
         );
     }
     held.push(
-        pool.timeout_get_for(Lane::Probe, Duration::from_secs(2))
+        pool.get_for(Lane::Probe, Some(Duration::from_secs(2)))
             .await
             .unwrap(),
     );
