@@ -10,9 +10,9 @@ use futures_util::future::BoxFuture;
 
 use crate::admission::Lane;
 use crate::census::Census;
+use crate::error::{BuildError, Error, Stage};
 use crate::key::{LockKey, LockMode};
 use crate::lock::{Migrated, SessionLock};
-use crate::error::{BuildError, Error, Stage};
 use crate::pool::{Client, Pool, PoolBuilder};
 use crate::pooler::PoolerMode;
 use crate::status::Status;

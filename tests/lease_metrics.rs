@@ -84,21 +84,44 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     assert_eq!(
         counter(
             s,
-            &format!("{}{{lease=cleanup,pool=mx}}", "pgwarden_lease_acquired_total")
+            &format!(
+                "{}{{lease=cleanup,pool=mx}}",
+                "pgwarden_lease_acquired_total"
+            )
         ),
         1
     );
     assert_eq!(
-        counter(s, &format!("{}{{lease=cleanup,pool=mx}}", "pgwarden_lease_skipped_total")),
+        counter(
+            s,
+            &format!(
+                "{}{{lease=cleanup,pool=mx}}",
+                "pgwarden_lease_skipped_total"
+            )
+        ),
         1
     );
-    assert_eq!(gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")), 1.0);
-    assert!(counter(s, &format!("{}{{pool=mx,result=ok}}", "pgwarden_lease_renewals_total")) >= 2);
     assert_eq!(
-        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_lease_renew_interval_seconds")),
+        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")),
+        1.0
+    );
+    assert!(
+        counter(
+            s,
+            &format!("{}{{pool=mx,result=ok}}", "pgwarden_lease_renewals_total")
+        ) >= 2
+    );
+    assert_eq!(
+        gauge(
+            s,
+            &format!("{}{{pool=mx}}", "pgwarden_lease_renew_interval_seconds")
+        ),
         0.25
     );
-    match s.get(&format!("{}{{pool=mx}}", "pgwarden_lease_renewal_duration_seconds")) {
+    match s.get(&format!(
+        "{}{{pool=mx}}",
+        "pgwarden_lease_renewal_duration_seconds"
+    )) {
         Some(DebugValue::Histogram(v)) => assert!(v.len() >= 2),
         other => panic!("renewal duration: {other:?}"),
     }
@@ -113,15 +136,24 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     assert_eq!(
         counter(
             s,
-            &format!("{}{{lease=cleanup,pool=mx,reason=taken}}", "pgwarden_lease_lost_total")
+            &format!(
+                "{}{{lease=cleanup,pool=mx,reason=taken}}",
+                "pgwarden_lease_lost_total"
+            )
         ),
         1
     );
     assert_eq!(
-        counter(s, &format!("{}{{pool=mx,result=lost}}", "pgwarden_lease_renewals_total")),
+        counter(
+            s,
+            &format!("{}{{pool=mx,result=lost}}", "pgwarden_lease_renewals_total")
+        ),
         1
     );
-    assert_eq!(gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")), 0.0);
+    assert_eq!(
+        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")),
+        0.0
+    );
     drop(held);
 
     // A crashed holder's lease is taken over after its TTL.
@@ -136,30 +168,56 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     assert_eq!(
         counter(
             s,
-            &format!("{}{{lease=alerts,pool=mx}}", "pgwarden_lease_takeovers_total")
+            &format!(
+                "{}{{lease=alerts,pool=mx}}",
+                "pgwarden_lease_takeovers_total"
+            )
         ),
         1
     );
     assert_eq!(
         counter(
             s,
-            &format!("{}{{lease=alerts,pool=mx,reason=deadline}}", "pgwarden_lease_lost_total")
+            &format!(
+                "{}{{lease=alerts,pool=mx,reason=deadline}}",
+                "pgwarden_lease_lost_total"
+            )
         ),
         1
     );
-    assert!(counter(s, &format!("{}{{pool=mx,result=error}}", "pgwarden_lease_renewals_total")) >= 1);
-    assert_eq!(gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")), 1.0);
+    assert!(
+        counter(
+            s,
+            &format!(
+                "{}{{pool=mx,result=error}}",
+                "pgwarden_lease_renewals_total"
+            )
+        ) >= 1
+    );
+    assert_eq!(
+        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")),
+        1.0
+    );
     taken.release().await.unwrap();
     drop(crashed);
     let s = totals.read(snap);
-    assert_eq!(gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")), 0.0);
+    assert_eq!(
+        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")),
+        0.0
+    );
 
     // An undeclared name counts under the one fixed label.
     let other = b.try_acquire("user-1234", S).await.unwrap().unwrap();
     other.release().await.unwrap();
     let s = totals.read(snap);
     assert_eq!(
-        counter(s, &format!("{}{{lease=_other,pool=mx}}", "pgwarden_lease_acquired_total")),
+        counter(
+            s,
+            &format!(
+                "{}{{lease=_other,pool=mx}}",
+                "pgwarden_lease_acquired_total"
+            )
+        ),
         1
     );
     assert!(!s.keys().any(|k| k.contains("user-1234")));
@@ -242,7 +300,10 @@ fn ten_thousand_dynamic_names_make_at_most_declared_plus_one_series() {
             );
             // Declared: "cleanup" (builder) and "uptime" (the per-node job,
             // under its job name, never its host); everything else is "_other".
-            for metric in ["pgwarden_lease_acquired_total", "pgwarden_lease_skipped_total"] {
+            for metric in [
+                "pgwarden_lease_acquired_total",
+                "pgwarden_lease_skipped_total",
+            ] {
                 let got = &all[metric];
                 eprintln!("{metric}: {got:?}");
                 assert!(got.len() <= 3, "{metric}: {got:?}");

@@ -5,7 +5,7 @@ mod support;
 use std::time::Duration;
 
 use pgwarden::{BudgetPolicy, Lane, Pool};
-use support::{counter, db, gauge, histogram, snapshot, with_recorder};
+use support::{counter, db, gauge, histogram, metrics_now, snapshot, with_recorder};
 
 #[tokio::test]
 async fn pool_events_are_recorded() {
@@ -16,8 +16,7 @@ async fn pool_events_are_recorded() {
             .policy(BudgetPolicy::Refuse)
             .wait_timeout(Duration::from_millis(100))
             .long_hold_threshold(Duration::from_millis(1))
-            // Passes run on demand below, not in the background.
-            .housekeeping_interval(Duration::from_secs(3600)),
+            .housekeeping_interval(Duration::from_millis(20)),
     );
 
     // Limits are published at build.
@@ -27,15 +26,24 @@ async fn pool_events_are_recorded() {
         4.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_lane_max")),
+        gauge(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_lane_max")
+        ),
         1.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=probe,pool=mx}}", "pgwarden_lane_reserved")),
+        gauge(
+            &s,
+            &format!("{}{{lane=probe,pool=mx}}", "pgwarden_lane_reserved")
+        ),
         1.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_max")),
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_max")
+        ),
         3.0
     );
 
@@ -52,7 +60,10 @@ async fn pool_events_are_recorded() {
     drop(b);
     let s = snapshot(&snap);
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_in_use")),
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_in_use")
+        ),
         1.0
     );
     assert_eq!(
@@ -78,7 +89,10 @@ async fn pool_events_are_recorded() {
     assert_eq!(
         histogram(
             &s,
-            &format!("{}{{lane=request,pool=mx}}", "pgwarden_acquire_duration_seconds")
+            &format!(
+                "{}{{lane=request,pool=mx}}",
+                "pgwarden_acquire_duration_seconds"
+            )
         )
         .len(),
         2
@@ -86,13 +100,23 @@ async fn pool_events_are_recorded() {
     assert_eq!(
         histogram(
             &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_acquire_duration_seconds")
+            &format!(
+                "{}{{lane=session_lock,pool=mx}}",
+                "pgwarden_acquire_duration_seconds"
+            )
         )
         .len(),
         1
     );
     assert_eq!(
-        histogram(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_hold_duration_seconds")).len(),
+        histogram(
+            &s,
+            &format!(
+                "{}{{lane=request,pool=mx}}",
+                "pgwarden_hold_duration_seconds"
+            )
+        )
+        .len(),
         1
     );
 
@@ -109,7 +133,10 @@ async fn pool_events_are_recorded() {
     }
     let s = snapshot(&snap);
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_pending")),
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_pending")
+        ),
         1.0
     );
     assert!(waiter.await.unwrap().unwrap_err().is_timeout());
@@ -125,52 +152,38 @@ async fn pool_events_are_recorded() {
         1
     );
 
-    // Readiness answers on the control reserve.
+    // Readiness answers on the probe reserve.
     pool.readiness(Duration::from_secs(1)).await.unwrap();
-    // Housekeeping: oldest hold per lane, long holds, connections by state.
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    pool.housekeep();
-    let s = snapshot(&snap);
-    assert_eq!(
-        histogram(&s, &format!("{}{{pool=mx}}", "pgwarden_readiness_duration_seconds")).len(),
-        1
-    );
-    assert!(
-        gauge(
-            &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_oldest_hold_seconds")
-        ) > 0.0
-    );
-    assert_eq!(
-        gauge(&s, &format!("{}{{lane=control,pool=mx}}", "pgwarden_oldest_hold_seconds")),
-        0.0
-    );
-    assert_eq!(
-        counter(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_long_holds_total")),
-        2
-    );
-    assert_eq!(
-        counter(
-            &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_long_holds_total")
-        ),
-        1
-    );
-    assert_eq!(
-        gauge(&s, &format!("{}{{pool=mx,state=in_use}}", "pgwarden_connections")),
-        3.0
-    );
-    assert_eq!(
-        gauge(&s, &format!("{}{{pool=mx,state=idle}}", "pgwarden_connections")),
-        1.0
-    );
+    // Housekeeping runs every 20 ms: oldest hold per lane, long holds (each
+    // counted once), connections by state. A reading resets what it reads,
+    // so the counters are summed over the readings, and a gauge present
+    // means a pass ran since the last one.
+    let (mut readiness, mut long_request, mut long_session, mut passes) = (0.0, 0.0, 0.0, 0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while passes < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {passes} housekeeping passes"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let m = metrics_now(&snap);
+        let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
+        readiness += get("pgwarden_readiness_duration_seconds{pool=mx}");
+        long_request += get("pgwarden_long_holds_total{lane=request,pool=mx}");
+        long_session += get("pgwarden_long_holds_total{lane=session_lock,pool=mx}");
+        if get("pgwarden_oldest_hold_seconds{lane=session_lock,pool=mx}") > 0.0 {
+            passes += 1;
+            assert_eq!(
+                get("pgwarden_oldest_hold_seconds{lane=control,pool=mx}"),
+                0.0
+            );
+            assert_eq!(get("pgwarden_connections{pool=mx,state=in_use}"), 3.0);
+            assert_eq!(get("pgwarden_connections{pool=mx,state=idle}"), 1.0);
+        }
+    }
+    assert_eq!(readiness, 1.0);
     // A long hold is reported once, not at every pass.
-    pool.housekeep();
-    let s = snapshot(&snap);
-    assert_eq!(
-        counter(&s, &format!("{}{{lane=request,pool=mx}}", "pgwarden_long_holds_total")),
-        0
-    );
+    assert_eq!((long_request, long_session), (2.0, 1.0));
 
     drop((a, c, lock));
     // Readiness failure: a closed pool.
@@ -179,10 +192,16 @@ async fn pool_events_are_recorded() {
     let s = snapshot(&snap);
     let failures = counter(
         &s,
-        &format!("{}{{pool=mx,reason=error}}", "pgwarden_readiness_failures_total"),
+        &format!(
+            "{}{{pool=mx,reason=error}}",
+            "pgwarden_readiness_failures_total"
+        ),
     ) + counter(
         &s,
-        &format!("{}{{pool=mx,reason=timeout}}", "pgwarden_readiness_failures_total"),
+        &format!(
+            "{}{{pool=mx,reason=timeout}}",
+            "pgwarden_readiness_failures_total"
+        ),
     );
     assert_eq!(failures, 1);
     assert_eq!(

@@ -63,9 +63,18 @@ async fn session_locks_through_a_loaded_pgbouncer_are_never_granted() {
         let key = LockKey::Pair(9, i as i32);
         let start = Instant::now();
         let got = match i % 3 {
-            0 => pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T)).await.map(Some),
-            1 => pool.session_lock(key, pgwarden::LockMode::Exclusive, None).await,
-            _ => pool.session_lock(key, pgwarden::LockMode::Shared, Some(T)).await.map(Some),
+            0 => {
+                pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+                    .await
+            }
+            1 => {
+                pool.session_lock(key, pgwarden::LockMode::Exclusive, None)
+                    .await
+            }
+            _ => {
+                pool.session_lock(key, pgwarden::LockMode::Shared, Some(T))
+                    .await
+            }
         };
         times.push(start.elapsed());
         match got {
@@ -74,7 +83,11 @@ async fn session_locks_through_a_loaded_pgbouncer_are_never_granted() {
                 panic!("try {i}: session lock granted through a transaction pooler: {lock:?}")
             }
         }
-        assert_eq!(pool.pooler(), PoolerMode::Transaction, "try {i}");
+        assert_eq!(
+            pool.detect_pooler().await.unwrap(),
+            PoolerMode::Transaction,
+            "try {i}"
+        );
         pool.close();
     }
     load.stop().await;

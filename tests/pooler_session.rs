@@ -43,15 +43,22 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
     for i in 0..10 {
         let key = LockKey::Pair(11, i);
         let start = Instant::now();
-        let lock = pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
-        .expect("a wait grants the lock or fails");
+        let lock = pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+            .await
+            .unwrap()
+            .expect("a wait grants the lock or fails");
         lock_times.push(start.elapsed());
         assert!(!free(&raw, key).await, "held on the server");
-        assert!(rival.session_lock(key, pgwarden::LockMode::Exclusive, None).await.unwrap().is_none());
+        assert!(rival
+            .session_lock(key, pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap()
+            .is_none());
         lock.unlock().await.unwrap();
         assert!(free(&raw, key).await, "released on the server");
     }
-    assert_eq!(pool.pooler(), PoolerMode::Direct);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
     load.stop().await;
     assert!(raw_locks(&raw).await.is_empty());
     eprintln!(
@@ -86,7 +93,10 @@ async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
     for (i, pool) in pools.iter().enumerate() {
         let key = LockKey::Pair(12, i as i32);
         let start = Instant::now();
-        let e = match pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T)).await {
+        let e = match pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+            .await
+        {
             Err(e) => e,
             Ok(lock) => panic!("pool {i}: granted through a transaction pooler: {lock:?}"),
         };
@@ -96,9 +106,16 @@ async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
             e.to_string().contains("(detected at the lock)"),
             "pool {i}: {e}"
         );
-        assert_eq!(pool.pooler(), PoolerMode::Transaction, "pool {i}");
+        assert_eq!(
+            pool.detect_pooler().await.unwrap(),
+            PoolerMode::Transaction,
+            "pool {i}"
+        );
         // Refused from then on without a probe.
-        let again = pool.session_lock(key, pgwarden::LockMode::Exclusive, None).await.unwrap_err();
+        let again = pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap_err();
         assert!(
             again.to_string().contains("(detected)"),
             "pool {i}: {again}"

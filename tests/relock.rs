@@ -19,14 +19,18 @@ async fn a_lock_taken_again_right_after_its_guard_dropped_is_admitted() {
     let pool = builder(&db, 4).build().unwrap();
     let key = LockKey::Single(501);
     for round in 0..20 {
-        let lock = pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T)).await.unwrap()
-        .expect("a wait grants the lock or fails");
+        let lock = pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+            .await
+            .unwrap()
+            .expect("a wait grants the lock or fails");
         drop(lock); // unlocked in a spawned task; its slot frees after
         let start = Instant::now();
         let again = pool
             .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
             .await
-            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            .unwrap_or_else(|e| panic!("round {round}: {e}"))
+            .expect("a wait grants the lock or fails");
         assert!(start.elapsed() < Duration::from_secs(1));
         again.unlock().await.unwrap();
     }
@@ -58,7 +62,9 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
         let pool = pool.clone();
         async move {
             let start = Instant::now();
-            let lock = pool.session_lock(LockKey::Single(503), pgwarden::LockMode::Exclusive, Some(T)).await;
+            let lock = pool
+                .session_lock(LockKey::Single(503), pgwarden::LockMode::Exclusive, Some(T))
+                .await;
             (start.elapsed(), lock)
         }
     });
@@ -78,7 +84,7 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
     assert!(took < Duration::from_millis(200), "refused after {took:?}");
 
     let (waited, lock) = first.await.unwrap();
-    let lock = lock.unwrap();
+    let lock = lock.unwrap().expect("a wait grants the lock or fails");
     assert!(waited < T, "admitted when the release ended: {waited:?}");
     eprintln!("re-lock admitted after the release ended: {waited:?}");
     lock.unlock().await.unwrap();

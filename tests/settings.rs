@@ -8,7 +8,10 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{BuildError, Error, Lane, LimitsError, Pool, MAX_POOL_SIZE};
+use pgwarden::{BuildError, Error, Lane, LimitsError, Pool};
+
+/// The largest pool pgwarden accepts (PostgreSQL's own `max_connections` limit).
+const MAX_POOL_SIZE: usize = 262_143;
 use support::db;
 
 #[test]
@@ -32,7 +35,6 @@ fn pool_sizes_past_the_maximum_are_errors_not_panics_or_aborts() {
         cfg.pool = Some(deadpool_postgres::PoolConfig::new(size));
         assert_eq!(Pool::from_config(&cfg).unwrap_err(), e);
     }
-    assert_eq!(MAX_POOL_SIZE, 262_143);
 }
 
 #[tokio::test]
@@ -88,7 +90,7 @@ async fn every_settings_error_names_the_setting_and_the_value() {
         .unwrap_err();
     assert!(e.to_string().contains("the probe lane reserves 0"), "{e}");
     let e = Pool::builder(db.deadpool(4).unwrap())
-        .session_lock_max(3)
+        .lane(Lane::SessionLock, 0, 3)
         .build()
         .unwrap_err();
     assert!(e.to_string().contains("session_lock maximum 3"), "{e}");
@@ -175,5 +177,5 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     );
     drop(held);
     // Only a view of the deadpool pool is public now.
-    assert_eq!(pool.inner().status().max_size, 1);
+    assert_eq!(pool.status().max, 1);
 }

@@ -7,9 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{
-    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, Error, LockKey, Migrated,
-};
+use pgwarden::{xact_lock, Error, LockKey, Migrated};
 use support::*;
 use tokio_postgres::error::SqlState;
 
@@ -25,9 +23,14 @@ async fn xact_lock_bounds_the_wait_and_aborts_the_transaction() {
     let mut c = db.connect().await.unwrap();
 
     let tx = c.transaction().await.unwrap();
-    let e = xact_lock(&tx, LockKey::Pair(9, 9), pgwarden::LockMode::Exclusive, Some(Duration::from_millis(100)))
-        .await
-        .unwrap_err();
+    let e = xact_lock(
+        &tx,
+        LockKey::Pair(9, 9),
+        pgwarden::LockMode::Exclusive,
+        Some(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap_err();
     assert!(e.is_lock_timeout(), "{e}");
     assert!(matches!(e, Error::LockTimeout { .. }));
     let aborted = tx.query_one("SELECT 1", &[]).await.unwrap_err();
@@ -38,7 +41,14 @@ async fn xact_lock_bounds_the_wait_and_aborts_the_transaction() {
     tx.batch_execute("SET LOCAL lock_timeout = '7s'")
         .await
         .unwrap();
-    xact_lock(&tx, LockKey::Pair(9, 10), pgwarden::LockMode::Exclusive, Some(T)).await.unwrap();
+    xact_lock(
+        &tx,
+        LockKey::Pair(9, 10),
+        pgwarden::LockMode::Exclusive,
+        Some(T),
+    )
+    .await
+    .unwrap();
     let lt: String = tx.query_one("SHOW lock_timeout", &[]).await.unwrap().get(0);
     assert_eq!(lt, "7s", "the transaction's own lock_timeout is restored");
     assert!(
@@ -57,16 +67,26 @@ async fn try_and_shared_forms() {
     let key = LockKey::Single(1 << 40);
     let ta = a.transaction().await.unwrap();
     let tb = b.transaction().await.unwrap();
-    assert!(xact_lock(&ta, key, pgwarden::LockMode::Shared, None).await.unwrap());
-    xact_lock(&tb, key, pgwarden::LockMode::Shared, Some(T)).await.unwrap();
+    assert!(xact_lock(&ta, key, pgwarden::LockMode::Shared, None)
+        .await
+        .unwrap());
+    xact_lock(&tb, key, pgwarden::LockMode::Shared, Some(T))
+        .await
+        .unwrap();
     assert!(!free(&raw, key).await, "no writer while readers");
     ta.rollback().await.unwrap();
     tb.rollback().await.unwrap();
     let ta = a.transaction().await.unwrap();
-    assert!(xact_lock(&ta, key, pgwarden::LockMode::Exclusive, None).await.unwrap());
+    assert!(xact_lock(&ta, key, pgwarden::LockMode::Exclusive, None)
+        .await
+        .unwrap());
     let tb = b.transaction().await.unwrap();
-    assert!(!xact_lock(&tb, key, pgwarden::LockMode::Exclusive, None).await.unwrap());
-    assert!(!xact_lock(&tb, key, pgwarden::LockMode::Shared, None).await.unwrap());
+    assert!(!xact_lock(&tb, key, pgwarden::LockMode::Exclusive, None)
+        .await
+        .unwrap());
+    assert!(!xact_lock(&tb, key, pgwarden::LockMode::Shared, None)
+        .await
+        .unwrap());
     tb.query_one("SELECT 1", &[])
         .await
         .expect("a refused try does not abort");
@@ -166,7 +186,10 @@ async fn run_once_five_starters_run_the_ddl_once() {
     }
     assert_eq!(ran.load(Ordering::SeqCst), 1);
     assert_eq!(
-        outcomes.iter().filter(|o| matches!(o, Migrated::Ran(_))).count(),
+        outcomes
+            .iter()
+            .filter(|o| matches!(o, Migrated::Ran(_)))
+            .count(),
         1,
         "{outcomes:?}"
     );

@@ -179,16 +179,18 @@ pub async fn pgwarden_session_locks(
     policy: BudgetPolicy,
 ) -> Result<Outcome, BoxError> {
     let pool = Pool::builder(db.deadpool(POOL_SIZE)?)
-        .name(format!("incident-{}", policy.as_str()))
+        .name(format!("incident-{policy}"))
         .policy(policy)
         .build()?;
     let mut out = Outcome::new(format!(
-        "pgwarden session locks, policy {}, pool {POOL_SIZE}",
-        policy.as_str()
+        "pgwarden session locks, policy {policy}, pool {POOL_SIZE}"
     ));
     let attempts = join_all(JOBS.map(|job| {
         let pool = pool.clone();
-        async move { pool.session_lock(JOBS_NS.named(job), pgwarden::LockMode::Exclusive, None).await }
+        async move {
+            pool.session_lock(JOBS_NS.named(job), pgwarden::LockMode::Exclusive, None)
+                .await
+        }
     }))
     .await;
     let mut holders = Vec::new();

@@ -81,7 +81,7 @@ pub async fn install(pool: &Pool, instance: &str, target: &str) -> Result<(), Bo
             })
         })
         .await?;
-    if ran.ran() {
+    if matches!(ran, pgwarden::Migrated::Ran(_)) {
         tracing::info!("schema created");
     }
     let conn = pool.get().await?;

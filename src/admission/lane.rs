@@ -105,3 +105,12 @@ pub enum BudgetPolicy {
     Warn,
 }
 
+impl std::fmt::Display for BudgetPolicy {
+    /// `refuse` or `warn`, as in logs and metric labels.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BudgetPolicy::Refuse => "refuse",
+            BudgetPolicy::Warn => "warn",
+        })
+    }
+}

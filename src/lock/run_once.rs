@@ -68,7 +68,13 @@ where
         let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
         conn.set_note(Some(format!("transaction lock {key}")));
         let tx = begin(&mut conn).await?;
-        xact_lock(&tx, key, LockMode::Exclusive, Some(timeout.saturating_sub(start.elapsed()))).await?;
+        xact_lock(
+            &tx,
+            key,
+            LockMode::Exclusive,
+            Some(timeout.saturating_sub(start.elapsed())),
+        )
+        .await?;
         finish(tx, f).await
     }
 }
@@ -93,7 +99,13 @@ where
         conn.set_note(Some(format!("migrate_once {name}")));
         ensure_ledger(&mut conn, left()).await?;
         let tx = begin(&mut conn).await?;
-        xact_lock(&tx, Namespace::PGWARDEN.named(name), LockMode::Exclusive, Some(left())).await?;
+        xact_lock(
+            &tx,
+            Namespace::PGWARDEN.named(name),
+            LockMode::Exclusive,
+            Some(left()),
+        )
+        .await?;
         let done = tx
             .query_typed_opt(
                 "SELECT ran_at FROM pgwarden_run_once WHERE name = $1",

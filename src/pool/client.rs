@@ -47,7 +47,6 @@ impl Client {
         self.since
     }
 
-
     /// Closes the physical connection instead of returning it to the pool:
     /// PostgreSQL ends the session, and every session lock with it.
     pub fn discard(mut self) {

@@ -62,6 +62,7 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::holds::RecentHolds;
 
     #[test]
     fn recent_holds_rise_fast_and_fall_slowly() {

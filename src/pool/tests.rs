@@ -11,9 +11,8 @@ use futures_util::FutureExt;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::time::Instant;
 
-use super::admission::Permit;
 use super::deadline::deadline;
-use super::Pool;
+use super::shared::{Permit, Pool};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, Stage};
 
