@@ -4,8 +4,9 @@ use std::fmt;
 
 /// Why a connection is checked out.
 ///
-/// Each lane has a reserved minimum and a maximum ([`crate::LaneLimits`]);
-/// see [`crate::Limits::defaults`] for the defaults.
+/// Each lane has a reserved minimum and a maximum, set with
+/// [`PoolBuilder::lane`](crate::PoolBuilder::lane), whose docs give the
+/// defaults; [`Pool::status`](crate::Pool::status) shows them.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Lane {
     /// Ordinary work: handlers, and the work done under a lock or a lease.

@@ -16,7 +16,7 @@ pub(crate) struct LaneLimits {
     pub(crate) max: usize,
 }
 
-/// Lane limits that cannot work: what [`Limits::new`] refuses. Each names
+/// Lane limits that cannot work: what a pool build refuses. Each names
 /// the numbers that clash. [`crate::BuildError`] wraps it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -37,7 +37,8 @@ pub enum LimitsError {
     TooLarge {
         /// The size given.
         size: usize,
-        /// [`MAX_POOL_SIZE`].
+        /// The largest size accepted: 262 143 (PostgreSQL's own limit for
+        /// `max_connections`).
         max: usize,
     },
     /// Reservations leave no connection unreserved: at least one must stay

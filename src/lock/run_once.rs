@@ -51,90 +51,86 @@ pub enum Migrated<T> {
 }
 
 /// [`Pool::with_xact_lock`]'s work.
-pub(crate) fn with_xact_lock<'p, T, E, F>(
+pub(crate) async fn with_xact_lock<'p, T, E, F>(
     pool: &'p Pool,
     key: LockKey,
     timeout: Duration,
     f: F,
     site: &'static Location<'static>,
-) -> impl std::future::Future<Output = Result<T, E>> + Send + 'p
+) -> Result<T, E>
 where
     F: for<'a> FnOnce(&'a Transaction<'a>) -> BoxFuture<'a, Result<T, E>> + Send + 'p,
     T: Send + 'p,
     E: From<Error> + Send + 'p,
 {
-    async move {
-        let start = Instant::now();
-        let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
-        conn.set_note(Some(format!("transaction lock {key}")));
-        let tx = begin(&mut conn).await?;
-        xact_lock(
-            &tx,
-            key,
-            LockMode::Exclusive,
-            Some(timeout.saturating_sub(start.elapsed())),
-        )
-        .await?;
-        finish(tx, f).await
-    }
+    let start = Instant::now();
+    let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
+    conn.set_note(Some(format!("transaction lock {key}")));
+    let tx = begin(&mut conn).await?;
+    xact_lock(
+        &tx,
+        key,
+        LockMode::Exclusive,
+        Some(timeout.saturating_sub(start.elapsed())),
+    )
+    .await?;
+    finish(tx, f).await
 }
 
 /// [`Pool::migrate_once`]'s work.
-pub(crate) fn migrate_once<'p, T, E, F>(
+pub(crate) async fn migrate_once<'p, T, E, F>(
     pool: &'p Pool,
     name: &'p str,
     timeout: Duration,
     f: F,
     site: &'static Location<'static>,
-) -> impl std::future::Future<Output = Result<Migrated<T>, E>> + Send + 'p
+) -> Result<Migrated<T>, E>
 where
     F: for<'a> FnOnce(&'a Transaction<'a>) -> BoxFuture<'a, Result<T, E>> + Send + 'p,
     T: Send + 'p,
     E: From<Error> + Send + 'p,
 {
-    async move {
-        let start = Instant::now();
-        let left = || timeout.saturating_sub(start.elapsed());
-        let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
-        conn.set_note(Some(format!("migrate_once {name}")));
-        ensure_ledger(&mut conn, left()).await?;
-        let tx = begin(&mut conn).await?;
-        xact_lock(
-            &tx,
-            Namespace::PGWARDEN.named(name),
-            LockMode::Exclusive,
-            Some(left()),
+    let start = Instant::now();
+    let left = || timeout.saturating_sub(start.elapsed());
+    let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
+    conn.set_note(Some(format!("migrate_once {name}")));
+    ensure_ledger(&mut conn, left()).await?;
+    let tx = begin(&mut conn).await?;
+    xact_lock(
+        &tx,
+        Namespace::PGWARDEN.named(name),
+        LockMode::Exclusive,
+        Some(left()),
+    )
+    .await?;
+    let done = tx
+        .query_typed_opt(
+            "SELECT ran_at FROM pgwarden_run_once WHERE name = $1",
+            &[(&name, Type::TEXT)],
         )
-        .await?;
-        let done = tx
-            .query_typed_opt(
-                "SELECT ran_at FROM pgwarden_run_once WHERE name = $1",
-                &[(&name, Type::TEXT)],
-            )
-            .await
-            .map_err(Error::from)?;
-        if let Some(row) = done {
-            let ran_at = row.try_get(0).map_err(Error::from)?;
-            tx.rollback().await.map_err(Error::from)?;
-            return Ok(Migrated::Skipped { ran_at });
+        .await
+        .map_err(Error::from)?;
+    if let Some(row) = done {
+        let ran_at = row.try_get(0).map_err(Error::from)?;
+        tx.rollback().await.map_err(Error::from)?;
+        return Ok(Migrated::Skipped { ran_at });
+    }
+    match f(&tx).await {
+        Ok(v) => {
+            let record = async {
+                tx.query_typed(
+                    "INSERT INTO pgwarden_run_once (name) VALUES ($1)",
+                    &[(&name, Type::TEXT)],
+                )
+                .await?;
+                tx.commit().await
+            };
+            record.await.map_err(Error::from)?;
+            Ok(Migrated::Ran(v))
         }
-        match f(&tx).await {
-            Ok(v) => {
-                let record = async {
-                    tx.query_typed(
-                        "INSERT INTO pgwarden_run_once (name) VALUES ($1)",
-                        &[(&name, Type::TEXT)],
-                    )
-                    .await?;
-                    tx.commit().await
-                };
-                record.await.map_err(Error::from)?;
-                Ok(Migrated::Ran(v))
-            }
-            Err(e) => {
-                rollback(tx).await;
-                Err(e)
-            }
+        Err(e) => {
+            rollback(tx).await;
+            Err(e)
         }
     }
 }

@@ -95,7 +95,7 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
             tokio::time::timeout(
                 within,
                 wait_lock(
-                    &pool,
+                    pool,
                     CONTENDED,
                     pgwarden::LockMode::Exclusive,
                     Duration::from_secs(2),
@@ -108,16 +108,16 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
         1..=8 => {
             let within = Duration::from_micros(rng.gen_range(0..1500));
             let fut = if rng.gen_bool(0.25) {
-                wait_lock(&pool, key, pgwarden::LockMode::Shared, wait).boxed()
+                wait_lock(pool, key, pgwarden::LockMode::Shared, wait).boxed()
             } else {
-                wait_lock(&pool, key, pgwarden::LockMode::Exclusive, wait).boxed()
+                wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait).boxed()
             };
             tokio::time::timeout(within, fut).await.ok()
         }
         // Polled a few times, then dropped.
         9..=12 => {
             poll_then_drop(
-                wait_lock(&pool, key, pgwarden::LockMode::Exclusive, wait),
+                wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait),
                 rng.gen_range(1..6),
             )
             .await
@@ -135,7 +135,7 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
                 Err(e) => Err(e),
             },
         ),
-        _ => Some(wait_lock(&pool, key, pgwarden::LockMode::Exclusive, wait).await),
+        _ => Some(wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait).await),
     }
 }
 
