@@ -104,8 +104,8 @@ impl Pool {
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
     /// use std::time::Duration;
-    /// let client = pool.get_for(pgwarden::Lane::Background, Some(Duration::from_secs(2))).await?;
-    /// client.simple_query("VACUUM ANALYZE events").await?;
+    /// let client = pool.get_for(pgwarden::Lane::Control, Some(Duration::from_secs(2))).await?;
+    /// client.simple_query("SELECT pg_cancel_backend(1)").await?;
     /// # Ok(()) }
     /// ```
     #[track_caller]

@@ -27,6 +27,14 @@ use crate::pool::{Client, Pool, PoolBuilder, State};
 use crate::pooler::PoolerMode;
 
 /// One advisory lock in the database, granted or awaited.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// for lock in pool.census().await?.idle() {
+///     eprintln!("lock {} ({}) left on an idle connection, pid {:?}", lock.key, lock.mode, lock.pid);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdvisoryLock {
     /// The backend that holds or awaits it (`None` for a prepared transaction).
@@ -47,6 +55,17 @@ pub struct AdvisoryLock {
 }
 
 /// Whose backend holds an advisory lock, as this pool sees it.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use pgwarden::Owner;
+/// for lock in &pool.census().await?.locks {
+///     if lock.owner == Owner::Other {
+///         println!("{} held by another client (pid {:?})", lock.key, lock.pid);
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Owner {
     /// Not a connection of this pool.
@@ -74,6 +93,13 @@ impl Owner {
 }
 
 /// The advisory locks of the database at one moment.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// let census = pool.census().await?;
+/// println!("{} of ours, {} on idle connections", census.ours().count(), census.idle().count());
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Census {
     /// Every advisory lock in the current database.

@@ -104,6 +104,13 @@ impl From<(i32, i32)> for LockKey {
 ///
 /// Declare each namespace once, as a named constant, in one place of the
 /// application: `pub const BILLING: Namespace = Namespace::new(1);`.
+///
+/// ```
+/// use pgwarden::{LockKey, Namespace};
+/// const BILLING: Namespace = Namespace::new(1);
+/// assert_eq!(BILLING.key(7), LockKey::Pair(1, 7));
+/// assert_eq!(BILLING.id(), 1);
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Namespace(i32);
 
@@ -158,6 +165,14 @@ pub(crate) const fn fnv1a32(bytes: &[u8]) -> u32 {
 }
 
 /// Exclusive or shared: one holder, or many readers and no writer.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use pgwarden::{LockKey, LockMode};
+/// // Many readers at once; a writer waits for them all.
+/// let read = pool.session_lock(LockKey::Single(1), LockMode::Shared, None).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum LockMode {
     /// One holder at a time (`pg_advisory_lock`); `ExclusiveLock` in `pg_locks`.

@@ -24,6 +24,14 @@ use crate::pool::{Pool, PoolBuilder};
 use tokio::sync::OnceCell;
 
 /// How the pool reaches PostgreSQL.
+///
+/// ```no_run
+/// # fn demo() -> Result<(), pgwarden::BuildError> {
+/// let pool = pgwarden::Pool::from_url("postgres://app@pgbouncer:6432/app", 16)?
+///     .pooler(pgwarden::PoolerMode::Transaction) // session locks refused, leases unnamed
+///     .build()?;
+/// # Ok(()) }
+/// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PoolerMode {
     /// Not configured: detected at the first session lock, or by

@@ -5,6 +5,13 @@ use std::fmt;
 use crate::admission::Lane;
 
 /// One lane of [`Status`].
+///
+/// ```no_run
+/// # fn demo(pool: pgwarden::Pool) {
+/// let locks = pool.status().lane(pgwarden::Lane::SessionLock);
+/// println!("session locks pin {} of {} connections", locks.in_use, locks.max);
+/// # }
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct LaneStatus {
     /// The lane.
@@ -23,6 +30,15 @@ pub struct LaneStatus {
 }
 
 /// The pool at one moment, as [`crate::Pool::status`] and timeout errors give it.
+///
+/// ```no_run
+/// # fn demo(pool: pgwarden::Pool) {
+/// let s = pool.status();
+/// if s.waiting > 0 {
+///     tracing::warn!(status = %s, "checkouts are queueing");
+/// }
+/// # }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Status {
     /// The pool's maximum size `N`.

@@ -7,6 +7,13 @@ use std::fmt;
 /// Each lane has a reserved minimum and a maximum, set with
 /// [`PoolBuilder::lane`](crate::PoolBuilder::lane), whose docs give the
 /// defaults; [`Pool::status`](crate::Pool::status) shows them.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// let client = pool.get_for(pgwarden::Lane::Control, None).await?;
+/// assert_eq!(client.lane(), pgwarden::Lane::Control);
+/// # Ok(()) }
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Lane {
     /// Ordinary work: handlers, and the work done under a lock or a lease.
@@ -95,6 +102,15 @@ impl Priority {
 }
 
 /// What a session-lock checkout past its budget gets.
+///
+/// ```no_run
+/// # fn demo(deadpool: deadpool_postgres::Pool) -> Result<(), pgwarden::BuildError> {
+/// // Admit session locks past the budget, with a warning and a counter.
+/// let pool = pgwarden::Pool::builder(deadpool)
+///     .policy(pgwarden::BudgetPolicy::Warn)
+///     .build()?;
+/// # Ok(()) }
+/// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum BudgetPolicy {
     /// Refuse with [`crate::Error::BudgetExhausted`]. Default.

@@ -18,6 +18,11 @@ pub(crate) struct LaneLimits {
 
 /// Lane limits that cannot work: what a pool build refuses. Each names
 /// the numbers that clash. [`crate::BuildError`] wraps it.
+///
+/// ```
+/// let e = pgwarden::Pool::from_url("host=/tmp", 1 << 20).unwrap_err();
+/// assert!(matches!(e, pgwarden::BuildError::Limits(pgwarden::LimitsError::TooLarge { .. })), "{e}");
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LimitsError {
@@ -196,17 +201,8 @@ impl Limits {
         lanes
     }
 
-    /// Validates a full set of limits, one per lane in [`Lane::ALL`] order.
-    ///
-    /// ```
-    /// use pgwarden::{Lane, LaneLimits, Limits, LimitsError, BudgetPolicy};
-    /// let mut lanes = Limits::defaults(4).unwrap().lanes();
-    /// lanes[Lane::Probe as usize] = LaneLimits { reserved: 0, max: 1 };
-    /// assert_eq!(
-    ///     Limits::new(4, lanes, BudgetPolicy::Refuse).unwrap_err(),
-    ///     LimitsError::NoProbeReserve { reserved: 0 }
-    /// );
-    /// ```
+    /// Validates a full set of limits, one per lane in [`Lane::ALL`] order
+    /// (`budget_tests` covers each refusal).
     pub(crate) fn new(
         size: usize,
         lanes: [LaneLimits; Lane::COUNT],

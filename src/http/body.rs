@@ -13,6 +13,12 @@ use http_body::{Frame, SizeHint};
 ///
 /// Implements [`http_body::Body`] with `Data = Bytes` and no error, so
 /// axum, hyper and tonic serve it as it is.
+///
+/// ```
+/// use http_body::Body as _;
+/// let body = pgwarden::http::Body::from("up\n");
+/// assert_eq!(body.size_hint().exact(), Some(3));
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct Body(Option<Bytes>);
 

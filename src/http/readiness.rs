@@ -14,6 +14,16 @@ use crate::admission::Lane;
 use crate::pool::Pool;
 
 /// A boxed response future (the services' `Future` type).
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) {
+/// use tower_service::Service;
+/// let mut ready = pgwarden::http::Readiness::new(pool);
+/// let fut: pgwarden::http::ResponseFuture<_, _> = ready.call(http::Request::new(()));
+/// let response = fut.await.unwrap();
+/// println!("{}", response.status());
+/// # }
+/// ```
 pub type ResponseFuture<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send>>;
 
 /// The readiness service for `/health/ready`: `SELECT 1` on the pool's probe
@@ -171,6 +181,14 @@ impl<B> tower_service::Service<Request<B>> for Readiness {
 /// orchestrator restart every instance during a database outage, which
 /// cures nothing and adds a reconnect storm. `HEAD` gets the status only;
 /// other methods get `405`.
+///
+/// ```no_run
+/// # async fn demo() -> std::io::Result<()> {
+/// let app = axum::Router::new().route_service("/up", pgwarden::http::Liveness);
+/// let listener = tokio::net::TcpListener::bind("0.0.0.0:8080").await?;
+/// axum::serve(listener, app).await
+/// # }
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Liveness;
 

@@ -150,6 +150,16 @@ impl<S> tower_layer::Layer<S> for ShedLayer {
 }
 
 /// The service [`ShedLayer`] wraps around an inner one.
+///
+/// ```no_run
+/// # fn demo(pool: pgwarden::Pool) {
+/// use pgwarden::http::ShedLayer;
+/// // `layer` wraps the routes in a `Shed` service.
+/// let app: axum::Router = axum::Router::new()
+///     .route("/work", axum::routing::get(|| async { "done" }))
+///     .layer(ShedLayer::new(&pool));
+/// # }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Shed<S> {
     inner: S,

@@ -34,6 +34,16 @@ use crate::pool::{Client, Pool};
 /// [`lock_again`]: SessionLock::lock_again
 /// [`unlock_one`]: SessionLock::unlock_one
 /// [`unlock`]: SessionLock::unlock
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use pgwarden::{LockKey, LockMode};
+/// if let Some(lock) = pool.session_lock(LockKey::Single(42), LockMode::Exclusive, None).await? {
+///     lock.client().simple_query("SELECT 1").await?; // the lock's own session
+///     lock.unlock().await?;
+/// }
+/// # Ok(()) }
+/// ```
 #[must_use = "a session lock is released when its guard is dropped"]
 pub struct SessionLock {
     held: Held,

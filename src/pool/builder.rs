@@ -81,6 +81,19 @@ pub(crate) fn url_pool(url: &str, max_size: usize) -> Result<deadpool_postgres::
 }
 
 /// Builds a [`Pool`] over a deadpool pool. Every setting has a default.
+///
+/// ```no_run
+/// # fn demo() -> Result<(), pgwarden::BuildError> {
+/// use std::time::Duration;
+/// use pgwarden::{BudgetPolicy, Lane, Pool};
+/// let pool = Pool::from_url("postgres://app@db/app", 16)?
+///     .name("app")
+///     .lane(Lane::SessionLock, 0, 4)
+///     .policy(BudgetPolicy::Refuse)
+///     .wait_timeout(Duration::from_secs(5))
+///     .build()?;
+/// # Ok(()) }
+/// ```
 #[must_use = "builder does nothing until .build()"]
 #[derive(Debug)]
 pub struct PoolBuilder {

@@ -14,6 +14,18 @@ use crate::admission::Lane;
 /// written against deadpool runs unchanged; returns to the pool on drop.
 ///
 /// Knows its lane, its backend pid, where it was checked out and since when.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), Box<dyn std::error::Error>> {
+/// use pgwarden::{Client, Pool};
+///
+/// async fn count(client: &Client) -> Result<i64, tokio_postgres::Error> {
+///     Ok(client.query_one("SELECT count(*) FROM jobs", &[]).await?.get(0))
+/// }
+/// let client = pool.get().await?;
+/// println!("{} jobs, pid {}, lane {}", count(&client).await?, client.pid(), client.lane());
+/// # Ok(()) }
+/// ```
 pub struct Client {
     // Field order matters: the object goes back to deadpool before the permit
     // is released, so an admitted checkout never waits inside deadpool.
