@@ -17,15 +17,24 @@ mod sweep;
 
 use std::collections::HashMap;
 use std::panic::Location;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::admission::Lane;
-use crate::error::Error;
-use crate::lock::{LockKey, LockMode};
-use crate::pool::{Conn, Pool, State};
-use crate::pooler::Pooler;
+use crate::error::{BuildError, Error};
+use crate::key::{LockKey, LockMode};
+use crate::pool::{Client, Pool, PoolBuilder, State};
+use crate::pooler::PoolerMode;
 
 /// One advisory lock in the database, granted or awaited.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// for lock in pool.census().await?.idle() {
+///     eprintln!("lock {} ({}) left on an idle connection, pid {:?}", lock.key, lock.mode, lock.pid);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdvisoryLock {
     /// The backend that holds or awaits it (`None` for a prepared transaction).
@@ -46,6 +55,17 @@ pub struct AdvisoryLock {
 }
 
 /// Whose backend holds an advisory lock, as this pool sees it.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use pgwarden::Owner;
+/// for lock in &pool.census().await?.locks {
+///     if lock.owner == Owner::Other {
+///         println!("{} held by another client (pid {:?})", lock.key, lock.pid);
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Owner {
     /// Not a connection of this pool.
@@ -73,6 +93,13 @@ impl Owner {
 }
 
 /// The advisory locks of the database at one moment.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// let census = pool.census().await?;
+/// println!("{} of ours, {} on idle connections", census.ours().count(), census.idle().count());
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Census {
     /// Every advisory lock in the current database.
@@ -93,17 +120,65 @@ impl Census {
 
 /// What one [`Pool::census_sweep`] found.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct CensusSummary {
+pub(crate) struct CensusSummary {
     /// Advisory locks in the database.
-    pub locks: usize,
+    pub(crate) locks: usize,
     /// Of those, on this pool's connections.
-    pub ours: usize,
+    pub(crate) ours: usize,
     /// Of those, on connections idle in the pool.
-    pub idle: usize,
+    pub(crate) idle: usize,
     /// Connections newly found holding a leaked lock while idle (confirmed
     /// twice, and now closed, or discarded at their next checkout when they
     /// were checked out in the meantime).
-    pub leaked: usize,
+    pub(crate) leaked: usize,
+}
+
+/// How often the census runs unless configured ([`PoolBuilder::census_interval`]).
+pub(crate) const DEFAULT_INTERVAL: Duration = Duration::from_secs(60);
+
+/// The periodic census, plugged into the pool as periodic work.
+#[derive(Debug)]
+struct Periodic(Duration);
+
+impl crate::pool::Periodic for Periodic {
+    fn name(&self) -> &'static str {
+        "census"
+    }
+
+    fn every(&self) -> Duration {
+        self.0
+    }
+
+    fn pass(&self, pool: Pool) -> crate::pool::Pass {
+        Box::pin(async move { pool.census_sweep().await.map(drop) })
+    }
+}
+
+impl PoolBuilder {
+    /// How often the periodic census of `pg_locks` runs (in its own task):
+    /// it sets the census gauges and closes idle pooled connections found
+    /// holding a leaked advisory lock. `None` turns it off; above zero.
+    /// Default: 60 s.
+    ///
+    /// ```no_run
+    /// # fn demo() -> Result<(), pgwarden::BuildError> {
+    /// let pool = pgwarden::Pool::from_url("postgres://app@db/app", 16)?
+    ///     .census_interval(Some(std::time::Duration::from_secs(10)))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn census_interval(self, every: Option<Duration>) -> Self {
+        let invalid = every
+            .filter(|e| e.is_zero())
+            .map(|value| BuildError::InvalidDuration {
+                setting: "census_interval",
+                value,
+                why: "must be above zero",
+            });
+        let hook = every.map(|e| Arc::new(Periodic(e)) as Arc<dyn crate::pool::Periodic>);
+        self.invalid("census_interval", invalid)
+            .periodic("census", hook)
+    }
 }
 
 const CENSUS_SQL: &str = "\
@@ -116,47 +191,24 @@ SELECT l.pid, l.classid, l.objid, l.objsubid, l.mode, l.granted, \
  ORDER BY l.pid, l.classid, l.objid, l.objsubid";
 
 impl Pool {
-    /// The advisory locks in the database now, each matched to this pool's
-    /// connections. Runs on a control connection; a lock found on that very
-    /// connection is reported [`Owner::Idle`]: it was idle in the pool a
-    /// moment before, and runs nothing but the census.
-    ///
-    /// Behind a transaction pooler, backend pids do not identify this pool's
-    /// connections: every lock is then reported as [`Owner::Other`]; use the
-    /// keys. On a [`Pooler::Auto`] pool not probed yet, the first census
-    /// runs [`Pool::detect_pooler`] first.
-    ///
-    /// ```no_run
-    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
-    /// for lock in pool.census().await?.ours() {
-    ///     println!("{:?} holds {} ({}): {:?}", lock.pid, lock.key, lock.mode, lock.owner);
-    /// }
-    /// # Ok(()) }
-    /// ```
-    #[track_caller]
-    pub fn census(&self) -> impl std::future::Future<Output = Result<Census, Error>> + Send + '_ {
-        let site = Location::caller();
-        async move { self.census_at(site).await.map(|(census, ..)| census) }
-    }
-
     /// Reads the census on a control connection, and returns it, that
     /// connection, and the pool's connections as they were. The connection
     /// was idle in the pool a moment ago and runs nothing but the census: a
     /// lock on it is a lock on an idle connection.
-    async fn census_at(
+    pub(crate) async fn census_at(
         &self,
         site: &'static Location<'static>,
-    ) -> Result<(Census, Conn, Owners), Error> {
+    ) -> Result<(Census, Client, Owners), Error> {
         // Owners are matched by backend pid, which means nothing behind a
         // transaction pooler: know which it is first (probed once per pool).
-        if self.pooler() == Pooler::Auto {
-            self.detect_pooler().await?;
+        if self.pooler() == PoolerMode::Auto {
+            crate::pooler::detect(self, site).await?;
         }
         let conn = self
             .checkout(Lane::Control, site, self.shared.opts.wait_timeout)
             .await?;
         let mut locks = read(&conn).await?;
-        if self.pooler() == Pooler::Transaction {
+        if self.pooler() == PoolerMode::Transaction {
             return Ok((Census { locks }, conn, Owners::default()));
         }
         let owners = Owners::snapshot(&self.shared.state.lock());

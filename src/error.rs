@@ -6,11 +6,13 @@ use std::panic::Location;
 use std::time::Duration;
 
 use crate::admission::{Lane, LimitsError};
-use crate::pool::Status;
+use crate::key::LockKey;
+use crate::lost::LostReason;
+use crate::status::Status;
 
 /// A checkout that holds a lane's connection, as named in errors and logs.
 #[derive(Clone, Debug)]
-pub struct Holder {
+pub struct LaneHolder {
     /// Where the connection was checked out.
     pub site: &'static Location<'static>,
     /// How long it has been out.
@@ -19,7 +21,7 @@ pub struct Holder {
     pub pid: Option<i32>,
 }
 
-impl fmt::Display for Holder {
+impl fmt::Display for LaneHolder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} ({:.1?} ago", self.site, self.age)?;
         if let Some(pid) = self.pid {
@@ -29,7 +31,7 @@ impl fmt::Display for Holder {
     }
 }
 
-pub(crate) struct Holders<'a>(pub(crate) &'a [Holder]);
+pub(crate) struct Holders<'a>(pub(crate) &'a [LaneHolder]);
 
 impl fmt::Display for Holders<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -111,7 +113,7 @@ pub enum Error {
         /// True when the hard floor refused it, which no policy lifts.
         hard_floor: bool,
         /// The checkouts holding the lane now.
-        holders: Vec<Holder>,
+        holders: Vec<LaneHolder>,
     },
 
     /// The readiness probe did not answer within its bound.
@@ -148,7 +150,7 @@ pub enum Error {
     )]
     LockTimeout {
         /// The key asked for.
-        key: crate::lock::LockKey,
+        key: LockKey,
         /// The bound that passed.
         timeout: Duration,
     },
@@ -162,7 +164,7 @@ pub enum Error {
     )]
     NotOwned {
         /// The key.
-        key: crate::lock::LockKey,
+        key: LockKey,
     },
 
     /// `unlock_one` would release the last level of a guard: that is
@@ -170,7 +172,7 @@ pub enum Error {
     #[error("advisory lock {key} is held once: release the last level with unlock(self), not unlock_one")]
     UnbalancedUnlock {
         /// The key.
-        key: crate::lock::LockKey,
+        key: LockKey,
     },
 
     /// Session advisory locks were refused because the pool talks to
@@ -189,14 +191,14 @@ pub enum Error {
 
     /// A session lock's statement ran on another server session than the
     /// one its lock was taken on: the connection goes through a
-    /// transaction-mode pooler (configured [`crate::Pooler::Direct`], or
+    /// transaction-mode pooler (configured [`crate::PoolerMode::Direct`], or
     /// one that detection and the lock's own check could not see). Both
     /// [`Error::is_not_owned`] and [`Error::is_behind_pooler`] hold.
     #[error(
         "advisory lock {key}: the connection goes through a transaction-mode pooler (PgBouncer or the like), \
          which ran the guard's statement on backend pid {ran_on}, not on pid {held_on} where the lock was \
          taken; {fate}; session locks cannot work through such a pooler: leave the pool's pooler setting \
-         at Pooler::Auto or set Pooler::Transaction, and use a transaction-scoped lock \
+         at PoolerMode::Auto or set PoolerMode::Transaction, and use a transaction-scoped lock \
          (pool.with_xact_lock) or a table lease (pgwarden::Leases)",
         fate = if *released {
             format!("the lock was released on pid {held_on} by a later statement that reached it")
@@ -209,7 +211,7 @@ pub enum Error {
     )]
     MovedByPooler {
         /// The key.
-        key: crate::lock::LockKey,
+        key: LockKey,
         /// The backend pid the lock was taken on.
         held_on: i32,
         /// The backend pid the statement ran on.
@@ -227,7 +229,7 @@ pub enum Error {
         /// The lease.
         name: String,
         /// Why.
-        reason: crate::lease::LostReason,
+        reason: LostReason,
     },
 
     /// [`crate::Leases::acquire`] waited and another holder still has it.

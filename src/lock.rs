@@ -19,57 +19,53 @@
 //! confirmed within the pool's unlock timeout, the connection is closed
 //! instead, so that PostgreSQL ends the session and the lock with it.
 
-mod key;
 mod pooled;
 mod release;
 mod run_once;
 mod session;
 mod xact;
 
-use std::fmt;
 use std::time::Duration;
 
-pub use key::{fnv1a32, LockKey, Namespace};
-pub(crate) use release::LockShared;
-pub use run_once::{RunOnce, RUN_ONCE_LEDGER};
+use crate::pool::{Pool, PoolBuilder};
+
+pub use crate::key::{LockKey, LockMode, Namespace};
+pub use run_once::Migrated;
+pub(crate) use run_once::{migrate_once, with_xact_lock};
+pub(crate) use session::acquire as session_lock;
 pub use session::SessionLock;
-pub use xact::{try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared};
+pub use xact::xact_lock;
 
-/// Exclusive or shared: one holder, or many readers and no writer.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum LockMode {
-    /// One holder at a time (`pg_advisory_lock`); `ExclusiveLock` in `pg_locks`.
-    Exclusive,
-    /// Any number of shared holders, no exclusive one
-    /// (`pg_advisory_lock_shared`); `ShareLock` in `pg_locks`.
-    Shared,
-}
+/// How long a dropped or cancelled session lock may take to confirm its
+/// release: a builder setting, in the pool's extension slot.
+#[derive(Copy, Clone, Debug)]
+struct UnlockTimeout(Duration);
 
-impl LockMode {
-    /// The mode as `pg_locks.mode` names it.
-    pub const fn pg_mode(self) -> &'static str {
-        match self {
-            LockMode::Exclusive => "ExclusiveLock",
-            LockMode::Shared => "ShareLock",
-        }
-    }
-
-    /// Reads `pg_locks.mode`.
-    pub fn from_pg_mode(mode: &str) -> Option<LockMode> {
-        match mode {
-            "ExclusiveLock" => Some(LockMode::Exclusive),
-            "ShareLock" => Some(LockMode::Shared),
-            _ => None,
-        }
+impl Default for UnlockTimeout {
+    fn default() -> Self {
+        UnlockTimeout(Duration::from_secs(5))
     }
 }
 
-impl fmt::Display for LockMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            LockMode::Exclusive => "exclusive",
-            LockMode::Shared => "shared",
-        })
+/// The pool's unlock bound ([`PoolBuilder::unlock_timeout`]).
+pub(crate) fn unlock_timeout(pool: &Pool) -> Duration {
+    pool.shared.ext.get::<UnlockTimeout>().0
+}
+
+impl PoolBuilder {
+    /// How long a session lock dropped without `unlock` (or cancelled while
+    /// acquiring) may take to confirm its release before its connection is
+    /// closed instead of returned (zero: always closed). Default: 5 s.
+    ///
+    /// ```no_run
+    /// # fn demo() -> Result<(), pgwarden::BuildError> {
+    /// let pool = pgwarden::Pool::from_url("postgres://app@db/app", 16)?
+    ///     .unlock_timeout(std::time::Duration::from_secs(2))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn unlock_timeout(self, bound: Duration) -> Self {
+        self.set_ext(UnlockTimeout(bound))
     }
 }
 

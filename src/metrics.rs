@@ -1,13 +1,57 @@
-//! Every metric pgwarden records: names, descriptions, and cached handles.
+//! Every metric pgwarden records, and [`prometheus_builder`] (feature
+//! `prometheus`).
 //!
 //! pgwarden records through the [`metrics`] facade only, so any recorder
 //! works. Handles are registered when a [`crate::Pool`] is built: install your
-//! recorder (for example with [`install_prometheus`], feature `prometheus`)
-//! before building the pool.
+//! recorder (for example with [`prometheus_builder`]) before building the
+//! pool.
 //!
 //! Labels are bounded: `pool` (the pool's name), `lane`, `reason`, `result`,
 //! `state`, `policy`, `statement`, and the lease or job names that the application
 //! declares (every other lease name counts under one fixed value, `_other`).
+//!
+//! Histogram buckets (seconds): `pgwarden_hold_duration_seconds` uses
+//! 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600; every
+//! other `*_duration_seconds` uses 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+//! 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30.
+//!
+//! | name | kind | what it counts |
+//! |---|---|---|
+//! | `pgwarden_connections` | gauge | Connections by `state` (`idle`, `in_use`). |
+//! | `pgwarden_connections_max` | gauge | The pool's maximum size. |
+//! | `pgwarden_lane_in_use` | gauge | Connections in use per `lane`. |
+//! | `pgwarden_lane_reserved` | gauge | Connections reserved per `lane`. |
+//! | `pgwarden_lane_max` | gauge | Maximum connections per `lane`. |
+//! | `pgwarden_lane_pending` | gauge | Checkouts waiting per `lane`. |
+//! | `pgwarden_acquire_duration_seconds` | histogram | Time from asking for a connection to getting it, per `lane`. |
+//! | `pgwarden_acquire_failures_total` | counter | Checkouts that failed, per `lane` and `reason` (`timeout`: the caller's bound ran out; `refused`: the budget said no; `backend`: deadpool could not give a connection, or had none for an admitted checkout; `closed`: the pool is closed). |
+//! | `pgwarden_budget_overruns_total` | counter | Session-lock checkouts past the budget, per `policy` (`refuse`: refused, `warn`: admitted). |
+//! | `pgwarden_hold_duration_seconds` | histogram | How long connections were held, per `lane`, recorded at return. |
+//! | `pgwarden_oldest_hold_seconds` | gauge | Age of the oldest connection out, per `lane` (0 when none is out). |
+//! | `pgwarden_long_holds_total` | counter | Holds that passed the long-hold threshold, per `lane`. |
+//! | `pgwarden_session_locks_held` | gauge | Session advisory locks held through pgwarden's guards (re-entries count). |
+//! | `pgwarden_session_lock_connections` | gauge | Connections pinned by session advisory locks. |
+//! | `pgwarden_census_advisory_locks` | gauge | Advisory locks on this pool's backends, seen by the last census. |
+//! | `pgwarden_census_idle_advisory_locks` | gauge | Advisory locks on connections idle in the pool, seen by the last census. |
+//! | `pgwarden_census_leaks_total` | counter | Leaked advisory locks found on idle pooled connections (connections discarded). |
+//! | `pgwarden_census_duration_seconds` | histogram | Time one census pass took (`pg_locks` read and matched). |
+//! | `pgwarden_housekeeping_panics_total` | counter | Panics caught in the housekeeping or census task (the task goes on). |
+//! | `pgwarden_readiness_duration_seconds` | histogram | Readiness probe latency. |
+//! | `pgwarden_readiness_failures_total` | counter | Readiness probe failures, per `reason` (`timeout`, `error`). |
+//! | `pgwarden_leases_held` | gauge | Leases held by this process. |
+//! | `pgwarden_lease_acquired_total` | counter | Leases acquired, per `lease`. |
+//! | `pgwarden_lease_skipped_total` | counter | Lease acquisitions skipped because another holder had it, per `lease`. |
+//! | `pgwarden_lease_renewals_total` | counter | Lease renewals per `result` (`ok`, `lost`, `error`). |
+//! | `pgwarden_lease_renewal_duration_seconds` | histogram | Latency of one (batched) renewal statement. |
+//! | `pgwarden_lease_renew_interval_seconds` | gauge | The shortest renewal interval of the leases held (TTL/4 by default). |
+//! | `pgwarden_lease_lost_total` | counter | Leases lost, per `lease` and `reason` (`taken`: a renewal touched no row; `deadline`: no renewal succeeded in time). |
+//! | `pgwarden_lease_takeovers_total` | counter | Leases taken over from an expired holder, per `lease`. |
+//! | `pgwarden_lease_renewer_panics_total` | counter | Panics caught in the lease renewer; renewal goes on. |
+//! | `pgwarden_lease_job_panics_total` | counter | Scheduled job runs that panicked, per `lease` (the job's name: `job` is Prometheus's own label); the job runs again next period. |
+//! | `pgwarden_lease_purged_total` | counter | Lease rows purged: released or expired for longer than the purge age. |
+//! | `pgwarden_lease_statement_timeouts_total` | counter | Lease statements that did not finish in time and were cancelled on the server, per `statement` (`acquisition`, `busy check`, `renewal`, `release`, `purge`, `install`). |
+//! | `pgwarden_requests_shed_total` | counter | Requests the load-shedding layer (`pgwarden::http::ShedLayer`, feature `http`) answered with 503 at once, per `reason` (`busy`: the wait the request lane's queue implies is over the bound; `closed`: the pool is closed). |
+//! | `pgwarden_requests_admitted_total` | counter | Requests the load-shedding layer let through. |
 
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
@@ -16,96 +60,96 @@ use metrics::{
 use crate::admission::Lane;
 
 /// Connections by `state` (`idle`, `in_use`).
-pub const CONNECTIONS: &str = "pgwarden_connections";
+pub(crate) const CONNECTIONS: &str = "pgwarden_connections";
 /// The pool's maximum size.
-pub const CONNECTIONS_MAX: &str = "pgwarden_connections_max";
+pub(crate) const CONNECTIONS_MAX: &str = "pgwarden_connections_max";
 /// Connections in use per `lane`.
-pub const LANE_IN_USE: &str = "pgwarden_lane_in_use";
+pub(crate) const LANE_IN_USE: &str = "pgwarden_lane_in_use";
 /// Connections reserved per `lane`.
-pub const LANE_RESERVED: &str = "pgwarden_lane_reserved";
+pub(crate) const LANE_RESERVED: &str = "pgwarden_lane_reserved";
 /// Maximum connections per `lane`.
-pub const LANE_MAX: &str = "pgwarden_lane_max";
+pub(crate) const LANE_MAX: &str = "pgwarden_lane_max";
 /// Checkouts waiting per `lane`.
-pub const LANE_PENDING: &str = "pgwarden_lane_pending";
+pub(crate) const LANE_PENDING: &str = "pgwarden_lane_pending";
 /// Time from asking for a connection to getting it, per `lane`.
-pub const ACQUIRE_DURATION: &str = "pgwarden_acquire_duration_seconds";
+pub(crate) const ACQUIRE_DURATION: &str = "pgwarden_acquire_duration_seconds";
 /// Checkouts that failed, per `lane` and `reason` (`timeout`: the caller's
 /// bound ran out; `refused`: the budget said no; `backend`: deadpool could
 /// not give a connection, or had none for an admitted checkout; `closed`:
 /// the pool is closed).
-pub const ACQUIRE_FAILURES: &str = "pgwarden_acquire_failures_total";
+pub(crate) const ACQUIRE_FAILURES: &str = "pgwarden_acquire_failures_total";
 /// Session-lock checkouts past the budget, per `policy` (`refuse`: refused, `warn`: admitted).
-pub const BUDGET_OVERRUNS: &str = "pgwarden_budget_overruns_total";
+pub(crate) const BUDGET_OVERRUNS: &str = "pgwarden_budget_overruns_total";
 /// How long connections were held, per `lane`, recorded at return.
-pub const HOLD_DURATION: &str = "pgwarden_hold_duration_seconds";
+pub(crate) const HOLD_DURATION: &str = "pgwarden_hold_duration_seconds";
 /// Age of the oldest connection out, per `lane` (0 when none is out).
-pub const OLDEST_HOLD: &str = "pgwarden_oldest_hold_seconds";
+pub(crate) const OLDEST_HOLD: &str = "pgwarden_oldest_hold_seconds";
 /// Holds that passed the long-hold threshold, per `lane`.
-pub const LONG_HOLDS: &str = "pgwarden_long_holds_total";
+pub(crate) const LONG_HOLDS: &str = "pgwarden_long_holds_total";
 /// Session advisory locks held through pgwarden's guards (re-entries count).
-pub const SESSION_LOCKS_HELD: &str = "pgwarden_session_locks_held";
+pub(crate) const SESSION_LOCKS_HELD: &str = "pgwarden_session_locks_held";
 /// Connections pinned by session advisory locks.
-pub const SESSION_LOCK_CONNECTIONS: &str = "pgwarden_session_lock_connections";
+pub(crate) const SESSION_LOCK_CONNECTIONS: &str = "pgwarden_session_lock_connections";
 /// Advisory locks on this pool's backends, seen by the last census.
-pub const CENSUS_LOCKS: &str = "pgwarden_census_advisory_locks";
+pub(crate) const CENSUS_LOCKS: &str = "pgwarden_census_advisory_locks";
 /// Advisory locks on connections idle in the pool, seen by the last census.
-pub const CENSUS_IDLE_LOCKS: &str = "pgwarden_census_idle_advisory_locks";
+pub(crate) const CENSUS_IDLE_LOCKS: &str = "pgwarden_census_idle_advisory_locks";
 /// Leaked advisory locks found on idle pooled connections (connections discarded).
-pub const CENSUS_LEAKS: &str = "pgwarden_census_leaks_total";
+pub(crate) const CENSUS_LEAKS: &str = "pgwarden_census_leaks_total";
 /// Time one census pass took (`pg_locks` read and matched).
-pub const CENSUS_DURATION: &str = "pgwarden_census_duration_seconds";
+pub(crate) const CENSUS_DURATION: &str = "pgwarden_census_duration_seconds";
 /// Panics caught in the housekeeping or census task (the task goes on).
-pub const HOUSEKEEPING_PANICS: &str = "pgwarden_housekeeping_panics_total";
+pub(crate) const HOUSEKEEPING_PANICS: &str = "pgwarden_housekeeping_panics_total";
 /// Readiness probe latency.
-pub const READINESS_DURATION: &str = "pgwarden_readiness_duration_seconds";
+pub(crate) const READINESS_DURATION: &str = "pgwarden_readiness_duration_seconds";
 /// Readiness probe failures, per `reason` (`timeout`, `error`).
-pub const READINESS_FAILURES: &str = "pgwarden_readiness_failures_total";
+pub(crate) const READINESS_FAILURES: &str = "pgwarden_readiness_failures_total";
 /// Leases held by this process.
-pub const LEASES_HELD: &str = "pgwarden_leases_held";
+pub(crate) const LEASES_HELD: &str = "pgwarden_leases_held";
 /// Leases acquired, per `lease`.
-pub const LEASE_ACQUIRED: &str = "pgwarden_lease_acquired_total";
+pub(crate) const LEASE_ACQUIRED: &str = "pgwarden_lease_acquired_total";
 /// Lease acquisitions skipped because another holder had it, per `lease`.
-pub const LEASE_SKIPPED: &str = "pgwarden_lease_skipped_total";
+pub(crate) const LEASE_SKIPPED: &str = "pgwarden_lease_skipped_total";
 /// Lease renewals per `result` (`ok`, `lost`, `error`).
-pub const LEASE_RENEWALS: &str = "pgwarden_lease_renewals_total";
+pub(crate) const LEASE_RENEWALS: &str = "pgwarden_lease_renewals_total";
 /// Latency of one (batched) renewal statement.
-pub const LEASE_RENEWAL_DURATION: &str = "pgwarden_lease_renewal_duration_seconds";
+pub(crate) const LEASE_RENEWAL_DURATION: &str = "pgwarden_lease_renewal_duration_seconds";
 /// The shortest renewal interval of the leases held (TTL/4 by default).
-pub const LEASE_RENEW_INTERVAL: &str = "pgwarden_lease_renew_interval_seconds";
+pub(crate) const LEASE_RENEW_INTERVAL: &str = "pgwarden_lease_renew_interval_seconds";
 /// Leases lost, per `lease` and `reason` (`taken`: a renewal touched no row; `deadline`: no renewal succeeded in time).
-pub const LEASE_LOST: &str = "pgwarden_lease_lost_total";
+pub(crate) const LEASE_LOST: &str = "pgwarden_lease_lost_total";
 /// Leases taken over from an expired holder, per `lease`.
-pub const LEASE_TAKEOVERS: &str = "pgwarden_lease_takeovers_total";
+pub(crate) const LEASE_TAKEOVERS: &str = "pgwarden_lease_takeovers_total";
 /// Panics caught in the lease renewer; renewal goes on.
-pub const LEASE_RENEWER_PANICS: &str = "pgwarden_lease_renewer_panics_total";
+pub(crate) const LEASE_RENEWER_PANICS: &str = "pgwarden_lease_renewer_panics_total";
 /// Scheduled job runs that panicked, per `lease` (the job's name: `job` is
 /// Prometheus's own label); the job runs again next period.
-pub const LEASE_JOB_PANICS: &str = "pgwarden_lease_job_panics_total";
+pub(crate) const LEASE_JOB_PANICS: &str = "pgwarden_lease_job_panics_total";
 /// Lease rows purged: released or expired for longer than the purge age.
-pub const LEASE_PURGED: &str = "pgwarden_lease_purged_total";
+pub(crate) const LEASE_PURGED: &str = "pgwarden_lease_purged_total";
 /// Lease statements that did not finish in time and were cancelled on the
 /// server, per `statement` (`acquisition`, `busy check`, `renewal`, `release`, `purge`, `install`).
-pub const LEASE_STATEMENT_TIMEOUTS: &str = "pgwarden_lease_statement_timeouts_total";
+pub(crate) const LEASE_STATEMENT_TIMEOUTS: &str = "pgwarden_lease_statement_timeouts_total";
 /// Requests the load-shedding layer (`pgwarden::http::ShedLayer`, feature
 /// `http`) answered with 503 at once, per `reason` (`busy`: the wait the
 /// request lane's queue implies is over the bound; `closed`: the pool is
 /// closed).
-pub const REQUESTS_SHED: &str = "pgwarden_requests_shed_total";
+pub(crate) const REQUESTS_SHED: &str = "pgwarden_requests_shed_total";
 /// Requests the load-shedding layer let through.
-pub const REQUESTS_ADMITTED: &str = "pgwarden_requests_admitted_total";
+pub(crate) const REQUESTS_ADMITTED: &str = "pgwarden_requests_admitted_total";
 
 /// Bucket bounds (seconds) for acquire, hold, readiness and renewal latencies.
-pub const LATENCY_BUCKETS: &[f64] = &[
+pub(crate) const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     5.0, 10.0, 30.0,
 ];
 /// Bucket bounds (seconds) for hold durations, which run longer.
-pub const HOLD_BUCKETS: &[f64] = &[
+pub(crate) const HOLD_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
 ];
 
 /// Describes every metric once (idempotent; called by `Pool` builds).
-pub fn describe() {
+pub(crate) fn describe() {
     describe_gauge!(
         CONNECTIONS,
         Unit::Count,
@@ -324,21 +368,18 @@ impl PoolMetrics {
     }
 }
 
-/// Installs the Prometheus exporter as the global recorder, with explicit
-/// buckets for pgwarden's histograms (without them the exporter renders
-/// summaries, which `histogram_quantile` cannot use).
+/// A `PrometheusBuilder` with pgwarden's histogram buckets set (without them
+/// the exporter renders summaries, which `histogram_quantile` cannot use).
+/// Add your own settings (an HTTP listener, global labels), install it, and
+/// serve the handle's `render()` on your `/metrics` route; do it before
+/// building pools.
 ///
-/// Returns the handle that renders the exposition text: serve
-/// `handle.render()` on your `/metrics` route. Call it before building pools.
-#[cfg(feature = "prometheus")]
-pub fn install_prometheus(
-) -> Result<metrics_exporter_prometheus::PrometheusHandle, metrics_exporter_prometheus::BuildError>
-{
-    prometheus_builder()?.install_recorder()
-}
-
-/// A `PrometheusBuilder` with pgwarden's histogram buckets set, for callers
-/// that want to add their own settings (an HTTP listener, global labels).
+/// ```no_run
+/// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let handle = pgwarden::metrics::prometheus_builder()?.install_recorder()?;
+/// let exposition: String = handle.render(); // the /metrics body
+/// # Ok(()) }
+/// ```
 #[cfg(feature = "prometheus")]
 pub fn prometheus_builder(
 ) -> Result<metrics_exporter_prometheus::PrometheusBuilder, metrics_exporter_prometheus::BuildError>

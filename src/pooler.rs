@@ -12,18 +12,28 @@
 mod probe;
 
 use std::panic::Location;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub(crate) use probe::{backend_pid, Detection, Motion, MOTION_STATEMENTS};
 
 use crate::admission::Lane;
 use crate::error::Error;
-use crate::pool::Pool;
+use crate::pool::{Pool, PoolBuilder};
+use tokio::sync::OnceCell;
 
 /// How the pool reaches PostgreSQL.
+///
+/// ```no_run
+/// # fn demo() -> Result<(), pgwarden::BuildError> {
+/// let pool = pgwarden::Pool::from_url("postgres://app@pgbouncer:6432/app", 16)?
+///     .pooler(pgwarden::PoolerMode::Transaction) // session locks refused, leases unnamed
+///     .build()?;
+/// # Ok(()) }
+/// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Pooler {
+pub enum PoolerMode {
     /// Not configured: detected at the first session lock, or by
     /// [`Pool::detect_pooler`]. Default.
     #[default]
@@ -36,91 +46,104 @@ pub enum Pooler {
     Transaction,
 }
 
-impl Pool {
-    /// What the pool knows: the configured mode, or the detected one once
-    /// detection ran; [`Pooler::Auto`] before that.
-    pub fn pooler(&self) -> Pooler {
-        match self.shared.opts.pooler {
-            Pooler::Auto => detected(self).map_or(Pooler::Auto, Detection::pooler),
-            p => p,
-        }
-    }
+/// The configured mode: a builder setting, kept in the pool's extension slot.
+#[derive(Copy, Clone, Debug, Default)]
+struct Configured(PoolerMode);
 
-    /// Detects, once per pool, whether it talks through a transaction pooler,
-    /// and remembers it (a configured mode is returned as is). Call it at
-    /// start-up; otherwise the first session lock runs it.
-    ///
-    /// The probe checks out a control connection and asks it for
-    /// `pg_backend_pid()`; it sets nothing.
-    ///
-    /// - Straight to PostgreSQL, the pid a connection's server announced when
-    ///   it connected (the key of its cancel requests) is its backend's pid:
-    ///   a match is certain, and the answer is [`Pooler::Direct`] after that
-    ///   one statement.
-    /// - A pooler makes up the announced pid. Through one, the probe takes a
-    ///   second connection (request lane) at the same time, and asks
-    ///   again, from either connection at random (up to 40
-    ///   statements, stopping at the first proof): a connection that lands on
-    ///   a backend other than its first, or on the other connection's, proves
-    ///   a transaction pooler ([`Pooler::Transaction`]). A session pooler
-    ///   never shows that, and is [`Pooler::Direct`]; since a transaction
-    ///   pooler can, rarely, hide it that long, each session lock through a
-    ///   pooler is checked again on its own connection before it is granted.
-    ///   A pool of 2 cannot hold two connections outside the probe reserve:
-    ///   behind a proxy its mode stays unproven (reported
-    ///   [`Pooler::Direct`], with the same check at every session lock, and
-    ///   lease statements unnamed).
+/// What detection found, per pool, in the pool's extension slot.
+#[derive(Debug, Default)]
+struct Found {
+    /// Whether the pool talks through a transaction pooler, once detected.
+    detection: OnceCell<Detection>,
+    /// A session lock's own check proved a transaction pooler after
+    /// detection found none.
+    moved: AtomicBool,
+}
+
+fn configured(pool: &Pool) -> PoolerMode {
+    pool.shared.ext.get::<Configured>().0
+}
+
+fn found(pool: &Pool) -> Arc<Found> {
+    pool.shared.ext.get::<Found>()
+}
+
+impl PoolBuilder {
+    /// Whether the pool talks through a transaction-mode pooler: behind one
+    /// ([`PoolerMode::Transaction`]) session locks are refused. Default:
+    /// [`PoolerMode::Auto`], detected at the first session lock or by
+    /// [`Pool::detect_pooler`].
     ///
     /// ```no_run
-    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
-    /// if pool.detect_pooler().await? == pgwarden::Pooler::Transaction {
-    ///     // session locks will be refused: use pool.with_xact_lock or leases
-    /// }
+    /// # fn demo() -> Result<(), pgwarden::BuildError> {
+    /// let pool = pgwarden::Pool::from_url("postgres://app@pgbouncer:6432/app", 16)?
+    ///     .pooler(pgwarden::PoolerMode::Transaction)
+    ///     .build()?;
     /// # Ok(()) }
     /// ```
-    #[track_caller]
-    pub fn detect_pooler(
-        &self,
-    ) -> impl std::future::Future<Output = Result<Pooler, Error>> + Send + '_ {
-        let site = Location::caller();
-        async move {
-            if self.shared.opts.pooler != Pooler::Auto {
-                return Ok(self.shared.opts.pooler);
-            }
-            let timeout = self.shared.opts.wait_timeout;
-            self.shared
-                .locks
-                .pooler
-                .get_or_try_init(|| async {
-                    let start = Instant::now();
-                    let a = self.checkout(Lane::Control, site, timeout).await?;
-                    let left = timeout.saturating_sub(start.elapsed());
-                    run(self, &a, Lane::Request, site, left)
-                        .await
-                        .map(|d| self.remember(d))
-                })
-                .await?;
-            Ok(self.pooler())
-        }
+    pub fn pooler(self, mode: PoolerMode) -> Self {
+        self.set_ext(Configured(mode))
     }
+}
 
-    fn remember(&self, found: Detection) -> Detection {
-        tracing::info!(
-            pool = %self.shared.name,
-            pooler = ?found.pooler(),
-            proxied = found.proxied,
-            statements = found.statements,
-            "pooler detected"
-        );
-        found
+impl Pool {
+    /// What the pool knows now ([`mode`]).
+    pub(crate) fn pooler(&self) -> PoolerMode {
+        mode(self)
     }
+}
+
+/// What the pool knows: the configured mode, or the detected one once
+/// detection ran; [`PoolerMode::Auto`] before that.
+pub(crate) fn mode(pool: &Pool) -> PoolerMode {
+    match configured(pool) {
+        PoolerMode::Auto => detected(pool).map_or(PoolerMode::Auto, Detection::pooler),
+        p => p,
+    }
+}
+
+/// Detects, once per pool, whether it talks through a transaction pooler
+/// ([`Pool::detect_pooler`]).
+pub(crate) async fn detect(
+    pool: &Pool,
+    site: &'static Location<'static>,
+) -> Result<PoolerMode, Error> {
+    let configured = configured(pool);
+    if configured != PoolerMode::Auto {
+        return Ok(configured);
+    }
+    let timeout = pool.shared.opts.wait_timeout;
+    found(pool)
+        .detection
+        .get_or_try_init(|| async {
+            let start = Instant::now();
+            let a = pool.checkout(Lane::Control, site, timeout).await?;
+            let left = timeout.saturating_sub(start.elapsed());
+            run(pool, &a, Lane::Request, site, left)
+                .await
+                .map(|d| remember(pool, d))
+        })
+        .await?;
+    Ok(mode(pool))
+}
+
+fn remember(pool: &Pool, found: Detection) -> Detection {
+    tracing::info!(
+        pool = %pool.shared.name,
+        pooler = ?found.pooler(),
+        proxied = found.proxied,
+        statements = found.statements,
+        "pooler detected"
+    );
+    found
 }
 
 /// What detection found, once it ran; a transaction pooler once a session
 /// lock's own check proved one.
 fn detected(pool: &Pool) -> Option<Detection> {
-    let found = pool.shared.locks.pooler.get().copied()?;
-    let moved = pool.shared.locks.moved.load(Ordering::Acquire);
+    let f = found(pool);
+    let found = f.detection.get().copied()?;
+    let moved = f.moved.load(Ordering::Acquire);
     Some(Detection {
         transaction: found.transaction || moved,
         ..found
@@ -128,31 +151,31 @@ fn detected(pool: &Pool) -> Option<Detection> {
 }
 
 impl Detection {
-    fn pooler(self) -> Pooler {
+    fn pooler(self) -> PoolerMode {
         if self.transaction {
-            Pooler::Transaction
+            PoolerMode::Transaction
         } else {
-            Pooler::Direct
+            PoolerMode::Direct
         }
     }
 }
 
 /// Whether each client of the pool keeps its server session: configured
-/// [`Pooler::Direct`], or detected straight to PostgreSQL (the announced pid
+/// [`PoolerMode::Direct`], or detected straight to PostgreSQL (the announced pid
 /// matched). Through a proxy whose mode is unproven, false: named prepared
 /// statements, which a transaction pooler breaks, are not to be used.
 pub(crate) fn keeps_sessions(pool: &Pool) -> bool {
-    match pool.shared.opts.pooler {
-        Pooler::Direct => true,
-        Pooler::Transaction => false,
-        Pooler::Auto => detected(pool).is_some_and(|d| !d.transaction && !d.proxied),
+    match configured(pool) {
+        PoolerMode::Direct => true,
+        PoolerMode::Transaction => false,
+        PoolerMode::Auto => detected(pool).is_some_and(|d| !d.transaction && !d.proxied),
     }
 }
 
 /// A session lock's check found that the pool's connections move between
 /// server sessions: a transaction pooler, from now on.
 pub(crate) fn proven_by_lock(pool: &Pool) {
-    if !pool.shared.locks.moved.swap(true, Ordering::AcqRel) {
+    if !found(pool).moved.swap(true, Ordering::AcqRel) {
         tracing::warn!(
             pool = %pool.shared.name,
             "a session lock's own check found a transaction pooler that detection missed: \
@@ -164,9 +187,9 @@ pub(crate) fn proven_by_lock(pool: &Pool) {
 /// Why session locks are refused, when the pool is configured behind a
 /// transaction pooler, or was detected so: `"configured"` or `"detected"`.
 pub(crate) fn behind_pooler(pool: &Pool) -> Option<&'static str> {
-    match (pool.shared.opts.pooler, detected(pool)) {
-        (Pooler::Transaction, _) => Some("configured"),
-        (Pooler::Auto, Some(d)) if d.transaction => Some("detected"),
+    match (configured(pool), detected(pool)) {
+        (PoolerMode::Transaction, _) => Some("configured"),
+        (PoolerMode::Auto, Some(d)) if d.transaction => Some("detected"),
         _ => None,
     }
 }
@@ -185,16 +208,15 @@ pub(crate) async fn ensure_direct(
     if let Some(how) = behind_pooler(pool) {
         return Err(Error::BehindPooler { how });
     }
-    if pool.shared.opts.pooler != Pooler::Auto {
+    if configured(pool) != PoolerMode::Auto {
         return Ok(false);
     }
-    pool.shared
-        .locks
-        .pooler
+    found(pool)
+        .detection
         .get_or_try_init(|| async {
             run(pool, lock_conn, Lane::Control, site, timeout)
                 .await
-                .map(|d| pool.remember(d))
+                .map(|d| remember(pool, d))
         })
         .await?;
     match detected(pool) {

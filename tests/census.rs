@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use pgwarden::{Lane, LockKey, LockMode, Owner};
@@ -24,7 +25,11 @@ async fn census_decodes_keys_and_owners() {
         .unwrap()
         .get(0);
     let big = LockKey::Single(0x1_0000_0002);
-    let lock = pool.session_lock(big, T).await.unwrap();
+    let lock = pool
+        .session_lock(big, LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
     // A third session waits for (-3, 7) exclusively.
     let waiter = db.connect().await.unwrap();
     let waiting = tokio::spawn(async move {
@@ -45,7 +50,7 @@ async fn census_decodes_keys_and_owners() {
         (ours[0].key, ours[0].mode, ours[0].granted),
         (big, LockMode::Exclusive, true)
     );
-    assert_eq!(ours[0].pid, Some(lock.conn().pid()));
+    assert_eq!(ours[0].pid, Some(lock.client().pid()));
     match &ours[0].owner {
         Owner::CheckedOut {
             lane, site, note, ..
@@ -85,51 +90,94 @@ async fn census_decodes_keys_and_owners() {
     lock.unlock().await.unwrap();
 }
 
-/// deadpool hands out its idle connections oldest first (FIFO): the order
-/// of the returns below decides which connection the census runs on.
-/// The leaker, idle, is closed by the sweep itself (deadpool's `retain`).
+/// Sums what the readings of a debugging recorder show (a reading resets
+/// what it reads) until `done` holds: counters and histogram counts add up,
+/// gauges keep their largest value.
+async fn watch(
+    snap: &metrics_util::debugging::Snapshotter,
+    what: &str,
+    mut done: impl FnMut(&HashMap<String, f64>) -> bool,
+) -> HashMap<String, f64> {
+    let mut seen: HashMap<String, f64> = HashMap::new();
+    eventually(T, what, || {
+        for (k, v) in metrics_now(snap) {
+            let e = seen.entry(k.clone()).or_insert(0.0);
+            if k.contains("_total") || k.contains("_seconds{") && k.contains("duration") {
+                *e += v;
+            } else {
+                *e = e.max(v);
+            }
+        }
+        std::future::ready(done(&seen))
+    })
+    .await;
+    seen
+}
+
+fn get(m: &HashMap<String, f64>, k: &str) -> f64 {
+    m.get(k).copied().unwrap_or(0.0)
+}
+
+/// The periodic census confirms a leak on a connection idle in the pool,
+/// closes it (deadpool's `retain`), and counts it once.
 #[tokio::test]
 async fn sweep_confirms_a_leak_on_an_idle_connection_and_discards_it() {
     let db = db().await;
-    let (pool, snap) = with_recorder(builder(&db, 3).name("leaky"));
+    let b = builder(&db, 3)
+        .name("leaky")
+        .census_interval(Some(Duration::from_millis(50)));
+    let (pool, snap) = with_recorder(b);
     let raw = db.connect().await.unwrap();
     // The bug the census is for: a lock taken with raw SQL, never released.
     let (a, b) = (pool.get().await.unwrap(), pool.get().await.unwrap());
     a.simple_query("SELECT pg_advisory_lock(42)").await.unwrap();
     let leaked_pid = a.pid();
-    drop(b); // the census will run on b; a stays idle
+    drop(b);
     drop(a);
 
-    let s = pool.census_sweep().await.unwrap();
-    assert_eq!((s.ours, s.idle, s.leaked), (1, 1, 1), "{s:?}");
-    let m = metrics_now(&snap);
-    assert_eq!(m.get("pgwarden_census_leaks_total{pool=leaky}"), Some(&1.0));
+    let m = watch(&snap, "the leak counted", |m| {
+        get(m, "pgwarden_census_leaks_total{pool=leaky}") >= 1.0
+    })
+    .await;
+    assert_eq!(get(&m, "pgwarden_census_advisory_locks{pool=leaky}"), 1.0);
     assert_eq!(
-        m.get("pgwarden_census_advisory_locks{pool=leaky}"),
-        Some(&1.0)
+        get(&m, "pgwarden_census_idle_advisory_locks{pool=leaky}"),
+        1.0
     );
-    assert_eq!(
-        m.get("pgwarden_census_idle_advisory_locks{pool=leaky}"),
-        Some(&1.0)
-    );
-    // Closed at once, while idle: the session ends with its lock, before
-    // any checkout could find it.
+    // Closed while idle: the session ends with its lock, before any checkout
+    // could find it.
     eventually(T, "leaked session closed", || async {
         !alive(&raw, leaked_pid).await
     })
     .await;
-    assert_eq!(pool.census_sweep().await.unwrap().leaked, 0, "counted once");
+    // Three more passes: counted once, and no lock of ours left.
+    let mut passes = 0.0;
+    let m = watch(&snap, "three more census passes", |m| {
+        passes = get(m, "pgwarden_census_duration_seconds{pool=leaky}");
+        passes >= 3.0
+    })
+    .await;
+    assert_eq!(
+        get(&m, "pgwarden_census_leaks_total{pool=leaky}"),
+        0.0,
+        "counted once"
+    );
     for _ in 0..2 {
         assert_ne!(pool.get().await.unwrap().pid(), leaked_pid);
     }
     assert!(free(&raw, LockKey::Single(42)).await);
-    assert_eq!(pool.census_sweep().await.unwrap().ours, 0);
+    assert_eq!(pool.census().await.unwrap().ours().count(), 0);
 }
 
 #[tokio::test]
 async fn a_leak_on_the_census_own_connection_is_closed_at_once() {
     let db = db().await;
-    let pool = builder(&db, 3).build().unwrap();
+    // The first periodic pass comes a second after the build: the census
+    // read below runs well before it.
+    let b = builder(&db, 3)
+        .name("own")
+        .census_interval(Some(Duration::from_secs(1)));
+    let (pool, snap) = with_recorder(b);
     let raw = db.connect().await.unwrap();
     let c = pool.get().await.unwrap();
     c.simple_query("SELECT pg_advisory_lock_shared(44)")
@@ -145,8 +193,14 @@ async fn a_leak_on_the_census_own_connection_is_closed_at_once() {
         (idle[0].pid, idle[0].key),
         (Some(leaked_pid), LockKey::Single(44))
     );
-    let s = pool.census_sweep().await.unwrap();
-    assert_eq!((s.idle, s.leaked), (1, 1), "{s:?}");
+    let m = watch(&snap, "the leak counted", |m| {
+        get(m, "pgwarden_census_leaks_total{pool=own}") >= 1.0
+    })
+    .await;
+    assert_eq!(
+        get(&m, "pgwarden_census_idle_advisory_locks{pool=own}"),
+        1.0
+    );
     eventually(T, "leaked session closed", || async {
         !alive(&raw, leaked_pid).await
     })
@@ -158,10 +212,27 @@ async fn a_leak_on_the_census_own_connection_is_closed_at_once() {
 #[tokio::test]
 async fn held_guards_are_not_leaks() {
     let db = db().await;
-    let pool = builder(&db, 4).build().unwrap();
-    let lock = pool.session_lock(LockKey::Pair(8, 8), T).await.unwrap();
-    let s = pool.census_sweep().await.unwrap();
-    assert_eq!((s.ours, s.idle, s.leaked), (1, 0, 0), "{s:?}");
+    let b = builder(&db, 4)
+        .name("guarded")
+        .census_interval(Some(Duration::from_millis(50)));
+    let (pool, snap) = with_recorder(b);
+    let lock = pool
+        .session_lock(LockKey::Pair(8, 8), LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    let mut passes = 0.0;
+    let m = watch(&snap, "three census passes", |m| {
+        passes = get(m, "pgwarden_census_duration_seconds{pool=guarded}");
+        passes >= 3.0
+    })
+    .await;
+    assert_eq!(get(&m, "pgwarden_census_advisory_locks{pool=guarded}"), 1.0);
+    assert_eq!(
+        get(&m, "pgwarden_census_idle_advisory_locks{pool=guarded}"),
+        0.0
+    );
+    assert_eq!(get(&m, "pgwarden_census_leaks_total{pool=guarded}"), 0.0);
     lock.unlock().await.unwrap();
 }
 

@@ -10,7 +10,6 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::metrics as m;
 use pgwarden_testing::TestServer;
 use support::*;
 
@@ -67,7 +66,10 @@ async fn thirty_thousand_leaked_locks_do_not_stall_checkouts() {
         took.extend(t.await.unwrap());
     }
     let passes = metrics_now(&snap)
-        .get(&format!("{}{{pool=census-load}}", m::CENSUS_DURATION))
+        .get(&format!(
+            "{}{{pool=census-load}}",
+            "pgwarden_census_duration_seconds"
+        ))
         .copied()
         .unwrap_or(0.0);
     took.sort();

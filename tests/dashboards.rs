@@ -37,13 +37,16 @@ fn dashboard() -> Value {
 }
 
 /// Every metric name pgwarden exports, as Prometheus sees it: the
-/// `pub const X: &str = "pgwarden_…";` lines of `src/metrics.rs`, plus
+/// `pub(crate) const X: &str = "pgwarden_…";` lines of `src/metrics.rs`, plus
 /// `_bucket`, `_sum` and `_count` for the names passed to `describe_histogram!`.
 fn exported_names(src: &str) -> BTreeSet<String> {
     let mut consts = Vec::new();
     for line in src.lines() {
         let line = line.trim();
-        let Some(rest) = line.strip_prefix("pub const ") else {
+        let Some(rest) = line
+            .strip_prefix("pub(crate) const ")
+            .or_else(|| line.strip_prefix("pub const "))
+        else {
             continue;
         };
         let Some((ident, value)) = rest.split_once(": &str = \"") else {
@@ -383,7 +386,7 @@ fn every_required_alert_exists_and_is_actionable() {
 fn name_parsing_catches_unknown_metrics() {
     // The checks above are only as good as these two parsers.
     let mut src = String::from(
-        "pub const A: &str = \"pgwarden_a_total\";\n\
+        "pub(crate) const A: &str = \"pgwarden_a_total\";\n\
          pub const H: &str = \"pgwarden_h_seconds\";\n\
          fn d() { describe_histogram!(H, Unit::Seconds, \"h\"); }\n",
     );

@@ -74,7 +74,7 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
     for _ in 0..3 {
         requests.push(pool.get().await.unwrap());
     }
-    let control = pool.get_for(Lane::Control).await.unwrap();
+    let control = pool.get_for(Lane::Control, None).await.unwrap();
     let wait_for = |lane: Lane, n: usize| {
         let pool = pool.clone();
         async move {
@@ -96,7 +96,7 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
     {
         let (p, tx) = (pool.clone(), tx.clone());
         tasks.push(tokio::spawn(async move {
-            let c = p.get_for(lane).await.unwrap();
+            let c = p.get_for(lane, None).await.unwrap();
             tx.send(i).unwrap();
             c
         }));

@@ -8,7 +8,6 @@ mod support;
 
 use std::time::Duration;
 
-use pgwarden::metrics as m;
 use pgwarden::{Lane, Pool};
 use support::*;
 
@@ -28,7 +27,7 @@ async fn lane_gauges_match_the_state_after_a_storm() {
                     };
                     // Some give up early, some are cancelled while waiting.
                     let bound = Duration::from_millis(if j % 7 == 0 { 1 } else { 2000 });
-                    let fut = pool.timeout_get_for(lane, bound);
+                    let fut = pool.get_for(lane, Some(bound));
                     if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_millis(50), fut).await {
                         c.simple_query("SELECT 1").await.unwrap();
                     }
@@ -45,7 +44,7 @@ async fn lane_gauges_match_the_state_after_a_storm() {
     // now was set at the last event.
     let now = metrics_now(&snap);
     for lane in Lane::ALL {
-        for name in [m::LANE_IN_USE, m::LANE_PENDING] {
+        for name in ["pgwarden_lane_in_use", "pgwarden_lane_pending"] {
             let k = format!("{name}{{lane={lane},pool=storm}}");
             assert_eq!(now.get(&k).copied().unwrap_or(0.0), 0.0, "{k}");
         }
@@ -98,7 +97,7 @@ async fn close_zeroes_pending_and_counts_closed() {
     let held = pool.get().await.unwrap();
     let waiter = tokio::spawn({
         let pool = pool.clone();
-        async move { pool.get_for(Lane::Request).await.map(drop) }
+        async move { pool.get_for(Lane::Request, None).await.map(drop) }
     });
     eventually(Duration::from_secs(5), "the waiter queues", || async {
         pool.status().waiting == 1

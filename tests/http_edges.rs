@@ -126,7 +126,7 @@ async fn a_bound_of_zero_answers_at_once_and_checks_nothing_out() {
     let addr = serve(app(&pool, readiness, shed)).await;
     let warm = pool.get().await.unwrap();
     drop(warm);
-    let open = pool.inner().status().size;
+    let open = pool.status().size;
 
     // Readiness with no time to answer: a 503 that says so, no probe run.
     let r = request(addr, "GET", "/health/ready", LIMIT).await.unwrap();
@@ -138,7 +138,7 @@ async fn a_bound_of_zero_answers_at_once_and_checks_nothing_out() {
     );
     assert_eq!(pool.status().lane(Lane::Probe).in_use, 0);
     assert_eq!(
-        pool.inner().status().size,
+        pool.status().size,
         open,
         "a connection was opened or closed"
     );
@@ -265,7 +265,7 @@ async fn a_probe_whose_client_goes_away_leaves_nothing_checked_out() {
     let c = pool.get().await.unwrap();
     let pid = c.pid();
     drop(c);
-    assert_eq!(pool.inner().status().size, 1);
+    assert_eq!(pool.status().size, 1);
     let stopped = support::Stopped::stop([pid]).unwrap();
 
     let mut s = support::http::connect(addr).await.unwrap();
@@ -294,7 +294,7 @@ async fn a_probe_whose_client_goes_away_leaves_nothing_checked_out() {
         "released {back:?} after the client left"
     );
     assert_eq!(
-        pool.inner().status().size,
+        pool.status().size,
         0,
         "the hung connection went back to the pool"
     );

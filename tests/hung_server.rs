@@ -94,7 +94,7 @@ fn pool(inner: deadpool_postgres::Pool, name: &str) -> Pool {
     Pool::builder(inner)
         .name(name)
         .wait_timeout(Duration::from_secs(2))
-        .pooler(pgwarden::Pooler::Direct)
+        .pooler(pgwarden::PoolerMode::Direct)
         .census_interval(None)
         .build()
         .unwrap()
@@ -162,7 +162,7 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
     assert!(e.is_timeout(), "{e}");
 
     let e = pool
-        .timeout_get_for(Lane::Control, Duration::from_millis(500))
+        .get_for(Lane::Control, Some(Duration::from_millis(500)))
         .await
         .unwrap_err();
     assert!(
@@ -217,7 +217,7 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     let stopped = Stopped::stop(vec![idle_backend]);
     let bound = Duration::from_secs(1);
     let limit = Duration::from_millis(1200);
-    let get = || pool.timeout_get_for(Lane::Request, bound);
+    let get = || pool.get_for(Lane::Request, Some(bound));
     let e = fails_within(limit, "checkout bound 1 s, recycling hung", get()).await;
     assert!(
         matches!(
@@ -241,7 +241,7 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     drop(stopped);
     drop(working);
     let c = recovers(Duration::from_secs(10), "get after SIGCONT", || {
-        pool.timeout_get_for(Lane::Request, Duration::from_secs(2))
+        pool.get_for(Lane::Request, Some(Duration::from_secs(2)))
     })
     .await;
     c.simple_query("SELECT 1").await.unwrap();

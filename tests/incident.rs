@@ -6,7 +6,7 @@ mod scenarios;
 
 mod support;
 
-use pgwarden::Policy;
+use pgwarden::BudgetPolicy;
 use scenarios::{check, JOBS, PROBE_BOUND};
 use support::{db, Logs};
 
@@ -27,7 +27,7 @@ async fn raw_deadpool_loses_readiness_and_deadlocks_its_jobs() {
 
 #[tokio::test]
 async fn pgwarden_refuse_grants_the_budget_and_stays_ready() {
-    let o = scenarios::pgwarden_session_locks(&db().await, Policy::Refuse)
+    let o = scenarios::pgwarden_session_locks(&db().await, BudgetPolicy::Refuse)
         .await
         .unwrap();
     assert_eq!(check(&o, 1), Vec::<String>::new(), "{o:?}");
@@ -38,7 +38,7 @@ async fn pgwarden_refuse_grants_the_budget_and_stays_ready() {
 async fn pgwarden_warn_admits_to_the_floor_logs_and_stays_ready() {
     let logs = Logs::default();
     let _guard = tracing::subscriber::set_default(logs.subscriber());
-    let o = scenarios::pgwarden_session_locks(&db().await, Policy::Warn)
+    let o = scenarios::pgwarden_session_locks(&db().await, BudgetPolicy::Warn)
         .await
         .unwrap();
     assert_eq!(check(&o, 2), Vec::<String>::new(), "{o:?}");

@@ -7,7 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{LeaseHandle, LeaseOptions, Leases, Pooler};
+use pgwarden::{LeaseHandle, LeaseOptions, Leases, PoolerMode};
 use support::leases::{backends, busy_backends, insert_expired, lock_rows, pool, pool_behind};
 use support::{admin, db, eventually, within, Stopped};
 
@@ -141,7 +141,7 @@ async fn an_acquisition_abandoned_on_a_stopped_backend_leaves_no_lease() {
     let admin = admin(&db).await;
     // Known direct: cancel requests go out. (Configured: detection takes
     // two connections outside the probe reserve, more than a pool of 2 has.)
-    let pool_b = pool_behind(db.pg_config(), 2, "stopped-b", Pooler::Direct);
+    let pool_b = pool_behind(db.pg_config(), 2, "stopped-b", PoolerMode::Direct);
     let b = Leases::builder(&pool_b)
         .statement_timeout(500 * MS)
         .build()

@@ -111,7 +111,7 @@ async fn fencing_rejects_the_stale_holder() {
 
 /// A transaction at `level`.
 async fn begin(
-    conn: &mut pgwarden::Conn,
+    conn: &mut pgwarden::Client,
     level: IsolationLevel,
 ) -> deadpool_postgres::Transaction<'_> {
     conn.build_transaction()

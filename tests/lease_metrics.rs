@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use pgwarden::metrics as m;
 use pgwarden::{LeaseOptions, Leases, LostReason};
 use support::leases::pool;
 use support::recorder::{counter, gauge, key_of};
@@ -29,7 +28,7 @@ impl Totals {
     fn read(&mut self, s: &Snapshotter) -> &HashMap<String, DebugValue> {
         for (ck, _, _, v) in s.snapshot().into_vec() {
             let k = key_of(ck.key());
-            let set_gauge = ck.key().name() == m::LEASE_RENEW_INTERVAL;
+            let set_gauge = ck.key().name() == "pgwarden_lease_renew_interval_seconds";
             let merged = match (self.0.remove(&k), v) {
                 (Some(DebugValue::Counter(a)), DebugValue::Counter(b)) => {
                     DebugValue::Counter(a + b)
@@ -95,21 +94,44 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     assert_eq!(
         counter(
             s,
-            &format!("{}{{lease=cleanup,pool=mx}}", m::LEASE_ACQUIRED)
+            &format!(
+                "{}{{lease=cleanup,pool=mx}}",
+                "pgwarden_lease_acquired_total"
+            )
         ),
         1
     );
     assert_eq!(
-        counter(s, &format!("{}{{lease=cleanup,pool=mx}}", m::LEASE_SKIPPED)),
+        counter(
+            s,
+            &format!(
+                "{}{{lease=cleanup,pool=mx}}",
+                "pgwarden_lease_skipped_total"
+            )
+        ),
         1
     );
-    assert_eq!(gauge(s, &format!("{}{{pool=mx}}", m::LEASES_HELD)), 1.0);
-    assert!(counter(s, &format!("{}{{pool=mx,result=ok}}", m::LEASE_RENEWALS)) >= 2);
     assert_eq!(
-        gauge(s, &format!("{}{{pool=mx}}", m::LEASE_RENEW_INTERVAL)),
+        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")),
+        1.0
+    );
+    assert!(
+        counter(
+            s,
+            &format!("{}{{pool=mx,result=ok}}", "pgwarden_lease_renewals_total")
+        ) >= 2
+    );
+    assert_eq!(
+        gauge(
+            s,
+            &format!("{}{{pool=mx}}", "pgwarden_lease_renew_interval_seconds")
+        ),
         0.25
     );
-    match s.get(&format!("{}{{pool=mx}}", m::LEASE_RENEWAL_DURATION)) {
+    match s.get(&format!(
+        "{}{{pool=mx}}",
+        "pgwarden_lease_renewal_duration_seconds"
+    )) {
         Some(DebugValue::Histogram(v)) => assert!(v.len() >= 2),
         other => panic!("renewal duration: {other:?}"),
     }
@@ -124,15 +146,24 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     assert_eq!(
         counter(
             s,
-            &format!("{}{{lease=cleanup,pool=mx,reason=taken}}", m::LEASE_LOST)
+            &format!(
+                "{}{{lease=cleanup,pool=mx,reason=taken}}",
+                "pgwarden_lease_lost_total"
+            )
         ),
         1
     );
     assert_eq!(
-        counter(s, &format!("{}{{pool=mx,result=lost}}", m::LEASE_RENEWALS)),
+        counter(
+            s,
+            &format!("{}{{pool=mx,result=lost}}", "pgwarden_lease_renewals_total")
+        ),
         1
     );
-    assert_eq!(gauge(s, &format!("{}{{pool=mx}}", m::LEASES_HELD)), 0.0);
+    assert_eq!(
+        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")),
+        0.0
+    );
     drop(held);
 
     // A crashed holder's lease is taken over after its TTL.
@@ -155,23 +186,43 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     assert_eq!(
         counter(
             s,
-            &format!("{}{{lease=alerts,pool=mx}}", m::LEASE_TAKEOVERS)
+            &format!(
+                "{}{{lease=alerts,pool=mx}}",
+                "pgwarden_lease_takeovers_total"
+            )
         ),
         1
     );
     assert_eq!(
         counter(
             s,
-            &format!("{}{{lease=alerts,pool=mx,reason=deadline}}", m::LEASE_LOST)
+            &format!(
+                "{}{{lease=alerts,pool=mx,reason=deadline}}",
+                "pgwarden_lease_lost_total"
+            )
         ),
         1
     );
-    assert!(counter(s, &format!("{}{{pool=mx,result=error}}", m::LEASE_RENEWALS)) >= 1);
-    assert_eq!(gauge(s, &format!("{}{{pool=mx}}", m::LEASES_HELD)), 1.0);
+    assert!(
+        counter(
+            s,
+            &format!(
+                "{}{{pool=mx,result=error}}",
+                "pgwarden_lease_renewals_total"
+            )
+        ) >= 1
+    );
+    assert_eq!(
+        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")),
+        1.0
+    );
     taken.release().await.unwrap();
     drop(crashed);
     let s = totals.read(snap);
-    assert_eq!(gauge(s, &format!("{}{{pool=mx}}", m::LEASES_HELD)), 0.0);
+    assert_eq!(
+        gauge(s, &format!("{}{{pool=mx}}", "pgwarden_leases_held")),
+        0.0
+    );
 
     // An undeclared name counts under the one fixed label.
     let other = b
@@ -182,7 +233,13 @@ async fn scenario(snap: &Snapshotter, totals: &mut Totals) {
     other.release().await.unwrap();
     let s = totals.read(snap);
     assert_eq!(
-        counter(s, &format!("{}{{lease=_other,pool=mx}}", m::LEASE_ACQUIRED)),
+        counter(
+            s,
+            &format!(
+                "{}{{lease=_other,pool=mx}}",
+                "pgwarden_lease_acquired_total"
+            )
+        ),
         1
     );
     assert!(!s.keys().any(|k| k.contains("user-1234")));
@@ -282,7 +339,10 @@ fn ten_thousand_dynamic_names_make_at_most_declared_plus_one_series() {
             );
             // Declared: "cleanup" (builder) and "uptime" (the per-node job,
             // under its job name, never its host); everything else is "_other".
-            for metric in [m::LEASE_ACQUIRED, m::LEASE_SKIPPED] {
+            for metric in [
+                "pgwarden_lease_acquired_total",
+                "pgwarden_lease_skipped_total",
+            ] {
                 let got = &all[metric];
                 eprintln!("{metric}: {got:?}");
                 assert!(got.len() <= 3, "{metric}: {got:?}");
@@ -302,7 +362,7 @@ fn ten_thousand_dynamic_names_make_at_most_declared_plus_one_series() {
                     .collect();
                 assert!(leases.len() <= 3, "{metric}: {leases:?}");
             }
-            let lost = &all[m::LEASE_LOST];
+            let lost = &all["pgwarden_lease_lost_total"];
             assert!(lost.len() <= 3 * 4, "{lost:?}");
             assert!(!text.contains("user-"), "no dynamic name in the exposition");
             assert!(!text.contains("host-7f3a"), "no host in the exposition");

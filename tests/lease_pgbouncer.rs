@@ -8,7 +8,7 @@ mod support;
 
 use std::time::Duration;
 
-use pgwarden::{LeaseOptions, Leases, LostReason, Pooler};
+use pgwarden::{LeaseOptions, Leases, LostReason, PoolerMode};
 use pgwarden_testing::{require_tool, PgBouncer, TestServer};
 use support::leases::{insert_expired, pool_behind, pool_with};
 use support::{eventually, within};
@@ -107,7 +107,7 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
 }
 
 /// A pool through `bouncer`, its pooler configured as `pooler`.
-fn bounced(bouncer: &PgBouncer, size: usize, app: &str, pooler: Pooler) -> pgwarden::Pool {
+fn bounced(bouncer: &PgBouncer, size: usize, app: &str, pooler: PoolerMode) -> pgwarden::Pool {
     pool_behind(bouncer.pg_config(), size, app, pooler)
 }
 
@@ -134,9 +134,9 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
     let db = server.create_database().await.unwrap();
     let admin = db.connect().await.unwrap();
     let bouncer = PgBouncer::start_with_pool_size(server, &db, 4).unwrap();
-    let pool_a = bounced(&bouncer, 3, "pgb-a", Pooler::Auto);
+    let pool_a = bounced(&bouncer, 3, "pgb-a", PoolerMode::Auto);
     let a = Leases::new(&pool_a);
-    let b = Leases::builder(&bounced(&bouncer, 3, "pgb-b", Pooler::Transaction))
+    let b = Leases::builder(&bounced(&bouncer, 3, "pgb-b", PoolerMode::Transaction))
         .statement_timeout(Duration::from_millis(500))
         .build()
         .unwrap();
@@ -206,7 +206,7 @@ async fn through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_bac
     let bouncer = PgBouncer::start_with_pool_size(server, &db, 2).unwrap();
     // Told it is direct: its first prepared statements are refused by
     // PgBouncer's server connections, and it goes on unnamed.
-    let wrong = Leases::builder(&bounced(&bouncer, 6, "pgb-direct", Pooler::Direct))
+    let wrong = Leases::builder(&bounced(&bouncer, 6, "pgb-direct", PoolerMode::Direct))
         .purge(Duration::ZERO, Some(Duration::from_millis(20)))
         .build()
         .unwrap();

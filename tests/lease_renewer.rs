@@ -148,14 +148,14 @@ impl metrics::Recorder for Panicky {
     ) {
     }
     fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        if key.name() == pgwarden::metrics::LEASE_RENEWER_PANICS {
+        if key.name() == "pgwarden_lease_renewer_panics_total" {
             metrics::Counter::from_arc(Arc::new(Counts(self.renewer_panics.clone())))
         } else {
             metrics::Counter::noop()
         }
     }
     fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        if key.name() == pgwarden::metrics::LEASE_RENEW_INTERVAL {
+        if key.name() == "pgwarden_lease_renew_interval_seconds" {
             metrics::Gauge::from_arc(Arc::new(Fails(self.gauge.clone(), 5)))
         } else {
             metrics::Gauge::noop()
@@ -166,7 +166,7 @@ impl metrics::Recorder for Panicky {
         key: &metrics::Key,
         _: &metrics::Metadata<'_>,
     ) -> metrics::Histogram {
-        if key.name() == pgwarden::metrics::LEASE_RENEWAL_DURATION {
+        if key.name() == "pgwarden_lease_renewal_duration_seconds" {
             metrics::Histogram::from_arc(Arc::new(Fails(self.histogram.clone(), 3)))
         } else {
             metrics::Histogram::noop()

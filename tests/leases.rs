@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::{LeaseOptions, Leases, LostReason, Pooler};
+use pgwarden::{LeaseOptions, Leases, LostReason, PoolerMode};
 use support::leases::{backends, pool, pool_behind, row, short, TwoHolders};
 use support::{admin, db, eventually, within, Stopped};
 use tokio_postgres::types::Type;
@@ -34,7 +34,7 @@ async fn leases_hold_no_connection() {
     // connection. Known direct before counting connections (configured:
     // detection takes two connections outside the probe reserve, more than
     // a pool of 2 has).
-    let pool = pool_behind(db.pg_config(), 2, "four-jobs", Pooler::Direct);
+    let pool = pool_behind(db.pg_config(), 2, "four-jobs", PoolerMode::Direct);
     let leases = Leases::new(&pool);
     let mut held = Vec::new();
     for job in JOBS {

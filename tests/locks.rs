@@ -5,7 +5,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{Lane, LockKey, Namespace};
+use pgwarden::{Lane, LockKey, LockMode, Namespace};
 use support::*;
 
 const T: Duration = Duration::from_secs(5);
@@ -15,7 +15,11 @@ async fn single_and_pair_are_distinct_key_spaces() {
     let db = db().await;
     let pool = builder(&db, 4).build().unwrap();
     let raw = db.connect().await.unwrap();
-    let single = pool.session_lock(LockKey::Single(1), T).await.unwrap();
+    let single = pool
+        .session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
     assert!(!free(&raw, LockKey::Single(1)).await, "Single(1) is held");
     assert!(
         free(&raw, LockKey::Pair(0, 1)).await,
@@ -24,8 +28,15 @@ async fn single_and_pair_are_distinct_key_spaces() {
     single.unlock().await.unwrap();
 
     const APP: Namespace = Namespace::new(7);
-    let named = pool.session_lock(APP.named("nightly"), T).await.unwrap();
-    let hash = pgwarden::fnv1a32(b"nightly") as i32;
+    let named = pool
+        .session_lock(APP.named("nightly"), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    // 32-bit FNV-1a of the name, computed here independently.
+    let hash = b"nightly".iter().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    }) as i32;
     assert!(
         !free(&raw, LockKey::Pair(7, hash)).await,
         "named key = (7, fnv1a32)"
@@ -39,16 +50,20 @@ async fn session_locks_check_out_on_their_budgeted_lane() {
     let db = db().await;
     // Size 4: the default session-lock budget is 1, policy refuse.
     let pool = builder(&db, 4).build().unwrap();
-    let a = pool.session_lock(LockKey::Single(10), T).await.unwrap();
-    assert_eq!(a.conn().lane(), Lane::SessionLock);
+    let a = pool
+        .session_lock(LockKey::Single(10), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    assert_eq!(a.client().lane(), Lane::SessionLock);
     assert!(
-        a.conn().site().file().ends_with("locks.rs"),
+        a.client().site().file().ends_with("locks.rs"),
         "{}",
-        a.conn().site()
+        a.client().site()
     );
     assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 1);
     let e = pool
-        .try_session_lock(LockKey::Single(11))
+        .session_lock(LockKey::Single(11), pgwarden::LockMode::Exclusive, None)
         .await
         .unwrap_err();
     assert!(e.is_budget_exhausted(), "{e}");
@@ -71,7 +86,11 @@ async fn reentry_is_counted_and_gauged() {
         let get = |k: &str| m.get(&format!("pgwarden_{k}{{pool=reentry}}")).copied();
         (get("session_locks_held"), get("session_lock_connections"))
     };
-    let mut lock = pool.session_lock(key, T).await.unwrap();
+    let mut lock = pool
+        .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
     assert_eq!(lock.lock_again().await.unwrap(), 2);
     assert_eq!(held(), (Some(2.0), Some(1.0)));
     assert_eq!(lock.unlock_one().await.unwrap(), 1);
@@ -91,28 +110,42 @@ async fn reentry_is_counted_and_gauged() {
 #[tokio::test]
 async fn shared_and_try_variants() {
     let db = db().await;
-    let pool = builder(&db, 8).session_lock_max(3).build().unwrap();
+    let pool = builder(&db, 8)
+        .lane(Lane::SessionLock, 0, 3)
+        .build()
+        .unwrap();
     let raw = db.connect().await.unwrap();
     let key = LockKey::Single(-5);
-    let r1 = pool.session_lock_shared(key, T).await.unwrap();
+    let r1 = pool
+        .session_lock(key, pgwarden::LockMode::Shared, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
     let r2 = pool
-        .try_session_lock_shared(key)
+        .session_lock(key, pgwarden::LockMode::Shared, None)
         .await
         .unwrap()
         .expect("shared with shared");
     assert!(
-        pool.try_session_lock(key).await.unwrap().is_none(),
+        pool.session_lock(key, pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap()
+            .is_none(),
         "no writer while readers"
     );
     assert!(!free(&raw, key).await);
     r1.unlock().await.unwrap();
     r2.unlock().await.unwrap();
     let w = pool
-        .try_session_lock(key)
+        .session_lock(key, pgwarden::LockMode::Exclusive, None)
         .await
         .unwrap()
         .expect("free again");
-    assert!(pool.try_session_lock_shared(key).await.unwrap().is_none());
+    assert!(pool
+        .session_lock(key, pgwarden::LockMode::Shared, None)
+        .await
+        .unwrap()
+        .is_none());
     w.unlock().await.unwrap();
     assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 0);
 }
@@ -127,7 +160,11 @@ async fn lock_timeout_is_typed_and_leaves_the_connection_clean() {
         .unwrap();
     let start = Instant::now();
     let e = pool
-        .session_lock(LockKey::Single(77), Duration::from_millis(200))
+        .session_lock(
+            LockKey::Single(77),
+            pgwarden::LockMode::Exclusive,
+            Some(Duration::from_millis(200)),
+        )
         .await
         .unwrap_err();
     let took = start.elapsed();
@@ -152,9 +189,13 @@ async fn unlock_that_postgres_refuses_is_an_error() {
     let db = db().await;
     let pool = builder(&db, 3).build().unwrap();
     let raw = db.connect().await.unwrap();
-    let lock = pool.session_lock(LockKey::Single(8), T).await.unwrap();
+    let lock = pool
+        .session_lock(LockKey::Single(8), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
     // Released behind the guard's back, on its own connection.
-    lock.conn()
+    lock.client()
         .batch_execute("SELECT pg_advisory_unlock_all()")
         .await
         .unwrap();
@@ -169,9 +210,13 @@ async fn dropped_guard_is_released_in_the_background() {
     let db = db().await;
     let (pool, snap) = with_recorder(builder(&db, 3).name("dropped"));
     let raw = db.connect().await.unwrap();
-    let lock = pool.session_lock(LockKey::Single(9), T).await.unwrap();
-    let pid = lock.conn().pid();
-    let size = pool.inner().status().size;
+    let lock = pool
+        .session_lock(LockKey::Single(9), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    let pid = lock.client().pid();
+    let size = pool.status().size;
     drop(lock);
     eventually(T, "released", || async { pool.status().in_use == 0 }).await;
     assert!(free(&raw, LockKey::Single(9)).await);
@@ -187,7 +232,7 @@ async fn dropped_guard_is_released_in_the_background() {
     );
     // Unlocked, not closed: the same session is back in the pool.
     assert!(alive(&raw, pid).await);
-    assert_eq!(pool.inner().status().size, size);
+    assert_eq!(pool.status().size, size);
 }
 
 #[tokio::test]
@@ -197,7 +242,11 @@ async fn panic_while_held_releases() {
     let raw = db.connect().await.unwrap();
     let p = pool.clone();
     let task = tokio::spawn(async move {
-        let _lock = p.session_lock(LockKey::Single(12), T).await.unwrap();
+        let _lock = p
+            .session_lock(LockKey::Single(12), pgwarden::LockMode::Exclusive, Some(T))
+            .await
+            .unwrap()
+            .expect("a wait grants the lock or fails");
         panic!("work under the lock failed");
     });
     assert!(task.await.unwrap_err().is_panic());
@@ -222,19 +271,27 @@ async fn cancelled_while_waiting_unlocks_or_closes() {
 
     // Confirmed: lock_timeout (300 ms) ends the wait before the unlock bound (5 s).
     let pool = builder(&db, 3).build().unwrap();
-    let fut = pool.session_lock(key, Duration::from_millis(300));
+    let fut = pool.session_lock(
+        key,
+        pgwarden::LockMode::Exclusive,
+        Some(Duration::from_millis(300)),
+    );
     assert!(tokio::time::timeout(Duration::from_millis(100), fut)
         .await
         .is_err());
     eventually(T, "released", || async { pool.status().in_use == 0 }).await;
-    assert_eq!(pool.inner().status().size, 1, "unlocked and kept");
+    assert_eq!(pool.status().size, 1, "unlocked and kept");
 
     // Not confirmed: the wait (10 s) outlasts the unlock bound (100 ms).
     let pool = builder(&db, 3)
         .unlock_timeout(Duration::from_millis(100))
         .build()
         .unwrap();
-    let fut = pool.session_lock(key, Duration::from_secs(10));
+    let fut = pool.session_lock(
+        key,
+        pgwarden::LockMode::Exclusive,
+        Some(Duration::from_secs(10)),
+    );
     assert!(tokio::time::timeout(Duration::from_millis(100), fut)
         .await
         .is_err());
@@ -245,7 +302,7 @@ async fn cancelled_while_waiting_unlocks_or_closes() {
         .expect("a waiter")
         .0;
     eventually(T, "closed", || async { pool.status().in_use == 0 }).await;
-    assert_eq!(pool.inner().status().size, 0, "closed, not returned");
+    assert_eq!(pool.status().size, 0, "closed, not returned");
     // A cancel request ends the abandoned backend's wait (closing the socket
     // alone would not): it leaves while the raw session still holds the lock.
     eventually(T, "abandoned backend gone", || async {
@@ -263,30 +320,52 @@ async fn long_hold_warning_names_the_key() {
     let db = db().await;
     let b = builder(&db, 3)
         .name("held")
-        .long_hold_threshold(Duration::from_millis(50));
+        .long_hold_threshold(Duration::from_millis(50))
+        .housekeeping_interval(Duration::from_millis(20));
     let (pool, snap) = with_recorder(b);
-    let lock = pool.session_lock(LockKey::Pair(5, 6), T).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(80)).await; // the hold under test
+    // The runtime of `#[tokio::test]` runs the housekeeping task on this
+    // thread: the thread's default subscriber sees its logs.
     let logs = Logs::default();
-    tracing::subscriber::with_default(logs.subscriber(), || {
-        pool.housekeep();
-        pool.housekeep(); // logged once
-    });
+    let _logs = tracing::subscriber::set_default(logs.subscriber());
+    let lock = pool
+        .session_lock(LockKey::Pair(5, 6), LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    eventually(T, "the long hold is logged", || {
+        std::future::ready(logs.text().contains("long-hold threshold"))
+    })
+    .await;
+    // Three more passes (the oldest-hold gauge is set again by each pass
+    // after a reading resets it): still logged once.
+    let key = "pgwarden_long_holds_total{lane=session_lock,pool=held}";
+    let mut long = 0.0;
+    for _ in 0..3 {
+        long += metrics_now(&snap).get(key).copied().unwrap_or(0.0);
+        eventually(T, "a housekeeping pass", || {
+            let m = metrics_now(&snap);
+            long += m.get(key).copied().unwrap_or(0.0);
+            std::future::ready(
+                m.contains_key("pgwarden_oldest_hold_seconds{lane=session_lock,pool=held}"),
+            )
+        })
+        .await;
+    }
     let text = logs.text();
     assert_eq!(text.matches("long-hold threshold").count(), 1, "{text}");
     for part in [
         "session lock 5:6",
         "session_lock",
-        &lock.conn().pid().to_string(),
+        &lock.client().pid().to_string(),
         "locks.rs",
     ] {
         assert!(text.contains(part), "{part:?} missing from {text}");
     }
-    let m = metrics_now(&snap);
-    assert_eq!(
-        m.get("pgwarden_long_holds_total{lane=session_lock,pool=held}"),
-        Some(&1.0)
-    );
+    // Counted once, at the first pass past the threshold (readings reset
+    // counters: summed over all of them).
+    long += metrics_now(&snap).get(key).copied().unwrap_or(0.0);
+    assert_eq!(long, 1.0);
+
     lock.unlock().await.unwrap();
 }
 

@@ -2,11 +2,26 @@
 
 mod support;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
-use pgwarden::metrics as m;
-use pgwarden::{Lane, Policy, Pool};
-use support::{counter, db, gauge, histogram, snapshot, with_recorder};
+use metrics_util::debugging::{DebugValue, Snapshotter};
+
+use pgwarden::{BudgetPolicy, Lane, Pool};
+use support::{counter, db, gauge, histogram, metrics_now, snapshot, with_recorder};
+
+/// A snapshot, with the long holds it shows (request, session lock) added
+/// to `long`.
+fn read(snap: &Snapshotter, long: &mut (u64, u64)) -> HashMap<String, DebugValue> {
+    let s = snapshot(snap);
+    let n = |lane: &str| match s.get(&format!("pgwarden_long_holds_total{{lane={lane},pool=mx}}")) {
+        Some(DebugValue::Counter(n)) => *n,
+        _ => 0,
+    };
+    long.0 += n("request");
+    long.1 += n("session_lock");
+    s
+}
 
 #[tokio::test]
 async fn pool_events_are_recorded() {
@@ -14,36 +29,48 @@ async fn pool_events_are_recorded() {
     let (pool, snap) = with_recorder(
         Pool::builder(db.deadpool(4).unwrap())
             .name("mx")
-            .policy(Policy::Refuse)
+            .policy(BudgetPolicy::Refuse)
             .wait_timeout(Duration::from_millis(100))
             .long_hold_threshold(Duration::from_millis(1))
-            // Passes run on demand below, not in the background.
-            .housekeeping_interval(Duration::from_secs(3600)),
+            .housekeeping_interval(Duration::from_millis(20)),
     );
 
+    // Housekeeping passes run in the background from here on and may count
+    // the long holds below at any reading: every reading adds them up.
+    let mut long = (0, 0);
+
     // Limits are published at build.
-    let s = snapshot(&snap);
+    let s = read(&snap, &mut long);
     assert_eq!(
-        gauge(&s, &format!("{}{{pool=mx}}", m::CONNECTIONS_MAX)),
+        gauge(&s, &format!("{}{{pool=mx}}", "pgwarden_connections_max")),
         4.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=session_lock,pool=mx}}", m::LANE_MAX)),
+        gauge(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_lane_max")
+        ),
         1.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=probe,pool=mx}}", m::LANE_RESERVED)),
+        gauge(
+            &s,
+            &format!("{}{{lane=probe,pool=mx}}", "pgwarden_lane_reserved")
+        ),
         1.0
     );
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_MAX)),
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_max")
+        ),
         3.0
     );
 
     // A session-lock checkout, then one refused past the budget.
-    let lock = pool.get_for(Lane::SessionLock).await.unwrap();
+    let lock = pool.get_for(Lane::SessionLock, None).await.unwrap();
     assert!(pool
-        .get_for(Lane::SessionLock)
+        .get_for(Lane::SessionLock, None)
         .await
         .unwrap_err()
         .is_budget_exhausted());
@@ -51,9 +78,12 @@ async fn pool_events_are_recorded() {
     let a = pool.get().await.unwrap();
     let b = pool.get().await.unwrap();
     drop(b);
-    let s = snapshot(&snap);
+    let s = read(&snap, &mut long);
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_IN_USE)),
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_in_use")
+        ),
         1.0
     );
     assert_eq!(
@@ -61,7 +91,7 @@ async fn pool_events_are_recorded() {
             &s,
             &format!(
                 "{}{{lane=session_lock,pool=mx,reason=refused}}",
-                m::ACQUIRE_FAILURES
+                "pgwarden_acquire_failures_total"
             )
         ),
         1
@@ -71,7 +101,7 @@ async fn pool_events_are_recorded() {
             &s,
             &format!(
                 "{}{{lane=session_lock,policy=refuse,pool=mx}}",
-                m::BUDGET_OVERRUNS
+                "pgwarden_budget_overruns_total"
             )
         ),
         1
@@ -79,7 +109,10 @@ async fn pool_events_are_recorded() {
     assert_eq!(
         histogram(
             &s,
-            &format!("{}{{lane=request,pool=mx}}", m::ACQUIRE_DURATION)
+            &format!(
+                "{}{{lane=request,pool=mx}}",
+                "pgwarden_acquire_duration_seconds"
+            )
         )
         .len(),
         2
@@ -87,13 +120,23 @@ async fn pool_events_are_recorded() {
     assert_eq!(
         histogram(
             &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", m::ACQUIRE_DURATION)
+            &format!(
+                "{}{{lane=session_lock,pool=mx}}",
+                "pgwarden_acquire_duration_seconds"
+            )
         )
         .len(),
         1
     );
     assert_eq!(
-        histogram(&s, &format!("{}{{lane=request,pool=mx}}", m::HOLD_DURATION)).len(),
+        histogram(
+            &s,
+            &format!(
+                "{}{{lane=request,pool=mx}}",
+                "pgwarden_hold_duration_seconds"
+            )
+        )
+        .len(),
         1
     );
 
@@ -101,77 +144,66 @@ async fn pool_events_are_recorded() {
     let c = pool.get().await.unwrap();
     let waiter = {
         let pool = pool.clone();
-        tokio::spawn(async move { pool.get_for(Lane::Request).await.map(drop) })
+        tokio::spawn(async move { pool.get_for(Lane::Request, None).await.map(drop) })
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while pool.status().lane(Lane::Request).waiting == 0 {
         assert!(tokio::time::Instant::now() < deadline);
         tokio::task::yield_now().await;
     }
-    let s = snapshot(&snap);
+    let s = read(&snap, &mut long);
     assert_eq!(
-        gauge(&s, &format!("{}{{lane=request,pool=mx}}", m::LANE_PENDING)),
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_pending")
+        ),
         1.0
     );
     assert!(waiter.await.unwrap().unwrap_err().is_timeout());
-    let s = snapshot(&snap);
+    let s = read(&snap, &mut long);
     assert_eq!(
         counter(
             &s,
             &format!(
                 "{}{{lane=request,pool=mx,reason=timeout}}",
-                m::ACQUIRE_FAILURES
+                "pgwarden_acquire_failures_total"
             )
         ),
         1
     );
 
-    // Readiness answers on the control reserve.
+    // Readiness answers on the probe reserve.
     pool.readiness(Duration::from_secs(1)).await.unwrap();
-    // Housekeeping: oldest hold per lane, long holds, connections by state.
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    pool.housekeep();
-    let s = snapshot(&snap);
-    assert_eq!(
-        histogram(&s, &format!("{}{{pool=mx}}", m::READINESS_DURATION)).len(),
-        1
-    );
-    assert!(
-        gauge(
-            &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", m::OLDEST_HOLD)
-        ) > 0.0
-    );
-    assert_eq!(
-        gauge(&s, &format!("{}{{lane=control,pool=mx}}", m::OLDEST_HOLD)),
-        0.0
-    );
-    assert_eq!(
-        counter(&s, &format!("{}{{lane=request,pool=mx}}", m::LONG_HOLDS)),
-        2
-    );
-    assert_eq!(
-        counter(
-            &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", m::LONG_HOLDS)
-        ),
-        1
-    );
-    assert_eq!(
-        gauge(&s, &format!("{}{{pool=mx,state=in_use}}", m::CONNECTIONS)),
-        3.0
-    );
-    assert_eq!(
-        gauge(&s, &format!("{}{{pool=mx,state=idle}}", m::CONNECTIONS)),
-        1.0
-    );
+    // Housekeeping runs every 20 ms: oldest hold per lane, long holds (each
+    // counted once), connections by state. A reading resets what it reads,
+    // so the counters are summed over the readings, and a gauge present
+    // means a pass ran since the last one.
+    let (mut readiness, mut passes) = (0.0, 0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while passes < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {passes} housekeeping passes"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let m = metrics_now(&snap);
+        let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
+        readiness += get("pgwarden_readiness_duration_seconds{pool=mx}");
+        long.0 += get("pgwarden_long_holds_total{lane=request,pool=mx}") as u64;
+        long.1 += get("pgwarden_long_holds_total{lane=session_lock,pool=mx}") as u64;
+        if get("pgwarden_oldest_hold_seconds{lane=session_lock,pool=mx}") > 0.0 {
+            passes += 1;
+            assert_eq!(
+                get("pgwarden_oldest_hold_seconds{lane=control,pool=mx}"),
+                0.0
+            );
+            assert_eq!(get("pgwarden_connections{pool=mx,state=in_use}"), 3.0);
+            assert_eq!(get("pgwarden_connections{pool=mx,state=idle}"), 1.0);
+        }
+    }
+    assert_eq!(readiness, 1.0);
     // A long hold is reported once, not at every pass.
-    pool.housekeep();
-    let s = snapshot(&snap);
-    assert_eq!(
-        counter(&s, &format!("{}{{lane=request,pool=mx}}", m::LONG_HOLDS)),
-        0
-    );
+    assert_eq!(long, (2, 1));
 
     drop((a, c, lock));
     // Readiness failure: a closed pool.
@@ -180,16 +212,22 @@ async fn pool_events_are_recorded() {
     let s = snapshot(&snap);
     let failures = counter(
         &s,
-        &format!("{}{{pool=mx,reason=error}}", m::READINESS_FAILURES),
+        &format!(
+            "{}{{pool=mx,reason=error}}",
+            "pgwarden_readiness_failures_total"
+        ),
     ) + counter(
         &s,
-        &format!("{}{{pool=mx,reason=timeout}}", m::READINESS_FAILURES),
+        &format!(
+            "{}{{pool=mx,reason=timeout}}",
+            "pgwarden_readiness_failures_total"
+        ),
     );
     assert_eq!(failures, 1);
     assert_eq!(
         gauge(
             &s,
-            &format!("{}{{lane=session_lock,pool=mx}}", m::LANE_IN_USE)
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_lane_in_use")
         ),
         0.0
     );
@@ -201,18 +239,18 @@ async fn warn_overruns_are_counted() {
     let (pool, snap) = with_recorder(
         Pool::builder(db.deadpool(4).unwrap())
             .name("mw")
-            .policy(Policy::Warn),
+            .policy(BudgetPolicy::Warn),
     );
-    let a = pool.get_for(Lane::SessionLock).await.unwrap();
-    let b = pool.get_for(Lane::SessionLock).await.unwrap();
-    assert!(pool.get_for(Lane::SessionLock).await.is_err());
+    let a = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    let b = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    assert!(pool.get_for(Lane::SessionLock, None).await.is_err());
     let s = snapshot(&snap);
     assert_eq!(
         counter(
             &s,
             &format!(
                 "{}{{lane=session_lock,policy=warn,pool=mw}}",
-                m::BUDGET_OVERRUNS
+                "pgwarden_budget_overruns_total"
             )
         ),
         1
@@ -223,7 +261,7 @@ async fn warn_overruns_are_counted() {
             &s,
             &format!(
                 "{}{{lane=session_lock,pool=mw,reason=refused}}",
-                m::ACQUIRE_FAILURES
+                "pgwarden_acquire_failures_total"
             )
         ),
         1
@@ -231,7 +269,7 @@ async fn warn_overruns_are_counted() {
     assert_eq!(
         gauge(
             &s,
-            &format!("{}{{lane=session_lock,pool=mw}}", m::LANE_IN_USE)
+            &format!("{}{{lane=session_lock,pool=mw}}", "pgwarden_lane_in_use")
         ),
         2.0
     );

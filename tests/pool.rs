@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use deadpool_postgres::{GenericClient, PoolError};
-use pgwarden::{Error, Lane, Policy, Pool};
+use pgwarden::{BudgetPolicy, Error, Lane, Pool};
 use pgwarden_testing::TestDb;
 use support::db;
 
@@ -60,7 +60,7 @@ fn assert_send_sync<T: Send + Sync>() {}
 #[tokio::test]
 async fn deadpool_code_runs_through_conn_unchanged() {
     assert_send_sync::<Pool>();
-    assert_send_sync::<pgwarden::Conn>();
+    assert_send_sync::<pgwarden::Client>();
     let (_db, pool) = pool(4).await;
     pool.get()
         .await
@@ -159,7 +159,7 @@ async fn conn_knows_lane_pid_site_and_age() {
         .unwrap()
         .get(0);
     assert_eq!(c.pid(), pid);
-    let ctl = pool.get_for(Lane::Control).await.unwrap();
+    let ctl = pool.get_for(Lane::Control, None).await.unwrap();
     assert_eq!(ctl.lane(), Lane::Control);
     assert_ne!(ctl.pid(), c.pid());
     let s = pool.status();
@@ -190,7 +190,7 @@ async fn request_timeout_carries_the_status_and_get_keeps_deadpool_error() {
         matches!(e, PoolError::Timeout(deadpool_postgres::TimeoutType::Wait)),
         "{e:?}"
     );
-    let e = pool.get_for(Lane::Request).await.unwrap_err();
+    let e = pool.get_for(Lane::Request, None).await.unwrap_err();
     match &e {
         Error::Timeout {
             lane,
@@ -270,8 +270,8 @@ async fn control_lane_answers_while_request_traffic_saturates() {
 async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
     let (_db, pool) = pool(4).await;
     let line = line!() + 1;
-    let first = pool.get_for(Lane::SessionLock).await.unwrap();
-    let e = pool.get_for(Lane::SessionLock).await.unwrap_err();
+    let first = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    let e = pool.get_for(Lane::SessionLock, None).await.unwrap_err();
     assert!(e.is_budget_exhausted());
     let msg = e.to_string();
     assert!(
@@ -289,7 +289,7 @@ async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
     // A refusal changes nothing.
     assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 1);
     drop(first);
-    let again = pool.get_for(Lane::SessionLock).await.unwrap();
+    let again = pool.get_for(Lane::SessionLock, None).await.unwrap();
     drop(again);
 }
 
@@ -297,12 +297,12 @@ async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
 async fn warn_policy_admits_up_to_the_hard_floor() {
     let db = db().await;
     let pool = Pool::builder(db.deadpool(4).unwrap())
-        .policy(Policy::Warn)
+        .policy(BudgetPolicy::Warn)
         .build()
         .unwrap();
-    let a = pool.get_for(Lane::SessionLock).await.unwrap();
-    let b = pool.get_for(Lane::SessionLock).await.unwrap();
-    let e = pool.get_for(Lane::SessionLock).await.unwrap_err();
+    let a = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    let b = pool.get_for(Lane::SessionLock, None).await.unwrap();
+    let e = pool.get_for(Lane::SessionLock, None).await.unwrap_err();
     match &e {
         Error::BudgetExhausted {
             hard_floor,

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{try_xact_lock, Error, LockKey, Pool, Pooler};
+use pgwarden::{xact_lock, Error, LockKey, Pool, PoolerMode};
 use pgwarden_testing::{require_tool, PgBouncer, TestServer};
 use support::*;
 
@@ -17,10 +17,14 @@ const T: Duration = Duration::from_secs(5);
 #[tokio::test]
 async fn direct_postgres_is_detected_direct() {
     let db = db().await;
-    let pool = builder(&db, 4).pooler(Pooler::Auto).build().unwrap();
-    assert_eq!(pool.pooler(), Pooler::Auto, "not probed yet");
-    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Direct);
-    assert_eq!(pool.pooler(), Pooler::Direct);
+    let pool = builder(&db, 4).pooler(PoolerMode::Auto).build().unwrap();
+    assert_eq!(
+        pool.status().size,
+        0,
+        "not probed yet: no connection opened"
+    );
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
     // The probe sets nothing in the session (an earlier one did).
     let c = pool.get().await.unwrap();
     let left: Option<String> = c
@@ -37,9 +41,13 @@ async fn direct_postgres_is_detected_direct() {
 #[tokio::test]
 async fn lazy_detection_at_the_first_session_lock_allows_it_direct() {
     let db = db().await;
-    let pool = builder(&db, 4).pooler(Pooler::Auto).build().unwrap();
-    let lock = pool.session_lock(LockKey::Single(1), T).await.unwrap();
-    assert_eq!(pool.pooler(), Pooler::Direct);
+    let pool = builder(&db, 4).pooler(PoolerMode::Auto).build().unwrap();
+    let lock = pool
+        .session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
     lock.unlock().await.unwrap();
     assert_eq!(pool.status().in_use, 0);
 }
@@ -47,12 +55,18 @@ async fn lazy_detection_at_the_first_session_lock_allows_it_direct() {
 #[tokio::test]
 async fn configured_transaction_pooler_refuses_session_locks_without_a_probe() {
     let db = db().await;
-    let pool = builder(&db, 4).pooler(Pooler::Transaction).build().unwrap();
-    let e = pool.try_session_lock(LockKey::Single(1)).await.unwrap_err();
+    let pool = builder(&db, 4)
+        .pooler(PoolerMode::Transaction)
+        .build()
+        .unwrap();
+    let e = pool
+        .session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, None)
+        .await
+        .unwrap_err();
     assert!(e.is_behind_pooler(), "{e}");
     assert!(e.to_string().contains("(configured)"), "{e}");
-    assert_eq!(pool.inner().status().size, 0, "refused before any checkout");
-    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Transaction);
+    assert_eq!(pool.status().size, 0, "refused before any checkout");
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Transaction);
 }
 
 fn bouncer(db: &pgwarden_testing::TestDb) -> Option<PgBouncer> {
@@ -78,16 +92,19 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
 
     // Detected lazily, at the first session lock.
     let pool = through(&bouncer, 4);
-    let e = pool.session_lock(LockKey::Single(5), T).await.unwrap_err();
+    let e = pool
+        .session_lock(LockKey::Single(5), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap_err();
     assert!(e.is_behind_pooler(), "{e}");
     let msg = e.to_string();
     assert!(
         msg.contains("(detected)") && msg.contains("with_xact_lock") && msg.contains("lease"),
         "{msg}"
     );
-    assert_eq!(pool.pooler(), Pooler::Transaction);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Transaction);
     assert!(pool
-        .try_session_lock_shared(LockKey::Single(5))
+        .session_lock(LockKey::Single(5), pgwarden::LockMode::Shared, None)
         .await
         .unwrap_err()
         .is_behind_pooler());
@@ -95,7 +112,7 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
 
     // Detected on demand.
     let pool = through(&bouncer, 4);
-    assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Transaction);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Transaction);
 
     // Transaction locks work, and serialise.
     let raw = db.connect().await.unwrap();
@@ -138,16 +155,20 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
 
     let mut c = pool.get().await.unwrap();
     let tx = c.transaction().await.unwrap();
-    assert!(try_xact_lock(&tx, LockKey::Single(6)).await.unwrap());
+    assert!(
+        xact_lock(&tx, LockKey::Single(6), pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap()
+    );
     assert!(!free(&raw, LockKey::Single(6)).await);
     tx.commit().await.unwrap();
     drop(c);
 
-    // run_once and the census, through the pooler.
+    // migrate_once and the census, through the pooler.
     let ran = Arc::new(AtomicUsize::new(0));
     for _ in 0..2 {
         let ran = ran.clone();
-        pool.run_once("bouncer/0001", T, move |tx| {
+        pool.migrate_once("bouncer/0001", T, move |tx| {
             Box::pin(async move {
                 tx.batch_execute("CREATE TABLE IF NOT EXISTS t (id int)")
                     .await?;
@@ -172,8 +193,6 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
         0,
         "pids mean nothing behind a pooler"
     );
-    let s = pool.census_sweep().await.unwrap();
-    assert_eq!(s.leaked, 0);
     assert!(pool.readiness(T).await.is_ok());
 }
 
@@ -194,7 +213,7 @@ impl Pinned {
         let server = TestServer::shared().unwrap();
         let bouncer = PgBouncer::start_with_pool_size(server, db, 2).expect("pgbouncer");
         let pool = Pool::builder(bouncer.deadpool(4).unwrap())
-            .pooler(Pooler::Direct)
+            .pooler(PoolerMode::Direct)
             .unlock_timeout(unlock_timeout)
             .wait_timeout(T)
             .housekeeping_interval(Duration::from_secs(3600))
@@ -233,7 +252,12 @@ async fn an_unlock_a_pooler_moved_names_the_pooler_and_the_backend_left_holding_
     let key = LockKey::Pair(13, 1);
     let (first, s1) = p.pin().await;
     // The only other server connection takes the lock.
-    let lock = p.pool.session_lock(key, T).await.unwrap();
+    let lock = p
+        .pool
+        .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
     let holders = p.holders().await;
     let s2 = holders[0];
     assert_eq!(holders.len(), 1);
@@ -250,7 +274,7 @@ async fn an_unlock_a_pooler_moved_names_the_pooler_and_the_backend_left_holding_
         "transaction-mode pooler".to_owned(),
         format!("ran the guard's statement on backend pid {s1}, not on pid {s2}"),
         format!("pg_terminate_backend({s2})"),
-        "Pooler::Transaction".to_owned(),
+        "PoolerMode::Transaction".to_owned(),
     ] {
         assert!(msg.contains(&part), "{part:?} not in: {msg}");
     }
@@ -274,7 +298,12 @@ async fn a_lock_a_pooler_moved_is_released_on_its_backend_once_reachable() {
         return;
     };
     let key = LockKey::Pair(13, 2);
-    let mut lock = p.pool.session_lock(key, T).await.unwrap();
+    let mut lock = p
+        .pool
+        .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
     // Held twice: reaching the backend must release every level.
     assert_eq!(lock.lock_again().await.unwrap(), 2);
     let x = p.holders().await[0];

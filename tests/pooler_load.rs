@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{LockKey, Pool, Pooler};
+use pgwarden::{LockKey, Pool, PoolerMode};
 use pgwarden_testing::PoolMode;
 use support::pooler::*;
 use support::*;
@@ -28,7 +28,7 @@ async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time() {
         let start = Instant::now();
         let found = pool.detect_pooler().await.unwrap();
         times.push(start.elapsed());
-        assert_eq!(found, Pooler::Transaction, "try {i}");
+        assert_eq!(found, PoolerMode::Transaction, "try {i}");
         pool.close();
     }
     let during = load.done() - before;
@@ -63,9 +63,18 @@ async fn session_locks_through_a_loaded_pgbouncer_are_never_granted() {
         let key = LockKey::Pair(9, i as i32);
         let start = Instant::now();
         let got = match i % 3 {
-            0 => pool.session_lock(key, T).await.map(Some),
-            1 => pool.try_session_lock(key).await,
-            _ => pool.session_lock_shared(key, T).await.map(Some),
+            0 => {
+                pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+                    .await
+            }
+            1 => {
+                pool.session_lock(key, pgwarden::LockMode::Exclusive, None)
+                    .await
+            }
+            _ => {
+                pool.session_lock(key, pgwarden::LockMode::Shared, Some(T))
+                    .await
+            }
         };
         times.push(start.elapsed());
         match got {
@@ -74,7 +83,11 @@ async fn session_locks_through_a_loaded_pgbouncer_are_never_granted() {
                 panic!("try {i}: session lock granted through a transaction pooler: {lock:?}")
             }
         }
-        assert_eq!(pool.pooler(), Pooler::Transaction, "try {i}");
+        assert_eq!(
+            pool.detect_pooler().await.unwrap(),
+            PoolerMode::Transaction,
+            "try {i}"
+        );
         pool.close();
     }
     load.stop().await;
@@ -110,7 +123,7 @@ async fn loaded_postgres_is_direct_every_time() {
         let start = Instant::now();
         let found = pool.detect_pooler().await.unwrap();
         times.push(start.elapsed());
-        assert_eq!(found, Pooler::Direct, "try {i}");
+        assert_eq!(found, PoolerMode::Direct, "try {i}");
         pool.close();
     }
     load.stop().await;

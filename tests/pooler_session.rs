@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Instant;
 
-use pgwarden::{LockKey, Pooler};
+use pgwarden::{LockKey, PoolerMode};
 use pgwarden_testing::PoolMode;
 use support::pooler::*;
 use support::*;
@@ -29,7 +29,7 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
         let start = Instant::now();
         let found = pool.detect_pooler().await.unwrap();
         times.push(start.elapsed());
-        assert_eq!(found, Pooler::Direct, "try {i}");
+        assert_eq!(found, PoolerMode::Direct, "try {i}");
         pool.close();
     }
     let counts = statements("session-");
@@ -43,14 +43,22 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
     for i in 0..10 {
         let key = LockKey::Pair(11, i);
         let start = Instant::now();
-        let lock = pool.session_lock(key, T).await.unwrap();
+        let lock = pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+            .await
+            .unwrap()
+            .expect("a wait grants the lock or fails");
         lock_times.push(start.elapsed());
         assert!(!free(&raw, key).await, "held on the server");
-        assert!(rival.try_session_lock(key).await.unwrap().is_none());
+        assert!(rival
+            .session_lock(key, pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap()
+            .is_none());
         lock.unlock().await.unwrap();
         assert!(free(&raw, key).await, "released on the server");
     }
-    assert_eq!(pool.pooler(), Pooler::Direct);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
     load.stop().await;
     assert!(raw_locks(&raw).await.is_empty());
     eprintln!(
@@ -72,7 +80,7 @@ async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
     let mut pools = Vec::new();
     for i in 0..POOLS {
         let pool = through(&bouncer, &format!("missed-{i}"));
-        assert_eq!(pool.detect_pooler().await.unwrap(), Pooler::Direct);
+        assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
         pools.push(pool);
     }
     // Now it pools transactions, under load.
@@ -85,7 +93,10 @@ async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
     for (i, pool) in pools.iter().enumerate() {
         let key = LockKey::Pair(12, i as i32);
         let start = Instant::now();
-        let e = match pool.session_lock(key, T).await {
+        let e = match pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+            .await
+        {
             Err(e) => e,
             Ok(lock) => panic!("pool {i}: granted through a transaction pooler: {lock:?}"),
         };
@@ -95,9 +106,16 @@ async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
             e.to_string().contains("(detected at the lock)"),
             "pool {i}: {e}"
         );
-        assert_eq!(pool.pooler(), Pooler::Transaction, "pool {i}");
+        assert_eq!(
+            pool.detect_pooler().await.unwrap(),
+            PoolerMode::Transaction,
+            "pool {i}"
+        );
         // Refused from then on without a probe.
-        let again = pool.try_session_lock(key).await.unwrap_err();
+        let again = pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap_err();
         assert!(
             again.to_string().contains("(detected)"),
             "pool {i}: {again}"

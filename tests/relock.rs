@@ -19,13 +19,18 @@ async fn a_lock_taken_again_right_after_its_guard_dropped_is_admitted() {
     let pool = builder(&db, 4).build().unwrap();
     let key = LockKey::Single(501);
     for round in 0..20 {
-        let lock = pool.session_lock(key, T).await.unwrap();
+        let lock = pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+            .await
+            .unwrap()
+            .expect("a wait grants the lock or fails");
         drop(lock); // unlocked in a spawned task; its slot frees after
         let start = Instant::now();
         let again = pool
-            .session_lock(key, T)
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
             .await
-            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            .unwrap_or_else(|e| panic!("round {round}: {e}"))
+            .expect("a wait grants the lock or fails");
         assert!(start.elapsed() < Duration::from_secs(1));
         again.unlock().await.unwrap();
     }
@@ -46,7 +51,7 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
         .unlock_timeout(Duration::from_millis(1500))
         .build()
         .unwrap();
-    let waiting = pool.session_lock(LockKey::Single(502), T);
+    let waiting = pool.session_lock(LockKey::Single(502), pgwarden::LockMode::Exclusive, Some(T));
     assert!(tokio::time::timeout(Duration::from_millis(300), waiting)
         .await
         .is_err());
@@ -57,7 +62,9 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
         let pool = pool.clone();
         async move {
             let start = Instant::now();
-            let lock = pool.session_lock(LockKey::Single(503), T).await;
+            let lock = pool
+                .session_lock(LockKey::Single(503), pgwarden::LockMode::Exclusive, Some(T))
+                .await;
             (start.elapsed(), lock)
         }
     });
@@ -69,7 +76,7 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
     // be admitted while the first holds it, and hears so at once.
     let start = Instant::now();
     let e = pool
-        .session_lock(LockKey::Single(504), T)
+        .session_lock(LockKey::Single(504), pgwarden::LockMode::Exclusive, Some(T))
         .await
         .unwrap_err();
     let took = start.elapsed();
@@ -77,7 +84,7 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
     assert!(took < Duration::from_millis(200), "refused after {took:?}");
 
     let (waited, lock) = first.await.unwrap();
-    let lock = lock.unwrap();
+    let lock = lock.unwrap().expect("a wait grants the lock or fails");
     assert!(waited < T, "admitted when the release ended: {waited:?}");
     eprintln!("re-lock admitted after the release ended: {waited:?}");
     lock.unlock().await.unwrap();

@@ -83,7 +83,7 @@ async fn a_panicking_job_runs_again_next_period() {
         .snapshot()
         .into_vec()
         .into_iter()
-        .filter(|(k, ..)| k.key().name() == pgwarden::metrics::LEASE_JOB_PANICS)
+        .filter(|(k, ..)| k.key().name() == "pgwarden_lease_job_panics_total")
         .map(|(k, _, _, v)| {
             let job = k
                 .key()

@@ -8,7 +8,10 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{BuildError, Error, Lane, LimitsError, Pool, MAX_POOL_SIZE};
+use pgwarden::{BuildError, Error, Lane, LimitsError, Pool};
+
+/// The largest pool pgwarden accepts (PostgreSQL's own `max_connections` limit).
+const MAX_POOL_SIZE: usize = 262_143;
 use support::db;
 
 #[test]
@@ -32,7 +35,6 @@ fn pool_sizes_past_the_maximum_are_errors_not_panics_or_aborts() {
         cfg.pool = Some(deadpool_postgres::PoolConfig::new(size));
         assert_eq!(Pool::from_config(&cfg).unwrap_err(), e);
     }
-    assert_eq!(MAX_POOL_SIZE, 262_143);
 }
 
 #[tokio::test]
@@ -88,7 +90,7 @@ async fn every_settings_error_names_the_setting_and_the_value() {
         .unwrap_err();
     assert!(e.to_string().contains("the probe lane reserves 0"), "{e}");
     let e = Pool::builder(db.deadpool(4).unwrap())
-        .session_lock_max(3)
+        .lane(Lane::SessionLock, 0, 3)
         .build()
         .unwrap_err();
     assert!(e.to_string().contains("session_lock maximum 3"), "{e}");
@@ -127,7 +129,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     let inner = db.deadpool(3).unwrap();
     let pool = Pool::builder(inner.clone())
         .name("drained")
-        .pooler(pgwarden::Pooler::Direct)
+        .pooler(pgwarden::PoolerMode::Direct)
         .census_interval(None)
         .build()
         .unwrap();
@@ -136,7 +138,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     let first = pool.get().await.unwrap();
     let start = Instant::now();
     let e = pool
-        .timeout_get_for(Lane::Request, Duration::from_millis(500))
+        .get_for(Lane::Request, Some(Duration::from_millis(500)))
         .await
         .unwrap_err();
     let took = start.elapsed();
@@ -154,7 +156,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     // The objects come back: checkouts work again.
     drop(stolen);
     let second = pool
-        .timeout_get_for(Lane::Request, Duration::from_millis(500))
+        .get_for(Lane::Request, Some(Duration::from_millis(500)))
         .await
         .unwrap();
     drop((first, second));
@@ -164,7 +166,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     let held = pool.get().await.unwrap();
     let start = Instant::now();
     let e = pool
-        .timeout_get_for(Lane::Request, Duration::from_secs(5))
+        .get_for(Lane::Request, Some(Duration::from_secs(5)))
         .await
         .unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(1), "answered at once");
@@ -174,6 +176,5 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
         "{e}"
     );
     drop(held);
-    // Only a view of the deadpool pool is public now.
-    assert_eq!(pool.inner().status().max_size, 1);
+    assert_eq!(inner.status().max_size, 1);
 }

@@ -1,4 +1,4 @@
-//! Transaction-scoped advisory locks, `with_xact_lock` and `run_once`
+//! Transaction-scoped advisory locks, `with_xact_lock` and `migrate_once`
 //! against a real PostgreSQL.
 
 mod support;
@@ -7,9 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{
-    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, Error, LockKey, RunOnce,
-};
+use pgwarden::{xact_lock, Error, LockKey, Migrated};
 use support::*;
 use tokio_postgres::error::SqlState;
 
@@ -25,9 +23,14 @@ async fn xact_lock_bounds_the_wait_and_aborts_the_transaction() {
     let mut c = db.connect().await.unwrap();
 
     let tx = c.transaction().await.unwrap();
-    let e = xact_lock(&tx, LockKey::Pair(9, 9), Duration::from_millis(100))
-        .await
-        .unwrap_err();
+    let e = xact_lock(
+        &tx,
+        LockKey::Pair(9, 9),
+        pgwarden::LockMode::Exclusive,
+        Some(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap_err();
     assert!(e.is_lock_timeout(), "{e}");
     assert!(matches!(e, Error::LockTimeout { .. }));
     let aborted = tx.query_one("SELECT 1", &[]).await.unwrap_err();
@@ -38,7 +41,14 @@ async fn xact_lock_bounds_the_wait_and_aborts_the_transaction() {
     tx.batch_execute("SET LOCAL lock_timeout = '7s'")
         .await
         .unwrap();
-    xact_lock(&tx, LockKey::Pair(9, 10), T).await.unwrap();
+    xact_lock(
+        &tx,
+        LockKey::Pair(9, 10),
+        pgwarden::LockMode::Exclusive,
+        Some(T),
+    )
+    .await
+    .unwrap();
     let lt: String = tx.query_one("SHOW lock_timeout", &[]).await.unwrap().get(0);
     assert_eq!(lt, "7s", "the transaction's own lock_timeout is restored");
     assert!(
@@ -57,16 +67,26 @@ async fn try_and_shared_forms() {
     let key = LockKey::Single(1 << 40);
     let ta = a.transaction().await.unwrap();
     let tb = b.transaction().await.unwrap();
-    assert!(try_xact_lock_shared(&ta, key).await.unwrap());
-    xact_lock_shared(&tb, key, T).await.unwrap();
+    assert!(xact_lock(&ta, key, pgwarden::LockMode::Shared, None)
+        .await
+        .unwrap());
+    xact_lock(&tb, key, pgwarden::LockMode::Shared, Some(T))
+        .await
+        .unwrap();
     assert!(!free(&raw, key).await, "no writer while readers");
     ta.rollback().await.unwrap();
     tb.rollback().await.unwrap();
     let ta = a.transaction().await.unwrap();
-    assert!(try_xact_lock(&ta, key).await.unwrap());
+    assert!(xact_lock(&ta, key, pgwarden::LockMode::Exclusive, None)
+        .await
+        .unwrap());
     let tb = b.transaction().await.unwrap();
-    assert!(!try_xact_lock(&tb, key).await.unwrap());
-    assert!(!try_xact_lock_shared(&tb, key).await.unwrap());
+    assert!(!xact_lock(&tb, key, pgwarden::LockMode::Exclusive, None)
+        .await
+        .unwrap());
+    assert!(!xact_lock(&tb, key, pgwarden::LockMode::Shared, None)
+        .await
+        .unwrap());
     tb.query_one("SELECT 1", &[])
         .await
         .expect("a refused try does not abort");
@@ -145,7 +165,7 @@ async fn run_once_five_starters_run_the_ddl_once() {
             let (ran, gate) = (ran.clone(), gate.clone());
             tokio::spawn(async move {
                 gate.wait().await;
-                pool.run_once("app/0001_schema", T, move |tx| {
+                pool.migrate_once("app/0001_schema", T, move |tx| {
                     Box::pin(async move {
                         tx.batch_execute(
                             "CREATE SCHEMA IF NOT EXISTS app;
@@ -166,11 +186,14 @@ async fn run_once_five_starters_run_the_ddl_once() {
     }
     assert_eq!(ran.load(Ordering::SeqCst), 1);
     assert_eq!(
-        outcomes.iter().filter(|o| o.ran()).count(),
+        outcomes
+            .iter()
+            .filter(|o| matches!(o, Migrated::Ran(_)))
+            .count(),
         1,
         "{outcomes:?}"
     );
-    assert!(outcomes.contains(&RunOnce::Ran("created")));
+    assert!(outcomes.contains(&Migrated::Ran("created")));
     let c = db.connect().await.unwrap();
     let rows: i64 = c
         .query_one("SELECT count(*) FROM pgwarden_run_once", &[])
@@ -187,8 +210,8 @@ async fn run_once_five_starters_run_the_ddl_once() {
 async fn run_once_records_nothing_when_the_work_fails() {
     let db = db().await;
     let pool = builder(&db, 3).build().unwrap();
-    let fail: Result<RunOnce<()>, Error> = pool
-        .run_once("m2", T, |tx| {
+    let fail: Result<Migrated<()>, Error> = pool
+        .migrate_once("m2", T, |tx| {
             Box::pin(async move {
                 tx.batch_execute("CREATE TABLE half_done (id int)").await?;
                 tx.batch_execute("SELECT no_such_column FROM half_done")
@@ -199,7 +222,7 @@ async fn run_once_records_nothing_when_the_work_fails() {
         .await;
     assert!(fail.is_err());
     let again = pool
-        .run_once("m2", T, |tx| {
+        .migrate_once("m2", T, |tx| {
             Box::pin(async move {
                 tx.batch_execute("CREATE TABLE half_done (id int)").await?;
                 Ok::<_, Error>(())
@@ -208,12 +231,12 @@ async fn run_once_records_nothing_when_the_work_fails() {
         .await
         .unwrap();
     assert!(
-        again.ran(),
+        matches!(again, Migrated::Ran(_)),
         "the failed attempt left no ledger row and no table"
     );
     let third = pool
-        .run_once("m2", T, |_| Box::pin(async { Ok::<_, Error>(()) }))
+        .migrate_once("m2", T, |_| Box::pin(async { Ok::<_, Error>(()) }))
         .await
         .unwrap();
-    assert!(matches!(third, RunOnce::Skipped { .. }));
+    assert!(matches!(third, Migrated::Skipped { .. }));
 }

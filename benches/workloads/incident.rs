@@ -114,7 +114,10 @@ impl Side {
                     .await?;
                 worked.map(|()| true)
             }
-            Side::Locks(p) => match p.try_session_lock(JOBS_NS.named(job)).await {
+            Side::Locks(p) => match p
+                .session_lock(JOBS_NS.named(job), pgwarden::LockMode::Exclusive, None)
+                .await
+            {
                 Ok(Some(lock)) => {
                     let worked = self.work().await;
                     lock.unlock().await?;

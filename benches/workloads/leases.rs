@@ -189,7 +189,7 @@ pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, Bo
     let warden = Pool::builder(db_b.deadpool(POOL)?)
         .name("bench-leases")
         .build()?;
-    if warden.detect_pooler().await? != pgwarden::Pooler::Direct {
+    if warden.detect_pooler().await? != pgwarden::PoolerMode::Direct {
         return Err("the benchmark server should be detected direct".into());
     }
     let leases = Leases::new(&warden);

@@ -277,12 +277,12 @@ deadpool's, per operation:
 |---|---|
 | before | 5,892 |
 | `Shared::release` stops once every waiting lane is blocked (it asked the budget again for each of the 48 queued waiters on every return: 2,435 per operation), and a granted waiter skips its guard's scan of the queue | 3,558 |
-| object ids hashed with a multiply instead of SipHash; no `Vec` for the gauges of granted lanes; `Conn` drops its object in place | 3,057 |
+| object ids hashed with a multiply instead of SipHash; no `Vec` for the gauges of granted lanes; `Client` drops its object in place | 3,057 |
 | the first grant of a return needs no allocation; a granted checkout record takes its checkout's start instead of reading the clock | 2,801 |
 
 What remains is mostly the wait timeout's timer (pgwarden bounds every wait,
 30 s by default; the raw pool has no wait timeout), clock reads for the
-acquire and hold histograms, moves of the 296-byte `Conn`, and the oneshot
+acquire and hold histograms, moves of the 296-byte `Client`, and the oneshot
 channel of each waiter. With the first two changes workload 1 measured 0.968,
 0.988, 0.981, 1.012, 0.998 and 0.968 in six runs. After all three, on a quiet
 machine, the A B A B … method gave 0.951 with pgwarden's median throughput
@@ -349,7 +349,7 @@ function by function against `main` (1938d15): `checkout_with` +6
 instructions per operation, `Permit::drop` +35 (a clock read and the
 average, under the lock the return takes anyway), every other function
 identical: about 41 of the ~15,700 instructions of an operation. (A first
-version kept the average in an atomic written in `Conn`'s drop: +25 there,
+version kept the average in an atomic written in `Client`'s drop: +25 there,
 and a cache line written from both cores.) Workload 1 alone, alternately
 with `main` in the same minutes, load averages 3.3 to 7.6: `main` 1.024,
 0.997, 0.944, 1.016, 0.922, 0.930, 0.982, 0.920, 0.901, 0.958, 1.013

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{LeaseOptions, Leases, Pool, Pooler};
+use pgwarden::{LeaseOptions, Leases, Pool, PoolerMode};
 use pgwarden_testing::{TestDb, TestServer};
 use tokio_postgres::types::Type;
 
@@ -49,7 +49,7 @@ pub fn describe(s: Settings) -> String {
     format!(
         "4b, 4c: {TASKS} tasks, pool {POOL} per side, four sides with a database each on one server: \
          the plain lease SQL prepared (`prepare_cached`) and unnamed (`query_typed`) through deadpool, \
-         pgwarden on a pool detected direct (prepared) and on one configured `Pooler::Transaction` \
+         pgwarden on a pool detected direct (prepared) and on one configured `PoolerMode::Transaction` \
          (unnamed); 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {HELD} names held \
          by another holder; {} rounds of {:?} per side, the order rotating; server CPU per statement \
          = utime + stime of the side's client backends (`/proc/<pid>/stat`) / statements sent",
@@ -230,17 +230,17 @@ async fn plain_side(
 
 async fn warden_side(
     server: &TestServer,
-    pooler: Pooler,
+    pooler: PoolerMode,
     label: &'static str,
     held: bool,
 ) -> Result<(Side, TestDb), BoxError> {
     let db = server.create_database().await?;
     let mut builder = Pool::builder(db.deadpool(POOL)?).name(label);
-    if pooler != Pooler::Auto {
+    if pooler != PoolerMode::Auto {
         builder = builder.pooler(pooler);
     }
     let pool = builder.build()?;
-    if pooler == Pooler::Auto && pool.detect_pooler().await? != Pooler::Direct {
+    if pooler == PoolerMode::Auto && pool.detect_pooler().await? != PoolerMode::Direct {
         return Err("the benchmark server should be detected direct".into());
     }
     let leases = Leases::new(&pool);
@@ -295,9 +295,9 @@ async fn warden_side(
 pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Result<Row, BoxError> {
     let (prepared, _d1) = plain_side(server, Mode::Prepared, "plain prepared", held).await?;
     let (unnamed, _d2) = plain_side(server, Mode::Unnamed, "plain unnamed", held).await?;
-    let (warden, _d3) = warden_side(server, Pooler::Auto, "bench-direct", held).await?;
+    let (warden, _d3) = warden_side(server, PoolerMode::Auto, "bench-direct", held).await?;
     let (warden_unnamed, _d4) =
-        warden_side(server, Pooler::Transaction, "bench-pooled", held).await?;
+        warden_side(server, PoolerMode::Transaction, "bench-pooled", held).await?;
     let m = measure(&[prepared, unnamed, warden, warden_unnamed], s).await?;
     let (p, u, w, wu) = (&m[0], &m[1], &m[2], &m[3]);
     let r = ratio(&p.rates, &w.rates);

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{LeaseOptions, Leases, Pool, Pooler};
+use pgwarden::{LeaseOptions, Leases, Pool, PoolerMode};
 use pgwarden_testing::TestServer;
 
 use crate::leases::{install, Raw};
@@ -30,7 +30,7 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
         let raw = Arc::new(Raw::new(&db, POOL)?);
         let warden = Pool::builder(db.deadpool(POOL)?)
             .name("bench-profile")
-            .pooler(Pooler::Direct)
+            .pooler(PoolerMode::Direct)
             .build()?;
         let leases = Leases::new(&warden);
         let left = Arc::new(AtomicU64::new(ops));

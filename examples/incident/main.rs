@@ -12,7 +12,7 @@
 
 mod scenarios;
 
-use pgwarden::Policy;
+use pgwarden::BudgetPolicy;
 use pgwarden_testing::TestServer;
 use scenarios::{check, Table};
 
@@ -38,8 +38,8 @@ async fn run() -> Result<bool, scenarios::BoxError> {
     let server = TestServer::shared()?;
     let db = server.create_database().await?;
     let raw = scenarios::raw_deadpool(&db).await?;
-    let refuse = scenarios::pgwarden_session_locks(&db, Policy::Refuse).await?;
-    let warn = scenarios::pgwarden_session_locks(&db, Policy::Warn).await?;
+    let refuse = scenarios::pgwarden_session_locks(&db, BudgetPolicy::Refuse).await?;
+    let warn = scenarios::pgwarden_session_locks(&db, BudgetPolicy::Warn).await?;
     let leases = scenarios::pgwarden_leases(&db).await?;
     let rows = [raw.clone(), refuse.clone(), warn.clone(), leases.clone()];
     println!("{}", Table(&rows));

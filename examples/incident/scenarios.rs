@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use pgwarden::{Namespace, Policy, Pool};
+use pgwarden::{BudgetPolicy, Namespace, Pool};
 use pgwarden_testing::TestDb;
 
 /// The application's lock namespace for its background jobs, declared once.
@@ -174,18 +174,23 @@ pub async fn raw_deadpool(db: &TestDb) -> Result<Outcome, BoxError> {
 /// pgwarden, pool of 4, the same four jobs with the same intent: each takes a
 /// budgeted session lock (`try_session_lock`), which checks out its
 /// connection on the session-lock lane.
-pub async fn pgwarden_session_locks(db: &TestDb, policy: Policy) -> Result<Outcome, BoxError> {
+pub async fn pgwarden_session_locks(
+    db: &TestDb,
+    policy: BudgetPolicy,
+) -> Result<Outcome, BoxError> {
     let pool = Pool::builder(db.deadpool(POOL_SIZE)?)
-        .name(format!("incident-{}", policy.as_str()))
+        .name(format!("incident-{policy}"))
         .policy(policy)
         .build()?;
     let mut out = Outcome::new(format!(
-        "pgwarden session locks, policy {}, pool {POOL_SIZE}",
-        policy.as_str()
+        "pgwarden session locks, policy {policy}, pool {POOL_SIZE}"
     ));
     let attempts = join_all(JOBS.map(|job| {
         let pool = pool.clone();
-        async move { pool.try_session_lock(JOBS_NS.named(job)).await }
+        async move {
+            pool.session_lock(JOBS_NS.named(job), pgwarden::LockMode::Exclusive, None)
+                .await
+        }
     }))
     .await;
     let mut holders = Vec::new();

@@ -79,7 +79,7 @@ async fn main() -> ExitCode {
 async fn run() -> Result<(), BoxError> {
     let cfg = Config::from_env()?;
     // Before the pool is built: its metric handles register with this recorder.
-    let metrics = pgwarden::metrics::install_prometheus()?;
+    let metrics = pgwarden::metrics::prometheus_builder()?.install_recorder()?;
     let upkeep = {
         let m = metrics.clone();
         tokio::spawn(async move {

@@ -219,7 +219,11 @@ async fn hold_lock(State(s): State<AppState>, Query(q): Query<HashMap<String, St
         (Ok(k), Ok(m)) => (k, m.min(60_000)),
         (Err(r), _) | (_, Err(r)) => return r,
     };
-    let lock = match s.pool.try_session_lock(LockKey::Single(key)).await {
+    let lock = match s
+        .pool
+        .session_lock(LockKey::Single(key), pgwarden::LockMode::Exclusive, None)
+        .await
+    {
         Ok(Some(lock)) => lock,
         Ok(None) => {
             return (

@@ -73,7 +73,7 @@ INSERT INTO mail_domains (domain)
 /// sessions), then registers this instance as a monitor.
 pub async fn install(pool: &Pool, instance: &str, target: &str) -> Result<(), BoxError> {
     let ran = pool
-        .run_once("service/0001_schema", Duration::from_secs(30), |tx| {
+        .migrate_once("service/0001_schema", Duration::from_secs(30), |tx| {
             Box::pin(async move {
                 tx.batch_execute(DDL).await?;
                 tx.batch_execute(SEED).await?;
@@ -81,7 +81,7 @@ pub async fn install(pool: &Pool, instance: &str, target: &str) -> Result<(), Bo
             })
         })
         .await?;
-    if ran.ran() {
+    if matches!(ran, pgwarden::Migrated::Ran(_)) {
         tracing::info!("schema created");
     }
     let conn = pool.get().await?;

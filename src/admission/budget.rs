@@ -11,14 +11,14 @@
 //!    statements (control, the probe, urgent lease statements) may borrow
 //!    the request reservation; nobody borrows any other.
 //!
-//! The session-lock lane has a hard ceiling no [`Policy`] lifts
+//! The session-lock lane has a hard ceiling no [`BudgetPolicy`] lifts
 //! ([`Limits::session_lock_ceiling`]). Past its configured maximum it is
-//! refused ([`Policy::Refuse`]) or admitted with a warning ([`Policy::Warn`])
+//! refused ([`BudgetPolicy::Refuse`]) or admitted with a warning ([`BudgetPolicy::Warn`])
 //! up to that ceiling. A session-lock checkout that would be refused only
 //! because of connections being *released* (a dropped guard whose unlock is
 //! in flight) waits instead: the release frees its slot.
 
-use super::lane::{Lane, Policy, Priority};
+use super::lane::{BudgetPolicy, Lane, Priority};
 use super::limits::Limits;
 
 /// The answer to "may this lane take one more connection now?".
@@ -26,7 +26,7 @@ use super::limits::Limits;
 pub(crate) enum Decision {
     /// Take it.
     Admit,
-    /// Take it, though it is past the lane's budget ([`Policy::Warn`]).
+    /// Take it, though it is past the lane's budget ([`BudgetPolicy::Warn`]).
     AdmitOverBudget,
     /// Not now: wait for a return.
     Wait,
@@ -37,7 +37,7 @@ pub(crate) enum Decision {
 /// Why a checkout was refused.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Refusal {
-    /// The lane is at its configured maximum and the policy is [`Policy::Refuse`].
+    /// The lane is at its configured maximum and the policy is [`BudgetPolicy::Refuse`].
     Budget {
         /// The configured maximum.
         limit: usize,
@@ -137,7 +137,7 @@ impl Budget {
         let now = held + claims;
         let ceiling = self.limits.session_lock_ceiling();
         let max = self.limits.lane(lane).max;
-        let refuse_policy = self.limits.policy() == Policy::Refuse;
+        let refuse_policy = self.limits.policy() == BudgetPolicy::Refuse;
         if settled >= ceiling {
             return Decision::Refuse(Refusal::HardFloor { limit: ceiling });
         }

@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 
 use super::budget::{Budget, Decision, Refusal};
-use super::lane::{Lane, Policy, Priority};
+use super::lane::{BudgetPolicy, Lane, Priority};
 use super::limits::{LaneLimits, Limits, LimitsError, MAX_POOL_SIZE};
 
 const N: Priority = Priority::Normal;
@@ -74,7 +74,7 @@ fn sizes_out_of_range_are_errors_not_panics() {
             }
         );
         let lanes = Limits::default_lanes(size);
-        assert!(Limits::new(size, lanes, Policy::Warn).is_err());
+        assert!(Limits::new(size, lanes, BudgetPolicy::Warn).is_err());
     }
     let l = Limits::defaults(MAX_POOL_SIZE).unwrap();
     assert_eq!(l.lane(Lane::Request).max, MAX_POOL_SIZE - 1);
@@ -83,7 +83,9 @@ fn sizes_out_of_range_are_errors_not_panics() {
 #[test]
 fn the_probe_reserve_is_never_taken_by_another_lane() {
     for size in 2..12 {
-        let l = Limits::defaults(size).unwrap().with_policy(Policy::Warn);
+        let l = Limits::defaults(size)
+            .unwrap()
+            .with_policy(BudgetPolicy::Warn);
         let mut b = Budget::new(l);
         take_all(&mut b, Lane::SessionLock, N);
         take_all(&mut b, Lane::Control, N);
@@ -121,7 +123,7 @@ fn a_lease_reservation_is_for_renewals_only() {
         max: 3,
     };
     lanes[Lane::Request.idx()].max = 4;
-    let mut b = Budget::new(Limits::new(6, lanes, Policy::Refuse).unwrap());
+    let mut b = Budget::new(Limits::new(6, lanes, BudgetPolicy::Refuse).unwrap());
     assert_eq!(take_all(&mut b, Lane::Request, N), 4);
     assert_eq!(take_all(&mut b, Lane::Lease, N), 0, "the free one is kept");
     assert_eq!(b.decide(Lane::Lease, U, 0), Decision::Admit);
@@ -149,7 +151,7 @@ fn session_lock_refusals_and_the_releasing_state() {
 
 #[test]
 fn warn_admits_up_to_the_hard_floor_only() {
-    let l = Limits::defaults(4).unwrap().with_policy(Policy::Warn);
+    let l = Limits::defaults(4).unwrap().with_policy(BudgetPolicy::Warn);
     let mut b = Budget::new(l);
     assert_eq!(b.decide(Lane::SessionLock, N, 0), Decision::Admit);
     b.take(Lane::SessionLock, N);
@@ -169,7 +171,7 @@ fn validation_names_the_numbers() {
         for (lane, l) in changes {
             lanes[lane.idx()] = *l;
         }
-        Limits::new(4, lanes, Policy::Refuse)
+        Limits::new(4, lanes, BudgetPolicy::Refuse)
     };
     let e = with(&[
         (Lane::Request, r(2, 3)),
@@ -234,7 +236,7 @@ proptest! {
 
     #[test]
     fn session_locks_never_starve_request_work_nor_the_probe(size in 2usize..64, warn in any::<bool>()) {
-        let policy = if warn { Policy::Warn } else { Policy::Refuse };
+        let policy = if warn { BudgetPolicy::Warn } else { BudgetPolicy::Refuse };
         let limits = Limits::defaults(size).unwrap().with_policy(policy);
         let mut b = Budget::new(limits.clone());
         let granted = take_all(&mut b, Lane::SessionLock, N);

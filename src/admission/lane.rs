@@ -4,8 +4,16 @@ use std::fmt;
 
 /// Why a connection is checked out.
 ///
-/// Each lane has a reserved minimum and a maximum ([`crate::LaneLimits`]);
-/// see [`crate::Limits::defaults`] for the defaults.
+/// Each lane has a reserved minimum and a maximum, set with
+/// [`PoolBuilder::lane`](crate::PoolBuilder::lane), whose docs give the
+/// defaults; [`Pool::status`](crate::Pool::status) shows them.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// let client = pool.get_for(pgwarden::Lane::Control, None).await?;
+/// assert_eq!(client.lane(), pgwarden::Lane::Control);
+/// # Ok(()) }
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Lane {
     /// Ordinary work: handlers, and the work done under a lock or a lease.
@@ -42,7 +50,7 @@ impl Lane {
     ];
 
     /// The lane's name as used in logs and metric labels.
-    pub const fn as_str(self) -> &'static str {
+    pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Lane::Request => "request",
             Lane::SessionLock => "session_lock",
@@ -94,8 +102,17 @@ impl Priority {
 }
 
 /// What a session-lock checkout past its budget gets.
+///
+/// ```no_run
+/// # fn demo(deadpool: deadpool_postgres::Pool) -> Result<(), pgwarden::BuildError> {
+/// // Admit session locks past the budget, with a warning and a counter.
+/// let pool = pgwarden::Pool::builder(deadpool)
+///     .policy(pgwarden::BudgetPolicy::Warn)
+///     .build()?;
+/// # Ok(()) }
+/// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Policy {
+pub enum BudgetPolicy {
     /// Refuse with [`crate::Error::BudgetExhausted`]. Default.
     #[default]
     Refuse,
@@ -105,12 +122,12 @@ pub enum Policy {
     Warn,
 }
 
-impl Policy {
-    /// The policy's name as used in logs and metric labels.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Policy::Refuse => "refuse",
-            Policy::Warn => "warn",
-        }
+impl std::fmt::Display for BudgetPolicy {
+    /// `refuse` or `warn`, as in logs and metric labels.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BudgetPolicy::Refuse => "refuse",
+            BudgetPolicy::Warn => "warn",
+        })
     }
 }

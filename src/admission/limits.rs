@@ -1,23 +1,28 @@
 //! Validated lane limits and their defaults.
 
-use super::lane::{Lane, Policy};
+use super::lane::{BudgetPolicy, Lane};
 
 /// The largest pool pgwarden accepts: PostgreSQL's own upper limit for
 /// `max_connections` (2^18 - 1). A larger size can never be served, and
 /// deadpool would try to allocate for it up front.
-pub const MAX_POOL_SIZE: usize = 262_143;
+pub(crate) const MAX_POOL_SIZE: usize = 262_143;
 
 /// A lane's reserved minimum and its maximum.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct LaneLimits {
+pub(crate) struct LaneLimits {
     /// Connections that other lanes may never take from this one.
-    pub reserved: usize,
+    pub(crate) reserved: usize,
     /// The most connections this lane may hold at once.
-    pub max: usize,
+    pub(crate) max: usize,
 }
 
-/// Lane limits that cannot work: what [`Limits::new`] refuses. Each names
+/// Lane limits that cannot work: what a pool build refuses. Each names
 /// the numbers that clash. [`crate::BuildError`] wraps it.
+///
+/// ```
+/// let e = pgwarden::Pool::from_url("host=/tmp", 1 << 20).unwrap_err();
+/// assert!(matches!(e, pgwarden::BuildError::Limits(pgwarden::LimitsError::TooLarge { .. })), "{e}");
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LimitsError {
@@ -37,7 +42,8 @@ pub enum LimitsError {
     TooLarge {
         /// The size given.
         size: usize,
-        /// [`MAX_POOL_SIZE`].
+        /// The largest size accepted: 262 143 (PostgreSQL's own limit for
+        /// `max_connections`).
         max: usize,
     },
     /// Reservations leave no connection unreserved: at least one must stay
@@ -124,10 +130,10 @@ pub enum LimitsError {
 
 /// Validated limits of every lane of a pool of `size` connections.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Limits {
+pub(crate) struct Limits {
     size: usize,
     lanes: [LaneLimits; Lane::COUNT],
-    policy: Policy,
+    policy: BudgetPolicy,
     /// Precomputed: the session-lock hard ceiling.
     ceiling: usize,
 }
@@ -143,7 +149,7 @@ impl Limits {
     /// | probe | 1 | 1 |
     /// | lease | 0 | `min(max(2, size / 4), 4)` |
     ///
-    /// Policy: [`Policy::Refuse`].
+    /// BudgetPolicy: [`BudgetPolicy::Refuse`].
     ///
     /// - No lane but the probe may take the probe's reserve.
     /// - The request reserve is for the work under held session locks; short
@@ -157,17 +163,11 @@ impl Limits {
     ///   work, control and lease statements take turns on it, and it has no
     ///   session-lock budget. A pool of 3 has a session-lock budget of 1.
     ///
-    /// ```
-    /// use pgwarden::{Lane, Limits};
-    /// let l = Limits::defaults(8).unwrap();
-    /// assert_eq!((l.lane(Lane::Request).max, l.lane(Lane::SessionLock).max), (7, 2));
-    /// assert_eq!((l.lane(Lane::Probe).reserved, l.lane(Lane::Lease).max), (1, 2));
-    /// assert!(Limits::defaults(usize::MAX).is_err());
-    /// ```
-    pub fn defaults(size: usize) -> Result<Limits, LimitsError> {
+    #[cfg(test)]
+    pub(crate) fn defaults(size: usize) -> Result<Limits, LimitsError> {
         check_size(size)?;
         let lanes = Limits::default_lanes(size);
-        Limits::new(size, lanes, Policy::Refuse)
+        Limits::new(size, lanes, BudgetPolicy::Refuse)
     }
 
     /// The default limits of every lane (unvalidated; `size >= 2`).
@@ -201,21 +201,12 @@ impl Limits {
         lanes
     }
 
-    /// Validates a full set of limits, one per lane in [`Lane::ALL`] order.
-    ///
-    /// ```
-    /// use pgwarden::{Lane, LaneLimits, Limits, LimitsError, Policy};
-    /// let mut lanes = Limits::defaults(4).unwrap().lanes();
-    /// lanes[Lane::Probe as usize] = LaneLimits { reserved: 0, max: 1 };
-    /// assert_eq!(
-    ///     Limits::new(4, lanes, Policy::Refuse).unwrap_err(),
-    ///     LimitsError::NoProbeReserve { reserved: 0 }
-    /// );
-    /// ```
-    pub fn new(
+    /// Validates a full set of limits, one per lane in [`Lane::ALL`] order
+    /// (`budget_tests` covers each refusal).
+    pub(crate) fn new(
         size: usize,
         lanes: [LaneLimits; Lane::COUNT],
-        policy: Policy,
+        policy: BudgetPolicy,
     ) -> Result<Limits, LimitsError> {
         check_size(size)?;
         for lane in Lane::ALL {
@@ -280,27 +271,28 @@ impl Limits {
     }
 
     /// The pool size `N`.
-    pub fn size(&self) -> usize {
+    pub(crate) fn size(&self) -> usize {
         self.size
     }
 
     /// One lane's limits.
-    pub fn lane(&self, lane: Lane) -> LaneLimits {
+    pub(crate) fn lane(&self, lane: Lane) -> LaneLimits {
         self.lanes[lane.idx()]
     }
 
     /// Every lane's limits, in [`Lane::ALL`] order.
-    pub fn lanes(&self) -> [LaneLimits; Lane::COUNT] {
+    pub(crate) fn lanes(&self) -> [LaneLimits; Lane::COUNT] {
         self.lanes
     }
 
     /// The session-lock policy.
-    pub fn policy(&self) -> Policy {
+    pub(crate) fn policy(&self) -> BudgetPolicy {
         self.policy
     }
 
     /// The same limits under another policy.
-    pub fn with_policy(mut self, policy: Policy) -> Limits {
+    #[cfg(test)]
+    pub(crate) fn with_policy(mut self, policy: BudgetPolicy) -> Limits {
         self.policy = policy;
         self
     }
@@ -308,7 +300,7 @@ impl Limits {
     /// The hard ceiling of the session-lock lane, whatever the policy: the
     /// pool size less every other lane's reservation and one connection for
     /// the work under the locks (the request reservation, at least 1).
-    pub fn session_lock_ceiling(&self) -> usize {
+    pub(crate) fn session_lock_ceiling(&self) -> usize {
         self.ceiling
     }
 

@@ -22,6 +22,7 @@ mod tests;
 
 pub(crate) use budget::Refusal;
 pub(crate) use lane::Priority;
-pub use lane::{Lane, Policy};
-pub use limits::{LaneLimits, Limits, LimitsError, MAX_POOL_SIZE};
+pub use lane::{BudgetPolicy, Lane};
+pub use limits::LimitsError;
+pub(crate) use limits::{LaneLimits, Limits, MAX_POOL_SIZE};
 pub(crate) use queue::{Admission, Answer, Effect, WaiterKey};

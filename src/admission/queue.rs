@@ -43,7 +43,7 @@ struct Queued {
 /// The answer to a checkout.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Answer {
-    /// Admitted now (`over_budget`: past the session-lock budget, [`crate::Policy::Warn`]).
+    /// Admitted now (`over_budget`: past the session-lock budget, [`crate::BudgetPolicy::Warn`]).
     Admit {
         /// Admitted past the lane's budget.
         over_budget: bool,

@@ -1,10 +1,10 @@
 //! The admission state machine, one scenario at a time.
 
-use super::lane::{Lane, Policy, Priority};
+use super::lane::{BudgetPolicy, Lane, Priority};
 use super::limits::Limits;
 use super::queue::{Admission, Answer, Effect, WaiterKey};
 
-fn adm(size: usize, policy: Policy) -> Admission {
+fn adm(size: usize, policy: BudgetPolicy) -> Admission {
     Admission::new(Limits::defaults(size).unwrap().with_policy(policy))
 }
 
@@ -18,7 +18,7 @@ const N: Priority = Priority::Normal;
 
 #[test]
 fn a_session_lock_taken_again_while_its_guard_releases_waits_then_gets_it() {
-    let mut a = adm(4, Policy::Refuse);
+    let mut a = adm(4, BudgetPolicy::Refuse);
     assert_eq!(
         a.request(Lane::SessionLock, N, 0),
         Answer::Admit { over_budget: false }
@@ -39,7 +39,7 @@ fn a_session_lock_taken_again_while_its_guard_releases_waits_then_gets_it() {
 
 #[test]
 fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
-    let mut a = adm(4, Policy::Refuse);
+    let mut a = adm(4, BudgetPolicy::Refuse);
     assert_eq!(
         a.request(Lane::SessionLock, N, 0),
         Answer::Admit { over_budget: false }
@@ -53,7 +53,7 @@ fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
     ));
     // Warn: over budget, the pool full, two waiting for room; the first one
     // in takes the lane to its hard ceiling and the second is refused then.
-    let mut a = adm(4, Policy::Warn);
+    let mut a = adm(4, BudgetPolicy::Warn);
     assert_eq!(
         a.request(Lane::SessionLock, N, 0),
         Answer::Admit { over_budget: false }
@@ -83,7 +83,7 @@ fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
 
 #[test]
 fn fifo_within_a_lane_urgent_first_across() {
-    let mut a = adm(4, Policy::Refuse);
+    let mut a = adm(4, BudgetPolicy::Refuse);
     for k in 0..3 {
         assert_eq!(
             a.request(Lane::Request, N, k),
@@ -116,7 +116,7 @@ fn fifo_within_a_lane_urgent_first_across() {
 
 #[test]
 fn close_drops_every_waiter() {
-    let mut a = adm(2, Policy::Refuse);
+    let mut a = adm(2, BudgetPolicy::Refuse);
     assert_eq!(
         a.request(Lane::Request, N, 0),
         Answer::Admit { over_budget: false }

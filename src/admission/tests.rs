@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use super::budget::Decision;
-use super::lane::{Lane, Policy, Priority};
+use super::lane::{BudgetPolicy, Lane, Priority};
 use super::limits::{LaneLimits, Limits};
 use super::queue::{Admission, Answer, Effect, WaiterKey};
 
@@ -58,7 +58,11 @@ fn limits_strategy() -> impl Strategy<Value = Limits> {
         .prop_filter_map(
             "valid limits",
             |(size, defaults, sess_max, lease_res, ctl_res, warn)| {
-                let policy = if warn { Policy::Warn } else { Policy::Refuse };
+                let policy = if warn {
+                    BudgetPolicy::Warn
+                } else {
+                    BudgetPolicy::Refuse
+                };
                 let d = Limits::defaults(size).ok()?.with_policy(policy);
                 if defaults {
                     return Some(d);
@@ -142,8 +146,8 @@ impl Ledger {
     fn session_limit(&self) -> usize {
         let l = self.adm.limits();
         match l.policy() {
-            Policy::Refuse => l.lane(Lane::SessionLock).max.min(l.session_lock_ceiling()),
-            Policy::Warn => l.session_lock_ceiling(),
+            BudgetPolicy::Refuse => l.lane(Lane::SessionLock).max.min(l.session_lock_ceiling()),
+            BudgetPolicy::Warn => l.session_lock_ceiling(),
         }
     }
 

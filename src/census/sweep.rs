@@ -9,7 +9,7 @@ use super::{read, AdvisoryLock, CensusSummary};
 use crate::error::Error;
 use crate::lock::LockKey;
 use crate::pool::Pool;
-use crate::pooler::Pooler;
+use crate::pooler::PoolerMode;
 
 /// What a suspect connection was seen holding, to confirm on a second look.
 type Seen = (i32, LockKey, bool, Option<SystemTime>);
@@ -41,7 +41,7 @@ impl Pool {
     /// Behind a transaction pooler, pids say nothing about this pool's
     /// connections: the gauges are set, nothing is flagged.
     #[track_caller]
-    pub fn census_sweep(
+    pub(crate) fn census_sweep(
         &self,
     ) -> impl std::future::Future<Output = Result<CensusSummary, Error>> + Send + '_ {
         let site = Location::caller();
@@ -67,7 +67,7 @@ impl Pool {
         };
         m.census_locks.set(summary.ours as f64);
         m.census_idle_locks.set(summary.idle as f64);
-        if summary.idle == 0 || self.pooler() == Pooler::Transaction {
+        if summary.idle == 0 || self.pooler() == PoolerMode::Transaction {
             return Ok(summary);
         }
         let own = conn.pid();

@@ -13,18 +13,19 @@ use http_body::{Frame, SizeHint};
 ///
 /// Implements [`http_body::Body`] with `Data = Bytes` and no error, so
 /// axum, hyper and tonic serve it as it is.
+///
+/// ```
+/// use http_body::Body as _;
+/// let body = pgwarden::http::Body::from("up\n");
+/// assert_eq!(body.size_hint().exact(), Some(3));
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct Body(Option<Bytes>);
 
 impl Body {
     /// No bytes (what a `HEAD` request gets).
-    pub fn empty() -> Body {
+    pub(crate) fn empty() -> Body {
         Body(None)
-    }
-
-    /// Its bytes (empty for an empty body).
-    pub fn bytes(&self) -> &[u8] {
-        self.0.as_deref().unwrap_or_default()
     }
 }
 

@@ -14,6 +14,16 @@ use crate::admission::Lane;
 use crate::pool::Pool;
 
 /// A boxed response future (the services' `Future` type).
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) {
+/// use tower_service::Service;
+/// let mut ready = pgwarden::http::Readiness::new(pool);
+/// let fut: pgwarden::http::ResponseFuture<_, _> = ready.call(http::Request::new(()));
+/// let response = fut.await.unwrap();
+/// println!("{}", response.status());
+/// # }
+/// ```
 pub type ResponseFuture<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send>>;
 
 /// The readiness service for `/health/ready`: `SELECT 1` on the pool's probe
@@ -78,7 +88,7 @@ impl Readiness {
 
     /// The answer to a request with this `method`: what the service
     /// returns, for use inside a handler of your own.
-    pub async fn respond(&self, method: &Method) -> Response<Body> {
+    pub(crate) async fn respond(&self, method: &Method) -> Response<Body> {
         let head = match *method {
             Method::GET => false,
             Method::HEAD => true,
@@ -171,12 +181,20 @@ impl<B> tower_service::Service<Request<B>> for Readiness {
 /// orchestrator restart every instance during a database outage, which
 /// cures nothing and adds a reconnect storm. `HEAD` gets the status only;
 /// other methods get `405`.
+///
+/// ```no_run
+/// # async fn demo() -> std::io::Result<()> {
+/// let app = axum::Router::new().route_service("/up", pgwarden::http::Liveness);
+/// let listener = tokio::net::TcpListener::bind("0.0.0.0:8080").await?;
+/// axum::serve(listener, app).await
+/// # }
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Liveness;
 
 impl Liveness {
     /// The answer to a request with this `method`.
-    pub fn respond(&self, method: &Method) -> Response<Body> {
+    pub(crate) fn respond(&self, method: &Method) -> Response<Body> {
         match *method {
             Method::GET => respond(StatusCode::OK, "text/plain", false, "up\n".into()),
             Method::HEAD => respond(StatusCode::OK, "text/plain", true, "up\n".into()),

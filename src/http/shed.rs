@@ -150,6 +150,16 @@ impl<S> tower_layer::Layer<S> for ShedLayer {
 }
 
 /// The service [`ShedLayer`] wraps around an inner one.
+///
+/// ```no_run
+/// # fn demo(pool: pgwarden::Pool) {
+/// use pgwarden::http::ShedLayer;
+/// // `layer` wraps the routes in a `Shed` service.
+/// let app: axum::Router = axum::Router::new()
+///     .route("/work", axum::routing::get(|| async { "done" }))
+///     .layer(ShedLayer::new(&pool));
+/// # }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Shed<S> {
     inner: S,
@@ -181,7 +191,7 @@ where
             deadline = scope.min(deadline);
         }
         let bound = deadline.checkout_bound();
-        let load = c.pool.lane_load(Lane::Request);
+        let load = c.pool.shared.lane_load(Lane::Request);
         match decide(&load, bound) {
             Verdict::Admit { .. } => {
                 c.admitted.increment(1);

@@ -10,46 +10,7 @@ use super::state::{LeaseState, Term};
 use super::Inner;
 use crate::error::Error;
 
-/// Why a holder stopped trusting its lease.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum LostReason {
-    /// A renewal, release or fence found the row gone or in another term:
-    /// another holder took it over.
-    Taken,
-    /// No renewal succeeded before the local deadline (start of the last
-    /// successful renewal + TTL − safety margin): the database may let
-    /// another holder in soon, so this one stops trusting it now.
-    Deadline,
-    /// A fence found the term still ours but expired in the database.
-    Expired,
-    /// [`Leases::release_all`](crate::Leases::release_all) released it while
-    /// its guard was still alive.
-    Released,
-}
-
-impl LostReason {
-    /// The reason as used in logs and metric labels.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            LostReason::Taken => "taken",
-            LostReason::Deadline => "deadline",
-            LostReason::Expired => "expired",
-            LostReason::Released => "released",
-        }
-    }
-}
-
-impl fmt::Display for LostReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            LostReason::Taken => "taken over by another holder",
-            LostReason::Deadline => "no renewal succeeded before the local deadline",
-            LostReason::Expired => "expired in the database",
-            LostReason::Released => "released by release_all",
-        })
-    }
-}
+pub use crate::lost::LostReason;
 
 /// A shareable view of a held lease: name, fencing token, lost signal, fence.
 ///
@@ -162,7 +123,7 @@ impl LeaseHandle {
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::LeaseHandle) -> Result<(), pgwarden::Error> {
-    /// let mut conn = pool.get_for(pgwarden::Lane::Request).await?;
+    /// let mut conn = pool.get_for(pgwarden::Lane::Request, None).await?;
     /// let tx = conn.transaction().await?;
     /// lease.fence(&tx).await?; // rejected if another holder took over
     /// tx.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 1", &[]).await?;

@@ -21,7 +21,7 @@ use super::statement::{FollowUp, Urgency};
 use super::table::TableName;
 use crate::error::Error;
 use crate::pool::Pool;
-use crate::pooler::Pooler;
+use crate::pooler::PoolerMode;
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
 /// a holder may release early.
@@ -138,7 +138,7 @@ impl Inner {
             return;
         }
         let pool = self.pool();
-        if pool.pooler() != Pooler::Auto {
+        if pool.pooler() != PoolerMode::Auto {
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {

@@ -13,7 +13,7 @@ use tokio_postgres::types::Type;
 
 use super::sql::{Statements, INSTALL_LOCK_KEY};
 use crate::error::Error;
-use crate::lock::xact_lock;
+use crate::lock::{xact_lock, LockMode};
 
 /// The columns pgwarden reads and writes: name, type, and whether NULL must
 /// be allowed (`prev_holder` is NULL for a new row).
@@ -166,7 +166,7 @@ impl Statements {
         let mut shape = self.shape(client).await?;
         if shape.is_missing() {
             let tx = client.transaction().await?;
-            xact_lock(&tx, INSTALL_LOCK_KEY, wait).await?;
+            xact_lock(&tx, INSTALL_LOCK_KEY, LockMode::Exclusive, Some(wait)).await?;
             // `IF NOT EXISTS`: another instance may have created it while
             // this one waited for the lock.
             tx.batch_execute(&self.ddl).await?;

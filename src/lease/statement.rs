@@ -21,7 +21,7 @@ use super::inner::Inner;
 use super::sql::Statements;
 use crate::admission::{Lane, Priority};
 use crate::error::Error;
-use crate::pool::Conn;
+use crate::pool::Client as Conn;
 
 /// How long a cancel request may take (it connects anew, and a hung server
 /// does not answer).

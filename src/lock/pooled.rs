@@ -20,7 +20,7 @@ use tokio_postgres::types::{ToSql, Type};
 use super::{lock_fn, LockKey, LockMode, Scope};
 use crate::admission::Lane;
 use crate::error::Error;
-use crate::pool::{Conn, Pool};
+use crate::pool::{Client, Pool};
 use crate::pooler::{backend_pid, Motion, MOTION_STATEMENTS};
 
 /// What a guard's statement does on the lock's backend.
@@ -95,7 +95,7 @@ fn unlock_fn(mode: LockMode) -> &'static str {
 /// backend the lock statement ran on must be the one the lock's connection
 /// showed throughout ([`Check::confirm`]).
 pub(crate) struct Check {
-    other: Conn,
+    other: Client,
     motion: Motion,
 }
 
@@ -103,7 +103,7 @@ impl Check {
     /// Probes with `lock_conn` and a control connection, within `timeout`.
     pub(crate) async fn run(
         pool: &Pool,
-        lock_conn: &Conn,
+        lock_conn: &Client,
         key: LockKey,
         site: &'static Location<'static>,
         timeout: Duration,
@@ -148,7 +148,7 @@ impl Check {
     pub(crate) async fn confirm(
         mut self,
         pool: &Pool,
-        lock_conn: &Conn,
+        lock_conn: &Client,
         key: LockKey,
         mode: LockMode,
         held_on: i32,
@@ -157,7 +157,7 @@ impl Check {
             return Ok(());
         }
         crate::pooler::proven_by_lock(pool);
-        let bound = pool.shared.opts.unlock_timeout;
+        let bound = super::unlock_timeout(pool);
         if reach(&[lock_conn, &self.other], held_on, key, mode, bound).await {
             Err(Error::BehindPooler {
                 how: "detected at the lock",

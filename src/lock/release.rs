@@ -3,33 +3,25 @@
 //! lock statement goes out until the release is confirmed, and on drop hands
 //! it to a spawned task that unlocks or closes it.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-
-use tokio::sync::OnceCell;
 
 use super::pooled::{self, Act};
 use super::{LockKey, LockMode};
 use crate::error::Error;
-use crate::pool::{Conn, Shared};
-use crate::pooler::Detection;
+use crate::pool::{Client, Shared};
 
-/// Per-pool state of the lock machinery, in [`Shared`].
+/// Per-pool tallies of the lock machinery, in the pool's extension slot.
 #[derive(Debug, Default)]
-pub(crate) struct LockShared {
+pub(crate) struct LockState {
     /// Session-lock levels held through guards (re-entries count).
     levels: AtomicUsize,
     /// Connections pinned by session-lock guards (held or being released).
     conns: AtomicUsize,
-    /// Whether the pool talks through a transaction pooler, once detected.
-    pub(crate) pooler: OnceCell<Detection>,
-    /// A session lock's own check proved a transaction pooler after
-    /// detection found none.
-    pub(crate) moved: AtomicBool,
 }
 
-impl LockShared {
+impl LockState {
     /// (levels, connections) held now.
     pub(crate) fn held(&self) -> (usize, usize) {
         (
@@ -42,14 +34,17 @@ impl LockShared {
 /// Counts one pinned connection and its levels in the gauges, until dropped.
 pub(crate) struct Tally {
     shared: Arc<Shared>,
+    state: Arc<LockState>,
     levels: usize,
 }
 
 impl Tally {
     pub(crate) fn pin(shared: &Arc<Shared>) -> Tally {
-        shared.locks.conns.fetch_add(1, Ordering::AcqRel);
+        let state = shared.ext.get::<LockState>();
+        state.conns.fetch_add(1, Ordering::AcqRel);
         let mut t = Tally {
             shared: shared.clone(),
+            state,
             levels: 0,
         };
         t.add_level();
@@ -58,20 +53,20 @@ impl Tally {
 
     pub(crate) fn add_level(&mut self) {
         self.levels += 1;
-        self.shared.locks.levels.fetch_add(1, Ordering::AcqRel);
+        self.state.levels.fetch_add(1, Ordering::AcqRel);
         self.publish();
     }
 
     pub(crate) fn remove_level(&mut self) {
         if self.levels > 0 {
             self.levels -= 1;
-            self.shared.locks.levels.fetch_sub(1, Ordering::AcqRel);
+            self.state.levels.fetch_sub(1, Ordering::AcqRel);
             self.publish();
         }
     }
 
     fn publish(&self) {
-        let (levels, conns) = self.shared.locks.held();
+        let (levels, conns) = self.state.held();
         self.shared.metrics.session_locks_held.set(levels as f64);
         self.shared
             .metrics
@@ -82,18 +77,15 @@ impl Tally {
 
 impl Drop for Tally {
     fn drop(&mut self) {
-        self.shared
-            .locks
-            .levels
-            .fetch_sub(self.levels, Ordering::AcqRel);
-        self.shared.locks.conns.fetch_sub(1, Ordering::AcqRel);
+        self.state.levels.fetch_sub(self.levels, Ordering::AcqRel);
+        self.state.conns.fetch_sub(1, Ordering::AcqRel);
         self.publish();
     }
 }
 
 /// A session-lock connection and what it may hold.
 pub(crate) struct Held {
-    conn: Option<Conn>,
+    conn: Option<Client>,
     pub(crate) key: LockKey,
     pub(crate) mode: LockMode,
     /// The session may hold an advisory lock not yet confirmed released.
@@ -106,7 +98,12 @@ pub(crate) struct Held {
 }
 
 impl Held {
-    pub(crate) fn new(conn: Conn, key: LockKey, mode: LockMode, unlock_timeout: Duration) -> Held {
+    pub(crate) fn new(
+        conn: Client,
+        key: LockKey,
+        mode: LockMode,
+        unlock_timeout: Duration,
+    ) -> Held {
         Held {
             conn: Some(conn),
             key,
@@ -118,7 +115,7 @@ impl Held {
         }
     }
 
-    pub(crate) fn conn(&self) -> &Conn {
+    pub(crate) fn conn(&self) -> &Client {
         // infallible: `conn` is Some until drop.
         self.conn.as_ref().expect("connection present until drop") // infallible
     }
@@ -238,10 +235,10 @@ impl Drop for Held {
 /// Closes its connection when dropped, unless [`DiscardOnDrop::keep`] took it
 /// back: a release task dropped unfinished (runtime shutting down) closes the
 /// connection rather than returning it.
-struct DiscardOnDrop(Option<Conn>);
+struct DiscardOnDrop(Option<Client>);
 
 impl DiscardOnDrop {
-    fn keep(&mut self) -> Option<Conn> {
+    fn keep(&mut self) -> Option<Client> {
         self.0.take()
     }
 }
@@ -258,7 +255,7 @@ impl Drop for DiscardOnDrop {
 /// backend only, once that is known (a lock statement cut off in flight
 /// leaves it unknown: then on whatever session the connection has).
 async fn unlock_all(
-    conn: &Conn,
+    conn: &Client,
     key: LockKey,
     mode: LockMode,
     lock_pid: Option<i32>,

@@ -12,7 +12,7 @@ use super::release::{Held, Tally};
 use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
 use crate::admission::Lane;
 use crate::error::Error;
-use crate::pool::{Conn, Pool};
+use crate::pool::{Client, Pool};
 
 /// A held session advisory lock: owns the connection it was taken on, for as
 /// long as it is held, and unlocks on that same connection.
@@ -34,6 +34,16 @@ use crate::pool::{Conn, Pool};
 /// [`lock_again`]: SessionLock::lock_again
 /// [`unlock_one`]: SessionLock::unlock_one
 /// [`unlock`]: SessionLock::unlock
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use pgwarden::{LockKey, LockMode};
+/// if let Some(lock) = pool.session_lock(LockKey::Single(42), LockMode::Exclusive, None).await? {
+///     lock.client().simple_query("SELECT 1").await?; // the lock's own session
+///     lock.unlock().await?;
+/// }
+/// # Ok(()) }
+/// ```
 #[must_use = "a session lock is released when its guard is dropped"]
 pub struct SessionLock {
     held: Held,
@@ -62,7 +72,7 @@ impl SessionLock {
     /// lock's session go here. Other work belongs on a request connection
     /// (`pool.get()`). Releasing the lock with raw SQL on it makes the next
     /// unlock fail with [`Error::NotOwned`].
-    pub fn conn(&self) -> &Conn {
+    pub fn client(&self) -> &Client {
         self.held.conn()
     }
 
@@ -208,7 +218,7 @@ pub(crate) async fn acquire(
     conn.set_note(Some(format!("session lock {key}")));
     // From here on the guard owns the connection: dropped at any await
     // point, it cleans up whatever the statement in flight may have taken.
-    let mut held = Held::new(conn, key, mode, pool.shared.opts.unlock_timeout);
+    let mut held = Held::new(conn, key, mode, super::unlock_timeout(pool));
     let row = match wait {
         Some(timeout) => {
             let setting = lock_timeout_setting(timeout.saturating_sub(start.elapsed()));
@@ -263,82 +273,4 @@ pub(crate) async fn acquire(
         depth: 1,
         uncertain: false,
     }))
-}
-
-impl Pool {
-    /// Takes the exclusive session advisory lock `key`, waiting up to
-    /// `timeout` in all (the checkout on [`Lane::SessionLock`], then the lock
-    /// itself, bounded by PostgreSQL's `lock_timeout`).
-    ///
-    /// The checkout is budgeted: past the session-lock budget it is refused
-    /// ([`Error::BudgetExhausted`]) or admitted with a warning, by policy.
-    /// Behind a transaction-mode pooler it is refused ([`Error::BehindPooler`]).
-    /// Not granted in time: [`Error::LockTimeout`].
-    ///
-    /// ```no_run
-    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
-    /// use std::time::Duration;
-    /// const REPORTS: pgwarden::Namespace = pgwarden::Namespace::new(3);
-    ///
-    /// let lock = pool.session_lock(REPORTS.named("monthly"), Duration::from_secs(5)).await?;
-    /// let work = pool.get().await?; // the work under the lock: a request connection
-    /// work.simple_query("SELECT 1").await?;
-    /// drop(work);
-    /// lock.unlock().await?; // reports errors; dropping the guard also unlocks
-    /// # Ok(()) }
-    /// ```
-    #[track_caller]
-    pub fn session_lock(
-        &self,
-        key: LockKey,
-        timeout: Duration,
-    ) -> impl std::future::Future<Output = Result<SessionLock, Error>> + Send + '_ {
-        let site = Location::caller();
-        async move {
-            match acquire(self, key, LockMode::Exclusive, Some(timeout), site).await? {
-                Some(lock) => Ok(lock),
-                None => Err(Error::LockTimeout { key, timeout }),
-            }
-        }
-    }
-
-    /// Takes the shared session advisory lock `key`, waiting up to `timeout`:
-    /// any number of shared holders, no exclusive one. See [`Pool::session_lock`].
-    #[track_caller]
-    pub fn session_lock_shared(
-        &self,
-        key: LockKey,
-        timeout: Duration,
-    ) -> impl std::future::Future<Output = Result<SessionLock, Error>> + Send + '_ {
-        let site = Location::caller();
-        async move {
-            match acquire(self, key, LockMode::Shared, Some(timeout), site).await? {
-                Some(lock) => Ok(lock),
-                None => Err(Error::LockTimeout { key, timeout }),
-            }
-        }
-    }
-
-    /// Tries the exclusive session advisory lock `key` without waiting for
-    /// it: `Ok(None)` when another session holds it. The checkout waits up to
-    /// the pool's wait timeout, and is budgeted as in [`Pool::session_lock`].
-    #[track_caller]
-    pub fn try_session_lock(
-        &self,
-        key: LockKey,
-    ) -> impl std::future::Future<Output = Result<Option<SessionLock>, Error>> + Send + '_ {
-        let site = Location::caller();
-        acquire(self, key, LockMode::Exclusive, None, site)
-    }
-
-    /// Tries the shared session advisory lock `key` without waiting for it;
-    /// see [`Pool::try_session_lock`].
-    #[track_caller]
-    pub fn try_session_lock_shared(
-        &self,
-        key: LockKey,
-    ) -> impl std::future::Future<Output = Result<Option<SessionLock>, Error>> + Send + '_ {
-        let site = Location::caller();
-        acquire(self, key, LockMode::Shared, None, site)
-    }
 }

@@ -14,58 +14,47 @@ use tokio_postgres::Transaction;
 use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
 use crate::error::Error;
 
-/// Takes the exclusive transaction-scoped lock `key`, waiting up to `timeout`.
+/// Takes the transaction-scoped advisory lock `key` in `mode`: tries once
+/// when `wait` is `None`, or waits up to `wait`.
+///
+/// - `Ok(true)`: granted, held until the transaction ends.
+/// - `Ok(false)`: only from a single try (`wait` is `None`): another session
+///   holds it; the transaction is not aborted.
+/// - `Err(`[`Error::LockTimeout`]`)`: a wait ran out (SQLSTATE 55P03,
+///   `lock_not_available`), and **PostgreSQL has aborted the transaction**:
+///   roll it back (dropping it does) and retry with a new one.
 ///
 /// The wait is bounded by PostgreSQL's `lock_timeout`, set for this statement
 /// only (the transaction's previous `lock_timeout` is restored once the lock
-/// is granted). Past the bound the error is [`Error::LockTimeout`]
-/// (SQLSTATE 55P03, `lock_not_available`), and **PostgreSQL has aborted the
-/// transaction**: roll it back (dropping it does) and retry with a new one.
-///
-/// Under `REPEATABLE READ` or `SERIALIZABLE` the transaction's snapshot may be
-/// taken by this very statement, before the wait: the work done under the
-/// lock would not see what the previous holder committed. Take the lock in a
-/// `READ COMMITTED` transaction, as [`crate::Pool::with_xact_lock`] does.
+/// is granted). Under `REPEATABLE READ` or `SERIALIZABLE` the transaction's
+/// snapshot may be taken by this very statement, before the wait: the work
+/// done under the lock would not see what the previous holder committed.
+/// Take the lock in a `READ COMMITTED` transaction, as
+/// [`crate::Pool::with_xact_lock`] does.
 ///
 /// ```no_run
 /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
 /// use std::time::Duration;
-/// use pgwarden::{xact_lock, Namespace};
+/// use pgwarden::{xact_lock, LockMode, Namespace};
 ///
 /// const ACCOUNTS: Namespace = Namespace::new(2);
-/// let mut conn = pool.get().await?;
-/// let tx = conn.transaction().await?;
-/// xact_lock(&tx, ACCOUNTS.key(42), Duration::from_secs(5)).await?;
+/// let mut client = pool.get().await?;
+/// let tx = client.transaction().await?;
+/// xact_lock(&tx, ACCOUNTS.key(42), LockMode::Exclusive, Some(Duration::from_secs(5))).await?;
 /// // … check, then insert: no other session that asks for (2, 42) runs here …
 /// tx.commit().await?; // the lock is released here
 /// # Ok(()) }
 /// ```
-pub async fn xact_lock(tx: &Transaction<'_>, key: LockKey, timeout: Duration) -> Result<(), Error> {
-    bounded(tx, key, LockMode::Exclusive, timeout).await
-}
-
-/// Takes the shared transaction-scoped lock `key`, waiting up to `timeout`:
-/// any number of shared holders, no exclusive one. See [`xact_lock`] for the
-/// bound and what a timeout does to the transaction.
-pub async fn xact_lock_shared(
+pub async fn xact_lock(
     tx: &Transaction<'_>,
     key: LockKey,
-    timeout: Duration,
-) -> Result<(), Error> {
-    bounded(tx, key, LockMode::Shared, timeout).await
-}
-
-/// Tries the exclusive transaction-scoped lock `key` without waiting: `true`
-/// when granted (held until the transaction ends), `false` when another
-/// session holds it (the transaction is not aborted).
-pub async fn try_xact_lock(tx: &Transaction<'_>, key: LockKey) -> Result<bool, Error> {
-    attempt(tx, key, LockMode::Exclusive).await
-}
-
-/// Tries the shared transaction-scoped lock `key` without waiting; see
-/// [`try_xact_lock`].
-pub async fn try_xact_lock_shared(tx: &Transaction<'_>, key: LockKey) -> Result<bool, Error> {
-    attempt(tx, key, LockMode::Shared).await
+    mode: LockMode,
+    wait: Option<Duration>,
+) -> Result<bool, Error> {
+    match wait {
+        Some(timeout) => bounded(tx, key, mode, timeout).await.map(|()| true),
+        None => attempt(tx, key, mode).await,
+    }
 }
 
 /// The statement of a bounded transaction-scoped lock: one round trip.

@@ -14,37 +14,9 @@ use std::collections::HashSet;
 
 use slab::Slab;
 
-use super::{Checkout, Shared, State};
+use super::shared::{Checkout, Outcome, Permit, Shared, State, Waiter};
 use crate::admission::{Answer as Admitted, Effect, Lane, Priority, Refusal, WaiterKey};
 use crate::error::{Error, Stage};
-
-/// The right to one connection of a lane: counted in the budget until dropped.
-pub(crate) struct Permit {
-    pub(super) shared: Arc<Shared>,
-    pub(super) slot: usize,
-    pub(super) lane: Lane,
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.shared.release(self.slot);
-    }
-}
-
-/// What a queued waiter is told: its permit, or why never.
-type Outcome = Result<Permit, Refusal>;
-
-/// A queued checkout, as the shell keeps it.
-pub(crate) struct Waiter {
-    /// Unique for the pool's life: the table's keys are reused, and a
-    /// waiter that gave up just as it was granted must not touch the next
-    /// waiter filed under the same key.
-    id: u64,
-    site: &'static Location<'static>,
-    /// When its checkout began: the checkout record's age until attached.
-    start: Instant,
-    tx: oneshot::Sender<Outcome>,
-}
 
 /// Removes a waiter from the queue when its checkout gives up or is dropped.
 struct WaiterGuard<'a> {
@@ -295,7 +267,7 @@ impl Shared {
         lane: Lane,
         stage: Stage,
         start: tokio::time::Instant,
-        status: super::Status,
+        status: crate::status::Status,
     ) -> Error {
         self.metrics.lane(lane).fail_timeout.increment(1);
         let waited = start.elapsed();
@@ -329,7 +301,7 @@ impl Shared {
 
     /// Returns one checkout to the budget and serves the waiters it makes
     /// room for.
-    fn release(self: &Arc<Self>, slot: usize) {
+    pub(super) fn release(self: &Arc<Self>, slot: usize) {
         let mut fired = Fired::default();
         let now = Instant::now();
         {
@@ -373,7 +345,7 @@ impl Shared {
     }
 
     /// Closes deadpool and fails every waiter.
-    pub(super) fn close(&self) {
+    pub(crate) fn close(&self) {
         self.inner.close();
         let mut gone = Vec::new();
         {

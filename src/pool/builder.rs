@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{names, Options, Pool, Shared, State};
-use crate::admission::{Lane, LaneLimits, Limits, LimitsError, Policy, MAX_POOL_SIZE};
+use super::ext::Extensions;
+use super::names;
+use super::shared::{Options, Periodic, Pool, Shared, State};
+use crate::admission::{BudgetPolicy, Lane, LaneLimits, Limits, LimitsError, MAX_POOL_SIZE};
 use crate::error::BuildError;
-use crate::lock::LockShared;
 use crate::metrics::PoolMetrics;
-use crate::pooler::Pooler;
 
 /// deadpool's create timeout on pools pgwarden builds, unless configured:
 /// a server that accepts connections but never answers fails the connect.
@@ -30,82 +30,86 @@ fn check_size(size: usize) -> Result<(), BuildError> {
     Ok(())
 }
 
-impl Pool {
-    /// Starts a builder from a deadpool-postgres [`Config`](deadpool_postgres::Config)
-    /// (no TLS, tokio runtime). Its pool size must be at most
-    /// [`MAX_POOL_SIZE`](crate::MAX_POOL_SIZE); deadpool create and recycle
-    /// timeouts left unset become 10 s and 5 s (every checkout is bounded by
-    /// its caller's bound too).
-    pub fn from_config(config: &deadpool_postgres::Config) -> Result<PoolBuilder, BuildError> {
-        let mut config = config.clone();
-        let pool = config
-            .pool
-            .get_or_insert_with(deadpool_postgres::PoolConfig::default);
-        check_size(pool.max_size)?;
-        pool.timeouts.create.get_or_insert(CREATE_TIMEOUT);
-        pool.timeouts.recycle.get_or_insert(RECYCLE_TIMEOUT);
-        let inner = config
-            .create_pool(
-                Some(deadpool_postgres::Runtime::Tokio1),
-                tokio_postgres::NoTls,
-            )
-            .map_err(|e| BuildError::Deadpool(e.to_string()))?;
-        Ok(PoolBuilder::new(inner))
-    }
-
-    /// Starts a builder from a `DATABASE_URL`-style connection string
-    /// (`postgres://…` or `host=… user=…`), no TLS, `max_size` connections
-    /// (at most [`MAX_POOL_SIZE`](crate::MAX_POOL_SIZE)), deadpool create and
-    /// recycle timeouts of 10 s and 5 s (every checkout is bounded by its
-    /// caller's bound too).
-    ///
-    /// ```
-    /// let e = pgwarden::Pool::from_url("host=/tmp", usize::MAX).unwrap_err();
-    /// assert!(e.to_string().contains("above the maximum 262143"), "{e}");
-    /// ```
-    pub fn from_url(url: &str, max_size: usize) -> Result<PoolBuilder, BuildError> {
-        check_size(max_size)?;
-        let pg: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
-            // The parser's reason is the source ("invalid value for option
-            // `port`", "unexpected EOF"…); the error itself only says
-            // "invalid connection string".
-            BuildError::InvalidUrl(match std::error::Error::source(&e) {
-                Some(reason) => crate::error::Chain(reason).to_string(),
-                None => e.to_string(),
-            })
-        })?;
-        let mgr = deadpool_postgres::Manager::from_config(
-            pg,
+/// A deadpool pool from a deadpool-postgres config (no TLS, tokio runtime),
+/// its create and recycle timeouts defaulted.
+pub(crate) fn config_pool(
+    config: &deadpool_postgres::Config,
+) -> Result<deadpool_postgres::Pool, BuildError> {
+    let mut config = config.clone();
+    let pool = config
+        .pool
+        .get_or_insert_with(deadpool_postgres::PoolConfig::default);
+    check_size(pool.max_size)?;
+    pool.timeouts.create.get_or_insert(CREATE_TIMEOUT);
+    pool.timeouts.recycle.get_or_insert(RECYCLE_TIMEOUT);
+    let inner = config
+        .create_pool(
+            Some(deadpool_postgres::Runtime::Tokio1),
             tokio_postgres::NoTls,
-            deadpool_postgres::ManagerConfig {
-                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-            },
-        );
-        let inner = deadpool_postgres::Pool::builder(mgr)
-            .max_size(max_size)
-            .create_timeout(Some(CREATE_TIMEOUT))
-            .recycle_timeout(Some(RECYCLE_TIMEOUT))
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .build()
-            .map_err(|e| BuildError::Deadpool(e.to_string()))?;
-        Ok(PoolBuilder::new(inner))
-    }
+        )
+        .map_err(|e| BuildError::Deadpool(e.to_string()))?;
+    Ok(inner)
+}
+
+/// A deadpool pool from a connection string, no TLS, timeouts defaulted.
+pub(crate) fn url_pool(url: &str, max_size: usize) -> Result<deadpool_postgres::Pool, BuildError> {
+    check_size(max_size)?;
+    let pg: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
+        // The parser's reason is the source ("invalid value for option
+        // `port`", "unexpected EOF"…); the error itself only says
+        // "invalid connection string".
+        BuildError::InvalidUrl(match std::error::Error::source(&e) {
+            Some(reason) => crate::error::Chain(reason).to_string(),
+            None => e.to_string(),
+        })
+    })?;
+    let mgr = deadpool_postgres::Manager::from_config(
+        pg,
+        tokio_postgres::NoTls,
+        deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        },
+    );
+    let inner = deadpool_postgres::Pool::builder(mgr)
+        .max_size(max_size)
+        .create_timeout(Some(CREATE_TIMEOUT))
+        .recycle_timeout(Some(RECYCLE_TIMEOUT))
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()
+        .map_err(|e| BuildError::Deadpool(e.to_string()))?;
+    Ok(inner)
 }
 
 /// Builds a [`Pool`] over a deadpool pool. Every setting has a default.
+///
+/// ```no_run
+/// # fn demo() -> Result<(), pgwarden::BuildError> {
+/// use std::time::Duration;
+/// use pgwarden::{BudgetPolicy, Lane, Pool};
+/// let pool = Pool::from_url("postgres://app@db/app", 16)?
+///     .name("app")
+///     .lane(Lane::SessionLock, 0, 4)
+///     .policy(BudgetPolicy::Refuse)
+///     .wait_timeout(Duration::from_secs(5))
+///     .build()?;
+/// # Ok(()) }
+/// ```
 #[must_use = "builder does nothing until .build()"]
 #[derive(Debug)]
 pub struct PoolBuilder {
     inner: deadpool_postgres::Pool,
     name: Option<String>,
     lanes: [Option<LaneLimits>; Lane::COUNT],
-    policy: Policy,
+    policy: BudgetPolicy,
     wait_timeout: Option<Duration>,
     long_hold: Duration,
     housekeeping: Duration,
-    census_interval: Option<Duration>,
-    pooler: Pooler,
-    unlock_timeout: Duration,
+    /// Settings of the layers above (pooler mode, unlock bound…), by type.
+    ext: Extensions,
+    /// Periodic work of the layers above (the census), one per name.
+    periodic: Vec<Arc<dyn Periodic>>,
+    /// A setting of a layer above that cannot work, reported by `build`.
+    invalid: Vec<(&'static str, BuildError)>,
 }
 
 impl PoolBuilder {
@@ -114,14 +118,36 @@ impl PoolBuilder {
             inner,
             name: None,
             lanes: [None; Lane::COUNT],
-            policy: Policy::Refuse,
+            policy: BudgetPolicy::Refuse,
             wait_timeout: None,
             long_hold: Duration::from_secs(30),
             housekeeping: Duration::from_secs(1),
-            census_interval: Some(Duration::from_secs(60)),
-            pooler: Pooler::Auto,
-            unlock_timeout: Duration::from_secs(5),
+            ext: Extensions::default(),
+            periodic: Vec::new(),
+            invalid: Vec::new(),
         }
+    }
+
+    /// A layer above sets its per-pool setting (one value per type).
+    pub(crate) fn set_ext<T: std::any::Any + Send + Sync>(mut self, value: T) -> Self {
+        self.ext.set(value);
+        self
+    }
+
+    /// A layer above plugs in (`Some`) or removes (`None`) its periodic
+    /// work, by name.
+    pub(crate) fn periodic(mut self, name: &str, hook: Option<Arc<dyn Periodic>>) -> Self {
+        self.periodic.retain(|h| h.name() != name);
+        self.periodic.extend(hook);
+        self
+    }
+
+    /// A layer above reports whether its `setting` can work (`None`: it
+    /// can); `build` returns the first one that cannot.
+    pub(crate) fn invalid(mut self, setting: &'static str, e: Option<BuildError>) -> Self {
+        self.invalid.retain(|(s, _)| *s != setting);
+        self.invalid.extend(e.map(|e| (setting, e)));
+        self
     }
 
     /// The pool's name in logs and metric labels: 1 to 64 characters of
@@ -134,21 +160,48 @@ impl PoolBuilder {
         self
     }
 
-    /// One lane's reservation and maximum. Default: see [`Limits::defaults`].
+    /// One lane's reservation and maximum. The defaults for a pool of `size`
+    /// connections (2 to 262 143):
+    ///
+    /// | lane | reserved | max |
+    /// |---|---|---|
+    /// | request | 1 (0 when `size` is 2) | `size - 1` |
+    /// | session lock | 0 | `min(max(1, size / 4), size - 2)` |
+    /// | control | 0 | 1 |
+    /// | probe | 1 | 1 |
+    /// | lease | 0 | `min(max(2, size / 4), 4)` |
+    ///
+    /// The default policy is [`BudgetPolicy::Refuse`].
+    ///
+    /// - No lane but the probe may take the probe's reserve.
+    /// - The request reserve is for the work under held session locks; short
+    ///   statements (control, the probe beyond its own reserve, lease renewals
+    ///   and releases) may borrow it for a moment, session locks and lease
+    ///   acquisitions may not.
+    /// - In the lease lane, renewals and releases go before acquisitions and
+    ///   every other waiter, and acquisitions hold at most `max - 1`
+    ///   connections (a lease reservation, when set, is theirs alone).
+    /// - A pool of 2 has the probe reserve and one shared connection: request
+    ///   work, control and lease statements take turns on it, and it has no
+    ///   session-lock budget. A pool of 3 has a session-lock budget of 1.
+    ///
+    ///
+    /// ```no_run
+    /// # fn demo() -> Result<(), pgwarden::BuildError> {
+    /// use pgwarden::{Lane, Pool};
+    /// let pool = Pool::from_url("postgres://app@db/app", 16)?
+    ///     .lane(Lane::SessionLock, 0, 2) // at most 2 connections pinned by session locks
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
     pub fn lane(mut self, lane: Lane, reserved: usize, max: usize) -> Self {
         self.lanes[lane.idx()] = Some(LaneLimits { reserved, max });
         self
     }
 
-    /// The most connections session locks may pin.
-    /// Default: `min(max(1, N / 4), N - 2)` (0 for a pool of 2).
-    pub fn session_lock_max(mut self, max: usize) -> Self {
-        self.lanes[Lane::SessionLock.idx()] = Some(LaneLimits { reserved: 0, max });
-        self
-    }
-
-    /// What a session-lock checkout past its budget gets. Default: [`Policy::Refuse`].
-    pub fn policy(mut self, policy: Policy) -> Self {
+    /// What a session-lock checkout past its budget gets. Default:
+    /// [`BudgetPolicy::Refuse`].
+    pub fn policy(mut self, policy: BudgetPolicy) -> Self {
         self.policy = policy;
         self
     }
@@ -172,30 +225,6 @@ impl PoolBuilder {
     /// the gauges; above zero. Default: 1 s.
     pub fn housekeeping_interval(mut self, every: Duration) -> Self {
         self.housekeeping = every;
-        self
-    }
-
-    /// How often the periodic census of `pg_locks` runs (in its own task);
-    /// `None` turns it off; above zero. Default: 60 s.
-    pub fn census_interval(mut self, every: Option<Duration>) -> Self {
-        self.census_interval = every;
-        self
-    }
-
-    /// Whether the pool talks through a transaction-mode pooler: behind one
-    /// ([`Pooler::Transaction`]) session locks are refused. Default:
-    /// [`Pooler::Auto`], detected at the first session lock or by
-    /// [`Pool::detect_pooler`].
-    pub fn pooler(mut self, pooler: Pooler) -> Self {
-        self.pooler = pooler;
-        self
-    }
-
-    /// How long a session lock dropped without `unlock` (or cancelled while
-    /// acquiring) may take to confirm its release before its connection is
-    /// closed instead of returned (zero: always closed). Default: 5 s.
-    pub fn unlock_timeout(mut self, bound: Duration) -> Self {
-        self.unlock_timeout = bound;
         self
     }
 
@@ -225,7 +254,7 @@ impl PoolBuilder {
     /// Validates every setting and builds the pool. Call inside a tokio
     /// runtime to start the housekeeping task at once (otherwise it starts at
     /// the first checkout).
-    pub fn build(self) -> Result<Pool, BuildError> {
+    pub fn build(mut self) -> Result<Pool, BuildError> {
         if let Some(name) = &self.name {
             let valid = !name.is_empty()
                 && name.len() <= 64
@@ -248,8 +277,8 @@ impl PoolBuilder {
             }
         };
         positive("housekeeping_interval", self.housekeeping)?;
-        if let Some(every) = self.census_interval {
-            positive("census_interval", every)?;
+        if let Some((_, e)) = self.invalid.drain(..).next() {
+            return Err(e);
         }
         if self.inner.is_closed() {
             return Err(BuildError::DeadpoolClosed);
@@ -285,12 +314,10 @@ impl PoolBuilder {
                 wait_timeout,
                 long_hold: self.long_hold,
                 housekeeping: self.housekeeping,
-                census_interval: self.census_interval,
-                pooler: self.pooler,
-                unlock_timeout: self.unlock_timeout,
             },
             metrics,
-            locks: LockShared::default(),
+            ext: self.ext,
+            periodic: self.periodic,
             housekeeping_started: AtomicBool::new(false),
             resize_warned: AtomicBool::new(false),
             #[cfg(test)]

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
-use super::admission::Permit;
+use super::client::Client;
 use super::deadline::{bounded, deadline};
-use super::{Conn, IdSet, Known, Pool, Shared};
+use super::shared::{IdSet, Known, Permit, Pool, Shared};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, Stage};
 
@@ -33,7 +33,7 @@ impl Pool {
         lane: Lane,
         site: &'static Location<'static>,
         timeout: Duration,
-    ) -> impl Future<Output = Result<Conn, Error>> + Send + '_ {
+    ) -> impl Future<Output = Result<Client, Error>> + Send + '_ {
         self.checkout_with(lane, Priority::Normal, site, timeout)
     }
 
@@ -44,7 +44,7 @@ impl Pool {
         prio: Priority,
         site: &'static Location<'static>,
         timeout: Duration,
-    ) -> Result<Conn, Error> {
+    ) -> Result<Client, Error> {
         let shared = &self.shared;
         shared.ensure_housekeeping();
         let start = tokio::time::Instant::now();
@@ -139,7 +139,7 @@ impl Pool {
                     .saturating_duration_since(start.into_std())
                     .as_secs_f64(),
             );
-            return Ok(Conn {
+            return Ok(Client {
                 obj: Some(obj),
                 permit,
                 pid,

@@ -75,7 +75,8 @@ impl Deadline {
     }
 
     /// When the work must be done by.
-    pub fn instant(&self) -> Instant {
+    #[cfg(test)]
+    pub(crate) fn instant(&self) -> Instant {
         self.at
     }
 
@@ -94,7 +95,7 @@ impl Deadline {
     /// The tighter of two deadlines: the earlier instant, the smaller
     /// per-checkout maximum.
     #[must_use]
-    pub fn min(self, other: Deadline) -> Deadline {
+    pub(crate) fn min(self, other: Deadline) -> Deadline {
         Deadline {
             at: self.at.min(other.at),
             max_wait: match (self.max_wait, other.max_wait) {

@@ -1,6 +1,6 @@
 //! Housekeeping, which cannot die: one task per pool for the oldest-hold
 //! gauges, long-hold warnings and the republished lane and connection
-//! gauges, and another for the periodic census. Every pass runs under
+//! gauges, and one for each layer's periodic work (the census). Every pass runs under
 //! `catch_unwind`: a panic is logged, counted
 //! (`pgwarden_housekeeping_panics_total`) and the task goes on. All their
 //! duration arithmetic saturates.
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 
 use super::deadline::deadline;
-use super::{Pool, Shared};
+use super::shared::{Periodic, Pool, Shared};
 use crate::admission::Lane;
 
 impl Shared {
@@ -24,8 +24,8 @@ impl Shared {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             if !self.housekeeping_started.swap(true, Ordering::AcqRel) {
                 rt.spawn(housekeeping(Arc::downgrade(self), self.opts.housekeeping));
-                if let Some(every) = self.opts.census_interval {
-                    rt.spawn(census(Arc::downgrade(self), every));
+                for hook in &self.periodic {
+                    rt.spawn(periodic(Arc::downgrade(self), hook.clone()));
                 }
             }
         }
@@ -125,9 +125,11 @@ async fn housekeeping(shared: Weak<Shared>, every: Duration) {
     }
 }
 
-/// The periodic census, in its own task: a slow `pg_locks` never delays the
-/// housekeeping pass, and each census is bounded.
-async fn census(weak: Weak<Shared>, every: Duration) {
+/// A layer's periodic work (the census), in its own task: a slow pass never
+/// delays the housekeeping pass, and each pass is bounded.
+async fn periodic(weak: Weak<Shared>, hook: Arc<dyn Periodic>) {
+    let every = hook.every();
+    let name = hook.name();
     while let Some(shared) = tick(&weak, every).await {
         let bound = shared
             .opts
@@ -136,14 +138,14 @@ async fn census(weak: Weak<Shared>, every: Duration) {
         let pool = Pool {
             shared: shared.clone(),
         };
-        let pass = tokio::time::timeout(bound, pool.census_sweep());
+        let pass = tokio::time::timeout(bound, hook.pass(pool));
         match AssertUnwindSafe(pass).catch_unwind().await {
-            Ok(Ok(Ok(_))) => {}
-            Ok(Ok(Err(e))) => tracing::warn!(pool = %shared.name, error = %e, "census failed"),
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(pool = %shared.name, error = %e, "{name} failed"),
             Ok(Err(_)) => {
-                tracing::warn!(pool = %shared.name, ?bound, "census did not finish in time")
+                tracing::warn!(pool = %shared.name, ?bound, "{name} did not finish in time")
             }
-            Err(panic) => shared.panicked("census", &*panic),
+            Err(panic) => shared.panicked(name, &*panic),
         }
     }
 }

@@ -11,9 +11,8 @@ use futures_util::FutureExt;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::time::Instant;
 
-use super::admission::Permit;
 use super::deadline::deadline;
-use super::Pool;
+use super::shared::{Permit, Pool};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, Stage};
 
@@ -35,9 +34,8 @@ fn pool(size: usize) -> (Pool, Snapshotter) {
     let recorder = DebuggingRecorder::new();
     let snap = recorder.snapshotter();
     let pool = metrics::with_local_recorder(&recorder, || {
-        Pool::builder(nowhere(size))
-            .pooler(crate::Pooler::Direct)
-            .census_interval(None)
+        // The pool core alone: no census, no layer above.
+        super::PoolBuilder::new(nowhere(size))
             .housekeeping_interval(Duration::from_secs(1))
             .build()
             .unwrap()

@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, Lane, LeaseHandle, LostReason, Pool, Pooler};
+use pgwarden::{Error, Lane, LeaseHandle, LostReason, Pool, PoolerMode};
 use pgwarden_testing::{Cluster, Replication};
 use tokio_postgres::Client;
 
@@ -20,7 +20,7 @@ pub fn service_pool(cluster: &Cluster, db: &str, app: &str, size: usize) -> Pool
     let inner = pgwarden_testing::deadpool(config, size).expect("deadpool");
     Pool::builder(inner)
         .name(app)
-        .pooler(Pooler::Direct)
+        .pooler(PoolerMode::Direct)
         .wait_timeout(STEP)
         .census_interval(None)
         .build()
@@ -82,7 +82,7 @@ pub enum WriteError {
 /// commits. Bounded by [`STEP`] in all.
 pub async fn fenced_write(pool: &Pool, lease: &LeaseHandle, seq: i32) -> Result<Row, WriteError> {
     let write = async {
-        let mut conn = pool.timeout_get_for(Lane::Request, STEP).await?;
+        let mut conn = pool.get_for(Lane::Request, Some(STEP)).await?;
         let tx = conn.transaction().await?;
         lease.fence(&tx).await?;
         let n: i64 = tx

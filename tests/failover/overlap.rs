@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{LeaseHandle, LeaseOptions, Leases, LostReason, Pool, Pooler};
+use pgwarden::{LeaseHandle, LeaseOptions, Leases, LostReason, Pool, PoolerMode};
 use pgwarden_testing::{within, Replication};
 
 use super::common::{cluster, fenced_write, lease_row, service_pool, until, WriteError, STEP};
@@ -26,7 +26,7 @@ async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline() {
     let inner = pgwarden_testing::deadpool(cluster.primary().pg_config(&db), 3).unwrap();
     let pool_a = Pool::builder(inner)
         .name("holder-a")
-        .pooler(Pooler::Direct)
+        .pooler(PoolerMode::Direct)
         .wait_timeout(STEP)
         .build()
         .unwrap();

@@ -98,7 +98,7 @@ pub async fn run() -> Outcome {
     let long_id = (long.term().holder.clone(), long.term().token);
     let short_id = (short.term().holder.clone(), short.term().token);
     let lock = svc
-        .try_session_lock(LockKey::Single(KEY))
+        .session_lock(LockKey::Single(KEY), pgwarden::LockMode::Exclusive, None)
         .await
         .unwrap()
         .expect("session lock");
@@ -204,7 +204,8 @@ pub async fn run() -> Outcome {
     };
 
     // ---- the session lock held at the crash ----
-    let (classid, objid, objsubid) = LockKey::Single(KEY).to_pg_locks();
+    // pg_locks shows a bigint key as (high 32 bits, low 32 bits, 1).
+    let (classid, objid, objsubid) = ((KEY >> 32) as u32, KEY as u32, 1_i16);
     let lock_rows_on_new_primary: i64 = new
         .query_one(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \

@@ -92,31 +92,50 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
         // with a wait (2 s) longer than the unlock timeout: closed.
         0 => {
             let within = Duration::from_micros(rng.gen_range(0..3000));
-            tokio::time::timeout(within, pool.session_lock(CONTENDED, Duration::from_secs(2)))
-                .await
-                .ok()
+            tokio::time::timeout(
+                within,
+                wait_lock(
+                    pool,
+                    CONTENDED,
+                    pgwarden::LockMode::Exclusive,
+                    Duration::from_secs(2),
+                ),
+            )
+            .await
+            .ok()
         }
         // Cancelled by a tiny timeout, at whatever point it reached.
         1..=8 => {
             let within = Duration::from_micros(rng.gen_range(0..1500));
             let fut = if rng.gen_bool(0.25) {
-                pool.session_lock_shared(key, wait).boxed()
+                wait_lock(pool, key, pgwarden::LockMode::Shared, wait).boxed()
             } else {
-                pool.session_lock(key, wait).boxed()
+                wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait).boxed()
             };
             tokio::time::timeout(within, fut).await.ok()
         }
         // Polled a few times, then dropped.
-        9..=12 => poll_then_drop(pool.session_lock(key, wait), rng.gen_range(1..6)).await,
-        13..=15 => Some(match pool.try_session_lock(key).await {
-            Ok(Some(l)) => Ok(l),
-            Ok(None) => Err(Error::LockTimeout {
-                key,
-                timeout: Duration::ZERO,
-            }),
-            Err(e) => Err(e),
-        }),
-        _ => Some(pool.session_lock(key, wait).await),
+        9..=12 => {
+            poll_then_drop(
+                wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait),
+                rng.gen_range(1..6),
+            )
+            .await
+        }
+        13..=15 => Some(
+            match pool
+                .session_lock(key, pgwarden::LockMode::Exclusive, None)
+                .await
+            {
+                Ok(Some(l)) => Ok(l),
+                Ok(None) => Err(Error::LockTimeout {
+                    key,
+                    timeout: Duration::ZERO,
+                }),
+                Err(e) => Err(e),
+            },
+        ),
+        _ => Some(wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait).await),
     }
 }
 
@@ -129,7 +148,7 @@ async fn worker(pool: Pool, seed: u64) -> Tally {
             None => t.cancelled += 1,
             Some(Ok(lock)) => {
                 t.granted += 1;
-                assert_eq!(lock.conn().lane(), Lane::SessionLock);
+                assert_eq!(lock.client().lane(), Lane::SessionLock);
                 finish(lock, &mut rng).await;
             }
             Some(Err(e)) if e.is_lock_timeout() => t.not_granted += 1,
@@ -168,7 +187,7 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
         .get(0);
     let pool = builder(&db, 6)
         .name("thousand")
-        .session_lock_max(4)
+        .lane(Lane::SessionLock, 0, 4)
         .unlock_timeout(Duration::from_millis(300))
         .build()
         .unwrap();
@@ -211,13 +230,13 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
     let mut held = Vec::new();
     for _ in 0..5 {
         held.push(
-            pool.timeout_get_for(Lane::Request, Duration::from_secs(2))
+            pool.get_for(Lane::Request, Some(Duration::from_secs(2)))
                 .await
                 .unwrap(),
         );
     }
     held.push(
-        pool.timeout_get_for(Lane::Probe, Duration::from_secs(2))
+        pool.get_for(Lane::Probe, Some(Duration::from_secs(2)))
             .await
             .unwrap(),
     );
@@ -246,4 +265,17 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
         "cancelled waits outlasting the unlock timeout were closed"
     );
     assert_eq!(failed, 0, "no release statement failed");
+}
+
+/// A waiting session lock: granted, or an error (a wait never answers
+/// `None`: a wait that runs out is a `LockTimeout`).
+async fn wait_lock(
+    pool: &Pool,
+    key: LockKey,
+    mode: pgwarden::LockMode,
+    wait: Duration,
+) -> Result<SessionLock, Error> {
+    pool.session_lock(key, mode, Some(wait))
+        .await?
+        .ok_or(Error::LockTimeout { key, timeout: wait })
 }

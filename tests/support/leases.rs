@@ -5,7 +5,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use pgwarden::{LeaseOptions, Leases, Pool, Pooler};
+use pgwarden::{LeaseOptions, Leases, Pool, PoolerMode};
 use pgwarden_testing::TestDb;
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
@@ -18,7 +18,7 @@ pub fn pool(db: &TestDb, size: usize, app: &str) -> Pool {
 
 /// The same, connecting with `config` (another user, PgBouncer).
 pub fn pool_with(config: tokio_postgres::Config, size: usize, app: &str) -> Pool {
-    pool_behind(config, size, app, Pooler::Auto)
+    pool_behind(config, size, app, PoolerMode::Auto)
 }
 
 /// The same, its pooler configured as `pooler` (`Auto`: detected).
@@ -26,14 +26,14 @@ pub fn pool_behind(
     mut config: tokio_postgres::Config,
     size: usize,
     app: &str,
-    pooler: Pooler,
+    pooler: PoolerMode,
 ) -> Pool {
     config.application_name(app);
     let inner = pgwarden_testing::deadpool(config, size).expect("deadpool");
     let mut builder = Pool::builder(inner)
         .name(app)
         .wait_timeout(Duration::from_secs(5));
-    if pooler != Pooler::Auto {
+    if pooler != PoolerMode::Auto {
         builder = builder.pooler(pooler);
     }
     builder.build().expect("pgwarden pool")

@@ -48,7 +48,7 @@ pub async fn db() -> TestDb {
 /// periodic census, housekeeping on demand only.
 pub fn builder(db: &TestDb, size: usize) -> PoolBuilder {
     Pool::builder(db.deadpool(size).expect("deadpool"))
-        .pooler(pgwarden::Pooler::Direct)
+        .pooler(pgwarden::PoolerMode::Direct)
         .wait_timeout(Duration::from_secs(5))
         .housekeeping_interval(Duration::from_secs(3600))
         .census_interval(None)

@@ -1,4 +1,4 @@
-//! [`Conn`]: a checked-out connection.
+//! [`Client`]: a checked-out connection.
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -7,15 +7,26 @@ use std::time::Instant;
 
 use deadpool_postgres::Object;
 
-use super::admission::Permit;
-use super::{ObjectId, Pool};
+use super::shared::{ObjectId, Permit};
 use crate::admission::Lane;
 
 /// A checked-out connection. Derefs to [`deadpool_postgres::Client`], so code
 /// written against deadpool runs unchanged; returns to the pool on drop.
 ///
 /// Knows its lane, its backend pid, where it was checked out and since when.
-pub struct Conn {
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), Box<dyn std::error::Error>> {
+/// use pgwarden::{Client, Pool};
+///
+/// async fn count(client: &Client) -> Result<i64, tokio_postgres::Error> {
+///     Ok(client.query_one("SELECT count(*) FROM jobs", &[]).await?.get(0))
+/// }
+/// let client = pool.get().await?;
+/// println!("{} jobs, pid {}, lane {}", count(&client).await?, client.pid(), client.lane());
+/// # Ok(()) }
+/// ```
+pub struct Client {
     // Field order matters: the object goes back to deadpool before the permit
     // is released, so an admitted checkout never waits inside deadpool.
     pub(super) obj: Option<deadpool_postgres::Client>,
@@ -26,7 +37,7 @@ pub struct Conn {
     pub(super) object: ObjectId,
 }
 
-impl Conn {
+impl Client {
     /// The lane it was checked out on.
     pub fn lane(&self) -> Lane {
         self.permit.lane
@@ -46,13 +57,6 @@ impl Conn {
     /// When it was checked out.
     pub fn since(&self) -> Instant {
         self.since
-    }
-
-    /// The pool it came from.
-    pub fn pool(&self) -> Pool {
-        Pool {
-            shared: self.permit.shared.clone(),
-        }
     }
 
     /// Closes the physical connection instead of returning it to the pool:
@@ -91,27 +95,27 @@ impl Conn {
     }
 }
 
-impl Deref for Conn {
+impl Deref for Client {
     type Target = deadpool_postgres::Client;
     fn deref(&self) -> &Self::Target {
         self.client()
     }
 }
 
-impl DerefMut for Conn {
+impl DerefMut for Client {
     fn deref_mut(&mut self) -> &mut Self::Target {
         // infallible: `obj` is Some until drop or `discard`, which consume self.
         self.obj.as_mut().expect("connection present until drop") // infallible
     }
 }
 
-impl AsRef<deadpool_postgres::Client> for Conn {
+impl AsRef<deadpool_postgres::Client> for Client {
     fn as_ref(&self) -> &deadpool_postgres::Client {
         self.client()
     }
 }
 
-impl Drop for Conn {
+impl Drop for Client {
     fn drop(&mut self) {
         if let Some(obj) = &self.obj {
             let shared = &self.permit.shared;
@@ -129,9 +133,9 @@ impl Drop for Conn {
     }
 }
 
-impl fmt::Debug for Conn {
+impl fmt::Debug for Client {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Conn")
+        f.debug_struct("Client")
             .field("lane", &self.permit.lane)
             .field("pid", &self.pid)
             .field("site", &format_args!("{}", self.site))

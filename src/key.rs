@@ -35,16 +35,11 @@ pub enum LockKey {
 }
 
 impl LockKey {
-    /// A named key: `Pair(namespace, fnv1a32(name))`, see [`Namespace::named`].
-    pub fn named(namespace: Namespace, name: &str) -> LockKey {
-        namespace.named(name)
-    }
-
     /// Decodes a key from `pg_locks` (`classid`, `objid`, `objsubid`):
     /// a `bigint` key has `classid` = its high 32 bits, `objid` = its low 32
     /// bits and `objsubid` = 1; a pair has `classid` = the first key, `objid` =
     /// the second and `objsubid` = 2. `None` for any other `objsubid`.
-    pub fn from_pg_locks(classid: u32, objid: u32, objsubid: i16) -> Option<LockKey> {
+    pub(crate) fn from_pg_locks(classid: u32, objid: u32, objsubid: i16) -> Option<LockKey> {
         match objsubid {
             1 => Some(LockKey::Single(
                 ((u64::from(classid) << 32) | u64::from(objid)) as i64,
@@ -55,7 +50,8 @@ impl LockKey {
     }
 
     /// The key as it appears in `pg_locks`: (`classid`, `objid`, `objsubid`).
-    pub fn to_pg_locks(self) -> (u32, u32, i16) {
+    #[cfg(test)]
+    pub(crate) fn to_pg_locks(self) -> (u32, u32, i16) {
         match self {
             LockKey::Single(k) => ((k as u64 >> 32) as u32, k as u64 as u32, 1),
             LockKey::Pair(a, b) => (a as u32, b as u32, 2),
@@ -108,13 +104,20 @@ impl From<(i32, i32)> for LockKey {
 ///
 /// Declare each namespace once, as a named constant, in one place of the
 /// application: `pub const BILLING: Namespace = Namespace::new(1);`.
+///
+/// ```
+/// use pgwarden::{LockKey, Namespace};
+/// const BILLING: Namespace = Namespace::new(1);
+/// assert_eq!(BILLING.key(7), LockKey::Pair(1, 7));
+/// assert_eq!(BILLING.id(), 1);
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Namespace(i32);
 
 impl Namespace {
     /// pgwarden's own namespace (`0x7067_7764`, "pgwd" in ASCII), used by
     /// [`crate::Pool::run_once`]. Do not declare it in an application.
-    pub const PGWARDEN: Namespace = Namespace(0x7067_7764);
+    pub(crate) const PGWARDEN: Namespace = Namespace(0x7067_7764);
 
     /// A namespace with the given number.
     pub const fn new(id: i32) -> Namespace {
@@ -150,7 +153,7 @@ impl fmt::Display for Namespace {
 }
 
 /// 32-bit FNV-1a: offset basis `0x811c9dc5`, prime `0x01000193`.
-pub const fn fnv1a32(bytes: &[u8]) -> u32 {
+pub(crate) const fn fnv1a32(bytes: &[u8]) -> u32 {
     let mut h: u32 = 0x811c_9dc5;
     let mut i = 0;
     while i < bytes.len() {
@@ -159,6 +162,53 @@ pub const fn fnv1a32(bytes: &[u8]) -> u32 {
         i += 1;
     }
     h
+}
+
+/// Exclusive or shared: one holder, or many readers and no writer.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use pgwarden::{LockKey, LockMode};
+/// // Many readers at once; a writer waits for them all.
+/// let read = pool.session_lock(LockKey::Single(1), LockMode::Shared, None).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum LockMode {
+    /// One holder at a time (`pg_advisory_lock`); `ExclusiveLock` in `pg_locks`.
+    Exclusive,
+    /// Any number of shared holders, no exclusive one
+    /// (`pg_advisory_lock_shared`); `ShareLock` in `pg_locks`.
+    Shared,
+}
+
+impl LockMode {
+    /// The mode as `pg_locks.mode` names it.
+    #[cfg(test)]
+    pub(crate) const fn pg_mode(self) -> &'static str {
+        match self {
+            LockMode::Exclusive => "ExclusiveLock",
+            LockMode::Shared => "ShareLock",
+        }
+    }
+
+    /// Reads `pg_locks.mode`.
+    pub(crate) fn from_pg_mode(mode: &str) -> Option<LockMode> {
+        match mode {
+            "ExclusiveLock" => Some(LockMode::Exclusive),
+            "ShareLock" => Some(LockMode::Shared),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for LockMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LockMode::Exclusive => "exclusive",
+            LockMode::Shared => "shared",
+        })
+    }
 }
 
 #[cfg(test)]
@@ -181,7 +231,6 @@ mod tests {
         const KEY: LockKey = BILLING.named("foobar");
         assert_eq!(KEY, LockKey::Pair(1, 0xbf9c_f968_u32 as i32));
         assert_eq!(KEY, LockKey::Pair(1, -1_080_231_576));
-        assert_eq!(LockKey::named(BILLING, "foobar"), KEY);
         assert_ne!(Namespace::new(2).named("foobar"), KEY);
     }
 

@@ -1,0 +1,45 @@
+//! [`LostReason`]: why a lease holder stopped trusting its lease (plain
+//! data; errors carry it, and `pgwarden::lease` re-exports it).
+
+use std::fmt;
+
+/// Why a holder stopped trusting its lease.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LostReason {
+    /// A renewal, release or fence found the row gone or in another term:
+    /// another holder took it over.
+    Taken,
+    /// No renewal succeeded before the local deadline (start of the last
+    /// successful renewal + TTL − safety margin): the database may let
+    /// another holder in soon, so this one stops trusting it now.
+    Deadline,
+    /// A fence found the term still ours but expired in the database.
+    Expired,
+    /// [`Leases::release_all`](crate::Leases::release_all) released it while
+    /// its guard was still alive.
+    Released,
+}
+
+impl LostReason {
+    /// The reason as used in logs and metric labels.
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            LostReason::Taken => "taken",
+            LostReason::Deadline => "deadline",
+            LostReason::Expired => "expired",
+            LostReason::Released => "released",
+        }
+    }
+}
+
+impl fmt::Display for LostReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LostReason::Taken => "taken over by another holder",
+            LostReason::Deadline => "no renewal succeeded before the local deadline",
+            LostReason::Expired => "expired in the database",
+            LostReason::Released => "released by release_all",
+        })
+    }
+}
