@@ -1,4 +1,4 @@
-//! The seed's incident, both ways, as assertions.
+//! The incident, both ways, as assertions.
 
 #[path = "../examples/incident/scenarios.rs"]
 #[allow(dead_code)]

@@ -1,4 +1,4 @@
-//! The seed's incident, reproduced both ways: four background jobs holding
+//! The incident pgwarden exists for, reproduced both ways: four background jobs holding
 //! session advisory locks on a pool of four, with raw deadpool and with
 //! pgwarden's budgeted session locks (refuse and warn); then the same four
 //! jobs on pgwarden's table leases, which hold no connection.

@@ -1,4 +1,4 @@
-//! The seed's incident, scenario by scenario: shared by `examples/incident`
+//! The incident, scenario by scenario: shared by `examples/incident`
 //! and `tests/incident.rs`.
 
 use std::fmt;
@@ -11,9 +11,9 @@ use pgwarden_testing::TestDb;
 /// The application's lock namespace for its background jobs, declared once.
 pub const JOBS_NS: Namespace = Namespace::new(1);
 
-/// The four background jobs of the seed: three cluster-wide, one per node.
+/// Four background jobs of a typical service: three cluster-wide, one per node.
 pub const JOBS: [&str; 4] = ["cleanup", "alerts", "mail-checks", "uptime-node-a"];
-/// The pool size of the seed's instance.
+/// The pool size of the instance that left rotation.
 pub const POOL_SIZE: usize = 4;
 /// The readiness probe's bound.
 pub const PROBE_BOUND: Duration = Duration::from_secs(1);
@@ -98,7 +98,7 @@ impl fmt::Display for Table<'_> {
 }
 
 /// Raw deadpool, max size 4: each job takes `pg_try_advisory_lock` and keeps
-/// its connection, as the seed's old `TryExclusive` did.
+/// its connection, as a hand-written "try exclusive" helper does.
 pub async fn raw_deadpool(db: &TestDb) -> Result<Outcome, BoxError> {
     let pool = db.deadpool(POOL_SIZE)?;
     let mut out = Outcome::new(format!("raw deadpool, pool {POOL_SIZE}"));

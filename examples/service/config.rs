@@ -16,7 +16,7 @@ pub struct Config {
     pub node: String,
     /// `INSTANCE_ID` (default `<node>-<pid>`): recorded with every job run.
     pub instance: String,
-    /// `POOL_SIZE` (default 4, the seed's).
+    /// `POOL_SIZE` (default 4).
     pub pool_size: usize,
     /// `POOL_NAME` (default `service`): the `pool` label of every metric.
     pub pool_name: String,

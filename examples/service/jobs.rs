@@ -1,4 +1,4 @@
-//! The seed's four background jobs, on table leases through pgwarden's
+//! Four background jobs (three cluster-wide, one per node), on table leases through pgwarden's
 //! scheduler: no connection is held between statements, whatever the
 //! number of jobs.
 //!
@@ -23,7 +23,7 @@ use tokio_postgres::types::Type;
 use crate::config::Config;
 use crate::BoxError;
 
-/// The seed's lease TTL, two minutes, scaled like the periods (at least 1 s).
+/// The lease TTL, two minutes, scaled like the periods (at least 1 s).
 const TTL: Duration = Duration::from_secs(120);
 /// The shortest period the scheduler accepts, and the shortest lease TTL.
 const MIN_PERIOD: Duration = Duration::from_secs(1);

@@ -1,5 +1,5 @@
-//! The seed's backend in small: an HTTP service on a pgwarden pool of four,
-//! with the seed's four background jobs on table leases.
+//! A service backend in small: an HTTP service on a pgwarden pool of four,
+//! with four background jobs (three cluster-wide, one per node) on table leases.
 //!
 //! ```sh
 //! cargo run --example service                      # a throwaway PostgreSQL
@@ -31,7 +31,7 @@
 //! `pgwarden_testing`, whose URL is printed so that a second instance can
 //! join), `LISTEN_ADDR` (default `127.0.0.1:8080`, port 0 for any),
 //! `NODE_NAME` (default: host name), `INSTANCE_ID` (default
-//! `<node>-<pid>`), `POOL_SIZE` (default 4, the seed's), `POOL_NAME`
+//! `<node>-<pid>`), `POOL_SIZE` (default 4), `POOL_NAME`
 //! (default `service`: the metrics' `pool` label), `PGWARDEN_TIME_SCALE`
 //! (default 1: multiplies the job periods, the lease TTL and the census
 //! interval; periods stay at least 1 s), `SHED_MAX_WAIT_MS` (default 250,

@@ -209,7 +209,7 @@ async fn work(
 }
 
 /// `POST /debug/hold-lock?key=N&ms=M`: takes the session advisory lock N
-/// (the seed's old `TryExclusive`), does a little work under it on a request
+/// (as a hand-written "try exclusive" helper would), does a little work under it on a request
 /// connection, holds it M ms, and unlocks. 409 when another session holds
 /// the key, or when the pool's session-lock budget refuses the checkout (the
 /// error text names the budget and suggests a lease): this is how the demo
@@ -235,7 +235,7 @@ async fn hold_lock(State(s): State<AppState>, Query(q): Query<HashMap<String, St
         Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
     };
     // The work under the lock takes a request connection: with raw deadpool
-    // and enough locks this is the seed's self-deadlock; pgwarden keeps one.
+    // and enough locks this is the self-deadlock of the incident; pgwarden keeps one.
     let work = async {
         let conn = s.pool.get().await.map_err(pool_error)?;
         conn.execute("SELECT count(*) FROM items", &[])

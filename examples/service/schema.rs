@@ -6,7 +6,7 @@ use pgwarden::Pool;
 
 use crate::BoxError;
 
-/// The seed's backend in miniature: items for the request routes; passkey
+/// A service backend in miniature: items for the request routes; passkey
 /// challenges and SSO requests for the clean-up; monitors, their checks and
 /// alert state for the uptime and alert jobs; mail domains for the mail
 /// checks; and `job_runs`, where every job run is recorded.
@@ -58,7 +58,7 @@ CREATE TABLE IF NOT EXISTS job_runs (
 ";
 
 /// Some expired rows for the clean-up, and unverified mail domains.
-const SEED: &str = "
+const SAMPLE_DATA: &str = "
 INSERT INTO passkey_challenges (expires_at)
     SELECT now() - interval '1 hour' FROM generate_series(1, 20);
 INSERT INTO sso_requests (expires_at)
@@ -76,7 +76,7 @@ pub async fn install(pool: &Pool, instance: &str, target: &str) -> Result<(), Bo
         .migrate_once("service/0001_schema", Duration::from_secs(30), |tx| {
             Box::pin(async move {
                 tx.batch_execute(DDL).await?;
-                tx.batch_execute(SEED).await?;
+                tx.batch_execute(SAMPLE_DATA).await?;
                 Ok::<_, pgwarden::Error>(())
             })
         })
