@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{LeaseOptions, Leases, Pool, PoolerMode};
+use pgwarden::{Lane, LeaseOptions, Leases, Pool, PoolerMode};
 use pgwarden_testing::{TestDb, TestServer};
 use tokio_postgres::types::Type;
 
@@ -235,7 +235,12 @@ async fn warden_side(
     held: bool,
 ) -> Result<(Side, TestDb), BoxError> {
     let db = server.create_database().await?;
-    let mut builder = Pool::builder(db.deadpool(POOL)?).name(label);
+    // The lease lane sized to the tasks, as the plain SQL side runs TASKS
+    // statements at once: the default lane of a pool of 16 (at most 4
+    // lease statements out) would measure the lane, not the statements.
+    let mut builder = Pool::builder(db.deadpool(POOL)?)
+        .name(label)
+        .lane(Lane::Lease, 0, TASKS);
     if pooler != PoolerMode::Auto {
         builder = builder.pooler(pooler);
     }
