@@ -11,7 +11,7 @@ use futures_util::FutureExt;
 
 use super::calls::{Purge, Renew};
 use super::guard::LostReason;
-use super::renewer::{Item, Registry};
+use super::registry::{Item, Registry};
 use super::statement::Urgency;
 use super::timing;
 use super::Inner;

@@ -3,24 +3,13 @@
 
 use std::time::Duration;
 
-use super::inner::{PurgeSettings, Settings};
 use super::leases::Leases;
 use super::name::check_name;
+use super::settings::{default_settings, PurgeSettings, Settings};
 use super::table::{TableName, DEFAULT_TABLE};
 use super::timing;
 use crate::error::Error;
 use crate::pool::Pool;
-
-/// The longest a lease statement may take by default (checkout included)
-/// before it is cancelled on the server and fails: 10 s.
-pub(crate) const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Rows released or expired for longer than this are purged by default:
-/// 10 minutes.
-pub(crate) const DEFAULT_PURGE_AFTER: Duration = Duration::from_secs(600);
-
-/// How often the renewer purges by default: once a minute.
-pub(crate) const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
 
 /// The shortest purge interval accepted: 10 ms.
 pub(crate) const MIN_PURGE_INTERVAL: Duration = Duration::from_millis(10);
@@ -161,20 +150,6 @@ impl LeasesBuilder {
             declared: self.declared,
         };
         Ok(Leases::from_parts(&self.pool, settings))
-    }
-}
-
-pub(super) fn default_settings() -> Settings {
-    Settings {
-        table: TableName::default(),
-        statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
-        auto_install: true,
-        purge: PurgeSettings {
-            age: DEFAULT_PURGE_AFTER,
-            every: DEFAULT_PURGE_INTERVAL,
-            auto: true,
-        },
-        declared: Vec::new(),
     }
 }
 

@@ -1,42 +1,25 @@
 //! The state one [`Leases`](super::Leases) instance shares with its
-//! guards and its renewer, and the acquisitions and releases it runs.
+//! guards and its renewer ([`Inner`]), and the lost signal it fires. Its
+//! other methods live with what they use: statements in `statement.rs`,
+//! acquisitions in `acquire.rs`, releases in `release.rs`, renewal in
+//! `renewer.rs` and `batch.rs`.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::{Notify, OnceCell};
 
-use super::calls::{Acquire, FreeIn, Install};
-use super::guard::{Lease, LeaseHandle, LostReason};
-use super::leases::LeaseStats;
 use super::metrics::LeaseMetrics;
-use super::name;
-use super::options::LeaseOptions;
-use super::renewer::Registry;
+use super::registry::Registry;
+use super::settings::{PurgeSettings, Settings};
 use super::sql::Statements;
-use super::state::{LeaseState, TermInfo};
-use super::statement::{FollowUp, Urgency};
+use super::state::LeaseState;
+use super::stats::LeaseStats;
 use super::table::TableName;
-use crate::error::Error;
+use crate::lost::LostReason;
 use crate::pool::Pool;
-use crate::pooler::PoolerMode;
-
-/// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
-/// a holder may release early.
-pub(crate) const MAX_POLL: Duration = Duration::from_millis(500);
-
-/// When to delete old rows.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) struct PurgeSettings {
-    /// Rows released or expired for longer than this are deleted.
-    pub(crate) age: Duration,
-    /// At most one purge statement per this interval.
-    pub(crate) every: Duration,
-    /// Whether the renewer purges.
-    pub(crate) auto: bool,
-}
 
 pub(crate) struct Inner {
     pub(crate) pool: Pool,
@@ -54,7 +37,7 @@ pub(crate) struct Inner {
     pub(crate) renewer_alive: Arc<AtomicBool>,
     /// Set once the server refused a named prepared statement.
     pub(crate) unnamed_only: AtomicBool,
-    detect_started: AtomicBool,
+    pub(crate) detect_started: AtomicBool,
     /// Counts, updated under one lock so a snapshot is consistent.
     pub(crate) stats: Mutex<LeaseStats>,
     pub(crate) metrics: LeaseMetrics,
@@ -65,15 +48,6 @@ impl Drop for Inner {
         // Lets the renewer task see that its instance is gone, and end.
         self.wake.notify_one();
     }
-}
-
-/// The settings [`Inner::new`] takes.
-pub(crate) struct Settings {
-    pub(crate) table: TableName,
-    pub(crate) statement_timeout: Duration,
-    pub(crate) auto_install: bool,
-    pub(crate) purge: PurgeSettings,
-    pub(crate) declared: Vec<String>,
 }
 
 impl Inner {
@@ -108,177 +82,6 @@ impl Inner {
     pub(crate) fn count_statement(&self) {
         self.stats.lock().statements += 1;
     }
-
-    /// Before the first statement: find out, in the background, whether the
-    /// pool talks to PostgreSQL directly (statements are sent unnamed until
-    /// it is known), and install the table (with its shape check) when
-    /// `auto_install` is on.
-    pub(crate) async fn ensure_ready(&self) -> Result<(), Error> {
-        self.detect_pooler_in_background();
-        if !self.auto_install {
-            return Ok(());
-        }
-        self.installed
-            .get_or_try_init(|| async {
-                self.install().await?;
-                Ok::<(), Error>(())
-            })
-            .await
-            .map(|_| ())
-    }
-
-    fn detect_pooler_in_background(&self) {
-        if self
-            .detect_started
-            .load(std::sync::atomic::Ordering::Relaxed)
-            || self
-                .detect_started
-                .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            return;
-        }
-        let pool = self.pool();
-        if pool.pooler() != PoolerMode::Auto {
-            return;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let bound = self.statement_timeout;
-        rt.spawn(async move {
-            match tokio::time::timeout(bound, pool.detect_pooler()).await {
-                Ok(Ok(found)) => {
-                    tracing::debug!(pool = %pool.name(), pooler = ?found, "lease statements: pooler known")
-                }
-                Ok(Err(e)) => tracing::warn!(
-                    pool = %pool.name(), error = %e,
-                    "pooler detection failed: lease statements stay unnamed (parsed on every call)"
-                ),
-                Err(_) => tracing::warn!(
-                    pool = %pool.name(),
-                    "pooler detection did not finish within {bound:?}: lease statements stay unnamed"
-                ),
-            }
-        });
-    }
-
-    /// Creates the table unless it exists, then checks its shape (see
-    /// [`super::Leases::install`]), bounded by the statement timeout.
-    pub(crate) async fn install(&self) -> Result<bool, Error> {
-        self.detect_pooler_in_background();
-        let table = self.table.to_string();
-        let stmt = Install {
-            wait: self.statement_timeout,
-            table: &table,
-        };
-        let ran = self
-            .run(Urgency::Normal, self.statement_timeout, &stmt)
-            .await??;
-        if ran {
-            tracing::info!(pool = %self.pool_name, table = %self.table, "lease table installed");
-        }
-        let _ = self.installed.set(());
-        Ok(ran)
-    }
-
-    /// One acquisition attempt: the lease, or `None` when another term holds
-    /// the name.
-    pub(crate) async fn attempt(
-        self: &Arc<Self>,
-        name: &str,
-        opts: &LeaseOptions,
-    ) -> Result<Option<Lease>, Error> {
-        self.attempt_as(name, opts, name::new_holder()).await
-    }
-
-    /// [`Inner::attempt`] under a holder id the caller made
-    /// ([`name::new_holder`]), so that it can release by holder after
-    /// cancelling the attempt.
-    pub(crate) async fn attempt_as(
-        self: &Arc<Self>,
-        name: &str,
-        opts: &LeaseOptions,
-        holder: String,
-    ) -> Result<Option<Lease>, Error> {
-        name::check_name(name)?;
-        let timing = opts.validate()?;
-        self.ensure_renewer();
-        self.ensure_ready().await?;
-        let at_least = opts.at_least_time();
-        let has_hold = !at_least.is_zero() || opts.period.is_some();
-        let stmt = Acquire {
-            name,
-            holder: &holder,
-            ttl: timing.ttl.as_secs_f64(),
-            hold: has_hold.then(|| {
-                (
-                    at_least.as_secs_f64(),
-                    opts.period.map_or(0.0, |p| p.as_secs_f64()),
-                )
-            }),
-        };
-        let start = Instant::now();
-        // Cancelled after it reached the server, the statement may have
-        // taken the lease: release whatever this holder got.
-        let follow_up = || -> Option<FollowUp> {
-            let (inner, name, holder) = (self.clone(), name.to_owned(), holder.clone());
-            Some(Box::pin(async move {
-                inner.release_cancelled(&name, &holder).await;
-            }))
-        };
-        let taken = self
-            .run_then(Urgency::Normal, self.statement_timeout, &stmt, follow_up)
-            .await?;
-        let Some(taken) = taken else {
-            return Ok(None);
-        };
-        let taken_at = Duration::try_from_secs_f64(taken.taken_at)
-            .ok()
-            .and_then(|d| UNIX_EPOCH.checked_add(d))
-            .unwrap_or_else(SystemTime::now);
-        let info = TermInfo {
-            name: name.into(),
-            holder,
-            token: taken.token,
-            taken_at,
-            prev_holder: taken.prev_holder,
-            has_hold,
-        };
-        let state = Arc::new(LeaseState::new(info, timing.deadline(start)));
-        self.metrics.acquired(name);
-        if let Some(prev) = state.term.took_over_from.as_deref() {
-            self.metrics.takeover(name);
-            tracing::warn!(
-                pool = %self.pool_name,
-                lease = name,
-                token = taken.token,
-                previous_holder = prev,
-                "lease taken over from an expired holder"
-            );
-        }
-        let id = self.register(state.clone(), timing, start);
-        Ok(Some(Lease {
-            handle: LeaseHandle {
-                state,
-                inner: self.clone(),
-            },
-            id,
-            done: false,
-        }))
-    }
-
-    /// How long until a held name may be free (database clock), for callers
-    /// that wait: at most [`MAX_POLL`]'s worth is ever slept at once.
-    pub(crate) async fn free_in(&self, name: &str) -> Result<Duration, Error> {
-        let secs = self
-            .run(Urgency::Normal, self.statement_timeout, &FreeIn { name })
-            .await?;
-        // No row: taken and released, or being inserted. Ask again soon.
-        Ok(secs
-            .and_then(|s| Duration::try_from_secs_f64(s.max(0.0)).ok())
-            .unwrap_or(Duration::from_millis(10)))
-    }
-
     /// Fires the lost signal of a lease: logged and counted once.
     pub(crate) fn mark_lost(&self, state: &LeaseState, reason: LostReason) {
         if !state.lose(reason) {

@@ -104,6 +104,7 @@
 
 use crate::error::Error;
 
+mod acquire;
 mod batch;
 mod builder;
 mod calls;
@@ -116,24 +117,28 @@ mod metrics;
 mod name;
 mod options;
 mod queries;
+mod registry;
 mod release;
 mod renewer;
 mod run;
 mod runner;
 mod scheduler;
+mod settings;
 mod sql;
 mod state;
 mod statement;
+mod stats;
 mod table;
 mod timing;
 
 pub use builder::LeasesBuilder;
 pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};
-pub use leases::{LeaseStats, Leases};
+pub use leases::Leases;
 pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Scheduler, SchedulerBuilder};
 pub use state::Term;
+pub use stats::LeaseStats;
 
 pub(crate) use inner::Inner;
 

@@ -20,7 +20,6 @@
 //! reports itself lost at its deadline.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -29,6 +28,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::guard::LostReason;
+use super::registry::{Entry, Item};
 use super::state::LeaseState;
 use super::timing::{self, Timing};
 use super::Inner;
@@ -39,42 +39,6 @@ pub(crate) const MAX_BATCH: usize = 5_000;
 /// How long the renewer pauses after a panic, so that a panic on every tick
 /// does not spin.
 const PANIC_PAUSE: Duration = Duration::from_millis(50);
-
-/// The leases an instance holds, by registration id.
-#[derive(Default)]
-pub(crate) struct Registry {
-    next_id: u64,
-    pub(super) entries: HashMap<u64, Entry>,
-    /// When the renewer plans to wake next (`None`: it waits for a
-    /// registration). A registration wakes it only when it is due sooner.
-    next_wake: Option<Instant>,
-    /// When the next purge is due (set at the renewer's first tick).
-    pub(super) next_purge: Option<Instant>,
-    /// A purge is running.
-    pub(super) purging: bool,
-}
-
-pub(super) struct Entry {
-    pub(super) state: Arc<LeaseState>,
-    pub(super) timing: Timing,
-    pub(super) due: Instant,
-    pub(super) attempt: u32,
-    /// Part of a batch in flight.
-    pub(super) in_flight: bool,
-}
-
-/// One lease of a batch.
-pub(super) struct Item {
-    pub(super) id: u64,
-    pub(super) state: Arc<LeaseState>,
-    pub(super) ttl: f64,
-}
-
-impl Registry {
-    pub(crate) fn len(&self) -> usize {
-        self.entries.len()
-    }
-}
 
 /// Clears [`Inner::renewer_alive`] when the renewer task is dropped: it
 /// ended, or its runtime went away with it.
@@ -162,7 +126,7 @@ impl Inner {
     pub(super) fn renewer_panicked(&self, panic: &(dyn Any + Send)) {
         tracing::error!(
             pool = %self.pool_name,
-            panic = %super::runner::panic_message(panic),
+            panic = %panic_message(panic),
             "panic in the lease renewer: caught, renewal goes on"
         );
         // The recorder that panicked may panic again: never let the count
@@ -266,4 +230,13 @@ async fn run(inner: Weak<Inner>, wake: Arc<Notify>, _alive: Alive) {
             None => wake.notified().await,
         }
     }
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
 }

@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use super::guard::{Lease, LeaseHandle, LostReason};
 use super::job::Job;
 use super::name::new_holder;
+use super::renewer::panic_message;
 use super::run::run_under;
 use super::Leases;
 
@@ -157,15 +158,6 @@ impl Runner {
             }
         }
     }
-}
-
-/// The message of a caught panic.
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".to_owned())
 }
 
 /// Completes once the scheduler stops (or is gone).
