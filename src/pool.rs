@@ -31,6 +31,7 @@ pub use builder::PoolBuilder;
 pub(crate) use builder::{config_pool, url_pool};
 pub use client::Client;
 pub use deadline::Deadline;
+pub(crate) use housekeeping::panic_message;
 #[cfg(feature = "http")]
 pub(crate) use load::LaneLoad;
 pub use shared::Pool;

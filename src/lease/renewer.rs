@@ -32,6 +32,7 @@ use super::registry::{Entry, Item};
 use super::state::LeaseState;
 use super::timing::{self, Timing};
 use super::Inner;
+use crate::pool::panic_message;
 
 /// The most leases one renewal statement carries.
 pub(crate) const MAX_BATCH: usize = 5_000;
@@ -230,13 +231,4 @@ async fn run(inner: Weak<Inner>, wake: Arc<Notify>, _alive: Alive) {
             None => wake.notified().await,
         }
     }
-}
-
-/// The message of a caught panic.
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".to_owned())
 }

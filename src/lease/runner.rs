@@ -11,9 +11,9 @@ use tokio::sync::watch;
 use super::guard::{Lease, LeaseHandle, LostReason};
 use super::job::Job;
 use super::name::new_holder;
-use super::renewer::panic_message;
 use super::run::run_under;
 use super::Leases;
+use crate::pool::panic_message;
 
 /// Slack past a slot boundary, so the database sees it passed.
 const BOUNDARY_SLACK: Duration = Duration::from_millis(5);

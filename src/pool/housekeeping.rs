@@ -103,11 +103,7 @@ impl Shared {
 
     fn panicked(&self, what: &str, panic: &(dyn std::any::Any + Send)) {
         self.metrics.housekeeping_panics.increment(1);
-        let msg = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_default();
+        let msg = panic_message(panic);
         tracing::error!(pool = %self.name, task = what, panic = %msg, "housekeeping pass panicked; the task goes on");
     }
 }
@@ -148,4 +144,14 @@ async fn periodic(weak: Weak<Shared>, hook: Arc<dyn Periodic>) {
             Err(panic) => shared.panicked(name, &*panic),
         }
     }
+}
+
+/// The message of a caught panic (`panic!("…")` gives a `&str` or a
+/// `String`), for logs.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
 }
