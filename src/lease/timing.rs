@@ -135,6 +135,7 @@ pub(crate) fn check_period(period: Duration) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::InvalidInput;
 
     const S: Duration = Duration::from_secs(1);
     const MS: Duration = Duration::from_millis(1);
@@ -186,8 +187,24 @@ mod tests {
         // margin above half the TTL
         assert!(Timing::new(2 * S, None, Some(1001 * MS)).is_err());
         assert!(Timing::new(2 * S, Some(100 * MS), Some(S)).is_ok());
+        // the error names the value and the range: below the TTL minus the margin
         let e = Timing::new(2 * S, Some(2 * S), None).unwrap_err();
-        assert!(e.to_string().contains("not below the TTL"), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::Invalid(InvalidInput::Duration {
+                    what: "lease renewal interval",
+                    value,
+                    min: Bound::Included(MIN_RENEW_EVERY),
+                    max: Bound::Excluded(max),
+                }) if value == 2 * S && max == 1750 * MS
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "invalid lease renewal interval 2s: allowed [10ms, 1.75s)"
+        );
     }
 
     #[test]
