@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 
 use crate::admission::Lane;
 use crate::census::Census;
-use crate::error::{BuildError, Error, Stage};
+use crate::error::{BuildError, CheckoutError, Error, Stage};
 use crate::key::{LockKey, LockMode};
 use crate::lock::{Migrated, SessionLock};
 use crate::pool::{Client, Pool, PoolBuilder};
@@ -99,7 +99,7 @@ impl Pool {
     /// pool's wait timeout when `None`.
     ///
     /// Session-lock checkouts are budgeted: past the budget they are refused
-    /// ([`Error::BudgetExhausted`]) or admitted with a warning, by policy.
+    /// ([`CheckoutError::BudgetExhausted`](crate::CheckoutError::BudgetExhausted)) or admitted with a warning, by policy.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
@@ -223,12 +223,12 @@ impl Pool {
     /// - `Ok(Some(lock))`: granted; the guard owns the connection.
     /// - `Ok(None)`: only from a single try (`wait` is `None`): another
     ///   session holds it.
-    /// - `Err(`[`Error::LockTimeout`]`)`: a wait ran out, as for
+    /// - `Err(`[`LockError::Timeout`](crate::LockError::Timeout)`)`: a wait ran out, as for
     ///   [`xact_lock`](crate::xact_lock).
     ///
     /// The checkout is budgeted: past the session-lock budget it is refused
-    /// ([`Error::BudgetExhausted`]) or admitted with a warning, by policy.
-    /// Behind a transaction-mode pooler it is refused ([`Error::BehindPooler`]).
+    /// ([`CheckoutError::BudgetExhausted`](crate::CheckoutError::BudgetExhausted)) or admitted with a warning, by policy.
+    /// Behind a transaction-mode pooler it is refused ([`LockError::BehindPooler`](crate::LockError::BehindPooler)).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
@@ -263,7 +263,7 @@ impl Pool {
     /// leak, and it works behind a transaction pooler. The closure's future
     /// may borrow the transaction, not the caller's locals: move owned data
     /// into it. `timeout` bounds the checkout and the wait for the lock; past
-    /// it the error is [`Error::LockTimeout`] (or a checkout timeout),
+    /// it the error is [`LockError::Timeout`](crate::LockError::Timeout) (or a checkout timeout),
     /// converted into `E`.
     ///
     /// ```no_run
@@ -337,14 +337,16 @@ impl Pool {
 
 fn into_pool_error(e: Error) -> PoolError {
     match e {
-        Error::Pool(e) => e,
+        Error::Checkout(CheckoutError::Pool(e)) => e,
         Error::Db(e) => PoolError::Backend(e),
-        Error::Timeout {
+        Error::Checkout(CheckoutError::Timeout {
             stage: Stage::Admission,
             ..
+        })
+        | Error::Checkout(CheckoutError::DeadpoolMismatch { .. }) => {
+            PoolError::Timeout(TimeoutType::Wait)
         }
-        | Error::DeadpoolMismatch { .. } => PoolError::Timeout(TimeoutType::Wait),
-        Error::Timeout { .. } => PoolError::Timeout(TimeoutType::Create),
+        Error::Checkout(CheckoutError::Timeout { .. }) => PoolError::Timeout(TimeoutType::Create),
         // The request lane is never refused and runs no other statement.
         _ => PoolError::Closed,
     }

@@ -84,7 +84,10 @@ mod status;
 
 pub use admission::{BudgetPolicy, Lane, LimitsError};
 pub use census::{AdvisoryLock, Census, Owner};
-pub use error::{BuildError, Error, LaneHolder, Stage};
+pub use error::{
+    BuildError, CheckoutError, Error, InvalidInput, LaneHolder, LeaseError, LockError, NameRule,
+    Stage,
+};
 pub use lease::{
     Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder,
     LostReason, OnLost, Scheduler, SchedulerBuilder, Term,

@@ -97,14 +97,14 @@ pub(crate) fn lock_timeout_setting(bound: Duration) -> String {
     format!("{ms}ms")
 }
 
-/// Maps a failed lock statement: 55P03 is a [`crate::Error::LockTimeout`].
+/// Maps a failed lock statement: 55P03 is a [`LockError::Timeout`](crate::LockError::Timeout).
 pub(crate) fn lock_error(
     e: tokio_postgres::Error,
     key: LockKey,
     timeout: Duration,
 ) -> crate::Error {
     if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
-        crate::Error::LockTimeout { key, timeout }
+        crate::Error::Lock(crate::LockError::Timeout { key, timeout })
     } else {
         crate::Error::Db(e)
     }

@@ -4,7 +4,7 @@
 //! Behind such a pooler a session belongs to no client: between two
 //! transactions the pooler hands the server connection to another client.
 //! Session advisory locks cannot work there, and pgwarden refuses them
-//! ([`Error::BehindPooler`]); transaction-scoped locks work. Named prepared
+//! ([`LockError::BehindPooler`](crate::LockError::BehindPooler)); transaction-scoped locks work. Named prepared
 //! statements break too (`prepared statement "s3" does not exist`), so every
 //! statement pgwarden sends itself is a `query_typed` (unnamed statement) or
 //! a simple query.
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 pub(crate) use probe::{backend_pid, Detection, Motion, MOTION_STATEMENTS};
 
 use crate::admission::Lane;
-use crate::error::Error;
+use crate::error::{Error, LockError};
 use crate::pool::{Pool, PoolBuilder};
 use tokio::sync::OnceCell;
 
@@ -206,7 +206,7 @@ pub(crate) async fn ensure_direct(
     timeout: Duration,
 ) -> Result<bool, Error> {
     if let Some(how) = behind_pooler(pool) {
-        return Err(Error::BehindPooler { how });
+        return Err(Error::Lock(LockError::BehindPooler { how }));
     }
     if configured(pool) != PoolerMode::Auto {
         return Ok(false);
@@ -220,7 +220,7 @@ pub(crate) async fn ensure_direct(
         })
         .await?;
     match detected(pool) {
-        Some(d) if d.transaction => Err(Error::BehindPooler { how: "detected" }),
+        Some(d) if d.transaction => Err(Error::Lock(LockError::BehindPooler { how: "detected" })),
         found => Ok(found.is_some_and(|d| d.proxied)),
     }
 }

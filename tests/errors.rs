@@ -120,5 +120,8 @@ fn a_bad_connection_string_shows_the_parsers_reason() {
         let e = Pool::from_url(url, 4).unwrap_err();
         assert!(matches!(e, BuildError::InvalidUrl(_)), "{url}: {e:?}");
         assert_eq!(e.to_string(), want, "{url}");
+        // The parser's error stays reachable as the source.
+        let source = std::error::Error::source(&e).expect("a source");
+        assert!(source.is::<tokio_postgres::Error>(), "{url}: {source:?}");
     }
 }

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
-use pgwarden::{Error, Lane, Pool, Stage};
+use pgwarden::{CheckoutError, Error, Lane, Pool, Stage};
 use pgwarden_testing::{TestDb, TestServer};
 
 /// Processes stopped with SIGSTOP; continued (SIGCONT) on drop.
@@ -168,10 +168,10 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
     assert!(
         matches!(
             e,
-            Error::Timeout {
+            Error::Checkout(CheckoutError::Timeout {
                 stage: Stage::Connection,
                 ..
-            }
+            })
         ),
         "{e}"
     );
@@ -222,10 +222,10 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     assert!(
         matches!(
             e,
-            Error::Timeout {
+            Error::Checkout(CheckoutError::Timeout {
                 stage: Stage::Connection,
                 ..
-            }
+            })
         ),
         "{e}"
     );

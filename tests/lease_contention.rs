@@ -96,7 +96,13 @@ async fn a_timed_out_statement_is_cancelled_on_the_server() {
         .await
         .unwrap_err();
     let took = t.elapsed();
-    assert!(matches!(err, pgwarden::Error::LeaseTimeout { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
+        ),
+        "{err}"
+    );
     assert!(took < 1500 * MS, "{took:?}");
     // Cancelled on the server: B's backend does not go on waiting for the
     // row lock (it is gone: its connection was closed after the cancel).
@@ -152,7 +158,13 @@ async fn an_acquisition_abandoned_on_a_stopped_backend_leaves_no_lease() {
         .acquire("job", &LeaseOptions::new(30 * S), None)
         .await
         .unwrap_err();
-    assert!(matches!(err, pgwarden::Error::LeaseTimeout { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
+        ),
+        "{err}"
+    );
     drop(stopped);
     // Cancelled, or taken and released again: never left held.
     eventually(

@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use pgwarden::{Error, LeaseOptions, Leases, LostReason};
+use pgwarden::{Error, LeaseError, LeaseOptions, Leases, LostReason};
 use support::leases::{busy_backends, pool, TwoHolders};
 use support::{admin, db, eventually, within};
 use tokio_postgres::types::Type;
@@ -72,10 +72,10 @@ async fn fencing_rejects_the_stale_holder() {
     assert!(
         matches!(
             err,
-            Error::LeaseLost {
+            Error::Lease(LeaseError::Lost {
                 reason: LostReason::Taken,
                 ..
-            }
+            })
         ),
         "{err}"
     );
@@ -177,10 +177,10 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     assert!(
         matches!(
             err,
-            Error::LeaseLost {
+            Error::Lease(LeaseError::Lost {
                 reason: LostReason::Taken,
                 ..
-            }
+            })
         ),
         "{err}"
     );

@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use pgwarden::{Error, LeaseOptions, Leases};
+use pgwarden::{Error, LeaseError, LeaseOptions, Leases};
 use support::leases::pool;
 use support::{admin, db};
 use tokio_postgres::types::Type;
@@ -81,7 +81,7 @@ async fn install_is_idempotent_race_free_and_matches_the_sql_file() {
 /// The differences an install check reports, or a panic.
 fn differences(e: Error) -> Vec<String> {
     match e {
-        Error::LeaseTableMismatch { differences, .. } => differences,
+        Error::Lease(LeaseError::TableMismatch { differences, .. }) => differences,
         other => panic!("expected a shape mismatch, got {other}"),
     }
 }
@@ -141,7 +141,10 @@ async fn a_table_of_another_shape_is_a_typed_error() {
         let leases = Leases::builder(&pool).table(table).build().unwrap();
         let err = leases.install().await.unwrap_err();
         assert!(
-            matches!(err, pgwarden::Error::LeaseTableMismatch { .. }),
+            matches!(
+                err,
+                pgwarden::Error::Lease(pgwarden::LeaseError::TableMismatch { .. })
+            ),
             "{err}"
         );
         let text = err.to_string();
@@ -162,7 +165,10 @@ async fn a_table_of_another_shape_is_a_typed_error() {
             .await
             .unwrap_err();
         assert!(
-            matches!(err, pgwarden::Error::LeaseTableMismatch { .. }),
+            matches!(
+                err,
+                pgwarden::Error::Lease(pgwarden::LeaseError::TableMismatch { .. })
+            ),
             "{err}"
         );
         eprintln!("{table}: {err}");

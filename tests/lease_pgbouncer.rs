@@ -175,7 +175,13 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
         .acquire("stale", &LeaseOptions::new(30 * S), None)
         .await
         .unwrap_err();
-    assert!(matches!(err, pgwarden::Error::LeaseTimeout { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
+        ),
+        "{err}"
+    );
     eventually(3 * S, "the waiting statement is cancelled", || async {
         let other = db.connect().await.unwrap();
         lock_waiters(&other, db.name()).await == 0

@@ -4,11 +4,14 @@
 
 mod support;
 
+use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, LeaseOptions, Leases, LostReason, OnLost};
+use pgwarden::{
+    Error, InvalidInput, LeaseError, LeaseOptions, Leases, LostReason, NameRule, OnLost,
+};
 use support::leases::{pool, row};
 use support::{admin, db, eventually, within};
 
@@ -66,10 +69,10 @@ async fn run_skips_renews_releases_and_cancels() {
     assert!(
         matches!(
             err,
-            Error::LeaseLost {
+            Error::Lease(LeaseError::Lost {
                 reason: LostReason::Taken,
                 ..
-            }
+            })
         ),
         "{err}"
     );
@@ -136,25 +139,85 @@ async fn bad_input_is_a_typed_error_at_the_call() {
     let db = db().await;
     let admin = admin(&db).await;
     let pool = pool(&db, 2, "bad");
-    let invalid = |e: Error| assert!(matches!(e, Error::InvalidInput { .. }), "{e}");
-    for table in [
-        "",
-        "lea ses",
-        "leases\"; DROP TABLE x; --",
-        "a.b.c",
-        "app.",
-        "x'y",
-        "n\0ul",
-        &"t".repeat(54),
-    ] {
-        invalid(Leases::builder(&pool).table(table).build().unwrap_err());
+    let invalid = |e: Error| assert!(matches!(e, Error::Invalid(_)), "{e}");
+    // Each refusal names the value and the rule it breaks.
+    let name_rule = |e: Error| match e {
+        Error::Invalid(InvalidInput::Name { what, value, rule }) => (what, value, rule),
+        e => panic!("{e}"),
+    };
+    let table_cases: [(&str, &str, NameRule); 8] = [
+        ("", "", NameRule::Empty),
+        (
+            "lea ses",
+            "lea ses",
+            NameRule::Character {
+                found: ' ',
+                allowed: "",
+            },
+        ),
+        (
+            "leases\"; DROP TABLE x; --",
+            "",
+            NameRule::Character {
+                found: '"',
+                allowed: "",
+            },
+        ),
+        (
+            "a.b.c",
+            "a.b.c",
+            NameRule::Character {
+                found: '.',
+                allowed: "",
+            },
+        ),
+        ("app.", "", NameRule::Empty),
+        (
+            "x'y",
+            "x'y",
+            NameRule::Character {
+                found: '\'',
+                allowed: "",
+            },
+        ),
+        (
+            "n\0ul",
+            "n\0ul",
+            NameRule::Character {
+                found: '\0',
+                allowed: "",
+            },
+        ),
+        (&"t".repeat(54), "", NameRule::TooLong { len: 54, max: 53 }),
+    ];
+    for (table, part, want) in table_cases {
+        let (what, value, rule) =
+            name_rule(Leases::builder(&pool).table(table).build().unwrap_err());
+        assert_eq!(what, "lease table name");
+        if !part.is_empty() {
+            assert_eq!(value, part, "{table:?}");
+        }
+        match (&rule, &want) {
+            (NameRule::Character { found, .. }, NameRule::Character { found: w, .. }) => {
+                assert_eq!(found, w, "{table:?}")
+            }
+            _ => assert_eq!(rule, want, "{table:?}"),
+        }
     }
-    invalid(
-        Leases::builder(&pool)
-            .statement_timeout(Duration::ZERO)
-            .build()
-            .unwrap_err(),
-    );
+    match Leases::builder(&pool)
+        .statement_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err()
+    {
+        Error::Invalid(InvalidInput::Duration {
+            value, min, max, ..
+        }) => {
+            assert_eq!(value, Duration::ZERO);
+            assert_eq!(min, Bound::Excluded(Duration::ZERO));
+            assert_eq!(max, Bound::Included(24 * 3600 * S));
+        }
+        e => panic!("{e}"),
+    }
     let leases = Leases::new(&pool);
     let long = "n".repeat(129);
     for name in ["", "a\0b", "new\nline", long.as_str()] {
@@ -174,11 +237,17 @@ async fn bad_input_is_a_typed_error_at_the_call() {
         invalid(leases.run(name, &opts, |_| async {}).await.unwrap_err());
     }
     for ttl in [Duration::ZERO, 999 * MS, 25 * 3600 * S, Duration::MAX] {
-        invalid(
-            leases
-                .acquire("x", &LeaseOptions::new(ttl), None)
-                .await
-                .unwrap_err(),
+        let e = leases
+            .acquire("x", &LeaseOptions::new(ttl), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Invalid(InvalidInput::Duration { what: "lease TTL", value, min: Bound::Included(min), max: Bound::Included(max) })
+                    if value == ttl && min == S && max == 24 * 3600 * S
+            ),
+            "{e}"
         );
     }
     for opts in [

@@ -99,7 +99,13 @@ async fn reentry_is_counted_and_gauged() {
         "one level left: still held, as in PostgreSQL"
     );
     let e = lock.unlock_one().await.unwrap_err();
-    assert!(matches!(e, pgwarden::Error::UnbalancedUnlock { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            pgwarden::Error::Lock(pgwarden::LockError::UnbalancedUnlock { .. })
+        ),
+        "{e}"
+    );
     assert_eq!(lock.lock_again().await.unwrap(), 2);
     lock.unlock().await.unwrap(); // every level
     assert!(free(&raw, key).await);

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{xact_lock, Error, LockKey, Migrated};
+use pgwarden::{xact_lock, Error, LockError, LockKey, Migrated};
 use support::*;
 use tokio_postgres::error::SqlState;
 
@@ -32,7 +32,7 @@ async fn xact_lock_bounds_the_wait_and_aborts_the_transaction() {
     .await
     .unwrap_err();
     assert!(e.is_lock_timeout(), "{e}");
-    assert!(matches!(e, Error::LockTimeout { .. }));
+    assert!(matches!(e, Error::Lock(LockError::Timeout { .. })));
     let aborted = tx.query_one("SELECT 1", &[]).await.unwrap_err();
     assert_eq!(aborted.code(), Some(&SqlState::IN_FAILED_SQL_TRANSACTION));
     drop(tx);
@@ -135,10 +135,10 @@ async fn with_xact_lock_commits_rolls_back_and_serialises() {
         .with_xact_lock(key, T, |tx| {
             Box::pin(async move {
                 tx.execute("UPDATE counter SET n = 0", &[]).await?;
-                Err(Error::LockTimeout {
+                Err(Error::Lock(LockError::Timeout {
                     key,
                     timeout: Duration::ZERO,
-                }) // any error
+                })) // any error
             })
         })
         .await;

@@ -113,7 +113,7 @@ impl Priority {
 /// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum BudgetPolicy {
-    /// Refuse with [`crate::Error::BudgetExhausted`]. Default.
+    /// Refuse with [`CheckoutError::BudgetExhausted`](crate::CheckoutError::BudgetExhausted). Default.
     #[default]
     Refuse,
     /// Admit, log once per call site through `tracing`, and count it; up to the

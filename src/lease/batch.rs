@@ -15,7 +15,7 @@ use super::registry::{Item, Registry};
 use super::statement::Urgency;
 use super::timing;
 use super::Inner;
-use crate::error::Error;
+use crate::error::{Error, LeaseError};
 
 /// The most rows one purge statement deletes. Each holds a
 /// transaction-scoped advisory lock until the statement ends: few enough to
@@ -123,7 +123,7 @@ impl Inner {
             let mut s = self.stats.lock();
             if matches!(
                 result,
-                Ok(_) | Err(Error::Db(_) | Error::LeaseTimeout { .. })
+                Ok(_) | Err(Error::Db(_) | Error::Lease(LeaseError::Timeout { .. }))
             ) {
                 s.renewal_statements += 1;
             }

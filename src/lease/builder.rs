@@ -1,6 +1,7 @@
 //! [`LeasesBuilder`]: the settings of a [`Leases`] instance, and their
 //! defaults.
 
+use std::ops::Bound;
 use std::time::Duration;
 
 use super::leases::Leases;
@@ -8,7 +9,7 @@ use super::name::check_name;
 use super::settings::{default_settings, PurgeSettings, Settings};
 use super::table::{TableName, DEFAULT_TABLE};
 use super::timing;
-use crate::error::Error;
+use crate::error::{at_most, in_range, within, Error};
 use crate::pool::Pool;
 
 /// The shortest purge interval accepted: 10 ms.
@@ -51,7 +52,7 @@ impl LeasesBuilder {
     }
 
     /// The longest a lease statement may take, checkout included, before it
-    /// fails with [`Error::LeaseTimeout`]. The bound holds on the server too:
+    /// fails with [`LeaseError::Timeout`](crate::LeaseError::Timeout). The bound holds on the server too:
     /// each statement sets its own transaction's `lock_timeout` to what is
     /// left of it, so the server ends a wait on a row lock by itself, even
     /// when the client is gone; on a connection known to be direct a cancel
@@ -112,36 +113,23 @@ impl LeasesBuilder {
         let table = TableName::parse(&self.table)?;
         let p = self.purge;
         {
-            if p.age > timing::MAX_HOLD {
-                return Err(Error::invalid(
-                    "lease purge age",
-                    format!("{:?} is more than {:?}", p.age, timing::MAX_HOLD),
-                ));
-            }
-            if p.every < MIN_PURGE_INTERVAL || p.every > timing::MAX_HOLD {
-                return Err(Error::invalid(
-                    "lease purge interval",
-                    format!(
-                        "{:?} is outside {MIN_PURGE_INTERVAL:?} to {:?}",
-                        p.every,
-                        timing::MAX_HOLD
-                    ),
-                ));
-            }
+            at_most("lease purge age", p.age, timing::MAX_HOLD)?;
+            within(
+                "lease purge interval",
+                p.every,
+                MIN_PURGE_INTERVAL,
+                timing::MAX_HOLD,
+            )?;
         }
         for name in &self.declared {
             check_name(name)?;
         }
-        if self.statement_timeout.is_zero() || self.statement_timeout > timing::MAX_TTL {
-            return Err(Error::invalid(
-                "lease statement timeout",
-                format!(
-                    "{:?} is outside (0, {:?}]",
-                    self.statement_timeout,
-                    timing::MAX_TTL
-                ),
-            ));
-        }
+        in_range(
+            "lease statement timeout",
+            self.statement_timeout,
+            Bound::Excluded(Duration::ZERO),
+            Bound::Included(timing::MAX_TTL),
+        )?;
         let settings = Settings {
             table,
             statement_timeout: self.statement_timeout,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::state::{LeaseState, Term};
 use super::Inner;
-use crate::error::Error;
+use crate::error::{Error, LeaseError};
 
 pub use crate::lost::LostReason;
 
@@ -102,7 +102,7 @@ impl LeaseHandle {
     /// Renewals of this lease do not wait (they take `FOR NO KEY UPDATE`).
     /// Keep fenced transactions short: a take-over waits on them.
     ///
-    /// Fails with [`Error::LeaseLost`] when the term is over: `Taken` (the
+    /// Fails with [`LeaseError::Lost`](crate::LeaseError::Lost) when the term is over: `Taken` (the
     /// row is another term's, or gone), `Expired` (still this term, expired
     /// in the database) or `Deadline`. Roll back: the writes would come from
     /// a stale holder.
@@ -174,10 +174,10 @@ impl LeaseHandle {
             %reason,
             "fenced write rejected: the lease term is over"
         );
-        Error::LeaseLost {
+        Error::Lease(LeaseError::Lost {
             name: self.state.name.to_string(),
             reason,
-        }
+        })
     }
 }
 
@@ -234,7 +234,7 @@ impl Lease {
     /// marked released and kept, until the purge. Either way the next term's
     /// token is larger.
     ///
-    /// Fails with [`Error::LeaseLost`] when the term was already over (taken
+    /// Fails with [`LeaseError::Lost`](crate::LeaseError::Lost) when the term was already over (taken
     /// over), or with the database error; either way the lease is no longer
     /// renewed.
     ///

@@ -12,7 +12,7 @@ use deadpool_postgres::ClientWrapper as Client;
 use tokio_postgres::types::Type;
 
 use super::sql::{Statements, INSTALL_LOCK_KEY};
-use crate::error::Error;
+use crate::error::{Error, LeaseError};
 use crate::lock::{xact_lock, LockMode};
 
 /// The columns pgwarden reads and writes: name, type, and whether NULL must
@@ -178,10 +178,10 @@ impl Statements {
         if differences.is_empty() {
             Ok(ran)
         } else {
-            Err(Error::LeaseTableMismatch {
+            Err(Error::Lease(LeaseError::TableMismatch {
                 table: table_name.to_owned(),
                 differences,
-            })
+            }))
         }
     }
 }

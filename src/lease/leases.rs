@@ -86,7 +86,7 @@ impl Leases {
     /// The schema must exist. Returns true when it ran the DDL.
     ///
     /// A table (or sequence) of another shape fails with
-    /// [`Error::LeaseTableMismatch`], naming each difference: a missing or
+    /// [`LeaseError::TableMismatch`](crate::LeaseError::TableMismatch), naming each difference: a missing or
     /// mistyped column, the primary key (it must be `(name)`), the token
     /// sequence (a `bigint` sequence named after the table). With
     /// `auto_install` on (the default) the first acquisition runs this.
@@ -114,9 +114,9 @@ impl Leases {
     ///   free, at least every 500 ms); `Ok(None)` if it is still held then.
     ///
     /// Renewal (every TTL / 4 by default) starts at once. Errors are the
-    /// options' validation ([`Error::InvalidInput`]), a statement timeout
-    /// ([`Error::LeaseTimeout`]), a table of another shape
-    /// ([`Error::LeaseTableMismatch`]) or the database's.
+    /// options' validation ([`Error::Invalid`]), a statement timeout
+    /// ([`LeaseError::Timeout`](crate::LeaseError::Timeout)), a table of another shape
+    /// ([`LeaseError::TableMismatch`](crate::LeaseError::TableMismatch)) or the database's.
     ///
     /// Cancellation: a future dropped after its statement reached the
     /// database cancels the statement on the server, then releases the

@@ -98,12 +98,6 @@
 //! Keep the server clock slewed, not stepped (NTP `slew`/chrony `makestep`
 //! only at boot), or make the margin larger than any step you expect.
 
-// `Error` is large (its `Timeout` variant carries the pool's `Status`); the
-// synchronous validators here return it as the rest of the crate does.
-#![allow(clippy::result_large_err)]
-
-use crate::error::Error;
-
 mod acquire;
 mod batch;
 mod builder;
@@ -141,24 +135,3 @@ pub use state::Term;
 pub use stats::LeaseStats;
 
 pub(crate) use inner::Inner;
-
-impl Error {
-    /// The lease is no longer this holder's ([`Error::LeaseLost`]): taken
-    /// over, expired, or given up at the local deadline. Stop the work that
-    /// must not come from a stale holder.
-    ///
-    /// ```no_run
-    /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::Lease) -> Result<(), pgwarden::Error> {
-    /// let mut conn = pool.get().await?;
-    /// let tx = conn.transaction().await?;
-    /// match lease.fence(&tx).await {
-    ///     Ok(()) => tx.commit().await?,
-    ///     Err(e) if e.is_lease_lost() => return Ok(()), // rolled back on drop
-    ///     Err(e) => return Err(e),
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn is_lease_lost(&self) -> bool {
-        matches!(self, Error::LeaseLost { .. })
-    }
-}

@@ -2,7 +2,7 @@
 
 use std::sync::OnceLock;
 
-use crate::error::Error;
+use crate::error::{name_error, Error, NameRule};
 
 /// The longest lease name, in bytes (the table's `CHECK` says the same).
 pub(crate) const MAX_NAME_LEN: usize = 128;
@@ -11,24 +11,37 @@ pub(crate) const MAX_NAME_LEN: usize = 128;
 /// byte and no other control character. Lease names are metric labels:
 /// keep them to the names your application declares.
 pub(crate) fn check_name(name: &str) -> Result<(), Error> {
-    let bad = |why: String| Err(Error::invalid("lease name", why));
+    let bad = |rule| Err(name_error("lease name", name, rule));
     if name.is_empty() {
-        return bad("it is empty".into());
+        return bad(NameRule::Empty);
     }
     if name.len() > MAX_NAME_LEN {
-        return bad(format!(
-            "it is {} bytes, more than {MAX_NAME_LEN}",
-            name.len()
-        ));
+        return bad(NameRule::TooLong {
+            len: name.len(),
+            max: MAX_NAME_LEN,
+        });
     }
-    if name.contains('\0') {
-        return bad(format!(
-            "{:?} contains a NUL byte",
-            name.escape_debug().to_string()
-        ));
+    if let Some(found) = name.chars().find(|c| c.is_control()) {
+        return bad(NameRule::Character {
+            found,
+            allowed: "no NUL byte or other control character",
+        });
     }
-    if let Some(c) = name.chars().find(|c| c.is_control()) {
-        return bad(format!("{name:?} contains the control character {c:?}"));
+    Ok(())
+}
+
+/// A job or node name, one part of a per-node lease name `job@node`:
+/// not empty, no `@`.
+pub(crate) fn check_part(what: &'static str, part: &str) -> Result<(), Error> {
+    if part.is_empty() {
+        return Err(name_error(what, part, NameRule::Empty));
+    }
+    if part.contains('@') {
+        let rule = NameRule::Character {
+            found: '@',
+            allowed: "any character but '@' (it joins job@node)",
+        };
+        return Err(name_error(what, part, rule));
     }
     Ok(())
 }
@@ -76,6 +89,7 @@ pub(crate) fn new_holder() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::InvalidInput;
 
     #[test]
     fn names() {
@@ -88,10 +102,10 @@ mod tests {
             assert!(
                 matches!(
                     e,
-                    Error::InvalidInput {
+                    Error::Invalid(InvalidInput::Name {
                         what: "lease name",
                         ..
-                    }
+                    })
                 ),
                 "{bad:?}"
             );

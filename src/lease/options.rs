@@ -26,7 +26,7 @@ pub enum OnLost {
     #[default]
     Signal,
     /// Drop the job's future at once (it is cancelled at its next `.await`)
-    /// and return [`Error::LeaseLost`](crate::Error::LeaseLost).
+    /// and return [`LeaseError::Lost`](crate::LeaseError::Lost).
     Cancel,
 }
 

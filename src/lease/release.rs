@@ -9,7 +9,7 @@ use super::guard::LostReason;
 use super::inner::Inner;
 use super::state::LeaseState;
 use super::statement::Urgency;
-use crate::error::Error;
+use crate::error::{Error, LeaseError};
 
 /// The least time left worth a second release attempt.
 const MIN_RETRY_BUDGET: Duration = Duration::from_millis(50);
@@ -17,7 +17,10 @@ const MIN_RETRY_BUDGET: Duration = Duration::from_millis(50);
 /// Whether a failed release is worth a second attempt: not when the term is
 /// known to be over, nor when the bound is spent.
 fn retryable(e: &Error) -> bool {
-    !matches!(e, Error::LeaseLost { .. } | Error::LeaseTimeout { .. })
+    !matches!(
+        e,
+        Error::Lease(LeaseError::Lost { .. }) | Error::Lease(LeaseError::Timeout { .. })
+    )
 }
 
 impl Inner {
@@ -31,10 +34,10 @@ impl Inner {
     ) -> Result<(), Error> {
         self.unregister(id);
         match state.lost_reason() {
-            Some(LostReason::Taken) => Err(Error::LeaseLost {
+            Some(LostReason::Taken) => Err(Error::Lease(LeaseError::Lost {
                 name: state.name.to_string(),
                 reason: LostReason::Taken,
-            }),
+            })),
             // `release_all` released it already.
             Some(LostReason::Released) => Ok(()),
             _ => self.release_row(state, forget_hold).await,
@@ -90,10 +93,10 @@ impl Inner {
             token = state.token,
             "late release: the lease had been taken over; the new holder's lease is untouched"
         );
-        Err(Error::LeaseLost {
+        Err(Error::Lease(LeaseError::Lost {
             name: name.to_owned(),
             reason: LostReason::Taken,
-        })
+        }))
     }
 
     /// One release attempt within `budget`: whether the term was still ours.

@@ -5,7 +5,7 @@ use std::future::Future;
 use super::guard::{Lease, LostReason};
 use super::options::{LeaseOptions, OnLost};
 use super::{LeaseHandle, Leases};
-use crate::error::Error;
+use crate::error::{Error, LeaseError};
 
 impl Leases {
     /// Runs `job` if this call takes `name` (one attempt), renewing the
@@ -22,7 +22,7 @@ impl Leases {
     /// (the loss is logged and counted); with
     /// [`LeaseOptions::on_lost`]`(`[`OnLost::Cancel`]`)` the job's future is
     /// dropped (it stops at its next `.await`) and the call returns
-    /// [`Error::LeaseLost`]. A failed release after a completed job is
+    /// [`LeaseError::Lost`](crate::LeaseError::Lost). A failed release after a completed job is
     /// logged, not returned: the job ran, and the lease expires after its
     /// TTL.
     ///
@@ -102,7 +102,7 @@ pub(crate) async fn finish<T>(lease: Lease, out: Result<T, LostReason>) -> Resul
             tracing::warn!(lease = %name, %reason, "job cancelled: its lease was lost");
             // Nothing to keep: let the next holder in as soon as possible.
             let _ = lease.release_now().await;
-            Err(Error::LeaseLost { name, reason })
+            Err(Error::Lease(LeaseError::Lost { name, reason }))
         }
     }
 }

@@ -43,11 +43,11 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::job::Job;
-use super::name::{check_name, hostname};
+use super::name::{check_name, check_part, hostname};
 use super::runner::Runner;
 use super::timing::check_period;
 use super::Leases;
-use crate::error::Error;
+use crate::error::{name_error, Error, InvalidInput, NameRule};
 
 /// The default largest random delay added to each poll: 100 ms.
 pub(crate) const DEFAULT_POLL_JITTER: Duration = Duration::from_millis(100);
@@ -106,26 +106,13 @@ impl SchedulerBuilder {
         let mut seen = HashSet::new();
         let mut planned = Vec::new();
         for job in self.jobs {
-            if job.name.is_empty() || job.name.contains('@') {
-                return Err(Error::invalid(
-                    "job name",
-                    format!("{:?} is empty or contains '@'", job.name),
-                ));
-            }
+            check_part("job name", &job.name)?;
             if !seen.insert(job.name.clone()) {
-                return Err(Error::invalid(
-                    "job name",
-                    format!("{:?} is registered twice", job.name),
-                ));
+                return Err(name_error("job name", &job.name, NameRule::Duplicate));
             }
             check_period(job.period)?;
             let lease = if job.per_node {
-                if node.is_empty() || node.contains('@') {
-                    return Err(Error::invalid(
-                        "node name",
-                        format!("{node:?} is empty or contains '@'"),
-                    ));
-                }
+                check_part("node name", &node)?;
                 format!("{}@{node}", job.name)
             } else {
                 job.name.clone()
@@ -136,8 +123,9 @@ impl SchedulerBuilder {
             opts.validate()?;
             planned.push((lease, Job { opts, ..job }));
         }
-        let rt = tokio::runtime::Handle::try_current()
-            .map_err(|_| Error::invalid("scheduler", "start() needs a running tokio runtime"))?;
+        let rt = tokio::runtime::Handle::try_current().map_err(|_| InvalidInput::NoRuntime {
+            what: "Scheduler start()",
+        })?;
         let (stop, _) = watch::channel(None);
         let metrics = &self.leases.inner.metrics;
         let tasks = planned

@@ -20,7 +20,7 @@ use tokio_postgres::{Error as PgError, NoTls};
 use super::inner::Inner;
 use super::sql::Statements;
 use crate::admission::{Lane, Priority};
-use crate::error::Error;
+use crate::error::{Error, LeaseError};
 use crate::pool::Client as Conn;
 
 /// How long a cancel request may take (it connects anew, and a hung server
@@ -164,10 +164,10 @@ impl Inner {
                     // Its own lock_timeout: the server ended the wait.
                     if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
                         self.metrics.timed_out(S::WHAT);
-                        return Err(Error::LeaseTimeout {
+                        return Err(Error::Lease(LeaseError::Timeout {
                             what: S::WHAT,
                             waited: began.elapsed(),
-                        });
+                        }));
                     }
                     return Err(Error::Db(e));
                 }
@@ -175,17 +175,17 @@ impl Inner {
                 Err(_) => {
                     self.metrics.timed_out(S::WHAT);
                     drop(flight); // cancels the statement if it was sent
-                    return Err(Error::LeaseTimeout {
+                    return Err(Error::Lease(LeaseError::Timeout {
                         what: S::WHAT,
                         waited: began.elapsed(),
-                    });
+                    }));
                 }
             }
         }
-        Err(Error::LeaseTimeout {
+        Err(Error::Lease(LeaseError::Timeout {
             what: S::WHAT,
             waited: began.elapsed(),
-        })
+        }))
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::error::Error;
+use crate::error::{name_error, Error, NameRule};
 
 /// The default lease table: `pgwarden_leases`, resolved through `search_path`.
 pub(crate) const DEFAULT_TABLE: &str = "pgwarden_leases";
@@ -32,45 +32,55 @@ pub(crate) struct TableName {
     table: String,
 }
 
-fn valid_part(part: &str, max: usize) -> Result<(), String> {
+fn valid_part(part: &str, max: usize) -> Result<(), NameRule> {
     if part.is_empty() {
-        return Err("a name part is empty".into());
+        return Err(NameRule::Empty);
     }
     if part.len() > max {
-        return Err(format!("{part:?} is {} bytes, more than {max}", part.len()));
+        return Err(NameRule::TooLong {
+            len: part.len(),
+            max,
+        });
     }
     if part.as_bytes().first().is_some_and(u8::is_ascii_digit) {
-        return Err(format!("{part:?} starts with a digit"));
+        return Err(NameRule::StartsWithDigit);
     }
-    if let Some(c) = part
+    if let Some(found) = part
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || *c == '_'))
     {
-        return Err(format!(
-            "{part:?} contains {c:?}: use [A-Za-z0-9_] in each part, and one dot between schema and table"
-        ));
+        return Err(NameRule::Character {
+            found,
+            allowed: ALLOWED,
+        });
     }
     Ok(())
 }
 
+/// What a table name may contain.
+const ALLOWED: &str = "[A-Za-z0-9_] in each part, and one dot between schema and table";
+
 impl TableName {
     /// Parses `table` or `schema.table`.
     pub(crate) fn parse(name: &str) -> Result<TableName, Error> {
-        let bad = |why: String| Error::invalid("lease table name", why);
+        fn bad(part: &str) -> impl FnOnce(NameRule) -> Error + '_ {
+            move |rule| name_error("lease table name", part, rule)
+        }
         let mut parts = name.split('.');
         let (schema, table) = match (parts.next(), parts.next(), parts.next()) {
             (Some(t), None, _) => (None, t),
             (Some(s), Some(t), None) => (Some(s), t),
             _ => {
-                return Err(bad(format!(
-                    "{name:?} has more than one dot: use table or schema.table"
-                )))
+                return Err(bad(name)(NameRule::Character {
+                    found: '.',
+                    allowed: ALLOWED,
+                }))
             }
         };
         if let Some(s) = schema {
-            valid_part(s, MAX_SCHEMA_LEN).map_err(bad)?;
+            valid_part(s, MAX_SCHEMA_LEN).map_err(bad(s))?;
         }
-        valid_part(table, MAX_TABLE_LEN).map_err(bad)?;
+        valid_part(table, MAX_TABLE_LEN).map_err(bad(table))?;
         Ok(TableName {
             schema: schema.map(str::to_owned),
             table: table.to_owned(),
@@ -146,6 +156,7 @@ pub(crate) fn quote_literal(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::InvalidInput;
 
     #[test]
     fn accepts_plain_and_schema_qualified_names() {
@@ -183,10 +194,10 @@ mod tests {
             assert!(
                 matches!(
                     e,
-                    Error::InvalidInput {
+                    Error::Invalid(InvalidInput::Name {
                         what: "lease table name",
                         ..
-                    }
+                    })
                 ),
                 "{bad:?}: {e}"
             );

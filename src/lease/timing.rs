@@ -9,9 +9,10 @@
 //! local deadline always falls `margin` before anyone else can take the
 //! lease over, whatever the wall clocks of the nodes say.
 
+use std::ops::Bound;
 use std::time::{Duration, Instant};
 
-use crate::error::Error;
+use crate::error::{at_most, in_range, within, Error};
 
 /// The shortest TTL accepted: 1 s.
 pub(crate) const MIN_TTL: Duration = Duration::from_secs(1);
@@ -49,28 +50,15 @@ impl Timing {
     ) -> Result<Timing, Error> {
         check_ttl(ttl)?;
         let margin = margin.unwrap_or(ttl / 8);
-        if margin > ttl / 2 {
-            return Err(Error::invalid(
-                "lease safety margin",
-                format!("{margin:?} is more than half the TTL {ttl:?}"),
-            ));
-        }
+        at_most("lease safety margin", margin, ttl / 2)?;
         let renew_every = renew_every.unwrap_or(ttl / 4);
-        if renew_every < MIN_RENEW_EVERY {
-            return Err(Error::invalid(
-                "lease renewal interval",
-                format!("{renew_every:?} is below the minimum {MIN_RENEW_EVERY:?}"),
-            ));
-        }
-        if renew_every >= ttl - margin {
-            return Err(Error::invalid(
-                "lease renewal interval",
-                format!(
-                    "{renew_every:?} is not below the TTL {ttl:?} minus the safety margin {margin:?}: \
-                     the lease would expire before its first renewal (default: TTL / 4)"
-                ),
-            ));
-        }
+        // The lease must not expire before its first renewal.
+        in_range(
+            "lease renewal interval",
+            renew_every,
+            Bound::Included(MIN_RENEW_EVERY),
+            Bound::Excluded(ttl - margin),
+        )?;
         Ok(Timing {
             ttl,
             renew_every,
@@ -131,40 +119,23 @@ pub(crate) fn statement_budget(
 
 /// Validates a TTL: 1 s to 24 h.
 pub(crate) fn check_ttl(ttl: Duration) -> Result<(), Error> {
-    if ttl < MIN_TTL || ttl > MAX_TTL {
-        return Err(Error::invalid(
-            "lease TTL",
-            format!("{ttl:?} is outside {MIN_TTL:?} to {MAX_TTL:?}"),
-        ));
-    }
-    Ok(())
+    Ok(within("lease TTL", ttl, MIN_TTL, MAX_TTL)?)
 }
 
 /// Validates an at-least-hold time: at most 366 days.
 pub(crate) fn check_at_least(at_least: Duration) -> Result<(), Error> {
-    if at_least > MAX_HOLD {
-        return Err(Error::invalid(
-            "lease at-least-hold time",
-            format!("{at_least:?} is more than {MAX_HOLD:?}"),
-        ));
-    }
-    Ok(())
+    Ok(at_most("lease at-least-hold time", at_least, MAX_HOLD)?)
 }
 
 /// Validates a scheduling period: 1 s to 366 days.
 pub(crate) fn check_period(period: Duration) -> Result<(), Error> {
-    if period < MIN_PERIOD || period > MAX_HOLD {
-        return Err(Error::invalid(
-            "job period",
-            format!("{period:?} is outside {MIN_PERIOD:?} to {MAX_HOLD:?}"),
-        ));
-    }
-    Ok(())
+    Ok(within("job period", period, MIN_PERIOD, MAX_HOLD)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::InvalidInput;
 
     const S: Duration = Duration::from_secs(1);
     const MS: Duration = Duration::from_millis(1);
@@ -216,8 +187,24 @@ mod tests {
         // margin above half the TTL
         assert!(Timing::new(2 * S, None, Some(1001 * MS)).is_err());
         assert!(Timing::new(2 * S, Some(100 * MS), Some(S)).is_ok());
+        // the error names the value and the range: below the TTL minus the margin
         let e = Timing::new(2 * S, Some(2 * S), None).unwrap_err();
-        assert!(e.to_string().contains("not below the TTL"), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::Invalid(InvalidInput::Duration {
+                    what: "lease renewal interval",
+                    value,
+                    min: Bound::Included(MIN_RENEW_EVERY),
+                    max: Bound::Excluded(max),
+                }) if value == 2 * S && max == 1750 * MS
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "invalid lease renewal interval 2s: allowed [10ms, 1.75s)"
+        );
     }
 
     #[test]

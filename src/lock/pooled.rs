@@ -19,7 +19,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use super::{lock_fn, LockKey, LockMode, Scope};
 use crate::admission::Lane;
-use crate::error::Error;
+use crate::error::{Error, LockError};
 use crate::pool::{Client, Pool};
 use crate::pooler::{backend_pid, Motion, MOTION_STATEMENTS};
 
@@ -129,12 +129,12 @@ impl Check {
             Ok(Ok(false)) => Ok(Check { other, motion }),
             Ok(Ok(true)) => {
                 crate::pooler::proven_by_lock(pool);
-                Err(Error::BehindPooler {
+                Err(Error::Lock(LockError::BehindPooler {
                     how: "detected at the lock",
-                })
+                }))
             }
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(Error::LockTimeout { key, timeout }),
+            Err(_) => Err(Error::Lock(LockError::Timeout { key, timeout })),
         }
     }
 
@@ -142,8 +142,8 @@ impl Check {
     /// lock's connection showed throughout the probe, or a transaction
     /// pooler moved it there. Then the lock is released on `held_on`
     /// (reached from both connections, within the pool's unlock timeout)
-    /// and refused with [`Error::BehindPooler`], or reported and refused
-    /// with [`Error::MovedByPooler`]. Either error means nothing of the
+    /// and refused with [`LockError::BehindPooler`](crate::LockError::BehindPooler), or reported and refused
+    /// with [`LockError::MovedByPooler`](crate::LockError::MovedByPooler). Either error means nothing of the
     /// lock's is on the session `lock_conn` reaches now.
     pub(crate) async fn confirm(
         mut self,
@@ -159,9 +159,9 @@ impl Check {
         crate::pooler::proven_by_lock(pool);
         let bound = super::unlock_timeout(pool);
         if reach(&[lock_conn, &self.other], held_on, key, mode, bound).await {
-            Err(Error::BehindPooler {
+            Err(Error::Lock(LockError::BehindPooler {
                 how: "detected at the lock",
-            })
+            }))
         } else {
             let ran_on = self.motion.first(0).unwrap_or(held_on);
             Err(stranded(key, held_on, ran_on))
@@ -209,12 +209,12 @@ pub(crate) async fn reach(
 /// Reports a lock left on a pooled server connection, loudly, and returns
 /// the error that says so.
 pub(crate) fn stranded(key: LockKey, held_on: i32, ran_on: i32) -> Error {
-    let e = Error::MovedByPooler {
+    let e = Error::Lock(LockError::MovedByPooler {
         key,
         held_on,
         ran_on,
         released: false,
-    };
+    });
     tracing::error!(%key, pid = held_on, error = %e, "session advisory lock left on a pooled server connection");
     e
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::pooled::{self, Act};
 use super::{LockKey, LockMode};
-use crate::error::Error;
+use crate::error::{Error, LockError};
 use crate::pool::{Client, Shared};
 
 /// Per-pool tallies of the lock machinery, in the pool's extension slot.
@@ -146,13 +146,12 @@ impl Held {
 
     /// `act` on the lock's backend: PostgreSQL's answer (for an unlock,
     /// false: not held). A statement that a pooler ran on another backend
-    /// did nothing there; it is [`Error::MovedByPooler`], after an unlock
+    /// did nothing there; it is [`LockError::MovedByPooler`](crate::LockError::MovedByPooler), after an unlock
     /// has tried to reach the lock's backend ([`pooled::reach`]).
     pub(crate) async fn on_lock_backend(&mut self, act: Act) -> Result<bool, Error> {
-        let Some(held_on) = self.lock_pid else {
-            // infallible in practice: set at the grant, before any guard exists.
-            return Err(Error::invalid("session lock", "its backend pid is unknown"));
-        };
+        // infallible: set at the grant (`granted_on`), before the guard that
+        // calls this exists.
+        let held_on = self.lock_pid.expect("lock pid set at the grant"); // infallible
         let (ran_on, answer) =
             pooled::on_backend(self.conn(), held_on, act, self.key, self.mode).await?;
         if let Some(answer) = answer {
@@ -160,12 +159,12 @@ impl Held {
         }
         if matches!(act, Act::Relock) {
             // Nothing taken anywhere; the lock stays where it was.
-            return Err(Error::MovedByPooler {
+            return Err(Error::Lock(LockError::MovedByPooler {
                 key: self.key,
                 held_on,
                 ran_on,
                 released: false,
-            });
+            }));
         }
         let released = pooled::reach(
             &[self.conn()],
@@ -179,12 +178,12 @@ impl Held {
         // release other clients' locks, not this guard's.
         self.released();
         Err(if released {
-            Error::MovedByPooler {
+            Error::Lock(LockError::MovedByPooler {
                 key: self.key,
                 held_on,
                 ran_on,
                 released,
-            }
+            })
         } else {
             pooled::stranded(self.key, held_on, ran_on)
         })

@@ -11,7 +11,7 @@ use super::pooled::{self, Act};
 use super::release::{Held, Tally};
 use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
 use crate::admission::Lane;
-use crate::error::Error;
+use crate::error::{Error, LockError};
 use crate::pool::{Client, Pool};
 
 /// A held session advisory lock: owns the connection it was taken on, for as
@@ -22,7 +22,7 @@ use crate::pool::{Client, Pool};
 /// level left and returns the connection to the pool. An unbalanced unlock
 /// is impossible ([`unlock`] consumes the guard) or an explicit error
 /// ([`unlock_one`] refuses the last level); an unlock that PostgreSQL answers
-/// with `false` ("you don't own a lock") is [`Error::NotOwned`].
+/// with `false` ("you don't own a lock") is [`LockError::NotOwned`](crate::LockError::NotOwned).
 ///
 /// Dropped without [`unlock`] (early return, panic, cancelled future), the
 /// guard hands its connection to a spawned task that runs
@@ -71,7 +71,7 @@ impl SessionLock {
     /// The connection the lock lives on: statements that must run in the
     /// lock's session go here. Other work belongs on a request connection
     /// (`pool.get()`). Releasing the lock with raw SQL on it makes the next
-    /// unlock fail with [`Error::NotOwned`].
+    /// unlock fail with [`LockError::NotOwned`](crate::LockError::NotOwned).
     pub fn client(&self) -> &Client {
         self.held.conn()
     }
@@ -96,7 +96,7 @@ impl SessionLock {
         if !granted {
             // Another session holds it: this one lost it behind the guard.
             self.uncertain = true;
-            return Err(Error::NotOwned { key });
+            return Err(Error::Lock(LockError::NotOwned { key }));
         }
         self.depth += 1;
         self.held.tally_mut().add_level();
@@ -106,14 +106,16 @@ impl SessionLock {
 
     /// Releases one level, keeping the lock while others remain. Returns
     /// the depth left. The last level is [`SessionLock::unlock`]'s: here it is
-    /// [`Error::UnbalancedUnlock`].
+    /// [`LockError::UnbalancedUnlock`](crate::LockError::UnbalancedUnlock).
     pub async fn unlock_one(&mut self) -> Result<u32, Error> {
         if self.depth <= 1 {
-            return Err(Error::UnbalancedUnlock { key: self.held.key });
+            return Err(Error::Lock(LockError::UnbalancedUnlock {
+                key: self.held.key,
+            }));
         }
         self.uncertain = true;
         if !self.held.on_lock_backend(Act::Unlock).await? {
-            return Err(Error::NotOwned { key: self.held.key });
+            return Err(Error::Lock(LockError::NotOwned { key: self.held.key }));
         }
         self.uncertain = false;
         self.depth -= 1;
@@ -123,8 +125,8 @@ impl SessionLock {
     }
 
     /// Releases every level held on this session and returns the connection
-    /// to the pool. Errors are reported: [`Error::NotOwned`] when PostgreSQL
-    /// says the session did not hold the lock, [`Error::MovedByPooler`] when
+    /// to the pool. Errors are reported: [`LockError::NotOwned`](crate::LockError::NotOwned) when PostgreSQL
+    /// says the session did not hold the lock, [`LockError::MovedByPooler`](crate::LockError::MovedByPooler) when
     /// a transaction pooler ran the unlock on another server session than
     /// the lock's (and whether the lock could be released there after all),
     /// a database error otherwise; either way the connection is then cleaned
@@ -138,7 +140,7 @@ impl SessionLock {
         }
         while self.depth > 0 {
             if !self.held.on_lock_backend(Act::Unlock).await? {
-                return Err(Error::NotOwned { key: self.held.key });
+                return Err(Error::Lock(LockError::NotOwned { key: self.held.key }));
             }
             self.depth -= 1;
             self.held.tally_mut().remove_level();
@@ -193,7 +195,7 @@ pub(crate) async fn acquire(
 ) -> Result<Option<SessionLock>, Error> {
     let start = Instant::now();
     if let Some(how) = crate::pooler::behind_pooler(pool) {
-        return Err(Error::BehindPooler { how });
+        return Err(Error::Lock(LockError::BehindPooler { how }));
     }
     let bound = wait.unwrap_or(pool.shared.opts.wait_timeout);
     let conn = pool.checkout(Lane::SessionLock, site, bound).await?;

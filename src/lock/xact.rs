@@ -20,7 +20,7 @@ use crate::error::Error;
 /// - `Ok(true)`: granted, held until the transaction ends.
 /// - `Ok(false)`: only from a single try (`wait` is `None`): another session
 ///   holds it; the transaction is not aborted.
-/// - `Err(`[`Error::LockTimeout`]`)`: a wait ran out (SQLSTATE 55P03,
+/// - `Err(`[`LockError::Timeout`](crate::LockError::Timeout)`)`: a wait ran out (SQLSTATE 55P03,
 ///   `lock_not_available`), and **PostgreSQL has aborted the transaction**:
 ///   roll it back (dropping it does) and retry with a new one.
 ///

@@ -16,7 +16,7 @@ use slab::Slab;
 
 use super::shared::{Checkout, Outcome, Permit, Shared, State, Waiter};
 use crate::admission::{Answer as Admitted, Effect, Lane, Priority, Refusal, WaiterKey};
-use crate::error::{Error, Stage};
+use crate::error::{CheckoutError, Error, Stage};
 
 /// Removes a waiter from the queue when its checkout gives up or is dropped.
 struct WaiterGuard<'a> {
@@ -154,13 +154,13 @@ impl Shared {
             Refusal::Budget { limit } => (limit, false),
             Refusal::HardFloor { limit } => (limit, true),
         };
-        Error::BudgetExhausted {
+        Error::Checkout(CheckoutError::BudgetExhausted {
             lane,
             limit,
             in_use: st.adm.in_use(lane),
             hard_floor,
             holders: st.holders(lane, Instant::now()),
-        }
+        })
     }
 
     fn refused(&self, lane: Lane, r: Refusal, err: Error) -> Error {
@@ -173,7 +173,7 @@ impl Shared {
 
     fn closed(&self, lane: Lane) -> Error {
         self.metrics.lane(lane).fail_closed.increment(1);
-        Error::Pool(PoolError::Closed)
+        Error::Checkout(CheckoutError::Pool(PoolError::Closed))
     }
 
     /// Admits one checkout of `lane` at `prio`, waiting in FIFO order up to
@@ -272,12 +272,12 @@ impl Shared {
         self.metrics.lane(lane).fail_timeout.increment(1);
         let waited = start.elapsed();
         tracing::warn!(pool = %self.name, %lane, ?waited, %stage, %status, "checkout timed out");
-        Error::Timeout {
+        Error::Checkout(CheckoutError::Timeout {
             lane,
             waited,
             stage,
             status: Box::new(status),
-        }
+        })
     }
 
     fn over_budget(&self, site: &'static Location<'static>, first: bool) {

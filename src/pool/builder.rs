@@ -47,22 +47,14 @@ pub(crate) fn config_pool(
             Some(deadpool_postgres::Runtime::Tokio1),
             tokio_postgres::NoTls,
         )
-        .map_err(|e| BuildError::Deadpool(e.to_string()))?;
+        .map_err(|e| BuildError::Deadpool(Box::new(e)))?;
     Ok(inner)
 }
 
 /// A deadpool pool from a connection string, no TLS, timeouts defaulted.
 pub(crate) fn url_pool(url: &str, max_size: usize) -> Result<deadpool_postgres::Pool, BuildError> {
     check_size(max_size)?;
-    let pg: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
-        // The parser's reason is the source ("invalid value for option
-        // `port`", "unexpected EOF"…); the error itself only says
-        // "invalid connection string".
-        BuildError::InvalidUrl(match std::error::Error::source(&e) {
-            Some(reason) => crate::error::Chain(reason).to_string(),
-            None => e.to_string(),
-        })
-    })?;
+    let pg: tokio_postgres::Config = url.parse().map_err(BuildError::InvalidUrl)?;
     let mgr = deadpool_postgres::Manager::from_config(
         pg,
         tokio_postgres::NoTls,
@@ -76,7 +68,7 @@ pub(crate) fn url_pool(url: &str, max_size: usize) -> Result<deadpool_postgres::
         .recycle_timeout(Some(RECYCLE_TIMEOUT))
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
-        .map_err(|e| BuildError::Deadpool(e.to_string()))?;
+        .map_err(|e| BuildError::Deadpool(Box::new(e)))?;
     Ok(inner)
 }
 

@@ -14,7 +14,7 @@ use super::client::Client;
 use super::deadline::{bounded, deadline};
 use super::shared::{IdSet, Known, Permit, Pool, Shared};
 use crate::admission::{Lane, Priority};
-use crate::error::{Error, Stage};
+use crate::error::{CheckoutError, Error, Stage};
 
 /// Polls `fut` once in place; only when it is not ready at once does it get
 /// a timer (a free connection is handed out without one).
@@ -74,8 +74,10 @@ impl Pool {
                 Ok(o) => o,
                 Err(e) => {
                     match &e {
-                        Error::Pool(PoolError::Closed) => lm.fail_closed.increment(1),
-                        Error::Pool(_) => lm.fail_backend.increment(1),
+                        Error::Checkout(CheckoutError::Pool(PoolError::Closed)) => {
+                            lm.fail_closed.increment(1)
+                        }
+                        Error::Checkout(CheckoutError::Pool(_)) => lm.fail_backend.increment(1),
                         // Counted where they were found.
                         _ => {}
                     }
@@ -165,7 +167,7 @@ impl Shared {
     ) -> Result<Object, Error> {
         let lane = permit.lane;
         if !matches!(e, PoolError::Timeout(TimeoutType::Wait)) {
-            return Err(Error::Pool(e));
+            return Err(Error::Checkout(CheckoutError::Pool(e)));
         }
         let size = self.state.lock().adm.limits().size();
         let deadpool_max = self.inner.status().max_size;
@@ -175,16 +177,16 @@ impl Shared {
         };
         if deadpool_max == size {
             if let Some(r) = until(deadline, self.inner.timeout_get(&wait)).await {
-                return r.map_err(Error::Pool);
+                return r.map_err(Error::from);
             }
         }
         let in_use = self.state.lock().adm.total();
-        let err = Error::DeadpoolMismatch {
+        let err = Error::Checkout(CheckoutError::DeadpoolMismatch {
             lane,
             size,
             deadpool_max: self.inner.status().max_size,
             in_use,
-        };
+        });
         self.metrics.lane(lane).fail_backend.increment(1);
         tracing::warn!(pool = %self.name, %lane, waited = ?start.elapsed(), error = %err, "checkout failed");
         Err(err)
@@ -198,5 +200,5 @@ async fn backend_pid(obj: &deadpool_postgres::Client) -> Result<i32, Error> {
             tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).and_then(|v| v.parse().ok()),
             _ => None,
         })
-        .ok_or_else(|| Error::invalid("backend pid", "SELECT pg_backend_pid() returned no row"))
+        .ok_or(Error::Checkout(CheckoutError::NoBackendPid))
 }

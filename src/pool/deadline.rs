@@ -25,7 +25,7 @@ tokio::task_local! {
 /// left until the deadline, and the per-checkout maximum
 /// ([`Deadline::max_wait`]). Scopes nest: an inner scope never extends an
 /// outer one. A checkout past its bound fails as any checkout timeout does
-/// (`PoolError::Timeout` from [`crate::Pool::get`], [`crate::Error::Timeout`]
+/// (`PoolError::Timeout` from [`crate::Pool::get`], [`CheckoutError::Timeout`](crate::CheckoutError::Timeout)
 /// from the others).
 ///
 /// ```no_run

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::shared::Pool;
 use crate::admission::Lane;
-use crate::error::Error;
+use crate::error::{CheckoutError, Error};
 
 impl Pool {
     /// `SELECT 1` on the probe lane within `timeout`, checkout included; its
@@ -26,11 +26,13 @@ impl Pool {
                         // The server did not answer: this connection is
                         // in an unknown state, never reuse it.
                         c.discard();
-                        Err(Error::ReadinessTimeout(timeout))
+                        Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout)))
                     }
                 }
             }
-            Err(e) if e.is_timeout() => Err(Error::ReadinessTimeout(timeout)),
+            Err(e) if e.is_timeout() => {
+                Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout)))
+            }
             Err(e) => Err(e),
         };
         match result {

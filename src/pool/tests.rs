@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::deadline::deadline;
 use super::shared::{Permit, Pool};
 use crate::admission::{Lane, Priority};
-use crate::error::{Error, Stage};
+use crate::error::{CheckoutError, Error, Stage};
 
 fn nowhere(size: usize) -> deadpool_postgres::Pool {
     let cfg: tokio_postgres::Config = "host=/nonexistent/pgwarden user=nobody".parse().unwrap();
@@ -112,12 +112,12 @@ async fn a_waiter_times_out_at_its_bound_exactly_and_leaves_no_trace() {
         .unwrap();
     assert_eq!(start.elapsed(), Duration::from_secs(2));
     match &e {
-        Error::Timeout {
+        Error::Checkout(CheckoutError::Timeout {
             lane,
             stage,
             waited,
             status,
-        } => {
+        }) => {
             assert_eq!((*lane, *stage), (Lane::Request, Stage::Admission));
             assert_eq!(*waited, Duration::from_secs(2));
             assert_eq!(status.lane(Lane::Request).waiting, 1, "{status}");
@@ -274,7 +274,10 @@ async fn close_fails_waiters_and_later_checkouts_as_closed() {
     pool.close();
     let e = waiter.await.unwrap().unwrap_err();
     assert!(
-        matches!(e, Error::Pool(deadpool_postgres::PoolError::Closed)),
+        matches!(
+            e,
+            Error::Checkout(CheckoutError::Pool(deadpool_postgres::PoolError::Closed))
+        ),
         "{e}"
     );
     assert!(admit(&pool, Lane::Probe, Duration::ZERO).await.is_err());

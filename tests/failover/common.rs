@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, Lane, LeaseHandle, LostReason, Pool, PoolerMode};
+use pgwarden::{Error, Lane, LeaseError, LeaseHandle, LostReason, Pool, PoolerMode};
 use pgwarden_testing::{Cluster, Replication};
 use tokio_postgres::Client;
 
@@ -114,7 +114,7 @@ pub async fn fenced_write(pool: &Pool, lease: &LeaseHandle, seq: i32) -> Result<
     };
     match tokio::time::timeout(STEP, write).await {
         Ok(Ok(row)) => Ok(row),
-        Ok(Err(Error::LeaseLost { reason, .. })) => Err(WriteError::Rejected(reason)),
+        Ok(Err(Error::Lease(LeaseError::Lost { reason, .. }))) => Err(WriteError::Rejected(reason)),
         Ok(Err(e)) => Err(WriteError::Failed(e.to_string())),
         Err(_) => Err(WriteError::Failed(format!("not done within {STEP:?}"))),
     }

@@ -206,7 +206,10 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
     // holds the lease, and gets no token.
     let b = lb.acquire(LEASE, &opts(), None).await;
     assert!(
-        matches!(&b, Err(pgwarden::Error::LeaseTimeout { .. })),
+        matches!(
+            &b,
+            Err(pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. }))
+        ),
         "a take-over returned without the standby: {b:?}"
     );
 

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
-use pgwarden::{Error, Lane, LockKey, Pool, SessionLock};
+use pgwarden::{Error, Lane, LockError, LockKey, Pool, SessionLock};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -128,10 +128,10 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
                 .await
             {
                 Ok(Some(l)) => Ok(l),
-                Ok(None) => Err(Error::LockTimeout {
+                Ok(None) => Err(Error::Lock(LockError::Timeout {
                     key,
                     timeout: Duration::ZERO,
-                }),
+                })),
                 Err(e) => Err(e),
             },
         ),
@@ -277,5 +277,5 @@ async fn wait_lock(
 ) -> Result<SessionLock, Error> {
     pool.session_lock(key, mode, Some(wait))
         .await?
-        .ok_or(Error::LockTimeout { key, timeout: wait })
+        .ok_or(Error::Lock(LockError::Timeout { key, timeout: wait }))
 }

@@ -1,0 +1,71 @@
+//! [`LeaseError`]: a table lease was lost, timed out, or its table is
+//! unusable.
+
+use std::time::Duration;
+
+use crate::lost::LostReason;
+
+/// A table lease was lost, a lease statement timed out, or the lease table
+/// has another shape. Recover from [`LeaseError::Lost`] by stopping the
+/// work that must not come from a stale holder (and acquiring again later);
+/// from [`LeaseError::Timeout`] by retrying; [`LeaseError::TableMismatch`]
+/// needs the table fixed.
+///
+/// Another holder having the lease is not an error: `acquire` returns
+/// `Ok(None)`.
+///
+/// ```no_run
+/// use pgwarden::{Error, LeaseError, LostReason};
+///
+/// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::Lease) -> Result<(), Error> {
+/// let mut conn = pool.get().await?;
+/// let tx = conn.transaction().await?;
+/// match lease.fence(&tx).await {
+///     Ok(()) => tx.commit().await?,
+///     Err(Error::Lease(LeaseError::Lost { reason: LostReason::Taken, .. })) => {
+///         // another holder has it now: stop (the transaction rolls back on drop)
+///     }
+///     Err(e) => return Err(e),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LeaseError {
+    /// The lease is no longer this holder's: taken over, expired, or given
+    /// up at the local deadline. Work that must not come from a stale holder
+    /// stops here.
+    #[error("lease {name:?} lost: {reason}")]
+    Lost {
+        /// The lease.
+        name: String,
+        /// Why.
+        reason: LostReason,
+    },
+
+    /// A lease statement did not complete in time; its connection was closed
+    /// (the statement may or may not have taken effect).
+    #[error("lease {what} did not complete within {waited:?}; its connection was closed")]
+    Timeout {
+        /// The statement: `acquisition`, `renewal`, `release` or `install`.
+        what: &'static str,
+        /// How long it ran.
+        waited: Duration,
+    },
+
+    /// The lease table (or its token sequence) exists with another shape
+    /// than pgwarden's: `install()` and the first use with `auto_install`
+    /// check it, so that acquisitions do not fail later with SQL errors.
+    #[error(
+        "lease table {table} does not have the shape pgwarden needs: {}; \
+         alter it to match sql/leases.sql, or drop it (when no lease is held) and call install()",
+        differences.join("; ")
+    )]
+    TableMismatch {
+        /// The table, as configured.
+        table: String,
+        /// Each difference, in words: a missing or mistyped column, the
+        /// primary key, the sequence.
+        differences: Vec<String>,
+    },
+}
