@@ -114,7 +114,7 @@ impl LeaseHandle {
     /// READ` and `SERIALIZABLE` it reads the transaction's snapshot: a
     /// take-over committed since then makes PostgreSQL refuse the lock with
     /// a serialization failure, which `fence` reports as
-    /// `LeaseLost { reason: Taken }`; a renewal by this holder since then is
+    /// `LeaseError::Lost { reason: Taken }`; a renewal by this holder since then is
     /// no conflict (it changes no key), and the expiry it carries is newer
     /// than the snapshot's, so there the local deadline stands in for the
     /// expiry check. Take the snapshot after the lease: call `fence` first

@@ -84,7 +84,7 @@ pub(crate) async fn run_under<T>(
     }
 }
 
-/// Releases after a run: the job's output, or `LeaseLost` if it was cancelled.
+/// Releases after a run: the job's output, or `LeaseError::Lost` if it was cancelled.
 /// A failed release after a completed job is logged, not returned: the job
 /// ran, and the lease expires after its TTL.
 pub(crate) async fn finish<T>(lease: Lease, out: Result<T, LostReason>) -> Result<T, Error> {
