@@ -357,3 +357,25 @@ async fn discard_closes_the_backend() {
     let c = pool.get().await.unwrap();
     assert_ne!(c.pid(), pid);
 }
+
+#[tokio::test]
+async fn a_readiness_bound_of_zero_answers_at_once_and_closes_nothing() {
+    let (_db, pool) = pool(2).await;
+    pool.readiness(Duration::from_secs(5)).await.unwrap();
+    let before = pool.status();
+    assert_eq!(
+        before.size, 1,
+        "the probe opened one connection: {before:?}"
+    );
+    let err = pool.readiness(Duration::ZERO).await.unwrap_err();
+    assert!(
+        matches!(err, Error::Checkout(CheckoutError::ReadinessTimeout(d)) if d.is_zero()),
+        "{err}"
+    );
+    let after = pool.status();
+    assert_eq!(
+        (after.size, after.idle, after.in_use),
+        (1, 1, 0),
+        "a bound of zero checks nothing out and closes no healthy connection: {after:?}"
+    );
+}

@@ -17,6 +17,12 @@ impl Pool {
     ) -> Result<Duration, Error> {
         let start = tokio::time::Instant::now();
         let m = &self.shared.metrics;
+        if timeout.is_zero() {
+            // No probe can answer within nothing: say so at once, without
+            // checking out (and then closing) a healthy connection.
+            m.readiness_timeout.increment(1);
+            return Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout)));
+        }
         let result = match self.checkout(Lane::Probe, site, timeout).await {
             Ok(c) => {
                 let left = timeout.saturating_sub(start.elapsed());
