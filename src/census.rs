@@ -118,7 +118,7 @@ impl Census {
     }
 }
 
-/// What one [`Pool::census_sweep`] found.
+/// What one census sweep found.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct CensusSummary {
     /// Advisory locks in the database.

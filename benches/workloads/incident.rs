@@ -11,7 +11,7 @@
 //! - A: raw deadpool, each job holding `pg_try_advisory_lock` on its own
 //!   pooled connection while its work asks for another (the code of the incident);
 //! - B: pgwarden, the same jobs on budgeted session locks
-//!   (`try_session_lock`; the default budget of a pool of 8 is 2, so two
+//!   (`session_lock` with no wait; the default budget of a pool of 8 is 2, so two
 //!   jobs run and the others are refused and retry after the pause);
 //! - C: pgwarden, the same jobs on table leases (`Leases::acquire`, one attempt).
 

@@ -172,7 +172,7 @@ pub async fn raw_deadpool(db: &TestDb) -> Result<Outcome, BoxError> {
 }
 
 /// pgwarden, pool of 4, the same four jobs with the same intent: each takes a
-/// budgeted session lock (`try_session_lock`), which checks out its
+/// budgeted session lock (`session_lock` with no wait), which checks out its
 /// connection on the session-lock lane.
 pub async fn pgwarden_session_locks(
     db: &TestDb,
