@@ -21,7 +21,7 @@ use super::inner::Inner;
 use super::sql::Statements;
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};
-use crate::pool::Client;
+use crate::pool::Client as Checkout;
 
 /// How long a cancel request may take (it connects anew, and a hung server
 /// does not answer).
@@ -83,7 +83,7 @@ impl Inner {
         &self,
         urgency: Urgency,
         timeout: Duration,
-    ) -> Result<Client, Error> {
+    ) -> Result<Checkout, Error> {
         let priority = match urgency {
             Urgency::Urgent => Priority::Urgent,
             Urgency::Normal => Priority::Normal,
@@ -210,7 +210,7 @@ fn refused_prepared(e: &PgError) -> bool {
 struct InFlight<'i, F: FnOnce() -> Option<FollowUp>> {
     inner: &'i Inner,
     what: &'static str,
-    conn: Option<Client>,
+    conn: Option<Checkout>,
     follow_up: Option<F>,
 }
 
