@@ -4,6 +4,24 @@
 use std::fmt;
 
 /// Why a holder stopped trusting its lease.
+///
+/// ```no_run
+/// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+/// use std::time::Duration;
+/// use pgwarden::{LeaseOptions, LostReason};
+///
+/// let opts = LeaseOptions::new(Duration::from_secs(30));
+/// if let Some(lease) = leases.acquire("report", &opts, None).await? {
+///     tokio::select! {
+///         reason = lease.lost() => match reason {
+///             LostReason::Taken => eprintln!("another instance took it over"),
+///             other => eprintln!("stopped trusting the lease: {other}"),
+///         },
+///         _ = tokio::time::sleep(Duration::from_secs(10)) => lease.release().await?,
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum LostReason {
