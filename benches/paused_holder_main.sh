@@ -6,6 +6,11 @@
 # which `bash benches/run.sh` then shows.
 #
 #   bash benches/paused_holder_main.sh [REV]     # ROUNDS=3 by default
+#
+# The scenario file is taken as it was written for that revision's API
+# (SCENARIO_REV, by default d52b33c: the same scenario, with the lease calls
+# named as a44f94e names them and its in-crate harness); this build runs the
+# current file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev="${1:-a44f94e}"
@@ -13,7 +18,7 @@ work="$(mktemp -d)"
 dir="$work/pgwarden-$rev"
 git worktree add --detach "$dir" "$rev" >/dev/null
 trap 'git worktree remove --force "$dir"; rm -rf "$work"' EXIT
-cp benches/workloads/paused_holder.rs "$dir/tests/paused_holder_scenario.rs.inc"
+git show "${SCENARIO_REV:-d52b33c}:benches/workloads/paused_holder.rs" > "$dir/tests/paused_holder_scenario.rs.inc"
 cat > "$dir/tests/paused_holder_main.rs" <<'RS'
 #[path = "paused_holder_scenario.rs.inc"]
 #[allow(dead_code)]
