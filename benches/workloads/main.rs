@@ -340,7 +340,13 @@ full-length runs on this shared 2-core machine, with other engineers'
 builds and tests running, gave 4b from 0.54 to 0.91 and 4c from 0.89 to
 1.19. The server's CPU per statement is the steadier figure: pgwarden's pair
 cost 1.04 to 2.2 times the plain SQL's (1.4 times in most runs), its
-attempt on a held name 0.88 to 0.93 times.
+attempt on a held name 0.88 to 0.93 times. In those runs pgwarden's side
+had the default lease lane of a pool of 16, at most 4 lease statements at
+once, against 16 plain statements at once: 4b measured the lane's cap as
+much as the statements. The rows now size pgwarden's lease lane to the 16
+tasks (`lane(Lane::Lease, 0, 16)`), which is what a service that runs many
+lease statements at once configures; the run above gave 4b 1.504 and 4c
+1.095 that way.
 
 Issue 12 puts two things on the checkout path: the `Deadline` scope, read
 by every checkout (a task-local), and a per-lane recent hold time kept at
