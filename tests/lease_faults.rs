@@ -71,24 +71,8 @@ async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
     let lease = a.acquire("alerts", &short(), None).await.unwrap().unwrap();
     let lost = lease.lost();
     let stopped = Stopped::stop(backends(&admin, "stop-a").await).expect("SIGSTOP");
-    let taker = tokio::spawn(async move {
-        let l = b.acquire("alerts", &short(), Some(10 * S)).await;
-        (Instant::now(), l)
-    });
-    let reason = within(5 * S, "lost signal", lost).await;
-    let lost_at = Instant::now();
-    assert_eq!(reason, LostReason::Deadline);
-    let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
-    let taken = taken.unwrap().expect("taken within the wait");
-    assert!(
-        lost_at < taken_at,
-        "lost {:?} before the take-over",
-        taken_at - lost_at
-    );
-    eprintln!(
-        "SIGSTOP: lost signal {:?} before the take-over",
-        taken_at - lost_at
-    );
+    let (taken, ahead_by) = lost_then_taken_over(b, lost).await;
+    eprintln!("SIGSTOP: lost signal {ahead_by:?} before the take-over");
     assert!(taken.term().token > lease.term().token);
     assert_eq!(
         taken.term().took_over_from.as_deref(),
@@ -125,20 +109,8 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
         ))
         .await
         .unwrap();
-    let taker = tokio::spawn(async move {
-        let l = b.acquire("alerts", &short(), Some(10 * S)).await;
-        (Instant::now(), l)
-    });
-    let reason = within(5 * S, "lost signal", lost).await;
-    let lost_at = Instant::now();
-    assert_eq!(reason, LostReason::Deadline);
-    let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
-    let taken = taken.unwrap().expect("taken within the wait");
-    assert!(lost_at < taken_at);
-    eprintln!(
-        "terminated: lost signal {:?} before the take-over",
-        taken_at - lost_at
-    );
+    let (taken, ahead_by) = lost_then_taken_over(b, lost).await;
+    eprintln!("terminated: lost signal {ahead_by:?} before the take-over");
     // The failed renewals were retried, not given up at the first error.
     assert!(a.stats().renewal_failures >= 2, "{:?}", a.stats());
     // Back in: A's late release leaves B's term alone.
@@ -227,4 +199,28 @@ async fn a_slow_batch_holds_up_no_other_lease() {
     );
     assert!(!y.is_lost());
     y.release().await.unwrap();
+}
+
+/// B waits up to 10 s to take "alerts" over while A's `lost` signal is
+/// awaited: `lost` must fire (at A's deadline) before B's take-over. Returns
+/// B's lease and how long before the take-over the signal came.
+async fn lost_then_taken_over(
+    b: Leases,
+    lost: impl std::future::Future<Output = LostReason>,
+) -> (pgwarden::Lease, Duration) {
+    let taker = tokio::spawn(async move {
+        let l = b.acquire("alerts", &short(), Some(10 * S)).await;
+        (Instant::now(), l)
+    });
+    let reason = within(5 * S, "lost signal", lost).await;
+    let lost_at = Instant::now();
+    assert_eq!(reason, LostReason::Deadline);
+    let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
+    let taken = taken.unwrap().expect("taken within the wait");
+    assert!(
+        lost_at < taken_at,
+        "lost {:?} before the take-over",
+        taken_at - lost_at
+    );
+    (taken, taken_at - lost_at)
 }
