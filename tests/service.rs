@@ -6,7 +6,12 @@
 //! `PGWARDEN_TIME_SCALE=0.0005` the periods are: cleanup 1.8 s; alerts,
 //! mail checks and uptime 1 s (the scheduler's minimum). Every run is
 //! recorded in `job_runs` (in a transaction fenced by its lease), with its
-//! period; periods are slots of the database clock aligned on the epoch.
+//! period and the start of its lease's term; periods are slots of the
+//! database clock aligned on the epoch, and a run belongs to the slot its
+//! term started in (what the scheduler promises). When it was recorded can
+//! be a later slot: a run taken late in a slot and slowed by a loaded
+//! machine records after the boundary, while the next slot's run is
+//! already taken elsewhere.
 
 mod support;
 
@@ -23,26 +28,30 @@ const CLUSTER_JOBS: &[&str] = &["cleanup", "alerts", "mail-checks"];
 /// (job, node for per-node jobs else "", slot) → instances that ran it.
 type Runs = BTreeMap<(String, String, i64), Vec<String>>;
 
-async fn runs(db: &Client) -> Result<(Runs, BTreeMap<String, i64>)> {
+/// The runs by the slot their term started in, the period of each job, and
+/// how many runs were recorded in a later slot than their term's.
+async fn runs(db: &Client) -> Result<(Runs, BTreeMap<String, i64>, i64)> {
     let rows = db
         .query(
             "SELECT job, CASE WHEN job = 'uptime' THEN node ELSE '' END, \
-                    floor(extract(epoch FROM ran_at) * 1000 / period_ms)::bigint, \
-                    instance, period_ms \
-             FROM job_runs ORDER BY ran_at",
+                    floor(extract(epoch FROM taken_at) * 1000 / period_ms)::bigint, \
+                    instance, period_ms, \
+                    floor(extract(epoch FROM ran_at) * 1000 / period_ms)::bigint \
+             FROM job_runs ORDER BY taken_at",
             &[],
         )
         .await?;
     let mut out = Runs::new();
     let mut periods = BTreeMap::new();
+    let mut recorded_later = 0;
     for r in rows {
         let job: String = r.get(0);
+        let slot: i64 = r.get(2);
         periods.insert(job.clone(), r.get::<_, i64>(4));
-        out.entry((job, r.get(1), r.get(2)))
-            .or_default()
-            .push(r.get(3));
+        recorded_later += i64::from(r.get::<_, i64>(5) > slot);
+        out.entry((job, r.get(1), slot)).or_default().push(r.get(3));
     }
-    Ok((out, periods))
+    Ok((out, periods, recorded_later))
 }
 
 async fn db_now_ms(db: &Client) -> Result<i64> {
@@ -72,7 +81,7 @@ fn cluster_jobs_once_per_period_node_jobs_once_per_node_and_sigterm_releases_lea
 
     // Several periods of the slowest job (cleanup, 1.8 s) after all started.
     wait_for(Duration::from_secs(40), "six cleanup periods", || {
-        let (runs, periods) = rt.block_on(runs(&client))?;
+        let (runs, periods, _) = rt.block_on(runs(&client))?;
         let Some(p) = periods.get("cleanup") else {
             return Ok(None);
         };
@@ -83,9 +92,10 @@ fn cluster_jobs_once_per_period_node_jobs_once_per_node_and_sigterm_releases_lea
         Ok((after >= 6).then_some(()))
     })?;
     let end_ms = rt.block_on(db_now_ms(&client))?;
-    let (all, periods) = rt.block_on(runs(&client))?;
+    let (all, periods, recorded_later) = rt.block_on(runs(&client))?;
     say!(
-        "{:>5.1?}  observed {:.1} s of database time; periods (ms): {periods:?}",
+        "{:>5.1?}  observed {:.1} s of database time; periods (ms): {periods:?}; \
+         {recorded_later} runs recorded in a later period than their term's",
         t0.elapsed(),
         (end_ms - start_ms) as f64 / 1000.0
     );

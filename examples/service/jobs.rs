@@ -12,7 +12,10 @@
 //! Periods are multiplied by `PGWARDEN_TIME_SCALE` (and clamped to the
 //! scheduler's minimum, 1 s). Every run is recorded in
 //! `job_runs` inside a transaction fenced by the run's lease, so a holder
-//! whose lease was taken over can never record (or do) a run.
+//! whose lease was taken over can never record (or do) a run. A run belongs
+//! to the period its lease was taken in (`taken_at`, the term's start on the
+//! database clock); `ran_at`, when it was recorded, can fall in a later
+//! period when the run is slow.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -112,11 +115,13 @@ async fn run(
     };
     let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
     tx.execute_typed(
-        "INSERT INTO job_runs (job, node, instance, period_ms, token) VALUES ($1, $2, $3, $4, $5)",
+        "INSERT INTO job_runs (job, node, instance, taken_at, period_ms, token) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
         &[
             (&name, Type::TEXT),
             (&&*ctx.node, Type::TEXT),
             (&&*ctx.instance, Type::TEXT),
+            (&lease.term().taken_at, Type::TIMESTAMPTZ),
             (&period_ms, Type::INT8),
             (&lease.term().token, Type::INT8),
         ],

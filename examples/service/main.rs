@@ -25,7 +25,7 @@
 //! hourly, alert evaluation every 30 s, mail checks every 15 min (each on
 //! one instance of the cluster per period), uptime checks every 10 s once
 //! per node. Every run is recorded in `job_runs(job, node, instance, ran_at,
-//! period_ms, token)`.
+//! taken_at, period_ms, token)`.
 //!
 //! Environment: `DATABASE_URL` (unset: a throwaway PostgreSQL from
 //! `pgwarden_testing`, whose URL is printed so that a second instance can

@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS job_runs (
     node      text        NOT NULL,
     instance  text        NOT NULL,
     ran_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    taken_at  timestamptz NOT NULL,
     period_ms bigint      NOT NULL,
     token     bigint      NOT NULL
 );
