@@ -231,3 +231,79 @@ async fn polls_are_jittered() {
     assert!(offsets.iter().any(|&o| o > 0.04), "{offsets:?}");
     assert!(offsets.iter().all(|&o| o < 0.6), "{offsets:?}");
 }
+
+/// A run still going at the boundary keeps its lease; the period it ends in
+/// gets its run once it ends (the holder asks again at once), and that run
+/// belongs to that period. So a slow run can end inside the next period's
+/// run's period: what counts is when each term began.
+#[tokio::test]
+async fn a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in() {
+    let db = db().await;
+    // (slot of the term, when the term began, when the run ended).
+    type Spans = Arc<parking_lot::Mutex<Vec<(i64, f64, f64)>>>;
+    let spans: Spans = Arc::default();
+    let mut schedulers = Vec::new();
+    for i in 0..2 {
+        let leases = Leases::new(&pool(&db, 3, &format!("overrun{i}")));
+        leases.install().await.unwrap();
+        let log = spans.clone();
+        let s = Scheduler::builder(&leases)
+            .node(format!("n{i}"))
+            .job(Job::every("slow", S, move |lease: LeaseHandle| {
+                let log = log.clone();
+                async move {
+                    let taken = lease.term().taken_at;
+                    let began = taken.duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
+                    let first = log.lock().is_empty();
+                    if first {
+                        // The first run ends 300 ms into the next period
+                        // (the database and this process share a clock).
+                        let end = UNIX_EPOCH + Duration::from_secs_f64(began.floor() + 1.3);
+                        let left = end.duration_since(std::time::SystemTime::now());
+                        tokio::time::sleep(left.unwrap_or_default()).await;
+                    }
+                    let ended = std::time::SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap()
+                        .as_secs_f64();
+                    log.lock().push((slot_of(&lease, S), began, ended));
+                }
+            }))
+            .start()
+            .unwrap();
+        schedulers.push(s);
+    }
+    eventually(10 * S, "three runs", || async { spans.lock().len() >= 3 }).await;
+    for s in schedulers {
+        s.shutdown(10 * S).await;
+    }
+    let spans = spans.lock().clone();
+    eprintln!("runs (slot, term began, run ended): {spans:?}");
+    let (slot0, _, end0) = spans[0];
+    let (slot1, began1, _) = spans[1];
+    assert_eq!(
+        end0.floor() as i64,
+        slot0 + 1,
+        "the first run ended in the next period"
+    );
+    assert_eq!(
+        slot1,
+        slot0 + 1,
+        "the period the first run ended in got its run"
+    );
+    assert!(
+        began1 >= end0 - 0.005,
+        "the second term began before the first run ended"
+    );
+    assert!(
+        began1 - end0 < 0.5,
+        "the next run waited {:.3} s",
+        began1 - end0
+    );
+    let slots: std::collections::BTreeSet<i64> = spans.iter().map(|s| s.0).collect();
+    assert_eq!(
+        slots.len(),
+        spans.len(),
+        "two terms in one period: {spans:?}"
+    );
+}

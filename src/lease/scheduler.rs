@@ -9,8 +9,11 @@
 //! until the slot boundary the database reports (plus a random jitter, so
 //! that a fleet does not poll in the same millisecond), and one of them
 //! takes the next slot as soon as it opens. A job still running at the
-//! boundary keeps its lease (renewed), and the slots it overlaps are
-//! skipped.
+//! boundary keeps its lease (renewed): the slots its run covers whole are
+//! skipped, and the slot it ends in gets its run at once after it (the
+//! holder asks again as soon as its run is done). A run belongs to the slot
+//! its term began in ([`Term::taken_at`](crate::Term::taken_at)), not the
+//! one it ends in.
 //!
 //! # The guarantee, and what a crash does
 //!
@@ -33,7 +36,8 @@
 //!   never overlap use [`OnLost::Cancel`](super::OnLost::Cancel) and fenced
 //!   transactions.
 //! - It is at most once per period, not at least once: a period in which
-//!   every instance is down, busy past the boundary, or crashed, is skipped.
+//!   every instance is down or crashed, or which one run covers whole, is
+//!   skipped.
 
 use std::collections::HashSet;
 use std::fmt;
