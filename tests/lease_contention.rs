@@ -8,7 +8,9 @@ mod support;
 use std::time::{Duration, Instant};
 
 use pgwarden::{LeaseHandle, LeaseOptions, Leases, PoolerMode};
-use support::leases::{backends, busy_backends, insert_expired, lock_rows, pool, pool_behind};
+use support::leases::{
+    acquire_times_out, backends, busy_backends, insert_expired, lock_rows, pool, pool_behind,
+};
 use support::{admin, db, eventually, within, Stopped};
 
 const S: Duration = Duration::from_secs(1);
@@ -90,19 +92,7 @@ async fn a_timed_out_statement_is_cancelled_on_the_server() {
     insert_expired(&admin, "stale", "old-holder").await;
     let locker = lock_rows(&db, "pgwarden_leases", &["stale"], "FOR KEY SHARE").await;
 
-    let t = Instant::now();
-    let err = b
-        .acquire("stale", &LeaseOptions::new(30 * S), None)
-        .await
-        .unwrap_err();
-    let took = t.elapsed();
-    assert!(
-        matches!(
-            err,
-            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
-        ),
-        "{err}"
-    );
+    let took = acquire_times_out(&b, "stale").await;
     assert!(took < 1500 * MS, "{took:?}");
     // Cancelled on the server: B's backend does not go on waiting for the
     // row lock (it is gone: its connection was closed after the cancel).
@@ -154,17 +144,7 @@ async fn an_acquisition_abandoned_on_a_stopped_backend_leaves_no_lease() {
         .unwrap();
     b.install().await.unwrap();
     let stopped = Stopped::stop(backends(&admin, "stopped-b").await).expect("SIGSTOP");
-    let err = b
-        .acquire("job", &LeaseOptions::new(30 * S), None)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
-        ),
-        "{err}"
-    );
+    acquire_times_out(&b, "job").await;
     drop(stopped);
     // Cancelled, or taken and released again: never left held.
     eventually(

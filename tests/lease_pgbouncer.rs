@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use pgwarden::{LeaseOptions, Leases, LostReason, PoolerMode};
 use pgwarden_testing::{require_tool, PgBouncer, TestServer};
-use support::leases::{insert_expired, pool_behind, pool_with};
+use support::leases::{acquire_times_out, insert_expired, pool_behind, pool_with};
 use support::{eventually, within};
 use tokio_postgres::types::Type;
 
@@ -171,17 +171,7 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
         .batch_execute("BEGIN; SELECT 1 FROM pgwarden_leases WHERE name = 'stale' FOR KEY SHARE")
         .await
         .unwrap();
-    let err = b
-        .acquire("stale", &LeaseOptions::new(30 * S), None)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
-        ),
-        "{err}"
-    );
+    acquire_times_out(&b, "stale").await;
     eventually(3 * S, "the waiting statement is cancelled", || async {
         let other = db.connect().await.unwrap();
         lock_waiters(&other, db.name()).await == 0

@@ -3,7 +3,7 @@
 //! table and of the holders' backends, and the lease options the fault tests
 //! share.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pgwarden::{LeaseOptions, Leases, Pool, PoolerMode};
 use pgwarden_testing::TestDb;
@@ -138,6 +138,24 @@ pub async fn insert_expired(admin: &Client, name: &str, holder: &str) {
         )
         .await
         .expect("an expired term");
+}
+
+/// Tries `name` (TTL 30 s) and asserts the attempt failed with the lease
+/// statement timeout ([`LeaseError::Timeout`](pgwarden::LeaseError::Timeout)); returns how long it took.
+pub async fn acquire_times_out(leases: &Leases, name: &str) -> Duration {
+    let t = Instant::now();
+    let err = leases
+        .acquire(name, &LeaseOptions::new(Duration::from_secs(30)), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
+        ),
+        "{err}"
+    );
+    t.elapsed()
 }
 
 /// Two lease holders on one fresh database, as two service instances: A on
