@@ -222,6 +222,10 @@ pub async fn pgwarden_leases(db: &TestDb) -> Result<Outcome, BoxError> {
         .name("incident-leases")
         .build()?;
     let mut out = Outcome::new(format!("pgwarden table leases, pool {POOL_SIZE}"));
+    // At start-up, as a service does: otherwise the leases' first use runs
+    // the detection in the background, on a control connection that can
+    // still be out when the connections are counted below.
+    pool.detect_pooler().await?;
     let leases = pgwarden::Leases::new(&pool);
     let opts = pgwarden::LeaseOptions::default();
     let attempts = join_all(JOBS.map(|job| leases.acquire(job, &opts, None))).await;
