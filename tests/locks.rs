@@ -375,5 +375,20 @@ async fn long_hold_warning_names_the_key() {
     lock.unlock().await.unwrap();
 }
 
+/// The log capture the tests here count on: a log line that a thread with
+/// no subscriber (a sibling test) hits first is still captured by the test
+/// that installed one (see `Logs::subscriber`).
+#[test]
+fn a_log_line_first_hit_elsewhere_is_still_captured() {
+    fn hit(n: u32) {
+        tracing::debug!(n, "capture probe");
+    }
+    let logs = Logs::default();
+    let _log = tracing::subscriber::set_default(logs.subscriber());
+    std::thread::spawn(|| hit(1)).join().unwrap();
+    hit(2);
+    assert!(logs.text().contains("capture probe n=2"), "{}", logs.text());
+}
+
 #[path = "locks/thousand.rs"]
 mod thousand;

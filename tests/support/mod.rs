@@ -113,7 +113,19 @@ impl Logs {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
 
+    /// A subscriber that writes here, to install with `set_default` (this
+    /// thread) or `set_global_default`.
+    ///
+    /// `tracing` caches whether a callsite is enabled, process-wide, when it
+    /// is first hit; while one dispatcher only is registered, it asks the
+    /// default of the thread that hit it (tokio-rs/tracing#3611). A sibling
+    /// test without a subscriber hitting a pgwarden log line first would
+    /// disable it here too. A second dispatcher, registered for the life of
+    /// the process and interested in everything, makes `tracing` ask every
+    /// registered dispatcher instead.
     pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+        static ANCHOR: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
+        ANCHOR.get_or_init(|| tracing::Dispatch::new(tracing_subscriber::registry()));
         let w = self.clone();
         tracing_subscriber::fmt()
             .with_writer(move || w.clone())
