@@ -58,18 +58,16 @@ pub(crate) struct Acquire<'a> {
 impl LeaseStatement for Acquire<'_> {
     type Out = Attempt;
     const WHAT: &'static str = "acquisition";
-    fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        c: &'a mut Client,
+    async fn exec(
+        &self,
+        sql: &Statements,
+        c: &mut Client,
         call: Call,
-    ) -> impl Future<Output = Result<Attempt, PgError>> + Send + 'a {
-        async move {
-            let taken = sql
-                .acquire(c, call.named, self.name, self.holder, self.ttl, self.hold)
-                .await?;
-            Ok(taken.map_or(Attempt::Busy, Attempt::Taken))
-        }
+    ) -> Result<Attempt, PgError> {
+        let taken = sql
+            .acquire(c, call.named, self.name, self.holder, self.ttl, self.hold)
+            .await?;
+        Ok(taken.map_or(Attempt::Busy, Attempt::Taken))
     }
     fn on_lock_timeout() -> Option<Attempt> {
         Some(Attempt::Blocked)
