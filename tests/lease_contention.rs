@@ -104,8 +104,16 @@ async fn a_timed_out_statement_is_cancelled_on_the_server() {
 
     // Once the stale holder's transaction ends, the row is still its term:
     // the cancelled take-over did not happen behind B's back.
-    drop(locker);
-    tokio::time::sleep(200 * MS).await;
+    // Ended here, not by a drop: once ROLLBACK returns the row lock is gone,
+    // and no statement of B is left on the server to take the row after it
+    // (checked above), so the row read next is final.
+    within(
+        5 * S,
+        "the stale holder's ROLLBACK",
+        locker.batch_execute("ROLLBACK"),
+    )
+    .await
+    .unwrap();
     let holder: String = admin
         .query_typed_one(
             "SELECT holder FROM pgwarden_leases WHERE name = 'stale'",
