@@ -204,7 +204,10 @@ async fn graceful_shutdown_releases_leases() {
         (r.get(0), r.get(1), r.get(2))
     };
     assert_eq!(holder, "", "released at shutdown");
-    assert!(period_kept, "the hold until the end of the run's period stays");
+    assert!(
+        period_kept,
+        "the hold until the end of the run's period stays"
+    );
     if held {
         assert!(
             b.acquire("long", &LeaseOptions::new(S), None)

@@ -201,6 +201,7 @@ impl Inner {
     /// the row when the server can tell.
     async fn takeover_blocked(&self, name: &str) {
         self.metrics.takeover_blocked(name);
+        self.stats.lock().takeovers_blocked += 1;
         let now = self.created.elapsed();
         {
             let mut last = self.blocked_logged.lock();

@@ -58,12 +58,7 @@ pub(crate) struct Acquire<'a> {
 impl LeaseStatement for Acquire<'_> {
     type Out = Attempt;
     const WHAT: &'static str = "acquisition";
-    async fn exec(
-        &self,
-        sql: &Statements,
-        c: &mut Client,
-        call: Call,
-    ) -> Result<Attempt, PgError> {
+    async fn exec(&self, sql: &Statements, c: &mut Client, call: Call) -> Result<Attempt, PgError> {
         let taken = sql
             .acquire(c, call.named, self.name, self.holder, self.ttl, self.hold)
             .await?;

@@ -66,8 +66,8 @@ use crate::lock::{LockKey, Namespace};
 pub(crate) const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install");
 
 /// How long an acquisition's take-over of an expired row may wait for a
-/// lock on that row before it answers busy: 50 ms.
-pub(crate) const TAKEOVER_WAIT: Duration = Duration::from_millis(50);
+/// lock on that row before it answers busy: 20 ms.
+pub(crate) const TAKEOVER_WAIT: Duration = Duration::from_millis(20);
 
 /// How long the purge may wait for its table lock before it skips a round:
 /// 100 ms.
@@ -281,7 +281,7 @@ mod tests {
         let s = Statements::new(&TableName::default(), Duration::from_millis(1500));
         for text in [&s.acquire, &s.acquire_held] {
             assert!(
-                text.contains("set_config('lock_timeout', '50', true)"),
+                text.contains("set_config('lock_timeout', '20', true)"),
                 "{text}"
             );
             // The bound comes before the row is projected: before any row lock.
@@ -298,10 +298,10 @@ mod tests {
             assert!(!text.contains("set_config"), "{text}");
         }
         // A statement timeout under the take-over bound bounds it too.
-        let short = Statements::new(&TableName::default(), Duration::from_millis(20));
+        let short = Statements::new(&TableName::default(), Duration::from_millis(7));
         assert!(short
             .acquire
-            .contains("set_config('lock_timeout', '20', true)"));
+            .contains("set_config('lock_timeout', '7', true)"));
         assert!(s.fence.contains("idle_in_transaction_session_timeout"));
         assert!(s.fence.contains("'statement_timeout'"));
         assert!(!s.acquire.contains("held_until)\nSELECT"));
