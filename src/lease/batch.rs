@@ -17,10 +17,9 @@ use super::timing;
 use super::Inner;
 use crate::error::{Error, LeaseError};
 
-/// The most rows one purge statement deletes. Each holds a
-/// transaction-scoped advisory lock until the statement ends: few enough to
-/// stay far from PostgreSQL's shared lock table limit
-/// (`max_locks_per_transaction` × connections).
+/// The most rows one purge statement deletes: its transaction holds the
+/// table's `SHARE` lock, during which lease statements wait; 500 rows keep
+/// that short.
 pub(crate) const PURGE_BATCH: i64 = 500;
 
 /// Clears the in-flight mark of a batch's leases however the batch ends; a

@@ -45,7 +45,9 @@ impl LeasesBuilder {
     /// `[A-Za-z0-9_]` not starting with a digit, the table part at most 53
     /// bytes (its sequence adds `_token_seq`; PostgreSQL's identifiers stop
     /// at 63), the schema at most 63. Quotes, spaces and other characters
-    /// are refused. Default: `pgwarden_leases`, found through `search_path`.
+    /// are refused. A name without a schema is in `public`, whatever the
+    /// session's `search_path` (so that instances whose search paths differ
+    /// use one table). Default: `public.pgwarden_leases`.
     pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
         self

@@ -100,7 +100,16 @@ impl LeaseHandle {
     /// term: a take-over (which locks the row `FOR UPDATE`) waits for the
     /// transaction to end, and then sees the term the commit happened under.
     /// Renewals of this lease do not wait (they take `FOR NO KEY UPDATE`).
-    /// Keep fenced transactions short: a take-over waits on them.
+    /// No take-over happens while the transaction is open (a take-over
+    /// answers busy meanwhile), so the transaction is bounded on the server:
+    /// `fence` sets `statement_timeout` and
+    /// `idle_in_transaction_session_timeout` for this transaction to the
+    /// term's time left + 1 s. A holder frozen or cut off with the
+    /// transaction open loses its session then, and its commit never lands;
+    /// the lease is taken over at most 1 s after its term ends. A
+    /// transaction that must outlive its term's time left (renewals extend
+    /// the term meanwhile) calls `fence` again to extend the bound. Keep
+    /// fenced transactions short.
     ///
     /// Fails with [`LeaseError::Lost`](crate::LeaseError::Lost) when the term is over: `Taken` (the
     /// row is another term's, or gone), `Expired` (still this term, expired
@@ -228,11 +237,10 @@ pub struct Lease {
 impl Lease {
     /// Releases the lease, this term's only (its holder id is new on every
     /// acquisition), so a late release never touches a later holder's
-    /// lease. The row is deleted, unless the term has a hold (an at-least
-    /// time or a schedule, which keeps the lease from being taken again until
-    /// its time) or an acquisition of the name is in flight: then it is
-    /// marked released and kept, until the purge. Either way the next term's
-    /// token is larger.
+    /// lease. The row is marked released and kept (until the purge), with
+    /// its hold if the term has one (an at-least time or a schedule, which
+    /// keeps the lease from being taken again until its time): the next
+    /// term takes it over and draws a larger token.
     ///
     /// Fails with [`LeaseError::Lost`](crate::LeaseError::Lost) when the term was already over (taken
     /// over), or with the database error; either way the lease is no longer

@@ -44,8 +44,8 @@ pub struct Leases {
 }
 
 impl Leases {
-    /// The default lease table of `pool`, `pgwarden_leases` (found through
-    /// `search_path`, created at first use), with every setting at its
+    /// The default lease table of `pool`, `public.pgwarden_leases` (created
+    /// at first use), with every setting at its
     /// default (see [`LeasesBuilder`](super::LeasesBuilder)).
     ///
     /// ```no_run
@@ -109,9 +109,16 @@ impl Leases {
     /// - `wait: None`: one attempt. `Ok(None)` when another term holds the
     ///   name (a skip), in one statement's round trip: the statement never
     ///   waits on a live holder, not even one inside a fenced transaction.
+    ///   Also `Ok(None)` when the term is over but another session holds a
+    ///   lock on its row for more than 20 ms (a fenced transaction of the
+    ///   expired term, or any session that can write the table): counted in
+    ///   [`LeaseStats::takeovers_blocked`] and the metric
+    ///   `pgwarden_lease_takeovers_blocked_total`, and logged with the pid of
+    ///   the session holding the row.
     /// - `wait: Some(d)`: waits up to `d` for the holder to release the
     ///   lease or let it expire (polling when the database says it may be
-    ///   free, at least every 500 ms); `Ok(None)` if it is still held then.
+    ///   free, at least every 500 ms; 500 ms after a blocked take-over);
+    ///   `Ok(None)` if it is still held then.
     ///
     /// Renewal (every TTL / 4 by default) starts at once. Errors are the
     /// options' validation ([`Error::Invalid`]), a statement timeout

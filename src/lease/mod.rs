@@ -1,6 +1,6 @@
 //! Table leases: background exclusivity that holds no connection.
 //!
-//! A lease is a row of a table (default `pgwarden_leases`, see
+//! A lease is a row of a table (default `public.pgwarden_leases`, see
 //! `sql/leases.sql`), taken with one `INSERT … ON CONFLICT … WHERE
 //! expires_at < now()` statement, renewed by its holder, released by its
 //! holder only. Each statement borrows a connection for that statement only,
@@ -33,8 +33,12 @@
 //!   a transaction's writes commit only under the current term.
 //! - **A contender never waits.** An attempt on a name held by a live term
 //!   is a skip in one round trip, even while the holder sits in a fenced
-//!   transaction; only the take-over of an expired term waits, for the
-//!   fenced commit of the term it replaces.
+//!   transaction; the take-over of an expired term waits at most 20 ms for a
+//!   lock on its row, then answers busy (counted, and logged with the
+//!   session holding it). No lease statement takes an advisory lock, so no
+//!   other session can keep a free name busy with one.
+//! - **One table whatever the `search_path`.** A table name without a
+//!   schema means `public`: instances whose search paths differ share it.
 //! - **A lost signal that cannot be silenced.** [`LeaseHandle::lost`] fires
 //!   when a renewal finds the lease taken, or at the local deadline (start
 //!   of the last successful renewal + TTL − safety margin, monotonic clock),
@@ -57,7 +61,9 @@
 //! # Trade-offs
 //!
 //! A crashed holder delays the next run by up to its TTL (nobody releases
-//! its lease). A holder cut off from the database for longer than the TTL
+//! its lease), and a holder frozen or cut off inside a fenced transaction by
+//! at most its TTL + 1 s: [`LeaseHandle::fence`] bounds its transaction on
+//! the server. A holder cut off from the database for longer than the TTL
 //! while another instance reaches it can overlap with the next holder: it
 //! learns of it through the lost signal, and by default ([`OnLost::Signal`])
 //! its job keeps running, which is fine for idempotent jobs. Use
