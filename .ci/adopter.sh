@@ -8,7 +8,8 @@
 #    written in 2024 do. It builds against deadpool-postgres.
 # 2. pgwarden is added as a dependency, and the crate builds with no
 #    `cargo update`: cargo moves deadpool-postgres to 0.14.2 on its own, and
-#    the tree has one deadpool.
+#    the tree has one deadpool. pgwarden (default features) builds without
+#    a warning.
 # 3. The `use` line is changed to `pgwarden::Pool`, and nothing else: it
 #    builds again, against pgwarden.
 #
@@ -93,7 +94,13 @@ echo "== 2. pgwarden added; cargo build, no cargo update"
 cat >>Cargo.toml <<TOML
 pgwarden = { path = "$src" }
 TOML
-cargo build --quiet
+# Default features, as an adopter builds it: not one warning (cargo replays
+# a path dependency's warnings even when it is built already).
+cargo build 2>&1 | tee "$work/build.log"
+if grep -q '^warning' "$work/build.log"; then
+    echo "error: pgwarden builds with warnings for an adopter (default features)" >&2
+    exit 1
+fi
 echo "after adding pgwarden: deadpool-postgres $(locked deadpool-postgres), deadpool $(locked deadpool)"
 if [[ "$(locked deadpool)" == *" "* ]]; then
     echo "error: two deadpools in the adopter's tree: $(locked deadpool)" >&2
