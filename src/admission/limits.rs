@@ -169,8 +169,7 @@ impl Limits {
     #[cfg(test)]
     pub(crate) fn defaults(size: usize) -> Result<Limits, LimitsError> {
         check_size(size)?;
-        let lanes = Limits::default_lanes(size);
-        Limits::new(size, lanes, BudgetPolicy::Refuse)
+        Limits::derive(size, [None; Lane::COUNT], BudgetPolicy::Refuse)
     }
 
     /// The default limits of every lane (unvalidated; `size >= 2`).
