@@ -314,9 +314,16 @@ impl Pool {
     /// - `Err(`[`LockError::Timeout`](crate::LockError::Timeout)`)`: a wait ran out, as for
     ///   [`xact_lock`](crate::xact_lock).
     ///
-    /// The checkout is budgeted: past the session-lock budget it is refused
-    /// ([`CheckoutError::BudgetExhausted`](crate::CheckoutError::BudgetExhausted)) or admitted with a warning, by policy.
-    /// Behind a transaction-mode pooler it is refused ([`LockError::BehindPooler`](crate::LockError::BehindPooler)).
+    /// The checkout is budgeted. While other locks hold the session-lock
+    /// budget, a call with a wait queues for it, in FIFO order with the other
+    /// waiting session locks and holding no connection, within `wait` (then
+    /// [`CheckoutError::Timeout`](crate::CheckoutError::Timeout), stage
+    /// `Admission`); a single try (`None`) is refused at once
+    /// ([`CheckoutError::BudgetExhausted`](crate::CheckoutError::BudgetExhausted),
+    /// naming the pool size, the budget, the setting that raises it and the
+    /// alternatives), or admitted with a warning under [`BudgetPolicy::Warn`](crate::BudgetPolicy::Warn).
+    /// A call that can never be admitted (a budget of 0) is refused at once
+    /// either way. Behind a transaction-mode pooler it is refused ([`LockError::BehindPooler`](crate::LockError::BehindPooler)).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
