@@ -16,8 +16,9 @@ pub(crate) struct LaneLimits {
     pub(crate) max: usize,
 }
 
-/// Lane limits that cannot work: what a pool build refuses. Each names
-/// the numbers that clash. [`crate::BuildError`] wraps it.
+/// Lane limits that cannot work: what a pool build, or a
+/// [`resize`](crate::Pool::resize), refuses. Each names the numbers that
+/// clash. [`crate::BuildError`] wraps it.
 ///
 /// ```
 /// let e = pgwarden::Pool::from_url("host=/tmp", 1 << 20).unwrap_err();

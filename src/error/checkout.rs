@@ -51,7 +51,8 @@ pub enum CheckoutError {
     /// pgwarden admitted a checkout but the wrapped deadpool pool had no
     /// connection for it: deadpool's capacity was changed, or its objects
     /// taken, outside pgwarden (a clone of the deadpool pool given to
-    /// `Pool::builder`, or a `resize` on it).
+    /// `Pool::builder`, or a `resize` on that clone: resize through
+    /// `pgwarden::Pool::resize`, which keeps both in step).
     #[error(
         "pgwarden admitted a {lane} checkout but deadpool had no connection for it: {}",
         if deadpool_max != size {
