@@ -130,6 +130,94 @@ impl Pool {
         self.shared.status()
     }
 
+    /// Whether [`Pool::close`] was called (as deadpool's `is_closed`).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) {
+    /// pool.close();
+    /// assert!(pool.is_closed());
+    /// # }
+    /// ```
+    pub fn is_closed(&self) -> bool {
+        self.shared.is_closed()
+    }
+
+    /// The timeouts checkouts run under, as deadpool's `timeouts()`: `wait`
+    /// is pgwarden's end-to-end checkout bound
+    /// ([`PoolBuilder::wait_timeout`]); `create` and `recycle` are the
+    /// wrapped deadpool pool's.
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) {
+    /// let bound = pool.timeouts().wait; // Some(30 s) unless configured
+    /// # }
+    /// ```
+    pub fn timeouts(&self) -> deadpool_postgres::Timeouts {
+        deadpool_postgres::Timeouts {
+            wait: Some(self.shared.opts.wait_timeout),
+            ..self.shared.inner.timeouts()
+        }
+    }
+
+    /// Resizes the pool to `max_size` connections, as deadpool's `resize`,
+    /// with the lanes' limits derived again for the new size (lanes set with
+    /// [`PoolBuilder::lane`] keep their settings; the others follow the
+    /// size, as at build).
+    ///
+    /// Refused, with nothing changed, when the settings cannot work at that
+    /// size: a reservation or a lane maximum that no longer fits
+    /// ([`BuildError::Limits`]), a size below 2 or above 262 143, or a closed
+    /// pool ([`BuildError::DeadpoolClosed`]). Checkouts out stay out: a pool
+    /// shrunk below what is out admits nothing more until enough come back
+    /// (never more than `max_size` out once they have; every reservation
+    /// still kept), and the connections that come back past the new size are
+    /// closed.
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::BuildError> {
+    /// pool.resize(32)?;
+    /// assert_eq!(pool.status().max_size, 32);
+    /// # Ok(()) }
+    /// ```
+    pub fn resize(&self, max_size: usize) -> Result<(), BuildError> {
+        self.shared.resize(max_size)
+    }
+
+    /// Closes the idle connections for which `keep` answers false, as
+    /// deadpool's `retain` (it sees each idle connection and its deadpool
+    /// metrics: age, last use). Returns how many were closed. Checked-out
+    /// connections are not seen; the budget is not changed (idle
+    /// connections are not counted in it). `keep` runs under deadpool's
+    /// lock: it must not block.
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) {
+    /// use std::time::Duration;
+    /// let closed = pool.retain(|_, m| m.last_used() < Duration::from_secs(60));
+    /// # }
+    /// ```
+    pub fn retain(
+        &self,
+        keep: impl FnMut(&deadpool_postgres::ClientWrapper, deadpool_postgres::Metrics) -> bool,
+    ) -> usize {
+        self.shared.inner.retain(keep).removed.len()
+    }
+
+    /// The deadpool-postgres [`Manager`](deadpool_postgres::Manager) of the
+    /// wrapped pool, as deadpool's `manager()`: its statement caches
+    /// (`manager().statement_caches`), and its configuration. It cannot take
+    /// the pool's capacity: a connection made with `Manager::create` is the
+    /// caller's own, outside the pool and its budget.
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) {
+    /// pool.manager().statement_caches.clear(); // after a schema change
+    /// # }
+    /// ```
+    pub fn manager(&self) -> &deadpool_postgres::Manager {
+        self.shared.inner.manager()
+    }
+
     /// The readiness probe: `SELECT 1` on the probe lane, whose reserve no
     /// other lane may take, bounded by `timeout` (checkout included). Returns
     /// its latency. A probe cut off by its bound closes its connection.
@@ -226,9 +314,16 @@ impl Pool {
     /// - `Err(`[`LockError::Timeout`](crate::LockError::Timeout)`)`: a wait ran out, as for
     ///   [`xact_lock`](crate::xact_lock).
     ///
-    /// The checkout is budgeted: past the session-lock budget it is refused
-    /// ([`CheckoutError::BudgetExhausted`](crate::CheckoutError::BudgetExhausted)) or admitted with a warning, by policy.
-    /// Behind a transaction-mode pooler it is refused ([`LockError::BehindPooler`](crate::LockError::BehindPooler)).
+    /// The checkout is budgeted. While other locks hold the session-lock
+    /// budget, a call with a wait queues for it, in FIFO order with the other
+    /// waiting session locks and holding no connection, within `wait` (then
+    /// [`CheckoutError::Timeout`](crate::CheckoutError::Timeout), stage
+    /// `Admission`); a single try (`None`) is refused at once
+    /// ([`CheckoutError::BudgetExhausted`](crate::CheckoutError::BudgetExhausted),
+    /// naming the pool size, the budget, the setting that raises it and the
+    /// alternatives), or admitted with a warning under [`BudgetPolicy::Warn`](crate::BudgetPolicy::Warn).
+    /// A call that can never be admitted (a budget of 0) is refused at once
+    /// either way. Behind a transaction-mode pooler it is refused ([`LockError::BehindPooler`](crate::LockError::BehindPooler)).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {

@@ -60,7 +60,7 @@
 //! The API: [`Pool`] and [`PoolBuilder`]; session and transaction locks
 //! ([`Pool::session_lock`], [`xact_lock`], [`Pool::with_xact_lock`],
 //! [`Pool::migrate_once`]); the [`Census`] of advisory locks; [`lease`];
-//! [`http`] (feature `http`); [`metrics`]; [`Error`].
+//! `http` (feature `http`); [`metrics`]; [`Error`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 

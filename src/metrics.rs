@@ -1,9 +1,9 @@
-//! Every metric pgwarden records, and [`prometheus_builder`] (feature
-//! `prometheus`).
+//! Every metric pgwarden records, and `prometheus_builder` (feature
+//! `prometheus`: a `PrometheusBuilder` with pgwarden's histogram buckets).
 //!
 //! pgwarden records through the [`metrics`] facade only, so any recorder
 //! works. Handles are registered when a [`crate::Pool`] is built: install your
-//! recorder (for example with [`prometheus_builder`]) before building the
+//! recorder (for example with `prometheus_builder`) before building the
 //! pool.
 //!
 //! Labels are bounded: `pool` (the pool's name), `lane`, `reason`, `result`,
@@ -143,12 +143,14 @@ pub(crate) const REQUESTS_SHED: &str = "pgwarden_requests_shed_total";
 pub(crate) const REQUESTS_ADMITTED: &str = "pgwarden_requests_admitted_total";
 
 /// Bucket bounds (seconds) for acquire, hold, readiness and renewal latencies.
-pub(crate) const LATENCY_BUCKETS: &[f64] = &[
+#[cfg(feature = "prometheus")]
+const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     5.0, 10.0, 30.0,
 ];
 /// Bucket bounds (seconds) for hold durations, which run longer.
-pub(crate) const HOLD_BUCKETS: &[f64] = &[
+#[cfg(feature = "prometheus")]
+const HOLD_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
 ];
 
@@ -334,10 +336,6 @@ impl PoolMetrics {
         let lane = |lane: Lane| {
             let l = lane.as_str();
             let fail = |reason: &'static str| metrics::counter!(ACQUIRE_FAILURES, "pool" => p.clone(), "lane" => l, "reason" => reason);
-            let lim = limits.lane(lane);
-            metrics::gauge!(LANE_RESERVED, "pool" => p.clone(), "lane" => l)
-                .set(lim.reserved as f64);
-            metrics::gauge!(LANE_MAX, "pool" => p.clone(), "lane" => l).set(lim.max as f64);
             LaneMetrics {
                 in_use: metrics::gauge!(LANE_IN_USE, "pool" => p.clone(), "lane" => l),
                 pending: metrics::gauge!(LANE_PENDING, "pool" => p.clone(), "lane" => l),
@@ -352,7 +350,7 @@ impl PoolMetrics {
             }
         };
         let lanes = Lane::ALL.map(lane);
-        metrics::gauge!(CONNECTIONS_MAX, "pool" => p.clone()).set(limits.size() as f64);
+        PoolMetrics::publish_limits_of(&p, limits);
         PoolMetrics {
             lanes,
             idle: metrics::gauge!(CONNECTIONS, "pool" => p.clone(), "state" => "idle"),
@@ -370,6 +368,23 @@ impl PoolMetrics {
             readiness_timeout: metrics::counter!(READINESS_FAILURES, "pool" => p.clone(), "reason" => "timeout"),
             readiness_error: metrics::counter!(READINESS_FAILURES, "pool" => p, "reason" => "error"),
         }
+    }
+
+    /// Sets the pool size and lane limit gauges (at build, and after a
+    /// resize).
+    pub(crate) fn publish_limits(&self, pool: &str, limits: &crate::admission::Limits) {
+        PoolMetrics::publish_limits_of(pool, limits);
+    }
+
+    fn publish_limits_of(pool: &str, limits: &crate::admission::Limits) {
+        for lane in Lane::ALL {
+            let (p, l) = (pool.to_owned(), lane.as_str());
+            let lim = limits.lane(lane);
+            metrics::gauge!(LANE_RESERVED, "pool" => p.clone(), "lane" => l)
+                .set(lim.reserved as f64);
+            metrics::gauge!(LANE_MAX, "pool" => p, "lane" => l).set(lim.max as f64);
+        }
+        metrics::gauge!(CONNECTIONS_MAX, "pool" => pool.to_owned()).set(limits.size() as f64);
     }
 
     pub(crate) fn lane(&self, lane: Lane) -> &LaneMetrics {

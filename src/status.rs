@@ -31,6 +31,17 @@ pub struct LaneStatus {
 
 /// The pool at one moment, as [`crate::Pool::status`] and timeout errors give it.
 ///
+/// It carries deadpool's field names too (`max_size`, `size`, `available`,
+/// `waiting`, as in `deadpool_postgres::Status`), so that code written
+/// against deadpool's `Pool::status()` reads the same numbers:
+///
+/// ```no_run
+/// # fn demo(pool: pgwarden::Pool) {
+/// let s = pool.status();
+/// println!("{} of {} open, {} idle, {} waiting", s.size, s.max_size, s.available, s.waiting);
+/// # }
+/// ```
+///
 /// ```no_run
 /// # fn demo(pool: pgwarden::Pool) {
 /// let s = pool.status();
@@ -43,13 +54,21 @@ pub struct LaneStatus {
 pub struct Status {
     /// The pool's maximum size `N`.
     pub max: usize,
-    /// Physical connections open now.
+    /// The pool's maximum size `N`: the same as [`Status::max`], under
+    /// deadpool's name.
+    pub max_size: usize,
+    /// Physical connections open now (deadpool's `size`).
     pub size: usize,
     /// Physical connections idle in the pool.
     pub idle: usize,
+    /// Physical connections idle in the pool: the same as [`Status::idle`],
+    /// under deadpool's name (what deadpool's `available` counts: open
+    /// connections not checked out).
+    pub available: usize,
     /// Connections checked out through pgwarden, all lanes.
     pub in_use: usize,
-    /// Checkouts waiting, all lanes.
+    /// Checkouts waiting, all lanes (deadpool's `waiting`: pgwarden's
+    /// callers wait in its admission queues, never inside deadpool).
     pub waiting: usize,
     /// Per lane, in [`Lane::ALL`] order.
     pub lanes: [LaneStatus; Lane::COUNT],

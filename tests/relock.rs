@@ -1,7 +1,8 @@
 //! The admission state machine against a real PostgreSQL: a session lock
 //! taken again right after its guard was dropped waits for the background
-//! unlock and is admitted, not refused; a session-lock checkout that can
-//! never be admitted is refused at once, not after its whole wait.
+//! unlock and is admitted, not refused; a try-once session-lock checkout
+//! that can never be admitted while the queue ahead holds is refused at once,
+//! and one with a wait queues behind it.
 
 mod support;
 
@@ -73,16 +74,29 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
         pool.status().lane(Lane::SessionLock).waiting == 1
     })
     .await;
-    // ...and the slot it frees is the first one's: a second one can never
-    // be admitted while the first holds it, and hears so at once.
+    // ...and the slot it frees is the first one's: a try-once call (no
+    // wait) can never be admitted while the first holds it, and hears so at
+    // once.
     let start = Instant::now();
     let e = pool
-        .session_lock(LockKey::Single(504), pgwarden::LockMode::Exclusive, Some(T))
+        .session_lock(LockKey::Single(504), pgwarden::LockMode::Exclusive, None)
         .await
         .unwrap_err();
     let took = start.elapsed();
     assert!(e.is_budget_exhausted(), "{e}");
     assert!(took < Duration::from_millis(200), "refused after {took:?}");
+    // A call with a wait queues behind the first for the budget instead.
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            pool.session_lock(LockKey::Single(504), pgwarden::LockMode::Exclusive, Some(T))
+                .await
+        }
+    });
+    eventually(T, "the second waiter queues behind the first", || async {
+        pool.status().lane(Lane::SessionLock).waiting == 2
+    })
+    .await;
 
     eventually(T, "the release ends", || async {
         pool.status().lane(Lane::SessionLock).releasing == 0
@@ -105,6 +119,13 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
         after_end < Duration::from_secs(1),
         "granted {after_end:?} after the release ended"
     );
+    assert_eq!(pool.status().lane(Lane::SessionLock).waiting, 1);
+    lock.unlock().await.unwrap();
+    let lock = within(T, "the second waiter served", second)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("a wait grants the lock or fails");
     lock.unlock().await.unwrap();
     raw.execute("SELECT pg_advisory_unlock_all()", &[])
         .await

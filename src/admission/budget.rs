@@ -82,6 +82,14 @@ impl Budget {
         &self.limits
     }
 
+    /// Puts `limits` in force (a resize): the counts stay as they are. A
+    /// lane holding more than its new maximum, or a pool more than its new
+    /// size, admits nothing more until returns bring it below.
+    pub(crate) fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+        self.unmet_total = Lane::ALL.iter().map(|l| self.unmet(*l)).sum();
+    }
+
     pub(crate) fn in_use(&self, lane: Lane) -> usize {
         self.in_use[lane.idx()]
     }
@@ -156,6 +164,20 @@ impl Budget {
             Decision::AdmitOverBudget
         } else {
             Decision::Admit
+        }
+    }
+
+    /// Whether a checkout of `lane` can ever be admitted under these limits
+    /// (the session-lock lane cannot when its budget, or under
+    /// [`BudgetPolicy::Warn`] its hard ceiling, is 0).
+    pub(crate) fn ever_admits(&self, lane: Lane) -> bool {
+        if lane != Lane::SessionLock {
+            return true;
+        }
+        let ceiling = self.limits.session_lock_ceiling();
+        match self.limits.policy() {
+            BudgetPolicy::Refuse => ceiling.min(self.limits.lane(lane).max) > 0,
+            BudgetPolicy::Warn => ceiling > 0,
         }
     }
 

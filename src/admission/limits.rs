@@ -16,8 +16,9 @@ pub(crate) struct LaneLimits {
     pub(crate) max: usize,
 }
 
-/// Lane limits that cannot work: what a pool build refuses. Each names
-/// the numbers that clash. [`crate::BuildError`] wraps it.
+/// Lane limits that cannot work: what a pool build, or a
+/// [`resize`](crate::Pool::resize), refuses. Each names the numbers that
+/// clash. [`crate::BuildError`] wraps it.
 ///
 /// ```
 /// let e = pgwarden::Pool::from_url("host=/tmp", 1 << 20).unwrap_err();
@@ -136,6 +137,9 @@ pub(crate) struct Limits {
     policy: BudgetPolicy,
     /// Precomputed: the session-lock hard ceiling.
     ceiling: usize,
+    /// The lanes set explicitly; the others follow the size (a resize
+    /// derives them again).
+    overrides: [Option<LaneLimits>; Lane::COUNT],
 }
 
 impl Limits {
@@ -166,8 +170,7 @@ impl Limits {
     #[cfg(test)]
     pub(crate) fn defaults(size: usize) -> Result<Limits, LimitsError> {
         check_size(size)?;
-        let lanes = Limits::default_lanes(size);
-        Limits::new(size, lanes, BudgetPolicy::Refuse)
+        Limits::derive(size, [None; Lane::COUNT], BudgetPolicy::Refuse)
     }
 
     /// The default limits of every lane (unvalidated; `size >= 2`).
@@ -201,8 +204,44 @@ impl Limits {
         lanes
     }
 
+    /// The limits of a pool of `size`: the lanes in `overrides` as set, the
+    /// others at their defaults for that size, and unless set, the request
+    /// maximum what the other lanes' reservations leave. Validated.
+    pub(crate) fn derive(
+        size: usize,
+        overrides: [Option<LaneLimits>; Lane::COUNT],
+        policy: BudgetPolicy,
+    ) -> Result<Limits, LimitsError> {
+        let mut lanes = Limits::default_lanes(size);
+        for lane in Lane::ALL {
+            if let Some(l) = overrides[lane.idx()] {
+                lanes[lane.idx()] = l;
+            }
+        }
+        if overrides[Lane::Request.idx()].is_none() {
+            let reserved: usize = Lane::ALL
+                .iter()
+                .filter(|l| **l != Lane::Request)
+                .map(|l| lanes[l.idx()].reserved)
+                .fold(0, usize::saturating_add);
+            let r = &mut lanes[Lane::Request.idx()];
+            r.max = size.saturating_sub(reserved).max(r.reserved);
+        }
+        let mut limits = Limits::new(size, lanes, policy)?;
+        limits.overrides = overrides;
+        Ok(limits)
+    }
+
+    /// The same settings for a pool of `size`: the lanes set explicitly
+    /// kept, the others derived again. Refused, with the numbers that clash,
+    /// when a setting cannot work at that size (a reservation, or a lane's
+    /// maximum, that no longer fits).
+    pub(crate) fn resized(&self, size: usize) -> Result<Limits, LimitsError> {
+        Limits::derive(size, self.overrides, self.policy)
+    }
+
     /// Validates a full set of limits, one per lane in [`Lane::ALL`] order
-    /// (`budget_tests` covers each refusal).
+    /// (`budget_tests` covers each refusal). Every lane counts as set.
     pub(crate) fn new(
         size: usize,
         lanes: [LaneLimits; Lane::COUNT],
@@ -267,6 +306,7 @@ impl Limits {
             lanes,
             policy,
             ceiling,
+            overrides: lanes.map(Some),
         })
     }
 

@@ -38,6 +38,9 @@ const fn class_of(q: usize) -> (Lane, Priority) {
 struct Queued {
     key: WaiterKey,
     seq: u64,
+    /// Waits for the session-lock budget rather than being refused while
+    /// other locks hold it (a `session_lock` with a wait).
+    patient: bool,
 }
 
 /// The answer to a checkout.
@@ -151,14 +154,28 @@ impl Admission {
     }
 
     /// Whether [`Admission::close`] was called.
-    #[cfg_attr(not(feature = "http"), allow(dead_code))]
     pub(crate) fn is_closed(&self) -> bool {
         self.closed
     }
 
     /// A checkout of `lane` at `prio` asks for a connection. When queued, it
     /// is known as `key` from then on.
+    #[cfg(test)]
     pub(crate) fn request(&mut self, lane: Lane, prio: Priority, key: WaiterKey) -> Answer {
+        self.request_with(lane, prio, key, false)
+    }
+
+    /// [`Admission::request`], and when `patient`, a session-lock checkout
+    /// refused only because other checkouts hold the budget now waits in
+    /// FIFO order for one of them to come back instead. One that can never
+    /// be admitted (a budget or hard ceiling of 0) is still refused at once.
+    pub(crate) fn request_with(
+        &mut self,
+        lane: Lane,
+        prio: Priority,
+        key: WaiterKey,
+        patient: bool,
+    ) -> Answer {
         if self.closed {
             return Answer::Closed;
         }
@@ -171,7 +188,9 @@ impl Admission {
             0
         };
         match self.budget.decide(lane, prio, claims) {
-            Decision::Refuse(r) => Answer::Refused(r),
+            Decision::Refuse(r) if !(patient && self.budget.ever_admits(lane)) => {
+                Answer::Refused(r)
+            }
             d @ (Decision::Admit | Decision::AdmitOverBudget) if self.queues[q].is_empty() => {
                 self.budget.take(lane, prio);
                 Answer::Admit {
@@ -180,7 +199,11 @@ impl Admission {
             }
             _ => {
                 self.seq += 1;
-                self.queues[q].push_back(Queued { key, seq: self.seq });
+                self.queues[q].push_back(Queued {
+                    key,
+                    seq: self.seq,
+                    patient,
+                });
                 self.nonempty |= 1 << q;
                 self.pending[lane.idx()] += 1;
                 self.waiting += 1;
@@ -234,6 +257,15 @@ impl Admission {
     /// every checkout of the lane is marked already.
     pub(crate) fn mark_releasing(&mut self, lane: Lane) -> bool {
         self.budget.mark_releasing(lane)
+    }
+
+    /// Puts `limits` in force (a resize) and serves the waiters they make
+    /// room for, or refuses those that can never be admitted under them.
+    /// Checkouts out stay out: a pool shrunk below what is out admits
+    /// nothing more until returns bring it below the new size.
+    pub(crate) fn set_limits(&mut self, limits: Limits, emit: impl FnMut(Effect)) {
+        self.budget.set_limits(limits);
+        self.serve(emit);
     }
 
     /// Closes: every waiter is dropped from the queues (`gone` names each),
@@ -330,6 +362,9 @@ impl Admission {
                 Decision::Admit => return Some((head.seq, false)),
                 Decision::AdmitOverBudget => return Some((head.seq, true)),
                 Decision::Wait => return None,
+                Decision::Refuse(_) if head.patient && self.budget.ever_admits(lane) => {
+                    return None
+                }
                 Decision::Refuse(refusal) => {
                     self.queues[q].pop_front();
                     self.mark(q);

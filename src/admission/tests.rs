@@ -1,5 +1,6 @@
 //! The admission state machine, the code that runs, driven through random
-//! interleavings of checkouts, returns, releases and cancellations; every
+//! interleavings of checkouts (session locks that wait for the budget among
+//! them), returns, releases, cancellations and resizes; every
 //! effect it hands back is applied to a ledger of who holds and who waits,
 //! and the invariants are checked after every step.
 
@@ -27,8 +28,10 @@ fn class_strategy() -> impl Strategy<Value = (Lane, Priority)> {
 
 #[derive(Clone, Debug)]
 enum Op {
-    /// A checkout asks.
-    Request(Lane, Priority),
+    /// A checkout asks (`patient`: a session lock that waits for the budget).
+    Request(Lane, Priority, bool),
+    /// The pool is resized to this size (refused sizes change nothing).
+    Resize(usize),
     /// The k-th checkout out comes back.
     Return(usize),
     /// The k-th checkout out is let go, its return under way.
@@ -39,7 +42,8 @@ enum Op {
 
 fn op_strategy() -> impl Strategy<Value = Op> {
     prop_oneof![
-        5 => class_strategy().prop_map(|(l, p)| Op::Request(l, p)),
+        5 => (class_strategy(), any::<bool>()).prop_map(|((l, p), patient)| Op::Request(l, p, patient)),
+        1 => (2usize..12).prop_map(Op::Resize),
         3 => any::<usize>().prop_map(Op::Return),
         1 => any::<usize>().prop_map(Op::MarkReleasing),
         1 => any::<usize>().prop_map(Op::Cancel),
@@ -95,6 +99,14 @@ struct Ledger {
     out: Vec<Out>,
     /// Queued waiters by key: (lane, priority), in the order they queued.
     waiting: BTreeMap<WaiterKey, (Lane, Priority)>,
+    /// Queued session locks that wait for the budget.
+    patient: Vec<WaiterKey>,
+    /// Since the last shrink: what was out past the new limits (the pool
+    /// total, then per lane), never allowed to grow back while above them.
+    over: (usize, [usize; Lane::COUNT]),
+    /// A resize happened: waiters queued under other limits may wait until
+    /// they reach the head of their queue to be refused.
+    resized: bool,
     next_key: WaiterKey,
     cancelled: Vec<WaiterKey>,
 }
@@ -129,6 +141,13 @@ impl Ledger {
                     prop_assert!(!self.cancelled.contains(&key));
                     prop_assert_eq!(lane, Lane::SessionLock, "only session locks are refused");
                     prop_assert!(self.waiting.remove(&key).is_some());
+                    if self.patient.contains(&key) {
+                        prop_assert_eq!(
+                            self.session_limit(),
+                            0,
+                            "a patient waiter refused with a budget"
+                        );
+                    }
                     // Refused only when it can never be admitted while the
                     // current holders hold.
                     let (held, rel) = (self.adm.in_use(lane), self.adm.releasing(lane));
@@ -151,12 +170,22 @@ impl Ledger {
         }
     }
 
+    /// What was out past a shrink may only come down: the allowance follows
+    /// the counts down, and never goes back up.
+    fn settle(&mut self) {
+        let b = self.adm.budget();
+        self.over.0 = self.over.0.min(b.total());
+        for lane in Lane::ALL {
+            self.over.1[lane.idx()] = self.over.1[lane.idx()].min(b.in_use(lane));
+        }
+    }
+
     fn check(&self) -> Result<(), TestCaseError> {
         let l = self.adm.limits().clone();
         let b = self.adm.budget();
         prop_assert!(self.adm.consistent(), "kept summaries drifted");
         prop_assert_eq!(b.total(), self.out.len());
-        prop_assert!(b.total() <= l.size(), "more than N out");
+        prop_assert!(b.total() <= l.size().max(self.over.0), "more than N out");
         for lane in Lane::ALL {
             let mine: Vec<&Out> = self.out.iter().filter(|o| o.lane == lane).collect();
             prop_assert_eq!(b.in_use(lane), mine.len(), "{} in use", lane);
@@ -171,7 +200,11 @@ impl Ledger {
             } else {
                 l.lane(lane).max
             };
-            prop_assert!(mine.len() <= max, "{} past its max", lane);
+            prop_assert!(
+                mine.len() <= max.max(self.over.1[lane.idx()]),
+                "{} past its max",
+                lane
+            );
             let queued = self.waiting.values().filter(|c| c.0 == lane).count();
             prop_assert_eq!(self.adm.pending(lane), queued);
         }
@@ -179,19 +212,24 @@ impl Ledger {
         // The probe reserve is never taken by another lane.
         let others = b.total() - b.in_use(Lane::Probe);
         prop_assert!(
-            others <= l.size() - l.lane(Lane::Probe).reserved,
+            others <= (l.size() - l.lane(Lane::Probe).reserved).max(self.over.0),
             "probe reserve taken"
         );
         // Lease acquisitions never hold the slots kept for renewals.
         let lease_normal = b.in_use(Lane::Lease) - b.urgent(Lane::Lease);
-        prop_assert!(lease_normal <= l.lease_normal_cap());
+        prop_assert!(lease_normal <= l.lease_normal_cap().max(self.over.1[Lane::Lease.idx()]));
         // Session locks: the hard ceiling, and the budget under Refuse.
-        prop_assert!(b.in_use(Lane::SessionLock) <= self.session_limit());
+        prop_assert!(
+            b.in_use(Lane::SessionLock)
+                <= self
+                    .session_limit()
+                    .max(self.over.1[Lane::SessionLock.idx()])
+        );
         // Nobody waits who could be admitted now, and every queued session
         // lock will fit once the releases in flight and those ahead are done.
         let mut session_pos = 0;
-        for (lane, _) in self.waiting.values() {
-            if *lane == Lane::SessionLock {
+        for (key, (lane, _)) in &self.waiting {
+            if *lane == Lane::SessionLock && !self.patient.contains(key) && !self.resized {
                 let settled = b.in_use(*lane) - b.releasing(*lane) + session_pos;
                 prop_assert!(
                     settled < self.session_limit(),
@@ -225,32 +263,51 @@ proptest! {
             adm: Admission::new(limits),
             out: vec![],
             waiting: BTreeMap::new(),
+            patient: vec![],
+            over: (0, [0; Lane::COUNT]),
+            resized: false,
             next_key: 0,
             cancelled: vec![],
         };
         for op in ops {
             let mut effects = Vec::new();
             match op {
-                Op::Request(lane, prio) => {
+                Op::Request(lane, prio, patient) => {
+                    let patient = patient && lane == Lane::SessionLock;
                     let key = g.next_key;
                     g.next_key += 1;
                     let claims = g.waiting.values().filter(|c| c.0 == Lane::SessionLock).count();
                     let before = (g.adm.in_use(lane), g.adm.releasing(lane));
                     // The read-only query predicts the answer exactly.
                     let predicted = g.adm.admits_now(lane, prio);
-                    let answer = g.adm.request(lane, prio, key);
+                    let answer = g.adm.request_with(lane, prio, key, patient);
                     prop_assert_eq!(predicted, matches!(answer, Answer::Admit { .. }), "{:?}", answer);
                     match answer {
                         Answer::Admit { .. } => g.out.push(Out { lane, prio, releasing: false }),
                         Answer::Queued => {
                             g.waiting.insert(key, (lane, prio));
+                            if patient {
+                                g.patient.push(key);
+                            }
                         }
                         Answer::Refused(_) => {
                             prop_assert_eq!(lane, Lane::SessionLock);
+                            if patient {
+                                prop_assert_eq!(g.session_limit(), 0, "a patient request refused with a budget");
+                            }
                             prop_assert_eq!((g.adm.in_use(lane), g.adm.releasing(lane)), before);
                             prop_assert!(before.0 - before.1 + claims >= g.session_limit());
                         }
                         Answer::Closed => prop_assert!(false, "not closed"),
+                    }
+                }
+                Op::Resize(size) => {
+                    if let Ok(limits) = g.adm.limits().resized(size) {
+                        let b = g.adm.budget();
+                        let lane_over = Lane::ALL.map(|l| b.in_use(l));
+                        g.over = (b.total(), lane_over);
+                        g.resized = true;
+                        g.adm.set_limits(limits, |e| effects.push(e));
                     }
                 }
                 Op::Return(k) if !g.out.is_empty() => {
@@ -277,6 +334,7 @@ proptest! {
             }
             g.apply(effects)?;
             g.check()?;
+            g.settle();
         }
         // Everyone returns: every waiter is served or refused, nothing is left.
         while let Some(o) = g.out.pop() {
@@ -284,6 +342,7 @@ proptest! {
             g.adm.release(o.lane, o.prio, o.releasing, |e| effects.push(e));
             g.apply(effects)?;
             g.check()?;
+            g.settle();
         }
         prop_assert!(g.waiting.is_empty(), "left waiting: {:?}", g.waiting);
     }

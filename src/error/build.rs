@@ -5,7 +5,8 @@ use std::time::Duration;
 use crate::admission::LimitsError;
 
 /// Settings that cannot work, refused by `build()` (and by
-/// `Pool::from_url`/`Pool::from_config` for the pool size). Each names the
+/// `Pool::from_url`/`Pool::from_config` for the pool size, and by
+/// [`Pool::resize`](crate::Pool::resize) with nothing changed). Each names the
 /// setting and the value; where a library refused it, that library's error
 /// is the [`source`](std::error::Error::source).
 ///
@@ -44,7 +45,8 @@ pub enum BuildError {
         /// deadpool's `max_size`.
         max_size: usize,
     },
-    /// The deadpool pool handed to `Pool::builder` is closed.
+    /// The deadpool pool handed to `Pool::builder` is closed (or, from
+    /// `Pool::resize`, the pool was closed).
     #[error("the deadpool pool is closed")]
     DeadpoolClosed,
     /// The pool name is empty or too long.

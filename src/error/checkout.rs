@@ -51,7 +51,8 @@ pub enum CheckoutError {
     /// pgwarden admitted a checkout but the wrapped deadpool pool had no
     /// connection for it: deadpool's capacity was changed, or its objects
     /// taken, outside pgwarden (a clone of the deadpool pool given to
-    /// `Pool::builder`, or a `resize` on it).
+    /// `Pool::builder`, or a `resize` on that clone: resize through
+    /// `pgwarden::Pool::resize`, which keeps both in step).
     #[error(
         "pgwarden admitted a {lane} checkout but deadpool had no connection for it: {}",
         if deadpool_max != size {
@@ -71,13 +72,19 @@ pub enum CheckoutError {
         in_use: usize,
     },
 
-    /// A session-lock checkout past its budget was refused.
+    /// A session-lock checkout past its budget was refused: at once for a
+    /// try-once `session_lock` (no wait), or for one that can never be
+    /// admitted (a budget of 0). The message names the pool size, the
+    /// budget, what holds it, the setting that raises it
+    /// (`PoolBuilder::lane(Lane::SessionLock, reserved, max)`) and the
+    /// alternatives that pin no connection: a table lease, or a
+    /// transaction-scoped lock (`xact_lock`) for try-once work inside a
+    /// transaction.
     #[error(
-        "{lane} budget exhausted: {in_use} of {limit} in use{floor}; held by: {holders}; \
-         hold no connection for background exclusivity: use a table lease \
-         (pgwarden::Leases), or a transaction-scoped lock (pool.with_xact_lock)",
+        "{lane} budget exhausted: {in_use} of {limit} in use (pool size {pool_size}){floor}; held by: {holders}; {way_out}",
         holders = Holders(holders),
-        floor = if *hard_floor { " (hard floor: the other lanes' reservations and one request connection)" } else { "" }
+        floor = if *hard_floor { "; hard floor: the other lanes' reservations and one request connection" } else { "" },
+        way_out = WayOut { hard_floor: *hard_floor, limit: *limit }
     )]
     BudgetExhausted {
         /// The lane refused (always [`Lane::SessionLock`] today).
@@ -90,6 +97,8 @@ pub enum CheckoutError {
         hard_floor: bool,
         /// The checkouts holding the lane now.
         holders: Vec<LaneHolder>,
+        /// The pool size `N`.
+        pool_size: usize,
     },
 
     /// The readiness probe did not answer within its bound.
@@ -131,6 +140,32 @@ impl fmt::Display for LaneHolder {
             write!(f, ", pid {pid}")?;
         }
         f.write_str(")")
+    }
+}
+
+/// The way out of a session-lock refusal.
+struct WayOut {
+    hard_floor: bool,
+    limit: usize,
+}
+
+impl fmt::Display for WayOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.hard_floor {
+            f.write_str("a larger pool raises it")?;
+        } else {
+            f.write_str(
+                "raise it with PoolBuilder::lane(Lane::SessionLock, reserved, max) (a larger pool raises the default)",
+            )?;
+        }
+        if self.limit > 0 {
+            f.write_str(", or give session_lock a wait to queue for it")?;
+        }
+        f.write_str(
+            "; or hold no connection for exclusivity: a table lease (pgwarden::Leases) for \
+             background work, or a transaction-scoped lock (pgwarden::xact_lock, \
+             pool.with_xact_lock) for try-once work inside a transaction",
+        )
     }
 }
 

@@ -183,9 +183,10 @@ pub(crate) fn bounded_session_sql(key: LockKey, mode: LockMode) -> String {
     )
 }
 
-/// Takes a session lock: waits up to `wait` (checkout included), or tries
-/// once when `wait` is `None` (the checkout then waits up to the pool's wait
-/// timeout). `Ok(None)`: tried and not granted.
+/// Takes a session lock: waits up to `wait` (checkout included, and the
+/// session-lock budget while other locks hold it), or tries once when `wait`
+/// is `None` (refused at once past the budget; the checkout otherwise waits
+/// up to the pool's wait timeout). `Ok(None)`: tried and not granted.
 pub(crate) async fn acquire(
     pool: &Pool,
     key: LockKey,
@@ -198,7 +199,12 @@ pub(crate) async fn acquire(
         return Err(Error::Lock(LockError::BehindPooler { how }));
     }
     let bound = wait.unwrap_or(pool.shared.opts.wait_timeout);
-    let conn = pool.checkout(Lane::SessionLock, site, bound).await?;
+    // A wait covers the budget too: while other locks hold it, wait in
+    // FIFO order (holding no connection) for one to come back.
+    let conn = match wait {
+        Some(_) => pool.checkout_waiting_for_budget(site, bound).await?,
+        None => pool.checkout(Lane::SessionLock, site, bound).await?,
+    };
     let check =
         crate::pooler::ensure_direct(pool, &conn, site, bound.saturating_sub(start.elapsed()))
             .await?;

@@ -16,7 +16,7 @@ use slab::Slab;
 
 use super::shared::{Checkout, Outcome, Permit, Shared, State, Waiter};
 use crate::admission::{Answer as Admitted, Effect, Lane, Priority, Refusal, WaiterKey};
-use crate::error::{CheckoutError, Error, Stage};
+use crate::error::{BuildError, CheckoutError, Error, Stage};
 
 /// Removes a waiter from the queue when its checkout gives up or is dropped.
 struct WaiterGuard<'a> {
@@ -160,6 +160,7 @@ impl Shared {
             in_use: st.adm.in_use(lane),
             hard_floor,
             holders: st.holders(lane, Instant::now()),
+            pool_size: st.adm.limits().size(),
         })
     }
 
@@ -177,11 +178,13 @@ impl Shared {
     }
 
     /// Admits one checkout of `lane` at `prio`, waiting in FIFO order up to
-    /// `deadline`.
+    /// `deadline` (and, when `patient`, waiting for the session-lock budget
+    /// rather than being refused while other locks hold it).
     pub(super) async fn admit(
         self: &Arc<Self>,
         lane: Lane,
         prio: Priority,
+        patient: bool,
         site: &'static Location<'static>,
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
@@ -189,7 +192,7 @@ impl Shared {
         let (key, id, rx) = {
             let mut st = self.state.lock();
             let key = st.waiters.vacant_key();
-            match st.adm.request(lane, prio, key) {
+            match st.adm.request_with(lane, prio, key, patient) {
                 Admitted::Admit { over_budget } => {
                     let slot = st.insert(lane, prio, site, start.into_std());
                     let in_use = st.adm.in_use(lane);
@@ -342,6 +345,49 @@ impl Shared {
             _ => return,
         };
         st.adm.mark_releasing(lane);
+    }
+
+    /// Resizes the pool to `size`: the lanes' limits derived again for it
+    /// (the lanes set explicitly kept), then deadpool resized in the same
+    /// critical section (grown before the new limits admit more, shrunk
+    /// after they stop admitting past the new size). Checkouts out stay
+    /// out; a shrink below them admits nothing more until returns bring the
+    /// pool below its new size, and deadpool closes the connections that
+    /// come back past it.
+    pub(crate) fn resize(self: &Arc<Self>, size: usize) -> Result<(), BuildError> {
+        let mut fired = Fired::default();
+        let limits = {
+            let mut guard = self.state.lock();
+            let st = &mut *guard;
+            if st.adm.is_closed() || self.inner.is_closed() {
+                return Err(BuildError::DeadpoolClosed);
+            }
+            let limits = st.adm.limits().resized(size)?;
+            let grow = size > st.adm.limits().size();
+            if grow {
+                self.inner.resize(size);
+            }
+            let mut t = Tables {
+                waiters: &mut st.waiters,
+                checkouts: &mut st.checkouts,
+                warned_sites: &mut st.warned_sites,
+            };
+            st.adm
+                .set_limits(limits.clone(), |e| self.apply(&mut t, e, &mut fired));
+            if !grow {
+                self.inner.resize(size);
+            }
+            self.publish(st, u8::MAX);
+            limits
+        };
+        self.metrics.publish_limits(&self.name, &limits);
+        fired.send(self);
+        Ok(())
+    }
+
+    /// Whether the pool was closed.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.state.lock().adm.is_closed() || self.inner.is_closed()
     }
 
     /// Closes deadpool and fails every waiter.

@@ -220,29 +220,6 @@ impl PoolBuilder {
         self
     }
 
-    /// The limits these settings give a pool of `size`.
-    fn limits(&self, size: usize) -> Result<Limits, LimitsError> {
-        let d = Limits::default_lanes(size);
-        let mut lanes = d;
-        for lane in Lane::ALL {
-            if let Some(l) = self.lanes[lane.idx()] {
-                lanes[lane.idx()] = l;
-            }
-        }
-        // Unless set, the request maximum is what the other lanes'
-        // reservations leave.
-        if self.lanes[Lane::Request.idx()].is_none() {
-            let reserved: usize = Lane::ALL
-                .iter()
-                .filter(|l| **l != Lane::Request)
-                .map(|l| lanes[l.idx()].reserved)
-                .fold(0, usize::saturating_add);
-            let r = &mut lanes[Lane::Request.idx()];
-            r.max = size.saturating_sub(reserved).max(r.reserved);
-        }
-        Limits::new(size, lanes, self.policy)
-    }
-
     /// Validates every setting and builds the pool. Call inside a tokio
     /// runtime to start the housekeeping task at once (otherwise it starts at
     /// the first checkout).
@@ -276,7 +253,7 @@ impl PoolBuilder {
             return Err(BuildError::DeadpoolClosed);
         }
         let d = self.inner.status();
-        let limits = self.limits(d.max_size)?;
+        let limits = Limits::derive(d.max_size, self.lanes, self.policy)?;
         // Objects out, or callers waiting: someone else uses this pool.
         let in_use = d.size.saturating_sub(d.available) + d.waiting;
         if in_use > 0 {

@@ -38,10 +38,32 @@ impl Pool {
     }
 
     /// A checkout of `lane` at `prio`, all of it within `timeout`.
-    pub(crate) async fn checkout_with(
+    pub(crate) fn checkout_with(
         &self,
         lane: Lane,
         prio: Priority,
+        site: &'static Location<'static>,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Client, Error>> + Send + '_ {
+        self.checkout_inner(lane, prio, false, site, timeout)
+    }
+
+    /// A session-lock checkout that waits for the budget, in FIFO order, up
+    /// to `timeout` when other locks hold it now (refused at once only when
+    /// it can never be admitted).
+    pub(crate) fn checkout_waiting_for_budget(
+        &self,
+        site: &'static Location<'static>,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Client, Error>> + Send + '_ {
+        self.checkout_inner(Lane::SessionLock, Priority::Normal, true, site, timeout)
+    }
+
+    async fn checkout_inner(
+        &self,
+        lane: Lane,
+        prio: Priority,
+        patient: bool,
         site: &'static Location<'static>,
         timeout: Duration,
     ) -> Result<Client, Error> {
@@ -50,7 +72,9 @@ impl Pool {
         let start = tokio::time::Instant::now();
         // The caller's bound, tightened by the `Deadline` scope it runs in.
         let deadline = bounded(start, deadline(start, timeout));
-        let permit = shared.admit(lane, prio, site, start, deadline).await?;
+        let permit = shared
+            .admit(lane, prio, patient, site, start, deadline)
+            .await?;
         let lm = shared.metrics.lane(lane);
         loop {
             // deadpool is asked not to wait (after admission it always has

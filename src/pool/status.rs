@@ -19,8 +19,10 @@ impl Shared {
         });
         Status {
             max: limits.size(),
+            max_size: limits.size(),
             size: d.size,
             idle: d.available,
+            available: d.available,
             in_use: st.adm.total(),
             waiting: st.adm.waiting(),
             lanes,

@@ -91,6 +91,7 @@ async fn admit(pool: &Pool, lane: Lane, timeout: Duration) -> Result<Permit, Err
         .admit(
             lane,
             Priority::Normal,
+            false,
             Location::caller(),
             start,
             deadline(start, timeout),
