@@ -99,6 +99,7 @@
 //! only at boot), or make the margin larger than any step you expect.
 
 mod acquire;
+mod admin;
 mod batch;
 mod builder;
 mod calls;
@@ -125,6 +126,7 @@ mod stats;
 mod table;
 mod timing;
 
+pub use admin::LeaseRow;
 pub use builder::LeasesBuilder;
 pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};
