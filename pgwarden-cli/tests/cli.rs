@@ -226,6 +226,32 @@ async fn the_command_sees_its_token_and_leases_shows_it_then_no_live_holder() {
         "{table}"
     );
 
+    // --watch redraws in place until SIGINT.
+    let mut watch = pgwarden(&url)
+        .args(["leases", "--watch", "0.2"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = watch.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    within(BOUND, "two redraws", async {
+        use tokio::io::AsyncReadExt;
+        let mut buf = [0u8; 4096];
+        while String::from_utf8_lossy(&seen)
+            .matches("\x1b[H\x1b[2J")
+            .count()
+            < 3
+        {
+            let n = out.read(&mut buf).await.unwrap();
+            assert!(n > 0, "watch ended early");
+            seen.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
+    assert!(String::from_utf8_lossy(&seen).contains("report"));
+    kill(pid(&watch), libc::SIGINT);
+    assert_eq!(exit_code(&mut watch, BOUND).await, 0);
+
     std::fs::write(dir.join("go"), "").unwrap();
     assert_eq!(exit_code(&mut run, BOUND).await, 0);
     let rows = json(&url, &["leases", "--json"]).await;
