@@ -55,6 +55,11 @@ where
     }
 }
 
+/// An application name for humans: `-` when the session set none.
+fn app(name: Option<&str>) -> &str {
+    name.filter(|n| !n.is_empty()).unwrap_or("-")
+}
+
 fn blocked_by(r: &LeaseRow) -> Value {
     match r.blocker_pid {
         None => Value::Null,
@@ -72,7 +77,7 @@ fn blocked_text(r: &LeaseRow) -> String {
         None => String::new(),
         Some(pid) => format!(
             "pid {pid} {} ({} {})",
-            r.blocker_application_name.as_deref().unwrap_or("?"),
+            app(r.blocker_application_name.as_deref()),
             r.blocker_state.as_deref().unwrap_or("?"),
             r.blocker_state_for.map(human).unwrap_or_default()
         ),
@@ -312,7 +317,7 @@ pub(crate) async fn locks(pool: &Pool, args: &ListArgs) -> Result<u8, Failure> {
                         None => "waiting".to_owned(),
                     },
                     l.pid.map(|p| p.to_string()).unwrap_or_default(),
-                    l.application_name.clone().unwrap_or_default(),
+                    app(l.application_name.as_deref()).to_owned(),
                     l.client_addr.clone().unwrap_or_else(|| "local".to_owned()),
                     state_text(l.state.as_deref(), l.state_for),
                     l.waiting_pids
@@ -359,7 +364,7 @@ pub(crate) async fn check(
         let pid = l.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into());
         let who = format!(
             "pid {pid} ({}, {})",
-            l.application_name.as_deref().unwrap_or("?"),
+            app(l.application_name.as_deref()),
             l.client_addr.as_deref().unwrap_or("local")
         );
         if l.granted && idle && l.state_for.is_some_and(|d| d >= max) {

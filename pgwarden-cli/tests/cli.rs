@@ -220,6 +220,7 @@ async fn the_command_sees_its_token_and_leases_shows_it_then_no_live_holder() {
     assert!(row["taken_at"].as_str().is_some_and(|t| t.ends_with('Z')));
     // The human table names it too.
     let table = stdout(&cli(&url, &["leases"]).await);
+    println!("{table}");
     assert!(table.starts_with("NAME"), "{table}");
     assert!(
         table.contains("report") && table.contains(&token.to_string()),
@@ -441,11 +442,13 @@ async fn locks_lists_an_idle_sessions_advisory_lock_and_check_names_it_until_rel
     assert_eq!(held["waiting_pids"], serde_json::json!([waiter_pid]));
     assert!(held.get("client_addr").is_some());
     let table = stdout(&cli(&url, &["locks"]).await);
+    println!("{table}");
     assert!(table.contains("4242") && table.contains("idle"), "{table}");
 
     let out = cli(&url, &["check", "--max-idle-lock", "0s"]).await;
     assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
     let said = stdout(&out);
+    println!("{said}");
     assert!(
         said.lines().any(|l| l.starts_with("idle_lock:")
             && l.contains("4242")
@@ -522,6 +525,25 @@ async fn a_lease_blocked_by_a_frozen_fenced_holder_shows_as_blocked() {
             && l.contains(&fenced_pid.to_string())),
         "{}",
         stdout(&out)
+    );
+    // A read-only on-call role (SELECT and pg_monitor, no UPDATE: no
+    // probe) still finds a lone fenced transaction through the row's xmax.
+    let admin = db.connect().await.unwrap();
+    admin
+        .batch_execute(&format!(
+            "DO $$ BEGIN CREATE ROLE oncall LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+             GRANT pg_monitor TO oncall; GRANT SELECT ON pgwarden_leases TO oncall;
+             GRANT CONNECT ON DATABASE \"{}\" TO oncall",
+            db.name()
+        ))
+        .await
+        .unwrap();
+    let oncall = format!("{url} user=oncall");
+    let rows = json(&oncall, &["leases", "--json"]).await;
+    assert_eq!(
+        lease(&rows, "ledger").unwrap()["blocked_by"]["pid"],
+        fenced_pid,
+        "{rows:?}"
     );
     // The fenced transaction ends: nothing blocks it any more.
     fenced.batch_execute("COMMIT").await.unwrap();
@@ -715,4 +737,42 @@ async fn sslmode_is_honoured_against_a_server_with_a_self_signed_certificate() {
     let out = cli(&url("127.0.0.1", "sslmode=verify"), &["locks"]).await;
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("invalid sslmode"), "{}", stderr(&out));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn revoke_refuses_the_holders_fence_and_fires_its_lost_signal() {
+    let db = db().await;
+    let url = db.url();
+    let pool = pgwarden::Pool::builder(db.deadpool(4).unwrap())
+        .build()
+        .unwrap();
+    let leases = pgwarden::Leases::new(&pool);
+    let opts = pgwarden::LeaseOptions::new(Duration::from_secs(2));
+    let lease = leases
+        .acquire("fenced", &opts, None)
+        .await
+        .unwrap()
+        .expect("free");
+    let mut conn = pool.get().await.unwrap();
+    let tx = conn.transaction().await.unwrap();
+    lease.fence(&tx).await.expect("fenced before the revoke");
+    // The open fenced transaction does not hold the revoke up.
+    let out = cli(&url, &["revoke", "fenced", "--yes"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let said = stdout(&out);
+    assert!(said.contains(&lease.term().holder), "{said}");
+    assert!(said.contains(&lease.term().token.to_string()), "{said}");
+    tx.rollback().await.unwrap();
+    let tx = conn.transaction().await.unwrap();
+    let refused = lease
+        .fence(&tx)
+        .await
+        .expect_err("refused after the revoke");
+    assert!(refused.is_lease_lost(), "{refused}");
+    drop(tx);
+    let reason = within(Duration::from_secs(3), "lost()", lease.lost()).await;
+    assert_eq!(reason, pgwarden::LostReason::Taken);
+    // And the name is free at once.
+    let next = leases.acquire("fenced", &opts, None).await.unwrap();
+    assert!(next.expect("free again").term().token > lease.term().token);
 }

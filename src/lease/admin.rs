@@ -10,6 +10,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use deadpool_postgres::ClientWrapper as Client;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 use tokio_postgres::{Error as PgError, Row};
 
@@ -88,7 +89,8 @@ fn rows_sql(tbl: &str) -> (String, String) {
   LEFT JOIN LATERAL (
        SELECT a.pid, a.application_name, a.state, a.state_change
          FROM pg_stat_activity a
-        WHERE l.name = ANY($1) AND a.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL
+        WHERE (l.name = ANY($1) OR a.backend_xid = l.xmax)
+          AND a.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL
           AND EXISTS (SELECT FROM pg_locks k
                        WHERE k.pid = a.pid AND k.locktype = 'relation' AND k.granted
                          AND k.relation = $2::text::regclass)
@@ -160,12 +162,25 @@ impl LeaseStatement for ReadRows {
             &[(&call.wait_ms, Type::INT4)],
         )
         .await?;
-        let locked: Vec<String> = tx
-            .query_typed(&probe, &[])
-            .await?
-            .iter()
-            .map(|r| r.try_get(0))
-            .collect::<Result<_, _>>()?;
+        // Without the UPDATE privilege the probe is refused: then only the
+        // row's own `xmax` tells (one locker's open transaction).
+        let mut tx = tx;
+        let sp = tx.savepoint("pgwarden_probe").await?;
+        let locked: Vec<String> = match sp.query_typed(&probe, &[]).await {
+            Ok(rows) => {
+                let names = rows
+                    .iter()
+                    .map(|r| r.try_get(0))
+                    .collect::<Result<_, _>>()?;
+                sp.commit().await?; // releases the savepoint, keeps the locks
+                names
+            }
+            Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+                sp.rollback().await?;
+                Vec::new()
+            }
+            Err(e) => return Err(e),
+        };
         let out = tx
             .query_typed(
                 &rows,
@@ -232,8 +247,10 @@ impl Leases {
     /// take-over of an expired term waiting.
     ///
     /// Reads only: locked rows are found with `FOR UPDATE SKIP LOCKED` in a
-    /// transaction that is rolled back, which never waits on a row lock
-    /// (the probe needs the `UPDATE` privilege on the table).
+    /// transaction that is rolled back, which never waits on a row lock.
+    /// That probe needs the `UPDATE` privilege on the table; without it a
+    /// blocker is found only when the row names its transaction (`xmax`:
+    /// one locker, not several sharing the lock).
     pub async fn rows(&self) -> Result<Vec<LeaseRow>, Error> {
         let inner = &self.inner;
         inner
