@@ -370,7 +370,30 @@ async fn a_frozen_run_is_taken_over_after_the_ttl_and_stops_its_command_when_it_
     let token_a = token_seen(&dir_a, "rollup").await;
     let frozen = Stopped::stop([pid(&a)]).expect("SIGSTOP pgwarden run");
     let stopped_at = Instant::now();
-    std::fs::write(dir_b.join("go"), "").unwrap();
+    // A's term as the database has it, frozen with its holder: a renewal
+    // sent just before the stop has had time to land once the row reads
+    // the same twice, 300 ms apart.
+    let admin = db.connect().await.unwrap();
+    let expiry = || async {
+        let row = admin
+            .query_one(
+                "SELECT expires_at, token FROM pgwarden_leases WHERE name = 'rollup'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, std::time::SystemTime>(0), row.get::<_, i64>(1))
+    };
+    let mut a_expires = expiry().await.0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (now, token) = expiry().await;
+        assert_eq!(token, token_a);
+        if now == a_expires {
+            break;
+        }
+        a_expires = now;
+    }
     let mut b = spawn_run(
         &url,
         "rollup",
@@ -380,11 +403,19 @@ async fn a_frozen_run_is_taken_over_after_the_ttl_and_stops_its_command_when_it_
     let token_b = token_seen(&dir_b, "rollup").await;
     let waited = stopped_at.elapsed();
     assert!(token_b > token_a, "a new term: {token_b} > {token_a}");
-    // Renewed at most TTL/4 before the stop: expired no sooner than 1.5 s after.
+    let b_taken: std::time::SystemTime = admin
+        .query_one(
+            "SELECT taken_at FROM pgwarden_leases WHERE name = 'rollup' AND token = $1",
+            &[&token_b],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert!(
-        waited >= Duration::from_millis(1400),
-        "taken over after {waited:?}"
+        b_taken >= a_expires,
+        "taken over only once A's term expired: {b_taken:?} < {a_expires:?}"
     );
+    std::fs::write(dir_b.join("go"), "").unwrap();
     assert_eq!(exit_code(&mut b, BOUND).await, 0);
     // Woken, A finds its lease gone: its command is stopped, and it exits 76.
     drop(frozen);
