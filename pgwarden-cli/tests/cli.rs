@@ -807,3 +807,31 @@ async fn revoke_refuses_the_holders_fence_and_fires_its_lost_signal() {
     let next = leases.acquire("fenced", &opts, None).await.unwrap();
     assert!(next.expect("free again").term().token > lease.term().token);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_names_a_lease_that_nobody_took_over_after_its_holder_crashed() {
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    let mut run = spawn_run(&url, "hourly", &["--ttl", "1s"], &job(&dir, 0));
+    token_seen(&dir, "hourly").await;
+    // The holder crashes (its command finishes on its own): no release.
+    kill(pid(&run), libc::SIGKILL);
+    within(BOUND, "the crash", run.wait()).await.unwrap();
+    std::fs::write(dir.join("go"), "").unwrap();
+    let said = until("the unclaimed lease to be reported", || async {
+        let out = cli(&url, &["check", "--max-idle-lock", "1s"]).await;
+        (out.status.code() == Some(1)).then(|| stdout(&out))
+    })
+    .await;
+    assert!(
+        said.lines()
+            .any(|l| l.starts_with("unclaimed_lease:") && l.contains("\"hourly\"")),
+        "{said}"
+    );
+    // Taken over, it is healthy again.
+    let next = cli(&url, &["run", "hourly", "--", "true"]).await;
+    assert_eq!(next.status.code(), Some(0), "{}", stderr(&next));
+    let out = cli(&url, &["check", "--max-idle-lock", "1s"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+}
