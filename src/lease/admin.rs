@@ -276,3 +276,36 @@ impl Leases {
             .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probe_never_waits_and_the_revoke_does_not_wait_on_a_fence() {
+        let (probe, rows) = rows_sql(r#""app"."leases""#);
+        assert!(probe.contains("FOR UPDATE SKIP LOCKED"), "{probe}");
+        assert!(
+            !probe.contains("NOWAIT") && !rows.contains("FOR "),
+            "{rows}"
+        );
+        assert!(rows.contains(r#"FROM "app"."leases" l"#), "{rows}");
+        let revoke = revoke_sql(r#""app"."leases""#);
+        // FOR NO KEY UPDATE does not conflict with a fence's FOR KEY SHARE;
+        // FOR UPDATE would.
+        assert!(revoke.contains("FOR NO KEY UPDATE"), "{revoke}");
+        assert!(!revoke.contains("FOR UPDATE"), "{revoke}");
+        let bound = revoke.find("set_config('lock_timeout'").unwrap();
+        assert!(bound < revoke.find("FOR NO KEY UPDATE").unwrap());
+        // Only the term's holder, token and expiry change: the key stays.
+        assert!(revoke.contains("SET holder = '', expires_at = least(l.expires_at, now())"));
+    }
+
+    #[test]
+    fn epoch_seconds_become_times_without_panicking() {
+        assert_eq!(from_epoch(1.5), UNIX_EPOCH + Duration::from_millis(1500));
+        assert_eq!(from_epoch(-2.0), UNIX_EPOCH - Duration::from_secs(2));
+        assert_eq!(from_epoch(f64::INFINITY), UNIX_EPOCH);
+        assert_eq!(from_epoch(f64::NAN), UNIX_EPOCH);
+    }
+}
