@@ -1,30 +1,34 @@
 -- pgwarden table leases: the DDL that `pgwarden::Leases::install()` runs, for
 -- applications that run their own migrations.
 --
--- The default names are shown: `pgwarden_leases` and its token sequence
--- `pgwarden_leases_token_seq` (resolved through search_path). With another
--- table name (`Leases::builder(&pool).table("app.leases")`), replace both
--- quoted names: the sequence is always the table's name + `_token_seq`, in
--- the table's schema. `install()` runs these statements inside a transaction
+-- The default names are shown: `public.pgwarden_leases` and its token
+-- sequence `public.pgwarden_leases_token_seq`, always schema-qualified: a
+-- table name given without a schema is in `public`, never looked up through
+-- the session's search_path, so instances whose search paths differ share
+-- one table. With another table name
+-- (`Leases::builder(&pool).table("app.leases")`), replace both quoted names:
+-- the sequence is always the table's name + `_token_seq`, in the table's
+-- schema. `install()` runs these statements inside a transaction
 -- holding `pg_advisory_xact_lock(1885828964, 594100531)` (pgwarden's key
 -- `Namespace::PGWARDEN.named("leases.install")`), so that instances starting
 -- together do not race.
 --
 -- A logged table on purpose: unlike advisory locks, leases survive a primary
 -- failover. Every time comes from the database clock. A released row is
--- deleted when it has no hold and no acquisition of its name is in flight
--- (a transaction-scoped advisory lock on the name tells), else kept, marked
--- released, until the purge deletes it; a take-over draws its token with
--- the row locked. Either way tokens grow with every term of a name.
+-- kept, marked released (holder ''), until the purge deletes it (under a
+-- SHARE lock of the table, so that no acquisition is in flight); the next
+-- term of a name takes its row over and draws its token with the row
+-- locked. Either way tokens grow with every term of a name.
 --
 -- pgwarden checks this shape at install and first use: the columns and
--- their types, PRIMARY KEY (name), and the bigint sequence.
+-- their types, PRIMARY KEY (name), and the bigint sequence owned by the
+-- token column.
 
 -- Fencing tokens: one value per take-over, increasing across the cluster.
 -- CACHE 1 keeps values increasing in the order sessions take them.
-CREATE SEQUENCE IF NOT EXISTS "pgwarden_leases_token_seq" AS bigint CACHE 1;
+CREATE SEQUENCE IF NOT EXISTS "public"."pgwarden_leases_token_seq" AS bigint CACHE 1;
 
-CREATE TABLE IF NOT EXISTS "pgwarden_leases" (
+CREATE TABLE IF NOT EXISTS "public"."pgwarden_leases" (
     -- The lease's name: 1 to 128 bytes, chosen by the application (pgwarden
     -- checks it before any statement; a CHECK here would cost every insert
     -- a parse of its expression).
@@ -45,4 +49,4 @@ CREATE TABLE IF NOT EXISTS "pgwarden_leases" (
     prev_holder text
 );
 
-ALTER SEQUENCE "pgwarden_leases_token_seq" OWNED BY "pgwarden_leases".token;
+ALTER SEQUENCE "public"."pgwarden_leases_token_seq" OWNED BY "public"."pgwarden_leases".token;

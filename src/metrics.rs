@@ -120,6 +120,10 @@ pub(crate) const LEASE_RENEW_INTERVAL: &str = "pgwarden_lease_renew_interval_sec
 pub(crate) const LEASE_LOST: &str = "pgwarden_lease_lost_total";
 /// Leases taken over from an expired holder, per `lease`.
 pub(crate) const LEASE_TAKEOVERS: &str = "pgwarden_lease_takeovers_total";
+/// Take-overs of an expired lease that met a lock on its row (a fenced
+/// transaction of the expired term, or another session holding the row) and
+/// answered busy, per `lease`.
+pub(crate) const LEASE_TAKEOVERS_BLOCKED: &str = "pgwarden_lease_takeovers_blocked_total";
 /// Panics caught in the lease renewer; renewal goes on.
 pub(crate) const LEASE_RENEWER_PANICS: &str = "pgwarden_lease_renewer_panics_total";
 /// Scheduled job runs that panicked, per `lease` (the job's name: `job` is
@@ -264,6 +268,11 @@ pub(crate) fn describe() {
         LEASE_TAKEOVERS,
         Unit::Count,
         "Leases taken over from an expired holder."
+    );
+    describe_counter!(
+        LEASE_TAKEOVERS_BLOCKED,
+        Unit::Count,
+        "Take-overs of an expired lease blocked by a lock on its row (answered busy), per lease."
     );
     describe_counter!(
         LEASE_RENEWER_PANICS,

@@ -84,7 +84,11 @@ async fn checkouts_in_a_scope_wait_no_longer_than_it_allows() {
     let d = Deadline::after(Duration::from_secs(2)).max_wait(Duration::from_secs(1));
     let back = held.pop().unwrap();
     let got = tokio::join!(d.scope(pool.get()), async {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Returned once the scoped checkout is queued for it.
+        eventually(LIMIT, "the scoped checkout queues", || async {
+            pool.status().waiting == 1
+        })
+        .await;
         drop(back);
     })
     .0

@@ -75,19 +75,16 @@ fn children(parent: u32) -> Vec<u32> {
     out
 }
 
-/// A dedicated server, or `None` (with a note) when the tests run against
-/// `DATABASE_URL`, whose processes this test cannot stop.
-async fn own_server() -> Option<(TestServer, TestDb)> {
-    let server = tokio::task::spawn_blocking(TestServer::start)
+/// A dedicated throwaway server, started even when `DATABASE_URL` is set:
+/// the test stops its processes, which it cannot do to an external server.
+async fn own_server() -> (TestServer, TestDb) {
+    let server = tokio::task::spawn_blocking(TestServer::start_local)
         .await
         .unwrap()
-        .expect("throwaway PostgreSQL");
-    if server.is_external() {
-        eprintln!("note: DATABASE_URL is set; the hung-server tests need a server of their own");
-        return None;
-    }
+        .expect("throwaway PostgreSQL (started even with DATABASE_URL set)");
+    assert!(!server.is_external());
     let db = server.create_database().await.expect("database");
-    Some((server, db))
+    (server, db)
 }
 
 fn pool(inner: deadpool_postgres::Pool, name: &str) -> Pool {
@@ -139,9 +136,7 @@ async fn fails_within<T, E: std::fmt::Debug>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
-    let Some((server, db)) = own_server().await else {
-        return;
-    };
+    let (server, db) = own_server().await;
     let pool = pool(db.deadpool(4).unwrap(), "hung");
     // One connection open and idle: the probe will find it and its query
     // will hang; a second checkout must connect, and connecting hangs.
@@ -192,9 +187,7 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hang_while_recycling_or_connecting_is_bounded() {
-    let Some((server, db)) = own_server().await else {
-        return;
-    };
+    let (server, db) = own_server().await;
     // Verified recycling runs a statement on every checkout of an idle
     // connection: with its backend stopped, recycling hangs.
     let mgr = Manager::from_config(

@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pgwarden::{Error, LeaseError, LeaseOptions, Leases, LostReason};
 use support::leases::{busy_backends, pool, TwoHolders};
@@ -142,10 +142,19 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     let mut conn = pool_a.get().await.unwrap();
     let tx = begin(&mut conn, level).await;
     own.fence(&tx).await.unwrap(); // the snapshot is taken here
-                                   // Past the snapshot's expiry, renewed meanwhile.
+    let snapshot = Instant::now();
+    // Past the snapshot's expiry, renewed meanwhile. The expiry the snapshot
+    // holds was set by a renewal before it, so it is at most the TTL (1 s)
+    // after this instant: 1.5 s after it is past, with room for the server's
+    // clock reading. Waiting out that time is the scenario; the renewals are
+    // awaited.
     let renewed = a.stats().renewed;
-    tokio::time::sleep(1500 * MS).await;
-    assert!(a.stats().renewed >= renewed + 4, "{:?}", a.stats());
+    eventually(
+        10 * S,
+        "1.5 s past the snapshot and 4 renewals since",
+        || async { snapshot.elapsed() >= 1500 * MS && a.stats().renewed >= renewed + 4 },
+    )
+    .await;
     own.fence(&tx).await.unwrap();
     let token = own.term().token;
     tx.query_typed("INSERT INTO ledger VALUES ($1)", &[(&token, Type::INT8)])

@@ -97,7 +97,7 @@ async fn a_table_of_another_shape_is_a_typed_error() {
             "CREATE TABLE wrong_types (name varchar(64) PRIMARY KEY, holder text NOT NULL,
                token integer NOT NULL, taken_at timestamptz NOT NULL, expires_at timestamp NOT NULL,
                held_until timestamptz NOT NULL, prev_holder text);
-             CREATE SEQUENCE wrong_types_token_seq AS bigint",
+             CREATE SEQUENCE wrong_types_token_seq AS bigint OWNED BY wrong_types.token",
             &[
                 "column name is character varying(64), expected text",
                 "column token is integer, expected bigint",
@@ -109,7 +109,7 @@ async fn a_table_of_another_shape_is_a_typed_error() {
             "CREATE TABLE no_key (name text NOT NULL, holder text NOT NULL, token bigint NOT NULL,
                taken_at timestamptz NOT NULL, expires_at timestamptz NOT NULL,
                held_until timestamptz NOT NULL, prev_holder text);
-             CREATE SEQUENCE no_key_token_seq AS bigint",
+             CREATE SEQUENCE no_key_token_seq AS bigint OWNED BY no_key.token",
             &["there is no primary key (expected PRIMARY KEY (name))"],
         ),
         (
@@ -121,7 +121,7 @@ async fn a_table_of_another_shape_is_a_typed_error() {
                 "column taken_at (timestamp with time zone) is missing",
                 "column held_until (timestamp with time zone) is missing",
                 "column prev_holder (text) is missing",
-                "the token sequence \"missing_token_seq\" is integer, expected bigint",
+                "the token sequence \"public\".\"missing_token_seq\" is integer, expected bigint",
             ],
         ),
         (
@@ -129,7 +129,7 @@ async fn a_table_of_another_shape_is_a_typed_error() {
             "CREATE TABLE other_key (name text, holder text NOT NULL, token bigint NOT NULL,
                taken_at timestamptz NOT NULL, expires_at timestamptz NOT NULL,
                held_until timestamptz NOT NULL, prev_holder text NOT NULL, PRIMARY KEY (name, holder));
-             CREATE SEQUENCE other_key_token_seq AS bigint",
+             CREATE SEQUENCE other_key_token_seq AS bigint OWNED BY other_key.token",
             &[
                 "the primary key is (name, holder), expected (name)",
                 "column prev_holder is NOT NULL, it must allow NULL",

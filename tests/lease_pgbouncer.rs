@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use pgwarden::{LeaseOptions, Leases, LostReason, PoolerMode};
 use pgwarden_testing::{require_tool, PgBouncer, TestServer};
-use support::leases::{acquire_times_out, insert_expired, pool_behind, pool_with};
+use support::leases::{insert_expired, pool_behind, pool_with};
 use support::{eventually, within};
 use tokio_postgres::types::Type;
 
@@ -164,19 +164,24 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
     tx.commit().await.unwrap();
     drop(conn);
 
-    // A take-over that must wait longer than B's statement timeout: it
-    // times out, and the cancel goes through PgBouncer to the server.
+    // A take-over blocked by a row lock answers busy at once: its
+    // lock_timeout ends the wait on the server, through PgBouncer too.
     insert_expired(&admin, "stale", "old").await;
     admin
         .batch_execute("BEGIN; SELECT 1 FROM pgwarden_leases WHERE name = 'stale' FOR KEY SHARE")
         .await
         .unwrap();
-    acquire_times_out(&b, "stale").await;
-    eventually(3 * S, "the waiting statement is cancelled", || async {
-        let other = db.connect().await.unwrap();
-        lock_waiters(&other, db.name()).await == 0
-    })
-    .await;
+    let got = within(
+        3 * S,
+        "a blocked take-over",
+        b.acquire("stale", &LeaseOptions::new(30 * S), None),
+    )
+    .await
+    .unwrap();
+    assert!(got.is_none(), "blocked: busy");
+    // A statement that times out behind a row lock: the statement's
+    // timeout, and nothing left waiting on the server (the connection is
+    // closed; behind PgBouncer no cancel request is sent).
     admin.batch_execute("COMMIT").await.unwrap();
     let old: String = admin
         .query_typed_one(
@@ -186,7 +191,34 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
         .await
         .unwrap()
         .get(0);
-    assert_eq!(old, "old", "the cancelled take-over did not happen");
+    assert_eq!(old, "old", "the blocked take-over did not happen");
+    let taken = within(
+        3 * S,
+        "the take-over once the lock is gone",
+        b.acquire("stale", &LeaseOptions::new(30 * S), None),
+    )
+    .await
+    .unwrap()
+    .expect("taken over");
+    assert_eq!(taken.term().took_over_from.as_deref(), Some("old"));
+    admin
+        .batch_execute("BEGIN; SELECT 1 FROM pgwarden_leases WHERE name = 'stale' FOR UPDATE")
+        .await
+        .unwrap();
+    let err = taken.release().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
+        ),
+        "{err}"
+    );
+    admin.batch_execute("COMMIT").await.unwrap();
+    eventually(5 * S, "nothing of B waits on the server", || async {
+        let other = db.connect().await.unwrap();
+        lock_waiters(&other, db.name()).await == 0
+    })
+    .await;
     if let Err(e) = lease.release().await {
         panic!("{e}\n{}", bouncer.log_tail(30));
     }

@@ -255,11 +255,11 @@ async fn purge_deletes_only_rows_older_than_its_age() {
     assert_eq!(again.term().took_over_from.as_deref(), None);
 }
 
-/// The guard behind growing tokens, step by step: while an acquisition of a
-/// name is in flight (it holds the name's advisory lock shared from before
-/// it draws its token), neither a release nor the purge deletes that name's
-/// row; and while a row is being deleted (exclusive), an acquisition draws
-/// no token and reports the name busy.
+/// The guard behind growing tokens, step by step: a release keeps its row
+/// (marked released), so the next term of the name draws its token with
+/// the row locked; and while any statement on the table is in flight (each
+/// holds `ROW EXCLUSIVE` until it ends, from before it draws a token), the
+/// purge deletes nothing: it skips its round, and purges once it is gone.
 #[tokio::test]
 async fn no_row_is_deleted_under_an_acquisition_in_flight() {
     let db = db().await;
@@ -269,79 +269,60 @@ async fn no_row_is_deleted_under_an_acquisition_in_flight() {
         .build()
         .unwrap();
     leases.install().await.unwrap();
-    let key = "1885828964, hashtext('\"pgwarden_leases\"' || 'n')";
     let row = || async {
         admin
-            .query_typed_opt("SELECT holder FROM pgwarden_leases WHERE name = 'n'", &[])
+            .query_typed_opt(
+                "SELECT holder, token FROM pgwarden_leases WHERE name = 'n'",
+                &[],
+            )
             .await
             .unwrap()
-            .map(|r| r.get::<_, String>(0))
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
     };
 
-    // Released with no acquisition in flight: the row goes.
-    let lease = leases
-        .acquire("n", &LeaseOptions::new(10 * S), None)
-        .await
-        .unwrap()
-        .unwrap();
-    lease.release().await.unwrap();
-    assert_eq!(row().await, None);
-
-    // An acquisition in flight (the shared lock): the release keeps the row,
-    // marked released, and the purge leaves it.
-    let lease = leases
-        .acquire("n", &LeaseOptions::new(10 * S), None)
-        .await
-        .unwrap()
-        .unwrap();
+    // An acquisition in flight: what it holds on the table from its start.
     let inflight = db.connect().await.unwrap();
     inflight
-        .batch_execute(&format!(
-            "BEGIN; SELECT pg_advisory_xact_lock_shared({key})"
-        ))
+        .batch_execute("BEGIN; LOCK TABLE pgwarden_leases IN ROW EXCLUSIVE MODE")
         .await
         .unwrap();
+    let lease = leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let first = lease.term().token;
     lease.release().await.unwrap();
-    assert_eq!(row().await.as_deref(), Some(""));
-    purge_rounds(&leases, 2).await;
+    // Released: the row stays, marked released, with its token.
+    assert_eq!(row().await, Some((String::new(), first)));
+    purge_rounds(&leases, 3).await;
     assert_eq!(
-        row().await.as_deref(),
-        Some(""),
-        "purged under the shared lock"
+        row().await,
+        Some((String::new(), first)),
+        "purged while a statement was in flight"
     );
     inflight.batch_execute("COMMIT").await.unwrap();
     eventually(5 * S, "the released row purged", || async {
         row().await.is_none()
     })
     .await;
-
-    // A delete in flight (the exclusive lock): an acquisition draws no
-    // token and reports the name busy.
-    let seq = || async {
-        admin
-            .query_typed_one("SELECT last_value FROM pgwarden_leases_token_seq", &[])
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-    };
-    let before = seq().await;
-    inflight
-        .batch_execute(&format!("BEGIN; SELECT pg_advisory_xact_lock({key})"))
-        .await
-        .unwrap();
-    assert!(leases
-        .acquire("n", &LeaseOptions::new(10 * S), None)
-        .await
-        .unwrap()
-        .is_none());
-    assert_eq!(seq().await, before, "no token drawn");
-    inflight.batch_execute("COMMIT").await.unwrap();
+    // A new row of the name: a larger token than the purged term's.
     let lease = leases
         .acquire("n", &LeaseOptions::new(10 * S), None)
         .await
         .unwrap()
         .unwrap();
-    assert!(lease.term().token > before);
+    assert!(lease.term().token > first);
+    // And a term after a release (the row kept) draws a larger one again.
+    let second = lease.term().token;
+    lease.release().await.unwrap();
+    let again = leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(again.term().token > second);
+    assert_eq!(row().await.map(|r| r.1), Some(again.term().token));
 }
 
 /// Waits until `n` more purge statements have run: with `n` = 2, at least

@@ -183,13 +183,26 @@ async fn the_renewer_survives_panics() {
     let leases = metrics::with_local_recorder(&recorder, || Leases::new(&pool));
     let opts = LeaseOptions::new(2 * S).renew_every(250 * MS);
     let lease = leases.acquire("job", &opts, None).await.unwrap().unwrap();
-    // Twice the TTL: the lease lives on, renewed, through 8 panics.
-    tokio::time::sleep(4 * S).await;
-    let panics = recorder.renewer_panics.load(Ordering::SeqCst);
+    // The lease lives on, renewed, through 8 panics: the recorder panics in
+    // the first 3 histogram records and the first 5 gauge sets, then no more.
+    let panics = || recorder.renewer_panics.load(Ordering::SeqCst);
+    eventually(20 * S, "8 renewer panics caught", || async {
+        panics() >= 8
+    })
+    .await;
+    // Then past a whole TTL more of renewals (9 at 250 ms: over 2 s) with no
+    // further panic: a renewer that died with a panic would have lost the
+    // lease by then.
+    let renewed = leases.stats().renewed;
+    eventually(20 * S, "9 renewals after the panics", || async {
+        leases.stats().renewed >= renewed + 9
+    })
+    .await;
     let stats = leases.stats();
-    eprintln!("{panics} renewer panics caught; {stats:?}");
+    eprintln!("{} renewer panics caught; {stats:?}", panics());
     assert_eq!(
-        panics, 8,
+        panics(),
+        8,
         "3 in batches + 5 in ticks, each caught and counted"
     );
     assert!(

@@ -34,6 +34,7 @@ async fn run_skips_renews_releases_and_cancels() {
                 .await
                 .unwrap();
             assert!(inner.is_none(), "a second run skips");
+            // The scenario: the run outlives its TTL (1 s).
             tokio::time::sleep(1500 * MS).await;
             assert!(!lease.is_lost());
             lease.term().token

@@ -130,6 +130,7 @@ async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
                             .query_typed_one("SELECT n FROM counter", &[])
                             .await?
                             .get(0);
+                        // The scenario: a wide read-modify-write window.
                         tokio::time::sleep(Duration::from_millis(5)).await;
                         tx.query_typed(
                             "UPDATE counter SET n = $1",

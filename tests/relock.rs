@@ -65,7 +65,8 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
             let lock = pool
                 .session_lock(LockKey::Single(503), pgwarden::LockMode::Exclusive, Some(T))
                 .await;
-            (start.elapsed(), lock)
+            let releasing = pool.status().lane(Lane::SessionLock).releasing;
+            (start.elapsed(), Instant::now(), releasing, lock)
         }
     });
     eventually(T, "the first waiter queues", || async {
@@ -83,10 +84,27 @@ async fn a_session_lock_that_can_never_be_admitted_is_refused_at_once() {
     assert!(e.is_budget_exhausted(), "{e}");
     assert!(took < Duration::from_millis(200), "refused after {took:?}");
 
-    let (waited, lock) = first.await.unwrap();
+    eventually(T, "the release ends", || async {
+        pool.status().lane(Lane::SessionLock).releasing == 0
+    })
+    .await;
+    let ended = Instant::now();
+    let (waited, granted, releasing, lock) = first.await.unwrap();
     let lock = lock.unwrap().expect("a wait grants the lock or fails");
     assert!(waited < T, "admitted when the release ended: {waited:?}");
-    eprintln!("re-lock admitted after the release ended: {waited:?}");
+    let after_end = granted.saturating_duration_since(ended);
+    eprintln!(
+        "re-lock admitted after the release ended: {waited:?} (granted {after_end:?} after the end was seen)"
+    );
+    // Not before the release ended: two session locks out at once otherwise.
+    assert_eq!(releasing, 0, "granted while the release was in flight");
+    // At its end: a new connection and one lock statement, 1 s allowed on a
+    // loaded machine; a waiter the release's end did not wake would sit out
+    // its whole bound (T, 5 s, about 3.5 s after the end).
+    assert!(
+        after_end < Duration::from_secs(1),
+        "granted {after_end:?} after the release ended"
+    );
     lock.unlock().await.unwrap();
     raw.execute("SELECT pg_advisory_unlock_all()", &[])
         .await

@@ -134,6 +134,7 @@ async fn three_instances_run_each_job_once_per_period_and_per_node() {
 #[tokio::test]
 async fn graceful_shutdown_releases_leases() {
     let db = db().await;
+    let admin = support::admin(&db).await;
     let a = Leases::new(&pool(&db, 3, "shut-a"));
     let b = Leases::new(&pool(&db, 3, "shut-b"));
     a.install().await.unwrap();
@@ -188,12 +189,40 @@ async fn graceful_shutdown_releases_leases() {
         dropped.load(Ordering::SeqCst),
         "the long job was dropped after its grace"
     );
-    // The interrupted run freed its lease at once: another instance takes it.
+    // The interrupted run keeps its period: released at shutdown (no
+    // holder), but nobody runs it again before the next period.
+    let (holder, held, period_kept): (String, bool, bool) = {
+        let r = admin
+            .query_typed_one(
+                "SELECT holder, held_until > now(),
+                        held_until >= date_trunc('second', taken_at) + interval '1 second'
+                   FROM pgwarden_leases WHERE name = 'long'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!(holder, "", "released at shutdown");
+    assert!(
+        period_kept,
+        "the hold until the end of the run's period stays"
+    );
+    if held {
+        assert!(
+            b.acquire("long", &LeaseOptions::new(S), None)
+                .await
+                .unwrap()
+                .is_none(),
+            "the interrupted run's period is kept"
+        );
+    }
+    // The next period is free.
     let long = b
-        .acquire("long", &LeaseOptions::new(S), None)
+        .acquire("long", &LeaseOptions::new(S), Some(3 * S))
         .await
         .unwrap();
-    assert!(long.is_some(), "released at shutdown");
+    assert!(long.is_some(), "free in the next period");
     // The completed daily run keeps its period: nobody reruns it today.
     assert!(b
         .acquire("daily", &LeaseOptions::new(S), None)

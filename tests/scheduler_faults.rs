@@ -18,7 +18,6 @@ use support::{admin, db, eventually, within};
 use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
-const MS: Duration = Duration::from_millis(1);
 
 /// Runs per job: (period, whether that run panicked).
 type PanicLog = Arc<parking_lot::Mutex<BTreeMap<&'static str, Vec<(i64, bool)>>>>;
@@ -130,6 +129,7 @@ async fn crash_child() {
                     .await
                     .unwrap();
                     drop(conn);
+                    // The scenario: hung mid-job until the test kills us.
                     tokio::time::sleep(Duration::from_secs(3600)).await;
                 }
             })
@@ -137,6 +137,7 @@ async fn crash_child() {
         )
         .start()
         .unwrap();
+    // The scenario: alive until the test kills us (60 s at most if it never does).
     tokio::time::sleep(Duration::from_secs(60)).await;
     drop(scheduler);
 }
@@ -241,8 +242,16 @@ async fn shutdown_cancels_an_acquisition_in_flight() {
     })
     .await;
     // The stale term ends: nobody took it behind the scheduler's back.
-    drop(locker);
-    tokio::time::sleep(300 * MS).await;
+    // Ended here, not by a drop: once ROLLBACK returns the row lock is gone,
+    // and no statement of the scheduler is left on the server to take the row after it
+    // (checked above), so the row read next is final.
+    within(
+        5 * S,
+        "the stale holder's ROLLBACK",
+        locker.batch_execute("ROLLBACK"),
+    )
+    .await
+    .unwrap();
     let holder: String = admin
         .query_typed_one(
             "SELECT holder FROM pgwarden_leases WHERE name = 'stuck'",

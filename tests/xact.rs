@@ -112,6 +112,7 @@ async fn with_xact_lock_commits_rolls_back_and_serialises() {
                 pool.with_xact_lock(key, T, |tx| {
                     Box::pin(async move {
                         let n: i32 = tx.query_one("SELECT n FROM counter", &[]).await?.get(0);
+                        // The scenario: a wide read-modify-write window.
                         tokio::time::sleep(Duration::from_millis(5)).await;
                         tx.execute("UPDATE counter SET n = $1", &[&(n + 1)]).await?;
                         Ok::<_, Error>(())

@@ -183,6 +183,7 @@ async fn synchronous_commits_wait_for_the_replica() -> Result {
     assert_eq!(cluster.replication(), Replication::Synchronous);
     let db = cluster.create_database().await?;
     let primary = cluster.primary().connect(&db).await?;
+    let watcher = cluster.primary().connect(&db).await?;
     let sync: String = primary
         .query_one("SELECT sync_state FROM pg_stat_replication", &[])
         .await?
@@ -199,7 +200,19 @@ async fn synchronous_commits_wait_for_the_replica() -> Result {
             .batch_execute("INSERT INTO t VALUES ('waited')")
             .await
     });
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Committed locally, it waits for the standby's acknowledgement.
+    eventually(STEP, "the commit waits on SyncRep", || async {
+        watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
     assert!(
         !waiting.is_finished(),
         "a synchronous commit returned with no standby"

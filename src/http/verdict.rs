@@ -203,10 +203,23 @@ mod tests {
             capacity: 1,
             ..busy(0, None)
         };
-        assert!(matches!(
+        // The wait saturates at u64::MAX nanoseconds (about 584 years): an
+        // unbounded checkout is admitted to it, any finite bound sheds.
+        let saturated = Duration::from_nanos(u64::MAX);
+        assert_eq!(expected_wait(&huge, Duration::MAX), saturated);
+        assert_eq!(
             decide(&huge, Duration::MAX),
-            Verdict::Shed { .. } | Verdict::Admit { .. }
-        ));
+            Verdict::Admit {
+                expected: saturated
+            }
+        );
+        assert_eq!(
+            decide(&huge, Duration::from_secs(3600)),
+            Verdict::Shed {
+                reason: ShedReason::Busy,
+                expected: saturated
+            }
+        );
         assert_eq!(retry_after(Duration::MAX), 60);
         assert_eq!(retry_after(Duration::ZERO), 1);
         assert_eq!(retry_after(1001 * MS), 2);

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::calls::{Acquire, FreeIn, Install};
+use super::calls::{Acquire, Attempt, Blocker, FreeIn, Install};
 use super::guard::{Lease, LeaseHandle};
 use super::inner::Inner;
 use super::name;
@@ -16,8 +16,21 @@ use crate::error::Error;
 use crate::pooler::PoolerMode;
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
-/// a holder may release early.
+/// a holder may release early. Also the wait after a blocked take-over.
 pub(crate) const MAX_POLL: Duration = Duration::from_millis(500);
+
+/// At most one log line per this interval, per instance, for blocked
+/// take-overs (each is counted).
+const BLOCKED_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Why an attempt did not take the lease.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Busy {
+    /// Another term holds it (or its hold keeps it).
+    Held,
+    /// Its term is over, but another session holds a lock on its row.
+    Blocked,
+}
 
 impl Inner {
     /// Before the first statement: find out, in the background, whether the
@@ -78,9 +91,11 @@ impl Inner {
     pub(crate) async fn install(&self) -> Result<bool, Error> {
         self.detect_pooler_in_background();
         let table = self.table.to_string();
+        let bare = self.table.unqualified_if_defaulted();
         let stmt = Install {
             wait: self.statement_timeout,
             table: &table,
+            bare: bare.as_deref(),
         };
         let ran = self
             .run(Urgency::Normal, self.statement_timeout, &stmt)
@@ -92,13 +107,12 @@ impl Inner {
         Ok(ran)
     }
 
-    /// One acquisition attempt: the lease, or `None` when another term holds
-    /// the name.
+    /// One acquisition attempt: the lease, or why not.
     pub(crate) async fn attempt(
         self: &Arc<Self>,
         name: &str,
         opts: &LeaseOptions,
-    ) -> Result<Option<Lease>, Error> {
+    ) -> Result<Result<Lease, Busy>, Error> {
         self.attempt_as(name, opts, name::new_holder()).await
     }
 
@@ -110,7 +124,7 @@ impl Inner {
         name: &str,
         opts: &LeaseOptions,
         holder: String,
-    ) -> Result<Option<Lease>, Error> {
+    ) -> Result<Result<Lease, Busy>, Error> {
         name::check_name(name)?;
         let timing = opts.validate()?;
         self.ensure_renewer();
@@ -137,11 +151,16 @@ impl Inner {
                 inner.release_cancelled(&name, &holder).await;
             }))
         };
-        let taken = self
+        let taken = match self
             .run_then(Urgency::Normal, self.statement_timeout, &stmt, follow_up)
-            .await?;
-        let Some(taken) = taken else {
-            return Ok(None);
+            .await?
+        {
+            Attempt::Taken(taken) => taken,
+            Attempt::Busy => return Ok(Err(Busy::Held)),
+            Attempt::Blocked => {
+                self.takeover_blocked(name).await;
+                return Ok(Err(Busy::Blocked));
+            }
         };
         let taken_at = Duration::try_from_secs_f64(taken.taken_at)
             .ok()
@@ -153,7 +172,6 @@ impl Inner {
             token: taken.token,
             taken_at,
             prev_holder: taken.prev_holder,
-            has_hold,
         };
         let state = Arc::new(LeaseState::new(info, timing.deadline(start)));
         self.metrics.acquired(name);
@@ -168,7 +186,7 @@ impl Inner {
             );
         }
         let id = self.register(state.clone(), timing, start);
-        Ok(Some(Lease {
+        Ok(Ok(Lease {
             handle: LeaseHandle {
                 state,
                 inner: self.clone(),
@@ -176,6 +194,43 @@ impl Inner {
             id,
             done: false,
         }))
+    }
+
+    /// A take-over that met a row lock: counted, and logged (at most once
+    /// per [`BLOCKED_LOG_EVERY`] per instance) with the session that holds
+    /// the row when the server can tell.
+    async fn takeover_blocked(&self, name: &str) {
+        self.metrics.takeover_blocked(name);
+        self.stats.lock().takeovers_blocked += 1;
+        let now = self.created.elapsed();
+        {
+            let mut last = self.blocked_logged.lock();
+            if last.is_some_and(|t| now.saturating_sub(t) < BLOCKED_LOG_EVERY) {
+                return;
+            }
+            *last = Some(now);
+        }
+        let blocker = self
+            .run(Urgency::Normal, self.statement_timeout, &Blocker { name })
+            .await;
+        match blocker {
+            Ok(Some(b)) => tracing::warn!(
+                pool = %self.pool_name, lease = name,
+                blocking_pid = b.pid, application_name = %b.application_name,
+                state = %b.state, state_for_s = b.state_for_s,
+                "lease take-over blocked by a row lock on its expired row: answered busy, tried again later \
+                 (a fenced transaction of the expired term ends at most 1 s past the term; another session \
+                 holding the row blocks it as long as it holds it)"
+            ),
+            Ok(None) => tracing::warn!(
+                pool = %self.pool_name, lease = name,
+                "lease take-over blocked by a row lock on its expired row: answered busy, tried again later"
+            ),
+            Err(e) => tracing::warn!(
+                pool = %self.pool_name, lease = name, error = %e,
+                "lease take-over blocked by a row lock on its expired row (its holder could not be read): answered busy"
+            ),
+        }
     }
 
     /// How long until a held name may be free (database clock), for callers

@@ -196,9 +196,17 @@ impl Inner {
             age: self.purge.age,
             limit: PURGE_BATCH,
         };
-        let n = self
+        let Some(n) = self
             .run(Urgency::Normal, self.statement_timeout, &stmt)
-            .await?;
+            .await?
+        else {
+            self.stats.lock().purge_statements += 1;
+            tracing::debug!(
+                pool = %self.pool_name,
+                "lease purge skipped: lease statements kept the table busy; it runs again next interval"
+            );
+            return Ok(0);
+        };
         {
             let mut s = self.stats.lock();
             s.purged += n;

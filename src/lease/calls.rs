@@ -8,6 +8,7 @@ use std::time::Duration;
 use deadpool_postgres::ClientWrapper as Client;
 use tokio_postgres::Error as PgError;
 
+use super::queries::RowLocker;
 use super::sql::{Statements, Taken};
 use super::statement::{Call, LeaseStatement};
 
@@ -32,7 +33,20 @@ macro_rules! lease_statement {
     };
 }
 
-/// One acquisition attempt: `None` when another term holds the name.
+/// What one acquisition attempt found.
+#[derive(Debug)]
+pub(crate) enum Attempt {
+    /// A new term.
+    Taken(Taken),
+    /// Another term holds the name (or holds it from being taken: a hold).
+    Busy,
+    /// The name's term is over, but its row was locked by another session
+    /// for longer than [`TAKEOVER_WAIT`](super::sql::TAKEOVER_WAIT): a
+    /// fenced transaction of the expired term, or anyone holding the row.
+    Blocked,
+}
+
+/// One acquisition attempt.
 pub(crate) struct Acquire<'a> {
     pub(crate) name: &'a str,
     pub(crate) holder: &'a str,
@@ -41,12 +55,19 @@ pub(crate) struct Acquire<'a> {
     pub(crate) hold: Option<(f64, f64)>,
 }
 
-lease_statement!(
-    Acquire<'_>,
-    Option<Taken>,
-    "acquisition",
-    |s, sql, c, call| sql.acquire(c, call.named, s.name, s.holder, s.ttl, s.hold, call.wait_ms)
-);
+impl LeaseStatement for Acquire<'_> {
+    type Out = Attempt;
+    const WHAT: &'static str = "acquisition";
+    async fn exec(&self, sql: &Statements, c: &mut Client, call: Call) -> Result<Attempt, PgError> {
+        let taken = sql
+            .acquire(c, call.named, self.name, self.holder, self.ttl, self.hold)
+            .await?;
+        Ok(taken.map_or(Attempt::Busy, Attempt::Taken))
+    }
+    fn on_lock_timeout() -> Option<Attempt> {
+        Some(Attempt::Blocked)
+    }
+}
 
 /// Seconds until a held name may be free.
 pub(crate) struct FreeIn<'a> {
@@ -55,6 +76,18 @@ pub(crate) struct FreeIn<'a> {
 
 lease_statement!(FreeIn<'_>, Option<f64>, "busy check", |s, sql, c, call| sql
     .free_in(c, call.named, s.name));
+
+/// The session holding a lock on a name's row (a blocked take-over's log).
+pub(crate) struct Blocker<'a> {
+    pub(crate) name: &'a str,
+}
+
+lease_statement!(
+    Blocker<'_>,
+    Option<RowLocker>,
+    "busy check",
+    |s, sql, c, call| sql.blocker(c, call.named, s.name)
+);
 
 /// One batched renewal.
 pub(crate) struct Renew<'a> {
@@ -68,42 +101,24 @@ lease_statement!(
     Renew<'_>,
     Vec<(String, i64)>,
     "renewal",
-    |s, sql, c, call| sql.renew(
-        c,
-        call.named,
-        &s.names,
-        &s.holders,
-        &s.tokens,
-        &s.ttls,
-        call.wait_ms,
-    )
+    |s, sql, c, call| sql.renew(c, call.named, &s.names, &s.holders, &s.tokens, &s.ttls)
 );
 
-/// A release that deletes the row (no hold, no acquisition in flight).
-pub(crate) struct ReleaseDelete<'a> {
+/// A release: the row stays, marked released; with `keep_hold` false the
+/// hold goes too (a run that never started).
+pub(crate) struct Release<'a> {
     pub(crate) name: &'a str,
     pub(crate) holder: &'a str,
+    pub(crate) keep_hold: bool,
 }
 
-lease_statement!(ReleaseDelete<'_>, bool, "release", |s, sql, c, call| sql
-    .release_delete(c, call.named, s.name, s.holder, call.wait_ms));
-
-/// A release that keeps the row, marked released.
-pub(crate) struct ReleaseKeep<'a> {
-    pub(crate) name: &'a str,
-    pub(crate) holder: &'a str,
-    pub(crate) forget_hold: bool,
-}
-
-lease_statement!(ReleaseKeep<'_>, bool, "release", |s, sql, c, call| sql
-    .release_keep(
-        c,
-        call.named,
-        s.name,
-        s.holder,
-        s.forget_hold,
-        call.wait_ms
-    ));
+lease_statement!(Release<'_>, bool, "release", |s, sql, c, call| sql.release(
+    c,
+    call.named,
+    s.name,
+    s.holder,
+    s.keep_hold
+));
 
 /// One purge statement: rows deleted.
 pub(crate) struct Purge {
@@ -111,23 +126,20 @@ pub(crate) struct Purge {
     pub(crate) limit: i64,
 }
 
-lease_statement!(Purge, u64, "purge", |s, sql, c, call| sql.purge(
-    c,
-    call.named,
-    s.age,
-    s.limit,
-    call.wait_ms
-));
+lease_statement!(Purge, Option<u64>, "purge", |s, sql, c, _call| sql
+    .purge(c, s.age, s.limit));
 
 /// Create the table if missing, then check its shape.
 pub(crate) struct Install<'a> {
     pub(crate) wait: Duration,
     pub(crate) table: &'a str,
+    /// The bare table name, when it was given without a schema.
+    pub(crate) bare: Option<&'a str>,
 }
 
 lease_statement!(
     Install<'_>,
     Result<bool, crate::error::Error>,
     "install",
-    |s, sql, c, _call| async move { Ok(sql.install(c, s.wait, s.table).await) }
+    |s, sql, c, _call| async move { Ok(sql.install(c, s.wait, s.table, s.bare).await) }
 );

@@ -41,6 +41,10 @@ pub(crate) struct Inner {
     /// Counts, updated under one lock so a snapshot is consistent.
     pub(crate) stats: Mutex<LeaseStats>,
     pub(crate) metrics: LeaseMetrics,
+    /// When this instance was made: the origin of `blocked_logged`.
+    pub(crate) created: Instant,
+    /// When a blocked take-over was last logged (since `created`).
+    pub(crate) blocked_logged: Mutex<Option<Duration>>,
 }
 
 impl Drop for Inner {
@@ -59,7 +63,7 @@ impl Inner {
         Inner {
             pool,
             pool_name: pool_name.into(),
-            sql: Statements::new(&s.table),
+            sql: Statements::new(&s.table, s.statement_timeout),
             table: s.table,
             auto_install: s.auto_install,
             installed: OnceCell::new(),
@@ -72,6 +76,8 @@ impl Inner {
             detect_started: AtomicBool::new(false),
             stats: Mutex::new(LeaseStats::default()),
             metrics,
+            created: Instant::now(),
+            blocked_logged: Mutex::new(None),
         }
     }
 

@@ -48,6 +48,14 @@ pub(crate) struct Shape {
     pub(crate) sequence_kind: Option<String>,
     /// The sequence's data type (`bigint`, `integer`…).
     pub(crate) sequence_type: Option<String>,
+    /// The sequence is the one owned by the table's `token` column
+    /// (`OWNED BY`): `Some(false)` when it is another, or owned by nothing;
+    /// `None` without a `token` column.
+    pub(crate) sequence_owned: Option<bool>,
+    /// Another table that the session's `search_path` finds under the bare
+    /// table name (only checked when the name was given without a schema):
+    /// the table an older pgwarden (or a mistyped configuration) would use.
+    pub(crate) shadowed_by: Option<String>,
 }
 
 impl Shape {
@@ -99,6 +107,19 @@ impl Shape {
             )),
             (Some(kind), _) => out.push(format!("{sequence} is not a sequence (relkind {kind:?})")),
         }
+        if self.sequence_kind.is_some() && self.sequence_owned == Some(false) {
+            out.push(format!(
+                "the token sequence {sequence} is not owned by the table's token column \
+                 (ALTER SEQUENCE … OWNED BY <table>.token, as in sql/leases.sql)"
+            ));
+        }
+        if let Some(other) = &self.shadowed_by {
+            out.push(format!(
+                "this session's search_path finds another table of that name, {other}: \
+                 a table name without a schema means public; name the table with its \
+                 schema (LeasesBuilder::table) so that every instance uses the same one"
+            ));
+        }
         out
     }
 
@@ -110,7 +131,11 @@ impl Shape {
 
 impl Statements {
     /// Reads the shape of the table and its sequence from the catalog.
-    pub(crate) async fn shape(&self, client: &Client) -> Result<Shape, tokio_postgres::Error> {
+    pub(crate) async fn shape(
+        &self,
+        client: &Client,
+        bare: Option<&str>,
+    ) -> Result<Shape, tokio_postgres::Error> {
         let (t, s) = (&self.table, &self.sequence);
         let rel = client
             .query_typed(
@@ -121,8 +146,14 @@ impl Statements {
                                     FROM pg_index i
                                    CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
                                     JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                                   WHERE i.indrelid = to_regclass($1) AND i.indisprimary), '{}')",
-                &[(t, Type::TEXT), (s, Type::TEXT)],
+                                   WHERE i.indrelid = to_regclass($1) AND i.indisprimary), '{}'),
+                        (SELECT coalesce(to_regclass(pg_get_serial_sequence($1, 'token')) = to_regclass($2), false)
+                           FROM pg_attribute
+                          WHERE attrelid = to_regclass($1) AND attname = 'token' AND NOT attisdropped),
+                        (SELECT format('%I.%I', n.nspname, c.relname)
+                           FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                          WHERE c.oid = to_regclass($3) AND c.oid IS DISTINCT FROM to_regclass($1))",
+                &[(t, Type::TEXT), (s, Type::TEXT), (&bare, Type::TEXT)],
             )
             .await?;
         let columns = client
@@ -140,6 +171,8 @@ impl Statements {
             shape.sequence_kind = r.try_get(1)?;
             shape.sequence_type = r.try_get(2)?;
             shape.primary_key = r.try_get(3)?;
+            shape.sequence_owned = r.try_get(4)?;
+            shape.shadowed_by = r.try_get(5)?;
         }
         for r in &columns {
             shape.columns.push(Column {
@@ -161,9 +194,10 @@ impl Statements {
         client: &mut Client,
         wait: Duration,
         table_name: &str,
+        bare: Option<&str>,
     ) -> Result<bool, Error> {
         let mut ran = false;
-        let mut shape = self.shape(client).await?;
+        let mut shape = self.shape(client, bare).await?;
         if shape.is_missing() {
             let tx = client.transaction().await?;
             xact_lock(&tx, INSTALL_LOCK_KEY, LockMode::Exclusive, Some(wait)).await?;
@@ -172,7 +206,7 @@ impl Statements {
             tx.batch_execute(&self.ddl).await?;
             tx.commit().await?;
             ran = true;
-            shape = self.shape(client).await?;
+            shape = self.shape(client, bare).await?;
         }
         let differences = shape.differences(&self.sequence);
         if differences.is_empty() {
@@ -205,6 +239,8 @@ mod tests {
             primary_key: vec!["name".into()],
             sequence_kind: Some("S".into()),
             sequence_type: Some("bigint".into()),
+            sequence_owned: Some(true),
+            shadowed_by: None,
         }
     }
 
@@ -248,6 +284,18 @@ mod tests {
             assert!(all.contains(want), "{want:?} not in:\n{all}");
         }
         assert_eq!(d.len(), 6, "{all}");
+        let mut other = good();
+        other.sequence_owned = Some(false);
+        other.shadowed_by = Some("app.pgwarden_leases".into());
+        let all = other.differences("seq").join("\n");
+        assert!(
+            all.contains("seq is not owned by the table's token column"),
+            "{all}"
+        );
+        assert!(
+            all.contains("finds another table of that name, app.pgwarden_leases"),
+            "{all}"
+        );
         let mut none = good();
         none.primary_key.clear();
         none.sequence_kind = None;

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::acquire::MAX_POLL;
+use super::acquire::{Busy, MAX_POLL};
 use super::guard::{Lease, LostReason};
 use super::inner::Inner;
 use super::options::LeaseOptions;
@@ -148,19 +148,21 @@ impl Leases {
         let start = Instant::now();
         let wait = wait.unwrap_or(Duration::ZERO);
         loop {
-            if let Some(lease) = self.inner.attempt(name, opts).await? {
-                return Ok(Some(lease));
-            }
-            let retry_in = if wait.saturating_sub(start.elapsed()).is_zero() {
-                Duration::ZERO
-            } else {
-                self.inner.free_in(name).await?
+            let busy = match self.inner.attempt(name, opts).await? {
+                Ok(lease) => return Ok(Some(lease)),
+                Err(busy) => busy,
             };
             let left = wait.saturating_sub(start.elapsed());
             if left.is_zero() {
                 self.inner.metrics.skipped(name);
                 return Ok(None);
             }
+            let retry_in = match busy {
+                Busy::Held => self.inner.free_in(name).await?,
+                // Expired, its row locked: ask again a little later.
+                Busy::Blocked => MAX_POLL,
+            };
+            let left = wait.saturating_sub(start.elapsed());
             let pause = retry_in
                 .clamp(Duration::from_millis(10), MAX_POLL)
                 .min(left);

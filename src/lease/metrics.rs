@@ -18,7 +18,7 @@ use super::guard::LostReason;
 use crate::metrics::{
     describe, LEASES_HELD, LEASE_ACQUIRED, LEASE_JOB_PANICS, LEASE_LOST, LEASE_PURGED,
     LEASE_RENEWALS, LEASE_RENEWAL_DURATION, LEASE_RENEWER_PANICS, LEASE_RENEW_INTERVAL,
-    LEASE_SKIPPED, LEASE_STATEMENT_TIMEOUTS, LEASE_TAKEOVERS,
+    LEASE_SKIPPED, LEASE_STATEMENT_TIMEOUTS, LEASE_TAKEOVERS, LEASE_TAKEOVERS_BLOCKED,
 };
 
 /// The `lease` label value of every lease name that was not declared.
@@ -40,6 +40,7 @@ pub(crate) struct NameMetrics {
     acquired: Counter,
     skipped: Counter,
     takeovers: Counter,
+    takeovers_blocked: Counter,
     /// By [`LostReason`]: taken, deadline, expired, released.
     lost: [Counter; 4],
 }
@@ -52,6 +53,7 @@ impl NameMetrics {
             acquired: c(LEASE_ACQUIRED),
             skipped: c(LEASE_SKIPPED),
             takeovers: c(LEASE_TAKEOVERS),
+            takeovers_blocked: c(LEASE_TAKEOVERS_BLOCKED),
             lost: [
                 lost(LostReason::Taken),
                 lost(LostReason::Deadline),
@@ -128,6 +130,10 @@ impl LeaseMetrics {
 
     pub(crate) fn takeover(&self, lease: &str) {
         self.with(lease, |m| m.takeovers.increment(1));
+    }
+
+    pub(crate) fn takeover_blocked(&self, lease: &str) {
+        self.with(lease, |m| m.takeovers_blocked.increment(1));
     }
 
     pub(crate) fn lost(&self, lease: &str, reason: LostReason) {

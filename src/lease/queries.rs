@@ -7,8 +7,8 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Error as PgError, Row};
 
 use super::sql::{
-    Statements, Taken, ACQUIRE_HELD_TYPES, ACQUIRE_TYPES, NAME_TYPES, PURGE_TYPES,
-    RELEASE_DELETE_TYPES, RELEASE_KEEP_TYPES, RENEW_TYPES,
+    Statements, Taken, ACQUIRE_HELD_TYPES, ACQUIRE_TYPES, FENCE_GRACE, FENCE_TYPES, NAME_TYPES,
+    PURGE_LOCK_WAIT, PURGE_TYPES, RELEASE_TYPES, RENEW_TYPES,
 };
 
 /// Runs `text` with `params`: prepared and cached on the connection when
@@ -54,11 +54,20 @@ async fn execute(
     }
 }
 
+/// A session holding a lock on a lease row.
+#[derive(Debug, Clone)]
+pub(crate) struct RowLocker {
+    pub(crate) pid: i32,
+    pub(crate) application_name: String,
+    pub(crate) state: String,
+    /// Seconds in that state.
+    pub(crate) state_for_s: f64,
+}
+
 impl Statements {
     /// One acquisition attempt: the new term, or `None` when the name is held.
     /// `hold`: the at-least time and the period, in seconds (see
     /// [`LeaseOptions`](super::LeaseOptions)), when either is set.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn acquire(
         &self,
         client: &Client,
@@ -67,7 +76,6 @@ impl Statements {
         holder: &str,
         ttl: f64,
         hold: Option<(f64, f64)>,
-        wait_ms: i32,
     ) -> Result<Option<Taken>, PgError> {
         let rows = match hold {
             None => {
@@ -76,7 +84,7 @@ impl Statements {
                     named,
                     &self.acquire,
                     ACQUIRE_TYPES,
-                    &[&name, &holder, &ttl, &wait_ms],
+                    &[&name, &holder, &ttl],
                 )
                 .await?
             }
@@ -86,7 +94,7 @@ impl Statements {
                     named,
                     &self.acquire_held,
                     ACQUIRE_HELD_TYPES,
-                    &[&name, &holder, &ttl, &at_least, &period, &wait_ms],
+                    &[&name, &holder, &ttl, &at_least, &period],
                 )
                 .await?
             }
@@ -115,7 +123,6 @@ impl Statements {
     }
 
     /// Renews a batch; returns the `(name, token)` of the leases renewed.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn renew(
         &self,
         client: &Client,
@@ -124,14 +131,13 @@ impl Statements {
         holders: &[&str],
         tokens: &[i64],
         ttls: &[f64],
-        wait_ms: i32,
     ) -> Result<Vec<(String, i64)>, PgError> {
         let rows = query(
             client,
             named,
             &self.renew,
             RENEW_TYPES,
-            &[&names, &holders, &tokens, &ttls, &wait_ms],
+            &[&names, &holders, &tokens, &ttls],
         )
         .await?;
         rows.iter()
@@ -139,83 +145,113 @@ impl Statements {
             .collect()
     }
 
-    /// Deletes the row of a term without a hold when no acquisition of its
-    /// name is in flight; true when it did.
-    pub(crate) async fn release_delete(
+    /// Marks a term's row released, keeping the row (and, with
+    /// `keep_hold`, its hold); true when the term was this holder's.
+    pub(crate) async fn release(
         &self,
         client: &Client,
         named: bool,
         name: &str,
         holder: &str,
-        wait_ms: i32,
+        keep_hold: bool,
     ) -> Result<bool, PgError> {
-        let n = execute(
-            client,
-            named,
-            &self.release_delete,
-            RELEASE_DELETE_TYPES,
-            &[&name, &holder, &wait_ms],
-        )
-        .await?;
+        let text = if keep_hold {
+            &self.release
+        } else {
+            &self.release_unheld
+        };
+        let n = execute(client, named, text, RELEASE_TYPES, &[&name, &holder]).await?;
         Ok(n > 0)
     }
 
-    /// Marks a term's row released, keeping the row; true when the term was
-    /// this holder's.
-    pub(crate) async fn release_keep(
-        &self,
-        client: &Client,
-        named: bool,
-        name: &str,
-        holder: &str,
-        forget_hold: bool,
-        wait_ms: i32,
-    ) -> Result<bool, PgError> {
-        let n = execute(
-            client,
-            named,
-            &self.release_keep,
-            RELEASE_KEEP_TYPES,
-            &[&name, &holder, &forget_hold, &wait_ms],
-        )
-        .await?;
-        Ok(n > 0)
-    }
-
-    /// Locks the lease row `FOR KEY SHARE` in the caller's transaction;
-    /// returns its holder, its token, whether it is unexpired, and whether
-    /// the transaction reads from one snapshot (repeatable read or
-    /// serializable).
+    /// Locks the lease row `FOR KEY SHARE` in the caller's transaction and
+    /// bounds that transaction on the server (`statement_timeout` and
+    /// `idle_in_transaction_session_timeout`, for the transaction only: the
+    /// term's time left plus [`FENCE_GRACE`]); returns its holder, its
+    /// token, whether it is unexpired, and whether the transaction reads
+    /// from one snapshot (repeatable read or serializable).
     pub(crate) async fn fence(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
         name: &str,
     ) -> Result<Option<(String, i64, bool, bool)>, PgError> {
+        let grace = i64::try_from(FENCE_GRACE.as_millis()).unwrap_or(i64::MAX);
         let row = tx
-            .query_typed_opt(&self.fence, &[(&name, Type::TEXT)])
+            .query_typed_opt(
+                &self.fence,
+                &[
+                    (&name, FENCE_TYPES[0].clone()),
+                    (&grace, FENCE_TYPES[1].clone()),
+                ],
+            )
             .await?;
         row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
             .transpose()
     }
 
-    /// Deletes up to `limit` rows released or expired for longer than `age`,
-    /// skipping those whose name an acquisition holds; returns how many.
-    pub(crate) async fn purge(
+    /// The session holding a lock on `name`'s row, when one transaction
+    /// holds it.
+    pub(crate) async fn blocker(
         &self,
         client: &Client,
         named: bool,
+        name: &str,
+    ) -> Result<Option<RowLocker>, PgError> {
+        let rows = query(client, named, &self.blocker, NAME_TYPES, &[&name]).await?;
+        rows.first()
+            .map(|r| {
+                Ok(RowLocker {
+                    pid: r.try_get(0)?,
+                    application_name: r.try_get(1)?,
+                    state: r.try_get(2)?,
+                    state_for_s: r.try_get(3)?,
+                })
+            })
+            .transpose()
+    }
+
+    /// Deletes up to `limit` rows released or expired for longer than
+    /// `age`; returns how many, or `None` when the table lock was not to be
+    /// had within [`PURGE_LOCK_WAIT`] (the round is skipped).
+    ///
+    /// The transaction takes the table's `SHARE` lock first: it waits for
+    /// every lease statement in flight (each holds `ROW EXCLUSIVE` until it
+    /// ends), so no acquisition that drew a token for a new row before the
+    /// purge can insert it after a purged row of the same name with a
+    /// larger token. Lease statements that come meanwhile wait for the
+    /// purge's one `DELETE`.
+    pub(crate) async fn purge(
+        &self,
+        client: &mut Client,
         age: Duration,
         limit: i64,
-        wait_ms: i32,
-    ) -> Result<u64, PgError> {
+    ) -> Result<Option<u64>, PgError> {
         let age = age.as_secs_f64();
-        execute(
-            client,
-            named,
-            &self.purge,
-            PURGE_TYPES,
-            &[&age, &limit, &wait_ms],
-        )
-        .await
+        let tx = client.transaction().await?;
+        let wait = PURGE_LOCK_WAIT.as_millis();
+        let locked = tx
+            .batch_execute(&format!(
+                "SET LOCAL lock_timeout = {wait}; LOCK TABLE {} IN SHARE MODE",
+                self.table
+            ))
+            .await;
+        match locked {
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                tx.rollback().await?;
+                return Ok(None);
+            }
+            other => other?,
+        }
+        let n = tx
+            .execute_typed(
+                &self.purge,
+                &[
+                    (&age, PURGE_TYPES[0].clone()),
+                    (&limit, PURGE_TYPES[1].clone()),
+                ],
+            )
+            .await?;
+        tx.commit().await?;
+        Ok(Some(n))
     }
 }

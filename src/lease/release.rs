@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::calls::{ReleaseDelete, ReleaseKeep};
+use super::calls::Release;
 use super::guard::LostReason;
 use super::inner::Inner;
 use super::state::LeaseState;
@@ -44,9 +44,8 @@ impl Inner {
         }
     }
 
-    /// The release of one term: the row is deleted when the term has no
-    /// hold and no acquisition of the name is in flight, else marked
-    /// released. Bounded by the statement timeout.
+    /// The release of one term: its row is marked released (and kept, with
+    /// its hold unless `forget_hold`). Bounded by the statement timeout.
     ///
     /// A release that fails (a connection the server closed, as right after
     /// a primary failover, or any other error) is tried once more within
@@ -106,37 +105,24 @@ impl Inner {
         forget_hold: bool,
         budget: Duration,
     ) -> Result<bool, Error> {
-        let began = Instant::now();
-        let (name, holder) = (&*state.name, state.holder.as_str());
-        let keep = ReleaseKeep {
-            name,
-            holder,
-            forget_hold,
+        let stmt = Release {
+            name: &state.name,
+            holder: state.holder.as_str(),
+            keep_hold: !forget_hold,
         };
-        if state.has_hold && !forget_hold {
-            return self.run(Urgency::Urgent, budget, &keep).await;
-        }
-        let delete = ReleaseDelete { name, holder };
-        Ok(self.run(Urgency::Urgent, budget, &delete).await?
-            || self
-                .run(
-                    Urgency::Urgent,
-                    budget.saturating_sub(began.elapsed()),
-                    &keep,
-                )
-                .await?)
+        self.run(Urgency::Urgent, budget, &stmt).await
     }
 
     /// After a cancelled acquisition: releases the lease if the statement
     /// took it before the cancel reached the server.
     pub(crate) async fn release_cancelled(&self, name: &str, holder: &str) {
-        let keep = ReleaseKeep {
+        let stmt = Release {
             name,
             holder,
-            forget_hold: true,
+            keep_hold: false,
         };
         match self
-            .run(Urgency::Urgent, self.statement_timeout, &keep)
+            .run(Urgency::Urgent, self.statement_timeout, &stmt)
             .await
         {
             Ok(true) => tracing::info!(

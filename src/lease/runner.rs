@@ -8,6 +8,7 @@ use futures_util::FutureExt;
 use metrics::Counter;
 use tokio::sync::watch;
 
+use super::acquire::{Busy, MAX_POLL};
 use super::guard::{Lease, LeaseHandle, LostReason};
 use super::job::Job;
 use super::name::new_holder;
@@ -58,20 +59,29 @@ impl Runner {
                 }
             };
             let wait = match result {
-                Ok(Some(lease)) => {
+                Ok(Ok(lease)) => {
                     if self.stop.borrow().is_some() {
+                        // The job never started: its period is free.
                         let _ = lease.release_now().await;
                         return;
                     }
                     self.run_once(lease).await;
                     continue;
                 }
-                Ok(None) => {
+                Ok(Err(busy)) => {
                     inner.metrics.skipped(&self.lease);
-                    match inner.free_in(&self.lease).await {
-                        Ok(free_in) => free_in.min(self.job.period) + BOUNDARY_SLACK,
-                        Err(_) => self.job.period.min(Duration::from_secs(5)),
+                    match busy {
+                        Busy::Held => match inner.free_in(&self.lease).await {
+                            Ok(free_in) => free_in.min(self.job.period) + BOUNDARY_SLACK,
+                            Err(_) => self.job.period.min(Duration::from_secs(5)),
+                        },
+                        Busy::Blocked => MAX_POLL.min(self.job.period),
                     }
+                }
+                // Closed under it: the scheduler has nothing left to do.
+                Err(_) if inner.pool.shared.inner.is_closed() => {
+                    tracing::debug!(job = %self.job.name, "scheduler job stops: its pool is closed");
+                    return;
                 }
                 Err(e) => {
                     tracing::warn!(job = %self.job.name, lease = %self.lease, error = %e, "scheduler could not try the job's lease");
@@ -98,7 +108,9 @@ impl Runner {
             }
             Outcome::Done(Err(reason)) => {
                 tracing::warn!(job = %name, lease = %self.lease, %reason, "job cancelled: its lease was lost");
-                let _ = lease.release_now().await;
+                // The run started: its period stays used, whatever became
+                // of it (at most one run per period).
+                self.release(lease).await;
             }
             Outcome::Panicked(msg) => {
                 self.panics.increment(1);
@@ -111,7 +123,9 @@ impl Runner {
             }
             Outcome::Dropped => {
                 tracing::warn!(job = %name, "job still running at shutdown past its grace: dropped");
-                let _ = lease.release_now().await;
+                // Keeps its period: another instance runs the job next
+                // period, not again in this one.
+                self.release(lease).await;
             }
         }
     }

@@ -17,37 +17,65 @@
 //!   waits on a holder, not even on one inside a fenced transaction. Only an
 //!   expired (or missing) row goes on to `ON CONFLICT … DO UPDATE`, whose
 //!   `SET name = excluded.name` makes the take-over lock the row `FOR UPDATE`:
-//!   it waits for a fenced transaction (`FOR KEY SHARE`) of the term it
+//!   it conflicts with a fenced transaction (`FOR KEY SHARE`) of the term it
 //!   replaces. A take-over draws its token there, with the row locked.
-//! - **Tokens grow with every term of a name**, also when rows are deleted.
-//!   A new row draws its token before it is inserted, and a statement can
-//!   stall between the two; if the row of a later term were deleted during
-//!   that stall, the stalled statement would insert a smaller token. Two
-//!   guards rule it out. An acquisition holds a shared transaction-scoped
-//!   advisory lock on the name (try-only: it never waits) from before its
-//!   draw to its commit, and a release deletes its row only if it gets that
-//!   lock exclusively (try-only): otherwise it keeps the row, marked
-//!   released, and the stalled statement meets it and takes the `DO UPDATE`
-//!   path. The purge deletes an old row under the same exclusive try-lock,
-//!   and skips (until its next round) the rows it cannot lock. Neither ever
-//!   waits, and no table lock holds up other lease statements.
+//! - **A take-over never waits long.** The acquisition's own transaction
+//!   carries `lock_timeout` = [`TAKEOVER_WAIT`]: a take-over that meets a row
+//!   lock (a fenced transaction of the expired term, or any other session
+//!   holding the row) gives up on the server by itself, and the attempt
+//!   answers busy (counted as `takeover_blocked`). The fenced transaction
+//!   cannot keep it waiting for long either: `fence` bounds its own
+//!   transaction on the server (see `FENCE`), so a holder frozen or cut off
+//!   inside it loses its session soon after its term ends.
+//! - **No advisory lock.** No statement takes an advisory lock, so no other
+//!   session (of any role) can make an acquisition answer "busy" by holding
+//!   one: the only thing that can keep a free name busy is a lock on its row,
+//!   which needs write privileges on the table, and is reported.
+//! - **Tokens grow with every term of a name.** A release keeps its row,
+//!   marked released (holder `''`, expired): the next term of the name takes
+//!   the row over and draws its token with the row locked, so it is larger
+//!   than every token of the rows before it. Only a new name draws its token
+//!   before its row exists; only the purge deletes rows, and only rows
+//!   released or expired for longer than its age (at least
+//!   [`MIN_PURGE_AGE`](super::settings::MIN_PURGE_AGE)), far beyond the time a statement takes between its
+//!   draw and its insert.
 //! - **Busy** is a statement that returns no row. Waiting callers ask when
 //!   the lease may be free with a second, read-only statement.
-//! - **Bounded on the server too.** Every statement that may wait for a row
-//!   lock first sets `lock_timeout` for its own transaction
-//!   (`set_config(…, true)`, its last parameter, in milliseconds) to what is
-//!   left of its budget: the server ends the wait by itself, even when the
-//!   client is gone (killed, or cut off) and no cancel request can come.
+//! - **Bounded on the server too.** Acquisitions, renewals and releases set
+//!   `lock_timeout` for their own transaction, a constant of their text (no
+//!   parameter, nothing computed per call): the take-over bound for
+//!   acquisitions, the statement timeout for the others. The server ends
+//!   the wait by itself, even when the client is gone (killed, or cut off)
+//!   and no cancel request can come. On the client every statement is
+//!   bounded by its timeout, then cancelled and its connection closed.
+//! - **Lean.** Renewals and releases are plain `UPDATE`s by name, holder (and
+//!   token); a release does what the plain `DELETE` does, keeping the row.
+
+use std::time::Duration;
 
 use tokio_postgres::types::Type;
 
-use super::table::{quote_literal, TableName};
+use super::table::TableName;
 use crate::lock::{LockKey, Namespace};
 
 /// The key of the transaction-scoped advisory lock `install()` holds:
 /// `Namespace::PGWARDEN.named("leases.install")`, that is the pair
-/// `(1885828964, 594100531)`, in pgwarden's own key space.
+/// `(1885828964, 594100531)`, in pgwarden's own key space. Only the
+/// install takes it (never an acquisition): a session that holds it delays
+/// the install, which reports a timeout naming the lock.
 pub(crate) const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install");
+
+/// How long an acquisition's take-over of an expired row may wait for a
+/// lock on that row before it answers busy: 20 ms.
+pub(crate) const TAKEOVER_WAIT: Duration = Duration::from_millis(20);
+
+/// How long the purge may wait for its table lock before it skips a round:
+/// 100 ms.
+pub(crate) const PURGE_LOCK_WAIT: Duration = Duration::from_millis(100);
+
+/// How far past its term's expiry a fenced transaction may last on the
+/// server (idle, or in one statement) before the server ends it: 1 s.
+pub(crate) const FENCE_GRACE: Duration = Duration::from_secs(1);
 
 /// The statements of one lease table.
 #[derive(Debug)]
@@ -56,12 +84,15 @@ pub(crate) struct Statements {
     pub(super) acquire_held: String,
     pub(super) free_in: String,
     pub(super) renew: String,
-    pub(super) release_delete: String,
-    pub(super) release_keep: String,
+    pub(super) release: String,
+    pub(super) release_unheld: String,
     pub(super) fence: String,
+    pub(super) blocker: String,
     pub(super) purge: String,
     pub(crate) ddl: String,
+    /// The table, schema-qualified and quoted.
     pub(crate) table: String,
+    /// The token sequence, schema-qualified and quoted.
     pub(crate) sequence: String,
 }
 
@@ -70,20 +101,19 @@ pub(crate) struct Statements {
 pub(crate) struct Taken {
     pub(crate) token: i64,
     /// The holder of the term taken over: `None` for a new row, `Some("")`
-    /// for a released row kept by its hold, else an expired holder's id.
+    /// for a released row, else an expired holder's id.
     pub(crate) prev_holder: Option<String>,
     /// The database's `now()` at the take, as Unix seconds.
     pub(crate) taken_at: f64,
 }
 
-pub(super) const ACQUIRE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::INT4];
+pub(super) const ACQUIRE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::FLOAT8];
 pub(super) const ACQUIRE_HELD_TYPES: &[Type] = &[
     Type::TEXT,
     Type::TEXT,
     Type::FLOAT8,
     Type::FLOAT8,
     Type::FLOAT8,
-    Type::INT4,
 ];
 pub(super) const NAME_TYPES: &[Type] = &[Type::TEXT];
 pub(super) const RENEW_TYPES: &[Type] = &[
@@ -91,29 +121,31 @@ pub(super) const RENEW_TYPES: &[Type] = &[
     Type::TEXT_ARRAY,
     Type::INT8_ARRAY,
     Type::FLOAT8_ARRAY,
-    Type::INT4,
 ];
-pub(super) const RELEASE_DELETE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::INT4];
-pub(super) const RELEASE_KEEP_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::BOOL, Type::INT4];
-pub(super) const PURGE_TYPES: &[Type] = &[Type::FLOAT8, Type::INT8, Type::INT4];
+pub(super) const RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
+pub(super) const FENCE_TYPES: &[Type] = &[Type::TEXT, Type::INT8];
+pub(super) const PURGE_TYPES: &[Type] = &[Type::FLOAT8, Type::INT8];
 
-/// The server-side bound of a statement: `lock_timeout` for its own
-/// transaction, from parameter `$n` (milliseconds, at least 1: 0 would mean
-/// no bound).
-fn wait_bound(n: usize) -> String {
-    format!("set_config('lock_timeout', ${n}::int4::text, true) IS NOT NULL")
+/// `lock_timeout` for the statement's own transaction, as a constant of
+/// the statement's text (at least 1 ms: 0 would mean no bound).
+fn lock_bound(wait: Duration) -> String {
+    let ms = wait.as_millis().clamp(1, i32::MAX as u128);
+    format!("set_config('lock_timeout', '{ms}', true) IS NOT NULL")
 }
 
 impl Statements {
-    pub(crate) fn new(t: &TableName) -> Statements {
+    /// The statements of table `t`, whose lease statements are bounded by
+    /// `timeout` on the client.
+    pub(crate) fn new(t: &TableName, timeout: Duration) -> Statements {
         let tbl = t.quoted();
         let seq = t.sequence_literal();
-        // The per-name advisory lock: pgwarden's namespace, and the name
-        // hashed with the table (`hashtext` is consistent among the sessions
-        // of one server, which is all a transaction-scoped lock needs).
-        let ns = Namespace::PGWARDEN.id();
-        let key = format!("{ns}, hashtext({} || $1)", quote_literal(&tbl));
-        let (w3, w4, w5, w6) = (wait_bound(3), wait_bound(4), wait_bound(5), wait_bound(6));
+        // The take-over's bound on its row-lock wait.
+        let bound = lock_bound(TAKEOVER_WAIT.min(timeout));
+        // Renewals and releases wait for a row lock only behind another
+        // session's (a take-over's, bounded as above, or anyone's): bounded
+        // on the server by the statement timeout, so that a statement whose
+        // client is gone (no cancel request comes, as behind a pooler) ends.
+        let wait = lock_bound(timeout);
         let on_conflict = format!(
             "ON CONFLICT (name) DO UPDATE
    SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
@@ -122,15 +154,16 @@ impl Statements {
  WHERE l.expires_at < now() AND l.held_until <= now()
 RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8"
         );
+        let free = format!(
+            "NOT EXISTS (SELECT FROM {tbl} c WHERE c.name = $1 AND (c.expires_at >= now() OR c.held_until > now()))"
+        );
         Statements {
             // Without a hold, `held_until` keeps its default ('-infinity'):
             // fewer expressions for the server to set up on every call.
             acquire: format!(
                 "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at)
 SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3)
- WHERE {w4}
-   AND pg_try_advisory_xact_lock_shared({key})
-   AND NOT EXISTS (SELECT FROM {tbl} c WHERE c.name = $1 AND (c.expires_at >= now() OR c.held_until > now()))
+ WHERE {free} AND {bound}
 {on_conflict}"
             ),
             acquire_held: format!(
@@ -138,9 +171,7 @@ SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3)
 SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
        greatest(now() + make_interval(secs => $4),
                 CASE WHEN $5 > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / $5) + 1) * $5) END)
- WHERE {w6}
-   AND pg_try_advisory_xact_lock_shared({key})
-   AND NOT EXISTS (SELECT FROM {tbl} c WHERE c.name = $1 AND (c.expires_at >= now() OR c.held_until > now()))
+ WHERE {free} AND {bound}
 {on_conflict}"
             ),
             free_in: format!(
@@ -151,38 +182,52 @@ SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
             renew: format!(
                 "UPDATE {tbl} AS l SET expires_at = now() + make_interval(secs => r.ttl)
   FROM unnest($1::text[], $2::text[], $3::int8[], $4::float8[]) AS r(name, holder, token, ttl)
- WHERE {w5} AND l.name = r.name AND l.holder = r.holder AND l.token = r.token
+ WHERE {wait} AND l.name = r.name AND l.holder = r.holder AND l.token = r.token
 RETURNING l.name, l.token"
             ),
             // Holder ids are new on every acquisition: a holder matches its
             // own term only, so a late release never touches a later term.
-            release_delete: format!(
-                "DELETE FROM {tbl} WHERE {w3} AND name = $1 AND holder = $2 AND held_until <= now()
-   AND pg_try_advisory_xact_lock({key})"
+            // The row stays, marked released, with its hold.
+            release: format!(
+                "UPDATE {tbl} SET holder = '', expires_at = now() WHERE {wait} AND name = $1 AND holder = $2"
             ),
-            // The row stays, marked released (holder ''): for a hold, or
-            // when an acquisition of the name is in flight. `$3` forgets the
-            // hold (an interrupted run).
-            release_keep: format!(
-                "UPDATE {tbl} SET holder = '', expires_at = now(),
-       held_until = CASE WHEN $3 THEN least(held_until, now()) ELSE held_until END
- WHERE {w4} AND name = $1 AND holder = $2"
+            // After an acquisition whose run never started (cancelled, or
+            // stopped before the job): the hold goes too.
+            release_unheld: format!(
+                "UPDATE {tbl} SET holder = '', expires_at = now(), held_until = least(held_until, now())
+ WHERE {wait} AND name = $1 AND holder = $2"
             ),
+            // The row locked `FOR KEY SHARE` (a take-over waits for the
+            // transaction, a renewal does not), and the transaction bounded
+            // on the server from the term's expiry: past it by more than
+            // `$2` ms, idle or in one statement, the server ends the session.
             fence: format!(
                 "SELECT holder, token, expires_at > clock_timestamp(),
-       current_setting('transaction_isolation') <> 'read committed'
-  FROM {tbl} WHERE name = $1 FOR KEY SHARE"
+       current_setting('transaction_isolation') <> 'read committed',
+       set_config('idle_in_transaction_session_timeout', b.ms, true) IS NOT NULL
+         AND set_config('statement_timeout', b.ms, true) IS NOT NULL
+  FROM {tbl} AS f,
+       LATERAL (SELECT (ceil(greatest(extract(epoch FROM expires_at - clock_timestamp()), 0) * 1000) + $2)::int8::text) AS b(ms)
+ WHERE name = $1 FOR KEY SHARE OF f"
             ),
-            // Candidates by age, each deleted only under the exclusive
-            // try-lock of its name (the row's name: `$1` of the key is
-            // replaced). A candidate changed meanwhile has another ctid.
+            // The session holding a lock on a row (its `xmax` is the locking
+            // transaction when one transaction holds it), for the log line
+            // of a blocked take-over.
+            blocker: format!(
+                "SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.state, ''),
+       coalesce(extract(epoch FROM now() - a.state_change), 0)::float8
+  FROM {tbl} AS t
+  JOIN pg_locks AS k ON k.locktype = 'transactionid' AND k.transactionid = t.xmax AND k.granted
+  JOIN pg_stat_activity AS a ON a.pid = k.pid
+ WHERE t.name = $1 AND a.pid <> pg_backend_pid()
+ LIMIT 1"
+            ),
+            // Rows released or expired for longer than `$1` seconds, at most
+            // `$2`, under the table lock the purge's transaction takes first
+            // (see `Statements::purge`).
             purge: format!(
                 "DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
-  SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))
-   AND {w3}
-   AND greatest(expires_at, held_until) < now() - make_interval(secs => $1)
-   AND pg_try_advisory_xact_lock({})",
-                key.replace("$1", "name")
+  SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))"
             ),
             ddl: t.ddl(),
             table: tbl,
@@ -197,68 +242,69 @@ mod tests {
 
     #[test]
     fn the_table_name_is_the_only_splice() {
-        let s = Statements::new(&TableName::parse("app.leases").unwrap());
+        let s = Statements::new(
+            &TableName::parse("app.leases").unwrap(),
+            Duration::from_secs(10),
+        );
         for text in [
             &s.acquire,
             &s.acquire_held,
             &s.free_in,
             &s.renew,
-            &s.release_delete,
-            &s.release_keep,
+            &s.release,
+            &s.release_unheld,
             &s.fence,
+            &s.blocker,
             &s.purge,
         ] {
             assert!(text.contains(r#""app"."leases""#), "{text}");
             assert!(!text.contains("pgwarden_leases"));
+            assert!(!text.contains("advisory"), "{text}");
         }
         assert!(s.acquire.contains(r#"nextval('"app"."leases_token_seq"')"#));
-        // The acquisition's shared lock and the release's exclusive one are
-        // on the same key.
-        let key = r#"(1885828964, hashtext('"app"."leases"' || $1))"#;
-        assert!(s
-            .acquire
-            .contains(&format!("pg_try_advisory_xact_lock_shared{key}")));
-        assert!(s
-            .release_delete
-            .contains(&format!("pg_try_advisory_xact_lock{key}")));
-        assert!(s.purge.contains(
-            r#"pg_try_advisory_xact_lock(1885828964, hashtext('"app"."leases"' || name))"#
-        ));
         assert_eq!(INSTALL_LOCK_KEY, LockKey::Pair(1_885_828_964, 594_100_531));
         assert!(s.ddl.contains("(1885828964, 594100531)"));
     }
 
     #[test]
-    fn the_shared_lock_comes_before_the_token_is_drawn() {
-        // The draw in VALUES is the target list of an INSERT … SELECT whose
-        // WHERE holds the lock: PostgreSQL evaluates the qualification of a
-        // row before it projects it.
-        let s = Statements::new(&TableName::default());
-        let select = s.acquire.find("SELECT $1, $2, nextval").unwrap();
-        let lock = s
+    fn an_unqualified_name_is_in_public() {
+        let s = Statements::new(&TableName::default(), Duration::from_secs(10));
+        assert_eq!(s.table, r#""public"."pgwarden_leases""#);
+        assert_eq!(s.sequence, r#""public"."pgwarden_leases_token_seq""#);
+        assert!(s
             .acquire
-            .find("\n WHERE set_config('lock_timeout'")
-            .unwrap();
-        let targets = &s.acquire[select..lock];
-        assert!(!targets.contains(r#"FROM "pgwarden_leases""#), "{targets}");
-        assert!(s.acquire.contains("token = nextval"));
-        // And the lock timeout is set before both: before any row lock.
-        let bound = s.acquire.find("set_config('lock_timeout', $4").unwrap();
-        assert!(bound < s.acquire.find("pg_try_advisory_xact_lock_shared").unwrap());
-        let bound = s
-            .acquire_held
-            .find("set_config('lock_timeout', $6")
-            .unwrap();
-        assert!(
-            bound
-                < s.acquire_held
-                    .find("pg_try_advisory_xact_lock_shared")
-                    .unwrap()
-        );
+            .contains(r#"nextval('"public"."pgwarden_leases_token_seq"')"#));
+    }
+
+    #[test]
+    fn lock_waits_are_bounded_by_constants() {
+        let s = Statements::new(&TableName::default(), Duration::from_millis(1500));
+        for text in [&s.acquire, &s.acquire_held] {
+            assert!(
+                text.contains("set_config('lock_timeout', '20', true)"),
+                "{text}"
+            );
+            // The bound comes before the row is projected: before any row lock.
+            let bound = text.find("set_config").unwrap();
+            assert!(bound < text.find("ON CONFLICT").unwrap());
+        }
+        for text in [&s.renew, &s.release, &s.release_unheld] {
+            assert!(
+                text.contains("set_config('lock_timeout', '1500', true)"),
+                "{text}"
+            );
+        }
+        for text in [&s.free_in, &s.purge, &s.blocker] {
+            assert!(!text.contains("set_config"), "{text}");
+        }
+        // A statement timeout under the take-over bound bounds it too.
+        let short = Statements::new(&TableName::default(), Duration::from_millis(7));
+        assert!(short
+            .acquire
+            .contains("set_config('lock_timeout', '7', true)"));
+        assert!(s.fence.contains("idle_in_transaction_session_timeout"));
+        assert!(s.fence.contains("'statement_timeout'"));
         assert!(!s.acquire.contains("held_until)\nSELECT"));
         assert!(s.acquire_held.contains("held_until)\nSELECT"));
-        for text in [&s.renew, &s.release_delete, &s.release_keep, &s.purge] {
-            assert!(text.contains("set_config('lock_timeout', $"), "{text}");
-        }
     }
 }

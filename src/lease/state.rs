@@ -58,9 +58,6 @@ pub(crate) struct LeaseState {
     pub(crate) token: i64,
     /// The same, as users read it.
     pub(crate) term: Term,
-    /// Whether the row keeps a hold after release (at-least time or a
-    /// schedule): its release keeps the row instead of deleting it.
-    pub(crate) has_hold: bool,
     /// The origin of `deadline_ns`.
     origin: Instant,
     /// The local deadline, in nanoseconds after `origin`; only grows.
@@ -75,7 +72,6 @@ pub(crate) struct TermInfo {
     pub(crate) token: i64,
     pub(crate) taken_at: SystemTime,
     pub(crate) prev_holder: Option<String>,
-    pub(crate) has_hold: bool,
 }
 
 impl LeaseState {
@@ -94,7 +90,6 @@ impl LeaseState {
             holder: info.holder,
             token: info.token,
             term,
-            has_hold: info.has_hold,
             origin,
             deadline_ns: AtomicU64::new(nanos(deadline - origin)),
             lost: watch::Sender::new(None),
@@ -155,7 +150,6 @@ mod tests {
                 token: 1,
                 taken_at: SystemTime::now(),
                 prev_holder: None,
-                has_hold: false,
             },
             deadline,
         )

@@ -42,14 +42,19 @@ pub(crate) trait LeaseStatement: Sync {
     type Out: Send;
     /// What it is, in errors and metrics: `acquisition`, `renewal`…
     const WHAT: &'static str;
-    /// Runs it once on `client`, named (prepared, cached) or unnamed, its
-    /// lock waits bounded on the server by `wait_ms` milliseconds.
+    /// Runs it once on `client`, named (prepared, cached) or unnamed.
     fn exec<'a>(
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
         call: Call,
     ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a;
+    /// What the server ending one of its lock waits (`lock_timeout`) means
+    /// for it: `None`, a [`LeaseError::Timeout`]; an acquisition's take-over
+    /// answers busy instead.
+    fn on_lock_timeout() -> Option<Self::Out> {
+        None
+    }
 }
 
 /// How one statement is sent.
@@ -57,18 +62,6 @@ pub(crate) trait LeaseStatement: Sync {
 pub(crate) struct Call {
     /// A named prepared statement (direct connections), or unnamed.
     pub(crate) named: bool,
-    /// The server-side bound on its lock waits, in milliseconds (≥ 1).
-    pub(crate) wait_ms: i32,
-}
-
-impl Call {
-    fn new(named: bool, left: Duration) -> Call {
-        let ms = left.as_millis().clamp(1, i32::MAX as u128);
-        Call {
-            named,
-            wait_ms: i32::try_from(ms).unwrap_or(i32::MAX),
-        }
-    }
 }
 
 /// What to run after a cancelled statement's cancel request: for an
@@ -135,7 +128,7 @@ impl Inner {
             let outcome = tokio::time::timeout(left, async {
                 let conn = self.checkout(urgency, left).await?;
                 self.count_statement();
-                let call = Call::new(named, budget.saturating_sub(began.elapsed()));
+                let call = Call { named };
                 let conn = flight.conn.insert(conn);
                 Ok::<_, Error>(stmt.exec(&self.sql, conn, call).await)
             })
@@ -163,6 +156,9 @@ impl Inner {
                     flight.conn = None;
                     // Its own lock_timeout: the server ended the wait.
                     if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+                        if let Some(out) = S::on_lock_timeout() {
+                            return Ok(out);
+                        }
                         self.metrics.timed_out(S::WHAT);
                         return Err(Error::Lease(LeaseError::Timeout {
                             what: S::WHAT,
@@ -170,6 +166,15 @@ impl Inner {
                         }));
                     }
                     return Err(Error::Db(e));
+                }
+                // The checkout ran out of the statement's time: the
+                // statement's timeout, as documented, and counted.
+                Ok(Err(e)) if e.is_timeout() => {
+                    self.metrics.timed_out(S::WHAT);
+                    return Err(Error::Lease(LeaseError::Timeout {
+                        what: S::WHAT,
+                        waited: began.elapsed(),
+                    }));
                 }
                 Ok(Err(e)) => return Err(e), // the checkout failed
                 Err(_) => {

@@ -33,4 +33,7 @@ pub struct LeaseStats {
     pub purged: u64,
     /// Purge statements sent.
     pub purge_statements: u64,
+    /// Take-overs of an expired lease that met a lock on its row and
+    /// answered busy (see [`Leases::acquire`](super::Leases::acquire)).
+    pub takeovers_blocked: u64,
 }

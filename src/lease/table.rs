@@ -4,8 +4,13 @@ use std::fmt;
 
 use crate::error::{name_error, Error, NameRule};
 
-/// The default lease table: `pgwarden_leases`, resolved through `search_path`.
+/// The default lease table: `public.pgwarden_leases`.
 pub(crate) const DEFAULT_TABLE: &str = "pgwarden_leases";
+
+/// The schema of a table name given without one: `public`, whatever the
+/// session's `search_path` (two instances whose search paths differ must
+/// use the same table).
+pub(crate) const DEFAULT_SCHEMA: &str = "public";
 
 /// The longest table name part, in bytes: PostgreSQL truncates identifiers
 /// past 63 bytes, and the token sequence adds `_token_seq` (10 bytes).
@@ -19,7 +24,9 @@ const SEQ_SUFFIX: &str = "_token_seq";
 /// The DDL shipped in `sql/leases.sql`, written for the default names.
 pub(crate) const DDL_TEMPLATE: &str = include_str!("../../sql/leases.sql");
 
-/// A validated `[schema.]table` name.
+/// A validated `[schema.]table` name, always resolved to a schema: a name
+/// given without one is in [`DEFAULT_SCHEMA`], never looked up through the
+/// session's `search_path`.
 ///
 /// Each part is 1 to 63 bytes (the table part 1 to [`MAX_TABLE_LEN`]) of
 /// `[A-Za-z0-9_]`, not starting with a digit. Quotes, spaces, NUL bytes and
@@ -28,8 +35,10 @@ pub(crate) const DDL_TEMPLATE: &str = include_str!("../../sql/leases.sql");
 /// statements, which keeps its case and allows reserved words (`user`).
 #[derive(Clone, PartialEq, Eq)]
 pub(crate) struct TableName {
-    schema: Option<String>,
+    schema: String,
     table: String,
+    /// The name was given without a schema.
+    defaulted: bool,
 }
 
 fn valid_part(part: &str, max: usize) -> Result<(), NameRule> {
@@ -82,16 +91,21 @@ impl TableName {
         }
         valid_part(table, MAX_TABLE_LEN).map_err(bad(table))?;
         Ok(TableName {
-            schema: schema.map(str::to_owned),
+            schema: schema.unwrap_or(DEFAULT_SCHEMA).to_owned(),
             table: table.to_owned(),
+            defaulted: schema.is_none(),
         })
     }
 
     fn qualified(&self, table: &str) -> String {
-        match &self.schema {
-            Some(s) => format!("{}.{}", quote_ident(s), quote_ident(table)),
-            None => quote_ident(table),
-        }
+        format!("{}.{}", quote_ident(&self.schema), quote_ident(table))
+    }
+
+    /// The table part alone, quoted, as `search_path` would resolve it:
+    /// for the check that no other table of that name shadows this one in
+    /// the session's search path (set only when the schema was defaulted).
+    pub(crate) fn unqualified_if_defaulted(&self) -> Option<String> {
+        self.defaulted.then(|| quote_ident(&self.table))
     }
 
     /// The table, quoted for SQL: `"app"."leases"`.
@@ -111,8 +125,8 @@ impl TableName {
 
     /// The DDL of `sql/leases.sql` for this table.
     pub(crate) fn ddl(&self) -> String {
-        let seq = format!("\"{DEFAULT_TABLE}{SEQ_SUFFIX}\"");
-        let table = format!("\"{DEFAULT_TABLE}\"");
+        let seq = format!("\"{DEFAULT_SCHEMA}\".\"{DEFAULT_TABLE}{SEQ_SUFFIX}\"");
+        let table = format!("\"{DEFAULT_SCHEMA}\".\"{DEFAULT_TABLE}\"");
         DDL_TEMPLATE
             .replace(&seq, &self.sequence_quoted())
             .replace(&table, &self.quoted())
@@ -122,18 +136,16 @@ impl TableName {
 impl Default for TableName {
     fn default() -> TableName {
         TableName {
-            schema: None,
+            schema: DEFAULT_SCHEMA.to_owned(),
             table: DEFAULT_TABLE.to_owned(),
+            defaulted: true,
         }
     }
 }
 
 impl fmt::Display for TableName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if let Some(s) = &self.schema {
-            write!(f, "{s}.")?;
-        }
-        f.write_str(&self.table)
+        write!(f, "{}.{}", self.schema, self.table)
     }
 }
 
@@ -161,15 +173,21 @@ mod tests {
     #[test]
     fn accepts_plain_and_schema_qualified_names() {
         let t = TableName::parse("leases").unwrap();
-        assert_eq!(t.quoted(), r#""leases""#);
-        assert_eq!(t.sequence_quoted(), r#""leases_token_seq""#);
+        assert_eq!(t.quoted(), r#""public"."leases""#);
+        assert_eq!(t.sequence_quoted(), r#""public"."leases_token_seq""#);
+        assert_eq!(t.to_string(), "public.leases");
+        assert_eq!(t.unqualified_if_defaulted().as_deref(), Some(r#""leases""#));
         let t = TableName::parse("app.Job_Leases2").unwrap();
         assert_eq!(t.quoted(), r#""app"."Job_Leases2""#);
         assert_eq!(t.sequence_literal(), r#"'"app"."Job_Leases2_token_seq"'"#);
         assert_eq!(t.to_string(), "app.Job_Leases2");
+        assert_eq!(t.unqualified_if_defaulted(), None);
         let t = TableName::parse("user").unwrap();
-        assert_eq!(t.quoted(), r#""user""#);
-        assert_eq!(TableName::default().quoted(), r#""pgwarden_leases""#);
+        assert_eq!(t.quoted(), r#""public"."user""#);
+        assert_eq!(
+            TableName::default().quoted(),
+            r#""public"."pgwarden_leases""#
+        );
     }
 
     #[test]

@@ -153,6 +153,10 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
         Some(a.term().holder.as_str())
     );
     assert!(c.term().token > a.term().token);
+    // Above every token the new primary knows: its sequence came from the
+    // replica, which covered A's token and no more than `covered`.
+    assert!(a.term().token <= covered, "{} vs {covered}", a.term().token);
+    assert!(c.term().token > covered, "{} vs {covered}", c.term().token);
     assert_eq!(
         c.term().token,
         b.term().token,
