@@ -142,8 +142,17 @@ fn lease_row_blocked(r: &Row) -> Result<LeaseRow, PgError> {
     })
 }
 
-/// Every row, with its blocker.
-struct ReadRows;
+/// Every row, with its blocker; lock waits (for the table lock, behind
+/// DDL only) bounded on the server by `wait_ms`.
+struct ReadRows {
+    wait_ms: i32,
+}
+
+/// A statement timeout as a server-side `lock_timeout` in milliseconds
+/// (at least 1: 0 would mean no bound).
+fn wait_ms(timeout: Duration) -> i32 {
+    i32::try_from(timeout.as_millis().clamp(1, i32::MAX as u128)).unwrap_or(i32::MAX)
+}
 
 impl LeaseStatement for ReadRows {
     type Out = Vec<LeaseRow>;
@@ -152,14 +161,14 @@ impl LeaseStatement for ReadRows {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        call: Call,
+        _call: Call,
     ) -> Result<Self::Out, PgError> {
         let (probe, rows) = rows_sql(&sql.table);
         let tx = client.transaction().await?;
         // The table lock (ROW SHARE) waits only behind DDL: bounded too.
         tx.query_typed(
             "SELECT set_config('lock_timeout', $1::int4::text, true)",
-            &[(&call.wait_ms, Type::INT4)],
+            &[(&self.wait_ms, Type::INT4)],
         )
         .await?;
         // Without the UPDATE privilege the probe is refused: then only the
@@ -200,6 +209,7 @@ impl LeaseStatement for ReadRows {
 /// expired now); returned as it was before.
 struct Revoke<'a> {
     name: &'a str,
+    wait_ms: i32,
 }
 
 fn revoke_sql(tbl: &str) -> String {
@@ -228,12 +238,12 @@ impl LeaseStatement for Revoke<'_> {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        call: Call,
+        _call: Call,
     ) -> Result<Self::Out, PgError> {
         let rows = client
             .query_typed(
                 &revoke_sql(&sql.table),
-                &[(&self.name, Type::TEXT), (&call.wait_ms, Type::INT4)],
+                &[(&self.name, Type::TEXT), (&self.wait_ms, Type::INT4)],
             )
             .await?;
         rows.first().map(lease_row).transpose()
@@ -254,7 +264,13 @@ impl Leases {
     pub async fn rows(&self) -> Result<Vec<LeaseRow>, Error> {
         let inner = &self.inner;
         inner
-            .run(Urgency::Normal, inner.statement_timeout, &ReadRows)
+            .run(
+                Urgency::Normal,
+                inner.statement_timeout,
+                &ReadRows {
+                    wait_ms: wait_ms(inner.statement_timeout),
+                },
+            )
             .await
     }
 
@@ -272,7 +288,14 @@ impl Leases {
         check_name(name)?;
         let inner = &self.inner;
         inner
-            .run(Urgency::Urgent, inner.statement_timeout, &Revoke { name })
+            .run(
+                Urgency::Urgent,
+                inner.statement_timeout,
+                &Revoke {
+                    name,
+                    wait_ms: wait_ms(inner.statement_timeout),
+                },
+            )
             .await
     }
 }
