@@ -56,8 +56,8 @@ pub struct LeaseRow {
     /// The backend holding a row lock on this row (a fenced transaction, a
     /// statement in flight): the one whose transaction locked it last where
     /// the row tells, else the oldest open transaction holding the table.
-    /// A take-over of an expired term waits for it. `None` when the row is
-    /// not locked.
+    /// A take-over of an expired term is blocked while it lasts (it answers
+    /// busy). `None` when the row is not locked.
     pub blocker_pid: Option<i32>,
     /// That backend's `application_name`.
     pub blocker_application_name: Option<String>,
@@ -253,8 +253,8 @@ impl LeaseStatement for Revoke<'_> {
 impl Leases {
     /// Every row of the lease table, by name, each with the backend holding
     /// a row lock on it, if any ([`LeaseRow::blocker_pid`]): a fenced
-    /// transaction left open (a frozen or cut-off holder) keeps the
-    /// take-over of an expired term waiting.
+    /// transaction left open (a frozen or cut-off holder) blocks the
+    /// take-over of an expired term until it ends.
     ///
     /// Reads only: locked rows are found with `FOR UPDATE SKIP LOCKED` in a
     /// transaction that is rolled back, which never waits on a row lock.
