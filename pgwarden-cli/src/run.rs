@@ -126,15 +126,29 @@ pub(crate) async fn run(leases: &Leases, args: RunArgs) -> Result<u8, Failure> {
         human(args.grace)
     );
     send(&child, libc::SIGTERM);
-    stop(&mut child, args.grace).await;
+    stop(&mut child, args.grace, &mut signals).await;
     // Released already, or another term's: nothing of ours to release.
     drop(lease);
     Ok(EXIT_LOST)
 }
 
-/// Waits up to `grace` for the command, then kills it.
-async fn stop(child: &mut Child, grace: std::time::Duration) {
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+/// Waits up to `grace` for the command (forwarding signals meanwhile), then
+/// kills it.
+async fn stop(child: &mut Child, grace: std::time::Duration, signals: &mut Signals) {
+    let deadline = tokio::time::Instant::now() + grace;
+    let ended = loop {
+        tokio::select! {
+            r = child.wait() => {
+                if let Err(e) = r {
+                    eprintln!("pgwarden: waiting for the command: {e}");
+                }
+                break true;
+            }
+            sig = signals.next() => send(child, sig),
+            _ = tokio::time::sleep_until(deadline) => break false,
+        }
+    };
+    if !ended {
         eprintln!(
             "pgwarden: the command did not stop within {}: SIGKILL",
             human(grace)

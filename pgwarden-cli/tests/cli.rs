@@ -835,3 +835,48 @@ async fn check_names_a_lease_that_nobody_took_over_after_its_holder_crashed() {
     let out = cli(&url, &["check", "--max-idle-lock", "1s"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_command_that_ignores_sigterm_is_killed_after_the_grace() {
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    let d = dir.display();
+    let stubborn = vec![
+        "sh".to_owned(),
+        "-c".to_owned(),
+        format!(
+            "trap '' TERM; echo $$ > {d}/pid.tmp && mv {d}/pid.tmp {d}/pid
+i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
+        ),
+    ];
+    let mut run = spawn_run(
+        &url,
+        "stubborn",
+        &["--ttl", "2s", "--grace", "1s"],
+        &stubborn,
+    );
+    let child: i32 = wait_file(&dir.join("pid")).await.trim().parse().unwrap();
+    let out = cli(&url, &["revoke", "stubborn", "--yes"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let revoked = Instant::now();
+    assert_eq!(exit_code(&mut run, Duration::from_secs(5)).await, 76);
+    let took = revoked.elapsed();
+    assert!(
+        took >= Duration::from_secs(1),
+        "the grace was given: {took:?}"
+    );
+    // SIGKILLed: gone (kill -0 fails once it is reaped by run).
+    // SAFETY: kill(2) with signal 0 only checks that the process exists.
+    let alive = unsafe { libc::kill(child, 0) } == 0;
+    assert!(!alive, "the command {child} was killed");
+    let mut err = String::new();
+    use tokio::io::AsyncReadExt;
+    run.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    assert!(err.contains("SIGKILL"), "{err}");
+}
