@@ -93,6 +93,29 @@ impl TestServer {
     /// accepts connections (about a second; at most 30 s, then
     /// [`TestingError::Startup`] with the end of its log).
     pub fn start_local() -> Result<TestServer, TestingError> {
+        TestServer::start_local_with(&[], &[])
+    }
+
+    /// [`TestServer::start_local`] with extra server settings (`-c
+    /// name=value`, after the harness's own, so they win) and files written
+    /// into the data directory before start (owned by the server's user,
+    /// mode 0600: a key file passes PostgreSQL's check). Relative paths in
+    /// settings are relative to the data directory.
+    ///
+    /// ```no_run
+    /// # fn demo(cert: &[u8], key: &[u8]) -> Result<(), pgwarden_testing::TestingError> {
+    /// // TLS over TCP on 127.0.0.1 (the socket stays too): the server's
+    /// // default file names, server.crt and server.key.
+    /// let server = pgwarden_testing::TestServer::start_local_with(
+    ///     &[("ssl", "on"), ("listen_addresses", "127.0.0.1")],
+    ///     &[("server.crt", cert), ("server.key", key)],
+    /// )?;
+    /// # let _ = server; Ok(()) }
+    /// ```
+    pub fn start_local_with(
+        settings: &[(&str, &str)],
+        files: &[(&str, &[u8])],
+    ) -> Result<TestServer, TestingError> {
         let bins = process::find_pg_binaries()?;
         let run_as = process::run_as()?;
         let dir = process::temp_dir("pgwarden-pg-", run_as)?;
@@ -102,6 +125,16 @@ impl TestServer {
         process::chown(&root, run_as)?;
         let data = root.join("data");
         initdb(&bins, run_as, &root, &data)?;
+        for (name, bytes) in files {
+            let path = data.join(name);
+            std::fs::write(&path, bytes).map_err(io_err(format!("writing {}", path.display())))?;
+            std::fs::set_permissions(
+                &path,
+                <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+            )
+            .map_err(io_err(format!("chmod {}", path.display())))?;
+            process::chown(&path, run_as)?;
+        }
 
         let mut last_error = None;
         for _attempt in 0..3 {
@@ -126,6 +159,11 @@ impl TestServer {
                 .args(["-c", "logging_collector=on"])
                 .arg("-c")
                 .arg(format!("log_directory={}", root.join("log").display()))
+                .args(
+                    settings
+                        .iter()
+                        .flat_map(|(k, v)| ["-c".to_owned(), format!("{k}={v}")]),
+                )
                 .stdout(out)
                 .stderr(err)
                 .spawn()

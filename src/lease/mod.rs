@@ -105,6 +105,7 @@
 //! only at boot), or make the margin larger than any step you expect.
 
 mod acquire;
+mod admin;
 mod batch;
 mod builder;
 mod calls;
@@ -131,6 +132,7 @@ mod stats;
 mod table;
 mod timing;
 
+pub use admin::LeaseRow;
 pub use builder::LeasesBuilder;
 pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};

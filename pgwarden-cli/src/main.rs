@@ -1,0 +1,223 @@
+//! `pgwarden`: run a command under a lease, and see who holds what.
+//!
+//! See `pgwarden --help` and the README's "On call" section.
+
+mod connect;
+mod format;
+mod inspect;
+mod run;
+
+use std::ffi::OsString;
+use std::fmt;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::format::parse_duration;
+
+/// Exit code: the lease was not acquired within `--wait` (EX_TEMPFAIL).
+pub(crate) const EXIT_NOT_ACQUIRED: u8 = 75;
+/// Exit code: the lease was lost and the command stopped (EX_PROTOCOL).
+pub(crate) const EXIT_LOST: u8 = 76;
+/// Exit code: the database cannot be reached (EX_UNAVAILABLE).
+pub(crate) const EXIT_UNREACHABLE: u8 = 69;
+/// Exit code: bad input (as clap's own usage errors).
+pub(crate) const EXIT_USAGE: u8 = 2;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "pgwarden",
+    version,
+    about = "Run a command under a PostgreSQL table lease, and see who holds what: leases, advisory locks, health checks.",
+    after_help = "Exit codes: the command's own (run); 75 lease not acquired within --wait; 76 lease lost, command stopped; 69 database unreachable; 1 check findings or an error; 2 bad input."
+)]
+struct Cli {
+    /// The database: a postgres:// URL or a key=value string; `sslmode`
+    /// (disable, prefer, require, verify-ca, verify-full) and `sslrootcert`
+    /// are honoured.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    url: Option<String>,
+    /// The lease table, `[schema.]table`.
+    #[arg(long, global = true, default_value = "pgwarden_leases")]
+    table: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run CMD only while holding lease NAME (renewed while it runs,
+    /// released when it exits); like `consul lock` for PostgreSQL.
+    Run(RunArgs),
+    /// List every lease row: holder, token, expiry, and a session holding a
+    /// row lock on it.
+    Leases(ListArgs),
+    /// List every advisory lock in the database, with its session.
+    Locks(ListArgs),
+    /// Exit 0 when healthy, 1 with one line per finding (for cron, probes
+    /// and runbooks).
+    Check(CheckArgs),
+    /// End the current term of lease NAME: its holder's fence is refused
+    /// from then on, and it learns of the loss at its next renewal.
+    Revoke(RevokeArgs),
+    /// Print the SQL that creates the lease table (for migration tools).
+    Ddl,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct RunArgs {
+    /// The lease name.
+    pub(crate) name: String,
+    /// The lease's time to live: how long after a crash others wait.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub(crate) ttl: Duration,
+    /// How long to wait for the lease when it is held (0s: one attempt).
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    pub(crate) wait: Duration,
+    /// After a lost lease: how long the command has between SIGTERM and
+    /// SIGKILL.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub(crate) grace: Duration,
+    /// The exit code when the lease was not acquired (0 for cron).
+    #[arg(long, default_value_t = EXIT_NOT_ACQUIRED)]
+    pub(crate) skip_code: u8,
+    /// The command and its arguments (after `--`).
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub(crate) cmd: Vec<OsString>,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ListArgs {
+    /// One JSON array on stdout.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Redraw every SECS seconds until interrupted.
+    #[arg(long, value_name = "SECS", value_parser = parse_watch)]
+    pub(crate) watch: Option<Duration>,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct CheckArgs {
+    /// Flag session advisory locks held by a session idle longer than
+    /// this, and lock waiters waiting longer.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub(crate) max_idle_lock: Duration,
+    /// One JSON array of findings on stdout.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct RevokeArgs {
+    /// The lease name.
+    pub(crate) name: String,
+    /// Do it; without it, only print what would be done.
+    #[arg(long)]
+    pub(crate) yes: bool,
+}
+
+fn parse_watch(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_millis(100) {
+        return Err(format!("--watch {s}: at least 0.1 s"));
+    }
+    Ok(d)
+}
+
+/// A failed command: what to print, and the exit code.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) code: u8,
+    pub(crate) message: String,
+}
+
+impl Failure {
+    pub(crate) fn usage(message: impl Into<String>) -> Failure {
+        Failure {
+            code: EXIT_USAGE,
+            message: message.into(),
+        }
+    }
+    pub(crate) fn unreachable(message: impl Into<String>) -> Failure {
+        Failure {
+            code: EXIT_UNREACHABLE,
+            message: format!("database unreachable: {}", message.into()),
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// A library error: bad input is a usage error, the rest exit 1 with the
+/// server's message (pgwarden's `Display` carries SQLSTATE and message).
+impl From<pgwarden::Error> for Failure {
+    fn from(e: pgwarden::Error) -> Failure {
+        let code = if matches!(e, pgwarden::Error::Invalid(_)) {
+            EXIT_USAGE
+        } else {
+            1
+        };
+        let mut message = e.to_string();
+        if let pgwarden::Error::Db(db) = &e {
+            if db.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                message.push_str(
+                    "; hint: no lease table yet (nothing took a lease), or --table names another",
+                );
+            }
+        }
+        Failure { code, message }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pgwarden: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(dispatch(cli)) {
+        Ok(code) => ExitCode::from(code),
+        Err(f) => {
+            if !f.message.is_empty() {
+                eprintln!("pgwarden: {f}");
+            }
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> Result<u8, Failure> {
+    if let Cmd::Ddl = cli.cmd {
+        print!("{}", inspect::ddl(&cli.table)?);
+        return Ok(0);
+    }
+    let url = cli.url.ok_or_else(|| {
+        Failure::usage("no database: pass --url URL or set DATABASE_URL".to_owned())
+    })?;
+    let target = connect::parse(&url)?;
+    let pool = connect::pool(&target).await?;
+    let leases = pgwarden::Leases::builder(&pool)
+        .table(cli.table.as_str())
+        .build()?;
+    let out = match cli.cmd {
+        Cmd::Run(args) => run::run(&leases, args).await,
+        Cmd::Leases(args) => inspect::leases(&leases, &args).await,
+        Cmd::Locks(args) => inspect::locks(&pool, &args).await,
+        Cmd::Check(args) => inspect::check(&pool, &leases, &args).await,
+        Cmd::Revoke(args) => inspect::revoke(&leases, &args).await,
+        Cmd::Ddl => Ok(0), // printed above
+    };
+    pool.close();
+    out
+}
