@@ -24,6 +24,7 @@ mod names;
 mod probe;
 mod shared;
 mod status;
+mod supervisor;
 #[cfg(test)]
 mod tests;
 
@@ -37,3 +38,4 @@ pub(crate) use load::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};
+pub(crate) use supervisor::Task;

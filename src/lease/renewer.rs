@@ -15,9 +15,11 @@
 //!
 //! Supervision: a panic inside a tick or a batch (pgwarden's bug, or a
 //! metrics recorder's) is caught, logged and counted, and renewal goes on.
-//! When the task is gone (its runtime was dropped), the next acquisition
-//! starts a new one in the current runtime; until then every lease still
-//! reports itself lost at its deadline.
+//! The task runs under the pool's supervisor: when it is gone (its runtime
+//! was dropped), the next checkout of the pool (an acquisition, any
+//! statement) starts a new one in the current runtime; until then every
+//! lease still reports itself lost at its deadline. Closing the pool stops
+//! it.
 
 use std::any::Any;
 use std::panic::AssertUnwindSafe;
@@ -109,17 +111,28 @@ impl Inner {
             .collect()
     }
 
-    /// Starts the renewer task in the current runtime unless one is alive.
+    /// Puts the renewer under the pool's supervisor (once, when the
+    /// instance is made): started by the pool's next checkout (the first
+    /// acquisition) on the runtime it runs on, started again on the runtime
+    /// in use when its own is gone, stopped when the pool is closed.
+    pub(crate) fn supervise_renewer(self: &Arc<Self>) {
+        let (weak, wake, alive) = (
+            Arc::downgrade(self),
+            self.wake.clone(),
+            self.renewer_alive.clone(),
+        );
+        self.pool.supervise("lease renewer", move || {
+            weak.upgrade()?;
+            alive.store(true, Ordering::Release);
+            let task = run(weak.clone(), wake.clone(), Alive(alive.clone()));
+            Some(Box::pin(task) as crate::pool::Task)
+        });
+    }
+
+    /// Starts the renewer again in the current runtime if its task is gone.
     pub(crate) fn ensure_renewer(self: &Arc<Self>) {
-        if self.renewer_alive.load(Ordering::Acquire) {
-            return;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if !self.renewer_alive.swap(true, Ordering::AcqRel) {
-            let alive = Alive(self.renewer_alive.clone());
-            rt.spawn(run(Arc::downgrade(self), self.wake.clone(), alive));
+        if !self.renewer_alive.load(Ordering::Acquire) {
+            self.pool.revive_background();
         }
     }
 

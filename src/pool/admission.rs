@@ -344,9 +344,10 @@ impl Shared {
         st.adm.mark_releasing(lane);
     }
 
-    /// Closes deadpool and fails every waiter.
+    /// Closes deadpool, stops the background work and fails every waiter.
     pub(crate) fn close(&self) {
         self.inner.close();
+        self.supervisor.close();
         let mut gone = Vec::new();
         {
             let mut st = self.state.lock();
