@@ -93,6 +93,13 @@ impl TestServer {
     /// accepts connections (about a second; at most 30 s, then
     /// [`TestingError::Startup`] with the end of its log).
     pub fn start_local() -> Result<TestServer, TestingError> {
+        TestServer::start_local_with(&[])
+    }
+
+    /// [`TestServer::start_local`] with server settings of the test's own
+    /// (`-c name=value`, after the defaults, which they override): e.g.
+    /// `&[("max_connections", "6")]` for a server another application can fill.
+    pub fn start_local_with(settings: &[(&str, &str)]) -> Result<TestServer, TestingError> {
         let bins = process::find_pg_binaries()?;
         let run_as = process::run_as()?;
         let dir = process::temp_dir("pgwarden-pg-", run_as)?;
@@ -126,6 +133,11 @@ impl TestServer {
                 .args(["-c", "logging_collector=on"])
                 .arg("-c")
                 .arg(format!("log_directory={}", root.join("log").display()))
+                .args(
+                    settings
+                        .iter()
+                        .flat_map(|(k, v)| ["-c".to_owned(), format!("{k}={v}")]),
+                )
                 .stdout(out)
                 .stderr(err)
                 .spawn()

@@ -29,8 +29,10 @@ use crate::status::Status;
 #[non_exhaustive]
 pub enum CheckoutError {
     /// The underlying deadpool pool failed: connection creation, closed pool,
-    /// a deadpool timeout.
-    #[error("pool error: {0}")]
+    /// a deadpool timeout. A connection the server refused shows what it
+    /// said (`pool error: could not open a connection: database error 53300:
+    /// sorry, too many clients already`).
+    #[error("pool error: {}", super::PoolDisplay(.0))]
     Pool(#[source] deadpool_postgres::PoolError),
 
     /// No connection of `lane` came within the caller's bound: the bound
