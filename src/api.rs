@@ -307,6 +307,12 @@ impl Pool {
     /// recorded and the next caller runs it. `timeout` bounds the checkout
     /// and each lock wait.
     ///
+    /// `name` is checked before anything runs: 1 to 1024 bytes, no NUL byte
+    /// or other control character ([`InvalidInput::Name`](crate::InvalidInput::Name)). When `f`
+    /// succeeded but recording it failed, the error is
+    /// [`LockError::MigrationNotRecorded`](crate::LockError::MigrationNotRecorded): the work ran, and says whether its
+    /// transaction was rolled back.
+    ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
     /// pool.migrate_once("app/0001_schema", std::time::Duration::from_secs(30), |tx| {
