@@ -67,6 +67,11 @@
 //! Both continue them with `SIGCONT` when their guard is dropped, even when
 //! the test panics.
 //!
+//! A [`Proxy`] in front of a server makes network faults: latency
+//! ([`Proxy::set_latency`]), a partition that closes nothing
+//! ([`Proxy::blackhole`], [`Proxy::heal`]) and connection resets
+//! ([`Proxy::reset_all`]).
+//!
 //! # Optional tools
 //!
 //! [`tool_available`] and [`require_tool`] let a test skip when an optional
@@ -83,6 +88,7 @@ mod error;
 mod fault;
 mod process;
 mod prometheus;
+mod proxy;
 mod server;
 mod tools;
 mod wait;
@@ -93,6 +99,7 @@ pub use db::{deadpool, TestDb};
 pub use error::TestingError;
 pub use fault::{Frozen, Stopped};
 pub use prometheus::Prometheus;
+pub use proxy::{Proxy, Upstream};
 pub use server::TestServer;
 pub use tools::{ci, find_tool, require_tool, tool_available};
 pub use wait::{eventually, within};
