@@ -31,6 +31,7 @@ mod tests;
 pub use builder::PoolBuilder;
 pub(crate) use builder::{config_pool, url_pool};
 pub use client::Client;
+pub(crate) use deadline::deadline;
 pub use deadline::Deadline;
 pub(crate) use housekeeping::panic_message;
 #[cfg(feature = "http")]
