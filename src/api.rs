@@ -132,7 +132,12 @@ impl Pool {
 
     /// The readiness probe: `SELECT 1` on the probe lane, whose reserve no
     /// other lane may take, bounded by `timeout` (checkout included). Returns
-    /// its latency. A probe cut off by its bound closes its connection.
+    /// its latency. A connection that does not answer in time is closed,
+    /// never reused. On a slow link, a connection still being made when the
+    /// bound runs out is made in the background (for up to 10 s) and kept
+    /// for the next probe, so that readiness can become ready where making a
+    /// connection takes longer than one probe's bound. A connection refused
+    /// by the server is an error that says what the server said.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) {

@@ -175,7 +175,11 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
         ),
         "{e}"
     );
-    assert_eq!(pool.status().in_use, 0, "nothing stays checked out");
+    // Nothing stays checked out but the last probe's connection set-up,
+    // kept going in the background (at most 10 s) for the next probe.
+    let s = pool.status();
+    assert_eq!(s.in_use - s.lane(Lane::Probe).in_use, 0, "{s}");
+    assert!(s.lane(Lane::Probe).in_use <= 1, "{s}");
 
     // Continued: everything recovers, with no manual action.
     drop(stopped);

@@ -311,6 +311,7 @@ impl PoolBuilder {
             metrics,
             ext: self.ext,
             supervisor: Supervisor::new(),
+            probe_setup: AtomicBool::new(false),
             resize_warned: AtomicBool::new(false),
             #[cfg(test)]
             inject_panic: AtomicBool::new(false),

@@ -91,6 +91,9 @@ pub(crate) struct Shared {
     pub(crate) ext: Extensions,
     /// Housekeeping and the layers' background work.
     pub(crate) supervisor: Supervisor,
+    /// A readiness probe's connection set-up is kept going in the
+    /// background (`probe.rs`): at most one at a time.
+    pub(super) probe_setup: AtomicBool,
     /// Set once a deadpool resize was reported (warned once).
     pub(super) resize_warned: AtomicBool,
     /// Tests: the next housekeeping pass panics.
