@@ -162,7 +162,7 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
     assert!(e.is_timeout(), "{e}");
 
     let e = pool
-        .get_for(Lane::Control, Some(Duration::from_millis(500)))
+        .get_within(Duration::from_millis(500))
         .await
         .unwrap_err();
     assert!(
@@ -221,7 +221,7 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     let stopped = Stopped::stop(vec![idle_backend]);
     let bound = Duration::from_secs(1);
     let limit = Duration::from_millis(1200);
-    let get = || pool.get_for(Lane::Request, Some(bound));
+    let get = || pool.get_within(bound);
     let e = fails_within(limit, "checkout bound 1 s, recycling hung", get()).await;
     assert!(
         matches!(
@@ -245,7 +245,7 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     drop(stopped);
     drop(working);
     let c = recovers(Duration::from_secs(10), "get after SIGCONT", || {
-        pool.get_for(Lane::Request, Some(Duration::from_secs(2)))
+        pool.get_within(Duration::from_secs(2))
     })
     .await;
     c.simple_query("SELECT 1").await.unwrap();

@@ -16,7 +16,7 @@ use crate::status::Status;
 /// use std::time::Duration;
 ///
 /// # async fn demo(pool: pgwarden::Pool) -> Result<(), Error> {
-/// match pool.get_for(Lane::Request, Some(Duration::from_millis(200))).await {
+/// match pool.get_within(Duration::from_millis(200)).await {
 ///     Ok(conn) => drop(conn),
 ///     Err(Error::Checkout(CheckoutError::Timeout { stage, status, .. })) => {
 ///         eprintln!("busy ({stage}): {status}"); // answer 503, retry later
