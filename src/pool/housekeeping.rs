@@ -25,13 +25,17 @@ impl Shared {
     pub(super) fn supervise_housekeeping(self: &Arc<Self>, hooks: Vec<Arc<dyn Periodic>>) {
         let weak = Arc::downgrade(self);
         let every = self.opts.housekeeping;
-        self.supervisor.add("housekeeping", {
-            let weak = weak.clone();
-            Box::new(move || {
-                live(&weak)?;
-                Some(Box::pin(housekeeping(weak.clone(), every)))
-            })
-        });
+        self.supervisor.add(
+            "housekeeping",
+            {
+                let weak = weak.clone();
+                Box::new(move || {
+                    live(&weak)?;
+                    Some(Box::pin(housekeeping(weak.clone(), every)))
+                })
+            },
+            None,
+        );
         for hook in hooks {
             let weak = weak.clone();
             self.supervisor.add(
@@ -40,6 +44,7 @@ impl Shared {
                     live(&weak)?;
                     Some(Box::pin(periodic(weak.clone(), hook.clone())))
                 }),
+                None,
             );
         }
         self.supervisor.revive();
@@ -170,15 +175,18 @@ impl Pool {
     /// `start` makes the task's future, or `None` once the work's owner is
     /// gone (the supervisor then forgets it). Started by the next checkout
     /// (or [`Pool::revive_background`]) on the runtime it runs on, started
-    /// again on the runtime in use when its task is gone, stopped by
-    /// [`Pool::close`](crate::Pool::close). `start` must hold no
-    /// strong reference to the pool or to its owner.
+    /// again on the runtime in use when its task is gone, never started again
+    /// once the pool is closed. At [`Pool::close`](crate::Pool::close) the
+    /// task is aborted, or, given `wind_down`, told to end on its own (it
+    /// then sees [`Pool::closed`]). `start` and `wind_down` must hold no
+    /// strong reference to the pool or to the work's owner.
     pub(crate) fn supervise(
         &self,
         name: &'static str,
         start: impl Fn() -> Option<Task> + Send + Sync + 'static,
+        wind_down: Option<Box<dyn Fn() + Send + Sync>>,
     ) {
-        self.shared.supervisor.add(name, Box::new(start));
+        self.shared.supervisor.add(name, Box::new(start), wind_down);
     }
 
     /// Starts again, in the current runtime, the supervised tasks whose
@@ -189,8 +197,8 @@ impl Pool {
 
     /// Whether [`Pool::close`](crate::Pool::close) was called (or the
     /// wrapped deadpool pool was closed): for the layers' own loops (the
-    /// lease scheduler stops quietly once its pool is closed).
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// lease scheduler stops quietly once its pool is closed; the renewer
+    /// winds down).
     pub(crate) fn closed(&self) -> bool {
         self.shared.inner.is_closed()
     }

@@ -10,7 +10,9 @@
 //! aborted, or its runtime went away), marks it dead; the next checkout, on
 //! whatever runtime it runs, starts the dead ones again there (one atomic
 //! load when nothing died). [`Pool::close`](crate::Pool::close) stops them
-//! all, for good.
+//! all, for good: it aborts each, or tells it to wind down (a task that has
+//! something to finish, such as the lease renewer reporting its leases lost
+//! at their deadlines), and never starts one again.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -26,6 +28,10 @@ pub(crate) type Task = Pin<Box<dyn Future<Output = ()> + Send>>;
 /// Makes a supervised task's future, or `None` once the work's owner is
 /// gone for good (the supervisor then forgets it).
 pub(crate) type Start = Box<dyn Fn() -> Option<Task> + Send + Sync>;
+
+/// Tells a task to wind down at close (it ends on its own); without one,
+/// the task is aborted.
+pub(crate) type OnClose = Box<dyn Fn() + Send + Sync>;
 
 pub(crate) struct Supervisor {
     /// Some task may be dead (or was never started): checked at the next
@@ -43,6 +49,7 @@ struct Jobs {
 struct Job {
     name: &'static str,
     start: Start,
+    on_close: Option<OnClose>,
     running: Option<Running>,
 }
 
@@ -76,7 +83,7 @@ impl Supervisor {
     /// Adds a task, started by the next [`Supervisor::revive`] (the next
     /// checkout, on the runtime it runs on). Nothing is added to a closed
     /// pool.
-    pub(super) fn add(&self, name: &'static str, start: Start) {
+    pub(super) fn add(&self, name: &'static str, start: Start, on_close: Option<OnClose>) {
         {
             let mut jobs = self.jobs.lock();
             if jobs.closed {
@@ -85,6 +92,7 @@ impl Supervisor {
             jobs.list.push(Job {
                 name,
                 start,
+                on_close,
                 running: None,
             });
         }
@@ -134,13 +142,18 @@ impl Supervisor {
         });
     }
 
-    /// Stops every task, for good.
+    /// Stops every task, for good: aborts it, or tells it to wind down.
     pub(super) fn close(&self) {
-        let mut jobs = self.jobs.lock();
-        jobs.closed = true;
-        for job in jobs.list.drain(..) {
-            if let Some(r) = job.running {
-                r.abort.abort();
+        let jobs = {
+            let mut jobs = self.jobs.lock();
+            jobs.closed = true;
+            std::mem::take(&mut jobs.list)
+        };
+        for job in jobs {
+            match (job.running, &job.on_close) {
+                (Some(_), Some(wind_down)) => wind_down(),
+                (Some(r), None) => r.abort.abort(),
+                (None, _) => {}
             }
         }
     }

@@ -355,17 +355,21 @@ fn background_work_is_supervised_across_runtimes_and_stopped_by_close() {
     let a = runtime();
     a.block_on(async {
         let n = started.clone();
-        pool.supervise("layer task", move || {
-            // The first one panics: the supervisor starts it again.
-            let first = n.fetch_add(1, Ordering::AcqRel) == 0;
-            Some(Box::pin(async move {
-                tokio::task::yield_now().await;
-                if first {
-                    panic!("injected background panic");
-                }
-                std::future::pending::<()>().await
-            }) as super::Task)
-        });
+        pool.supervise(
+            "layer task",
+            move || {
+                // The first one panics: the supervisor starts it again.
+                let first = n.fetch_add(1, Ordering::AcqRel) == 0;
+                Some(Box::pin(async move {
+                    tokio::task::yield_now().await;
+                    if first {
+                        panic!("injected background panic");
+                    }
+                    std::future::pending::<()>().await
+                }) as super::Task)
+            },
+            None,
+        );
         // Started by the next checkout (here: by hand).
         assert!(pool.shared.supervisor.running().is_empty());
         pool.revive_background();
@@ -398,9 +402,11 @@ fn background_work_is_supervised_across_runtimes_and_stopped_by_close() {
         assert!(pool.closed());
         assert!(pool.shared.supervisor.running().is_empty());
         pool.revive_background();
-        pool.supervise("after close", || {
-            Some(Box::pin(std::future::pending::<()>()) as super::Task)
-        });
+        pool.supervise(
+            "after close",
+            || Some(Box::pin(std::future::pending::<()>()) as super::Task),
+            None,
+        );
         assert!(pool.shared.supervisor.running().is_empty());
         assert_eq!(started.load(Ordering::Acquire), 3);
     });
