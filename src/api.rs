@@ -77,7 +77,7 @@ impl Pool {
     /// deadpool, connecting or recycling, and the backend-pid query of a new
     /// connection. A timeout is `PoolError::Timeout` (`Wait` while waiting
     /// for admission, `Create` after), logged with the pool's status (use
-    /// [`Pool::get_for`] for an error that carries it).
+    /// [`Pool::get_within`] for an error that carries it).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), deadpool_postgres::PoolError> {
@@ -95,27 +95,31 @@ impl Pool {
         }
     }
 
-    /// A connection of `lane`, within `timeout` (checkout included), or the
-    /// pool's wait timeout when `None`.
+    /// A request-lane connection within `timeout` (checkout included), with
+    /// pgwarden's error: a timeout carries the pool's status and the stage
+    /// it ran out in ([`CheckoutError::Timeout`](crate::CheckoutError::Timeout)).
     ///
-    /// Session-lock checkouts are budgeted: past the budget they are refused
-    /// ([`CheckoutError::BudgetExhausted`](crate::CheckoutError::BudgetExhausted)) or admitted with a warning, by policy.
+    /// User code takes request connections only. The other lanes come
+    /// through the calls made for them, which hold what they take to their
+    /// purpose: [`Pool::session_lock`] (the session-lock lane, budgeted),
+    /// [`Pool::readiness`] (the probe's reserve), [`Leases`](crate::Leases)
+    /// (the lease lane), [`Pool::census`] and [`Pool::detect_pooler`]
+    /// (control).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
     /// use std::time::Duration;
-    /// let client = pool.get_for(pgwarden::Lane::Control, Some(Duration::from_secs(2))).await?;
-    /// client.simple_query("SELECT pg_cancel_backend(1)").await?;
+    /// let client = pool.get_within(Duration::from_millis(200)).await?;
+    /// client.simple_query("SELECT 1").await?;
     /// # Ok(()) }
     /// ```
     #[track_caller]
-    pub fn get_for(
+    pub fn get_within(
         &self,
-        lane: Lane,
-        timeout: Option<Duration>,
+        timeout: Duration,
     ) -> impl Future<Output = Result<Client, Error>> + Send + '_ {
         let site = Location::caller();
-        self.checkout(lane, site, timeout.unwrap_or(self.shared.opts.wait_timeout))
+        self.checkout(Lane::Request, site, timeout)
     }
 
     /// The pool now: size, idle, and per lane in use, waiting and limits.
@@ -220,7 +224,12 @@ impl Pool {
 
     /// The readiness probe: `SELECT 1` on the probe lane, whose reserve no
     /// other lane may take, bounded by `timeout` (checkout included). Returns
-    /// its latency. A probe cut off by its bound closes its connection.
+    /// its latency. A connection that does not answer in time is closed,
+    /// never reused. On a slow link, a connection still being made when the
+    /// bound runs out is made in the background (for up to 10 s) and kept
+    /// for the next probe, so that readiness can become ready where making a
+    /// connection takes longer than one probe's bound. A connection refused
+    /// by the server is an error that says what the server said.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) {
@@ -401,6 +410,12 @@ impl Pool {
     /// row, and skip `f` ([`Migrated::Skipped`]). If `f` fails, nothing is
     /// recorded and the next caller runs it. `timeout` bounds the checkout
     /// and each lock wait.
+    ///
+    /// `name` is checked before anything runs: 1 to 1024 bytes, no NUL byte
+    /// or other control character ([`InvalidInput::Name`](crate::InvalidInput::Name)). When `f`
+    /// succeeded but recording it failed, the error is
+    /// [`LockError::MigrationNotRecorded`](crate::LockError::MigrationNotRecorded): the work ran, and says whether its
+    /// transaction was rolled back.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {

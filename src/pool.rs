@@ -24,12 +24,14 @@ mod names;
 mod probe;
 mod shared;
 mod status;
+mod supervisor;
 #[cfg(test)]
 mod tests;
 
 pub use builder::PoolBuilder;
 pub(crate) use builder::{config_pool, url_pool};
 pub use client::Client;
+pub(crate) use deadline::deadline;
 pub use deadline::Deadline;
 pub(crate) use housekeeping::panic_message;
 #[cfg(feature = "http")]
@@ -37,3 +39,4 @@ pub(crate) use load::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};
+pub(crate) use supervisor::Task;

@@ -36,13 +36,13 @@ async fn checkouts_in_a_scope_wait_no_longer_than_it_allows() {
         "{waited:?}"
     );
 
-    // The deadline itself: a 10 s `get_for` bound ends at the 150 ms left.
+    // The deadline itself: a 10 s `get_within` bound ends at the 150 ms left.
     let t = Instant::now();
     let d = Deadline::after(Duration::from_millis(150));
     let e = within(
         LIMIT,
-        "get_for with a bound, in scope",
-        d.scope(pool.get_for(Lane::Request, Some(LIMIT))),
+        "get_within with a bound, in scope",
+        d.scope(pool.get_within(LIMIT)),
     )
     .await
     .unwrap_err();

@@ -122,11 +122,20 @@ async fn resize_derives_the_lanes_again_and_keeps_the_ones_set() {
         "what the reservations leave: {s}"
     );
     // The new budget is in force: four session-lock connections now.
-    let held: Vec<_> =
-        futures_util::future::try_join_all((0..4).map(|_| pool.get_for(Lane::SessionLock, None)))
-            .await
-            .unwrap();
-    drop(held);
+    let held: Vec<_> = futures_util::future::try_join_all((0..4).map(|i| {
+        pool.session_lock(
+            pgwarden::LockKey::Single(9000 + i),
+            pgwarden::LockMode::Exclusive,
+            None,
+        )
+    }))
+    .await
+    .unwrap();
+    assert!(held.iter().all(Option::is_some), "four locks granted");
+    assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 4);
+    for lock in held.into_iter().flatten() {
+        lock.unlock().await.unwrap();
+    }
 
     // A lane set explicitly keeps its setting through a resize.
     let pool = builder(&db, 8)

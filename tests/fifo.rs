@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use pgwarden::{Lane, Pool};
+use pgwarden::{Client, Lane, LockKey, LockMode, Pool, SessionLock};
 use pgwarden_testing::TestDb;
 use support::{builder, db};
 
@@ -58,15 +58,23 @@ async fn waiters_are_served_in_fifo_order() {
     }
 }
 
+/// A connection a waiter got: a request connection, or a session lock's.
+enum Got {
+    Request(Client),
+    Lock(SessionLock),
+}
+
 #[tokio::test]
 async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it() {
-    // Pool 5, request max 3, probe reserve 1. Three request connections and
-    // one control connection out; two request waiters queue (their lane is
-    // at its maximum), then a session-lock waiter (the one free connection
-    // is the probe's).
+    // Pool 5, request max 3, session-lock budget 2, probe reserve 1. Three
+    // request connections and one session lock out; two request waiters
+    // queue (their lane is at its maximum), then a session-lock waiter (the
+    // one free connection is the probe's).
     let db = db().await;
     let pool = Pool::builder(db.deadpool(5).unwrap())
         .lane(Lane::Request, 1, 3)
+        .lane(Lane::SessionLock, 0, 2)
+        .pooler(pgwarden::PoolerMode::Direct)
         .wait_timeout(Duration::from_secs(5))
         .build()
         .unwrap();
@@ -74,7 +82,11 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
     for _ in 0..3 {
         requests.push(pool.get().await.unwrap());
     }
-    let control = pool.get_for(Lane::Control, None).await.unwrap();
+    let first_lock = pool
+        .session_lock(LockKey::Single(1), LockMode::Exclusive, None)
+        .await
+        .unwrap()
+        .unwrap();
     let wait_for = |lane: Lane, n: usize| {
         let pool = pool.clone();
         async move {
@@ -96,16 +108,24 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
     {
         let (p, tx) = (pool.clone(), tx.clone());
         tasks.push(tokio::spawn(async move {
-            let c = p.get_for(lane, None).await.unwrap();
+            let got = match lane {
+                Lane::SessionLock => Got::Lock(
+                    p.session_lock(LockKey::Single(2), LockMode::Exclusive, None)
+                        .await
+                        .unwrap()
+                        .unwrap(),
+                ),
+                _ => Got::Request(p.get_within(Duration::from_secs(5)).await.unwrap()),
+            };
             tx.send(i).unwrap();
-            c
+            got
         }));
         wait_for(lane, if i == 1 { 2 } else { 1 }).await;
     }
-    // The control connection comes back: the request waiters ahead of the
-    // session-lock waiter may not take it (their lane is full); the
+    // The session lock's connection comes back: the request waiters ahead
+    // of the session-lock waiter may not take it (their lane is full); the
     // session-lock waiter behind them gets it.
-    drop(control);
+    first_lock.unlock().await.unwrap();
     let first = tokio::time::timeout(Duration::from_secs(5), rx.recv())
         .await
         .unwrap()
@@ -121,10 +141,11 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
     assert_eq!(next, 0);
     assert_eq!(pool.status().lane(Lane::Request).waiting, 1);
     drop(requests);
-    let mut held = Vec::new();
     for t in tasks {
-        held.push(t.await.unwrap());
+        match t.await.unwrap() {
+            Got::Request(c) => drop(c),
+            Got::Lock(l) => l.unlock().await.unwrap(),
+        }
     }
-    drop(held);
     assert_eq!(pool.status().in_use, 0);
 }

@@ -157,7 +157,7 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
     assert!(e.is_timeout(), "{e}");
 
     let e = pool
-        .get_for(Lane::Control, Some(Duration::from_millis(500)))
+        .get_within(Duration::from_millis(500))
         .await
         .unwrap_err();
     assert!(
@@ -170,7 +170,11 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
         ),
         "{e}"
     );
-    assert_eq!(pool.status().in_use, 0, "nothing stays checked out");
+    // Nothing stays checked out but the last probe's connection set-up,
+    // kept going in the background (at most 10 s) for the next probe.
+    let s = pool.status();
+    assert_eq!(s.in_use - s.lane(Lane::Probe).in_use, 0, "{s}");
+    assert!(s.lane(Lane::Probe).in_use <= 1, "{s}");
 
     // Continued: everything recovers, with no manual action.
     drop(stopped);
@@ -210,7 +214,7 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     let stopped = Stopped::stop(vec![idle_backend]);
     let bound = Duration::from_secs(1);
     let limit = Duration::from_millis(1200);
-    let get = || pool.get_for(Lane::Request, Some(bound));
+    let get = || pool.get_within(bound);
     let e = fails_within(limit, "checkout bound 1 s, recycling hung", get()).await;
     assert!(
         matches!(
@@ -234,7 +238,7 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
     drop(stopped);
     drop(working);
     let c = recovers(Duration::from_secs(10), "get after SIGCONT", || {
-        pool.get_for(Lane::Request, Some(Duration::from_secs(2)))
+        pool.get_within(Duration::from_secs(2))
     })
     .await;
     c.simple_query("SELECT 1").await.unwrap();

@@ -113,6 +113,56 @@ async fn reentry_is_counted_and_gauged() {
     assert_eq!(pool.status().in_use, 0);
 }
 
+/// A level statement cut off in flight leaves the count unknown, and a
+/// `lock_again` the server refuses after it does not make it known again:
+/// `unlock()` releases what the session holds instead of answering
+/// `NotOwned` for a lock it still holds (issue 16, point 12).
+#[tokio::test]
+async fn an_unlock_one_cut_off_then_a_refused_lock_again_still_unlocks() {
+    let db = db().await;
+    let pool = builder(&db, 3).build().unwrap();
+    let raw = db.connect().await.unwrap();
+    let key = LockKey::Pair(3, 5);
+    let mut lock = pool
+        .session_lock(key, LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    assert_eq!(lock.lock_again().await.unwrap(), 2);
+    let pid = lock.client().pid();
+    // unlock_one polled once (its statement goes out) and dropped.
+    assert!(futures_util::FutureExt::now_or_never(lock.unlock_one()).is_none());
+    eventually(T, "the cut-off unlock ran", || async {
+        let row = raw
+            .query_one(
+                "SELECT state, query FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .unwrap();
+        let (state, query): (Option<String>, Option<String>) = (row.get(0), row.get(1));
+        state.as_deref() == Some("idle") && query.is_some_and(|q| q.contains("pg_advisory_unlock"))
+    })
+    .await;
+    assert!(!free(&raw, key).await, "one level left");
+    // The session in a failed transaction: the server refuses lock_again.
+    lock.client().batch_execute("BEGIN").await.unwrap();
+    assert!(lock.client().batch_execute("SELECT 1/0").await.is_err());
+    let e = lock.lock_again().await.unwrap_err();
+    let pgwarden::Error::Db(db_err) = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(
+        db_err.code(),
+        Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION)
+    );
+    lock.client().batch_execute("ROLLBACK").await.unwrap();
+    assert!(!free(&raw, key).await, "the session still holds it");
+    lock.unlock().await.unwrap();
+    assert!(free(&raw, key).await);
+    eventually(T, "connection back", || async { pool.status().in_use == 0 }).await;
+}
+
 #[tokio::test]
 async fn shared_and_try_variants() {
     let db = db().await;

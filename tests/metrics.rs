@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, Snapshotter};
 
-use pgwarden::{BudgetPolicy, Lane, Pool};
+use pgwarden::{BudgetPolicy, Lane, LockKey, LockMode, Pool, PoolerMode};
 use support::{counter, db, gauge, histogram, metrics_now, snapshot, with_recorder};
 
 /// A snapshot, with the long holds it shows (request, session lock) added
@@ -34,6 +34,7 @@ async fn pool_events_are_recorded() {
     let (pool, snap) = with_recorder(
         Pool::builder(db.deadpool(4).unwrap())
             .name("mx")
+            .pooler(PoolerMode::Direct)
             .policy(BudgetPolicy::Refuse)
             .wait_timeout(Duration::from_millis(100))
             .long_hold_threshold(LONG_HOLD)
@@ -73,12 +74,9 @@ async fn pool_events_are_recorded() {
     );
 
     // A session-lock checkout, then one refused past the budget.
-    let lock = pool.get_for(Lane::SessionLock, None).await.unwrap();
-    assert!(pool
-        .get_for(Lane::SessionLock, None)
-        .await
-        .unwrap_err()
-        .is_budget_exhausted());
+    let try_lock = |n| pool.session_lock(LockKey::Single(n), LockMode::Exclusive, None);
+    let lock = try_lock(1).await.unwrap().unwrap();
+    assert!(try_lock(2).await.unwrap_err().is_budget_exhausted());
     // Request work: two checkouts, one returned.
     let a = pool.get().await.unwrap();
     let b = pool.get().await.unwrap();
@@ -150,7 +148,7 @@ async fn pool_events_are_recorded() {
     let c_taken = tokio::time::Instant::now();
     let waiter = {
         let pool = pool.clone();
-        tokio::spawn(async move { pool.get_for(Lane::Request, None).await.map(drop) })
+        tokio::spawn(async move { pool.get_within(Duration::from_millis(100)).await.map(drop) })
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while pool.status().lane(Lane::Request).waiting == 0 {
@@ -214,7 +212,8 @@ async fn pool_events_are_recorded() {
     // A long hold is reported once, not at every pass.
     assert_eq!(long, (2, 1));
 
-    drop((a, c, lock));
+    lock.unlock().await.unwrap();
+    drop((a, c));
     // Readiness failure: a closed pool.
     pool.close();
     assert!(pool.readiness(Duration::from_millis(200)).await.is_err());
@@ -248,11 +247,13 @@ async fn warn_overruns_are_counted() {
     let (pool, snap) = with_recorder(
         Pool::builder(db.deadpool(4).unwrap())
             .name("mw")
+            .pooler(PoolerMode::Direct)
             .policy(BudgetPolicy::Warn),
     );
-    let a = pool.get_for(Lane::SessionLock, None).await.unwrap();
-    let b = pool.get_for(Lane::SessionLock, None).await.unwrap();
-    assert!(pool.get_for(Lane::SessionLock, None).await.is_err());
+    let try_lock = |n| pool.session_lock(LockKey::Single(n), LockMode::Exclusive, None);
+    let a = try_lock(1).await.unwrap().unwrap();
+    let b = try_lock(2).await.unwrap().unwrap();
+    assert!(try_lock(3).await.is_err());
     let s = snapshot(&snap);
     assert_eq!(
         counter(

@@ -6,9 +6,18 @@ mod support;
 use std::time::Duration;
 
 use deadpool_postgres::{GenericClient, PoolError};
-use pgwarden::{BudgetPolicy, CheckoutError, Error, Lane, Pool};
+use pgwarden::{BudgetPolicy, CheckoutError, Error, Lane, LockKey, LockMode, Pool, SessionLock};
 use pgwarden_testing::TestDb;
 use support::db;
+
+/// A session lock on key `n`, tried once: the session-lock lane, budgeted.
+#[track_caller]
+fn lock(
+    pool: &Pool,
+    n: i64,
+) -> impl std::future::Future<Output = Result<Option<SessionLock>, Error>> + '_ {
+    pool.session_lock(LockKey::Single(n), LockMode::Exclusive, None)
+}
 
 async fn pool(size: usize) -> (TestDb, Pool) {
     let db = db().await;
@@ -162,19 +171,21 @@ async fn conn_knows_lane_pid_site_and_age() {
         .unwrap()
         .get(0);
     assert_eq!(c.pid(), pid);
-    let ctl = pool.get_for(Lane::Control, None).await.unwrap();
-    assert_eq!(ctl.lane(), Lane::Control);
+    let held = lock(&pool, 1).await.unwrap().unwrap();
+    let ctl = held.client();
+    assert_eq!(ctl.lane(), Lane::SessionLock);
     assert_ne!(ctl.pid(), c.pid());
     let s = pool.status();
     assert_eq!(
         (
             s.in_use,
             s.lane(Lane::Request).in_use,
-            s.lane(Lane::Control).in_use
+            s.lane(Lane::SessionLock).in_use
         ),
         (2, 1, 1)
     );
-    drop((c, ctl));
+    drop(c);
+    held.unlock().await.unwrap();
     assert_eq!(pool.status().in_use, 0);
 }
 
@@ -193,7 +204,10 @@ async fn request_timeout_carries_the_status_and_get_keeps_deadpool_error() {
         matches!(e, PoolError::Timeout(deadpool_postgres::TimeoutType::Wait)),
         "{e:?}"
     );
-    let e = pool.get_for(Lane::Request, None).await.unwrap_err();
+    let e = pool
+        .get_within(Duration::from_millis(200))
+        .await
+        .unwrap_err();
     match &e {
         Error::Checkout(CheckoutError::Timeout {
             lane,
@@ -273,8 +287,8 @@ async fn control_lane_answers_while_request_traffic_saturates() {
 async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
     let (_db, pool) = pool(4).await;
     let line = line!() + 1;
-    let first = pool.get_for(Lane::SessionLock, None).await.unwrap();
-    let e = pool.get_for(Lane::SessionLock, None).await.unwrap_err();
+    let first = lock(&pool, 1).await.unwrap().unwrap();
+    let e = lock(&pool, 2).await.unwrap_err();
     assert!(e.is_budget_exhausted());
     let msg = e.to_string();
     assert!(
@@ -292,8 +306,8 @@ async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
     // A refusal changes nothing.
     assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 1);
     drop(first);
-    let again = pool.get_for(Lane::SessionLock, None).await.unwrap();
-    drop(again);
+    let again = lock(&pool, 2).await.unwrap().unwrap();
+    again.unlock().await.unwrap();
 }
 
 #[tokio::test]
@@ -303,9 +317,9 @@ async fn warn_policy_admits_up_to_the_hard_floor() {
         .policy(BudgetPolicy::Warn)
         .build()
         .unwrap();
-    let a = pool.get_for(Lane::SessionLock, None).await.unwrap();
-    let b = pool.get_for(Lane::SessionLock, None).await.unwrap();
-    let e = pool.get_for(Lane::SessionLock, None).await.unwrap_err();
+    let a = lock(&pool, 1).await.unwrap().unwrap();
+    let b = lock(&pool, 2).await.unwrap().unwrap();
+    let e = lock(&pool, 3).await.unwrap_err();
     match &e {
         Error::Checkout(CheckoutError::BudgetExhausted {
             hard_floor,

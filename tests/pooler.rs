@@ -294,11 +294,21 @@ async fn an_unlock_a_pooler_moved_names_the_pooler_and_the_backend_left_holding_
 
 #[tokio::test]
 async fn a_lock_a_pooler_moved_is_released_on_its_backend_once_reachable() {
+    released_once_reachable(T, LockKey::Pair(13, 2)).await;
+}
+
+/// The same with an unlock timeout of `Duration::MAX`: the bound saturates
+/// (it once overflowed `Instant + Duration` and panicked).
+#[tokio::test]
+async fn an_unbounded_unlock_timeout_reaches_a_moved_lock_without_panicking() {
+    released_once_reachable(Duration::MAX, LockKey::Pair(13, 3)).await;
+}
+
+async fn released_once_reachable(unlock_timeout: Duration, key: LockKey) {
     let db = db().await;
-    let Some(p) = Pinned::new(&db, T).await else {
+    let Some(p) = Pinned::new(&db, unlock_timeout).await else {
         return;
     };
-    let key = LockKey::Pair(13, 2);
     let mut lock = p
         .pool
         .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))

@@ -144,7 +144,7 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     let first = pool.get().await.unwrap();
     let start = Instant::now();
     let e = pool
-        .get_for(Lane::Request, Some(Duration::from_millis(500)))
+        .get_within(Duration::from_millis(500))
         .await
         .unwrap_err();
     let took = start.elapsed();
@@ -161,20 +161,14 @@ async fn deadpool_drained_behind_pgwardens_back_is_reported_within_the_bound() {
     assert!(e.to_string().contains("held outside pgwarden"), "{e}");
     // The objects come back: checkouts work again.
     drop(stolen);
-    let second = pool
-        .get_for(Lane::Request, Some(Duration::from_millis(500)))
-        .await
-        .unwrap();
+    let second = pool.get_within(Duration::from_millis(500)).await.unwrap();
     drop((first, second));
 
     // Resized behind its back: answered at once, naming both sizes.
     inner.resize(1);
     let held = pool.get().await.unwrap();
     let start = Instant::now();
-    let e = pool
-        .get_for(Lane::Request, Some(Duration::from_secs(5)))
-        .await
-        .unwrap_err();
+    let e = pool.get_within(Duration::from_secs(5)).await.unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(1), "answered at once");
     assert!(
         e.to_string()

@@ -10,8 +10,8 @@ use std::fmt;
 ///
 /// ```no_run
 /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
-/// let client = pool.get_for(pgwarden::Lane::Control, None).await?;
-/// assert_eq!(client.lane(), pgwarden::Lane::Control);
+/// let client = pool.get().await?;
+/// assert_eq!(client.lane(), pgwarden::Lane::Request);
 /// # Ok(()) }
 /// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

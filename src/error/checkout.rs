@@ -16,7 +16,7 @@ use crate::status::Status;
 /// use std::time::Duration;
 ///
 /// # async fn demo(pool: pgwarden::Pool) -> Result<(), Error> {
-/// match pool.get_for(Lane::Request, Some(Duration::from_millis(200))).await {
+/// match pool.get_within(Duration::from_millis(200)).await {
 ///     Ok(conn) => drop(conn),
 ///     Err(Error::Checkout(CheckoutError::Timeout { stage, status, .. })) => {
 ///         eprintln!("busy ({stage}): {status}"); // answer 503, retry later
@@ -29,8 +29,10 @@ use crate::status::Status;
 #[non_exhaustive]
 pub enum CheckoutError {
     /// The underlying deadpool pool failed: connection creation, closed pool,
-    /// a deadpool timeout.
-    #[error("pool error: {0}")]
+    /// a deadpool timeout. A connection the server refused shows what it
+    /// said (`pool error: could not open a connection: database error 53300:
+    /// sorry, too many clients already`).
+    #[error("pool error: {}", super::PoolDisplay(.0))]
     Pool(#[source] deadpool_postgres::PoolError),
 
     /// No connection of `lane` came within the caller's bound: the bound

@@ -43,7 +43,7 @@ pub enum InvalidInput {
     #[error("invalid {what} {value:?}: {rule}")]
     Name {
         /// Which name: `lease name`, `lease table name`, `job name`,
-        /// `node name`.
+        /// `node name`, `migrate_once name`.
         what: &'static str,
         /// The name given (for a `schema.table` name, the part at fault).
         value: String,

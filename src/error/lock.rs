@@ -112,4 +112,32 @@ pub enum LockError {
         /// Whether the lock was released on `held_on` since.
         released: bool,
     },
+
+    /// [`Pool::migrate_once`](crate::Pool::migrate_once)'s work ran (its
+    /// closure returned `Ok`) but recording it in the ledger
+    /// (`pgwarden_run_once`) failed. With `rolled_back`, its transaction was
+    /// rolled back: the work's database writes are undone, anything it did
+    /// outside the database stays done, and the next call runs it again.
+    /// Without, the connection failed during `COMMIT`: whether the work and
+    /// its record committed is unknown (look for the name in the ledger).
+    #[error(
+        "migrate_once {name:?} ran its work but could not record it in pgwarden_run_once: {db}; {fate}",
+        db = super::DbDisplay(source),
+        fate = if *rolled_back {
+            "its transaction was rolled back (its database writes are undone; anything it did outside \
+             the database stays done), and the next call runs it again"
+        } else {
+            "the connection failed during COMMIT, so whether the work and its record committed is \
+             unknown: look for the name in pgwarden_run_once before running it again"
+        }
+    )]
+    MigrationNotRecorded {
+        /// The migration's name.
+        name: String,
+        /// Whether its transaction is known rolled back.
+        rolled_back: bool,
+        /// The database's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
 }

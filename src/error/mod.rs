@@ -172,6 +172,23 @@ impl fmt::Display for DbDisplay<'_> {
     }
 }
 
+/// deadpool's error, with what the server said when it refused a new
+/// connection (deadpool's own text ends at tokio-postgres's "db error").
+pub(crate) struct PoolDisplay<'a>(pub(crate) &'a deadpool_postgres::PoolError);
+
+impl fmt::Display for PoolDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use deadpool_postgres::{HookError, PoolError};
+        match self.0 {
+            PoolError::Backend(e) => write!(f, "could not open a connection: {}", DbDisplay(e)),
+            PoolError::PostCreateHook(HookError::Backend(e)) => {
+                write!(f, "post_create hook failed: {}", DbDisplay(e))
+            }
+            e => write!(f, "{e}"),
+        }
+    }
+}
+
 /// An error and its sources, `: `-separated.
 pub(crate) struct Chain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
 

@@ -43,8 +43,12 @@ pub type ResponseFuture<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send
 /// queues behind request, lock or lease traffic, so a flood that the
 /// [`ShedLayer`](super::ShedLayer) sheds leaves the instance ready. The probe runs in a task of
 /// its own: a client that gives up (a kubelet's `timeoutSeconds`) does not
-/// cut it short, and a probe cut off by its bound closes its connection
-/// (a server that did not answer leaves it in an unknown state).
+/// cut it short; a connection that did not answer in time is closed (a
+/// server that did not answer leaves it in an unknown state), and one still
+/// being made when the bound runs out is made in the background and kept for
+/// the next probe (see [`Pool::readiness`](crate::Pool::readiness)). The 503
+/// reason of a connection the server refused carries its SQLSTATE and
+/// message (`… database error 53300: sorry, too many clients already`).
 ///
 /// ```no_run
 /// # async fn demo(pool: pgwarden::Pool) -> std::io::Result<()> {

@@ -132,7 +132,7 @@ impl LeaseHandle {
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::LeaseHandle) -> Result<(), pgwarden::Error> {
-    /// let mut conn = pool.get_for(pgwarden::Lane::Request, None).await?;
+    /// let mut conn = pool.get_within(std::time::Duration::from_secs(5)).await?;
     /// let tx = conn.transaction().await?;
     /// lease.fence(&tx).await?; // rejected if another holder took over
     /// tx.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 1", &[]).await?;

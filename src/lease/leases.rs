@@ -59,9 +59,9 @@ impl Leases {
     }
 
     pub(super) fn from_parts(pool: &Pool, settings: Settings) -> Leases {
-        Leases {
-            inner: Arc::new(Inner::new(pool.clone(), pool.name(), settings)),
-        }
+        let inner = Arc::new(Inner::new(pool.clone(), pool.name(), settings));
+        inner.supervise_renewer();
+        Leases { inner }
     }
 
     /// The DDL [`Leases::install`] runs: `sql/leases.sql` with this table's

@@ -15,9 +15,12 @@
 //!
 //! Supervision: a panic inside a tick or a batch (pgwarden's bug, or a
 //! metrics recorder's) is caught, logged and counted, and renewal goes on.
-//! When the task is gone (its runtime was dropped), the next acquisition
-//! starts a new one in the current runtime; until then every lease still
-//! reports itself lost at its deadline.
+//! The task runs under the pool's supervisor: when it is gone (its runtime
+//! was dropped), the next checkout of the pool (an acquisition, any
+//! statement) starts a new one in the current runtime; until then every
+//! lease still reports itself lost at its deadline. Once the pool is closed
+//! it is never started again, and it ends when no lease is left to report
+//! lost.
 
 use std::any::Any;
 use std::panic::AssertUnwindSafe;
@@ -109,17 +112,36 @@ impl Inner {
             .collect()
     }
 
-    /// Starts the renewer task in the current runtime unless one is alive.
-    pub(crate) fn ensure_renewer(self: &Arc<Self>) {
-        if self.renewer_alive.load(Ordering::Acquire) {
-            return;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
+    /// Puts the renewer under the pool's supervisor (once, when the
+    /// instance is made): started by the pool's next checkout (the first
+    /// acquisition) on the runtime it runs on, started again on the runtime
+    /// in use when its own is gone; once the pool is closed, it ends when no
+    /// lease is left to report lost.
+    pub(crate) fn supervise_renewer(self: &Arc<Self>) {
+        let (weak, wake, alive) = (
+            Arc::downgrade(self),
+            self.wake.clone(),
+            self.renewer_alive.clone(),
+        );
+        // At close it winds down: it goes on reporting its leases lost at
+        // their deadlines (no statement can succeed), then ends.
+        let wind_down = {
+            let wake = wake.clone();
+            Box::new(move || wake.notify_one())
         };
-        if !self.renewer_alive.swap(true, Ordering::AcqRel) {
-            let alive = Alive(self.renewer_alive.clone());
-            rt.spawn(run(Arc::downgrade(self), self.wake.clone(), alive));
+        let start = move || {
+            weak.upgrade()?;
+            alive.store(true, Ordering::Release);
+            let task = run(weak.clone(), wake.clone(), Alive(alive.clone()));
+            Some(Box::pin(task) as crate::pool::Task)
+        };
+        self.pool.supervise("lease renewer", start, Some(wind_down));
+    }
+
+    /// Starts the renewer again in the current runtime if its task is gone.
+    pub(crate) fn ensure_renewer(self: &Arc<Self>) {
+        if !self.renewer_alive.load(Ordering::Acquire) {
+            self.pool.revive_background();
         }
     }
 
@@ -213,13 +235,18 @@ async fn run(inner: Weak<Inner>, wake: Arc<Notify>, _alive: Alive) {
     loop {
         let next = {
             let Some(inner) = inner.upgrade() else { return };
-            match std::panic::catch_unwind(AssertUnwindSafe(|| inner.tick())) {
+            let next = match std::panic::catch_unwind(AssertUnwindSafe(|| inner.tick())) {
                 Ok(next) => next,
                 Err(panic) => {
                     inner.renewer_panicked(&*panic);
                     Some(Instant::now() + PANIC_PAUSE)
                 }
+            };
+            // Closed: done once every lease was reported lost and dropped.
+            if inner.pool.is_closed() && inner.registry.lock().entries.is_empty() {
+                return;
             }
+            next
         };
         match next {
             Some(at) => {

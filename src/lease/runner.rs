@@ -79,7 +79,7 @@ impl Runner {
                     }
                 }
                 // Closed under it: the scheduler has nothing left to do.
-                Err(_) if inner.pool.shared.inner.is_closed() => {
+                Err(_) if inner.pool.is_closed() => {
                     tracing::debug!(job = %self.job.name, "scheduler job stops: its pool is closed");
                     return;
                 }

@@ -179,7 +179,8 @@ pub(crate) async fn reach(
     mode: LockMode,
     bound: Duration,
 ) -> bool {
-    let deadline = Instant::now() + bound;
+    // Saturating: an unlock timeout of `Duration::MAX` is decades away.
+    let deadline = crate::pool::deadline(tokio::time::Instant::now(), bound);
     let attempt = async {
         for c in conns.iter().cycle() {
             match on_backend(c, held_on, Act::UnlockKey, key, mode).await {
@@ -193,7 +194,7 @@ pub(crate) async fn reach(
         }
         false // no connection given
     };
-    let found = tokio::time::timeout_at(deadline.into(), attempt)
+    let found = tokio::time::timeout_at(deadline, attempt)
         .await
         .unwrap_or(false);
     if found {

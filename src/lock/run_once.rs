@@ -11,11 +11,16 @@ use tokio_postgres::IsolationLevel;
 
 use super::{xact_lock, LockKey, LockMode, Namespace};
 use crate::admission::Lane;
-use crate::error::Error;
+use crate::error::{name_error, Error, LockError, NameRule};
 use crate::pool::{Client, Pool};
 
 /// The ledger of [`Pool::migrate_once`]: one row per name that ran.
 pub(crate) const RUN_ONCE_LEDGER: &str = "pgwarden_run_once";
+
+/// The longest [`Pool::migrate_once`] name, in bytes: well inside the
+/// ledger's primary-key index row limit (about 2700 bytes), so that a name
+/// the closure ran for can always be recorded.
+pub(crate) const MAX_NAME_LEN: usize = 1024;
 
 const LEDGER_DDL: &str = "CREATE TABLE IF NOT EXISTS pgwarden_run_once (\
     name text PRIMARY KEY, \
@@ -90,6 +95,7 @@ where
     T: Send + 'p,
     E: From<Error> + Send + 'p,
 {
+    check_name(name)?;
     let start = Instant::now();
     let left = || timeout.saturating_sub(start.elapsed());
     let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
@@ -117,15 +123,30 @@ where
     }
     match f(&tx).await {
         Ok(v) => {
-            let record = async {
-                tx.query_typed(
+            let not_recorded = |rolled_back, source| {
+                Error::Lock(LockError::MigrationNotRecorded {
+                    name: name.to_owned(),
+                    rolled_back,
+                    source,
+                })
+            };
+            let record = tx
+                .query_typed(
                     "INSERT INTO pgwarden_run_once (name) VALUES ($1)",
                     &[(&name, Type::TEXT)],
                 )
-                .await?;
-                tx.commit().await
-            };
-            record.await.map_err(Error::from)?;
+                .await;
+            if let Err(e) = record {
+                // The transaction is aborted: nothing of it can commit.
+                rollback(tx).await;
+                return Err(not_recorded(true, e).into());
+            }
+            if let Err(e) = tx.commit().await {
+                // The server refused the commit (a deferred check): rolled
+                // back. Otherwise the connection failed with COMMIT in flight.
+                let rolled_back = e.as_db_error().is_some();
+                return Err(not_recorded(rolled_back, e).into());
+            }
             Ok(Migrated::Ran(v))
         }
         Err(e) => {
@@ -133,6 +154,28 @@ where
             Err(e)
         }
     }
+}
+
+/// A [`Pool::migrate_once`] name: 1 to [`MAX_NAME_LEN`] bytes, no NUL
+/// byte or other control character. Checked before anything runs.
+fn check_name(name: &str) -> Result<(), Error> {
+    let bad = |rule| Err(name_error("migrate_once name", name, rule));
+    if name.is_empty() {
+        return bad(NameRule::Empty);
+    }
+    if name.len() > MAX_NAME_LEN {
+        return bad(NameRule::TooLong {
+            len: name.len(),
+            max: MAX_NAME_LEN,
+        });
+    }
+    if let Some(found) = name.chars().find(|c| c.is_control()) {
+        return bad(NameRule::Character {
+            found,
+            allowed: "no NUL byte or other control character",
+        });
+    }
+    Ok(())
 }
 
 async fn begin(conn: &mut Client) -> Result<Transaction<'_>, Error> {

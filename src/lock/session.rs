@@ -81,6 +81,9 @@ impl SessionLock {
     /// one unlock.
     pub async fn lock_again(&mut self) -> Result<u32, Error> {
         let key = self.held.key;
+        // A level statement cut off before this one left the count unknown:
+        // nothing this one does makes it known again.
+        let was = self.uncertain;
         self.uncertain = true;
         let granted = match self.held.on_lock_backend(Act::Relock).await {
             Ok(granted) => granted,
@@ -88,11 +91,11 @@ impl SessionLock {
                 // The server refused it, or a pooler ran it elsewhere: nothing
                 // taken. A lost connection leaves it unknown.
                 let refused = matches!(&e, Error::Db(d) if d.as_db_error().is_some());
-                self.uncertain = !(refused || e.is_behind_pooler());
+                self.uncertain = was || !(refused || e.is_behind_pooler());
                 return Err(e);
             }
         };
-        self.uncertain = false;
+        self.uncertain = was;
         if !granted {
             // Another session holds it: this one lost it behind the guard.
             self.uncertain = true;
@@ -113,11 +116,12 @@ impl SessionLock {
                 key: self.held.key,
             }));
         }
+        let was = self.uncertain;
         self.uncertain = true;
         if !self.held.on_lock_backend(Act::Unlock).await? {
             return Err(Error::Lock(LockError::NotOwned { key: self.held.key }));
         }
-        self.uncertain = false;
+        self.uncertain = was;
         self.depth -= 1;
         self.held.tally_mut().remove_level();
         self.note();

@@ -390,9 +390,10 @@ impl Shared {
         self.state.lock().adm.is_closed() || self.inner.is_closed()
     }
 
-    /// Closes deadpool and fails every waiter.
+    /// Closes deadpool, stops the background work and fails every waiter.
     pub(crate) fn close(&self) {
         self.inner.close();
+        self.supervisor.close();
         let mut gone = Vec::new();
         {
             let mut st = self.state.lock();

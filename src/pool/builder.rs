@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 use super::ext::Extensions;
 use super::names;
 use super::shared::{Options, Periodic, Pool, Shared, State};
+use super::supervisor::Supervisor;
 use crate::admission::{BudgetPolicy, Lane, LaneLimits, Limits, LimitsError, MAX_POOL_SIZE};
 use crate::error::BuildError;
 use crate::metrics::PoolMetrics;
@@ -286,13 +287,13 @@ impl PoolBuilder {
             },
             metrics,
             ext: self.ext,
-            periodic: self.periodic,
-            housekeeping_started: AtomicBool::new(false),
+            supervisor: Supervisor::new(),
+            probe_setup: AtomicBool::new(false),
             resize_warned: AtomicBool::new(false),
             #[cfg(test)]
             inject_panic: AtomicBool::new(false),
         });
-        shared.ensure_housekeeping();
+        shared.supervise_housekeeping(self.periodic);
         Ok(Pool { shared })
     }
 }

@@ -68,7 +68,7 @@ impl Pool {
         timeout: Duration,
     ) -> Result<Client, Error> {
         let shared = &self.shared;
-        shared.ensure_housekeeping();
+        shared.supervisor.revive();
         let start = tokio::time::Instant::now();
         // The caller's bound, tightened by the `Deadline` scope it runs in.
         let deadline = bounded(start, deadline(start, timeout));

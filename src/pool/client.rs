@@ -68,6 +68,13 @@ impl Client {
         }
     }
 
+    /// A connection deadpool made for this checkout (never recycled).
+    pub(super) fn is_new(&self) -> bool {
+        self.obj
+            .as_ref()
+            .is_some_and(|o| Object::metrics(o).recycle_count == 0)
+    }
+
     /// Its owner let go and its return is under way (a dropped session-lock
     /// guard whose unlock is in flight): a checkout of its lane refused only
     /// because of it waits for it instead.

@@ -4,7 +4,7 @@
 //! A task-local value, so that code deep inside a request handler (or any
 //! unit of work with a deadline) waits for a connection no longer than what
 //! is left of that work's time, without passing the deadline down: every
-//! checkout of the pool (`get`, `get_for`, lock and lease
+//! checkout of the pool (`get`, `get_within`, lock and lease
 //! statements, the readiness probe) made inside [`Deadline::scope`] ends by
 //! the deadline, and waits at most the scope's per-checkout maximum.
 

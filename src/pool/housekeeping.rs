@@ -1,6 +1,8 @@
 //! Housekeeping, which cannot die: one task per pool for the oldest-hold
 //! gauges, long-hold warnings and the republished lane and connection
-//! gauges, and one for each layer's periodic work (the census). Every pass runs under
+//! gauges, and one for each layer's periodic work (the census), all under
+//! the pool's supervisor (`supervisor.rs`), which starts them again on the
+//! runtime in use when theirs is gone. Every pass runs under
 //! `catch_unwind`: a panic is logged, counted
 //! (`pgwarden_housekeeping_panics_total`) and the task goes on. All their
 //! duration arithmetic saturates.
@@ -14,21 +16,38 @@ use futures_util::FutureExt;
 
 use super::deadline::deadline;
 use super::shared::{Periodic, Pool, Shared};
+use super::supervisor::Task;
 use crate::admission::Lane;
 
 impl Shared {
-    pub(super) fn ensure_housekeeping(self: &Arc<Self>) {
-        if self.housekeeping_started.load(Ordering::Relaxed) {
-            return;
+    /// Puts housekeeping and each layer's periodic work under the pool's
+    /// supervisor, and starts them when built inside a runtime.
+    pub(super) fn supervise_housekeeping(self: &Arc<Self>, hooks: Vec<Arc<dyn Periodic>>) {
+        let weak = Arc::downgrade(self);
+        let every = self.opts.housekeeping;
+        self.supervisor.add(
+            "housekeeping",
+            {
+                let weak = weak.clone();
+                Box::new(move || {
+                    live(&weak)?;
+                    Some(Box::pin(housekeeping(weak.clone(), every)))
+                })
+            },
+            None,
+        );
+        for hook in hooks {
+            let weak = weak.clone();
+            self.supervisor.add(
+                hook.name(),
+                Box::new(move || {
+                    live(&weak)?;
+                    Some(Box::pin(periodic(weak.clone(), hook.clone())))
+                }),
+                None,
+            );
         }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            if !self.housekeeping_started.swap(true, Ordering::AcqRel) {
-                rt.spawn(housekeeping(Arc::downgrade(self), self.opts.housekeeping));
-                for hook in &self.periodic {
-                    rt.spawn(periodic(Arc::downgrade(self), hook.clone()));
-                }
-            }
-        }
+        self.supervisor.revive();
     }
 
     /// One housekeeping pass: the oldest hold per lane, long-hold warnings,
@@ -108,11 +127,16 @@ impl Shared {
     }
 }
 
+/// The pool, unless it is gone or closed.
+fn live(shared: &Weak<Shared>) -> Option<Arc<Shared>> {
+    shared.upgrade().filter(|s| !s.inner.is_closed())
+}
+
 /// Sleeps `every`, then the pool, unless it is gone or closed: the tasks
 /// hold no strong reference between passes.
 async fn tick(shared: &Weak<Shared>, every: Duration) -> Option<Arc<Shared>> {
     tokio::time::sleep_until(deadline(tokio::time::Instant::now(), every)).await;
-    shared.upgrade().filter(|s| !s.inner.is_closed())
+    live(shared)
 }
 
 async fn housekeeping(shared: Weak<Shared>, every: Duration) {
@@ -143,6 +167,32 @@ async fn periodic(weak: Weak<Shared>, hook: Arc<dyn Periodic>) {
             }
             Err(panic) => shared.panicked(name, &*panic),
         }
+    }
+}
+
+impl Pool {
+    /// Puts background work of a layer above under the pool's supervisor:
+    /// `start` makes the task's future, or `None` once the work's owner is
+    /// gone (the supervisor then forgets it). Started by the next checkout
+    /// (or [`Pool::revive_background`]) on the runtime it runs on, started
+    /// again on the runtime in use when its task is gone, never started again
+    /// once the pool is closed. At [`Pool::close`](crate::Pool::close) the
+    /// task is aborted, or, given `wind_down`, told to end on its own (it
+    /// then sees [`Pool::closed`]). `start` and `wind_down` must hold no
+    /// strong reference to the pool or to the work's owner.
+    pub(crate) fn supervise(
+        &self,
+        name: &'static str,
+        start: impl Fn() -> Option<Task> + Send + Sync + 'static,
+        wind_down: Option<Box<dyn Fn() + Send + Sync>>,
+    ) {
+        self.shared.supervisor.add(name, Box::new(start), wind_down);
+    }
+
+    /// Starts again, in the current runtime, the supervised tasks whose
+    /// runtime is gone (each checkout does it too).
+    pub(crate) fn revive_background(&self) {
+        self.shared.supervisor.revive();
     }
 }
 

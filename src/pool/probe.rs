@@ -1,11 +1,46 @@
-//! The readiness probe's work: `SELECT 1` on the probe lane, bounded.
+//! The readiness probe's work: `SELECT 1` on the probe lane, bounded, on a
+//! connection whose set-up may outlive one probe.
+//!
+//! On a slow link (a far region, TLS) making a connection and asking it
+//! `SELECT 1` can take longer than a probe's bound: a probe that threw its
+//! half-made connection away would leave the next one to start from
+//! scratch, and readiness would never succeed. So the probe (checkout and
+//! `SELECT 1`) runs in a task of its own: when the probe's bound runs out,
+//! the caller gets its timeout at once, and a connection still being made
+//! for it (or just made, its `SELECT 1` under way) goes on for up to
+//! [`SETUP_BOUND`] (or the probe's bound, when longer); once it answered, it
+//! goes back to the pool, where the next probe (queued behind it on the
+//! probe lane) finds it. A connection that does not answer within its bound
+//! is closed, never reused; one in use before is held to the probe's own
+//! bound (it not answering is the server's or the link's fault, not a
+//! set-up's). One such probe per pool runs on past its bound at a time;
+//! while one does, probes run in the caller's task as any other checkout
+//! does.
 
 use std::panic::Location;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::shared::Pool;
+use super::deadline::{bounded, deadline};
+use super::shared::{Pool, Shared};
 use crate::admission::Lane;
 use crate::error::{CheckoutError, Error};
+
+/// How long a probe's work (connection set-up, `SELECT 1`) may go on in the
+/// background after the probe's own bound ran out (the probe's bound, when
+/// longer).
+pub(crate) const SETUP_BOUND: Duration = Duration::from_secs(10);
+
+/// Clears the pool's "a probe runs in the background" flag when dropped
+/// (it ended, or its runtime went away).
+struct SetupInFlight(Arc<Shared>);
+
+impl Drop for SetupInFlight {
+    fn drop(&mut self) {
+        self.0.probe_setup.store(false, Ordering::Release);
+    }
+}
 
 impl Pool {
     /// `SELECT 1` on the probe lane within `timeout`, checkout included; its
@@ -23,23 +58,11 @@ impl Pool {
             m.readiness_timeout.increment(1);
             return Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout)));
         }
-        let result = match self.checkout(Lane::Probe, site, timeout).await {
-            Ok(c) => {
-                let left = timeout.saturating_sub(start.elapsed());
-                match tokio::time::timeout(left, c.simple_query("SELECT 1")).await {
-                    Ok(r) => r.map(drop).map_err(Error::from),
-                    Err(_) => {
-                        // The server did not answer: this connection is
-                        // in an unknown state, never reuse it.
-                        c.discard();
-                        Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout)))
-                    }
-                }
-            }
+        let result = match self.probe_kept(timeout, site, start).await {
             Err(e) if e.is_timeout() => {
                 Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout)))
             }
-            Err(e) => Err(e),
+            r => r,
         };
         match result {
             Ok(()) => {
@@ -54,6 +77,66 @@ impl Pool {
                     m.readiness_error.increment(1);
                 }
                 Err(e)
+            }
+        }
+    }
+
+    /// The probe within `timeout` from `start`, its work kept going in the
+    /// background when it outlives that bound.
+    async fn probe_kept(
+        &self,
+        timeout: Duration,
+        site: &'static Location<'static>,
+        start: tokio::time::Instant,
+    ) -> Result<(), Error> {
+        let rt = match tokio::runtime::Handle::try_current() {
+            Ok(rt) if !self.shared.probe_setup.swap(true, Ordering::AcqRel) => rt,
+            // Outside a runtime, or one kept already: in the caller's task.
+            _ => return self.probe_once(timeout, timeout, site, start).await,
+        };
+        let in_flight = SetupInFlight(self.shared.clone());
+        let pool = self.clone();
+        let work = rt.spawn(async move {
+            let _in_flight = in_flight;
+            pool.probe_once(timeout, timeout.max(SETUP_BOUND), site, start)
+                .await
+        });
+        // The probe's own bound, tightened by the `Deadline` scope it runs in
+        // (the task above runs outside it).
+        let own = bounded(start, deadline(start, timeout));
+        match tokio::time::timeout_at(own, work).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Cancelled (its runtime is shutting down), or the bound ran out:
+            // the work goes on, its connection kept for the next probe.
+            Ok(Err(_)) | Err(_) => Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout))),
+        }
+    }
+
+    /// Checkout and `SELECT 1` within `bound` from `start`; on a new
+    /// connection (its set-up under way), within `kept` (at least `bound`).
+    /// A connection that did not answer in time is closed.
+    async fn probe_once(
+        &self,
+        bound: Duration,
+        kept: Duration,
+        site: &'static Location<'static>,
+        start: tokio::time::Instant,
+    ) -> Result<(), Error> {
+        let c = self.checkout(Lane::Probe, site, kept).await?;
+        let bound = if c.is_new() { kept } else { bound };
+        let Some(left) = bound.checked_sub(start.elapsed()) else {
+            // A connection in use before, found after the probe gave up:
+            // nothing to ask it, it goes back as it came.
+            return Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)));
+        };
+        match tokio::time::timeout(left, c.simple_query("SELECT 1")).await {
+            Ok(r) => r.map(drop).map_err(Error::from),
+            Err(_) => {
+                // The server did not answer: this connection is in an
+                // unknown state, never reuse it.
+                c.discard();
+                Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)))
             }
         }
     }

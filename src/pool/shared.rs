@@ -18,6 +18,7 @@ use tokio::sync::oneshot;
 use super::ext::Extensions;
 use super::holds::RecentHolds;
 use super::names;
+use super::supervisor::Supervisor;
 use crate::admission::{Admission, Lane, Limits, Priority, Refusal};
 use crate::error::{Error, LaneHolder};
 use crate::metrics::PoolMetrics;
@@ -88,9 +89,11 @@ pub(crate) struct Shared {
     /// State and settings of the layers above the pool, one value per type:
     /// the pool stores them without knowing what they are.
     pub(crate) ext: Extensions,
-    /// Periodic work of the layers above, each in its own task.
-    pub(crate) periodic: Vec<Arc<dyn Periodic>>,
-    pub(super) housekeeping_started: AtomicBool,
+    /// Housekeeping and the layers' background work.
+    pub(crate) supervisor: Supervisor,
+    /// A readiness probe's connection set-up is kept going in the
+    /// background (`probe.rs`): at most one at a time.
+    pub(super) probe_setup: AtomicBool,
     /// Set once a deadpool resize was reported (warned once).
     pub(super) resize_warned: AtomicBool,
     /// Tests: the next housekeeping pass panics.

@@ -336,3 +336,79 @@ async fn a_waiter_dropped_after_its_grant_leaves_the_next_waiter_alone() {
     drop(a);
     assert!(b.await.is_ok());
 }
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Supervision: housekeeping and a layer's task start on the runtime in use,
+/// die with it, come back on the next one at the first checkout; a task
+/// that panics comes back too; `close()` stops them all for good.
+#[test]
+fn background_work_is_supervised_across_runtimes_and_stopped_by_close() {
+    let (pool, _snap) = pool(2);
+    // Built outside a runtime: nothing running yet.
+    assert!(pool.shared.supervisor.running().is_empty());
+    let started = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let a = runtime();
+    a.block_on(async {
+        let n = started.clone();
+        pool.supervise(
+            "layer task",
+            move || {
+                // The first one panics: the supervisor starts it again.
+                let first = n.fetch_add(1, Ordering::AcqRel) == 0;
+                Some(Box::pin(async move {
+                    tokio::task::yield_now().await;
+                    if first {
+                        panic!("injected background panic");
+                    }
+                    std::future::pending::<()>().await
+                }) as super::Task)
+            },
+            None,
+        );
+        // Started by the next checkout (here: by hand).
+        assert!(pool.shared.supervisor.running().is_empty());
+        pool.revive_background();
+        let mut running = pool.shared.supervisor.running();
+        running.sort();
+        assert_eq!(running, ["housekeeping", "layer task"]);
+        // Let the first start panic, then a checkout revives it.
+        while pool.shared.supervisor.running().len() == 2 {
+            tokio::task::yield_now().await;
+        }
+        pool.revive_background();
+        assert_eq!(pool.shared.supervisor.running().len(), 2);
+        assert_eq!(started.load(Ordering::Acquire), 2);
+    });
+    drop(a);
+    // Their runtime is gone, and them with it.
+    assert!(pool.shared.supervisor.running().is_empty());
+    let b = runtime();
+    b.block_on(async {
+        // A checkout on B (it fails: the pool points nowhere) revives them.
+        let e = pool
+            .checkout(Lane::Request, Location::caller(), Duration::from_millis(50))
+            .await;
+        assert!(e.is_err());
+        let mut running = pool.shared.supervisor.running();
+        running.sort();
+        assert_eq!(running, ["housekeeping", "layer task"]);
+        assert_eq!(started.load(Ordering::Acquire), 3);
+        pool.close();
+        assert!(pool.is_closed());
+        assert!(pool.shared.supervisor.running().is_empty());
+        pool.revive_background();
+        pool.supervise(
+            "after close",
+            || Some(Box::pin(std::future::pending::<()>()) as super::Task),
+            None,
+        );
+        assert!(pool.shared.supervisor.running().is_empty());
+        assert_eq!(started.load(Ordering::Acquire), 3);
+    });
+}

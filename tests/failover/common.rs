@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, Lane, LeaseError, LeaseHandle, LostReason, Pool, PoolerMode};
+use pgwarden::{Error, LeaseError, LeaseHandle, LostReason, Pool, PoolerMode};
 use pgwarden_testing::{Cluster, Replication};
 use tokio_postgres::Client;
 
@@ -82,7 +82,7 @@ pub enum WriteError {
 /// commits. Bounded by [`STEP`] in all.
 pub async fn fenced_write(pool: &Pool, lease: &LeaseHandle, seq: i32) -> Result<Row, WriteError> {
     let write = async {
-        let mut conn = pool.get_for(Lane::Request, Some(STEP)).await?;
+        let mut conn = pool.get_within(STEP).await?;
         let tx = conn.transaction().await?;
         lease.fence(&tx).await?;
         let n: i64 = tx

@@ -226,20 +226,13 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
     )
     .await;
 
-    // Full strength: every request connection and the probe reserve at once.
+    // Full strength: every request connection, and the probe reserve
+    // answering while they are all out.
     let mut held = Vec::new();
     for _ in 0..5 {
-        held.push(
-            pool.get_for(Lane::Request, Some(Duration::from_secs(2)))
-                .await
-                .unwrap(),
-        );
+        held.push(pool.get_within(Duration::from_secs(2)).await.unwrap());
     }
-    held.push(
-        pool.get_for(Lane::Probe, Some(Duration::from_secs(2)))
-            .await
-            .unwrap(),
-    );
+    pool.readiness(Duration::from_secs(2)).await.unwrap();
     for c in &held {
         c.simple_query("SELECT 1").await.unwrap();
     }
