@@ -515,3 +515,43 @@ async fn a_run_dropped_at_shutdown_keeps_its_period() {
         "the interrupted run's period ran again: {runs:?}"
     );
 }
+
+/// Point 12: a scheduler whose pool was closed stops quietly: its job task
+/// ends at its next attempt, with one debug line and no warning.
+#[tokio::test]
+async fn a_scheduler_stops_quietly_once_its_pool_is_closed() {
+    let db = db().await;
+    let logs = Logs::default();
+    let _guard = tracing::subscriber::set_default(logs.subscriber());
+    let pool = pool(&db, 3, "closing");
+    let leases = Leases::new(&pool);
+    leases.install().await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let scheduler = {
+        let runs = runs.clone();
+        Scheduler::builder(&leases)
+            .job(Job::every("tick", 200 * MS, move |_| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                }
+            }))
+            .start()
+            .unwrap()
+    };
+    eventually(5 * S, "the job ran", || async {
+        runs.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    pool.close();
+    eventually(5 * S, "the job task stops", || async {
+        logs.text().contains("scheduler job stops: its pool is closed")
+    })
+    .await;
+    let text = logs.text();
+    assert!(
+        !text.contains("scheduler could not try the job's lease"),
+        "{text}"
+    );
+    within(2 * S, "shutdown", scheduler.shutdown(S)).await;
+}
