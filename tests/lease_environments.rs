@@ -545,7 +545,8 @@ async fn a_scheduler_stops_quietly_once_its_pool_is_closed() {
     .await;
     pool.close();
     eventually(5 * S, "the job task stops", || async {
-        logs.text().contains("scheduler job stops: its pool is closed")
+        logs.text()
+            .contains("scheduler job stops: its pool is closed")
     })
     .await;
     let text = logs.text();

@@ -49,8 +49,8 @@ pub fn describe(s: Settings) -> String {
     format!(
         "4b, 4c: {TASKS} tasks, pool {POOL} per side, four sides with a database each on one server: \
          the plain lease SQL prepared (`prepare_cached`) and unnamed (`query_typed`) through deadpool, \
-         pgwarden on a pool detected direct (prepared) and on one configured `PoolerMode::Transaction` \
-         (unnamed); 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {HELD} names held \
+         pgwarden on its shipped defaults on a pool detected direct (prepared) and on one configured \
+         `PoolerMode::Transaction` (unnamed), and (not a default, in the notes) with the lease lane raised to {TASKS}; 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {HELD} names held \
          by another holder; {} rounds of {:?} per side, the order rotating; server CPU per statement \
          = utime + stime of the side's client backends (`/proc/<pid>/stat`) / statements sent",
         s.rounds * 2, s.round / 2
@@ -231,16 +231,18 @@ async fn plain_side(
 async fn warden_side(
     server: &TestServer,
     pooler: PoolerMode,
+    lease_lane: Option<usize>,
     label: &'static str,
     held: bool,
 ) -> Result<(Side, TestDb), BoxError> {
     let db = server.create_database().await?;
-    // The lease lane sized to the tasks, as the plain SQL side runs TASKS
-    // statements at once: the default lane of a pool of 16 (at most 4
-    // lease statements out) would measure the lane, not the statements.
-    let mut builder = Pool::builder(db.deadpool(POOL)?)
-        .name(label)
-        .lane(Lane::Lease, 0, TASKS);
+    // The shipped defaults (a pool of 16: at most 4 lease statements out at
+    // once), unless `lease_lane` says otherwise; a side that changes it says
+    // so in its label.
+    let mut builder = Pool::builder(db.deadpool(POOL)?).name(label);
+    if let Some(max) = lease_lane {
+        builder = builder.lane(Lane::Lease, 0, max);
+    }
     if pooler != PoolerMode::Auto {
         builder = builder.pooler(pooler);
     }
@@ -300,11 +302,19 @@ async fn warden_side(
 pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Result<Row, BoxError> {
     let (prepared, _d1) = plain_side(server, Mode::Prepared, "plain prepared", held).await?;
     let (unnamed, _d2) = plain_side(server, Mode::Unnamed, "plain unnamed", held).await?;
-    let (warden, _d3) = warden_side(server, PoolerMode::Auto, "bench-direct", held).await?;
+    let (warden, _d3) = warden_side(server, PoolerMode::Auto, None, "bench-direct", held).await?;
     let (warden_unnamed, _d4) =
-        warden_side(server, PoolerMode::Transaction, "bench-pooled", held).await?;
-    let m = measure(&[prepared, unnamed, warden, warden_unnamed], s).await?;
-    let (p, u, w, wu) = (&m[0], &m[1], &m[2], &m[3]);
+        warden_side(server, PoolerMode::Transaction, None, "bench-pooled", held).await?;
+    let (warden_lane, _d5) = warden_side(
+        server,
+        PoolerMode::Auto,
+        Some(TASKS),
+        "bench-lease-lane-16",
+        held,
+    )
+    .await?;
+    let m = measure(&[prepared, unnamed, warden, warden_unnamed, warden_lane], s).await?;
+    let (p, u, w, wu, wl) = (&m[0], &m[1], &m[2], &m[3], &m[4]);
     let r = ratio(&p.rates, &w.rates);
     let unit = if held { "attempts/s" } else { "pairs/s" };
     let side = |x: &Measured| {
@@ -324,7 +334,7 @@ pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Resu
         },
         a: format!("plain SQL prepared: {}; unnamed: {}", side(p), side(u)),
         b: format!(
-            "pgwarden, direct (prepared): {}; behind a pooler (unnamed): {}",
+            "pgwarden, shipped defaults, direct (prepared): {}; behind a pooler (unnamed): {}",
             side(w),
             side(wu)
         ),
@@ -332,10 +342,13 @@ pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Resu
         target: "≥ 1.0 (prepared vs prepared)",
         met: (!s.smoke).then_some(r >= 1.0),
         notes: format!(
-            "{}; unnamed vs unnamed {:.3}; pgwarden prepared vs plain unnamed {:.3}",
+            "{}; unnamed vs unnamed {:.3}; pgwarden prepared vs plain unnamed {:.3}; \
+             not a default, the lease lane raised to {TASKS}: {} ({:.3} vs plain prepared)",
             spread(&p.rates, &w.rates),
             ratio(&u.rates, &wu.rates),
-            ratio(&u.rates, &w.rates)
+            ratio(&u.rates, &w.rates),
+            side(wl),
+            ratio(&p.rates, &wl.rates)
         ),
     })
 }
