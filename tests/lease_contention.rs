@@ -98,9 +98,11 @@ async fn a_blocked_takeover_answers_busy_at_once_and_takes_over_once_the_lock_go
             .await
             .unwrap();
         assert!(got.is_none(), "a locked row is busy");
-        // TAKEOVER_WAIT is 50 ms; the rest is the round trip on a loaded machine.
+        // The take-over bound is 20 ms; the rest is the round trip on a
+        // loaded machine.
         assert!(t.elapsed() < 1500 * MS, "{:?}", t.elapsed());
-        assert_eq!(busy_backends(&admin, "blocked-b").await, (0, 0));
+        // Nothing of B waits on a lock (pooler detection may be running).
+        assert_eq!(busy_backends(&admin, "blocked-b").await.0, 0);
     }
     // Still the stale term: the blocked take-over did not happen.
     let holder: String = admin

@@ -165,6 +165,32 @@ pub(crate) fn in_range(
     })
 }
 
+/// Checks a name given as free text (a lease name, a migration name): 1 to
+/// `max` bytes of UTF-8, no NUL byte and no other control character.
+pub(crate) fn check_text_name(
+    what: &'static str,
+    name: &str,
+    max: usize,
+) -> Result<(), super::Error> {
+    let bad = |rule| Err(name_error(what, name, rule));
+    if name.is_empty() {
+        return bad(NameRule::Empty);
+    }
+    if name.len() > max {
+        return bad(NameRule::TooLong {
+            len: name.len(),
+            max,
+        });
+    }
+    if let Some(found) = name.chars().find(|c| c.is_control()) {
+        return bad(NameRule::Character {
+            found,
+            allowed: "no NUL byte or other control character",
+        });
+    }
+    Ok(())
+}
+
 /// [`InvalidInput::Name`], as an [`Error`](super::Error).
 pub(crate) fn name_error(what: &'static str, value: &str, rule: NameRule) -> super::Error {
     super::Error::Invalid(InvalidInput::Name {

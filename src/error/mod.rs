@@ -16,7 +16,7 @@ mod lock;
 
 pub use build::BuildError;
 pub use checkout::{CheckoutError, LaneHolder, Stage};
-pub(crate) use invalid::{at_most, in_range, name_error, within};
+pub(crate) use invalid::{at_most, check_text_name, in_range, name_error, within};
 pub use invalid::{InvalidInput, NameRule};
 pub use lease::LeaseError;
 pub use lock::LockError;

@@ -2,7 +2,7 @@
 
 use std::sync::OnceLock;
 
-use crate::error::{name_error, Error, NameRule};
+use crate::error::{check_text_name, name_error, Error, NameRule};
 
 /// The longest lease name, in bytes (the table's `CHECK` says the same).
 pub(crate) const MAX_NAME_LEN: usize = 128;
@@ -11,23 +11,7 @@ pub(crate) const MAX_NAME_LEN: usize = 128;
 /// byte and no other control character. Lease names are metric labels:
 /// keep them to the names your application declares.
 pub(crate) fn check_name(name: &str) -> Result<(), Error> {
-    let bad = |rule| Err(name_error("lease name", name, rule));
-    if name.is_empty() {
-        return bad(NameRule::Empty);
-    }
-    if name.len() > MAX_NAME_LEN {
-        return bad(NameRule::TooLong {
-            len: name.len(),
-            max: MAX_NAME_LEN,
-        });
-    }
-    if let Some(found) = name.chars().find(|c| c.is_control()) {
-        return bad(NameRule::Character {
-            found,
-            allowed: "no NUL byte or other control character",
-        });
-    }
-    Ok(())
+    check_text_name("lease name", name, MAX_NAME_LEN)
 }
 
 /// A job or node name, one part of a per-node lease name `job@node`:

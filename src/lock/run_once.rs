@@ -11,7 +11,7 @@ use tokio_postgres::IsolationLevel;
 
 use super::{xact_lock, LockKey, LockMode, Namespace};
 use crate::admission::Lane;
-use crate::error::{name_error, Error, LockError, NameRule};
+use crate::error::{check_text_name, Error, LockError};
 use crate::pool::{Client, Pool};
 
 /// The ledger of [`Pool::migrate_once`]: one row per name that ran.
@@ -159,23 +159,7 @@ where
 /// A [`Pool::migrate_once`] name: 1 to [`MAX_NAME_LEN`] bytes, no NUL
 /// byte or other control character. Checked before anything runs.
 fn check_name(name: &str) -> Result<(), Error> {
-    let bad = |rule| Err(name_error("migrate_once name", name, rule));
-    if name.is_empty() {
-        return bad(NameRule::Empty);
-    }
-    if name.len() > MAX_NAME_LEN {
-        return bad(NameRule::TooLong {
-            len: name.len(),
-            max: MAX_NAME_LEN,
-        });
-    }
-    if let Some(found) = name.chars().find(|c| c.is_control()) {
-        return bad(NameRule::Character {
-            found,
-            allowed: "no NUL byte or other control character",
-        });
-    }
-    Ok(())
+    check_text_name("migrate_once name", name, MAX_NAME_LEN)
 }
 
 async fn begin(conn: &mut Client) -> Result<Transaction<'_>, Error> {
