@@ -268,7 +268,16 @@ async fn resize_under_load_never_has_more_out_than_the_size_in_force() {
         eventually(
             Duration::from_secs(10),
             "the pool settled at its new size",
-            || async { pool.status().in_use <= size && backends(&admin).await <= size as i64 },
+            || async {
+                let s = pool.status();
+                let request = s.lane(Lane::Request);
+                // Every lane back within its new limit (the request lane's
+                // checkouts from before a shrink come back first).
+                s.in_use <= size
+                    && request.in_use <= request.max
+                    && out.load(Ordering::SeqCst) <= request.max
+                    && backends(&admin).await <= size as i64
+            },
         )
         .await;
         // From then on: sample pgwarden's count, the workers' own count and
