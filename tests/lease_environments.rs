@@ -530,7 +530,7 @@ async fn a_scheduler_stops_quietly_once_its_pool_is_closed() {
     let scheduler = {
         let runs = runs.clone();
         Scheduler::builder(&leases)
-            .job(Job::every("tick", 200 * MS, move |_| {
+            .job(Job::every("tick", S, move |_| {
                 let runs = runs.clone();
                 async move {
                     runs.fetch_add(1, Ordering::SeqCst);
