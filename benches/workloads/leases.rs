@@ -25,8 +25,12 @@ use crate::{BoxError, Row, Settings};
 const TASKS: usize = 16;
 const POOL: usize = 16;
 const TTL: Duration = Duration::from_secs(60);
-const TABLE: &str = "\"pgwarden_leases\"";
-const SEQUENCE_LITERAL: &str = "'\"pgwarden_leases_token_seq\"'";
+const TABLE: &str = "\"public\".\"pgwarden_leases\"";
+const SEQUENCE_LITERAL: &str = "'\"public\".\"pgwarden_leases_token_seq\"'";
+/// The lock bounds `Statements::new` writes into the texts for the default
+/// settings: the take-over's 20 ms, and the 10 s statement timeout.
+const TAKEOVER_BOUND: &str = "set_config('lock_timeout', '20', true) IS NOT NULL";
+const WAIT_BOUND: &str = "set_config('lock_timeout', '10000', true) IS NOT NULL";
 
 pub fn describe(s: Settings) -> String {
     format!(
@@ -37,45 +41,39 @@ pub fn describe(s: Settings) -> String {
     )
 }
 
-/// The text of one of pgwarden's lease statements (`acquire`,
-/// `release_delete`) for the default table, taken from its source, with the
-/// per-name lock key and the server-side lock bound spelled out as
+/// The text of one of pgwarden's lease statements (`acquire`, `release`)
+/// for the default table and settings, taken from its source, with the
+/// shared clauses and the server-side lock bounds spelled out as
 /// `Statements::new` does.
 pub fn statement(field: &str) -> Result<String, BoxError> {
-    const SRC: &str = include_str!("../../src/lease/sql.rs");
     let err = || format!("src/lease/sql.rs: cannot find the `{field}` statement's text");
-    let at = SRC.find(&format!("{field}: format!(")).ok_or_else(err)?;
-    let rest = &SRC[at..];
-    let open = rest.find('"').ok_or_else(err)? + 1;
-    let body = &rest[open..];
-    let close = body.find("\"\n").ok_or_else(err)?;
-    let mut text = body[..close]
+    let text = format_body(&format!("{field}: format!("))
+        .ok_or_else(err)?
+        .replace(
+            "{free}",
+            &format_body("let free = format!(").ok_or_else(err)?,
+        )
+        .replace(
+            "{on_conflict}",
+            &format_body("let on_conflict = format!(").ok_or_else(err)?,
+        )
+        .replace("{bound}", TAKEOVER_BOUND)
+        .replace("{wait}", WAIT_BOUND)
         .replace("{tbl}", TABLE)
-        .replace("{seq}", SEQUENCE_LITERAL)
-        .replace("{key}", &format!("1885828964, hashtext('{TABLE}' || $1)"))
-        .replace("{on_conflict}", &on_conflict()?);
-    for n in 1..=9 {
-        text = text.replace(
-            &format!("{{w{n}}}"),
-            &format!("set_config('lock_timeout', ${n}::int4::text, true) IS NOT NULL"),
-        );
-    }
+        .replace("{seq}", SEQUENCE_LITERAL);
     if text.contains(['{', '}']) || !text.contains(TABLE) {
         return Err(err().into());
     }
     Ok(text)
 }
 
-/// The `ON CONFLICT` clause both acquisition statements share.
-fn on_conflict() -> Result<String, BoxError> {
+/// The string literal of the `format!` that follows `marker` in
+/// `src/lease/sql.rs`.
+fn format_body(marker: &str) -> Option<String> {
     const SRC: &str = include_str!("../../src/lease/sql.rs");
-    let err = "src/lease/sql.rs: cannot find the ON CONFLICT clause";
-    let at = SRC.find("let on_conflict = format!(").ok_or(err)?;
-    let rest = &SRC[at..];
-    let open = rest.find('"').ok_or(err)? + 1;
-    let body = &rest[open..];
-    let close = body.find("\"\n").ok_or(err)?;
-    Ok(body[..close].replace("{seq}", SEQUENCE_LITERAL))
+    let rest = &SRC[SRC.find(marker)?..];
+    let body = &rest[rest.find('"')? + 1..];
+    Some(body[..body.find("\"\n")?].to_owned())
 }
 
 /// Statistics of one database, read from another connection.
@@ -133,7 +131,7 @@ impl Raw {
         Ok(Raw {
             pool: db.deadpool(size)?,
             acquire: statement("acquire")?,
-            release: statement("release_delete")?,
+            release: statement("release")?,
             host: std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_owned())
                 .unwrap_or_else(|_| "bench".into()),
@@ -147,23 +145,20 @@ impl Raw {
             std::process::id(),
             rand::random::<u64>()
         );
-        let (ttl, wait_ms) = (TTL.as_secs_f64(), 10_000i32);
+        let ttl = TTL.as_secs_f64();
         let conn = self.pool.get().await?;
         let stmt = conn
-            .prepare_typed_cached(
-                &self.acquire,
-                &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::INT4],
-            )
+            .prepare_typed_cached(&self.acquire, &[Type::TEXT, Type::TEXT, Type::FLOAT8])
             .await?;
-        conn.query_opt(&stmt, &[&name, &holder, &ttl, &wait_ms])
+        conn.query_opt(&stmt, &[&name, &holder, &ttl])
             .await?
             .ok_or("acquire: busy")?;
         drop(conn);
         let conn = self.pool.get().await?;
         let stmt = conn
-            .prepare_typed_cached(&self.release, &[Type::TEXT, Type::TEXT, Type::INT4])
+            .prepare_typed_cached(&self.release, &[Type::TEXT, Type::TEXT])
             .await?;
-        match conn.execute(&stmt, &[&name, &holder, &wait_ms]).await? {
+        match conn.execute(&stmt, &[&name, &holder]).await? {
             1 => Ok(()),
             _ => Err("release: not ours".into()),
         }
