@@ -67,7 +67,9 @@ where
         .collect();
     let mut total = 0;
     for h in handles {
-        total += h.await.unwrap_or(0);
+        total += h
+            .await
+            .expect("a benchmark task failed: its operation panicked");
     }
     total as f64 / start.elapsed().as_secs_f64()
 }

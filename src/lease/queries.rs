@@ -8,7 +8,7 @@ use tokio_postgres::{Error as PgError, Row};
 
 use super::sql::{
     Statements, Taken, ACQUIRE_HELD_TYPES, ACQUIRE_TYPES, FENCE_GRACE, FENCE_TYPES, NAME_TYPES,
-    PURGE_LOCK_WAIT, PURGE_TYPES, RELEASE_TYPES, RENEW_TYPES,
+    RELEASE_TYPES, RENEW_TYPES,
 };
 
 /// Runs `text` with `params`: prepared and cached on the connection when
@@ -211,47 +211,46 @@ impl Statements {
     }
 
     /// Deletes up to `limit` rows released or expired for longer than
-    /// `age`; returns how many, or `None` when the table lock was not to be
-    /// had within [`PURGE_LOCK_WAIT`] (the round is skipped).
+    /// `age`; returns how many, or `None` when a lease statement was in
+    /// flight (the round is skipped).
     ///
-    /// The transaction takes the table's `SHARE` lock first: it waits for
-    /// every lease statement in flight (each holds `ROW EXCLUSIVE` until it
-    /// ends), so no acquisition that drew a token for a new row before the
-    /// purge can insert it after a purged row of the same name with a
-    /// larger token. Lease statements that come meanwhile wait for the
-    /// purge's one `DELETE`.
+    /// One round trip, one implicit transaction: the table's `SHARE` lock
+    /// taken with `NOWAIT`, then the `DELETE`. The lock is granted only when
+    /// no lease statement is in flight (each holds `ROW EXCLUSIVE` until it
+    /// ends, from before it draws a token), so no acquisition that drew a
+    /// token for a new row before the purge can insert it after a purged
+    /// row of the same name with a larger token. It never queues (a queued
+    /// request would hold up every lease statement behind it, and an
+    /// acquisition's 20 ms lock bound would answer busy for a free name);
+    /// statements that come while the `DELETE` runs wait for it alone.
     pub(crate) async fn purge(
         &self,
         client: &mut Client,
         age: Duration,
         limit: i64,
     ) -> Result<Option<u64>, PgError> {
-        let age = age.as_secs_f64();
-        let tx = client.transaction().await?;
-        let wait = PURGE_LOCK_WAIT.as_millis();
-        let locked = tx
-            .batch_execute(&format!(
-                "SET LOCAL lock_timeout = {wait}; LOCK TABLE {} IN SHARE MODE",
-                self.table
-            ))
-            .await;
-        match locked {
+        // Both values are this crate's own numbers, formatted as SQL
+        // numbers (the simple query protocol takes no parameters).
+        let text = self
+            .purge
+            .replace("$1", &format!("{:.6}::float8", age.as_secs_f64()))
+            .replace("$2", &format!("{limit}::int8"));
+        let batch = format!("LOCK TABLE {} IN SHARE MODE NOWAIT; {text}", self.table);
+        match client.simple_query(&batch).await {
+            Ok(messages) => Ok(Some(
+                messages
+                    .iter()
+                    .filter_map(|m| match m {
+                        tokio_postgres::SimpleQueryMessage::CommandComplete(n) => Some(*n),
+                        _ => None,
+                    })
+                    .last()
+                    .unwrap_or(0),
+            )),
             Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
-                tx.rollback().await?;
-                return Ok(None);
+                Ok(None)
             }
-            other => other?,
+            Err(e) => Err(e),
         }
-        let n = tx
-            .execute_typed(
-                &self.purge,
-                &[
-                    (&age, PURGE_TYPES[0].clone()),
-                    (&limit, PURGE_TYPES[1].clone()),
-                ],
-            )
-            .await?;
-        tx.commit().await?;
-        Ok(Some(n))
     }
 }

@@ -35,10 +35,10 @@
 //!   marked released (holder `''`, expired): the next term of the name takes
 //!   the row over and draws its token with the row locked, so it is larger
 //!   than every token of the rows before it. Only a new name draws its token
-//!   before its row exists; only the purge deletes rows, and only rows
-//!   released or expired for longer than its age (at least
-//!   [`MIN_PURGE_AGE`](super::settings::MIN_PURGE_AGE)), far beyond the time a statement takes between its
-//!   draw and its insert.
+//!   before its row exists; only the purge deletes rows, and only once it
+//!   holds the table's `SHARE` lock, which no lease statement in flight
+//!   allows (it takes it with `NOWAIT`, or skips its round): no new row
+//!   drawn before a purge lands after it.
 //! - **Busy** is a statement that returns no row. Waiting callers ask when
 //!   the lease may be free with a second, read-only statement.
 //! - **Bounded on the server too.** Acquisitions, renewals and releases set
@@ -68,10 +68,6 @@ pub(crate) const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.i
 /// How long an acquisition's take-over of an expired row may wait for a
 /// lock on that row before it answers busy: 20 ms.
 pub(crate) const TAKEOVER_WAIT: Duration = Duration::from_millis(20);
-
-/// How long the purge may wait for its table lock before it skips a round:
-/// 100 ms.
-pub(crate) const PURGE_LOCK_WAIT: Duration = Duration::from_millis(100);
 
 /// How far past its term's expiry a fenced transaction may last on the
 /// server (idle, or in one statement) before the server ends it: 1 s.
@@ -124,7 +120,6 @@ pub(super) const RENEW_TYPES: &[Type] = &[
 ];
 pub(super) const RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
 pub(super) const FENCE_TYPES: &[Type] = &[Type::TEXT, Type::INT8];
-pub(super) const PURGE_TYPES: &[Type] = &[Type::FLOAT8, Type::INT8];
 
 /// `lock_timeout` for the statement's own transaction, as a constant of
 /// the statement's text (at least 1 ms: 0 would mean no bound).
@@ -223,8 +218,8 @@ RETURNING l.name, l.token"
  LIMIT 1"
             ),
             // Rows released or expired for longer than `$1` seconds, at most
-            // `$2`, under the table lock the purge's transaction takes first
-            // (see `Statements::purge`).
+            // `$2`, after the table lock the purge takes first without
+            // waiting (see `Statements::purge`).
             purge: format!(
                 "DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
   SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))"
