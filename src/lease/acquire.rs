@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::calls::{Acquire, Attempt, Blocker, FreeIn, Install};
+pub(crate) use super::calls::Busy;
+use super::calls::{Acquire, Blocker, FreeIn, Install};
 use super::guard::{Lease, LeaseHandle};
 use super::inner::Inner;
 use super::name;
@@ -22,15 +23,6 @@ pub(crate) const MAX_POLL: Duration = Duration::from_millis(500);
 /// At most one log line per this interval, per instance, for blocked
 /// take-overs (each is counted).
 const BLOCKED_LOG_EVERY: Duration = Duration::from_secs(10);
-
-/// Why an attempt did not take the lease.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Busy {
-    /// Another term holds it (or its hold keeps it).
-    Held,
-    /// Its term is over, but another session holds a lock on its row.
-    Blocked,
-}
 
 impl Inner {
     /// Before the first statement: find out, in the background, whether the
@@ -155,11 +147,12 @@ impl Inner {
             .run_then(Urgency::Normal, self.statement_timeout, &stmt, follow_up)
             .await?
         {
-            Attempt::Taken(taken) => taken,
-            Attempt::Busy => return Ok(Err(Busy::Held)),
-            Attempt::Blocked => {
-                self.takeover_blocked(name).await;
-                return Ok(Err(Busy::Blocked));
+            Ok(taken) => taken,
+            Err(busy) => {
+                if busy == Busy::Blocked {
+                    self.takeover_blocked(name).await;
+                }
+                return Ok(Err(busy));
             }
         };
         let taken_at = Duration::try_from_secs_f64(taken.taken_at)

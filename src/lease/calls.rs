@@ -33,16 +33,14 @@ macro_rules! lease_statement {
     };
 }
 
-/// What one acquisition attempt found.
-#[derive(Debug)]
-pub(crate) enum Attempt {
-    /// A new term.
-    Taken(Taken),
-    /// Another term holds the name (or holds it from being taken: a hold).
-    Busy,
-    /// The name's term is over, but its row was locked by another session
-    /// for longer than [`TAKEOVER_WAIT`](super::sql::TAKEOVER_WAIT): a
-    /// fenced transaction of the expired term, or anyone holding the row.
+/// Why an acquisition attempt did not take the lease.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Busy {
+    /// Another term holds it (or its hold keeps it).
+    Held,
+    /// Its term is over, but another session held a lock on its row for
+    /// longer than [`TAKEOVER_WAIT`](super::sql::TAKEOVER_WAIT): a fenced
+    /// transaction of the expired term, or anyone holding the row.
     Blocked,
 }
 
@@ -56,16 +54,21 @@ pub(crate) struct Acquire<'a> {
 }
 
 impl LeaseStatement for Acquire<'_> {
-    type Out = Attempt;
+    type Out = Result<Taken, Busy>;
     const WHAT: &'static str = "acquisition";
-    async fn exec(&self, sql: &Statements, c: &mut Client, call: Call) -> Result<Attempt, PgError> {
+    async fn exec(
+        &self,
+        sql: &Statements,
+        c: &mut Client,
+        call: Call,
+    ) -> Result<Result<Taken, Busy>, PgError> {
         let taken = sql
             .acquire(c, call.named, self.name, self.holder, self.ttl, self.hold)
             .await?;
-        Ok(taken.map_or(Attempt::Busy, Attempt::Taken))
+        Ok(taken.ok_or(Busy::Held))
     }
-    fn on_lock_timeout() -> Option<Attempt> {
-        Some(Attempt::Blocked)
+    fn on_lock_timeout() -> Option<Result<Taken, Busy>> {
+        Some(Err(Busy::Blocked))
     }
 }
 
