@@ -214,15 +214,21 @@ impl Statements {
     /// `age`; returns how many, or `None` when a lease statement was in
     /// flight (the round is skipped).
     ///
-    /// One round trip, one implicit transaction: the table's `SHARE` lock
-    /// taken with `NOWAIT`, then the `DELETE`. The lock is granted only when
-    /// no lease statement is in flight (each holds `ROW EXCLUSIVE` until it
-    /// ends, from before it draws a token), so no acquisition that drew a
-    /// token for a new row before the purge can insert it after a purged
-    /// row of the same name with a larger token. It never queues (a queued
-    /// request would hold up every lease statement behind it, and an
-    /// acquisition's 20 ms lock bound would answer busy for a free name);
-    /// statements that come while the `DELETE` runs wait for it alone.
+    /// First a plain read finds the rows (their `ctid`s), holding no lock a
+    /// lease statement waits for: the scan of the table, as long as it
+    /// takes, holds nobody up, and when no row is old enough nothing else
+    /// happens. Then one round trip, one implicit transaction: the table's
+    /// `SHARE` lock taken with `NOWAIT`, and the `DELETE` of those rows by
+    /// `ctid` (a TID scan of at most `limit` rows), each checked again. The
+    /// lock is granted only when no lease statement is in flight (each
+    /// holds `ROW EXCLUSIVE` until it ends, from before it draws a token),
+    /// so no acquisition that drew a token for a new row before the purge
+    /// can insert it after a purged row of the same name with a larger
+    /// token. It never queues (a queued request would hold up every lease
+    /// statement behind it); statements that come while the `DELETE` runs
+    /// wait for it alone, which is short: an acquisition waits at most 20 ms
+    /// for a lock before it answers busy, so the purge must not scan the
+    /// table under its lock.
     pub(crate) async fn purge(
         &self,
         client: &mut Client,
@@ -231,11 +237,32 @@ impl Statements {
     ) -> Result<Option<u64>, PgError> {
         // Both values are this crate's own numbers, formatted as SQL
         // numbers (the simple query protocol takes no parameters).
-        let text = self
-            .purge
-            .replace("$1", &format!("{:.6}::float8", age.as_secs_f64()))
-            .replace("$2", &format!("{limit}::int8"));
-        let batch = format!("LOCK TABLE {} IN SHARE MODE NOWAIT; {text}", self.table);
+        let old = format!(
+            "greatest(expires_at, held_until) < now() - make_interval(secs => {:.6}::float8)",
+            age.as_secs_f64()
+        );
+        let find = format!(
+            "SELECT ctid::text FROM {} WHERE {old} LIMIT {limit}",
+            self.table
+        );
+        let mut tids = Vec::new();
+        for m in client.simple_query(&find).await? {
+            if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+                // The server's own `(block,offset)` text: spliced back only
+                // once it is checked to be two numbers.
+                if let Some(t) = r.get(0).and_then(tid) {
+                    tids.push(t);
+                }
+            }
+        }
+        if tids.is_empty() {
+            return Ok(Some(0));
+        }
+        let batch = format!(
+            "LOCK TABLE {t} IN SHARE MODE NOWAIT; DELETE FROM {t} WHERE ctid = ANY ('{{{}}}'::tid[]) AND {old}",
+            tids.join(","),
+            t = self.table
+        );
         match client.simple_query(&batch).await {
             Ok(messages) => Ok(Some(
                 messages
@@ -251,6 +278,41 @@ impl Statements {
                 Ok(None)
             }
             Err(e) => Err(e),
+        }
+    }
+}
+
+/// A `ctid` as the server writes it, `(block,offset)`, checked to be just
+/// that, as an element of an array literal: `"(12,5)"` (with its quotes).
+fn tid(text: &str) -> Option<String> {
+    let inner = text.strip_prefix('(')?.strip_suffix(')')?;
+    let (block, offset) = inner.split_once(',')?;
+    let block: u32 = block.parse().ok()?;
+    let offset: u16 = offset.parse().ok()?;
+    // Quoted as an array element: the comma would split it otherwise.
+    Some(format!("\"({block},{offset})\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tid;
+
+    #[test]
+    fn a_tid_is_two_numbers_or_nothing() {
+        assert_eq!(tid("(12,5)").as_deref(), Some(r#""(12,5)""#));
+        assert_eq!(tid("(0,1)").as_deref(), Some(r#""(0,1)""#));
+        for bad in [
+            "",
+            "(1,2",
+            "1,2)",
+            "(1;2)",
+            "(a,1)",
+            "(1,2),(3,4)",
+            "(1,2)'",
+            "(-1,2)",
+            "(1,99999)",
+        ] {
+            assert_eq!(tid(bad), None, "{bad:?}");
         }
     }
 }
