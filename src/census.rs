@@ -83,13 +83,6 @@ pub enum Owner {
     Idle,
 }
 
-impl Owner {
-    /// A connection of this pool, checked out or idle.
-    pub fn is_ours(&self) -> bool {
-        !matches!(self, Owner::Other)
-    }
-}
-
 /// The advisory locks of the database at one moment.
 ///
 /// ```no_run
@@ -107,7 +100,7 @@ pub struct Census {
 impl Census {
     /// The locks on this pool's connections.
     pub fn ours(&self) -> impl Iterator<Item = &AdvisoryLock> {
-        self.locks.iter().filter(|l| l.owner.is_ours())
+        self.locks.iter().filter(|l| l.owner != Owner::Other)
     }
 
     /// The locks on connections idle in this pool: leaks.
