@@ -21,10 +21,13 @@ concepts that call into each other are one concept or need a third.
 Prints the cycles, the rule violations and the pairs calling both ways,
 and exits 1 when there is any.
 
-Usage: python3 .ci/layers.py [--graph] [--calls-report]   (from the repository root)
+Usage: python3 .ci/layers.py [--graph] [--calls-report] [--self-test]
+(from the repository root)
   --graph         the import edges of every file
   --calls-report  the call edges (caller -> definer: names), and the names
                   called across files that were not resolved
+  --self-test     runs the checks on small made-up trees: a method call back
+                  and forth is caught, what only looks like one is not
 """
 import os
 import re
@@ -287,7 +290,8 @@ def call_edges(files, texts, test_files, aliases, globs, defs, absolute, report=
       path into std or a dependency (`Box::pin`, `Manager::from_config`)
       is no edge;
     - `name(`: the name is imported by a `use` or the file has a glob `use`
-      (a local closure or variable of that name is no edge);
+      (a local closure or variable, or a `fn` nested in a body, of that
+      name is no edge);
     - `.name(`: a method call, unless NAME is in AMBIGUOUS.
     A name two or more files define is not resolved (the receiver's type
     decides which; that is an abstraction, not a back-and-forth call).
@@ -303,6 +307,8 @@ def call_edges(files, texts, test_files, aliases, globs, defs, absolute, report=
     edges, unresolved = {}, {}
     for mod, text in code.items():
         lines = text.splitlines()
+        # A `fn` nested in a body shadows the item of that name for plain calls.
+        local = set(FN_RE.findall(text))
         for m in CALL_RE.finditer(text):
             name = m.group("name")
             owners = defined.get(name, set())
@@ -331,8 +337,8 @@ def call_edges(files, texts, test_files, aliases, globs, defs, absolute, report=
                 if name in AMBIGUOUS:
                     unresolved.setdefault(name, []).append((files[mod], 0))
                     continue
-            elif name not in aliases[mod] and not globs[mod]:
-                continue  # a local closure or variable
+            elif name in local or (name not in aliases[mod] and not globs[mod]):
+                continue  # a local fn, closure or variable
             line = text.count("\n", 0, m.start("name")) + 1
             if len(owners) > 1:
                 unresolved.setdefault(name, []).append((files[mod], line))
@@ -351,7 +357,8 @@ def call_edges(files, texts, test_files, aliases, globs, defs, absolute, report=
     return edges
 
 
-def main():
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     files = {}
     for root, _, names in os.walk(SRC):
         for n in names:
@@ -512,7 +519,7 @@ def main():
                     failed = True
                     print(f"layer rule: {fname(m)} ({src_prefix}) imports {fname(d)}")
 
-    calls = call_edges(files, texts, test_files, aliases, globs, defs, absolute, "--calls-report" in sys.argv)
+    calls = call_edges(files, texts, test_files, aliases, globs, defs, absolute, "--calls-report" in argv)
     for a, b in sorted({tuple(sorted(k)) for k in calls if k[::-1] in calls}):
         failed = True
         print(f"calls both ways between {fname(a)} and {fname(b)}:")
@@ -522,7 +529,7 @@ def main():
             if len(calls[(x, y)]) > 3:
                 print(f"    … and {len(calls[(x, y)]) - 3} more call sites of {fname(y)} in {fname(x)}")
 
-    if "--graph" in sys.argv:
+    if "--graph" in argv:
         for m in sorted(edges):
             print(fname(m), "->", ", ".join(sorted(fname(d) for d in edges[m])))
     if not failed:
@@ -530,5 +537,62 @@ def main():
     return 1 if failed else 0
 
 
+SELF_TESTS = [
+    # (files, the exit code, a line the output must hold)
+    (
+        {
+            "lib.rs": "mod a;\nmod b;\npub struct S;\n",
+            "a.rs": "use crate::S;\nimpl S {\n    pub fn renew(&self) {\n        self.purge_due();\n    }\n}\n",
+            "b.rs": "use crate::S;\nimpl S {\n    pub fn purge_due(&self) {\n        // self.nothing()\n        self.renew();\n    }\n}\n",
+        },
+        1,
+        "    src/b.rs:5 calls renew of src/a.rs",
+    ),
+    (
+        {
+            "lib.rs": "mod a;\nmod b;\npub struct S;\n",
+            # one way only; a comment, a string, a macro, a nested fn, a
+            # std path, an attribute and an ambiguous method name are no calls
+            "a.rs": "use crate::S;\nimpl S {\n    pub fn renew(&self) {\n        self.purge_due();\n    }\n}\n",
+            "b.rs": (
+                "use crate::S;\nuse crate::a::*;\n#[derive(Debug)]\nstruct T;\nimpl S {\n    pub fn purge_due(&self) {\n"
+                "        // self.renew()\n        let _ = \"renew()\";\n        println!(\"{}\", 1);\n"
+                "        fn renew() {}\n        renew();\n        let _ = Box::pin(());\n"
+                "        let v: Vec<u8> = Vec::new();\n        let _ = v.len();\n    }\n}\n"
+            ),
+        },
+        0,
+        "no calls both ways",
+    ),
+]
+
+
+def self_test():
+    import contextlib
+    import io
+    import tempfile
+
+    here, failures = os.getcwd(), 0
+    for files, want_rc, want_line in SELF_TESTS:
+        with tempfile.TemporaryDirectory() as d:
+            os.makedirs(os.path.join(d, SRC))
+            for name, text in files.items():
+                with open(os.path.join(d, SRC, name), "w") as f:
+                    f.write(text)
+            os.chdir(d)
+            out = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(out):
+                    rc = main([])
+            finally:
+                os.chdir(here)
+        got = out.getvalue()
+        if rc != want_rc or want_line not in got.splitlines() and want_line not in got:
+            failures += 1
+            print(f"self-test failed: want exit {want_rc} and {want_line!r}, got exit {rc}:\n{got}")
+    print(f"self-test: {len(SELF_TESTS) - failures} of {len(SELF_TESTS)} passed")
+    return 1 if failures else 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(self_test() if "--self-test" in sys.argv else main())
