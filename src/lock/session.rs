@@ -58,16 +58,6 @@ impl SessionLock {
         self.held.key
     }
 
-    /// Exclusive or shared.
-    pub fn mode(&self) -> LockMode {
-        self.held.mode
-    }
-
-    /// Levels held: 1 after acquisition, +1 per [`SessionLock::lock_again`].
-    pub fn depth(&self) -> u32 {
-        self.depth
-    }
-
     /// The connection the lock lives on: statements that must run in the
     /// lock's session go here. Other work belongs on a request connection
     /// (`pool.get()`). Releasing the lock with raw SQL on it makes the next
