@@ -75,9 +75,15 @@ impl Pool {
         let start = tokio::time::Instant::now();
         // The caller's bound, tightened by the `Deadline` scope it runs in.
         let deadline = bounded(start, deadline(start, timeout));
-        let permit = shared
-            .admit(lane, prio, patient, site, start, deadline)
-            .await?;
+        // Polled in place first: a checkout admitted and served at once is
+        // handed out at `start`, with no second clock read.
+        let admit = shared.admit(lane, prio, patient, site, start, deadline);
+        tokio::pin!(admit);
+        let (permit, mut waited) =
+            match std::future::poll_fn(|cx| Poll::Ready(admit.as_mut().poll(cx))).await {
+                Poll::Ready(r) => (r?, false),
+                Poll::Pending => (admit.await?, true),
+            };
         let lm = shared.metrics.lane(lane);
         loop {
             // deadpool is asked not to wait (after admission it always has
@@ -87,7 +93,10 @@ impl Pool {
             tokio::pin!(get);
             let got = match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
                 Poll::Ready(r) => Some(r),
-                Poll::Pending => tokio::time::timeout_at(deadline, get).await.ok(),
+                Poll::Pending => {
+                    waited = true;
+                    tokio::time::timeout_at(deadline, get).await.ok()
+                }
             };
             let got = match got {
                 Some(Ok(o)) => Ok(o),
@@ -125,7 +134,12 @@ impl Pool {
                     st.pids.remove(&id);
                     Seen::Tainted
                 } else if let Some(k) = st.pids.get(&id).copied() {
-                    Seen::Known(k.pid, st.attach(permit.slot, k.pid, id))
+                    let now = if waited {
+                        Instant::now()
+                    } else {
+                        start.into_std()
+                    };
+                    Seen::Known(k.pid, st.attach(permit.slot, k.pid, id, now))
                 } else {
                     Seen::New
                 }
@@ -149,7 +163,7 @@ impl Pool {
                             st.pids.retain(|id, _| out.contains(id));
                         }
                         st.pids.insert(id, Known { pid, created });
-                        (pid, st.attach(permit.slot, pid, id))
+                        (pid, st.attach(permit.slot, pid, id, Instant::now()))
                     }
                     Some(Err(e)) => {
                         lm.fail_backend.increment(1);
@@ -347,12 +361,14 @@ impl AsRef<deadpool_postgres::Client> for Client {
 impl Drop for Client {
     fn drop(&mut self) {
         if let Some(obj) = &self.obj {
+            let held = self.since.elapsed();
+            self.permit.held = Some(held);
             let shared = &self.permit.shared;
             shared
                 .metrics
                 .lane(self.permit.lane)
                 .hold
-                .record(self.since.elapsed().as_secs_f64());
+                .record(held.as_secs_f64());
             if obj.is_closed() {
                 shared.state.lock().pids.remove(&self.object);
             }

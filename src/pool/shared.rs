@@ -178,10 +178,15 @@ impl State {
             .collect()
     }
 
-    /// Completes a checkout record once its connection is known; returns
-    /// the checkout instant.
-    pub(super) fn attach(&mut self, slot: usize, pid: i32, object: ObjectId) -> Instant {
-        let now = Instant::now();
+    /// Completes a checkout record once its connection is known, handed
+    /// out at `now`; returns `now`.
+    pub(super) fn attach(
+        &mut self,
+        slot: usize,
+        pid: i32,
+        object: ObjectId,
+        now: Instant,
+    ) -> Instant {
         if let Some(c) = self.checkouts.get_mut(slot) {
             c.pid = Some(pid);
             c.object = Some(object);
@@ -228,11 +233,14 @@ pub(crate) struct Permit {
     pub(super) shared: Arc<Shared>,
     pub(super) slot: usize,
     pub(super) lane: Lane,
+    /// How long its connection was held, when the `Client` that held it
+    /// measured it on drop (one clock read for both records).
+    pub(super) held: Option<Duration>,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.shared.release(self.slot);
+        self.shared.release(self.slot, self.held);
     }
 }
 
@@ -490,6 +498,7 @@ impl Fired {
         }
         for (tx, answer) in self.first.into_iter().chain(self.rest) {
             let outcome = answer.map(|(slot, lane)| Permit {
+                held: None,
                 shared: shared.clone(),
                 slot,
                 lane,
@@ -609,6 +618,7 @@ impl Shared {
                         self.over_budget(site, first);
                     }
                     return Ok(Permit {
+                        held: None,
                         shared: self.clone(),
                         slot,
                         lane,
@@ -709,10 +719,9 @@ impl Shared {
     }
 
     /// Returns one checkout to the budget and serves the waiters it makes
-    /// room for.
-    pub(super) fn release(self: &Arc<Self>, slot: usize) {
+    /// room for; `held`: how long its connection was held, when measured.
+    pub(super) fn release(self: &Arc<Self>, slot: usize, held: Option<Duration>) {
         let mut fired = Fired::default();
-        let now = Instant::now();
         {
             let mut guard = self.state.lock();
             let st = &mut *guard;
@@ -723,8 +732,8 @@ impl Shared {
             // A connection was handed out (not a checkout that failed
             // after admission): its hold counts in the lane's average.
             if c.object.is_some() {
-                st.holds
-                    .record(c.lane, now.saturating_duration_since(c.since));
+                let held = held.unwrap_or_else(|| c.since.elapsed());
+                st.holds.record(c.lane, held);
             }
             let mut t = Tables {
                 waiters: &mut st.waiters,
