@@ -11,7 +11,7 @@ use super::guard::{Lease, LeaseHandle};
 use super::inner::Inner;
 use super::name;
 use super::options::LeaseOptions;
-use super::state::{LeaseState, TermInfo};
+use super::term::{LeaseState, TermInfo};
 use super::statement::{FollowUp, Urgency};
 use crate::error::Error;
 use crate::pooler::PoolerMode;

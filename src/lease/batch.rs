@@ -13,7 +13,7 @@ use super::calls::{Purge, Renew};
 use super::guard::LostReason;
 use super::registry::{Item, Registry};
 use super::statement::Urgency;
-use super::timing;
+use super::term;
 use super::Inner;
 use crate::error::{Error, LeaseError};
 
@@ -68,7 +68,7 @@ impl Inner {
         };
         let start = Instant::now();
         let deadlines = items.iter().map(|i| i.state.deadline());
-        let Some(budget) = timing::statement_budget(start, deadlines) else {
+        let Some(budget) = term::statement_budget(start, deadlines) else {
             guard.completed = true;
             return; // a deadline passed meanwhile: the next tick drops it
         };

@@ -8,7 +8,7 @@ use super::leases::Leases;
 use super::name::check_name;
 use super::settings::{default_settings, PurgeSettings, Settings};
 use super::table::{TableName, DEFAULT_TABLE};
-use super::timing;
+use super::term;
 use crate::error::{at_most, in_range, within, Error};
 use crate::pool::Pool;
 
@@ -115,12 +115,12 @@ impl LeasesBuilder {
         let table = TableName::parse(&self.table)?;
         let p = self.purge;
         {
-            at_most("lease purge age", p.age, timing::MAX_HOLD)?;
+            at_most("lease purge age", p.age, term::MAX_HOLD)?;
             within(
                 "lease purge interval",
                 p.every,
                 MIN_PURGE_INTERVAL,
-                timing::MAX_HOLD,
+                term::MAX_HOLD,
             )?;
         }
         for name in &self.declared {
@@ -130,7 +130,7 @@ impl LeasesBuilder {
             "lease statement timeout",
             self.statement_timeout,
             Bound::Excluded(Duration::ZERO),
-            Bound::Included(timing::MAX_TTL),
+            Bound::Included(term::MAX_TTL),
         )?;
         let settings = Settings {
             table,

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use super::state::{LeaseState, Term};
+use super::term::{LeaseState, Term};
 use super::Inner;
 use crate::error::{Error, LeaseError};
 

@@ -9,7 +9,7 @@ use super::guard::{Lease, LostReason};
 use super::inner::Inner;
 use super::options::LeaseOptions;
 use super::settings::{default_settings, Settings};
-use super::stats::LeaseStats;
+use super::metrics::LeaseStats;
 use crate::error::Error;
 use crate::pool::Pool;
 

@@ -126,11 +126,9 @@ mod runner;
 mod scheduler;
 mod settings;
 mod sql;
-mod state;
 mod statement;
-mod stats;
 mod table;
-mod timing;
+mod term;
 
 pub use admin::LeaseRow;
 pub use builder::LeasesBuilder;
@@ -139,7 +137,7 @@ pub use job::{Job, JobOutcome};
 pub use leases::Leases;
 pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Scheduler, SchedulerBuilder};
-pub use state::Term;
-pub use stats::LeaseStats;
+pub use term::Term;
+pub use metrics::LeaseStats;
 
 pub(crate) use inner::Inner;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::timing::{self, Timing};
+use super::term::{self, Timing};
 use crate::error::Error;
 
 /// The default lease TTL: 2 minutes.
@@ -119,9 +119,9 @@ impl LeaseOptions {
     /// Validates everything; the timing of the lease.
     pub(crate) fn validate(&self) -> Result<Timing, Error> {
         let t = Timing::new(self.ttl, self.renew_every, self.safety_margin)?;
-        timing::check_at_least(self.at_least)?;
+        term::check_at_least(self.at_least)?;
         if let Some(p) = self.period {
-            timing::check_period(p)?;
+            term::check_period(p)?;
         }
         Ok(t)
     }

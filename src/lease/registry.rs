@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::state::LeaseState;
-use super::timing::Timing;
+use super::term::LeaseState;
+use super::term::Timing;
 
 /// The leases an instance holds, by registration id.
 #[derive(Default)]

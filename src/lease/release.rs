@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::calls::Release;
 use super::guard::LostReason;
 use super::inner::Inner;
-use super::state::LeaseState;
+use super::term::LeaseState;
 use super::statement::Urgency;
 use crate::error::{Error, LeaseError};
 

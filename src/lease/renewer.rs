@@ -32,8 +32,8 @@ use tokio::sync::Notify;
 
 use super::guard::LostReason;
 use super::registry::{Entry, Item};
-use super::state::LeaseState;
-use super::timing::{self, Timing};
+use super::term::LeaseState;
+use super::term::{self, Timing};
 use super::Inner;
 use crate::pool::panic_message;
 
@@ -175,7 +175,7 @@ impl Inner {
                 true
             });
             for (id, e) in reg.entries.iter_mut() {
-                if !e.in_flight && timing::is_due(now, e.due, e.attempt, e.timing.window()) {
+                if !e.in_flight && term::is_due(now, e.due, e.attempt, e.timing.window()) {
                     e.in_flight = true;
                     batch.push(Item {
                         id: *id,

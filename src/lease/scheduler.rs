@@ -49,7 +49,7 @@ use tokio::task::JoinHandle;
 use super::job::Job;
 use super::name::{check_name, check_part, hostname};
 use super::runner::Runner;
-use super::timing::check_period;
+use super::term::check_period;
 use super::Leases;
 use crate::error::{name_error, Error, InvalidInput, NameRule};
 
