@@ -9,10 +9,10 @@ pub(crate) use super::calls::Busy;
 use super::calls::{Acquire, Blocker, FreeIn, Install};
 use super::guard::{Lease, LeaseHandle};
 use super::inner::Inner;
-use super::name;
 use super::options::LeaseOptions;
-use super::term::{LeaseState, TermInfo};
+use super::options::{check_name, new_holder};
 use super::statement::{FollowUp, Urgency};
+use super::term::{LeaseState, TermInfo};
 use crate::error::Error;
 use crate::pooler::PoolerMode;
 
@@ -105,11 +105,11 @@ impl Inner {
         name: &str,
         opts: &LeaseOptions,
     ) -> Result<Result<Lease, Busy>, Error> {
-        self.attempt_as(name, opts, name::new_holder()).await
+        self.attempt_as(name, opts, new_holder()).await
     }
 
     /// [`Inner::attempt`] under a holder id the caller made
-    /// ([`name::new_holder`]), so that it can release by holder after
+    /// ([`new_holder`]), so that it can release by holder after
     /// cancelling the attempt.
     pub(crate) async fn attempt_as(
         self: &Arc<Self>,
@@ -117,7 +117,7 @@ impl Inner {
         opts: &LeaseOptions,
         holder: String,
     ) -> Result<Result<Lease, Busy>, Error> {
-        name::check_name(name)?;
+        check_name(name)?;
         let timing = opts.validate()?;
         self.ensure_renewer();
         self.ensure_ready().await?;

@@ -15,7 +15,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{Error as PgError, Row};
 
 use super::leases::Leases;
-use super::name::check_name;
+use super::options::check_name;
 use super::sql::Statements;
 use super::statement::{Call, LeaseStatement, Urgency};
 use crate::error::Error;

@@ -5,8 +5,8 @@ use std::ops::Bound;
 use std::time::Duration;
 
 use super::leases::Leases;
-use super::name::check_name;
-use super::settings::{default_settings, PurgeSettings, Settings};
+use super::options::check_name;
+use super::options::{default_settings, PurgeSettings, Settings};
 use super::table::{TableName, DEFAULT_TABLE};
 use super::term;
 use crate::error::{at_most, in_range, within, Error};

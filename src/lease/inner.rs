@@ -12,12 +12,12 @@ use parking_lot::Mutex;
 use tokio::sync::{Notify, OnceCell};
 
 use super::metrics::LeaseMetrics;
-use super::registry::Registry;
-use super::settings::{PurgeSettings, Settings};
-use super::sql::Statements;
-use super::term::LeaseState;
 use super::metrics::LeaseStats;
+use super::options::{PurgeSettings, Settings};
+use super::registry::Registry;
+use super::sql::Statements;
 use super::table::TableName;
+use super::term::LeaseState;
 use crate::lost::LostReason;
 use crate::pool::Pool;
 

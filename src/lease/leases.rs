@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use super::acquire::{Busy, MAX_POLL};
 use super::guard::{Lease, LostReason};
 use super::inner::Inner;
-use super::options::LeaseOptions;
-use super::settings::{default_settings, Settings};
 use super::metrics::LeaseStats;
+use super::options::LeaseOptions;
+use super::options::{default_settings, Settings};
 use crate::error::Error;
 use crate::pool::Pool;
 

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use super::calls::Release;
 use super::guard::LostReason;
 use super::inner::Inner;
-use super::term::LeaseState;
 use super::statement::Urgency;
+use super::term::LeaseState;
 use crate::error::{Error, LeaseError};
 
 /// The least time left worth a second release attempt.

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use super::acquire::{Busy, MAX_POLL};
 use super::guard::{Lease, LeaseHandle, LostReason};
 use super::job::Job;
-use super::name::new_holder;
+use super::options::new_holder;
 use super::run::run_under;
 use super::Leases;
 use crate::pool::panic_message;

@@ -47,7 +47,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::job::Job;
-use super::name::{check_name, check_part, hostname};
+use super::options::{check_name, check_part, hostname};
 use super::runner::Runner;
 use super::term::check_period;
 use super::Leases;

@@ -21,15 +21,15 @@
 //! local deadline always falls `margin` before anyone else can take the
 //! lease over, whatever the wall clocks of the nodes say.
 
+use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-use std::ops::Bound;
 
 use tokio::sync::watch;
 
-use crate::lost::LostReason;
 use crate::error::{at_most, in_range, within, Error};
+use crate::lost::LostReason;
 
 /// One term of a lease: its name, fencing token, holder, when it began, and
 /// whose expired term it replaced. Plain data, read through
