@@ -5,13 +5,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-pub(crate) use super::calls::Busy;
-use super::calls::{Acquire, Blocker, FreeIn, Install};
 use super::guard::{Lease, LeaseHandle};
 use super::inner::Inner;
 use super::options::LeaseOptions;
 use super::options::{check_name, new_holder};
 use super::statement::{FollowUp, Urgency};
+use super::table::{Acquire, Blocker, Busy, FreeIn, Install};
 use super::term::{LeaseState, TermInfo};
 use crate::error::Error;
 use crate::pooler::PoolerMode;

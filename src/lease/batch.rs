@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use futures_util::FutureExt;
 
-use super::calls::{Purge, Renew};
 use super::guard::LostReason;
 use super::registry::{Item, Registry};
 use super::statement::Urgency;
+use super::table::{Purge, Renew};
 use super::term;
 use super::Inner;
 use crate::error::{Error, LeaseError};

@@ -15,7 +15,7 @@ use super::metrics::LeaseMetrics;
 use super::metrics::LeaseStats;
 use super::options::{PurgeSettings, Settings};
 use super::registry::Registry;
-use super::sql::Statements;
+use super::table::Statements;
 use super::table::TableName;
 use super::term::LeaseState;
 use crate::lost::LostReason;

@@ -4,12 +4,15 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::acquire::{Busy, MAX_POLL};
+use super::acquire::MAX_POLL;
 use super::guard::{Lease, LostReason};
 use super::inner::Inner;
 use super::metrics::LeaseStats;
+use super::options::check_name;
 use super::options::LeaseOptions;
 use super::options::{default_settings, Settings};
+use super::statement::Urgency;
+use super::table::{wait_ms, Busy, LeaseRow, ReadRows, Revoke};
 use crate::error::Error;
 use crate::pool::Pool;
 
@@ -217,6 +220,56 @@ impl Leases {
             held,
             ..*self.inner.stats.lock()
         }
+    }
+}
+
+impl Leases {
+    /// Every row of the lease table, by name, each with the backend holding
+    /// a row lock on it, if any ([`LeaseRow::blocker_pid`]): a fenced
+    /// transaction left open (a frozen or cut-off holder) blocks the
+    /// take-over of an expired term until it ends.
+    ///
+    /// Reads only: locked rows are found with `FOR UPDATE SKIP LOCKED` in a
+    /// transaction that is rolled back, which never waits on a row lock.
+    /// That probe needs the `UPDATE` privilege on the table; without it a
+    /// blocker is found only when the row names its transaction (`xmax`:
+    /// one locker, not several sharing the lock).
+    pub async fn rows(&self) -> Result<Vec<LeaseRow>, Error> {
+        let inner = &self.inner;
+        inner
+            .run(
+                Urgency::Normal,
+                inner.statement_timeout,
+                &ReadRows {
+                    wait_ms: wait_ms(inner.statement_timeout),
+                },
+            )
+            .await
+    }
+
+    /// Ends the current term of `name` by hand (an operator's last resort):
+    /// the row is marked released and expired, so its holder's
+    /// [`fence`](super::LeaseHandle::fence) is refused from now on and its
+    /// [`lost`](super::LeaseHandle::lost) signal fires at its next renewal
+    /// (`Taken`). The next acquisition takes the name at once, unless an
+    /// at-least hold (`held_until`) still runs: the hold is kept.
+    ///
+    /// Returns the row as it was (old holder and token), or `None` when
+    /// there is no row or no holder (already released). It does not wait
+    /// on a fenced transaction.
+    pub async fn revoke(&self, name: &str) -> Result<Option<LeaseRow>, Error> {
+        check_name(name)?;
+        let inner = &self.inner;
+        inner
+            .run(
+                Urgency::Urgent,
+                inner.statement_timeout,
+                &Revoke {
+                    name,
+                    wait_ms: wait_ms(inner.statement_timeout),
+                },
+            )
+            .await
     }
 }
 

@@ -105,30 +105,24 @@
 //! only at boot), or make the margin larger than any step you expect.
 
 mod acquire;
-mod admin;
 mod batch;
 mod builder;
-mod calls;
 mod guard;
 mod inner;
-mod install;
 mod job;
 mod leases;
 mod metrics;
 mod options;
-mod queries;
 mod registry;
 mod release;
 mod renewer;
 mod run;
 mod runner;
 mod scheduler;
-mod sql;
 mod statement;
 mod table;
 mod term;
 
-pub use admin::LeaseRow;
 pub use builder::LeasesBuilder;
 pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};
@@ -136,6 +130,7 @@ pub use leases::Leases;
 pub use metrics::LeaseStats;
 pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Scheduler, SchedulerBuilder};
+pub use table::LeaseRow;
 pub use term::Term;
 
 pub(crate) use inner::Inner;

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::calls::Release;
 use super::guard::LostReason;
 use super::inner::Inner;
 use super::statement::Urgency;
+use super::table::Release;
 use super::term::LeaseState;
 use crate::error::{Error, LeaseError};
 

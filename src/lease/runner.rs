@@ -8,11 +8,12 @@ use futures_util::FutureExt;
 use metrics::Counter;
 use tokio::sync::watch;
 
-use super::acquire::{Busy, MAX_POLL};
+use super::acquire::MAX_POLL;
 use super::guard::{Lease, LeaseHandle, LostReason};
 use super::job::Job;
 use super::options::new_holder;
 use super::run::run_under;
+use super::table::Busy;
 use super::Leases;
 use crate::pool::panic_message;
 

@@ -13,12 +13,11 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use deadpool_postgres::ClientWrapper as Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Error as PgError, NoTls};
 
 use super::inner::Inner;
-use super::sql::Statements;
+use super::table::{Call, LeaseStatement};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};
 use crate::pool::Client as Checkout;
@@ -35,33 +34,6 @@ pub(crate) enum Urgency {
     Urgent,
     /// Acquisitions, busy checks, install, purge.
     Normal,
-}
-
-/// A statement [`Inner::run`] can run: its text lives in [`Statements`].
-pub(crate) trait LeaseStatement: Sync {
-    type Out: Send;
-    /// What it is, in errors and metrics: `acquisition`, `renewal`…
-    const WHAT: &'static str;
-    /// Runs it once on `client`, named (prepared, cached) or unnamed.
-    fn exec<'a>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut Client,
-        call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a;
-    /// What the server ending one of its lock waits (`lock_timeout`) means
-    /// for it: `None`, a [`LeaseError::Timeout`]; an acquisition's take-over
-    /// answers busy instead.
-    fn on_lock_timeout() -> Option<Self::Out> {
-        None
-    }
-}
-
-/// How one statement is sent.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Call {
-    /// A named prepared statement (direct connections), or unnamed.
-    pub(crate) named: bool,
 }
 
 /// What to run after a cancelled statement's cancel request: for an
