@@ -7,9 +7,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::guard::{Lease, LeaseHandle};
 use super::inner::Inner;
+use super::inner::{FollowUp, Urgency};
 use super::options::LeaseOptions;
 use super::options::{check_name, new_holder};
-use super::statement::{FollowUp, Urgency};
 use super::table::{Acquire, Blocker, Busy, FreeIn, Install};
 use super::term::{LeaseState, TermInfo};
 use crate::error::Error;

@@ -10,8 +10,8 @@ use std::time::Instant;
 use futures_util::FutureExt;
 
 use super::guard::LostReason;
-use super::registry::{Item, Registry};
-use super::statement::Urgency;
+use super::inner::Urgency;
+use super::inner::{Item, Registry};
 use super::table::{Purge, Renew};
 use super::term;
 use super::Inner;

@@ -113,13 +113,11 @@ mod job;
 mod leases;
 mod metrics;
 mod options;
-mod registry;
 mod release;
 mod renewer;
 mod run;
 mod runner;
 mod scheduler;
-mod statement;
 mod table;
 mod term;
 

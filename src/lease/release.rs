@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::guard::LostReason;
 use super::inner::Inner;
-use super::statement::Urgency;
+use super::inner::Urgency;
 use super::table::Release;
 use super::term::LeaseState;
 use crate::error::{Error, LeaseError};

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::guard::LostReason;
-use super::registry::{Entry, Item};
+use super::inner::{Entry, Item};
 use super::term::LeaseState;
 use super::term::{self, Timing};
 use super::Inner;
