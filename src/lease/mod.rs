@@ -105,7 +105,6 @@
 //! only at boot), or make the margin larger than any step you expect.
 
 mod acquire;
-mod batch;
 mod builder;
 mod guard;
 mod inner;
