@@ -4,8 +4,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::acquire::Lease;
 use super::acquire::MAX_POLL;
-use super::guard::{Lease, LostReason};
 use super::inner::Inner;
 use super::inner::Urgency;
 use super::metrics::LeaseStats;
@@ -14,6 +14,7 @@ use super::options::LeaseOptions;
 use super::options::{default_settings, Settings};
 use super::table::{wait_ms, Busy, LeaseRow, ReadRows, Revoke};
 use crate::error::Error;
+use crate::lost::LostReason;
 use crate::pool::Pool;
 
 /// The lease table of one pool: acquire, renew (batched, in the background),

@@ -18,7 +18,7 @@ use std::time::Duration;
 use metrics::{Counter, Gauge, Histogram};
 use parking_lot::RwLock;
 
-use super::guard::LostReason;
+use crate::lost::LostReason;
 use crate::metrics::{
     describe, LEASES_HELD, LEASE_ACQUIRED, LEASE_JOB_PANICS, LEASE_LOST, LEASE_PURGED,
     LEASE_RENEWALS, LEASE_RENEWAL_DURATION, LEASE_RENEWER_PANICS, LEASE_RENEW_INTERVAL,

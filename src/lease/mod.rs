@@ -106,13 +106,11 @@
 
 mod acquire;
 mod builder;
-mod guard;
 mod inner;
 mod job;
 mod leases;
 mod metrics;
 mod options;
-mod release;
 mod renewer;
 mod run;
 mod runner;
@@ -120,8 +118,9 @@ mod scheduler;
 mod table;
 mod term;
 
+pub use crate::lost::LostReason;
+pub use acquire::{Lease, LeaseHandle};
 pub use builder::LeasesBuilder;
-pub use guard::{Lease, LeaseHandle, LostReason};
 pub use job::{Job, JobOutcome};
 pub use leases::Leases;
 pub use metrics::LeaseStats;
@@ -129,5 +128,3 @@ pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Scheduler, SchedulerBuilder};
 pub use table::LeaseRow;
 pub use term::Term;
-
-pub(crate) use inner::Inner;

@@ -2,10 +2,11 @@
 
 use std::future::Future;
 
-use super::guard::{Lease, LostReason};
+use super::acquire::Lease;
 use super::options::{LeaseOptions, OnLost};
 use super::{LeaseHandle, Leases};
 use crate::error::{Error, LeaseError};
+use crate::lost::LostReason;
 
 impl Leases {
     /// Runs `job` if this call takes `name` (one attempt), renewing the

@@ -9,12 +9,13 @@ use metrics::Counter;
 use tokio::sync::watch;
 
 use super::acquire::MAX_POLL;
-use super::guard::{Lease, LeaseHandle, LostReason};
+use super::acquire::{Lease, LeaseHandle};
 use super::job::Job;
 use super::options::new_holder;
 use super::run::run_under;
 use super::table::Busy;
 use super::Leases;
+use crate::lost::LostReason;
 use crate::pool::panic_message;
 
 /// Slack past a slot boundary, so the database sees it passed.
