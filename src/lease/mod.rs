@@ -107,13 +107,10 @@
 mod acquire;
 mod builder;
 mod inner;
-mod job;
 mod leases;
 mod metrics;
 mod options;
 mod renewer;
-mod run;
-mod runner;
 mod scheduler;
 mod table;
 mod term;
@@ -121,10 +118,10 @@ mod term;
 pub use crate::lost::LostReason;
 pub use acquire::{Lease, LeaseHandle};
 pub use builder::LeasesBuilder;
-pub use job::{Job, JobOutcome};
+
 pub use leases::Leases;
 pub use metrics::LeaseStats;
 pub use options::{LeaseOptions, OnLost};
-pub use scheduler::{Scheduler, SchedulerBuilder};
+pub use scheduler::{Job, JobOutcome, Scheduler, SchedulerBuilder};
 pub use table::LeaseRow;
 pub use term::Term;
