@@ -555,7 +555,7 @@ impl Leases {
     /// (the loss is logged and counted); with
     /// [`LeaseOptions::on_lost`]`(`[`OnLost::Cancel`]`)` the job's future is
     /// dropped (it stops at its next `.await`) and the call returns
-    /// [`LeaseError::Lost`](crate::LeaseError::Lost). A failed release after a completed job is
+    /// [`LeaseError::Lost`]. A failed release after a completed job is
     /// logged, not returned: the job ran, and the lease expires after its
     /// TTL.
     ///

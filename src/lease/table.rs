@@ -889,9 +889,9 @@ impl Statements {
     }
 }
 
-/// One row of the lease table, as [`Leases::rows`] reads it (all times from
-/// the database clock), or as it was just before [`Leases::revoke`] ended
-/// its term.
+/// One row of the lease table, as [`Leases::rows`](super::Leases::rows)
+/// reads it (all times from the database clock), or as it was just before
+/// [`Leases::revoke`](super::Leases::revoke) ended its term.
 ///
 /// ```no_run
 /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
