@@ -106,29 +106,28 @@
 //!
 //! # Files
 //!
+//! From the top down: each file names and calls items of the files below
+//! it only, never of one above (`.ci/layers.py` checks that no files import
+//! each other around a circle, and that no two call each other).
+//!
+//! - `scheduler.rs`: jobs under a lease: [`Leases::run`] (once),
+//!   [`Scheduler`] and [`Job`] (every period), one job's loop.
 //! - `mod.rs`: this front, [`Leases`] (the lease table of one pool) and
 //!   [`LeasesBuilder`] (its settings, and their defaults).
-//! - `options.rs`: [`LeaseOptions`] and [`OnLost`], an instance's settings
-//!   and their defaults, the rules for names and holder ids.
 //! - `acquire.rs`: acquire and release: one attempt, the guard it returns
 //!   ([`Lease`], [`LeaseHandle`]: term, lost signal, fence), the releases.
 //! - `renewer.rs`: the renewer task, its batches and its purge rounds.
 //! - `inner.rs`: the state an instance shares (`Inner`), the leases it holds
 //!   (`Registry`), the lost signal it fires, and the statement helper
 //!   (`Inner::run`: bounded, cancelled then closed when it runs out of time).
+//! - `options.rs`: [`LeaseOptions`] and [`OnLost`], an instance's settings
+//!   and their defaults, the rules for names and holder ids.
 //! - `table.rs`: the table: its name, the text of every statement and why it
 //!   looks the way it does, the calls that run them, install and its shape
 //!   check, the operator's rows and revoke.
 //! - `term.rs`: one term: [`Term`], its shared state and lost signal, its
 //!   timing (renewal, local deadline, back-off).
-//! - `scheduler.rs`: jobs under a lease: [`Leases::run`], [`Scheduler`],
-//!   [`Job`].
 //! - `metrics.rs`: the metrics and [`LeaseStats`] of an instance.
-//!
-//! Calls go one way, from the top of this list down (`options.rs`,
-//! `table.rs`, `term.rs` and `metrics.rs` call nothing of the others but
-//! `options.rs` into `term.rs`'s validation); `scheduler.rs` is above
-//! `mod.rs`, using only the public face of [`Leases`] and `acquire.rs`.
 
 mod acquire;
 mod inner;
@@ -141,7 +140,6 @@ mod term;
 
 pub use crate::lost::LostReason;
 pub use acquire::{Lease, LeaseHandle};
-
 pub use metrics::LeaseStats;
 pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Job, JobOutcome, Scheduler, SchedulerBuilder};
