@@ -41,9 +41,8 @@ use tokio::sync::Notify;
 use super::inner::{Entry, Inner, Item, Registry, Urgency};
 use super::table::{Purge, Renew};
 use super::term::{self, LeaseState, Timing};
-use crate::lost::LostReason;
-
 use crate::error::{Error, LeaseError};
+use crate::lost::LostReason;
 use crate::pool::panic_message;
 
 /// The most leases one renewal statement carries.
