@@ -1,16 +1,33 @@
 #!/usr/bin/env python3
-"""Checks the module layering of src/: no import cycle between files, and the
-layer rules of the README's Architecture section.
+"""Checks the module layering of src/: no import cycle between files, the
+layer rules of the README's Architecture section, and no two files that
+call each other's functions.
 
 Every file of src/ is a node. An edge goes from a file to the file that
 *defines* each crate item it names (`use crate::…`, `use super::…`, inline
 `crate::a::B` paths), following `use` re-exports to the definition, so a
 `mod.rs` that only declares and re-exports its children adds no cycle. A
 cycle is a set of files that reach each other. A `pub use` (re-export)
-adds no edge of its own; its target is what the names resolve to. Prints the cycles and the
-rule violations, and exits 1 when there is any.
+adds no edge of its own; its target is what the names resolve to.
 
-Usage: python3 .ci/layers.py [--graph]   (from the repository root)
+`use` does not show a method call: `impl Pool` blocks in two files can call
+each other's methods with no import either way. So a second graph holds
+call edges: a file calls a function or method that exactly one other file
+defines (see `call_edges` for how a call site is resolved and AMBIGUOUS
+for the names left out). Two files with call edges both ways fail the
+check, with the call sites printed: a file is one concept, and two
+concepts that call into each other are one concept or need a third.
+
+Prints the cycles, the rule violations and the pairs calling both ways,
+and exits 1 when there is any.
+
+Usage: python3 .ci/layers.py [--graph] [--calls-report] [--self-test]
+(from the repository root)
+  --graph         the import edges of every file
+  --calls-report  the call edges (caller -> definer: names), and the names
+                  called across files that were not resolved
+  --self-test     runs the checks on small made-up trees: a method call back
+                  and forth is caught, what only looks like one is not
 """
 import os
 import re
@@ -54,28 +71,42 @@ USE_RE = re.compile(r"^\s*(pub(?:\([^)]*\))?\s+)?use\s+([^;]+);", re.M)
 INLINE_RE = re.compile(r"\b((?:crate|super|self)(?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
+# One pass, left to right, so a `//` inside a string or a `"` inside a
+# comment or a char literal is not taken for what it is not.
+LEXEME_RE = re.compile(
+    r'(?P<comment>/\*.*?\*/|//[^\n]*)'
+    r'|(?P<string>\bb?r(?P<hashes>#*)".*?"(?P=hashes)|b?"(?:\\.|[^"\\])*")'
+    r"|(?P<char>b?'(?:\\.|[^'\\\n])')",  # a char literal: '(' is no call
+    re.S,
+)
+
+
 def strip_comments_and_strings(text):
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    text = re.sub(r"//[^\n]*", "", text)
-    text = re.sub(r'r#*"(?:.|\n)*?"#*', '""', text)
-    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
-    return text
+    def repl(m):
+        keep = {"comment": "", "string": '""', "char": "' '"}[m.lastgroup if m.lastgroup != "hashes" else "string"]
+        return keep + "\n" * m.group(0).count("\n")
+
+    return LEXEME_RE.sub(repl, text)
 
 
-def strip_tests(text):
+def strip_tests(text, test_children=None):
     # `#[cfg(test)] mod tests { … }` and `#[cfg(test)] mod tests;` are not layering.
+    # The names of the second kind (test-only files) go to `test_children`.
     out, i = [], 0
-    for m in re.finditer(r"#\[cfg\(test\)\]\s*mod\s+\w+\s*(;|\{)", text):
+    for m in re.finditer(r"#\[cfg\(test\)\]\s*mod\s+(\w+)\s*(;|\{)", text):
         if m.start() < i:
             continue
         out.append(text[i:m.start()])
-        if m.group(1) == ";":
+        if m.group(2) == ";":
+            if test_children is not None:
+                test_children.append(m.group(1))
             i = m.end()
             continue
         depth, j = 1, m.end()
         while j < len(text) and depth:
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             j += 1
+        out.append("\n" * text.count("\n", m.start(), j))
         i = j
     out.append(text[i:])
     return "".join(out)
@@ -162,7 +193,172 @@ def resolve_rel(mod, segs):
     return None  # external crate or a local name: resolved by the caller
 
 
-def main():
+FN_RE = re.compile(r"\bfn\s+([A-Za-z_][A-Za-z0-9_]*)")
+# `name(`, `.name(`, `path::name(`, `name::<T>(`, and a path naming a
+# function as a value (`.map(Self::name)`).
+CALL_RE = re.compile(
+    r"(?P<pre>\.\s*|(?P<path>(?:[A-Za-z_][A-Za-z0-9_]*\s*(?:::\s*<[^;{}()]*>\s*)?::\s*)+))?"
+    r"\b(?P<name>[a-z_][a-z0-9_]*)\s*(?:::\s*<[^;{}()]*>\s*)?(?P<post>\(|(?=\s*[),]))"
+)
+ATTR_RE = re.compile(r"#!?\[")
+
+# Function names defined in src/ that the calls rule never resolves in a
+# method call (`.name(`), because such a call is as likely to go to std,
+# tokio, futures, metrics, deadpool or tokio-postgres as to the crate: std
+# trait methods (`clone`, `from`, `fmt`, `drop`, …), everyday std and tokio
+# methods (`get`, `len`, `insert`, `send`, `take`, `min`, `set` of a
+# OnceLock or a gauge, `record` of a histogram, …), and deadpool's Pool API,
+# which pgwarden's Pool mirrors (`status`, `is_closed`, `timeouts`,
+# `resize`, `retain`, `manager`). A text scan does not know a receiver's
+# type; for these names it does not guess.
+AMBIGUOUS = {
+    # std traits and everyday std methods
+    "new", "default", "clone", "from", "into", "try_from", "try_into", "drop",
+    "fmt", "eq", "cmp", "partial_cmp", "hash", "deref", "deref_mut", "as_ref",
+    "borrow", "next", "len", "is_empty", "get", "get_mut", "insert", "remove",
+    "push", "pop", "take", "replace", "iter", "map", "contains", "as_str",
+    "to_string", "parse", "source", "with_capacity", "clear", "extend",
+    "first", "last", "min", "max", "sum", "count", "filter", "lock", "read",
+    "write", "load", "store", "swap", "wait", "elapsed", "now", "add", "sub",
+    "split", "join", "entry", "keys", "values", "name", "id", "value", "key",
+    "with", "run", "start", "stop", "abort", "call", "poll", "pin", "set",
+    "finish", "total",
+    # metrics (gauges, counters, histograms)
+    "record", "increment", "decrement", "absolute", "register", "describe",
+    # tokio, futures
+    "send", "recv", "try_recv", "try_send", "subscribe", "changed", "close",
+    "closed", "timeout", "sleep", "reset", "tick", "cancel", "notified",
+    "acquire", "release", "boxed", "shutdown", "is_finished", "spawn",
+    # tokio-postgres, deadpool (whose Pool API pgwarden's Pool mirrors)
+    "query", "query_one", "query_opt", "execute", "batch_execute", "prepare",
+    "prepare_cached", "transaction", "commit", "rollback", "simple_query",
+    "cancel_token", "cancel_query", "status", "timeouts", "resize", "manager",
+    "retain", "is_closed", "create", "recycle", "detach", "try_get", "builder",
+    "build", "config", "size", "max_size",
+}
+
+
+def strip_attributes(text):
+    """`#[derive(Debug)]`, `#[cfg(feature = …)]`: no calls in there."""
+    out, i = [], 0
+    for m in ATTR_RE.finditer(text):
+        if m.start() < i:
+            continue
+        out.append(text[i:m.start()])
+        depth, j = 1, m.end()
+        while j < len(text) and depth:
+            depth += {"[": 1, "]": -1}.get(text[j], 0)
+            j += 1
+        out.append("\n" * text.count("\n", m.start(), j))
+        i = j
+    out.append(text[i:])
+    return "".join(out)
+
+
+def item_fns(text):
+    """The names of the functions a file defines as items: free functions
+    and the methods of impl and trait blocks, at any module depth, but not a
+    `fn` nested in a function's body (nobody outside that body can call it)."""
+    names, stack, head = set(), [], 0
+    for m in re.finditer(r"[{};]|\bfn\s+([A-Za-z_][A-Za-z0-9_]*)", text):
+        tok = m.group(0)
+        if m.group(1):
+            if all(k == "item" for k in stack):
+                names.add(m.group(1))
+        elif tok == "{":
+            header = text[head:m.start()]
+            body_of_item = re.search(r"\b(impl|trait|mod)\b", header) and not re.search(r"\bfn\b", header)
+            stack.append("item" if body_of_item else "code")
+            head = m.end()
+        else:
+            if tok == "}" and stack:
+                stack.pop()
+            head = m.end()
+    return names
+
+
+def call_edges(files, texts, test_files, aliases, globs, defs, absolute, report=False):
+    """Call edges between the files of src/: {(caller, definer): [(line, name, text)]}.
+
+    A file defines NAME when it has an item `fn NAME` (free function, impl
+    or trait method; test modules and test-only files left out). A call site
+    in another file reaches the one file of src/ that defines NAME, and is
+    an edge from the caller to it, when the caller does not define NAME
+    itself and the call names it one of these ways:
+    - `path::name(`: the path starts in the crate (`crate`, `self`, `super`,
+      `Self`, a type the crate defines, a name imported from the crate); a
+      path into std or a dependency (`Box::pin`, `Manager::from_config`)
+      is no edge;
+    - `name(`: the name is imported by a `use` or the file has a glob `use`
+      (a local closure or variable, or a `fn` nested in a body, of that
+      name is no edge);
+    - `.name(`: a method call, unless NAME is in AMBIGUOUS.
+    A name two or more files define is not resolved (the receiver's type
+    decides which; that is an abstraction, not a back-and-forth call).
+    """
+    code = {m: strip_attributes(t) for m, t in texts.items() if m not in test_files}
+    crate_types = set()
+    for d in defs.values():
+        crate_types |= {n for n in d if n[:1].isupper()}
+    defined = {}
+    for mod, text in code.items():
+        for n in item_fns(text):
+            defined.setdefault(n, set()).add(mod)
+    edges, unresolved = {}, {}
+    for mod, text in code.items():
+        lines = text.splitlines()
+        # A `fn` nested in a body shadows the item of that name for plain calls.
+        local = set(FN_RE.findall(text))
+        for m in CALL_RE.finditer(text):
+            name = m.group("name")
+            owners = defined.get(name, set())
+            if not owners or mod in owners:
+                continue
+            before = text[: m.start()].rstrip()
+            if re.search(r"\b(?:fn|struct|enum|mod|let|use|type|trait|impl|macro_rules!)$", before):
+                continue
+            path = re.sub(r"\s+|::\s*<[^;{}()]*>", "", m.group("path") or "")
+            path = [p for p in path.split("::") if p]
+            if m.group("post") != "(" and not path:
+                continue
+            if path:
+                first = path[0]
+                if first in ("crate", "self", "super", "Self"):
+                    pass
+                elif first in aliases[mod]:
+                    if absolute(mod, aliases[mod][first]) is None:
+                        continue  # imported from std or a dependency
+                elif first[:1].isupper():
+                    if first not in crate_types:
+                        continue  # Box::pin, Instant::now, …
+                elif mod + (first,) not in files:
+                    continue  # std::…, tokio::…, deadpool_postgres::…
+            elif m.group("pre"):
+                if name in AMBIGUOUS:
+                    unresolved.setdefault(name, []).append((files[mod], 0))
+                    continue
+            elif name in local or (name not in aliases[mod] and not globs[mod]):
+                continue  # a local fn, closure or variable
+            line = text.count("\n", 0, m.start("name")) + 1
+            if len(owners) > 1:
+                unresolved.setdefault(name, []).append((files[mod], line))
+                continue
+            (owner,) = owners
+            edges.setdefault((mod, owner), []).append((line, name, lines[line - 1].strip()))
+    if report:
+        print("call edges (caller -> definer: names called):")
+        for (a, b), sites in sorted(edges.items()):
+            names = sorted({n for _, n, _ in sites})
+            print(f"  {files[a]} -> {files[b]}: {', '.join(names)}")
+        print("names called in another file but not resolved (AMBIGUOUS, or defined in several files):")
+        for name, sites in sorted(unresolved.items()):
+            where = sorted({files[o] for o in defined[name]})
+            print(f"  {name} ({len(sites)} calls; defined in {', '.join(where)})")
+    return edges
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     files = {}
     for root, _, names in os.walk(SRC):
         for n in names:
@@ -170,8 +366,11 @@ def main():
                 p = os.path.join(root, n)
                 files[module_of(p)] = p
     defs, aliases, globs, texts = {}, {}, {}, {}
+    test_files = set()
     for mod, path in files.items():
-        text = strip_tests(strip_comments_and_strings(open(path).read()))
+        children = []
+        text = strip_tests(strip_comments_and_strings(open(path).read()), children)
+        test_files.update(mod + (c,) for c in children)
         texts[mod] = text
         # top-level items only: lines without leading indentation
         top = "\n".join(l for l in text.splitlines() if not l.startswith((" ", "\t")))
@@ -320,13 +519,80 @@ def main():
                     failed = True
                     print(f"layer rule: {fname(m)} ({src_prefix}) imports {fname(d)}")
 
-    if "--graph" in sys.argv:
+    calls = call_edges(files, texts, test_files, aliases, globs, defs, absolute, "--calls-report" in argv)
+    for a, b in sorted({tuple(sorted(k)) for k in calls if k[::-1] in calls}):
+        failed = True
+        print(f"calls both ways between {fname(a)} and {fname(b)}:")
+        for x, y in ((a, b), (b, a)):
+            for line, name, _ in calls[(x, y)][:3]:
+                print(f"    {fname(x)}:{line} calls {name} of {fname(y)}")
+            if len(calls[(x, y)]) > 3:
+                print(f"    … and {len(calls[(x, y)]) - 3} more call sites of {fname(y)} in {fname(x)}")
+
+    if "--graph" in argv:
         for m in sorted(edges):
             print(fname(m), "->", ", ".join(sorted(fname(d) for d in edges[m])))
     if not failed:
-        print(f"layers: {len(files)} files, no import cycle, layer rules hold")
+        print(f"layers: {len(files)} files, no import cycle, layer rules hold, no calls both ways")
     return 1 if failed else 0
 
 
+SELF_TESTS = [
+    # (files, the exit code, a line the output must hold)
+    (
+        {
+            "lib.rs": "mod a;\nmod b;\npub struct S;\n",
+            "a.rs": "use crate::S;\nimpl S {\n    pub fn renew(&self) {\n        self.purge_due();\n    }\n}\n",
+            "b.rs": "use crate::S;\nimpl S {\n    pub fn purge_due(&self) {\n        // self.nothing()\n        self.renew();\n    }\n}\n",
+        },
+        1,
+        "    src/b.rs:5 calls renew of src/a.rs",
+    ),
+    (
+        {
+            "lib.rs": "mod a;\nmod b;\npub struct S;\n",
+            # one way only; a comment, a string, a macro, a nested fn, a
+            # std path, an attribute and an ambiguous method name are no calls
+            "a.rs": "use crate::S;\nimpl S {\n    pub fn renew(&self) {\n        self.purge_due();\n    }\n}\n",
+            "b.rs": (
+                "use crate::S;\nuse crate::a::*;\n#[derive(Debug)]\nstruct T;\nimpl S {\n    pub fn purge_due(&self) {\n"
+                "        // self.renew()\n        let _ = \"renew()\";\n        println!(\"{}\", 1);\n"
+                "        fn renew() {}\n        renew();\n        let _ = Box::pin(());\n"
+                "        let v: Vec<u8> = Vec::new();\n        let _ = v.len();\n    }\n}\n"
+            ),
+        },
+        0,
+        "no calls both ways",
+    ),
+]
+
+
+def self_test():
+    import contextlib
+    import io
+    import tempfile
+
+    here, failures = os.getcwd(), 0
+    for files, want_rc, want_line in SELF_TESTS:
+        with tempfile.TemporaryDirectory() as d:
+            os.makedirs(os.path.join(d, SRC))
+            for name, text in files.items():
+                with open(os.path.join(d, SRC, name), "w") as f:
+                    f.write(text)
+            os.chdir(d)
+            out = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(out):
+                    rc = main([])
+            finally:
+                os.chdir(here)
+        got = out.getvalue()
+        if rc != want_rc or want_line not in got.splitlines() and want_line not in got:
+            failures += 1
+            print(f"self-test failed: want exit {want_rc} and {want_line!r}, got exit {rc}:\n{got}")
+    print(f"self-test: {len(SELF_TESTS) - failures} of {len(SELF_TESTS)} passed")
+    return 1 if failures else 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(self_test() if "--self-test" in sys.argv else main())

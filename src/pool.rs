@@ -8,34 +8,49 @@
 //! knows nothing of locks, leases, the census or poolers: those keep their
 //! per-pool state in its extension slot and plug periodic work in through
 //! [`Periodic`]. Its user-facing methods are in `crate::api`.
+//!
+//! One concept per file:
+//! - `shared.rs`: what every clone of a `Pool` shares, and everything done
+//!   under its state lock: the admission shell (admit, release, resize,
+//!   close), the pool's name, the extension slot, recent hold times, and
+//!   the reads (`Status`, a lane's load);
+//! - `checkout.rs`: a checkout bounded end to end by one deadline, and the
+//!   `Client` it hands out;
+//! - `deadline.rs`: [`Deadline`], the bound on every checkout in a scope;
+//! - `builder.rs`: [`PoolBuilder`], and the deadpool pools pgwarden builds;
+//! - `housekeeping.rs`: the background passes (housekeeping, the layers'
+//!   periodic work) and how a layer puts a task under the supervisor;
+//! - `supervisor.rs`: the supervisor, which starts the background tasks,
+//!   starts them again on the runtime in use, and stops them at close;
+//! - `probe.rs`: the readiness probe;
+//! - `tests.rs`: the shell's timeouts, cancellation and housekeeping on
+//!   tokio's paused clock.
+//!
+//! Calls go one way (`.ci/layers.py` checks it): `builder` calls
+//! `housekeeping`; `probe` calls `checkout`; `builder`, `checkout`,
+//! `housekeeping` and `probe` call `shared`; `checkout`, `housekeeping` and
+//! `probe` call `deadline`; `builder`, `shared`, `checkout` and
+//! `housekeeping` call `supervisor`; `deadline` and `supervisor` call
+//! nothing in the pool.
 
-mod admission;
 mod builder;
 mod checkout;
-mod client;
 mod deadline;
-mod ext;
-mod holds;
 mod housekeeping;
-// The load accessor serves `crate::http` (feature `http`).
-#[cfg_attr(not(feature = "http"), allow(dead_code))]
-mod load;
-mod names;
 mod probe;
 mod shared;
-mod status;
 mod supervisor;
 #[cfg(test)]
 mod tests;
 
 pub use builder::PoolBuilder;
 pub(crate) use builder::{config_pool, url_pool};
-pub use client::Client;
+pub use checkout::Client;
 pub(crate) use deadline::deadline;
 pub use deadline::Deadline;
 pub(crate) use housekeeping::panic_message;
 #[cfg(feature = "http")]
-pub(crate) use load::LaneLoad;
+pub(crate) use shared::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};

@@ -227,3 +227,56 @@ async fn an_acquisition_abandoned_on_a_stopped_backend_leaves_no_lease() {
         .unwrap()
         .is_some());
 }
+
+/// A lock wait on the way to a new row says nothing about the name: an
+/// acquisition of a free name waits for a same-named insert in flight in
+/// another session (or for the table's extension lock under a burst of
+/// inserts) as any insert does, bounded by the statement timeout, not by
+/// the 20 ms take-over bound. Held 300 ms, then rolled back: the name is
+/// still free, and the acquisition takes it.
+#[tokio::test]
+async fn a_new_row_waits_for_an_insert_in_flight_instead_of_answering_busy() {
+    let db = db().await;
+    let leases = Leases::new(&pool(&db, 2, "new-row"));
+    leases.install().await.unwrap();
+    let mut other = admin(&db).await;
+    let admin = admin(&db).await;
+    let tx = other.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+         VALUES ('report', 'in-flight', nextval('pgwarden_leases_token_seq'), now() + interval '1 min')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let attempt = tokio::spawn({
+        let leases = leases.clone();
+        async move {
+            leases
+                .acquire("report", &LeaseOptions::new(30 * S), None)
+                .await
+        }
+    });
+    eventually(
+        10 * S,
+        "the acquisition waits on the insert in flight",
+        || async { busy_backends(&admin, "new-row").await.0 == 1 },
+    )
+    .await;
+    // Past the take-over bound many times over, still waiting.
+    tokio::time::sleep(300 * MS).await;
+    assert!(
+        !attempt.is_finished(),
+        "the acquisition answered while the insert was in flight"
+    );
+    tx.rollback().await.unwrap();
+    let lease = within(10 * S, "the acquisition", attempt)
+        .await
+        .unwrap()
+        .unwrap();
+    let lease = lease.expect("the name is free once the insert rolled back");
+    assert!(started.elapsed() >= 300 * MS);
+    assert_eq!(leases.stats().takeovers_blocked, 0);
+    lease.release().await.unwrap();
+}

@@ -5,10 +5,11 @@
 //! - release: `DELETE FROM leases WHERE name = $1 AND holder = $2`
 //!
 //! sent the way a user of deadpool would: prepared and cached per connection
-//! (`prepare_cached`), and also unnamed (`query_typed`, parsed and planned on
-//! every call, what a transaction pooler allows). pgwarden runs on a pool
-//! known to be direct (its statements prepared once per connection), and on
-//! one configured behind a transaction pooler (unnamed) for comparison.
+//! (`prepare_cached`) on a direct pool, and unnamed (`query_typed`, parsed and
+//! planned on every call, what a transaction pooler allows) through a real
+//! PgBouncer in transaction mode. pgwarden runs on its shipped defaults on a
+//! pool detected direct (its statements prepared once per connection), and on
+//! one detected behind the same kind of PgBouncer (unnamed).
 //!
 //! 4b: acquire + release, a new name per pair. 4c: attempts on names held by
 //! another holder (what every instance's scheduler does at each poll).
@@ -24,7 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pgwarden::{Lane, LeaseOptions, Leases, Pool, PoolerMode};
-use pgwarden_testing::{TestDb, TestServer};
+use pgwarden_testing::{PgBouncer, TestDb, TestServer};
 use tokio_postgres::types::Type;
 
 use crate::ab::{median, ratio, spread, throughput};
@@ -48,9 +49,10 @@ const PLAIN_RELEASE: &str = "DELETE FROM leases WHERE name = $1 AND holder = $2"
 pub fn describe(s: Settings) -> String {
     format!(
         "4b, 4c: {TASKS} tasks, pool {POOL} per side, four sides with a database each on one server: \
-         the plain lease SQL prepared (`prepare_cached`) and unnamed (`query_typed`) through deadpool, \
-         pgwarden on its shipped defaults on a pool detected direct (prepared) and on one configured \
-         `PoolerMode::Transaction` (unnamed), and (not a default, in the notes) with the lease lane raised to {TASKS}; 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {HELD} names held \
+         the plain lease SQL through deadpool, prepared (`prepare_cached`) on a direct pool and unnamed (`query_typed`) \
+         through PgBouncer ({TASKS} server connections, transaction mode), \
+         pgwarden on its shipped defaults on a pool detected direct (prepared) and on one detected \
+         behind PgBouncer (unnamed), and (not a default, in the notes) with the lease lane raised to {TASKS}; 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {HELD} names held \
          by another holder; {} rounds of {:?} per side, the order rotating; server CPU per statement \
          = utime + stime of the side's client backends (`/proc/<pid>/stat`) / statements sent",
         s.rounds * 2, s.round / 2
@@ -132,6 +134,8 @@ struct Measured {
     rates: Vec<f64>,
     /// Server CPU per statement, µs.
     cpu_us: f64,
+    /// This process's CPU (user + system) per operation while the side ran, µs.
+    client_us: f64,
     per_op: f64,
 }
 
@@ -151,21 +155,25 @@ async fn measure(sides: &[Side], s: Settings) -> Result<Vec<Measured>, BoxError>
     // machine whose load changes from second to second.
     let (rounds, round) = (s.rounds * 2, s.round / 2);
     let mut rates = vec![Vec::new(); sides.len()];
+    let mut client = vec![0.0; sides.len()];
     for n in 0..rounds {
         for k in 0..sides.len() {
             let i = (n + k) % sides.len();
             let op = sides[i].op.clone();
+            let c0 = own_cpu();
             rates[i].push(throughput(TASKS, round, move || op()).await);
+            client[i] += own_cpu() - c0;
         }
     }
     let mut out = Vec::new();
-    for ((side, (cpu0, st0)), rates) in sides.iter().zip(before).zip(rates) {
+    for (((side, (cpu0, st0)), rates), client) in sides.iter().zip(before).zip(rates).zip(client) {
         let cpu = Cpu::delta(&cpu0, &side.cpu.sample().await?);
         let statements = (side.statements)() - st0;
         let ops: f64 = rates.iter().sum::<f64>() * round.as_secs_f64();
         out.push(Measured {
             cpu_us: cpu * 1e6 / statements.max(1) as f64,
             per_op: statements as f64 / ops.max(1.0),
+            client_us: client * 1e6 / ops.max(1.0),
             rates,
         });
         let _ = side.label;
@@ -173,15 +181,48 @@ async fn measure(sides: &[Side], s: Settings) -> Result<Vec<Measured>, BoxError>
     Ok(out)
 }
 
+/// CPU seconds (user + system) this process has used: the client side of
+/// the side that runs alone in a round.
+fn own_cpu() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    let f: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    (ticks(11) + ticks(12)) as f64 / crate::renewal::clock_ticks() as f64
+}
+
+/// What a side keeps alive while it runs: its database, and the PgBouncer
+/// in front of it when it has one.
+type Kept = (TestDb, Option<PgBouncer>);
+
+/// A PgBouncer in transaction mode in front of `db`, with a server
+/// connection for each task.
+fn bouncer(server: &TestServer, db: &TestDb) -> Result<PgBouncer, BoxError> {
+    Ok(PgBouncer::start_with_pool_size(server, db, TASKS)?)
+}
+
+/// The plain lease SQL: prepared on a direct pool, or unnamed through
+/// PgBouncer (transaction mode), what a user behind a pooler sends.
 async fn plain_side(
     server: &TestServer,
     mode: Mode,
     label: &'static str,
     held: bool,
-) -> Result<(Side, TestDb), BoxError> {
+) -> Result<(Side, Kept), BoxError> {
     let db = server.create_database().await?;
-    let pool = db.deadpool(POOL)?;
-    let conn = pool.get().await?;
+    let bouncer = match mode {
+        Mode::Prepared => None,
+        Mode::Unnamed => Some(bouncer(server, &db)?),
+    };
+    let pool = match &bouncer {
+        None => db.deadpool(POOL)?,
+        Some(b) => b.deadpool(POOL)?,
+    };
+    let conn = db.connect().await?;
     conn.batch_execute(PLAIN_DDL).await?;
     if held {
         conn.execute(
@@ -225,35 +266,49 @@ async fn plain_side(
         cpu,
         statements: Box::new(move || sent.load(Ordering::Relaxed)),
     };
-    Ok((side, db))
+    Ok((side, (db, bouncer)))
 }
 
+/// pgwarden on its shipped defaults, its pooler detected: direct, or
+/// through PgBouncer (transaction mode) when `behind_bouncer`.
 async fn warden_side(
     server: &TestServer,
-    pooler: PoolerMode,
+    behind_bouncer: bool,
     lease_lane: Option<usize>,
     label: &'static str,
     held: bool,
-) -> Result<(Side, TestDb), BoxError> {
+) -> Result<(Side, Kept), BoxError> {
     let db = server.create_database().await?;
+    let bouncer = if behind_bouncer {
+        Some(bouncer(server, &db)?)
+    } else {
+        None
+    };
+    let inner = match &bouncer {
+        None => db.deadpool(POOL)?,
+        Some(b) => b.deadpool(POOL)?,
+    };
     // The shipped defaults (a pool of 16: at most 4 lease statements out at
     // once), unless `lease_lane` says otherwise; a side that changes it says
     // so in its label.
-    let mut builder = Pool::builder(db.deadpool(POOL)?).name(label);
+    let mut builder = Pool::builder(inner).name(label);
     if let Some(max) = lease_lane {
         builder = builder.lane(Lane::Lease, 0, max);
     }
-    if pooler != PoolerMode::Auto {
-        builder = builder.pooler(pooler);
-    }
     let pool = builder.build()?;
-    if pooler == PoolerMode::Auto && pool.detect_pooler().await? != PoolerMode::Direct {
-        return Err("the benchmark server should be detected direct".into());
+    let want = if behind_bouncer {
+        PoolerMode::Transaction
+    } else {
+        PoolerMode::Direct
+    };
+    let found = pool.detect_pooler().await?;
+    if found != want {
+        return Err(format!("side {label}: pooler detected {found:?}, expected {want:?}").into());
     }
     let leases = Leases::new(&pool);
     leases.install().await?;
     if held {
-        pool.get()
+        db.connect()
             .await?
             .execute(
                 "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
@@ -295,33 +350,27 @@ async fn warden_side(
         cpu,
         statements: Box::new(move || leases.stats().statements),
     };
-    Ok((side, db))
+    Ok((side, (db, bouncer)))
 }
 
 /// Rows 4b (`held` false) and 4c (`held` true).
 pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Result<Row, BoxError> {
     let (prepared, _d1) = plain_side(server, Mode::Prepared, "plain prepared", held).await?;
     let (unnamed, _d2) = plain_side(server, Mode::Unnamed, "plain unnamed", held).await?;
-    let (warden, _d3) = warden_side(server, PoolerMode::Auto, None, "bench-direct", held).await?;
-    let (warden_unnamed, _d4) =
-        warden_side(server, PoolerMode::Transaction, None, "bench-pooled", held).await?;
-    let (warden_lane, _d5) = warden_side(
-        server,
-        PoolerMode::Auto,
-        Some(TASKS),
-        "bench-lease-lane-16",
-        held,
-    )
-    .await?;
+    let (warden, _d3) = warden_side(server, false, None, "bench-direct", held).await?;
+    let (warden_unnamed, _d4) = warden_side(server, true, None, "bench-pgbouncer", held).await?;
+    let (warden_lane, _d5) =
+        warden_side(server, false, Some(TASKS), "bench-lease-lane-16", held).await?;
     let m = measure(&[prepared, unnamed, warden, warden_unnamed, warden_lane], s).await?;
     let (p, u, w, wu, wl) = (&m[0], &m[1], &m[2], &m[3], &m[4]);
     let r = ratio(&p.rates, &w.rates);
     let unit = if held { "attempts/s" } else { "pairs/s" };
     let side = |x: &Measured| {
         format!(
-            "{:.0} {unit}, {:.0} µs server CPU/statement, {:.2} statements/op",
+            "{:.0} {unit}, {:.0} µs server CPU/statement, {:.0} µs client CPU/op, {:.2} statements/op",
             median(&x.rates),
             x.cpu_us,
+            x.client_us,
             x.per_op
         )
     };
@@ -332,9 +381,9 @@ pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Resu
         } else {
             format!("lease acquire + release, new name per pair, {TASKS} tasks, pool {POOL}: pgwarden vs the plain lease SQL (INSERT … ON CONFLICT … / DELETE)")
         },
-        a: format!("plain SQL prepared: {}; unnamed: {}", side(p), side(u)),
+        a: format!("plain SQL prepared: {}; unnamed through PgBouncer: {}", side(p), side(u)),
         b: format!(
-            "pgwarden, shipped defaults, direct (prepared): {}; behind a pooler (unnamed): {}",
+            "pgwarden, shipped defaults, direct (prepared): {}; through PgBouncer (unnamed): {}",
             side(w),
             side(wu)
         ),
@@ -342,7 +391,7 @@ pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Resu
         target: "≥ 1.0 (prepared vs prepared)",
         met: (!s.smoke).then_some(r >= 1.0),
         notes: format!(
-            "{}; unnamed vs unnamed {:.3}; pgwarden prepared vs plain unnamed {:.3}; \
+            "{}; through PgBouncer, unnamed vs unnamed {:.3}; pgwarden prepared vs plain unnamed {:.3}; \
              not a default, the lease lane raised to {TASKS}: {} ({:.3} vs plain prepared)",
             spread(&p.rates, &w.rates),
             ratio(&u.rates, &wu.rates),

@@ -6,6 +6,8 @@
 //! valgrind --tool=callgrind target/release/deps/workloads-… --profile pgwarden 20000
 //! ```
 //!
+//! `--profile checkout raw|pgwarden OPS` runs benchmark 2's loop instead.
+//!
 //! The instructions of the pgwarden run minus those of the raw run, divided
 //! by the operations, is what pgwarden adds per checkout (the server runs in
 //! its own processes and is not counted).
@@ -21,6 +23,11 @@ const TASKS: usize = 64;
 const POOL: usize = 16;
 
 pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
+    if let [mode, side, ops, ..] = args {
+        if mode == "checkout" {
+            return checkout(side, ops.parse()?);
+        }
+    }
     let (side, ops) = match args {
         [side, ops, ..] => (side.as_str(), ops.parse::<u64>()?),
         _ => return Err("usage: --profile raw|pgwarden OPS".into()),
@@ -61,6 +68,33 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
             t.await?;
         }
         eprintln!("{side}: {ops} operations");
+        Ok(())
+    })
+}
+
+/// `--profile checkout raw|pgwarden OPS`: benchmark 2's loop (one task on a
+/// current-thread runtime, pool 16, a connection already open: `get` then
+/// drop), for a profiler. Subtract the run with OPS = 0 to leave set-up out.
+fn checkout(side: &str, ops: u64) -> Result<(), BoxError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let db = TestServer::shared()?.create_database().await?;
+        let raw = db.deadpool(POOL)?;
+        let warden = pgwarden::Pool::builder(db.deadpool(POOL)?)
+            .name("bench-profile")
+            .build()?;
+        drop(raw.get().await?);
+        drop(warden.get().await?);
+        for _ in 0..ops {
+            if side == "raw" {
+                drop(raw.get().await?);
+            } else {
+                drop(warden.get().await?);
+            }
+        }
+        eprintln!("checkout {side}: {ops} operations");
         Ok(())
     })
 }

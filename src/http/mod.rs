@@ -77,5 +77,5 @@ mod shed;
 mod verdict;
 
 pub use body::Body;
-pub use readiness::{Liveness, Readiness, ResponseFuture};
+pub use readiness::{Liveness, Readiness};
 pub use shed::{Shed, ShedLayer};

@@ -2,29 +2,15 @@
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
-use std::future::Future;
-use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 
 use super::body::{json_ms, json_str, Body};
 use crate::admission::Lane;
 use crate::pool::Pool;
-
-/// A boxed response future (the services' `Future` type).
-///
-/// ```no_run
-/// # async fn demo(pool: pgwarden::Pool) {
-/// use tower_service::Service;
-/// let mut ready = pgwarden::http::Readiness::new(pool);
-/// let fut: pgwarden::http::ResponseFuture<_, _> = ready.call(http::Request::new(()));
-/// let response = fut.await.unwrap();
-/// println!("{}", response.status());
-/// # }
-/// ```
-pub type ResponseFuture<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send>>;
 
 /// The readiness service for `/health/ready`: `SELECT 1` on the pool's probe
 /// lane (whose reserve no other lane may take), answered within a bound.
@@ -166,7 +152,7 @@ impl Readiness {
 impl<B> tower_service::Service<Request<B>> for Readiness {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = ResponseFuture<Response<Body>, Infallible>;
+    type Future = BoxFuture<'static, Result<Response<Body>, Infallible>>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         Poll::Ready(Ok(()))

@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use metrics::Counter;
 
 use super::body::{json_ms, json_str};
-use super::readiness::ResponseFuture;
 use super::verdict::{decide, retry_after, ShedReason, Verdict};
 use crate::admission::Lane;
 use crate::pool::{Deadline, LaneLoad, Pool};
@@ -175,7 +175,7 @@ where
 {
     type Response = Response<ResBody>;
     type Error = S::Error;
-    type Future = ResponseFuture<Response<ResBody>, S::Error>;
+    type Future = BoxFuture<'static, Result<Response<ResBody>, S::Error>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)

@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::ext::Extensions;
-use super::names;
-use super::shared::{Options, Periodic, Pool, Shared, State};
+use super::shared::{Claim, Extensions, Options, Periodic, Pool, Shared, State};
 use super::supervisor::Supervisor;
 use crate::admission::{BudgetPolicy, Lane, LaneLimits, Limits, LimitsError, MAX_POOL_SIZE};
 use crate::error::BuildError;
@@ -267,7 +265,7 @@ impl PoolBuilder {
             .wait_timeout
             .or(self.inner.timeouts().wait)
             .unwrap_or(Duration::from_secs(30));
-        let claim = names::Claim::new(self.name.as_deref());
+        let claim = Claim::new(self.name.as_deref());
         let name = claim.name();
         let metrics = PoolMetrics::register(&name, &limits);
         let get_timeouts = deadpool_postgres::Timeouts {

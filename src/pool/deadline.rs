@@ -50,13 +50,9 @@ pub struct Deadline {
 }
 
 impl Deadline {
-    /// A deadline at `at` (a `tokio::time::Instant`, or a
-    /// `std::time::Instant`), with no per-checkout maximum.
-    pub fn at(at: impl Into<Instant>) -> Deadline {
-        Deadline {
-            at: at.into(),
-            max_wait: None,
-        }
+    /// A deadline at `at`, with no per-checkout maximum.
+    fn at(at: Instant) -> Deadline {
+        Deadline { at, max_wait: None }
     }
 
     /// A deadline `d` from now (a `d` too large to add is decades away).

@@ -1,27 +1,39 @@
-//! The pool's shared state: [`Pool`] itself, its [`Shared`] core, the
-//! admission shell's tables and the checkout records. The files beside it add
-//! behaviour to these types; this one imports none of them but leaves.
+//! What every clone of a [`Pool`] shares, and everything done under its
+//! state lock: the [`Shared`] core, the admission shell's tables and the
+//! checkout records; the shell around the admission core (permits, each
+//! waiter's channel and deadline, returns, the "releasing" mark, resizing,
+//! closing); and what the state says when read (the pool's
+//! [`Status`](crate::Status), a lane's load). Every change to the core
+//! happens under the state lock, and the lane gauges it moves are set there
+//! too, so they always describe the state they were read from.
+//!
+//! Its parts, in order: the types; the pool's name; the extension slot of
+//! the layers above; recent hold times; the admission shell; reading the
+//! state. It calls no other file of the pool but the supervisor (at close):
+//! checkouts, housekeeping, the builder and the probe call into it.
 
+use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::panic::Location;
 use std::pin::Pin;
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use deadpool_postgres::PoolError;
 use parking_lot::Mutex;
 use slab::Slab;
 use tokio::sync::oneshot;
 
-use super::ext::Extensions;
-use super::holds::RecentHolds;
-use super::names;
 use super::supervisor::Supervisor;
-use crate::admission::{Admission, Lane, Limits, Priority, Refusal};
-use crate::error::{Error, LaneHolder};
+use crate::admission::{
+    Admission, Answer as Admitted, Effect, Lane, Limits, Priority, Refusal, WaiterKey,
+};
+use crate::error::{BuildError, CheckoutError, Error, LaneHolder, Stage};
 use crate::metrics::PoolMetrics;
+use crate::status::{LaneStatus, Status};
 
 pub(crate) type ObjectId = deadpool_postgres::ObjectId;
 
@@ -78,7 +90,7 @@ pub(crate) struct Options {
 
 pub(crate) struct Shared {
     pub(crate) name: Arc<str>,
-    pub(super) _name: names::Claim,
+    pub(super) _name: Claim,
     pub(crate) inner: deadpool_postgres::Pool,
     /// deadpool's timeouts with a zero wait: an admitted checkout never
     /// waits inside deadpool, it finds out at once that it would.
@@ -243,7 +255,7 @@ impl fmt::Debug for Pool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Pool")
             .field("name", &self.shared.name)
-            .field("status", &self.status())
+            .field("status", &self.shared.status())
             .finish()
     }
 }
@@ -262,4 +274,676 @@ pub(crate) trait Periodic: fmt::Debug + Send + Sync + 'static {
     fn every(&self) -> Duration;
     /// One pass.
     fn pass(&self, pool: Pool) -> Pass;
+}
+
+// --- the pool's name -------------------------------------------------------
+
+// Pool names are unique among the live pools of a process by default, so
+// that two pools never silently share the `pool` label of their metrics:
+// an unnamed pool is `default`, then `default-2`, `default-3`… A name given
+// explicitly is kept as given; when another live pool already has it, that
+// is logged as a warning (their series add up under one label).
+
+fn live() -> &'static std::sync::Mutex<HashMap<Arc<str>, usize>> {
+    static LIVE: OnceLock<std::sync::Mutex<HashMap<Arc<str>, usize>>> = OnceLock::new();
+    LIVE.get_or_init(Default::default)
+}
+
+/// A name held by a live pool; given back on drop.
+#[derive(Debug)]
+pub(crate) struct Claim(Arc<str>);
+
+impl Claim {
+    /// Claims `explicit`, or the first free default name.
+    pub(crate) fn new(explicit: Option<&str>) -> Claim {
+        // A poisoned registry only means another thread panicked while
+        // holding it: the map itself is always consistent.
+        let mut live = live().lock().unwrap_or_else(|e| e.into_inner());
+        let name: Arc<str> = match explicit {
+            Some(n) => n.into(),
+            None => (1usize..)
+                .map(|i| -> Arc<str> {
+                    if i == 1 {
+                        "default".into()
+                    } else {
+                        format!("default-{i}").into()
+                    }
+                })
+                .find(|n| live.get(n).copied().unwrap_or(0) == 0)
+                .unwrap_or_else(|| "default".into()),
+        };
+        let n = live.entry(name.clone()).or_insert(0);
+        *n += 1;
+        if *n > 1 {
+            tracing::warn!(
+                pool = %name,
+                live = *n,
+                "another live pool has this name: their metric series share the pool label; \
+                 give each pool its own name"
+            );
+        }
+        Claim(name)
+    }
+
+    pub(crate) fn name(&self) -> Arc<str> {
+        self.0.clone()
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let mut live = live().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = live.get_mut(&self.0) {
+            *n -= 1;
+            if *n == 0 {
+                live.remove(&self.0);
+            }
+        }
+    }
+}
+
+// --- the extension slot ----------------------------------------------------
+
+// How the layers above the pool (locks, pooler detection, the census) keep
+// per-pool state and settings without the pool knowing them: an extension
+// slot keyed by type.
+
+/// One value per type, stored as `dyn Any`: the pool does not know what it
+/// holds. A handful of entries at most, so a vector beats a map.
+#[derive(Default)]
+pub(crate) struct Extensions(Mutex<Vec<Arc<dyn Any + Send + Sync>>>);
+
+impl Extensions {
+    /// The value of type `T`, inserted as `T::default()` on first use.
+    pub(crate) fn get<T: Any + Send + Sync + Default>(&self) -> Arc<T> {
+        let mut v = self.0.lock();
+        if let Some(t) = v.iter().find_map(|e| e.clone().downcast::<T>().ok()) {
+            return t;
+        }
+        let t = Arc::new(T::default());
+        v.push(t.clone());
+        t
+    }
+
+    /// Sets the value of type `T`, replacing any earlier one.
+    pub(crate) fn set<T: Any + Send + Sync>(&mut self, value: T) {
+        let v = self.0.get_mut();
+        v.retain(|e| !e.is::<T>());
+        v.push(Arc::new(value));
+    }
+}
+
+impl fmt::Debug for Extensions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Extensions({})", self.0.lock().len())
+    }
+}
+
+// --- recent hold times -----------------------------------------------------
+
+// Recent hold times per lane, kept in the return path.
+
+/// Recent hold times per lane: an exponentially weighted moving average,
+/// in nanoseconds, 0 until the first return. Part of the pool's state.
+///
+/// It rises fast (half the gap per sample) and falls slowly (an eighth),
+/// so a wait estimated from it errs on the long side when holds grow.
+#[derive(Debug, Default)]
+pub(crate) struct RecentHolds([u64; Lane::COUNT]);
+
+impl RecentHolds {
+    /// Folds one hold into the lane's average.
+    pub(crate) fn record(&mut self, lane: Lane, held: Duration) {
+        let slot = &mut self.0[lane.idx()];
+        let x = u64::try_from(held.as_nanos()).unwrap_or(u64::MAX);
+        let old = *slot;
+        let new = if old == 0 {
+            x
+        } else if x > old {
+            // Up: half the gap.
+            old + (x - old) / 2
+        } else {
+            // Down: an eighth of the gap.
+            old - (old - x) / 8
+        };
+        *slot = new.max(1);
+    }
+
+    pub(crate) fn get(&self, lane: Lane) -> Option<Duration> {
+        match self.0[lane.idx()] {
+            0 => None,
+            n => Some(Duration::from_nanos(n)),
+        }
+    }
+}
+
+// --- the admission shell ---------------------------------------------------
+
+// The shell around the admission core: permits, each waiter's channel and
+// deadline, returns, the "releasing" mark, and closing. Every change to the
+// core happens under the state lock, and the lane gauges it moves are set
+// there too, so they always describe the state they were read from.
+
+/// Removes a waiter from the queue when its checkout gives up or is dropped.
+struct WaiterGuard<'a> {
+    shared: &'a Arc<Shared>,
+    key: WaiterKey,
+    id: u64,
+    lane: Lane,
+    prio: Priority,
+}
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        let mut fired = Fired::default();
+        {
+            let mut guard = self.shared.state.lock();
+            let st = &mut *guard;
+            // Still in the table under its own id: still queued (a grant or
+            // refusal takes it out, and its key may serve another since).
+            let queued = st.waiters.get(self.key).is_some_and(|w| w.id == self.id);
+            if queued {
+                st.waiters.try_remove(self.key);
+                let mut t = Tables {
+                    waiters: &mut st.waiters,
+                    checkouts: &mut st.checkouts,
+                    warned_sites: &mut st.warned_sites,
+                };
+                st.adm.cancel(self.lane, self.prio, self.key, |e| {
+                    self.shared.apply(&mut t, e, &mut fired)
+                });
+                self.shared.publish(st, 1 << self.lane.idx() | fired.lanes);
+            }
+        }
+        fired.send(self.shared);
+    }
+}
+
+/// A grant's checkout slot and lane, or a refusal: made into what the
+/// waiter is told once the lock is released (the permit's `Arc` clone is
+/// an atomic every checkout touches: not under the lock).
+type Answer = Result<(usize, Lane), Refusal>;
+
+/// Channels to fire once the lock is released, and what changed.
+#[derive(Default)]
+struct Fired {
+    first: Option<(oneshot::Sender<Outcome>, Answer)>,
+    rest: Vec<(oneshot::Sender<Outcome>, Answer)>,
+    /// Lanes whose gauges moved (bit per lane index).
+    lanes: u8,
+    /// Session locks admitted past the budget: (site, first at that site).
+    overs: Vec<(&'static Location<'static>, bool)>,
+}
+
+impl Fired {
+    fn push(&mut self, tx: oneshot::Sender<Outcome>, a: Answer) {
+        if self.first.is_none() {
+            self.first = Some((tx, a));
+        } else {
+            self.rest.push((tx, a));
+        }
+    }
+
+    fn send(self, shared: &Arc<Shared>) {
+        for (site, first) in self.overs {
+            shared.over_budget(site, first);
+        }
+        for (tx, answer) in self.first.into_iter().chain(self.rest) {
+            let outcome = answer.map(|(slot, lane)| Permit {
+                shared: shared.clone(),
+                slot,
+                lane,
+            });
+            // A waiter that gave up in the meantime hands a permit back,
+            // whose drop releases it again.
+            let _ = tx.send(outcome);
+        }
+    }
+}
+
+/// The shell's tables, apart from the admission core that is borrowed
+/// while its effects are applied to them.
+struct Tables<'a> {
+    waiters: &'a mut Slab<Waiter>,
+    checkouts: &'a mut Slab<Checkout>,
+    warned_sites: &'a mut HashSet<usize>,
+}
+
+impl Shared {
+    /// Applies one of the core's effects (under the lock).
+    fn apply(&self, t: &mut Tables<'_>, e: Effect, fired: &mut Fired) {
+        match e {
+            Effect::Grant {
+                key,
+                lane,
+                prio,
+                over_budget,
+            } => {
+                let Some(w) = t.waiters.try_remove(key) else {
+                    debug_assert!(false, "granted an unknown waiter");
+                    return;
+                };
+                let slot = t
+                    .checkouts
+                    .insert(Checkout::new(lane, prio, w.site, w.start));
+                if over_budget {
+                    let first = t.warned_sites.insert(w.site as *const _ as usize);
+                    fired.overs.push((w.site, first));
+                }
+                fired.lanes |= 1 << lane.idx();
+                fired.push(w.tx, Ok((slot, lane)));
+            }
+            Effect::Refuse { key, lane, refusal } => {
+                if let Some(w) = t.waiters.try_remove(key) {
+                    fired.lanes |= 1 << lane.idx();
+                    fired.push(w.tx, Err(refusal));
+                }
+            }
+        }
+    }
+
+    /// Sets the in-use and pending gauges of the lanes in `lanes` (a bit per
+    /// lane index), under the lock that guards what they describe.
+    pub(super) fn publish(&self, st: &State, lanes: u8) {
+        let mut bits = lanes & ((1 << Lane::COUNT) - 1);
+        while bits != 0 {
+            let lane = Lane::ALL[bits.trailing_zeros() as usize];
+            bits &= bits - 1;
+            let m = self.metrics.lane(lane);
+            m.in_use.set(st.adm.in_use(lane) as f64);
+            m.pending.set(st.adm.pending(lane) as f64);
+        }
+    }
+
+    fn refusal(&self, st: &State, lane: Lane, r: Refusal) -> Error {
+        let (limit, hard_floor) = match r {
+            Refusal::Budget { limit } => (limit, false),
+            Refusal::HardFloor { limit } => (limit, true),
+        };
+        Error::Checkout(CheckoutError::BudgetExhausted {
+            lane,
+            limit,
+            in_use: st.adm.in_use(lane),
+            hard_floor,
+            holders: st.holders(lane, Instant::now()),
+            pool_size: st.adm.limits().size(),
+        })
+    }
+
+    fn refused(&self, lane: Lane, r: Refusal, err: Error) -> Error {
+        self.metrics.lane(lane).fail_refused.increment(1);
+        if matches!(r, Refusal::Budget { .. }) {
+            self.metrics.overrun_refuse.increment(1);
+        }
+        err
+    }
+
+    fn closed(&self, lane: Lane) -> Error {
+        self.metrics.lane(lane).fail_closed.increment(1);
+        Error::Checkout(CheckoutError::Pool(PoolError::Closed))
+    }
+
+    /// Admits one checkout of `lane` at `prio`, waiting in FIFO order up to
+    /// `deadline` (and, when `patient`, waiting for the session-lock budget
+    /// rather than being refused while other locks hold it).
+    pub(super) async fn admit(
+        self: &Arc<Self>,
+        lane: Lane,
+        prio: Priority,
+        patient: bool,
+        site: &'static Location<'static>,
+        start: tokio::time::Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<Permit, Error> {
+        let (key, id, rx) = {
+            let mut st = self.state.lock();
+            let key = st.waiters.vacant_key();
+            match st.adm.request_with(lane, prio, key, patient) {
+                Admitted::Admit { over_budget } => {
+                    let slot = st.insert(lane, prio, site, start.into_std());
+                    let in_use = st.adm.in_use(lane);
+                    self.metrics.lane(lane).in_use.set(in_use as f64);
+                    let first = over_budget && st.warned_sites.insert(site as *const _ as usize);
+                    drop(st);
+                    if over_budget {
+                        self.over_budget(site, first);
+                    }
+                    return Ok(Permit {
+                        shared: self.clone(),
+                        slot,
+                        lane,
+                    });
+                }
+                Admitted::Refused(r) => {
+                    let err = self.refusal(&st, lane, r);
+                    drop(st);
+                    return Err(self.refused(lane, r, err));
+                }
+                Admitted::Closed => {
+                    drop(st);
+                    return Err(self.closed(lane));
+                }
+                Admitted::Queued => {
+                    let (tx, rx) = oneshot::channel();
+                    st.next_waiter += 1;
+                    let id = st.next_waiter;
+                    st.waiters.insert(Waiter {
+                        id,
+                        site,
+                        start: start.into_std(),
+                        tx,
+                    });
+                    self.publish(&st, 1 << lane.idx());
+                    (key, id, rx)
+                }
+            }
+        };
+        let guard = WaiterGuard {
+            shared: self,
+            key,
+            id,
+            lane,
+            prio,
+        };
+        match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(Ok(permit))) => {
+                // Granted: off the queue already, skip the guard's scan.
+                std::mem::forget(guard);
+                Ok(permit)
+            }
+            Ok(Ok(Err(r))) => {
+                std::mem::forget(guard);
+                let err = self.refusal(&self.state.lock(), lane, r);
+                Err(self.refused(lane, r, err))
+            }
+            // The sender went away without an answer: the pool closed.
+            Ok(Err(_)) => {
+                std::mem::forget(guard);
+                Err(self.closed(lane))
+            }
+            Err(_) => {
+                // The status as this waiter saw it, itself still counted.
+                let status = self.status();
+                drop(guard);
+                Err(self.timed_out(lane, Stage::Admission, start, status))
+            }
+        }
+    }
+
+    /// Counts and logs a checkout whose bound ran out.
+    pub(super) fn timed_out(
+        &self,
+        lane: Lane,
+        stage: Stage,
+        start: tokio::time::Instant,
+        status: crate::status::Status,
+    ) -> Error {
+        self.metrics.lane(lane).fail_timeout.increment(1);
+        let waited = start.elapsed();
+        tracing::warn!(pool = %self.name, %lane, ?waited, %stage, %status, "checkout timed out");
+        Error::Checkout(CheckoutError::Timeout {
+            lane,
+            waited,
+            stage,
+            status: Box::new(status),
+        })
+    }
+
+    fn over_budget(&self, site: &'static Location<'static>, first: bool) {
+        self.metrics.overrun_warn.increment(1);
+        if first {
+            let (in_use, limit) = {
+                let st = self.state.lock();
+                let lane = Lane::SessionLock;
+                (st.adm.in_use(lane), st.adm.limits().lane(lane).max)
+            };
+            tracing::warn!(
+                pool = %self.name,
+                %site,
+                in_use,
+                limit,
+                "session lock admitted past its budget (policy warn): hold no connection for \
+                 background exclusivity; use a table lease or a transaction-scoped lock"
+            );
+        }
+    }
+
+    /// Returns one checkout to the budget and serves the waiters it makes
+    /// room for.
+    pub(super) fn release(self: &Arc<Self>, slot: usize) {
+        let mut fired = Fired::default();
+        let now = Instant::now();
+        {
+            let mut guard = self.state.lock();
+            let st = &mut *guard;
+            let Some(c) = st.checkouts.try_remove(slot) else {
+                debug_assert!(false, "released an unknown checkout");
+                return;
+            };
+            // A connection was handed out (not a checkout that failed
+            // after admission): its hold counts in the lane's average.
+            if c.object.is_some() {
+                st.holds
+                    .record(c.lane, now.saturating_duration_since(c.since));
+            }
+            let mut t = Tables {
+                waiters: &mut st.waiters,
+                checkouts: &mut st.checkouts,
+                warned_sites: &mut st.warned_sites,
+            };
+            st.adm.release(c.lane, c.prio, c.releasing, |e| {
+                self.apply(&mut t, e, &mut fired)
+            });
+            self.publish(st, 1 << c.lane.idx() | fired.lanes);
+        }
+        fired.send(self);
+    }
+
+    /// The owner of checkout `slot` let go and its return is under way: a
+    /// checkout of its lane refused only because of it waits instead.
+    pub(super) fn mark_releasing(&self, slot: usize) {
+        let mut st = self.state.lock();
+        let lane = match st.checkouts.get_mut(slot) {
+            Some(c) if !c.releasing => {
+                c.releasing = true;
+                c.lane
+            }
+            _ => return,
+        };
+        st.adm.mark_releasing(lane);
+    }
+
+    /// Resizes the pool to `size`: the lanes' limits derived again for it
+    /// (the lanes set explicitly kept), then deadpool resized in the same
+    /// critical section (grown before the new limits admit more, shrunk
+    /// after they stop admitting past the new size). Checkouts out stay
+    /// out; a shrink below them admits nothing more until returns bring the
+    /// pool below its new size, and deadpool closes the connections that
+    /// come back past it.
+    pub(crate) fn resize(self: &Arc<Self>, size: usize) -> Result<(), BuildError> {
+        let mut fired = Fired::default();
+        let limits = {
+            let mut guard = self.state.lock();
+            let st = &mut *guard;
+            if st.adm.is_closed() || self.inner.is_closed() {
+                return Err(BuildError::DeadpoolClosed);
+            }
+            let limits = st.adm.limits().resized(size)?;
+            let grow = size > st.adm.limits().size();
+            if grow {
+                self.inner.resize(size);
+            }
+            let mut t = Tables {
+                waiters: &mut st.waiters,
+                checkouts: &mut st.checkouts,
+                warned_sites: &mut st.warned_sites,
+            };
+            st.adm
+                .set_limits(limits.clone(), |e| self.apply(&mut t, e, &mut fired));
+            if !grow {
+                self.inner.resize(size);
+            }
+            self.publish(st, u8::MAX);
+            limits
+        };
+        self.metrics.publish_limits(&self.name, &limits);
+        fired.send(self);
+        Ok(())
+    }
+
+    /// Whether the pool was closed.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.state.lock().adm.is_closed() || self.inner.is_closed()
+    }
+
+    /// Closes deadpool, stops the background work and fails every waiter.
+    pub(crate) fn close(&self) {
+        self.inner.close();
+        self.supervisor.close();
+        let mut gone = Vec::new();
+        {
+            let mut st = self.state.lock();
+            let st = &mut *st;
+            let mut keys = Vec::new();
+            st.adm.close(|k| keys.push(k));
+            for k in keys {
+                if let Some(w) = st.waiters.try_remove(k) {
+                    gone.push(w);
+                }
+            }
+            self.publish(st, u8::MAX);
+        }
+        // Their receivers see the sender gone: `closed`.
+        drop(gone);
+    }
+}
+
+// --- reading the state -----------------------------------------------------
+
+// The pool's [`Status`](crate::Status), and what a lane looks like to
+// someone deciding whether to queue for it: in use, limits, waiters,
+// whether a checkout would be admitted now, and how long its connections
+// have been held lately (an average kept in the return path, under the lock
+// the return takes anyway: no shared cache line of its own to bounce
+// between cores).
+
+/// One lane's load, read under the pool's lock in one go.
+#[cfg_attr(not(feature = "http"), allow(dead_code))]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LaneLoad {
+    /// Connections of the lane out now.
+    pub(crate) in_use: usize,
+    /// The lane's maximum.
+    pub(crate) max: usize,
+    /// Checkouts of the lane waiting now.
+    pub(crate) pending: usize,
+    /// How many connections the lane can hold at once now: its maximum,
+    /// less what the other lanes hold or keep in reserve (at least what it
+    /// holds, and at least 1).
+    pub(crate) capacity: usize,
+    /// Whether a checkout of the lane would be admitted at once.
+    pub(crate) admits_now: bool,
+    /// The lane's recent hold time (`None` before its first return).
+    pub(crate) recent_hold: Option<Duration>,
+    /// The pool is closed.
+    pub(crate) closed: bool,
+}
+
+impl Shared {
+    /// The pool now, read under the lock in one go.
+    pub(crate) fn status(&self) -> Status {
+        let d = self.inner.status();
+        let st = self.state.lock();
+        let limits = st.adm.limits();
+        let lanes = Lane::ALL.map(|lane| LaneStatus {
+            lane,
+            in_use: st.adm.in_use(lane),
+            releasing: st.adm.releasing(lane),
+            waiting: st.adm.pending(lane),
+            reserved: limits.lane(lane).reserved,
+            max: limits.lane(lane).max,
+        });
+        Status {
+            max: limits.size(),
+            max_size: limits.size(),
+            size: d.size,
+            idle: d.available,
+            available: d.available,
+            in_use: st.adm.total(),
+            waiting: st.adm.waiting(),
+            lanes,
+        }
+    }
+
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn lane_load(&self, lane: Lane) -> LaneLoad {
+        let st = self.state.lock();
+        let recent_hold = st.holds.get(lane);
+        let adm = &st.adm;
+        let limits = adm.limits();
+        let in_use = adm.in_use(lane);
+        let max = limits.lane(lane).max;
+        let others: usize = Lane::ALL
+            .iter()
+            .filter(|l| **l != lane)
+            .map(|l| adm.in_use(*l).max(limits.lane(*l).reserved))
+            .sum();
+        let capacity = max
+            .min(limits.size().saturating_sub(others))
+            .max(in_use)
+            .max(1);
+        LaneLoad {
+            in_use,
+            max,
+            pending: adm.pending(lane),
+            capacity,
+            admits_now: adm.admits_now(lane, Priority::Normal),
+            recent_hold,
+            closed: adm.is_closed(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default, Debug, PartialEq)]
+    struct A(u32);
+
+    #[test]
+    fn one_value_per_type() {
+        let mut e = Extensions::default();
+        assert_eq!(*e.get::<A>(), A(0));
+        e.set(A(3));
+        assert_eq!(*e.get::<A>(), A(3));
+        assert!(Arc::ptr_eq(&e.get::<A>(), &e.get::<A>()));
+        assert_eq!(*e.get::<u8>(), 0);
+        assert_eq!(e.0.lock().len(), 2);
+    }
+
+    #[test]
+    fn recent_holds_rise_fast_and_fall_slowly() {
+        let mut h = RecentHolds::default();
+        assert_eq!(h.get(Lane::Request), None);
+        let ms = Duration::from_millis;
+        h.record(Lane::Request, ms(5));
+        assert_eq!(h.get(Lane::Request), Some(ms(5)));
+        for _ in 0..4 {
+            h.record(Lane::Request, ms(50));
+        }
+        let up = h.get(Lane::Request).unwrap();
+        assert!(up > ms(45) && up <= ms(50), "{up:?}");
+        h.record(Lane::Request, ms(10));
+        let down = h.get(Lane::Request).unwrap();
+        assert!(down > ms(40), "{down:?}");
+        assert_eq!(h.get(Lane::Probe), None);
+        h.record(Lane::Probe, Duration::ZERO);
+        assert!(
+            h.get(Lane::Probe).is_some(),
+            "a zero hold still counts as seen"
+        );
+        h.record(Lane::Lease, Duration::MAX);
+        assert!(h.get(Lane::Lease).is_some());
+    }
 }
