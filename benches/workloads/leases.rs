@@ -2,7 +2,7 @@
 //! SQL pair sent raw through deadpool (A): what pgwarden's client side adds.
 //!
 //! Both sides send pgwarden's own acquisition and release statements, read
-//! from `src/lease/sql.rs` at compile time (so they cannot drift apart),
+//! from `src/lease/table.rs` at compile time (so they cannot drift apart),
 //! prepared and cached per connection (`prepare_typed_cached`, as pgwarden
 //! does on a pool known to be direct), each statement on its own checkout,
 //! as a lease holds no connection between them. Every pair uses a new lease
@@ -46,7 +46,7 @@ pub fn describe(s: Settings) -> String {
 /// shared clauses and the server-side lock bounds spelled out as
 /// `Statements::new` does.
 pub fn statement(field: &str) -> Result<String, BoxError> {
-    let err = || format!("src/lease/sql.rs: cannot find the `{field}` statement's text");
+    let err = || format!("src/lease/table.rs: cannot find the `{field}` statement's text");
     let text = format_body(&format!("{field}: format!("))
         .ok_or_else(err)?
         .replace(
@@ -68,9 +68,9 @@ pub fn statement(field: &str) -> Result<String, BoxError> {
 }
 
 /// The string literal of the `format!` that follows `marker` in
-/// `src/lease/sql.rs`.
+/// `src/lease/table.rs`.
 fn format_body(marker: &str) -> Option<String> {
-    const SRC: &str = include_str!("../../src/lease/sql.rs");
+    const SRC: &str = include_str!("../../src/lease/table.rs");
     let rest = &SRC[SRC.find(marker)?..];
     let body = &rest[rest.find('"')? + 1..];
     Some(body[..body.find("\"\n")?].to_owned())

@@ -1,5 +1,8 @@
-//! The metrics of one [`Leases`](super::Leases) instance: handles registered
-//! once, and `lease` labels bounded.
+//! What one [`Leases`](super::Leases) instance counts: its metrics
+//! ([`LeaseMetrics`], handles registered once, `lease` labels bounded) and
+//! its stats ([`LeaseStats`], the counts read by [`Leases::stats`]).
+//!
+//! [`Leases::stats`]: super::Leases::stats
 //!
 //! A lease name is a label value only when it was declared up front: on the
 //! builder ([`LeasesBuilder::declare`](super::LeasesBuilder::declare)), or
@@ -10,11 +13,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram};
 use parking_lot::RwLock;
 
-use super::guard::LostReason;
+use crate::lost::LostReason;
 use crate::metrics::{
     describe, LEASES_HELD, LEASE_ACQUIRED, LEASE_JOB_PANICS, LEASE_LOST, LEASE_PURGED,
     LEASE_RENEWALS, LEASE_RENEWAL_DURATION, LEASE_RENEWER_PANICS, LEASE_RENEW_INTERVAL,
@@ -158,4 +162,40 @@ impl LeaseMetrics {
     pub(crate) fn job_panics(&self, job: &str) -> Counter {
         metrics::counter!(LEASE_JOB_PANICS, "pool" => self.pool.clone(), "lease" => job.to_owned())
     }
+}
+
+/// What a [`Leases`](super::Leases) instance has done, for logs and tests.
+///
+/// ```no_run
+/// # fn demo(leases: pgwarden::Leases) {
+/// let s = leases.stats();
+/// println!("{} held, {} renewal failures", s.held, s.renewal_failures);
+/// # }
+/// ```
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LeaseStats {
+    /// Leases held now.
+    pub held: usize,
+    /// Statements sent: acquisitions, busy checks, renewals, releases,
+    /// fences, purges and installs.
+    pub statements: u64,
+    /// Renewal statements sent (each renews a batch).
+    pub renewal_statements: u64,
+    /// Lease renewals that succeeded, summed over batches.
+    pub renewed: u64,
+    /// Leases in the last renewal statement that succeeded.
+    pub last_batch: usize,
+    /// How long that statement took, checkout included.
+    pub last_renewal: Duration,
+    /// Renewal attempts that failed (a database or pool error, a timeout):
+    /// retried with back-off until the local deadline.
+    pub renewal_failures: u64,
+    /// Rows deleted by purges.
+    pub purged: u64,
+    /// Purge statements sent.
+    pub purge_statements: u64,
+    /// Take-overs of an expired lease that met a lock on its row and
+    /// answered busy (see [`Leases::acquire`](super::Leases::acquire)).
+    pub takeovers_blocked: u64,
 }

@@ -103,43 +103,469 @@
 //!
 //! Keep the server clock slewed, not stepped (NTP `slew`/chrony `makestep`
 //! only at boot), or make the margin larger than any step you expect.
+//!
+//! # Files
+//!
+//! From the top down: each file names and calls items of the files below
+//! it only, never of one above (`.ci/layers.py` checks that no files import
+//! each other around a circle, and that no two call each other).
+//!
+//! - `scheduler.rs`: jobs under a lease: [`Leases::run`] (once),
+//!   [`Scheduler`] and [`Job`] (every period), one job's loop.
+//! - `mod.rs`: this front, [`Leases`] (the lease table of one pool) and
+//!   [`LeasesBuilder`] (its settings, and their defaults).
+//! - `acquire.rs`: acquire and release: one attempt, the guard it returns
+//!   ([`Lease`], [`LeaseHandle`]: term, lost signal, fence), the releases.
+//! - `renewer.rs`: the renewer task, its batches and its purge rounds.
+//! - `inner.rs`: the state an instance shares (`Inner`), the leases it holds
+//!   (`Registry`), the lost signal it fires, and the statement helper
+//!   (`Inner::run`: bounded, cancelled then closed when it runs out of time).
+//! - `options.rs`: [`LeaseOptions`] and [`OnLost`], an instance's settings
+//!   and their defaults, the rules for names and holder ids.
+//! - `table.rs`: the table: its name, the text of every statement and why it
+//!   looks the way it does, the calls that run them, install and its shape
+//!   check, the operator's rows and revoke.
+//! - `term.rs`: one term: [`Term`], its shared state and lost signal, its
+//!   timing (renewal, local deadline, back-off).
+//! - `metrics.rs`: the metrics and [`LeaseStats`] of an instance.
 
 mod acquire;
-mod admin;
-mod batch;
-mod builder;
-mod calls;
-mod guard;
 mod inner;
-mod install;
-mod job;
-mod leases;
 mod metrics;
-mod name;
 mod options;
-mod queries;
-mod registry;
-mod release;
 mod renewer;
-mod run;
-mod runner;
 mod scheduler;
-mod settings;
-mod sql;
-mod state;
-mod statement;
-mod stats;
 mod table;
-mod timing;
+mod term;
 
-pub use admin::LeaseRow;
-pub use builder::LeasesBuilder;
-pub use guard::{Lease, LeaseHandle, LostReason};
-pub use job::{Job, JobOutcome};
-pub use leases::Leases;
+pub use crate::lost::LostReason;
+pub use acquire::{Lease, LeaseHandle};
+pub use metrics::LeaseStats;
 pub use options::{LeaseOptions, OnLost};
-pub use scheduler::{Scheduler, SchedulerBuilder};
-pub use state::Term;
-pub use stats::LeaseStats;
+pub use scheduler::{Job, JobOutcome, Scheduler, SchedulerBuilder};
+pub use table::LeaseRow;
+pub use term::Term;
 
-pub(crate) use inner::Inner;
+use std::fmt;
+use std::ops::Bound;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use self::acquire::MAX_POLL;
+use self::inner::{Inner, Urgency};
+use self::options::{check_name, default_settings, PurgeSettings, Settings};
+use self::table::{wait_ms, Busy, ReadRows, Revoke, TableName, DEFAULT_TABLE};
+use crate::error::{at_most, in_range, within, Error};
+use crate::pool::Pool;
+
+/// The lease table of one pool: acquire, renew (batched, in the background),
+/// release, run jobs exclusively.
+///
+/// Cloning is cheap; clones share one renewer. Create one per table when
+/// the process starts ([`Leases::new`] for the default table, or
+/// [`Leases::builder`]) and keep it: each instance has its own renewer
+/// task and metrics registration.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use std::time::Duration;
+/// let leases = pgwarden::Leases::builder(&pool).table("app.leases").build()?;
+/// leases.install().await?;
+/// let opts = pgwarden::LeaseOptions::new(Duration::from_secs(120));
+/// let ran = leases
+///     .run("cleanup", &opts, |lease| async move {
+///         // … the hourly clean-up; lease.lost() fires if the lease is lost
+///         lease.term().token
+///     })
+///     .await?;
+/// if ran.is_none() {
+///     // another instance holds "cleanup": skip this round
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Leases {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl Leases {
+    /// The default lease table of `pool`, `public.pgwarden_leases` (created
+    /// at first use), with every setting at its
+    /// default (see [`LeasesBuilder`]).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) {
+    /// let leases = pgwarden::Leases::new(&pool); // keep it: one per process
+    /// # let _ = leases;
+    /// # }
+    /// ```
+    pub fn new(pool: &Pool) -> Leases {
+        Leases::from_parts(pool, default_settings())
+    }
+
+    fn from_parts(pool: &Pool, settings: Settings) -> Leases {
+        let inner = Arc::new(Inner::new(pool.clone(), pool.name(), settings));
+        inner.supervise_renewer();
+        Leases { inner }
+    }
+
+    /// The DDL [`Leases::install`] runs: `sql/leases.sql` with this table's
+    /// names, for migrations that own the schema
+    /// ([`LeasesBuilder::auto_install`](super::LeasesBuilder::auto_install)`(false)`).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+    /// let leases = pgwarden::Leases::builder(&pool).table("app.leases").build()?;
+    /// std::fs::write("migrations/0042_leases.sql", leases.ddl()).ok();
+    /// # Ok(()) }
+    /// ```
+    pub fn ddl(&self) -> String {
+        self.inner.table.ddl()
+    }
+
+    /// Creates the lease table and its token sequence when they do not both
+    /// exist, inside a transaction holding the transaction-scoped advisory
+    /// lock `Namespace::PGWARDEN.named("leases.install")` (the pair
+    /// `(1885828964, 594100531)`, in pgwarden's own key space), so instances
+    /// starting together do not race; then checks the shape of what exists.
+    /// The schema must exist. Returns true when it ran the DDL.
+    ///
+    /// A table (or sequence) of another shape fails with
+    /// [`LeaseError::TableMismatch`](crate::LeaseError::TableMismatch), naming each difference: a missing or
+    /// mistyped column, the primary key (it must be `(name)`), the token
+    /// sequence (a `bigint` sequence named after the table). With
+    /// `auto_install` on (the default) the first acquisition runs this.
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// // At start-up: fail early on a table of another shape.
+    /// let created = leases.install().await?;
+    /// # let _ = created;
+    /// # Ok(()) }
+    /// ```
+    pub async fn install(&self) -> Result<bool, Error> {
+        self.inner.install().await
+    }
+
+    /// Takes `name` under `opts`, the one way to acquire a lease. A name is
+    /// 1 to 128 bytes of UTF-8 without control characters; names are metric
+    /// labels only when declared ([`LeasesBuilder::declare`](super::LeasesBuilder::declare)).
+    ///
+    /// - `wait: None`: one attempt. `Ok(None)` when another term holds the
+    ///   name (a skip), in one statement's round trip: the statement never
+    ///   waits on a live holder, not even one inside a fenced transaction.
+    ///   Also `Ok(None)` when the term is over but another session holds a
+    ///   lock on its row for more than 20 ms (a fenced transaction of the
+    ///   expired term, or any session that can write the table): counted in
+    ///   [`LeaseStats::takeovers_blocked`] and the metric
+    ///   `pgwarden_lease_takeovers_blocked_total`, and logged with the pid of
+    ///   the session holding the row.
+    /// - `wait: Some(d)`: waits up to `d` for the holder to release the
+    ///   lease or let it expire (polling when the database says it may be
+    ///   free, at least every 500 ms; 500 ms after a blocked take-over);
+    ///   `Ok(None)` if it is still held then.
+    ///
+    /// Renewal (every TTL / 4 by default) starts at once. Errors are the
+    /// options' validation ([`Error::Invalid`]), a statement timeout
+    /// ([`LeaseError::Timeout`](crate::LeaseError::Timeout)), a table of another shape
+    /// ([`LeaseError::TableMismatch`](crate::LeaseError::TableMismatch)) or the database's.
+    ///
+    /// Cancellation: a future dropped after its statement reached the
+    /// database cancels the statement on the server, then releases the
+    /// lease in the background in case the statement took it first.
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// use std::time::Duration;
+    /// use pgwarden::LeaseOptions;
+    /// // One attempt: skip this round when another instance has it.
+    /// if let Some(lease) = leases.acquire("cleanup", &LeaseOptions::default(), None).await? {
+    ///     // … the work; lease.lost() fires if the lease is lost
+    ///     lease.release().await?;
+    /// }
+    /// // Wait up to 5 s for a lease of 30 s.
+    /// let opts = LeaseOptions::new(Duration::from_secs(30));
+    /// match leases.acquire("migrate", &opts, Some(Duration::from_secs(5))).await? {
+    ///     Some(lease) => lease.release().await?,
+    ///     None => eprintln!("another instance kept \"migrate\" for 5 s"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn acquire(
+        &self,
+        name: &str,
+        opts: &LeaseOptions,
+        wait: Option<Duration>,
+    ) -> Result<Option<Lease>, Error> {
+        let start = Instant::now();
+        let wait = wait.unwrap_or(Duration::ZERO);
+        loop {
+            let busy = match self.inner.attempt(name, opts).await? {
+                Ok(lease) => return Ok(Some(lease)),
+                Err(busy) => busy,
+            };
+            let left = wait.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                self.inner.metrics.skipped(name);
+                return Ok(None);
+            }
+            let retry_in = match busy {
+                Busy::Held => self.inner.free_in(name).await?,
+                // Expired, its row locked: ask again a little later.
+                Busy::Blocked => MAX_POLL,
+            };
+            let left = wait.saturating_sub(start.elapsed());
+            let pause = retry_in
+                .clamp(Duration::from_millis(10), MAX_POLL)
+                .min(left);
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    /// Releases every lease this instance still holds (graceful shutdown):
+    /// their guards fire `lost(Released)` and become inert. Returns how many
+    /// rows were released; the first error is returned after trying all.
+    ///
+    /// ```no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// // on SIGTERM, after the scheduler's shutdown:
+    /// let released = leases.release_all().await?;
+    /// # let _ = released;
+    /// # Ok(()) }
+    /// ```
+    pub async fn release_all(&self) -> Result<usize, Error> {
+        let mut released = 0;
+        let mut first_err = None;
+        for (id, state) in self.inner.held() {
+            // Claim it first: a guard released concurrently keeps its own.
+            if !self.inner.unregister(id) {
+                continue;
+            }
+            state.lose(LostReason::Released);
+            match self.inner.release_row(&state, false).await {
+                Ok(()) => released += 1,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+
+    /// What this instance has done so far.
+    pub fn stats(&self) -> LeaseStats {
+        let held = self.inner.registry.lock().len();
+        LeaseStats {
+            held,
+            ..*self.inner.stats.lock()
+        }
+    }
+
+    /// Every row of the lease table, by name, each with the backend holding
+    /// a row lock on it, if any ([`LeaseRow::blocker_pid`]): a fenced
+    /// transaction left open (a frozen or cut-off holder) blocks the
+    /// take-over of an expired term until it ends.
+    ///
+    /// Reads only: locked rows are found with `FOR UPDATE SKIP LOCKED` in a
+    /// transaction that is rolled back, which never waits on a row lock.
+    /// That probe needs the `UPDATE` privilege on the table; without it a
+    /// blocker is found only when the row names its transaction (`xmax`:
+    /// one locker, not several sharing the lock).
+    pub async fn rows(&self) -> Result<Vec<LeaseRow>, Error> {
+        let inner = &self.inner;
+        inner
+            .run(
+                Urgency::Normal,
+                inner.statement_timeout,
+                &ReadRows {
+                    wait_ms: wait_ms(inner.statement_timeout),
+                },
+            )
+            .await
+    }
+
+    /// Ends the current term of `name` by hand (an operator's last resort):
+    /// the row is marked released and expired, so its holder's
+    /// [`fence`](super::LeaseHandle::fence) is refused from now on and its
+    /// [`lost`](super::LeaseHandle::lost) signal fires at its next renewal
+    /// (`Taken`). The next acquisition takes the name at once, unless an
+    /// at-least hold (`held_until`) still runs: the hold is kept.
+    ///
+    /// Returns the row as it was (old holder and token), or `None` when
+    /// there is no row or no holder (already released). It does not wait
+    /// on a fenced transaction.
+    pub async fn revoke(&self, name: &str) -> Result<Option<LeaseRow>, Error> {
+        check_name(name)?;
+        let inner = &self.inner;
+        inner
+            .run(
+                Urgency::Urgent,
+                inner.statement_timeout,
+                &Revoke {
+                    name,
+                    wait_ms: wait_ms(inner.statement_timeout),
+                },
+            )
+            .await
+    }
+}
+
+impl fmt::Debug for Leases {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Leases")
+            .field("pool", &self.inner.pool_name)
+            .field("table", &self.inner.table)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// The shortest purge interval accepted: 10 ms.
+pub(crate) const MIN_PURGE_INTERVAL: Duration = Duration::from_millis(10);
+
+/// Builds a [`Leases`]. Every setting has a default.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+/// use std::time::Duration;
+/// let leases = pgwarden::Leases::builder(&pool)
+///     .table("app.leases")
+///     .auto_install(false) // migrations create it: see Leases::ddl
+///     .declare(["cleanup", "report"])
+///     .purge(Duration::from_secs(3600), Some(Duration::from_secs(300)))
+///     .build()?;
+/// # let _ = leases;
+/// # Ok(()) }
+/// ```
+#[must_use = "builder does nothing until .build()"]
+#[derive(Debug)]
+pub struct LeasesBuilder {
+    pool: Pool,
+    table: String,
+    statement_timeout: Duration,
+    auto_install: bool,
+    purge: PurgeSettings,
+    declared: Vec<String>,
+}
+
+impl LeasesBuilder {
+    /// The lease table: `table` or `schema.table`, each part of
+    /// `[A-Za-z0-9_]` not starting with a digit, the table part at most 53
+    /// bytes (its sequence adds `_token_seq`; PostgreSQL's identifiers stop
+    /// at 63), the schema at most 63. Quotes, spaces and other characters
+    /// are refused. A name without a schema is in `public`, whatever the
+    /// session's `search_path` (so that instances whose search paths differ
+    /// use one table). Default: `public.pgwarden_leases`.
+    pub fn table(mut self, name: impl Into<String>) -> Self {
+        self.table = name.into();
+        self
+    }
+
+    /// The longest a lease statement may take, checkout included, before it
+    /// fails with [`LeaseError::Timeout`](crate::LeaseError::Timeout). The bound holds on the server too:
+    /// each statement sets its own transaction's `lock_timeout` to what is
+    /// left of it, so the server ends a wait on a row lock by itself, even
+    /// when the client is gone; on a connection known to be direct a cancel
+    /// request is sent as well. Its connection is then closed. Renewals are
+    /// bounded by the local deadline as well.
+    /// More than zero, at most 24 h. Default: 10 s.
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
+    /// Create the table (and its sequence) at the first acquisition when it
+    /// does not exist, as [`Leases::install`] does. Turn off when migrations
+    /// own the schema. Default: true.
+    pub fn auto_install(mut self, on: bool) -> Self {
+        self.auto_install = on;
+        self
+    }
+
+    /// Declares lease names up front: each becomes a value of the `lease`
+    /// label of the lease metrics. Every name not declared (here or as a
+    /// [`Scheduler`] job) counts under the label value
+    /// `_other`, so that names made at run time (per user, per tenant)
+    /// cannot grow the metrics without bound. Names are 1 to 128 bytes of
+    /// UTF-8 without control characters. Default: none.
+    pub fn declare<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.declared.extend(names.into_iter().map(Into::into));
+        self
+    }
+
+    /// Old rows: the renewer deletes rows released or expired for longer
+    /// than `after` (0 to 366 days), one statement (at most 500 rows) per
+    /// `every` (10 ms to 366 days); `None` turns the purge off (the rows then
+    /// stay: one per name ever used). Default: after 10 min, every 60 s.
+    ///
+    /// A purged name starts again with a new row, and its tokens still grow:
+    /// a row is deleted only under an exclusive transaction-scoped try-lock
+    /// on its name, which it cannot get while an acquisition of that name
+    /// (which holds the lock shared from before it draws its token until it
+    /// commits) is in flight. Rows it cannot lock stay for the next round; an
+    /// acquisition that meets the purge of its name in the same instant
+    /// finds the name busy (`Ok(None)`).
+    pub fn purge(mut self, after: Duration, every: Option<Duration>) -> Self {
+        self.purge.age = after;
+        self.purge.auto = every.is_some();
+        if let Some(every) = every {
+            self.purge.every = every;
+        }
+        self
+    }
+
+    /// Validates the settings.
+    pub fn build(self) -> Result<Leases, Error> {
+        let table = TableName::parse(&self.table)?;
+        let p = self.purge;
+        {
+            at_most("lease purge age", p.age, term::MAX_HOLD)?;
+            within(
+                "lease purge interval",
+                p.every,
+                MIN_PURGE_INTERVAL,
+                term::MAX_HOLD,
+            )?;
+        }
+        for name in &self.declared {
+            check_name(name)?;
+        }
+        in_range(
+            "lease statement timeout",
+            self.statement_timeout,
+            Bound::Excluded(Duration::ZERO),
+            Bound::Included(term::MAX_TTL),
+        )?;
+        let settings = Settings {
+            table,
+            statement_timeout: self.statement_timeout,
+            auto_install: self.auto_install,
+            purge: self.purge,
+            declared: self.declared,
+        };
+        Ok(Leases::from_parts(&self.pool, settings))
+    }
+}
+
+impl Leases {
+    /// Starts a builder: table name, statement timeout, auto-install,
+    /// purge, declared names. See [`LeasesBuilder`].
+    pub fn builder(pool: &Pool) -> LeasesBuilder {
+        let d = default_settings();
+        LeasesBuilder {
+            pool: pool.clone(),
+            table: DEFAULT_TABLE.to_owned(),
+            statement_timeout: d.statement_timeout,
+            auto_install: d.auto_install,
+            purge: d.purge,
+            declared: d.declared,
+        }
+    }
+}

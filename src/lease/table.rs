@@ -1,8 +1,580 @@
+//! The lease table: its name ([`TableName`]: validated, quoted, the DDL
+//! that creates it), every statement on it ([`Statements`]), the install
+//! and its shape check, what an operator reads of it (rows, revoke), and
+//! each statement with its parameters as the statement helper runs it
+//! ([`LeaseStatement`]; the helper itself is `Inner::run`, in `inner.rs`).
+//!
+//! # Statements
+//!
+//! Every lease statement, as text built once per table, and the calls that
+//! run them.
+//!
+//! Each statement runs either as a named prepared statement, cached per
+//! connection (`prepare_typed_cached`: parsed and planned once per
+//! connection), or as an unnamed one (`query_typed`: parsed and planned on
+//! every call), which is what works behind a transaction-mode pooler. The
+//! caller chooses (see `Inner::named`). Every time comes from the database
+//! clock; durations travel as `float8` seconds. Names, holders and tokens
+//! are parameters; the table name, validated by [`TableName`], is the only
+//! text spliced in.
+//!
+//! # Why the statements look the way they do
+//!
+//! - **Acquire** reads the current term before it locks anything: a name
+//!   held by a live term is a skip without a row lock, so a contender never
+//!   waits on a holder, not even on one inside a fenced transaction. Only an
+//!   expired (or missing) row goes on to `ON CONFLICT … DO UPDATE`, whose
+//!   `SET name = excluded.name` makes the take-over lock the row `FOR UPDATE`:
+//!   it conflicts with a fenced transaction (`FOR KEY SHARE`) of the term it
+//!   replaces. A take-over draws its token there, with the row locked.
+//! - **A take-over never waits long.** The acquisition's own transaction
+//!   carries `lock_timeout` = [`TAKEOVER_WAIT`] once it has found the name's
+//!   row (a new row gets the statement timeout instead: the locks any
+//!   insert may wait for under load, such as the table's extension lock,
+//!   say nothing about the name): a take-over that meets a row
+//!   lock (a fenced transaction of the expired term, or any other session
+//!   holding the row) gives up on the server by itself, and the attempt
+//!   answers busy (counted as `takeover_blocked`). The fenced transaction
+//!   cannot keep it waiting for long either: `fence` bounds its own
+//!   transaction on the server (see `FENCE`), so a holder frozen or cut off
+//!   inside it loses its session soon after its term ends.
+//! - **No advisory lock.** No statement takes an advisory lock, so no other
+//!   session (of any role) can make an acquisition answer "busy" by holding
+//!   one: the only thing that can keep a free name busy is a lock on its row,
+//!   which needs write privileges on the table, and is reported.
+//! - **Tokens grow with every term of a name.** A release keeps its row,
+//!   marked released (holder `''`, expired): the next term of the name takes
+//!   the row over and draws its token with the row locked, so it is larger
+//!   than every token of the rows before it. Only a new name draws its token
+//!   before its row exists; only the purge deletes rows, and only once it
+//!   holds the table's `SHARE` lock, which no lease statement in flight
+//!   allows (it takes it with `NOWAIT`, or skips its round): no new row
+//!   drawn before a purge lands after it.
+//! - **Busy** is a statement that returns no row. Waiting callers ask when
+//!   the lease may be free with a second, read-only statement.
+//! - **Bounded on the server too.** Acquisitions, renewals and releases set
+//!   `lock_timeout` for their own transaction, a constant of their text (no
+//!   parameter, nothing computed per call): the take-over bound for
+//!   acquisitions, the statement timeout for the others. The server ends
+//!   the wait by itself, even when the client is gone (killed, or cut off)
+//!   and no cancel request can come. On the client every statement is
+//!   bounded by its timeout, then cancelled and its connection closed.
+//! - **Lean.** Renewals and releases are plain `UPDATE`s by name, holder (and
+//!   token); a release does what the plain `DELETE` does, keeping the row.
+//!
+//! # The table's name
+//!
 //! The lease table's name: validated, quoted, and the DDL that creates it.
+//!
+//! # Install
+//!
+//! `install()`: create the lease table and its token sequence when they are
+//! missing, and check the shape of what exists.
+//!
+//! A table that exists with other columns, without a primary key on `name`,
+//! or without its sequence would make every acquisition fail with an SQL
+//! error later; the check names what differs instead, once, at install or
+//! at first use.
+//!
+//! # Rows and revoke
+//!
+//! What an operator needs of a lease table: every row, with the session
+//! holding a row lock on it ([`Leases::rows`]), and the end of a term by
+//! hand ([`Leases::revoke`]). The `pgwarden` command line's `leases`,
+//! `check` and `revoke` are built on these.
+//!
+//! Both run as other lease statements do (lease lane, bounded, cancelled on
+//! the server when they run out of time), on the table the [`Leases`] was
+//! built with.
+//!
+//! # Each statement as the helper runs it
+//!
+//! Each lease statement with its parameters, as [`Inner::run`] takes it.
+//!
+//! [`Inner::run`]: super::inner::Inner::run
+//! [`Leases`]: super::Leases
+//! [`Leases::rows`]: super::Leases::rows
+//! [`Leases::revoke`]: super::Leases::revoke
 
 use std::fmt;
+use std::future::Future;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::error::{name_error, Error, NameRule};
+use deadpool_postgres::ClientWrapper as Client;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Error as PgError;
+use tokio_postgres::Row;
+
+use crate::error::{name_error, Error, LeaseError, NameRule};
+use crate::lock::{xact_lock, LockKey, LockMode, Namespace};
+
+/// The key of the transaction-scoped advisory lock `install()` holds:
+/// `Namespace::PGWARDEN.named("leases.install")`, that is the pair
+/// `(1885828964, 594100531)`, in pgwarden's own key space. Only the
+/// install takes it (never an acquisition): a session that holds it delays
+/// the install, which reports a timeout naming the lock.
+pub(crate) const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.install");
+
+/// How long an acquisition's take-over of an expired row may wait for a
+/// lock on that row before it answers busy: 20 ms.
+pub(crate) const TAKEOVER_WAIT: Duration = Duration::from_millis(20);
+
+/// How far past its term's expiry a fenced transaction may last on the
+/// server (idle, or in one statement) before the server ends it: 1 s.
+pub(crate) const FENCE_GRACE: Duration = Duration::from_secs(1);
+
+/// The statements of one lease table.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub(super) acquire: String,
+    pub(super) acquire_held: String,
+    pub(super) free_in: String,
+    pub(super) renew: String,
+    pub(super) release: String,
+    pub(super) release_unheld: String,
+    pub(super) fence: String,
+    pub(super) blocker: String,
+    pub(crate) ddl: String,
+    /// The table, schema-qualified and quoted.
+    pub(crate) table: String,
+    /// The token sequence, schema-qualified and quoted.
+    pub(crate) sequence: String,
+}
+
+/// A term just taken.
+#[derive(Debug)]
+pub(crate) struct Taken {
+    pub(crate) token: i64,
+    /// The holder of the term taken over: `None` for a new row, `Some("")`
+    /// for a released row, else an expired holder's id.
+    pub(crate) prev_holder: Option<String>,
+    /// The database's `now()` at the take, as Unix seconds.
+    pub(crate) taken_at: f64,
+}
+
+pub(super) const ACQUIRE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::FLOAT8];
+pub(super) const ACQUIRE_HELD_TYPES: &[Type] = &[
+    Type::TEXT,
+    Type::TEXT,
+    Type::FLOAT8,
+    Type::FLOAT8,
+    Type::FLOAT8,
+];
+pub(super) const NAME_TYPES: &[Type] = &[Type::TEXT];
+pub(super) const RENEW_TYPES: &[Type] = &[
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
+    Type::FLOAT8_ARRAY,
+];
+pub(super) const RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
+pub(super) const FENCE_TYPES: &[Type] = &[Type::TEXT, Type::INT8];
+
+/// `lock_timeout` for the statement's own transaction, as a constant of
+/// the statement's text (at least 1 ms: 0 would mean no bound).
+fn lock_bound(wait: Duration) -> String {
+    format!(
+        "set_config('lock_timeout', '{}', true) IS NOT NULL",
+        lock_ms(wait)
+    )
+}
+
+/// A lock wait bound in milliseconds, at least 1 (0 would mean no bound).
+fn lock_ms(wait: Duration) -> u128 {
+    wait.as_millis().clamp(1, i32::MAX as u128)
+}
+
+impl Statements {
+    /// The statements of table `t`, whose lease statements are bounded by
+    /// `timeout` on the client.
+    pub(crate) fn new(t: &TableName, timeout: Duration) -> Statements {
+        let tbl = t.quoted();
+        let seq = t.sequence_literal();
+        // Renewals and releases wait for a row lock only behind another
+        // session's (a take-over's, bounded as below, or anyone's): bounded
+        // on the server by the statement timeout, so that a statement whose
+        // client is gone (no cancel request comes, as behind a pooler) ends.
+        let wait = lock_bound(timeout);
+        // An acquisition reads the name's row first (`s.live`: NULL when
+        // there is none), then bounds its own lock waits: a take-over of an
+        // existing row by the take-over bound; a new row by the statement
+        // timeout, for the locks every insert may wait for under load (the
+        // table's extension lock, a same-named insert in flight), which say
+        // nothing about the name being busy: with 16 sessions inserting at
+        // once on 2 cores, a 20 ms bound there made free names answer busy.
+        let probe = format!(
+            "(SELECT (SELECT c.expires_at >= now() OR c.held_until > now() FROM {tbl} c WHERE c.name = $1) AS live OFFSET 0) AS s"
+        );
+        let gate = format!(
+            "s.live IS NOT TRUE
+   AND set_config('lock_timeout', CASE WHEN s.live IS NULL THEN '{}' ELSE '{}' END, true) IS NOT NULL",
+            lock_ms(timeout),
+            lock_ms(TAKEOVER_WAIT.min(timeout))
+        );
+        let on_conflict = format!(
+            "ON CONFLICT (name) DO UPDATE
+   SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
+       taken_at = excluded.taken_at, expires_at = excluded.expires_at,
+       held_until = excluded.held_until, prev_holder = l.holder
+ WHERE l.expires_at < now() AND l.held_until <= now()
+RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8"
+        );
+        Statements {
+            // Without a hold, `held_until` keeps its default ('-infinity'):
+            // fewer expressions for the server to set up on every call.
+            acquire: format!(
+                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at)
+SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3)
+  FROM {probe}
+ WHERE {gate}
+{on_conflict}"
+            ),
+            acquire_held: format!(
+                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until)
+SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
+       greatest(now() + make_interval(secs => $4),
+                CASE WHEN $5 > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / $5) + 1) * $5) END)
+ FROM {probe}
+ WHERE {gate}
+{on_conflict}"
+            ),
+            free_in: format!(
+                "SELECT extract(epoch FROM greatest(expires_at, held_until) - now())::float8 FROM {tbl} WHERE name = $1"
+            ),
+            // One statement renews every lease of the batch, each within its
+            // own term only.
+            renew: format!(
+                "UPDATE {tbl} AS l SET expires_at = now() + make_interval(secs => r.ttl)
+  FROM unnest($1::text[], $2::text[], $3::int8[], $4::float8[]) AS r(name, holder, token, ttl)
+ WHERE {wait} AND l.name = r.name AND l.holder = r.holder AND l.token = r.token
+RETURNING l.name, l.token"
+            ),
+            // Holder ids are new on every acquisition: a holder matches its
+            // own term only, so a late release never touches a later term.
+            // The row stays, marked released, with its hold.
+            release: format!(
+                "UPDATE {tbl} SET holder = '', expires_at = now() WHERE {wait} AND name = $1 AND holder = $2"
+            ),
+            // After an acquisition whose run never started (cancelled, or
+            // stopped before the job): the hold goes too.
+            release_unheld: format!(
+                "UPDATE {tbl} SET holder = '', expires_at = now(), held_until = least(held_until, now())
+ WHERE {wait} AND name = $1 AND holder = $2"
+            ),
+            // The row locked `FOR KEY SHARE` (a take-over waits for the
+            // transaction, a renewal does not), and the transaction bounded
+            // on the server from the term's expiry: past it by more than
+            // `$2` ms, idle or in one statement, the server ends the session.
+            fence: format!(
+                "SELECT holder, token, expires_at > clock_timestamp(),
+       current_setting('transaction_isolation') <> 'read committed',
+       set_config('idle_in_transaction_session_timeout', b.ms, true) IS NOT NULL
+         AND set_config('statement_timeout', b.ms, true) IS NOT NULL
+  FROM {tbl} AS f,
+       LATERAL (SELECT (ceil(greatest(extract(epoch FROM expires_at - clock_timestamp()), 0) * 1000) + $2)::int8::text) AS b(ms)
+ WHERE name = $1 FOR KEY SHARE OF f"
+            ),
+            // The session holding a lock on a row (its `xmax` is the locking
+            // transaction when one transaction holds it), for the log line
+            // of a blocked take-over.
+            blocker: format!(
+                "SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.state, ''),
+       coalesce(extract(epoch FROM now() - a.state_change), 0)::float8
+  FROM {tbl} AS t
+  JOIN pg_locks AS k ON k.locktype = 'transactionid' AND k.transactionid = t.xmax AND k.granted
+  JOIN pg_stat_activity AS a ON a.pid = k.pid
+ WHERE t.name = $1 AND a.pid <> pg_backend_pid()
+ LIMIT 1"
+            ),
+            ddl: t.ddl(),
+            table: tbl,
+            sequence: t.sequence_quoted(),
+        }
+    }
+}
+
+/// Runs `text` with `params`: prepared and cached on the connection when
+/// `named`, else as an unnamed statement.
+async fn query(
+    client: &Client,
+    named: bool,
+    text: &str,
+    types: &[Type],
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, PgError> {
+    if named {
+        let stmt = client.prepare_typed_cached(text, types).await?;
+        client.query(&stmt, params).await
+    } else {
+        client.query_typed(text, &typed(params, types)).await
+    }
+}
+
+fn typed<'a>(
+    params: &[&'a (dyn ToSql + Sync)],
+    types: &[Type],
+) -> Vec<(&'a (dyn ToSql + Sync), Type)> {
+    params
+        .iter()
+        .zip(types)
+        .map(|(p, t)| (*p, t.clone()))
+        .collect()
+}
+
+async fn execute(
+    client: &Client,
+    named: bool,
+    text: &str,
+    types: &[Type],
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<u64, PgError> {
+    if named {
+        let stmt = client.prepare_typed_cached(text, types).await?;
+        client.execute(&stmt, params).await
+    } else {
+        client.execute_typed(text, &typed(params, types)).await
+    }
+}
+
+/// A session holding a lock on a lease row.
+#[derive(Debug, Clone)]
+pub(crate) struct RowLocker {
+    pub(crate) pid: i32,
+    pub(crate) application_name: String,
+    pub(crate) state: String,
+    /// Seconds in that state.
+    pub(crate) state_for_s: f64,
+}
+
+impl Statements {
+    /// One acquisition attempt: the new term, or `None` when the name is held.
+    /// `hold`: the at-least time and the period, in seconds (see
+    /// [`LeaseOptions`](super::LeaseOptions)), when either is set.
+    pub(crate) async fn acquire(
+        &self,
+        client: &Client,
+        named: bool,
+        name: &str,
+        holder: &str,
+        ttl: f64,
+        hold: Option<(f64, f64)>,
+    ) -> Result<Option<Taken>, PgError> {
+        let rows = match hold {
+            None => {
+                query(
+                    client,
+                    named,
+                    &self.acquire,
+                    ACQUIRE_TYPES,
+                    &[&name, &holder, &ttl],
+                )
+                .await?
+            }
+            Some((at_least, period)) => {
+                query(
+                    client,
+                    named,
+                    &self.acquire_held,
+                    ACQUIRE_HELD_TYPES,
+                    &[&name, &holder, &ttl, &at_least, &period],
+                )
+                .await?
+            }
+        };
+        rows.first()
+            .map(|r| {
+                Ok(Taken {
+                    token: r.try_get(0)?,
+                    prev_holder: r.try_get(1)?,
+                    taken_at: r.try_get(2)?,
+                })
+            })
+            .transpose()
+    }
+
+    /// Seconds until `name` may be free (database clock): `None` when there
+    /// is no row.
+    pub(crate) async fn free_in(
+        &self,
+        client: &Client,
+        named: bool,
+        name: &str,
+    ) -> Result<Option<f64>, PgError> {
+        let rows = query(client, named, &self.free_in, NAME_TYPES, &[&name]).await?;
+        rows.first().map(|r| r.try_get(0)).transpose()
+    }
+
+    /// Renews a batch; returns the `(name, token)` of the leases renewed.
+    pub(crate) async fn renew(
+        &self,
+        client: &Client,
+        named: bool,
+        names: &[&str],
+        holders: &[&str],
+        tokens: &[i64],
+        ttls: &[f64],
+    ) -> Result<Vec<(String, i64)>, PgError> {
+        let rows = query(
+            client,
+            named,
+            &self.renew,
+            RENEW_TYPES,
+            &[&names, &holders, &tokens, &ttls],
+        )
+        .await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect()
+    }
+
+    /// Marks a term's row released, keeping the row (and, with
+    /// `keep_hold`, its hold); true when the term was this holder's.
+    pub(crate) async fn release(
+        &self,
+        client: &Client,
+        named: bool,
+        name: &str,
+        holder: &str,
+        keep_hold: bool,
+    ) -> Result<bool, PgError> {
+        let text = if keep_hold {
+            &self.release
+        } else {
+            &self.release_unheld
+        };
+        let n = execute(client, named, text, RELEASE_TYPES, &[&name, &holder]).await?;
+        Ok(n > 0)
+    }
+
+    /// Locks the lease row `FOR KEY SHARE` in the caller's transaction and
+    /// bounds that transaction on the server (`statement_timeout` and
+    /// `idle_in_transaction_session_timeout`, for the transaction only: the
+    /// term's time left plus [`FENCE_GRACE`]); returns its holder, its
+    /// token, whether it is unexpired, and whether the transaction reads
+    /// from one snapshot (repeatable read or serializable).
+    pub(crate) async fn fence(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        name: &str,
+    ) -> Result<Option<(String, i64, bool, bool)>, PgError> {
+        let grace = i64::try_from(FENCE_GRACE.as_millis()).unwrap_or(i64::MAX);
+        let row = tx
+            .query_typed_opt(
+                &self.fence,
+                &[
+                    (&name, FENCE_TYPES[0].clone()),
+                    (&grace, FENCE_TYPES[1].clone()),
+                ],
+            )
+            .await?;
+        row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
+            .transpose()
+    }
+
+    /// The session holding a lock on `name`'s row, when one transaction
+    /// holds it.
+    pub(crate) async fn blocker(
+        &self,
+        client: &Client,
+        named: bool,
+        name: &str,
+    ) -> Result<Option<RowLocker>, PgError> {
+        let rows = query(client, named, &self.blocker, NAME_TYPES, &[&name]).await?;
+        rows.first()
+            .map(|r| {
+                Ok(RowLocker {
+                    pid: r.try_get(0)?,
+                    application_name: r.try_get(1)?,
+                    state: r.try_get(2)?,
+                    state_for_s: r.try_get(3)?,
+                })
+            })
+            .transpose()
+    }
+
+    /// Deletes up to `limit` rows released or expired for longer than
+    /// `age`; returns how many, or `None` when a lease statement was in
+    /// flight (the round is skipped).
+    ///
+    /// First a plain read finds the rows (their `ctid`s), holding no lock a
+    /// lease statement waits for: the scan of the table, as long as it
+    /// takes, holds nobody up, and when no row is old enough nothing else
+    /// happens. Then one round trip, one implicit transaction: the table's
+    /// `SHARE` lock taken with `NOWAIT`, and the `DELETE` of those rows by
+    /// `ctid` (a TID scan of at most `limit` rows), each checked again. The
+    /// lock is granted only when no lease statement is in flight (each
+    /// holds `ROW EXCLUSIVE` until it ends, from before it draws a token),
+    /// so no acquisition that drew a token for a new row before the purge
+    /// can insert it after a purged row of the same name with a larger
+    /// token. It never queues (a queued request would hold up every lease
+    /// statement behind it); statements that come while the `DELETE` runs
+    /// wait for it alone, which is short: an acquisition waits at most 20 ms
+    /// for a lock before it answers busy, so the purge must not scan the
+    /// table under its lock.
+    pub(crate) async fn purge(
+        &self,
+        client: &mut Client,
+        age: Duration,
+        limit: i64,
+    ) -> Result<Option<u64>, PgError> {
+        // Both values are this crate's own numbers, formatted as SQL
+        // numbers (the simple query protocol takes no parameters).
+        let old = format!(
+            "greatest(expires_at, held_until) < now() - make_interval(secs => {:.6}::float8)",
+            age.as_secs_f64()
+        );
+        let find = format!(
+            "SELECT ctid::text FROM {} WHERE {old} LIMIT {limit}",
+            self.table
+        );
+        let mut tids = Vec::new();
+        for m in client.simple_query(&find).await? {
+            if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+                // The server's own `(block,offset)` text: spliced back only
+                // once it is checked to be two numbers.
+                if let Some(t) = r.get(0).and_then(tid) {
+                    tids.push(t);
+                }
+            }
+        }
+        if tids.is_empty() {
+            return Ok(Some(0));
+        }
+        let batch = format!(
+            "LOCK TABLE {t} IN SHARE MODE NOWAIT; DELETE FROM {t} WHERE ctid = ANY ('{{{}}}'::tid[]) AND {old}",
+            tids.join(","),
+            t = self.table
+        );
+        match client.simple_query(&batch).await {
+            Ok(messages) => Ok(Some(
+                messages
+                    .iter()
+                    .filter_map(|m| match m {
+                        tokio_postgres::SimpleQueryMessage::CommandComplete(n) => Some(*n),
+                        _ => None,
+                    })
+                    .last()
+                    .unwrap_or(0),
+            )),
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A `ctid` as the server writes it, `(block,offset)`, checked to be just
+/// that, as an element of an array literal: `"(12,5)"` (with its quotes).
+fn tid(text: &str) -> Option<String> {
+    let inner = text.strip_prefix('(')?.strip_suffix(')')?;
+    let (block, offset) = inner.split_once(',')?;
+    let block: u32 = block.parse().ok()?;
+    let offset: u16 = offset.parse().ok()?;
+    // Quoted as an array element: the comma would split it otherwise.
+    Some(format!("\"({block},{offset})\""))
+}
 
 /// The default lease table: `public.pgwarden_leases`.
 pub(crate) const DEFAULT_TABLE: &str = "pgwarden_leases";
@@ -165,10 +737,678 @@ pub(crate) fn quote_literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
+/// The columns pgwarden reads and writes: name, type, and whether NULL must
+/// be allowed (`prev_holder` is NULL for a new row).
+const COLUMNS: &[(&str, &str, bool)] = &[
+    ("name", "text", false),
+    ("holder", "text", false),
+    ("token", "bigint", false),
+    ("taken_at", "timestamp with time zone", false),
+    ("expires_at", "timestamp with time zone", false),
+    ("held_until", "timestamp with time zone", false),
+    ("prev_holder", "text", true),
+];
+
+/// One column as the catalog describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Column {
+    pub(crate) name: String,
+    pub(crate) type_name: String,
+    pub(crate) not_null: bool,
+    pub(crate) has_default: bool,
+}
+
+/// What the catalog says about the table and its sequence.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Shape {
+    /// `relkind` of the table (`r`, `p`, or another kind), `None` if missing.
+    pub(crate) table_kind: Option<String>,
+    pub(crate) columns: Vec<Column>,
+    /// The primary key's columns, in order (empty: none).
+    pub(crate) primary_key: Vec<String>,
+    /// `relkind` of the sequence, `None` if missing.
+    pub(crate) sequence_kind: Option<String>,
+    /// The sequence's data type (`bigint`, `integer`…).
+    pub(crate) sequence_type: Option<String>,
+    /// The sequence is the one owned by the table's `token` column
+    /// (`OWNED BY`): `Some(false)` when it is another, or owned by nothing;
+    /// `None` without a `token` column.
+    pub(crate) sequence_owned: Option<bool>,
+    /// Another table that the session's `search_path` finds under the bare
+    /// table name (only checked when the name was given without a schema):
+    /// the table an older pgwarden (or a mistyped configuration) would use.
+    pub(crate) shadowed_by: Option<String>,
+}
+
+impl Shape {
+    /// What differs from the shape pgwarden needs; empty when it fits.
+    pub(crate) fn differences(&self, sequence: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        match self.table_kind.as_deref() {
+            None => out.push("the table does not exist".to_owned()),
+            Some("r" | "p") => {}
+            Some(kind) => out.push(format!("it is not a table (relkind {kind:?})")),
+        }
+        for (name, ty, nullable) in COLUMNS {
+            match self.columns.iter().find(|c| c.name == *name) {
+                None => out.push(format!("column {name} ({ty}) is missing")),
+                Some(c) if c.type_name != *ty => {
+                    out.push(format!("column {name} is {}, expected {ty}", c.type_name))
+                }
+                Some(c) if *nullable && c.not_null && !c.has_default => {
+                    out.push(format!("column {name} is NOT NULL, it must allow NULL"))
+                }
+                Some(_) => {}
+            }
+        }
+        for c in &self.columns {
+            let ours = COLUMNS.iter().any(|(n, _, _)| *n == c.name);
+            if !ours && c.not_null && !c.has_default {
+                out.push(format!(
+                    "extra column {} is NOT NULL without a default: pgwarden's inserts would fail",
+                    c.name
+                ));
+            }
+        }
+        if self.primary_key != ["name"] {
+            if self.primary_key.is_empty() {
+                out.push("there is no primary key (expected PRIMARY KEY (name))".to_owned());
+            } else {
+                out.push(format!(
+                    "the primary key is ({}), expected (name)",
+                    self.primary_key.join(", ")
+                ));
+            }
+        }
+        match (self.sequence_kind.as_deref(), self.sequence_type.as_deref()) {
+            (None, _) => out.push(format!("the token sequence {sequence} does not exist")),
+            (Some("S"), Some("bigint")) => {}
+            (Some("S"), other) => out.push(format!(
+                "the token sequence {sequence} is {}, expected bigint",
+                other.unwrap_or("of an unknown type")
+            )),
+            (Some(kind), _) => out.push(format!("{sequence} is not a sequence (relkind {kind:?})")),
+        }
+        if self.sequence_kind.is_some() && self.sequence_owned == Some(false) {
+            out.push(format!(
+                "the token sequence {sequence} is not owned by the table's token column \
+                 (ALTER SEQUENCE … OWNED BY <table>.token, as in sql/leases.sql)"
+            ));
+        }
+        if let Some(other) = &self.shadowed_by {
+            out.push(format!(
+                "this session's search_path finds another table of that name, {other}: \
+                 a table name without a schema means public; name the table with its \
+                 schema (LeasesBuilder::table) so that every instance uses the same one"
+            ));
+        }
+        out
+    }
+
+    /// The DDL has something to create (it skips what exists).
+    fn is_missing(&self) -> bool {
+        self.table_kind.is_none() || self.sequence_kind.is_none()
+    }
+}
+
+impl Statements {
+    /// Reads the shape of the table and its sequence from the catalog.
+    pub(crate) async fn shape(
+        &self,
+        client: &Client,
+        bare: Option<&str>,
+    ) -> Result<Shape, tokio_postgres::Error> {
+        let (t, s) = (&self.table, &self.sequence);
+        let rel = client
+            .query_typed(
+                "SELECT (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)),
+                        (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($2)),
+                        (SELECT format_type(seqtypid, NULL) FROM pg_sequence WHERE seqrelid = to_regclass($2)),
+                        coalesce((SELECT array_agg(a.attname::text ORDER BY k.ord)
+                                    FROM pg_index i
+                                   CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                                    JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                                   WHERE i.indrelid = to_regclass($1) AND i.indisprimary), '{}'),
+                        (SELECT coalesce(to_regclass(pg_get_serial_sequence($1, 'token')) = to_regclass($2), false)
+                           FROM pg_attribute
+                          WHERE attrelid = to_regclass($1) AND attname = 'token' AND NOT attisdropped),
+                        (SELECT format('%I.%I', n.nspname, c.relname)
+                           FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                          WHERE c.oid = to_regclass($3) AND c.oid IS DISTINCT FROM to_regclass($1))",
+                &[(t, Type::TEXT), (s, Type::TEXT), (&bare, Type::TEXT)],
+            )
+            .await?;
+        let columns = client
+            .query_typed(
+                "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull, atthasdef
+                   FROM pg_attribute
+                  WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped
+                  ORDER BY attnum",
+                &[(t, Type::TEXT)],
+            )
+            .await?;
+        let mut shape = Shape::default();
+        if let Some(r) = rel.first() {
+            shape.table_kind = r.try_get(0)?;
+            shape.sequence_kind = r.try_get(1)?;
+            shape.sequence_type = r.try_get(2)?;
+            shape.primary_key = r.try_get(3)?;
+            shape.sequence_owned = r.try_get(4)?;
+            shape.shadowed_by = r.try_get(5)?;
+        }
+        for r in &columns {
+            shape.columns.push(Column {
+                name: r.try_get(0)?,
+                type_name: r.try_get(1)?,
+                not_null: r.try_get(2)?,
+                has_default: r.try_get(3)?,
+            });
+        }
+        Ok(shape)
+    }
+
+    /// Creates the table and its sequence when either is missing, inside a
+    /// transaction holding the transaction-scoped advisory lock
+    /// [`INSTALL_LOCK_KEY`] (waiting up to `wait` for it); then checks the
+    /// shape of what exists. Returns true when it ran the DDL.
+    pub(crate) async fn install(
+        &self,
+        client: &mut Client,
+        wait: Duration,
+        table_name: &str,
+        bare: Option<&str>,
+    ) -> Result<bool, Error> {
+        let mut ran = false;
+        let mut shape = self.shape(client, bare).await?;
+        if shape.is_missing() {
+            let tx = client.transaction().await?;
+            xact_lock(&tx, INSTALL_LOCK_KEY, LockMode::Exclusive, Some(wait)).await?;
+            // `IF NOT EXISTS`: another instance may have created it while
+            // this one waited for the lock.
+            tx.batch_execute(&self.ddl).await?;
+            tx.commit().await?;
+            ran = true;
+            shape = self.shape(client, bare).await?;
+        }
+        let differences = shape.differences(&self.sequence);
+        if differences.is_empty() {
+            Ok(ran)
+        } else {
+            Err(Error::Lease(LeaseError::TableMismatch {
+                table: table_name.to_owned(),
+                differences,
+            }))
+        }
+    }
+}
+
+/// One row of the lease table, as [`Leases::rows`](super::Leases::rows)
+/// reads it (all times from the database clock), or as it was just before
+/// [`Leases::revoke`](super::Leases::revoke) ended its term.
+///
+/// ```no_run
+/// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+/// for row in leases.rows().await? {
+///     if let Some(pid) = row.blocker_pid {
+///         eprintln!("{}: row locked by pid {pid} ({:?})", row.name, row.blocker_state);
+///     }
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct LeaseRow {
+    /// The lease name.
+    pub name: String,
+    /// The holder id of the current (or last) term; empty once released.
+    pub holder: String,
+    /// The fencing token of that term.
+    pub token: i64,
+    /// When that term began.
+    pub taken_at: SystemTime,
+    /// Seconds until the term expires: negative once expired.
+    pub expires_in_s: f64,
+    /// A holder holds it and it has not expired.
+    pub live: bool,
+    /// The at-least hold ([`LeaseOptions::at_least`](super::LeaseOptions::at_least)),
+    /// `None` when the row never had one.
+    pub held_until: Option<SystemTime>,
+    /// The holder of the term this one took over, if any.
+    pub prev_holder: Option<String>,
+    /// The backend holding a row lock on this row (a fenced transaction, a
+    /// statement in flight): the one whose transaction locked it last where
+    /// the row tells, else the oldest open transaction holding the table.
+    /// A take-over of an expired term is blocked while it lasts (it answers
+    /// busy). `None` when the row is not locked.
+    pub blocker_pid: Option<i32>,
+    /// That backend's `application_name`.
+    pub blocker_application_name: Option<String>,
+    /// That backend's state (`idle in transaction`…).
+    pub blocker_state: Option<String>,
+    /// How long that backend has been in its state.
+    pub blocker_state_for: Option<Duration>,
+}
+
+/// The rows, row-locked names found by a probe that never waits: within a
+/// transaction that is rolled back, the rows `FOR UPDATE SKIP LOCKED`
+/// skips are the rows some other transaction holds a lock on (row locks
+/// are not in `pg_locks`; `FOR UPDATE` conflicts with every row lock). Only
+/// rows whose `xmax` is set can be locked, so only those are probed.
+fn rows_sql(tbl: &str) -> (String, String) {
+    let probe = format!(
+        "SELECT name FROM {tbl} WHERE xmax::text <> '0' AND name NOT IN
+  (SELECT name FROM {tbl} WHERE xmax::text <> '0' FOR UPDATE SKIP LOCKED)"
+    );
+    let rows = format!(
+        "SELECT l.name, l.holder, l.token, extract(epoch FROM l.taken_at)::float8,
+       extract(epoch FROM l.expires_at - now())::float8,
+       l.holder <> '' AND l.expires_at >= now(),
+       CASE WHEN l.held_until > '-infinity' THEN extract(epoch FROM l.held_until)::float8 END,
+       l.prev_holder,
+       b.pid, b.application_name, b.state,
+       greatest(extract(epoch FROM clock_timestamp() - b.state_change), 0)::float8
+  FROM {tbl} l
+  LEFT JOIN LATERAL (
+       SELECT a.pid, a.application_name, a.state, a.state_change
+         FROM pg_stat_activity a
+        WHERE (l.name = ANY($1) OR a.backend_xid = l.xmax)
+          AND a.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL
+          AND EXISTS (SELECT FROM pg_locks k
+                       WHERE k.pid = a.pid AND k.locktype = 'relation' AND k.granted
+                         AND k.relation = $2::text::regclass)
+        ORDER BY a.backend_xid = l.xmax DESC, a.xact_start
+        LIMIT 1) b ON true
+ ORDER BY l.name"
+    );
+    (probe, rows)
+}
+
+/// Unix seconds as a time; a value no `SystemTime` holds (a timestamp of
+/// ±infinity) becomes the epoch.
+fn from_epoch(s: f64) -> SystemTime {
+    let d = Duration::try_from_secs_f64(s.abs()).unwrap_or_default();
+    if s >= 0.0 {
+        UNIX_EPOCH.checked_add(d).unwrap_or(UNIX_EPOCH)
+    } else {
+        UNIX_EPOCH.checked_sub(d).unwrap_or(UNIX_EPOCH)
+    }
+}
+
+fn lease_row(r: &Row) -> Result<LeaseRow, PgError> {
+    Ok(LeaseRow {
+        name: r.try_get(0)?,
+        holder: r.try_get(1)?,
+        token: r.try_get(2)?,
+        taken_at: from_epoch(r.try_get(3)?),
+        expires_in_s: r.try_get(4)?,
+        live: r.try_get(5)?,
+        held_until: r.try_get::<_, Option<f64>>(6)?.map(from_epoch),
+        prev_holder: r.try_get(7)?,
+        blocker_pid: None,
+        blocker_application_name: None,
+        blocker_state: None,
+        blocker_state_for: None,
+    })
+}
+
+/// A row of [`rows_sql`]: the lease columns, then its blocker's.
+fn lease_row_blocked(r: &Row) -> Result<LeaseRow, PgError> {
+    Ok(LeaseRow {
+        blocker_pid: r.try_get(8)?,
+        blocker_application_name: r.try_get(9)?,
+        blocker_state: r.try_get(10)?,
+        blocker_state_for: r
+            .try_get::<_, Option<f64>>(11)?
+            .map(|s| Duration::try_from_secs_f64(s).unwrap_or_default()),
+        ..lease_row(r)?
+    })
+}
+
+/// Every row, with its blocker; lock waits (for the table lock, behind
+/// DDL only) bounded on the server by `wait_ms`.
+pub(crate) struct ReadRows {
+    pub(crate) wait_ms: i32,
+}
+
+/// A statement timeout as a server-side `lock_timeout` in milliseconds
+/// (at least 1: 0 would mean no bound).
+pub(crate) fn wait_ms(timeout: Duration) -> i32 {
+    i32::try_from(timeout.as_millis().clamp(1, i32::MAX as u128)).unwrap_or(i32::MAX)
+}
+
+impl LeaseStatement for ReadRows {
+    type Out = Vec<LeaseRow>;
+    const WHAT: &'static str = "listing";
+    async fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        _call: Call,
+    ) -> Result<Self::Out, PgError> {
+        let (probe, rows) = rows_sql(&sql.table);
+        let tx = client.transaction().await?;
+        // The table lock (ROW SHARE) waits only behind DDL: bounded too.
+        tx.query_typed(
+            "SELECT set_config('lock_timeout', $1::int4::text, true)",
+            &[(&self.wait_ms, Type::INT4)],
+        )
+        .await?;
+        // Without the UPDATE privilege the probe is refused: then only the
+        // row's own `xmax` tells (one locker's open transaction).
+        let mut tx = tx;
+        let sp = tx.savepoint("pgwarden_probe").await?;
+        let locked: Vec<String> = match sp.query_typed(&probe, &[]).await {
+            Ok(rows) => {
+                let names = rows
+                    .iter()
+                    .map(|r| r.try_get(0))
+                    .collect::<Result<_, _>>()?;
+                sp.commit().await?; // releases the savepoint, keeps the locks
+                names
+            }
+            Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+                sp.rollback().await?;
+                Vec::new()
+            }
+            Err(e) => return Err(e),
+        };
+        let out = tx
+            .query_typed(
+                &rows,
+                &[(&locked, Type::TEXT_ARRAY), (&sql.table, Type::TEXT)],
+            )
+            .await?
+            .iter()
+            .map(lease_row_blocked)
+            .collect::<Result<_, _>>()?;
+        // Nothing was written; the probe's row locks go with it.
+        tx.rollback().await?;
+        Ok(out)
+    }
+}
+
+/// Ends the term of `name`: the row is marked released (holder `''`,
+/// expired now); returned as it was before.
+pub(crate) struct Revoke<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) wait_ms: i32,
+}
+
+fn revoke_sql(tbl: &str) -> String {
+    // The row is locked `FOR NO KEY UPDATE` (as a renewal does), which a
+    // fenced transaction's `FOR KEY SHARE` does not hold up; `$2` bounds
+    // the wait for a statement in flight on it.
+    format!(
+        "WITH o AS (
+  SELECT name, holder, token, taken_at, expires_at, held_until, prev_holder FROM {tbl}
+   WHERE set_config('lock_timeout', $2::int4::text, true) IS NOT NULL
+     AND name = $1 AND holder <> ''
+     FOR NO KEY UPDATE)
+UPDATE {tbl} AS l SET holder = '', expires_at = least(l.expires_at, now())
+  FROM o WHERE l.name = o.name
+RETURNING o.name, o.holder, o.token, extract(epoch FROM o.taken_at)::float8,
+       extract(epoch FROM o.expires_at - now())::float8, o.expires_at >= now(),
+       CASE WHEN o.held_until > '-infinity' THEN extract(epoch FROM o.held_until)::float8 END,
+       o.prev_holder"
+    )
+}
+
+impl LeaseStatement for Revoke<'_> {
+    type Out = Option<LeaseRow>;
+    const WHAT: &'static str = "revocation";
+    async fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        _call: Call,
+    ) -> Result<Self::Out, PgError> {
+        let rows = client
+            .query_typed(
+                &revoke_sql(&sql.table),
+                &[(&self.name, Type::TEXT), (&self.wait_ms, Type::INT4)],
+            )
+            .await?;
+        rows.first().map(lease_row).transpose()
+    }
+}
+
+/// A statement [`Inner::run`] can run: its text lives in [`Statements`].
+pub(crate) trait LeaseStatement: Sync {
+    type Out: Send;
+    /// What it is, in errors and metrics: `acquisition`, `renewal`…
+    const WHAT: &'static str;
+    /// Runs it once on `client`, named (prepared, cached) or unnamed.
+    fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut Client,
+        call: Call,
+    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a;
+    /// What the server ending one of its lock waits (`lock_timeout`) means
+    /// for it: `None`, a [`LeaseError::Timeout`]; an acquisition's take-over
+    /// answers busy instead.
+    fn on_lock_timeout() -> Option<Self::Out> {
+        None
+    }
+}
+
+/// How one statement is sent.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Call {
+    /// A named prepared statement (direct connections), or unnamed.
+    pub(crate) named: bool,
+}
+
+/// Implements [`LeaseStatement`] for `$ty`: `$out` from the `Statements`
+/// call `$body` makes with the statement `$s`, the statements `$sql`, the
+/// client `$c` and how it is sent, `$call`.
+macro_rules! lease_statement {
+    ($ty:ty, $out:ty, $what:literal, |$s:ident, $sql:ident, $c:ident, $call:ident| $body:expr) => {
+        impl LeaseStatement for $ty {
+            type Out = $out;
+            const WHAT: &'static str = $what;
+            fn exec<'a>(
+                &'a self,
+                $sql: &'a Statements,
+                $c: &'a mut Client,
+                $call: Call,
+            ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+                let $s = self;
+                $body
+            }
+        }
+    };
+}
+
+/// Why an acquisition attempt did not take the lease.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Busy {
+    /// Another term holds it (or its hold keeps it).
+    Held,
+    /// Its term is over, but another session held a lock on its row for
+    /// longer than [`TAKEOVER_WAIT`](super::sql::TAKEOVER_WAIT): a fenced
+    /// transaction of the expired term, or anyone holding the row.
+    Blocked,
+}
+
+/// One acquisition attempt.
+pub(crate) struct Acquire<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) holder: &'a str,
+    pub(crate) ttl: f64,
+    /// The at-least time and the period, in seconds, when either is set.
+    pub(crate) hold: Option<(f64, f64)>,
+}
+
+impl LeaseStatement for Acquire<'_> {
+    type Out = Result<Taken, Busy>;
+    const WHAT: &'static str = "acquisition";
+    async fn exec(
+        &self,
+        sql: &Statements,
+        c: &mut Client,
+        call: Call,
+    ) -> Result<Result<Taken, Busy>, PgError> {
+        let taken = sql
+            .acquire(c, call.named, self.name, self.holder, self.ttl, self.hold)
+            .await?;
+        Ok(taken.ok_or(Busy::Held))
+    }
+    fn on_lock_timeout() -> Option<Result<Taken, Busy>> {
+        Some(Err(Busy::Blocked))
+    }
+}
+
+/// Seconds until a held name may be free.
+pub(crate) struct FreeIn<'a> {
+    pub(crate) name: &'a str,
+}
+
+lease_statement!(FreeIn<'_>, Option<f64>, "busy check", |s, sql, c, call| sql
+    .free_in(c, call.named, s.name));
+
+/// The session holding a lock on a name's row (a blocked take-over's log).
+pub(crate) struct Blocker<'a> {
+    pub(crate) name: &'a str,
+}
+
+lease_statement!(
+    Blocker<'_>,
+    Option<RowLocker>,
+    "busy check",
+    |s, sql, c, call| sql.blocker(c, call.named, s.name)
+);
+
+/// One batched renewal.
+pub(crate) struct Renew<'a> {
+    pub(crate) names: Vec<&'a str>,
+    pub(crate) holders: Vec<&'a str>,
+    pub(crate) tokens: Vec<i64>,
+    pub(crate) ttls: Vec<f64>,
+}
+
+lease_statement!(
+    Renew<'_>,
+    Vec<(String, i64)>,
+    "renewal",
+    |s, sql, c, call| sql.renew(c, call.named, &s.names, &s.holders, &s.tokens, &s.ttls)
+);
+
+/// A release: the row stays, marked released; with `keep_hold` false the
+/// hold goes too (a run that never started).
+pub(crate) struct Release<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) holder: &'a str,
+    pub(crate) keep_hold: bool,
+}
+
+lease_statement!(Release<'_>, bool, "release", |s, sql, c, call| sql.release(
+    c,
+    call.named,
+    s.name,
+    s.holder,
+    s.keep_hold
+));
+
+/// One purge statement: rows deleted.
+pub(crate) struct Purge {
+    pub(crate) age: Duration,
+    pub(crate) limit: i64,
+}
+
+lease_statement!(Purge, Option<u64>, "purge", |s, sql, c, _call| sql
+    .purge(c, s.age, s.limit));
+
+/// Create the table if missing, then check its shape.
+pub(crate) struct Install<'a> {
+    pub(crate) wait: Duration,
+    pub(crate) table: &'a str,
+    /// The bare table name, when it was given without a schema.
+    pub(crate) bare: Option<&'a str>,
+}
+
+lease_statement!(
+    Install<'_>,
+    Result<bool, crate::error::Error>,
+    "install",
+    |s, sql, c, _call| async move { Ok(sql.install(c, s.wait, s.table, s.bare).await) }
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::InvalidInput;
+
+    #[test]
+    fn the_table_name_is_the_only_splice() {
+        let s = Statements::new(
+            &TableName::parse("app.leases").unwrap(),
+            Duration::from_secs(10),
+        );
+        for text in [
+            &s.acquire,
+            &s.acquire_held,
+            &s.free_in,
+            &s.renew,
+            &s.release,
+            &s.release_unheld,
+            &s.fence,
+            &s.blocker,
+        ] {
+            assert!(text.contains(r#""app"."leases""#), "{text}");
+            assert!(!text.contains("pgwarden_leases"));
+            assert!(!text.contains("advisory"), "{text}");
+        }
+        assert!(s.acquire.contains(r#"nextval('"app"."leases_token_seq"')"#));
+        assert_eq!(INSTALL_LOCK_KEY, LockKey::Pair(1_885_828_964, 594_100_531));
+        assert!(s.ddl.contains("(1885828964, 594100531)"));
+    }
+
+    #[test]
+    fn an_unqualified_name_is_in_public() {
+        let s = Statements::new(&TableName::default(), Duration::from_secs(10));
+        assert_eq!(s.table, r#""public"."pgwarden_leases""#);
+        assert_eq!(s.sequence, r#""public"."pgwarden_leases_token_seq""#);
+        assert!(s
+            .acquire
+            .contains(r#"nextval('"public"."pgwarden_leases_token_seq"')"#));
+    }
+
+    #[test]
+    fn lock_waits_are_bounded_by_constants() {
+        let s = Statements::new(&TableName::default(), Duration::from_millis(1500));
+        for text in [&s.acquire, &s.acquire_held] {
+            // A take-over of an existing row waits 20 ms for a lock; a new
+            // row, the statement timeout.
+            assert!(
+                text.contains(
+                    "set_config('lock_timeout', CASE WHEN s.live IS NULL THEN '1500' ELSE '20' END, true)"
+                ),
+                "{text}"
+            );
+            // The bound comes before the row is projected: before any row lock.
+            let bound = text.find("set_config").unwrap();
+            assert!(bound < text.find("ON CONFLICT").unwrap());
+        }
+        for text in [&s.renew, &s.release, &s.release_unheld] {
+            assert!(
+                text.contains("set_config('lock_timeout', '1500', true)"),
+                "{text}"
+            );
+        }
+        for text in [&s.free_in, &s.blocker] {
+            assert!(!text.contains("set_config"), "{text}");
+        }
+        // A statement timeout under the take-over bound bounds it too.
+        let short = Statements::new(&TableName::default(), Duration::from_millis(7));
+        assert!(short
+            .acquire
+            .contains("CASE WHEN s.live IS NULL THEN '7' ELSE '7' END"));
+        assert!(s.fence.contains("idle_in_transaction_session_timeout"));
+        assert!(s.fence.contains("'statement_timeout'"));
+        assert!(!s.acquire.contains("held_until)\nSELECT"));
+        assert!(s.acquire_held.contains("held_until)\nSELECT"));
+    }
 
     #[test]
     fn accepts_plain_and_schema_qualified_names() {
@@ -243,5 +1483,137 @@ mod tests {
         assert!(ddl
             .contains(r#"ALTER SEQUENCE "app"."leases_token_seq" OWNED BY "app"."leases".token;"#));
         assert!(!ddl.contains("\"pgwarden_leases"));
+    }
+
+    fn good() -> Shape {
+        Shape {
+            table_kind: Some("r".into()),
+            columns: COLUMNS
+                .iter()
+                .map(|(n, t, nullable)| Column {
+                    name: (*n).into(),
+                    type_name: (*t).into(),
+                    not_null: !nullable,
+                    has_default: false,
+                })
+                .collect(),
+            primary_key: vec!["name".into()],
+            sequence_kind: Some("S".into()),
+            sequence_type: Some("bigint".into()),
+            sequence_owned: Some(true),
+            shadowed_by: None,
+        }
+    }
+
+    #[test]
+    fn the_shipped_shape_fits() {
+        assert_eq!(good().differences("s"), Vec::<String>::new());
+        let mut extra = good();
+        extra.columns.push(Column {
+            name: "note".into(),
+            type_name: "text".into(),
+            not_null: false,
+            has_default: false,
+        });
+        assert!(extra.differences("s").is_empty());
+    }
+
+    #[test]
+    fn every_difference_is_named() {
+        let mut s = good();
+        s.columns[2].type_name = "integer".into();
+        s.columns.retain(|c| c.name != "held_until");
+        s.columns[5].not_null = true; // prev_holder
+        s.columns.push(Column {
+            name: "owner".into(),
+            type_name: "text".into(),
+            not_null: true,
+            has_default: false,
+        });
+        s.primary_key = vec!["name".into(), "holder".into()];
+        s.sequence_type = Some("integer".into());
+        let d = s.differences(r#""leases_token_seq""#);
+        let all = d.join("\n");
+        for want in [
+            "column token is integer, expected bigint",
+            "column held_until (timestamp with time zone) is missing",
+            "column prev_holder is NOT NULL, it must allow NULL",
+            "extra column owner is NOT NULL without a default",
+            "the primary key is (name, holder), expected (name)",
+            r#"the token sequence "leases_token_seq" is integer, expected bigint"#,
+        ] {
+            assert!(all.contains(want), "{want:?} not in:\n{all}");
+        }
+        assert_eq!(d.len(), 6, "{all}");
+        let mut other = good();
+        other.sequence_owned = Some(false);
+        other.shadowed_by = Some("app.pgwarden_leases".into());
+        let all = other.differences("seq").join("\n");
+        assert!(
+            all.contains("seq is not owned by the table's token column"),
+            "{all}"
+        );
+        assert!(
+            all.contains("finds another table of that name, app.pgwarden_leases"),
+            "{all}"
+        );
+        let mut none = good();
+        none.primary_key.clear();
+        none.sequence_kind = None;
+        none.table_kind = Some("v".into());
+        let all = none.differences("seq").join("\n");
+        assert!(all.contains("there is no primary key"), "{all}");
+        assert!(
+            all.contains("the token sequence seq does not exist"),
+            "{all}"
+        );
+        assert!(all.contains("it is not a table"), "{all}");
+    }
+
+    #[test]
+    fn the_probe_never_waits_and_the_revoke_does_not_wait_on_a_fence() {
+        let (probe, rows) = rows_sql(r#""app"."leases""#);
+        assert!(probe.contains("FOR UPDATE SKIP LOCKED"), "{probe}");
+        assert!(
+            !probe.contains("NOWAIT") && !rows.contains("FOR "),
+            "{rows}"
+        );
+        assert!(rows.contains(r#"FROM "app"."leases" l"#), "{rows}");
+        let revoke = revoke_sql(r#""app"."leases""#);
+        // FOR NO KEY UPDATE does not conflict with a fence's FOR KEY SHARE;
+        // FOR UPDATE would.
+        assert!(revoke.contains("FOR NO KEY UPDATE"), "{revoke}");
+        assert!(!revoke.contains("FOR UPDATE"), "{revoke}");
+        let bound = revoke.find("set_config('lock_timeout'").unwrap();
+        assert!(bound < revoke.find("FOR NO KEY UPDATE").unwrap());
+        // Only the term's holder, token and expiry change: the key stays.
+        assert!(revoke.contains("SET holder = '', expires_at = least(l.expires_at, now())"));
+    }
+
+    #[test]
+    fn epoch_seconds_become_times_without_panicking() {
+        assert_eq!(from_epoch(1.5), UNIX_EPOCH + Duration::from_millis(1500));
+        assert_eq!(from_epoch(-2.0), UNIX_EPOCH - Duration::from_secs(2));
+        assert_eq!(from_epoch(f64::INFINITY), UNIX_EPOCH);
+        assert_eq!(from_epoch(f64::NAN), UNIX_EPOCH);
+    }
+
+    #[test]
+    fn a_tid_is_two_numbers_or_nothing() {
+        assert_eq!(tid("(12,5)").as_deref(), Some(r#""(12,5)""#));
+        assert_eq!(tid("(0,1)").as_deref(), Some(r#""(0,1)""#));
+        for bad in [
+            "",
+            "(1,2",
+            "1,2)",
+            "(1;2)",
+            "(a,1)",
+            "(1,2),(3,4)",
+            "(1,2)'",
+            "(-1,2)",
+            "(1,99999)",
+        ] {
+            assert_eq!(tid(bad), None, "{bad:?}");
+        }
     }
 }
