@@ -135,6 +135,7 @@ pub(crate) struct Statements {
     pub(super) release_unheld: String,
     pub(super) fence: String,
     pub(super) blocker: String,
+    pub(super) purge: String,
     pub(crate) ddl: String,
     /// The table, schema-qualified and quoted.
     pub(crate) table: String,
@@ -286,6 +287,13 @@ RETURNING l.name, l.token"
   JOIN pg_stat_activity AS a ON a.pid = k.pid
  WHERE t.name = $1 AND a.pid <> pg_backend_pid()
  LIMIT 1"
+            ),
+            // Rows released or expired for longer than `$1` seconds, at most
+            // `$2`, after the table lock the purge takes first without
+            // waiting (see `Statements::purge`).
+            purge: format!(
+                "DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
+  SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))"
             ),
             ddl: t.ddl(),
             table: tbl,
@@ -497,21 +505,15 @@ impl Statements {
     /// `age`; returns how many, or `None` when a lease statement was in
     /// flight (the round is skipped).
     ///
-    /// First a plain read finds the rows (their `ctid`s), holding no lock a
-    /// lease statement waits for: the scan of the table, as long as it
-    /// takes, holds nobody up, and when no row is old enough nothing else
-    /// happens. Then one round trip, one implicit transaction: the table's
-    /// `SHARE` lock taken with `NOWAIT`, and the `DELETE` of those rows by
-    /// `ctid` (a TID scan of at most `limit` rows), each checked again. The
-    /// lock is granted only when no lease statement is in flight (each
-    /// holds `ROW EXCLUSIVE` until it ends, from before it draws a token),
-    /// so no acquisition that drew a token for a new row before the purge
-    /// can insert it after a purged row of the same name with a larger
-    /// token. It never queues (a queued request would hold up every lease
-    /// statement behind it); statements that come while the `DELETE` runs
-    /// wait for it alone, which is short: an acquisition waits at most 20 ms
-    /// for a lock before it answers busy, so the purge must not scan the
-    /// table under its lock.
+    /// One round trip, one implicit transaction: the table's `SHARE` lock
+    /// taken with `NOWAIT`, then the `DELETE`. The lock is granted only when
+    /// no lease statement is in flight (each holds `ROW EXCLUSIVE` until it
+    /// ends, from before it draws a token), so no acquisition that drew a
+    /// token for a new row before the purge can insert it after a purged
+    /// row of the same name with a larger token. It never queues (a queued
+    /// request would hold up every lease statement behind it, and an
+    /// acquisition's 20 ms lock bound would answer busy for a free name);
+    /// statements that come while the `DELETE` runs wait for it alone.
     pub(crate) async fn purge(
         &self,
         client: &mut Client,
@@ -520,32 +522,11 @@ impl Statements {
     ) -> Result<Option<u64>, PgError> {
         // Both values are this crate's own numbers, formatted as SQL
         // numbers (the simple query protocol takes no parameters).
-        let old = format!(
-            "greatest(expires_at, held_until) < now() - make_interval(secs => {:.6}::float8)",
-            age.as_secs_f64()
-        );
-        let find = format!(
-            "SELECT ctid::text FROM {} WHERE {old} LIMIT {limit}",
-            self.table
-        );
-        let mut tids = Vec::new();
-        for m in client.simple_query(&find).await? {
-            if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
-                // The server's own `(block,offset)` text: spliced back only
-                // once it is checked to be two numbers.
-                if let Some(t) = r.get(0).and_then(tid) {
-                    tids.push(t);
-                }
-            }
-        }
-        if tids.is_empty() {
-            return Ok(Some(0));
-        }
-        let batch = format!(
-            "LOCK TABLE {t} IN SHARE MODE NOWAIT; DELETE FROM {t} WHERE ctid = ANY ('{{{}}}'::tid[]) AND {old}",
-            tids.join(","),
-            t = self.table
-        );
+        let text = self
+            .purge
+            .replace("$1", &format!("{:.6}::float8", age.as_secs_f64()))
+            .replace("$2", &format!("{limit}::int8"));
+        let batch = format!("LOCK TABLE {} IN SHARE MODE NOWAIT; {text}", self.table);
         match client.simple_query(&batch).await {
             Ok(messages) => Ok(Some(
                 messages
@@ -563,17 +544,6 @@ impl Statements {
             Err(e) => Err(e),
         }
     }
-}
-
-/// A `ctid` as the server writes it, `(block,offset)`, checked to be just
-/// that, as an element of an array literal: `"(12,5)"` (with its quotes).
-fn tid(text: &str) -> Option<String> {
-    let inner = text.strip_prefix('(')?.strip_suffix(')')?;
-    let (block, offset) = inner.split_once(',')?;
-    let block: u32 = block.parse().ok()?;
-    let offset: u16 = offset.parse().ok()?;
-    // Quoted as an array element: the comma would split it otherwise.
-    Some(format!("\"({block},{offset})\""))
 }
 
 /// The default lease table: `public.pgwarden_leases`.
@@ -1354,6 +1324,7 @@ mod tests {
             &s.release_unheld,
             &s.fence,
             &s.blocker,
+            &s.purge,
         ] {
             assert!(text.contains(r#""app"."leases""#), "{text}");
             assert!(!text.contains("pgwarden_leases"));
@@ -1396,7 +1367,7 @@ mod tests {
                 "{text}"
             );
         }
-        for text in [&s.free_in, &s.blocker] {
+        for text in [&s.free_in, &s.purge, &s.blocker] {
             assert!(!text.contains("set_config"), "{text}");
         }
         // A statement timeout under the take-over bound bounds it too.
@@ -1596,24 +1567,5 @@ mod tests {
         assert_eq!(from_epoch(-2.0), UNIX_EPOCH - Duration::from_secs(2));
         assert_eq!(from_epoch(f64::INFINITY), UNIX_EPOCH);
         assert_eq!(from_epoch(f64::NAN), UNIX_EPOCH);
-    }
-
-    #[test]
-    fn a_tid_is_two_numbers_or_nothing() {
-        assert_eq!(tid("(12,5)").as_deref(), Some(r#""(12,5)""#));
-        assert_eq!(tid("(0,1)").as_deref(), Some(r#""(0,1)""#));
-        for bad in [
-            "",
-            "(1,2",
-            "1,2)",
-            "(1;2)",
-            "(a,1)",
-            "(1,2),(3,4)",
-            "(1,2)'",
-            "(-1,2)",
-            "(1,99999)",
-        ] {
-            assert_eq!(tid(bad), None, "{bad:?}");
-        }
     }
 }
