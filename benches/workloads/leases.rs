@@ -19,12 +19,14 @@ use pgwarden::{LeaseOptions, Leases, Pool};
 use pgwarden_testing::{TestDb, TestServer};
 use tokio_postgres::types::Type;
 
-use crate::ab::{interleave, median, ratio, spread, throughput};
+use crate::ab::{interleave_until, median, throughput, Compared};
 use crate::{BoxError, Row, Settings};
 
 const TASKS: usize = 16;
 const POOL: usize = 16;
 const TTL: Duration = Duration::from_secs(60);
+/// pgwarden's pairs per second against the same SQL sent raw, at least.
+const TARGET: f64 = 0.95;
 const TABLE: &str = "\"public\".\"pgwarden_leases\"";
 const SEQUENCE_LITERAL: &str = "'\"public\".\"pgwarden_leases_token_seq\"'";
 /// The lock bounds `Statements::new` writes into the texts for the default
@@ -36,8 +38,12 @@ pub fn describe(s: Settings) -> String {
     format!(
         "4: {TASKS} tasks, pool {POOL} on each side; a pair is `acquire(new name, {TTL:?}, None)` + \
          `release()` (B, its pool detected direct) or the same two statements, prepared and cached, \
-         on two raw checkouts (A); {} interleaved round pairs of {:?}; the default lease table",
-        s.rounds, s.round
+         on two raw checkouts (A); {} interleaved round pairs of {:?} (up to {} while the spread \
+         of pair ratios straddles the target); the default lease table; pgwarden's default lanes \
+         (the lease lane of a pool of {POOL} runs fewer statements at once than the {TASKS} raw tasks)",
+        s.rounds * 2,
+        s.round / 2,
+        s.rounds * 4
     )
 }
 
@@ -226,9 +232,15 @@ pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, Bo
 
     let stats0 = leases.stats();
     let pairs0 = pairs[1].load(Ordering::Relaxed);
-    let dur = s.round;
-    let (a, b) = interleave(
-        s.rounds,
+    // Short rounds, many pairs (the spread of pair ratios measured 0.72 to
+    // 1.38 over 7 pairs of 2 s), and more while the spread straddles the
+    // target.
+    let dur = s.round / 2;
+    let min_pairs = s.rounds * 2;
+    let (a, b) = interleave_until(
+        min_pairs,
+        if s.smoke { min_pairs } else { min_pairs * 2 },
+        |c| c.at_least(TARGET).is_some(),
         || throughput(TASKS, dur, raw_op.clone()),
         || throughput(TASKS, dur, warden_op.clone()),
     )
@@ -253,7 +265,8 @@ pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, Bo
     let server_a = xa as f64 / all[0].max(1) as f64;
     let server_b = xb as f64 / all[1].max(1) as f64;
 
-    let r = ratio(&a, &b);
+    let c = Compared::new(&a, &b);
+    let round_trips = server_b <= server_a + 0.01;
     Ok(Row {
         id: "4",
         workload: format!(
@@ -267,14 +280,16 @@ pub async fn acquire_release(server: &TestServer, s: Settings) -> Result<Row, Bo
             "pgwarden: {:.0} pairs/s; {client_per_pair:.3} statements/pair (`Leases::stats`); server {server_b:.3} xacts/pair",
             median(&b)
         ),
-        ratio: format!("{r:.3}"),
-        target: "≥ 0.95, no extra round trips",
-        met: (!s.smoke).then_some(r >= 0.95 && server_b <= server_a + 0.01),
+        ratio: format!("{:.3}", c.pairs),
+        target: "≥ 0.95; server xacts/pair ≤ raw's + 0.01",
+        met: (!s.smoke)
+            .then(|| crate::ab::all(&[c.at_least(TARGET), Some(round_trips)]))
+            .flatten(),
         notes: format!(
             "{}; server xacts: `pg_stat_database.xact_commit` delta over every pair of the side \
              (warm-up included: {} raw, {} pgwarden), connection start-up and pgwarden's \
              one-off install check and backend-pid queries included",
-            spread(&a, &b),
+            c.spread(),
             all[0],
             all[1]
         ),
