@@ -320,14 +320,14 @@ pub async fn shedding(server: &TestServer, s: Settings) -> Result<Row, BoxError>
         ),
         a: format!(
             "no layer: flood: {a_late:.1} % of answers past {PATIENCE:?}, p99 of answers {a_p99:.0} ms, \
-             {:.1} served/s, {a_good:.1} within {PATIENCE:?}; under capacity: {:.1} served/s, p99 {:.0} ms",
+             {:.1} served/s, {a_good:.1}/s served within {PATIENCE:?} (drained answers included); under capacity: {:.1} served/s, p99 {:.0} ms",
             median(&a_served),
             median(&sa),
             percentile(&sa_ms, 99.0)
         ),
         b: format!(
             "`ShedLayer` ({BOUND:?}): flood: {b_late:.1} % of answers past {PATIENCE:?}, p99 of \
-             answers {b_p99:.0} ms, {:.1} served/s, {b_good:.1} within {PATIENCE:?}, {b_shed:.0} \
+             answers {b_p99:.0} ms, {:.1} served/s, {b_good:.1}/s served within {PATIENCE:?}, {b_shed:.0} \
              shed/s (503 p99 {:.1} ms); under capacity: {:.1} served/s, p99 {:.0} ms",
             median(&b_served),
             percentile(&b_shed_ms, 99.0),
