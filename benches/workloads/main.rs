@@ -101,13 +101,21 @@ fn main() -> Result<(), BoxError> {
             only.as_deref()
                 .is_none_or(|o| o == id || (o == "4" && id.starts_with('4')))
         };
-        let timed = |id: &str, began: std::time::Instant| {
+        // Each workload's time and rows as it ends: a later failure does not
+        // hide them.
+        let timed = |id: &str, began: std::time::Instant, rows: &[Row]| {
             eprintln!("workload {id}: {:.1} s", began.elapsed().as_secs_f64());
+            for r in rows.iter().filter(|r| r.id.starts_with(id)) {
+                eprintln!(
+                    "  {} | {} | {} | {} | {:?} | {}",
+                    r.id, r.a, r.b, r.ratio, r.met, r.notes
+                );
+            }
         };
         let began = std::time::Instant::now();
         if want("1") {
             rows.push(overhead::get_select_1(server, settings).await?);
-            timed("1", began);
+            timed("1", began, &rows);
         }
         if want("2") {
             rows.push(overhead::checkout_from_criterion(settings));
@@ -115,42 +123,42 @@ fn main() -> Result<(), BoxError> {
         let began = std::time::Instant::now();
         if want("3") {
             rows.extend(incident::incident(server, settings).await?);
-            timed("3", began);
+            timed("3", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("4") {
             rows.push(leases::acquire_release(server, settings).await?);
-            timed("4", began);
+            timed("4", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("4b") {
             rows.push(plain::against_plain(server, settings, false).await?);
-            timed("4b", began);
+            timed("4b", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("4c") {
             rows.push(plain::against_plain(server, settings, true).await?);
-            timed("4c", began);
+            timed("4c", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("5") {
             rows.push(renewal::renewal(server, settings).await?);
-            timed("5", began);
+            timed("5", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("6") {
             rows.push(takeover::takeover(server, settings).await?);
-            timed("6", began);
+            timed("6", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("7") {
             rows.push(paused::paused_holder(server, settings).await?);
-            timed("7", began);
+            timed("7", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("8") {
             rows.push(http::shedding(server, settings).await?);
-            timed("8", began);
+            timed("8", began, &rows);
         }
         Ok::<_, BoxError>(rows)
     })?;
