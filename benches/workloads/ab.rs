@@ -5,24 +5,47 @@ use std::time::Duration;
 
 /// Runs `rounds` pairs, A B then B A alternately, each closure returning its
 /// measurement.
-pub async fn interleave<A, FA, B, FB>(rounds: usize, mut a: A, mut b: B) -> (Vec<f64>, Vec<f64>)
+pub async fn interleave<A, FA, B, FB>(rounds: usize, a: A, b: B) -> (Vec<f64>, Vec<f64>)
 where
     A: FnMut() -> FA,
     FA: Future<Output = f64>,
     B: FnMut() -> FB,
     FB: Future<Output = f64>,
 {
-    let mut xs = Vec::with_capacity(rounds);
-    let mut ys = Vec::with_capacity(rounds);
+    interleave_until(rounds, rounds, |_| true, a, b).await
+}
+
+/// Runs `min` pairs, A B then B A alternately, then more pairs, two at a
+/// time, while `resolved` says the comparison so far does not settle its
+/// target, up to `max` pairs in all.
+pub async fn interleave_until<A, FA, B, FB>(
+    min: usize,
+    max: usize,
+    resolved: impl Fn(&Compared) -> bool,
+    mut a: A,
+    mut b: B,
+) -> (Vec<f64>, Vec<f64>)
+where
+    A: FnMut() -> FA,
+    FA: Future<Output = f64>,
+    B: FnMut() -> FB,
+    FB: Future<Output = f64>,
+{
+    let mut xs = Vec::with_capacity(max);
+    let mut ys = Vec::with_capacity(max);
     // Pairs alternate which side goes first (A B, B A, A B, …), so a drift
     // in the machine's state within a pair does not favour one side.
-    for i in 0..rounds {
-        if i % 2 == 0 {
-            xs.push(a().await);
-            ys.push(b().await);
-        } else {
-            ys.push(b().await);
-            xs.push(a().await);
+    let mut i = 0;
+    while i < min || (i < max && !resolved(&Compared::new(&xs, &ys))) {
+        for _ in 0..if i < min { 1 } else { 2 } {
+            if i % 2 == 0 {
+                xs.push(a().await);
+                ys.push(b().await);
+            } else {
+                ys.push(b().await);
+                xs.push(a().await);
+            }
+            i += 1;
         }
     }
     (xs, ys)
@@ -86,10 +109,97 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     v[rank.clamp(1, v.len()) - 1]
 }
 
-/// The smallest and largest pairwise ratio b[i] / a[i], for the notes.
+/// The ratio of the medians and the spread of the pairwise ratios b[i] /
+/// a[i], for the notes.
 pub fn spread(a: &[f64], b: &[f64]) -> String {
-    let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| y / x).collect();
-    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!("pair ratios {lo:.3} to {hi:.3}")
+    Compared::new(a, b).spread()
+}
+
+/// The `q`-quantile (0–1) with linear interpolation between the closest
+/// ranks.
+pub fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let pos = q.clamp(0.0, 1.0) * (v.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
+}
+
+/// B against A over interleaved pairs: the figures a row prints and judges.
+#[derive(Debug, Clone, Copy)]
+pub struct Compared {
+    /// Median of the pairwise ratios b[i] / a[i]: the row's headline.
+    pub pairs: f64,
+    /// Median of B over median of A. Far from `pairs` when the machine's
+    /// speed drifted across the pairs.
+    pub medians: f64,
+    /// Quartiles and range of the pairwise ratios.
+    pub q1: f64,
+    pub q3: f64,
+    pub lo: f64,
+    pub hi: f64,
+    pub n: usize,
+}
+
+impl Compared {
+    pub fn new(a: &[f64], b: &[f64]) -> Compared {
+        let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| y / x).collect();
+        Compared {
+            pairs: median(&r),
+            medians: median(b) / median(a),
+            q1: quantile(&r, 0.25),
+            q3: quantile(&r, 0.75),
+            lo: quantile(&r, 0.0),
+            hi: quantile(&r, 1.0),
+            n: r.len(),
+        }
+    }
+
+    /// "B/A ≥ `target`": yes when the lower quartile of the pair ratios and
+    /// the ratio of the medians are both at or above it, no when the upper
+    /// quartile and the ratio of the medians are both below it, unresolved
+    /// (`None`) when the spread straddles it.
+    pub fn at_least(&self, target: f64) -> Option<bool> {
+        if self.q1 >= target && self.medians >= target {
+            Some(true)
+        } else if self.q3 < target && self.medians < target {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// "B/A ≤ `target`", judged as [`Compared::at_least`].
+    pub fn at_most(&self, target: f64) -> Option<bool> {
+        if self.q3 <= target && self.medians <= target {
+            Some(true)
+        } else if self.q1 > target && self.medians > target {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// The ratio of the medians and the spread of the pair ratios.
+    pub fn spread(&self) -> String {
+        format!(
+            "ratio of medians {:.3}; pair ratios: quartiles {:.3} to {:.3}, range {:.3} to {:.3} ({} pairs)",
+            self.medians, self.q1, self.q3, self.lo, self.hi, self.n
+        )
+    }
+}
+
+/// Several verdicts at once: no when any is no, yes when all are yes,
+/// unresolved otherwise.
+pub fn all(verdicts: &[Option<bool>]) -> Option<bool> {
+    if verdicts.contains(&Some(false)) {
+        Some(false)
+    } else if verdicts.iter().all(|v| *v == Some(true)) {
+        Some(true)
+    } else {
+        None
+    }
 }

@@ -7,8 +7,12 @@
 //! 4) runs contenders polling `acquire("x", None)`, whose statement blocks on
 //! B's row lock; request traffic that keeps its request lane full; its own
 //! unrelated leases (TTL 2 s, renewed every 500 ms); and the readiness probe
-//! every 100 ms with a 1 s bound. Public API only: the same file builds
-//! against older versions of pgwarden, for comparison.
+//! every 100 ms with a 1 s bound. Public API only.
+//!
+//! [`run_raw`] is the same scenario on raw deadpool, the design users run
+//! today: session advisory locks (`pg_advisory_lock`) held on pooled
+//! connections, contenders polling `pg_try_advisory_lock` on their own
+//! checkouts, and the probe a checkout + `SELECT 1` on the same pool.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -109,11 +113,9 @@ impl Outcome {
     }
 }
 
+/// A pgwarden pool on the shipped defaults.
 fn pool(db: &TestDb, size: usize, name: &str) -> Result<Pool, BoxError> {
-    Ok(Pool::builder(db.deadpool(size)?)
-        .name(name)
-        .wait_timeout(Duration::from_secs(5))
-        .build()?)
+    Ok(Pool::builder(db.deadpool(size)?).name(name).build()?)
 }
 
 /// Runs the scenario once on `db` (a fresh database).
@@ -215,5 +217,118 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
         let _ = l.release().await;
     }
     let _ = held.release().await;
+    Ok(out)
+}
+
+/// The raw design's lock statements: a job name hashed to its key.
+const TRY_LOCK: &str = "SELECT pg_try_advisory_lock(hashtext($1))";
+const UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext($1))";
+
+/// Runs the scenario once on `db` with raw deadpool and session advisory
+/// locks: instance B (its own raw pool) holds the session lock on `x` on a
+/// pooled connection and sits 10 s inside a transaction on that connection;
+/// instance A (a raw pool of `s.pool`) holds `s.own_leases` job locks of its
+/// own, each a session lock on a connection it keeps checked out, runs
+/// `s.contenders` tasks polling `pg_try_advisory_lock('x')` on their own
+/// checkouts, the request tasks, and the probe (`get` + `SELECT 1` within
+/// the bound) on the same pool.
+pub async fn run_raw(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
+    let pool_b = db.deadpool(4)?;
+    let mut conn_b = pool_b.get().await?;
+    let got: bool = conn_b.query_one(TRY_LOCK, &[&"x"]).await?.get(0);
+    if !got {
+        return Err("lock x is free at the start".into());
+    }
+    let pool_a = db.deadpool(s.pool)?;
+    // A's own jobs: each keeps its connection while it holds its lock.
+    let mut own = Vec::new();
+    for i in 0..s.own_leases {
+        let c = pool_a.get().await?;
+        let name = format!("own-{i}");
+        let got: bool = c.query_one(TRY_LOCK, &[&name]).await?.get(0);
+        if !got {
+            return Err(format!("own lock {name} is free at the start").into());
+        }
+        own.push((c, name));
+    }
+
+    // B pauses inside a transaction, its session lock held.
+    let tx = conn_b.transaction().await?;
+    tx.execute("SELECT 1", &[]).await?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let attempt_errors = Arc::new(AtomicUsize::new(0));
+    let requests = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..s.contenders {
+        let (pool, stop) = (pool_a.clone(), stop.clone());
+        let (attempts, errors) = (attempts.clone(), attempt_errors.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let attempt = async {
+                    let c = pool.get().await?;
+                    let got: bool = c.query_one(TRY_LOCK, &[&"x"]).await?.get(0);
+                    if got {
+                        c.query_one(UNLOCK, &[&"x"]).await?;
+                    }
+                    Ok::<_, BoxError>(())
+                };
+                if attempt.await.is_err() {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+                attempts.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }));
+    }
+    for _ in 0..s.request_tasks {
+        let (pool, stop, requests) = (pool_a.clone(), stop.clone(), requests.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(c) = pool.get().await {
+                    if c.simple_query("SELECT pg_sleep(0.002)").await.is_ok() {
+                        requests.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+
+    let mut out = Outcome::default();
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(s.probe_every);
+    while start.elapsed() < s.hold {
+        tick.tick().await;
+        let t = Instant::now();
+        let probe = tokio::time::timeout(s.probe_bound, async {
+            pool_a.get().await?.simple_query("SELECT 1").await?;
+            Ok::<_, BoxError>(())
+        })
+        .await;
+        match probe {
+            Ok(Ok(())) => {
+                out.probes_ok += 1;
+                out.probes.push(t.elapsed());
+            }
+            _ => out.probes.push(t.elapsed().max(s.probe_bound)),
+        }
+    }
+    // A session lock is lost with its connection.
+    out.own_lost = own.iter().filter(|(c, _)| c.is_closed()).count();
+
+    tx.commit().await?;
+    conn_b.query_one(UNLOCK, &[&"x"]).await?;
+    drop(conn_b);
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
+    }
+    out.attempts = attempts.load(Ordering::Relaxed);
+    out.attempt_errors = attempt_errors.load(Ordering::Relaxed);
+    out.requests = requests.load(Ordering::Relaxed);
+    for (c, name) in own {
+        let _ = c.query_one(UNLOCK, &[&name]).await;
+    }
     Ok(out)
 }
