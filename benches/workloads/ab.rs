@@ -109,12 +109,6 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     v[rank.clamp(1, v.len()) - 1]
 }
 
-/// The ratio of the medians and the spread of the pairwise ratios b[i] /
-/// a[i], for the notes.
-pub fn spread(a: &[f64], b: &[f64]) -> String {
-    Compared::new(a, b).spread()
-}
-
 /// The `q`-quantile (0–1) with linear interpolation between the closest
 /// ranks.
 pub fn quantile(v: &[f64], q: f64) -> f64 {

@@ -28,7 +28,7 @@ use pgwarden::{Lane, LeaseOptions, Leases, Pool, PoolerMode};
 use pgwarden_testing::{PgBouncer, TestDb, TestServer};
 use tokio_postgres::types::Type;
 
-use crate::ab::{median, ratio, spread, throughput};
+use crate::ab::{median, ratio, throughput, Compared};
 use crate::renewal::Cpu;
 use crate::{BoxError, Row, Settings};
 
@@ -363,7 +363,7 @@ pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Resu
         warden_side(server, false, Some(TASKS), "bench-lease-lane-16", held).await?;
     let m = measure(&[prepared, unnamed, warden, warden_unnamed, warden_lane], s).await?;
     let (p, u, w, wu, wl) = (&m[0], &m[1], &m[2], &m[3], &m[4]);
-    let r = ratio(&p.rates, &w.rates);
+    let c = Compared::new(&p.rates, &w.rates);
     let unit = if held { "attempts/s" } else { "pairs/s" };
     let side = |x: &Measured| {
         format!(
@@ -387,13 +387,13 @@ pub async fn against_plain(server: &TestServer, s: Settings, held: bool) -> Resu
             side(w),
             side(wu)
         ),
-        ratio: format!("{r:.3}"),
+        ratio: format!("{:.3}", c.pairs),
         target: "≥ 1.0 (prepared vs prepared)",
-        met: (!s.smoke).then_some(r >= 1.0),
+        met: (!s.smoke).then(|| c.at_least(1.0)).flatten(),
         notes: format!(
             "{}; through PgBouncer, unnamed vs unnamed {:.3}; pgwarden prepared vs plain unnamed {:.3}; \
              not a default, the lease lane raised to {TASKS}: {} ({:.3} vs plain prepared)",
-            spread(&p.rates, &w.rates),
+            c.spread(),
             ratio(&u.rates, &wu.rates),
             ratio(&u.rates, &w.rates),
             side(wl),

@@ -62,7 +62,7 @@ use crate::pool::{Deadline, LaneLoad, Pool};
 ///         // Waits at most 250 ms for its connection: the shedding bound.
 ///         let Ok(conn) = db.get().await else { return "busy".to_owned() };
 ///         let _ = conn.simple_query("SELECT 1").await;
-///         format!("{:?} left", deadline.remaining())
+///         format!("{:?} left", deadline.checkout_bound())
 ///     }))
 ///     .layer(ShedLayer::new(&pool).max_wait(Duration::from_millis(250)));
 /// let app = Router::new()

@@ -77,7 +77,7 @@ impl Deadline {
     }
 
     /// Time left until the deadline (zero once it has passed).
-    pub fn remaining(&self) -> Duration {
+    pub(crate) fn remaining(&self) -> Duration {
         self.at.saturating_duration_since(Instant::now())
     }
 
