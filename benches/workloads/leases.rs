@@ -30,8 +30,10 @@ const TARGET: f64 = 0.95;
 const TABLE: &str = "\"public\".\"pgwarden_leases\"";
 const SEQUENCE_LITERAL: &str = "'\"public\".\"pgwarden_leases_token_seq\"'";
 /// The lock bounds `Statements::new` writes into the texts for the default
-/// settings: the take-over's 20 ms, and the 10 s statement timeout.
-const TAKEOVER_BOUND: &str = "set_config('lock_timeout', '20', true) IS NOT NULL";
+/// settings: the take-over's 20 ms, and the 10 s statement timeout (a new
+/// row's lock waits, renewals and releases).
+const TAKEOVER_MS: &str = "20";
+const STATEMENT_TIMEOUT_MS: &str = "10000";
 const WAIT_BOUND: &str = "set_config('lock_timeout', '10000', true) IS NOT NULL";
 
 pub fn describe(s: Settings) -> String {
@@ -56,14 +58,20 @@ pub fn statement(field: &str) -> Result<String, BoxError> {
     let text = format_body(&format!("{field}: format!("))
         .ok_or_else(err)?
         .replace(
-            "{free}",
-            &format_body("let free = format!(").ok_or_else(err)?,
+            "{probe}",
+            &format_body("let probe = format!(").ok_or_else(err)?,
+        )
+        .replace(
+            "{gate}",
+            &format_body("let gate = format!(")
+                .ok_or_else(err)?
+                .replacen("{}", STATEMENT_TIMEOUT_MS, 1)
+                .replacen("{}", TAKEOVER_MS, 1),
         )
         .replace(
             "{on_conflict}",
             &format_body("let on_conflict = format!(").ok_or_else(err)?,
         )
-        .replace("{bound}", TAKEOVER_BOUND)
         .replace("{wait}", WAIT_BOUND)
         .replace("{tbl}", TABLE)
         .replace("{seq}", SEQUENCE_LITERAL);
@@ -79,7 +87,13 @@ fn format_body(marker: &str) -> Option<String> {
     const SRC: &str = include_str!("../../src/lease/table.rs");
     let rest = &SRC[SRC.find(marker)?..];
     let body = &rest[rest.find('"')? + 1..];
-    Some(body[..body.find("\"\n")?].to_owned())
+    // The literal ends at a quote that ends its line, or that a `,` and the
+    // format arguments follow.
+    let end = [body.find("\"\n"), body.find("\",\n")]
+        .into_iter()
+        .flatten()
+        .min()?;
+    Some(body[..end].to_owned())
 }
 
 /// Statistics of one database, read from another connection.
