@@ -511,9 +511,11 @@ impl Statements {
     /// ends, from before it draws a token), so no acquisition that drew a
     /// token for a new row before the purge can insert it after a purged
     /// row of the same name with a larger token. It never queues (a queued
-    /// request would hold up every lease statement behind it, and an
-    /// acquisition's 20 ms lock bound would answer busy for a free name);
-    /// statements that come while the `DELETE` runs wait for it alone.
+    /// request would hold up every lease statement behind it: a statement
+    /// takes its table lock before its own `lock_timeout` applies);
+    /// statements that come while the `DELETE` runs wait for it alone,
+    /// scan included (on a table of 200,000 rows, up to a few hundred ms
+    /// once per purge interval: see the README).
     pub(crate) async fn purge(
         &self,
         client: &mut Client,
