@@ -184,15 +184,8 @@ async fn measure(sides: &[Side], s: Settings) -> Result<Vec<Measured>, BoxError>
 /// CPU seconds (user + system) this process has used: the client side of
 /// the side that runs alone in a round.
 fn own_cpu() -> f64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return 0.0;
-    };
-    let f: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    (ticks(11) + ticks(12)) as f64 / crate::renewal::clock_ticks() as f64
+    crate::renewal::cpu_ticks("/proc/self/stat").unwrap_or(0) as f64
+        / crate::renewal::clock_ticks() as f64
 }
 
 /// What a side keeps alive while it runs: its database, and the PgBouncer

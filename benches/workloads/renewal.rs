@@ -83,7 +83,25 @@ pub fn describe(s: Settings) -> String {
     )
 }
 
+/// utime + stime, in clock ticks, of the process whose `stat` file is
+/// `path` (`/proc/<pid>/stat`, `/proc/self/stat`); `None` when it cannot be
+/// read (the process exited, or not on this machine).
+pub fn cpu_ticks(path: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    // Fields after the command name (which may hold spaces): state is
+    // field 3, utime 14, stime 15.
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`, asked once).
 pub fn clock_ticks() -> u64 {
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(ask_clock_ticks)
+}
+
+fn ask_clock_ticks() -> u64 {
     std::process::Command::new("getconf")
         .arg("CLK_TCK")
         .output()
@@ -122,19 +140,9 @@ impl Cpu {
         let mut out = HashMap::new();
         for r in rows {
             let pid: i32 = r.get(0);
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            let Some(ticks) = cpu_ticks(&format!("/proc/{pid}/stat")) else {
                 continue; // exited meanwhile, or not on this machine
             };
-            // Fields after the command name (which may hold spaces): state is
-            // field 3, utime 14, stime 15.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-                continue;
-            };
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            let (Some(u), Some(s)) = (f.get(11), f.get(12)) else {
-                continue;
-            };
-            let ticks = u.parse::<u64>().unwrap_or(0) + s.parse::<u64>().unwrap_or(0);
             out.insert(pid, ticks as f64 * self.tick);
         }
         Ok(out)
