@@ -151,7 +151,7 @@ impl Limits {
     /// | session lock | 0 | `min(max(1, size / 4), size - 2)` |
     /// | control | 0 | 1 |
     /// | probe | 1 | 1 |
-    /// | lease | 0 | `min(max(2, size / 4), 4)` |
+    /// | lease | 0 | `max(2, size / 2)` |
     ///
     /// BudgetPolicy: [`BudgetPolicy::Refuse`].
     ///
@@ -199,7 +199,7 @@ impl Limits {
         };
         lanes[Lane::Lease.idx()] = LaneLimits {
             reserved: 0,
-            max: (s / 4).clamp(2, 4),
+            max: (s / 2).max(2),
         };
         lanes
     }

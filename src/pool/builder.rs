@@ -160,7 +160,7 @@ impl PoolBuilder {
     /// | session lock | 0 | `min(max(1, size / 4), size - 2)` |
     /// | control | 0 | 1 |
     /// | probe | 1 | 1 |
-    /// | lease | 0 | `min(max(2, size / 4), 4)` |
+    /// | lease | 0 | `max(2, size / 2)` |
     ///
     /// The default policy is [`BudgetPolicy::Refuse`].
     ///
