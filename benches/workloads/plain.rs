@@ -38,13 +38,14 @@ const TTL: Duration = Duration::from_secs(60);
 /// Names held by another holder, for 4c.
 const HELD: usize = 64;
 
-const PLAIN_DDL: &str = "CREATE TABLE leases (name text PRIMARY KEY, holder text NOT NULL, \
+pub(crate) const PLAIN_DDL: &str =
+    "CREATE TABLE leases (name text PRIMARY KEY, holder text NOT NULL, \
      taken_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz NOT NULL)";
-const PLAIN_ACQUIRE: &str = "INSERT INTO leases (name, holder, taken_at, expires_at) \
+pub(crate) const PLAIN_ACQUIRE: &str = "INSERT INTO leases (name, holder, taken_at, expires_at) \
      VALUES ($1, $2, now(), now() + make_interval(secs => $3)) ON CONFLICT (name) DO UPDATE \
      SET holder = excluded.holder, taken_at = excluded.taken_at, expires_at = excluded.expires_at \
      WHERE leases.expires_at < now() RETURNING true";
-const PLAIN_RELEASE: &str = "DELETE FROM leases WHERE name = $1 AND holder = $2";
+pub(crate) const PLAIN_RELEASE: &str = "DELETE FROM leases WHERE name = $1 AND holder = $2";
 
 pub fn describe(s: Settings) -> String {
     format!(

@@ -9,22 +9,37 @@
 //!
 //! - crash: the holder is killed (SIGKILL, no release) at a random point of
 //!   its renewal cycle, after at least one renewal; latency from the kill to
-//!   the contender holding the lease. Target: at most TTL + the poll interval.
-//!   The contender starts waiting when the holder has the lease, so its
-//!   polling is at a random point of its cycle too.
+//!   the contender holding the lease, at most TTL + the poll interval. The
+//!   contender starts waiting at a random point of the holder's renewal
+//!   cycle.
 //! - graceful: the holder is told to release on its stdin; latency from that
 //!   instant to the contender holding the lease.
 //!
-//! Trials interleave: crash, graceful, crash, graceful …
+//! The same two trials run against what a user writes by hand instead: the
+//! plain lease SQL (rows 4b/4c: `INSERT … ON CONFLICT … WHERE expires_at <
+//! now()`, `DELETE` to release), its holder renewing with an `UPDATE` every
+//! renewal interval and its contender trying every 500 ms (the poll interval
+//! pgwarden's own waits never exceed). The plain holder runs in this
+//! process: its crash is its renewal task aborted and its pool dropped,
+//! which for a table lease is what a SIGKILL does (the row stays until it
+//! expires). Targets: after a crash, pgwarden's take-over at most the plain
+//! SQL's (its contender sleeps until the expiry the database reports, the
+//! plain one finds it at its next try); after a release, no more than 10 %
+//! slower (both find a release at their next try: pgwarden has no
+//! notification of a release).
+//!
+//! Trials interleave: crash, graceful, crash, graceful …, each pgwarden
+//! trial followed by the plain SQL's.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pgwarden::{LeaseOptions, Leases, Pool};
-use pgwarden_testing::TestServer;
+use pgwarden_testing::{TestDb, TestServer};
 
-use crate::ab::median;
+use crate::ab::{all, median, Compared};
+use crate::plain::{PLAIN_ACQUIRE, PLAIN_DDL, PLAIN_RELEASE};
 use crate::{BoxError, Row, Settings};
 
 /// `Leases::acquire`'s longest pause between attempts.
@@ -59,7 +74,9 @@ pub fn describe(s: Settings) -> String {
         "6: TTL {:?}, renewal every {:?}, default safety margin; the holder is a separate \
          process (pool 2), the contender `Leases::acquire` on its own pool of 2, waiting from the \
          moment the holder has the lease; the kill or release comes 1 to 3 renewal intervals \
-         later (uniformly random); {} interleaved crash/graceful trial pairs",
+         later (uniformly random); {} interleaved crash/graceful trial pairs, each pgwarden trial followed by one of \
+         the plain lease SQL (holder in this process renewing with an `UPDATE`, contender trying every 500 ms) \
+         at the same point of the renewal cycle",
         p.ttl, p.renew_every, p.pairs
     )
 }
@@ -147,6 +164,116 @@ impl Drop for Holder {
     }
 }
 
+/// The plain SQL's renewal: the holder's row, its expiry pushed forward.
+const PLAIN_RENEW: &str =
+    "UPDATE leases SET expires_at = now() + make_interval(secs => $3) WHERE name = $1 AND holder = $2";
+
+/// The plain holder's renewals, every `every`, until aborted.
+async fn plain_renewals(
+    pool: deadpool_postgres::Pool,
+    name: String,
+    holder: String,
+    ttl: f64,
+    every: Duration,
+) -> Result<(), BoxError> {
+    let mut tick = tokio::time::interval(every);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let c = pool.get().await?;
+        let stmt = c.prepare_cached(PLAIN_RENEW).await?;
+        if c.execute(&stmt, &[&name, &holder, &ttl]).await? != 1 {
+            return Err(format!("plain holder: {name} renewed no row").into());
+        }
+    }
+}
+
+/// The plain contender: tries every `POLL` until it holds `name` (then
+/// releases it) or `wait` has passed; when it got it.
+async fn plain_contender(
+    pool: deadpool_postgres::Pool,
+    name: String,
+    ttl: f64,
+    wait: Duration,
+) -> Result<Option<Instant>, BoxError> {
+    let me = format!("plain-contender-{:016x}", rand::random::<u64>());
+    let until = Instant::now() + wait;
+    loop {
+        let c = pool.get().await?;
+        let stmt = c.prepare_cached(PLAIN_ACQUIRE).await?;
+        if c.query_opt(&stmt, &[&name, &me, &ttl]).await?.is_some() {
+            let at = Instant::now();
+            let stmt = c.prepare_cached(PLAIN_RELEASE).await?;
+            c.execute(&stmt, &[&name, &me]).await?;
+            return Ok(Some(at));
+        }
+        drop(c);
+        if Instant::now() >= until {
+            return Ok(None);
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// One trial of the plain lease SQL: a holder takes `name` and renews it;
+/// after `after`, it crashes (`kill`: renewals stop, its pool is dropped,
+/// its row stays) or releases it (`DELETE`). Milliseconds from then to the
+/// contender, trying since the holder had it, holding the lease.
+async fn plain_trial(
+    db: &TestDb,
+    contenders: &deadpool_postgres::Pool,
+    name: &str,
+    p: Plan,
+    kill: bool,
+    (offset, after): (Duration, Duration),
+) -> Result<f64, BoxError> {
+    let ttl = p.ttl.as_secs_f64();
+    let pool = db.deadpool(2)?;
+    let holder = format!("plain-holder-{:016x}", rand::random::<u64>());
+    {
+        let c = pool.get().await?;
+        let stmt = c.prepare_cached(PLAIN_ACQUIRE).await?;
+        if c.query_opt(&stmt, &[&name, &holder, &ttl]).await?.is_none() {
+            return Err(format!("plain holder: {name} is held").into());
+        }
+    }
+    let renewals = tokio::spawn(plain_renewals(
+        pool.clone(),
+        name.to_owned(),
+        holder.clone(),
+        ttl,
+        p.renew_every,
+    ));
+    tokio::time::sleep(offset).await;
+    let wait = p.ttl * 4;
+    let contender = tokio::spawn(plain_contender(
+        contenders.clone(),
+        name.to_owned(),
+        ttl,
+        wait,
+    ));
+    tokio::time::sleep(after - offset).await;
+    let t0 = Instant::now();
+    renewals.abort();
+    if kill {
+        pool.close();
+        drop(pool);
+    } else {
+        let c = pool.get().await?;
+        let stmt = c.prepare_cached(PLAIN_RELEASE).await?;
+        if c.execute(&stmt, &[&name, &holder]).await? != 1 {
+            return Err(format!("plain holder: {name} released no row").into());
+        }
+    }
+    if let Ok(Err(e)) = renewals.await {
+        return Err(e);
+    }
+    let at = contender
+        .await??
+        .ok_or_else(|| format!("the plain contender did not get {name} within {wait:?}"))?;
+    Ok(at.saturating_duration_since(t0).as_secs_f64() * 1e3)
+}
+
 pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError> {
     let p = plan(s);
     let db = server.create_database().await?;
@@ -158,9 +285,11 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
     let opts = LeaseOptions::new(p.ttl).renew_every(p.renew_every);
     let wait = p.ttl * 4;
     let url = db.url();
+    db.connect().await?.batch_execute(PLAIN_DDL).await?;
+    let contenders = db.deadpool(2)?;
 
-    let mut crash = Vec::new();
-    let mut graceful = Vec::new();
+    let (mut crash, mut graceful) = (Vec::new(), Vec::new());
+    let (mut plain_crash, mut plain_graceful) = (Vec::new(), Vec::new());
     for i in 0..p.pairs {
         for kill in [true, false] {
             let name = format!("w6-{i}-{}", if kill { "crash" } else { "graceful" });
@@ -168,7 +297,15 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
                 let (url, name) = (url.clone(), name.clone());
                 tokio::task::spawn_blocking(move || Holder::spawn(&url, &name, p)).await??
             };
-            // The contender waits from now on, as another instance would.
+            // The contender starts waiting at a random point of the
+            // holder's renewal cycle (another instance has no reason to
+            // start polling in step with the holder's renewals), then the
+            // kill or release comes past at least one renewal, at a random
+            // point of both cycles. The plain SQL's trial uses the same two
+            // instants.
+            let offset = POLL.min(p.renew_every).mul_f64(rand::random::<f64>());
+            let after = p.renew_every.mul_f64(1.0 + 2.0 * rand::random::<f64>());
+            tokio::time::sleep(offset).await;
             let contender = {
                 let (leases, opts, name) = (leases.clone(), opts.clone(), name.clone());
                 tokio::spawn(async move {
@@ -181,10 +318,7 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
                     Ok(Some(at))
                 })
             };
-            // Past at least one renewal, at a random point of the renewal
-            // cycle and of the contender's polling.
-            let phase = rand::random::<f64>();
-            tokio::time::sleep(p.renew_every.mul_f64(1.0 + 2.0 * phase)).await;
+            tokio::time::sleep(after - offset).await;
             let t0 = Instant::now();
             if kill {
                 holder.child.kill()?;
@@ -209,6 +343,21 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
                 })
                 .await??;
             }
+            // The plain SQL's trial, at the same point of the cycle.
+            let ms = plain_trial(
+                &db,
+                &contenders,
+                &format!("{name}-plain"),
+                p,
+                kill,
+                (offset, after),
+            )
+            .await?;
+            if kill {
+                plain_crash.push(ms);
+            } else {
+                plain_graceful.push(ms);
+            }
         }
     }
     pool.close();
@@ -222,20 +371,46 @@ pub async fn takeover(server: &TestServer, s: Settings) -> Result<Row, BoxError>
             v.iter().copied().fold(0.0, f64::max)
         )
     };
+    let (c, g) = (
+        Compared::new(&plain_crash, &crash),
+        Compared::new(&plain_graceful, &graceful),
+    );
+    let within = worst <= bound;
     Ok(Row {
         id: "6",
         workload: format!(
-            "lease take-over latency, TTL {:?}, renewal every {:?}",
+            "lease take-over latency after a crash (SIGKILL, no release) and after a release, TTL {:?}, renewal every {:?}",
             p.ttl, p.renew_every
         ),
-        a: format!("crash (SIGKILL, no release): {}", stat(&crash)),
-        b: format!("graceful release: {}", stat(&graceful)),
-        ratio: format!("{:.3} (worst crash / (TTL + poll))", worst / bound),
-        target: "crash ≤ TTL + poll interval; report graceful",
-        met: (!s.smoke).then_some(worst <= bound),
+        a: format!(
+            "plain lease SQL, tried every {} ms: crash {}; release {}",
+            POLL.as_millis(),
+            stat(&plain_crash),
+            stat(&plain_graceful)
+        ),
+        b: format!(
+            "pgwarden (`Leases::acquire`): crash {}; release {}",
+            stat(&crash),
+            stat(&graceful)
+        ),
+        ratio: format!(
+            "crash {:.3}; release {:.3} (pgwarden / plain, median of pairs)",
+            c.pairs, g.pairs
+        ),
+        target: "crash ≤ 1.0; release ≤ 1.1; worst crash ≤ TTL + poll interval",
+        met: if s.smoke {
+            None
+        } else {
+            all(&[c.at_most(1.0), g.at_most(1.1), Some(within)])
+        },
         notes: format!(
-            "{} trials each; poll interval = `Leases::acquire`'s longest pause, {} ms; bound {bound:.0} ms",
+            "{} trial pairs each, a pgwarden trial then the plain SQL's at the same point of the renewal cycle; \
+             crash: {}; release: {}; pgwarden's worst crash {worst:.0} ms against the bound TTL + poll {bound:.0} ms \
+             ({}); poll interval = `Leases::acquire`'s longest pause, {} ms",
             crash.len(),
+            c.spread(),
+            g.spread(),
+            if within { "within" } else { "past it" },
             POLL.as_millis()
         ),
     })
