@@ -282,7 +282,7 @@ async fn warden_side(
         None => db.deadpool(POOL)?,
         Some(b) => b.deadpool(POOL)?,
     };
-    // The shipped defaults (a pool of 16: at most 4 lease statements out at
+    // The shipped defaults (a pool of 16: at most 8 lease statements out at
     // once), unless `lease_lane` says otherwise; a side that changes it says
     // so in its label.
     let mut builder = Pool::builder(inner).name(label);
