@@ -432,6 +432,21 @@ impl RecentHolds {
 // core happens under the state lock, and the lane gauges it moves are set
 // there too, so they always describe the state they were read from.
 
+/// What [`Shared::admit_now`] says when it does not refuse.
+pub(super) enum Entry<'a> {
+    /// Admitted at once.
+    Admitted(Permit),
+    /// Queued: wait with [`Shared::admitted`].
+    Queued(Queued<'a>),
+}
+
+/// A queued checkout: its channel, and the guard that takes it off the
+/// queue when it gives up or is dropped (whenever that happens).
+pub(super) struct Queued<'a> {
+    guard: WaiterGuard<'a>,
+    rx: oneshot::Receiver<Outcome>,
+}
+
 /// Removes a waiter from the queue when its checkout gives up or is dropped.
 struct WaiterGuard<'a> {
     shared: &'a Arc<Shared>,
@@ -493,6 +508,10 @@ impl Fired {
     }
 
     fn send(self, shared: &Arc<Shared>) {
+        // Nothing fired (most returns): `rest` is empty whenever `first` is.
+        if self.first.is_none() && self.overs.is_empty() {
+            return;
+        }
         for (site, first) in self.overs {
             shared.over_budget(site, first);
         }
@@ -595,6 +614,7 @@ impl Shared {
     /// Admits one checkout of `lane` at `prio`, waiting in FIFO order up to
     /// `deadline` (and, when `patient`, waiting for the session-lock budget
     /// rather than being refused while other locks hold it).
+    #[cfg(test)]
     pub(super) async fn admit(
         self: &Arc<Self>,
         lane: Lane,
@@ -604,57 +624,88 @@ impl Shared {
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
     ) -> Result<Permit, Error> {
-        let (key, id, rx) = {
-            let mut st = self.state.lock();
-            let key = st.waiters.vacant_key();
-            match st.adm.request_with(lane, prio, key, patient) {
-                Admitted::Admit { over_budget } => {
-                    let slot = st.insert(lane, prio, site, start.into_std());
-                    let in_use = st.adm.in_use(lane);
-                    self.metrics.lane(lane).in_use.set(in_use as f64);
-                    let first = over_budget && st.warned_sites.insert(site as *const _ as usize);
-                    drop(st);
-                    if over_budget {
-                        self.over_budget(site, first);
-                    }
-                    return Ok(Permit {
-                        held: None,
-                        shared: self.clone(),
-                        slot,
-                        lane,
-                    });
+        match self.admit_now(lane, prio, patient, site, start.into_std())? {
+            Entry::Admitted(permit) => Ok(permit),
+            Entry::Queued(q) => self.admitted(q, start, deadline).await,
+        }
+    }
+
+    /// The synchronous half of an admission, one lock: admitted now,
+    /// queued (in FIFO order; when `patient`, waiting for the session-lock
+    /// budget rather than being refused while other locks hold it), or
+    /// refused. A queued checkout waits with [`Shared::admitted`].
+    pub(super) fn admit_now<'a>(
+        self: &'a Arc<Self>,
+        lane: Lane,
+        prio: Priority,
+        patient: bool,
+        site: &'static Location<'static>,
+        start: Instant,
+    ) -> Result<Entry<'a>, Error> {
+        let mut st = self.state.lock();
+        let key = st.waiters.vacant_key();
+        match st.adm.request_with(lane, prio, key, patient) {
+            Admitted::Admit { over_budget } => {
+                let slot = st.insert(lane, prio, site, start);
+                let in_use = st.adm.in_use(lane);
+                self.metrics.lane(lane).in_use.set(in_use as f64);
+                let first = over_budget && st.warned_sites.insert(site as *const _ as usize);
+                drop(st);
+                if over_budget {
+                    self.over_budget(site, first);
                 }
-                Admitted::Refused(r) => {
-                    let err = self.refusal(&st, lane, r);
-                    drop(st);
-                    return Err(self.refused(lane, r, err));
-                }
-                Admitted::Closed => {
-                    drop(st);
-                    return Err(self.closed(lane));
-                }
-                Admitted::Queued => {
-                    let (tx, rx) = oneshot::channel();
-                    st.next_waiter += 1;
-                    let id = st.next_waiter;
-                    st.waiters.insert(Waiter {
-                        id,
-                        site,
-                        start: start.into_std(),
-                        tx,
-                    });
-                    self.publish(&st, 1 << lane.idx());
-                    (key, id, rx)
-                }
+                Ok(Entry::Admitted(Permit {
+                    held: None,
+                    shared: self.clone(),
+                    slot,
+                    lane,
+                }))
             }
-        };
-        let guard = WaiterGuard {
-            shared: self,
-            key,
-            id,
-            lane,
-            prio,
-        };
+            Admitted::Refused(r) => {
+                let err = self.refusal(&st, lane, r);
+                drop(st);
+                Err(self.refused(lane, r, err))
+            }
+            Admitted::Closed => {
+                drop(st);
+                Err(self.closed(lane))
+            }
+            Admitted::Queued => {
+                let (tx, rx) = oneshot::channel();
+                st.next_waiter += 1;
+                let id = st.next_waiter;
+                st.waiters.insert(Waiter {
+                    id,
+                    site,
+                    start,
+                    tx,
+                });
+                self.publish(&st, 1 << lane.idx());
+                drop(st);
+                Ok(Entry::Queued(Queued {
+                    guard: WaiterGuard {
+                        shared: self,
+                        key,
+                        id,
+                        lane,
+                        prio,
+                    },
+                    rx,
+                }))
+            }
+        }
+    }
+
+    /// Waits for a queued checkout's permit up to `deadline` (`start`: when
+    /// its checkout began). Given up or dropped, it leaves the queue.
+    pub(super) async fn admitted(
+        &self,
+        q: Queued<'_>,
+        start: tokio::time::Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<Permit, Error> {
+        let Queued { guard, rx } = q;
+        let lane = guard.lane;
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(Ok(permit))) => {
                 // Granted: off the queue already, skip the guard's scan.
