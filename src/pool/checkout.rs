@@ -122,7 +122,14 @@ impl Pool {
                 Poll::Ready(r) => Some(r),
                 Poll::Pending => {
                     waited = true;
-                    tokio::time::timeout_at(bound(), get).await.ok()
+                    // The timer boxed: it is not part of every checkout's
+                    // future, only of one that waits here.
+                    let mut timer = Box::pin(tokio::time::sleep_until(bound()));
+                    std::future::poll_fn(|cx| match get.as_mut().poll(cx) {
+                        Poll::Ready(r) => Poll::Ready(Some(r)),
+                        Poll::Pending => timer.as_mut().poll(cx).map(|()| None),
+                    })
+                    .await
                 }
             }
         };

@@ -507,11 +507,18 @@ impl Fired {
         }
     }
 
+    #[inline]
     fn send(self, shared: &Arc<Shared>) {
-        // Nothing fired (most returns): `rest` is empty whenever `first` is.
+        // Nothing fired (most returns): `rest` is empty whenever `first`
+        // is, and empty vectors hold no memory, so there is nothing to drop.
         if self.first.is_none() && self.overs.is_empty() {
+            std::mem::forget(self);
             return;
         }
+        self.send_all(shared);
+    }
+
+    fn send_all(self, shared: &Arc<Shared>) {
         for (site, first) in self.overs {
             shared.over_budget(site, first);
         }
@@ -794,7 +801,13 @@ impl Shared {
             st.adm.release(c.lane, c.prio, c.releasing, |e| {
                 self.apply(&mut t, e, &mut fired)
             });
-            self.publish(st, 1 << c.lane.idx() | fired.lanes);
+            if fired.lanes == 0 {
+                // Nobody served or refused: only the lane's in-use moved.
+                let in_use = st.adm.in_use(c.lane);
+                self.metrics.lane(c.lane).in_use.set(in_use as f64);
+            } else {
+                self.publish(st, 1 << c.lane.idx() | fired.lanes);
+            }
         }
         fired.send(self);
     }
