@@ -104,8 +104,6 @@ impl Pool {
         let bound = || bounded(start, deadline(start, timeout));
         let (permit, mut waited) =
             match shared.admit_now(lane, prio, patient, site, start.into_std()) {
-                // Admitted at once: handed out at `start`, with no second
-                // clock read.
                 Ok(Entry::Admitted(permit)) => (permit, false),
                 Ok(Entry::Queued(q)) => match Box::pin(shared.admitted(q, start, bound())).await {
                     Ok(permit) => (permit, true),
@@ -119,64 +117,47 @@ impl Pool {
         let got = {
             let mut get = pin!(shared.inner.timeout_get(&shared.get_timeouts));
             match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
-                Poll::Ready(r) => Some(r),
+                Poll::Ready(Ok(obj)) => {
+                    let id = Object::id(&obj);
+                    // Admitted at once: handed out at `start`, with no
+                    // second clock read.
+                    let since = if waited {
+                        Instant::now()
+                    } else {
+                        start.into_std()
+                    };
+                    match shared.attach_known(permit.slot, id, since) {
+                        Some(pid) => {
+                            let acquire = if waited {
+                                since
+                                    .saturating_duration_since(start.into_std())
+                                    .as_secs_f64()
+                            } else {
+                                0.0
+                            };
+                            shared.metrics.lane(lane).acquire.record(acquire);
+                            return Ok(Client {
+                                obj: Some(obj),
+                                permit,
+                                pid,
+                                site,
+                                since,
+                                object: id,
+                            });
+                        }
+                        None => Some(Ok(obj)),
+                    }
+                }
+                Poll::Ready(Err(e)) => Some(Err(e)),
                 Poll::Pending => {
                     waited = true;
-                    // The timer boxed: it is not part of every checkout's
-                    // future, only of one that waits here.
-                    let mut timer = Box::pin(tokio::time::sleep_until(bound()));
-                    std::future::poll_fn(|cx| match get.as_mut().poll(cx) {
-                        Poll::Ready(r) => Poll::Ready(Some(r)),
-                        Poll::Pending => timer.as_mut().poll(cx).map(|()| None),
-                    })
-                    .await
+                    // The timer in a box of its own: only a checkout that
+                    // waits here has one.
+                    Box::pin(tokio::time::timeout_at(bound(), get.as_mut()))
+                        .await
+                        .ok()
                 }
             }
-        };
-        let got = match got {
-            Some(Ok(obj)) => {
-                let id = Object::id(&obj);
-                let since = if waited {
-                    Instant::now()
-                } else {
-                    start.into_std()
-                };
-                // One lock: a known, untainted connection completes the
-                // checkout record.
-                let pid = {
-                    let mut st = shared.state.lock();
-                    match st.pids.get(&id) {
-                        Some(k) if st.tainted.is_empty() || !st.tainted.contains(&id) => {
-                            let pid = k.pid;
-                            st.attach(permit.slot, pid, id, since);
-                            Some(pid)
-                        }
-                        _ => None,
-                    }
-                };
-                match pid {
-                    Some(pid) => {
-                        let acquire = if waited {
-                            since
-                                .saturating_duration_since(start.into_std())
-                                .as_secs_f64()
-                        } else {
-                            0.0
-                        };
-                        shared.metrics.lane(lane).acquire.record(acquire);
-                        return Ok(Client {
-                            obj: Some(obj),
-                            permit,
-                            pid,
-                            site,
-                            since,
-                            object: id,
-                        });
-                    }
-                    None => Some(Ok(obj)),
-                }
-            }
-            other => other,
         };
         Box::pin(self.checkout_rest(lane, site, start, bound(), permit, got, waited))
             .await

@@ -195,6 +195,23 @@ impl State {
         now
     }
 
+    /// Completes checkout record `slot` with connection `object`, handed
+    /// out at `now`, when its pid is known and it is not tainted; returns
+    /// the pid (`None`: the checkout's slow path finds out what it is).
+    pub(super) fn attach_known(
+        &mut self,
+        slot: usize,
+        object: ObjectId,
+        now: Instant,
+    ) -> Option<i32> {
+        let pid = match self.pids.get(&object) {
+            Some(k) if self.tainted.is_empty() || !self.tainted.contains(&object) => k.pid,
+            _ => return None,
+        };
+        self.attach(slot, pid, object, now);
+        Some(pid)
+    }
+
     pub(super) fn insert(
         &mut self,
         lane: Lane,
@@ -637,6 +654,11 @@ impl Shared {
         }
     }
 
+    /// [`State::attach_known`], under the lock.
+    pub(super) fn attach_known(&self, slot: usize, object: ObjectId, now: Instant) -> Option<i32> {
+        self.state.lock().attach_known(slot, object, now)
+    }
+
     /// The synchronous half of an admission, one lock: admitted now,
     /// queued (in FIFO order; when `patient`, waiting for the session-lock
     /// budget rather than being refused while other locks hold it), or
@@ -779,8 +801,7 @@ impl Shared {
     /// Returns one checkout to the budget and serves the waiters it makes
     /// room for; `held`: how long its connection was held, when measured.
     pub(super) fn release(self: &Arc<Self>, slot: usize, held: Option<Duration>) {
-        let mut fired = Fired::default();
-        {
+        let fired = {
             let mut guard = self.state.lock();
             let st = &mut *guard;
             let Some(c) = st.checkouts.try_remove(slot) else {
@@ -793,6 +814,15 @@ impl Shared {
                 let held = held.unwrap_or_else(|| c.since.elapsed());
                 st.holds.record(c.lane, held);
             }
+            if st.adm.waiting() == 0 {
+                // Nobody to serve or refuse (most returns): only the
+                // lane's in-use moves.
+                st.adm.release(c.lane, c.prio, c.releasing, |_| {});
+                let in_use = st.adm.in_use(c.lane);
+                self.metrics.lane(c.lane).in_use.set(in_use as f64);
+                return;
+            }
+            let mut fired = Fired::default();
             let mut t = Tables {
                 waiters: &mut st.waiters,
                 checkouts: &mut st.checkouts,
@@ -808,7 +838,8 @@ impl Shared {
             } else {
                 self.publish(st, 1 << c.lane.idx() | fired.lanes);
             }
-        }
+            fired
+        };
         fired.send(self);
     }
 
