@@ -87,12 +87,12 @@ impl Pool {
     /// ```
     #[track_caller]
     pub fn get(&self) -> impl Future<Output = Result<Client, PoolError>> + Send + '_ {
-        let site = Location::caller();
-        async move {
-            self.checkout(Lane::Request, site, self.shared.opts.wait_timeout)
-                .await
-                .map_err(into_pool_error)
-        }
+        self.checkout_mapped(
+            Lane::Request,
+            Location::caller(),
+            self.shared.opts.wait_timeout,
+            into_pool_error,
+        )
     }
 
     /// A request-lane connection within `timeout` (checkout included), with

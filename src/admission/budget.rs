@@ -115,6 +115,7 @@ impl Budget {
 
     /// Decides for a checkout with `claims` checkouts of the same lane queued
     /// ahead of it, without changing anything.
+    #[inline]
     pub(crate) fn decide(&self, lane: Lane, prio: Priority, claims: usize) -> Decision {
         let i = lane.idx();
         let held = self.in_use[i];
@@ -137,6 +138,7 @@ impl Budget {
         }
     }
 
+    #[inline(never)]
     fn decide_session_lock(&self, held: usize, claims: usize, prio: Priority) -> Decision {
         let lane = Lane::SessionLock;
         // Occupancy once the releases in flight are done and the checkouts

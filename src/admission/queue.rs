@@ -293,6 +293,9 @@ impl Admission {
     /// Grants every queued waiter that may be admitted now, urgent ones
     /// first, then oldest first; refuses those that never can be.
     fn serve(&mut self, mut emit: impl FnMut(Effect)) {
+        if self.waiting == 0 {
+            return;
+        }
         // One queue waiting (the usual case under load): its heads in order.
         if self.nonempty.count_ones() == 1 {
             let q = self.nonempty.trailing_zeros() as usize;

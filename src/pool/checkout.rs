@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
 use super::deadline::{bounded, deadline};
-use super::shared::{IdSet, Known, ObjectId, Permit, Pool, Shared};
+use super::shared::{Entry, IdSet, Known, ObjectId, Permit, Pool, Shared};
 use crate::admission::{Lane, Priority};
 use crate::error::{CheckoutError, Error, Stage};
 
@@ -40,6 +40,18 @@ impl Pool {
         self.checkout_with(lane, Priority::Normal, site, timeout)
     }
 
+    /// [`Pool::checkout`] with its error made into another by `map` (the
+    /// error of [`Pool::get`]), without a future around it.
+    pub(crate) fn checkout_mapped<E: Send + 'static>(
+        &self,
+        lane: Lane,
+        site: &'static Location<'static>,
+        timeout: Duration,
+        map: fn(Error) -> E,
+    ) -> impl Future<Output = Result<Client, E>> + Send + '_ {
+        self.checkout_inner(lane, Priority::Normal, false, site, timeout, map)
+    }
+
     /// A checkout of `lane` at `prio`, all of it within `timeout`.
     pub(crate) fn checkout_with(
         &self,
@@ -48,7 +60,7 @@ impl Pool {
         site: &'static Location<'static>,
         timeout: Duration,
     ) -> impl Future<Output = Result<Client, Error>> + Send + '_ {
-        self.checkout_inner(lane, prio, false, site, timeout)
+        self.checkout_inner(lane, prio, false, site, timeout, same)
     }
 
     /// A session-lock checkout that waits for the budget, in FIFO order, up
@@ -59,43 +71,130 @@ impl Pool {
         site: &'static Location<'static>,
         timeout: Duration,
     ) -> impl Future<Output = Result<Client, Error>> + Send + '_ {
-        self.checkout_inner(Lane::SessionLock, Priority::Normal, true, site, timeout)
+        self.checkout_inner(
+            Lane::SessionLock,
+            Priority::Normal,
+            true,
+            site,
+            timeout,
+            same,
+        )
     }
 
-    async fn checkout_inner(
+    /// The common case inline, in a small future: admitted at once,
+    /// deadpool polled in place, a known connection handed out after one
+    /// more lock. Everything else (a wait in the queue, a deadpool error, a
+    /// tainted or new connection) runs in boxed futures entered only then,
+    /// so that the future every checkout builds and moves stays small.
+    /// Errors go out through `map`.
+    async fn checkout_inner<E: Send + 'static>(
         &self,
         lane: Lane,
         prio: Priority,
         patient: bool,
         site: &'static Location<'static>,
         timeout: Duration,
-    ) -> Result<Client, Error> {
+        map: fn(Error) -> E,
+    ) -> Result<Client, E> {
         let shared = &self.shared;
         shared.supervisor.revive();
         let start = tokio::time::Instant::now();
-        // The caller's bound, tightened by the `Deadline` scope it runs in.
-        let deadline = bounded(start, deadline(start, timeout));
-        // Polled in place first: a checkout admitted and served at once is
-        // handed out at `start`, with no second clock read.
-        let admit = shared.admit(lane, prio, patient, site, start, deadline);
-        tokio::pin!(admit);
+        // The caller's bound, tightened by the `Deadline` scope it runs in:
+        // worked out only when something has to wait.
+        let bound = || bounded(start, deadline(start, timeout));
         let (permit, mut waited) =
-            match std::future::poll_fn(|cx| Poll::Ready(admit.as_mut().poll(cx))).await {
-                Poll::Ready(r) => (r?, false),
-                Poll::Pending => (admit.await?, true),
+            match shared.admit_now(lane, prio, patient, site, start.into_std()) {
+                Ok(Entry::Admitted(permit)) => (permit, false),
+                Ok(Entry::Queued(q)) => match Box::pin(shared.admitted(q, start, bound())).await {
+                    Ok(permit) => (permit, true),
+                    Err(e) => return Err(map(e)),
+                },
+                Err(e) => return Err(map(e)),
             };
-        let lm = shared.metrics.lane(lane);
-        loop {
-            // deadpool is asked not to wait (after admission it always has
-            // room) and polled in place: a free connection comes back at
-            // once, with no timer and no move of deadpool's future.
-            let get = shared.inner.timeout_get(&shared.get_timeouts);
-            tokio::pin!(get);
-            let got = match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
-                Poll::Ready(r) => Some(r),
+        // deadpool is asked not to wait (after admission it always has
+        // room) and polled in place: a free connection comes back at once,
+        // with no timer and no move of deadpool's future.
+        let got = {
+            let mut get = pin!(shared.inner.timeout_get(&shared.get_timeouts));
+            match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
+                Poll::Ready(Ok(obj)) => {
+                    let id = Object::id(&obj);
+                    // Admitted at once: handed out at `start`, with no
+                    // second clock read.
+                    let since = if waited {
+                        Instant::now()
+                    } else {
+                        start.into_std()
+                    };
+                    match shared.attach_known(permit.slot, id, since) {
+                        Some(pid) => {
+                            let acquire = if waited {
+                                since
+                                    .saturating_duration_since(start.into_std())
+                                    .as_secs_f64()
+                            } else {
+                                0.0
+                            };
+                            shared.metrics.lane(lane).acquire.record(acquire);
+                            return Ok(Client {
+                                obj: Some(obj),
+                                permit,
+                                pid,
+                                site,
+                                since,
+                                object: id,
+                            });
+                        }
+                        None => Some(Ok(obj)),
+                    }
+                }
+                Poll::Ready(Err(e)) => Some(Err(e)),
                 Poll::Pending => {
                     waited = true;
-                    tokio::time::timeout_at(deadline, get).await.ok()
+                    // The timer in a box of its own: only a checkout that
+                    // waits here has one.
+                    Box::pin(tokio::time::timeout_at(bound(), get.as_mut()))
+                        .await
+                        .ok()
+                }
+            }
+        };
+        Box::pin(self.checkout_rest(lane, site, start, bound(), permit, got, waited))
+            .await
+            .map_err(map)
+    }
+
+    /// The rest of a checkout whose connection was not handed out at
+    /// once: deadpool's answer `got` (`None`: it timed out) was an error,
+    /// a tainted connection (discarded, and another asked for) or a new one
+    /// (its backend pid asked).
+    #[allow(clippy::too_many_arguments)]
+    async fn checkout_rest(
+        &self,
+        lane: Lane,
+        site: &'static Location<'static>,
+        start: tokio::time::Instant,
+        deadline: tokio::time::Instant,
+        permit: Permit,
+        got: Option<Result<Object, PoolError>>,
+        mut waited: bool,
+    ) -> Result<Client, Error> {
+        let shared = &self.shared;
+        let lm = shared.metrics.lane(lane);
+        let mut first = Some(got);
+        loop {
+            let got = match first.take() {
+                Some(got) => got,
+                None => {
+                    let get = pin!(shared.inner.timeout_get(&shared.get_timeouts));
+                    let mut get = get;
+                    match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
+                        Poll::Ready(r) => Some(r),
+                        Poll::Pending => {
+                            waited = true;
+                            tokio::time::timeout_at(deadline, get).await.ok()
+                        }
+                    }
                 }
             };
             let got = match got {
@@ -177,20 +276,44 @@ impl Pool {
                     }
                 },
             };
-            lm.acquire.record(
-                since
-                    .saturating_duration_since(start.into_std())
-                    .as_secs_f64(),
-            );
-            return Ok(Client {
-                obj: Some(obj),
-                permit,
-                pid,
-                site,
-                since,
-                object: id,
-            });
+            return Ok(hand_out(obj, permit, pid, site, since, start, true));
         }
+    }
+}
+
+/// No change: the error of the checkouts that keep pgwarden's.
+fn same(e: Error) -> Error {
+    e
+}
+
+/// The `Client` of a checkout handed out at `since`, its wait recorded
+/// (`waited`: it may have waited since `start`; otherwise it waited none).
+fn hand_out(
+    obj: Object,
+    permit: Permit,
+    pid: i32,
+    site: &'static Location<'static>,
+    since: Instant,
+    start: tokio::time::Instant,
+    waited: bool,
+) -> Client {
+    let acquire = if waited {
+        since
+            .saturating_duration_since(start.into_std())
+            .as_secs_f64()
+    } else {
+        0.0
+    };
+    let shared = &permit.shared;
+    shared.metrics.lane(permit.lane).acquire.record(acquire);
+    let object = Object::id(&obj);
+    Client {
+        obj: Some(obj),
+        permit,
+        pid,
+        site,
+        since,
+        object,
     }
 }
 

@@ -195,6 +195,23 @@ impl State {
         now
     }
 
+    /// Completes checkout record `slot` with connection `object`, handed
+    /// out at `now`, when its pid is known and it is not tainted; returns
+    /// the pid (`None`: the checkout's slow path finds out what it is).
+    pub(super) fn attach_known(
+        &mut self,
+        slot: usize,
+        object: ObjectId,
+        now: Instant,
+    ) -> Option<i32> {
+        let pid = match self.pids.get(&object) {
+            Some(k) if self.tainted.is_empty() || !self.tainted.contains(&object) => k.pid,
+            _ => return None,
+        };
+        self.attach(slot, pid, object, now);
+        Some(pid)
+    }
+
     pub(super) fn insert(
         &mut self,
         lane: Lane,
@@ -432,6 +449,21 @@ impl RecentHolds {
 // core happens under the state lock, and the lane gauges it moves are set
 // there too, so they always describe the state they were read from.
 
+/// What [`Shared::admit_now`] says when it does not refuse.
+pub(super) enum Entry<'a> {
+    /// Admitted at once.
+    Admitted(Permit),
+    /// Queued: wait with [`Shared::admitted`].
+    Queued(Queued<'a>),
+}
+
+/// A queued checkout: its channel, and the guard that takes it off the
+/// queue when it gives up or is dropped (whenever that happens).
+pub(super) struct Queued<'a> {
+    guard: WaiterGuard<'a>,
+    rx: oneshot::Receiver<Outcome>,
+}
+
 /// Removes a waiter from the queue when its checkout gives up or is dropped.
 struct WaiterGuard<'a> {
     shared: &'a Arc<Shared>,
@@ -492,7 +524,18 @@ impl Fired {
         }
     }
 
+    #[inline]
     fn send(self, shared: &Arc<Shared>) {
+        // Nothing fired (most returns): `rest` is empty whenever `first`
+        // is, and empty vectors hold no memory, so there is nothing to drop.
+        if self.first.is_none() && self.overs.is_empty() {
+            std::mem::forget(self);
+            return;
+        }
+        self.send_all(shared);
+    }
+
+    fn send_all(self, shared: &Arc<Shared>) {
         for (site, first) in self.overs {
             shared.over_budget(site, first);
         }
@@ -595,6 +638,7 @@ impl Shared {
     /// Admits one checkout of `lane` at `prio`, waiting in FIFO order up to
     /// `deadline` (and, when `patient`, waiting for the session-lock budget
     /// rather than being refused while other locks hold it).
+    #[cfg(test)]
     pub(super) async fn admit(
         self: &Arc<Self>,
         lane: Lane,
@@ -604,57 +648,93 @@ impl Shared {
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
     ) -> Result<Permit, Error> {
-        let (key, id, rx) = {
-            let mut st = self.state.lock();
-            let key = st.waiters.vacant_key();
-            match st.adm.request_with(lane, prio, key, patient) {
-                Admitted::Admit { over_budget } => {
-                    let slot = st.insert(lane, prio, site, start.into_std());
-                    let in_use = st.adm.in_use(lane);
-                    self.metrics.lane(lane).in_use.set(in_use as f64);
-                    let first = over_budget && st.warned_sites.insert(site as *const _ as usize);
-                    drop(st);
-                    if over_budget {
-                        self.over_budget(site, first);
-                    }
-                    return Ok(Permit {
-                        held: None,
-                        shared: self.clone(),
-                        slot,
-                        lane,
-                    });
+        match self.admit_now(lane, prio, patient, site, start.into_std())? {
+            Entry::Admitted(permit) => Ok(permit),
+            Entry::Queued(q) => self.admitted(q, start, deadline).await,
+        }
+    }
+
+    /// [`State::attach_known`], under the lock.
+    pub(super) fn attach_known(&self, slot: usize, object: ObjectId, now: Instant) -> Option<i32> {
+        self.state.lock().attach_known(slot, object, now)
+    }
+
+    /// The synchronous half of an admission, one lock: admitted now,
+    /// queued (in FIFO order; when `patient`, waiting for the session-lock
+    /// budget rather than being refused while other locks hold it), or
+    /// refused. A queued checkout waits with [`Shared::admitted`].
+    pub(super) fn admit_now<'a>(
+        self: &'a Arc<Self>,
+        lane: Lane,
+        prio: Priority,
+        patient: bool,
+        site: &'static Location<'static>,
+        start: Instant,
+    ) -> Result<Entry<'a>, Error> {
+        let mut st = self.state.lock();
+        let key = st.waiters.vacant_key();
+        match st.adm.request_with(lane, prio, key, patient) {
+            Admitted::Admit { over_budget } => {
+                let slot = st.insert(lane, prio, site, start);
+                let in_use = st.adm.in_use(lane);
+                self.metrics.lane(lane).in_use.set(in_use as f64);
+                let first = over_budget && st.warned_sites.insert(site as *const _ as usize);
+                drop(st);
+                if over_budget {
+                    self.over_budget(site, first);
                 }
-                Admitted::Refused(r) => {
-                    let err = self.refusal(&st, lane, r);
-                    drop(st);
-                    return Err(self.refused(lane, r, err));
-                }
-                Admitted::Closed => {
-                    drop(st);
-                    return Err(self.closed(lane));
-                }
-                Admitted::Queued => {
-                    let (tx, rx) = oneshot::channel();
-                    st.next_waiter += 1;
-                    let id = st.next_waiter;
-                    st.waiters.insert(Waiter {
-                        id,
-                        site,
-                        start: start.into_std(),
-                        tx,
-                    });
-                    self.publish(&st, 1 << lane.idx());
-                    (key, id, rx)
-                }
+                Ok(Entry::Admitted(Permit {
+                    held: None,
+                    shared: self.clone(),
+                    slot,
+                    lane,
+                }))
             }
-        };
-        let guard = WaiterGuard {
-            shared: self,
-            key,
-            id,
-            lane,
-            prio,
-        };
+            Admitted::Refused(r) => {
+                let err = self.refusal(&st, lane, r);
+                drop(st);
+                Err(self.refused(lane, r, err))
+            }
+            Admitted::Closed => {
+                drop(st);
+                Err(self.closed(lane))
+            }
+            Admitted::Queued => {
+                let (tx, rx) = oneshot::channel();
+                st.next_waiter += 1;
+                let id = st.next_waiter;
+                st.waiters.insert(Waiter {
+                    id,
+                    site,
+                    start,
+                    tx,
+                });
+                self.publish(&st, 1 << lane.idx());
+                drop(st);
+                Ok(Entry::Queued(Queued {
+                    guard: WaiterGuard {
+                        shared: self,
+                        key,
+                        id,
+                        lane,
+                        prio,
+                    },
+                    rx,
+                }))
+            }
+        }
+    }
+
+    /// Waits for a queued checkout's permit up to `deadline` (`start`: when
+    /// its checkout began). Given up or dropped, it leaves the queue.
+    pub(super) async fn admitted(
+        &self,
+        q: Queued<'_>,
+        start: tokio::time::Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<Permit, Error> {
+        let Queued { guard, rx } = q;
+        let lane = guard.lane;
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(Ok(permit))) => {
                 // Granted: off the queue already, skip the guard's scan.
@@ -721,8 +801,7 @@ impl Shared {
     /// Returns one checkout to the budget and serves the waiters it makes
     /// room for; `held`: how long its connection was held, when measured.
     pub(super) fn release(self: &Arc<Self>, slot: usize, held: Option<Duration>) {
-        let mut fired = Fired::default();
-        {
+        let fired = {
             let mut guard = self.state.lock();
             let st = &mut *guard;
             let Some(c) = st.checkouts.try_remove(slot) else {
@@ -735,6 +814,15 @@ impl Shared {
                 let held = held.unwrap_or_else(|| c.since.elapsed());
                 st.holds.record(c.lane, held);
             }
+            if st.adm.waiting() == 0 {
+                // Nobody to serve or refuse (most returns): only the
+                // lane's in-use moves.
+                st.adm.release(c.lane, c.prio, c.releasing, |_| {});
+                let in_use = st.adm.in_use(c.lane);
+                self.metrics.lane(c.lane).in_use.set(in_use as f64);
+                return;
+            }
+            let mut fired = Fired::default();
             let mut t = Tables {
                 waiters: &mut st.waiters,
                 checkouts: &mut st.checkouts,
@@ -743,8 +831,15 @@ impl Shared {
             st.adm.release(c.lane, c.prio, c.releasing, |e| {
                 self.apply(&mut t, e, &mut fired)
             });
-            self.publish(st, 1 << c.lane.idx() | fired.lanes);
-        }
+            if fired.lanes == 0 {
+                // Nobody served or refused: only the lane's in-use moved.
+                let in_use = st.adm.in_use(c.lane);
+                self.metrics.lane(c.lane).in_use.set(in_use as f64);
+            } else {
+                self.publish(st, 1 << c.lane.idx() | fired.lanes);
+            }
+            fired
+        };
         fired.send(self);
     }
 

@@ -102,10 +102,16 @@ impl Supervisor {
     /// Starts, in the current runtime, every task not running (never
     /// started, or dead with its runtime), unless the pool is closed.
     /// Outside a runtime it does nothing: the next call inside one does it.
+    #[inline]
     pub(super) fn revive(&self) {
-        if !self.stale.load(Ordering::Acquire) {
-            return;
+        // Every checkout asks: the answer is almost always no.
+        if self.stale.load(Ordering::Acquire) {
+            self.revive_stale();
         }
+    }
+
+    #[cold]
+    fn revive_stale(&self) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
