@@ -128,6 +128,9 @@ impl Pool {
                     };
                     match shared.attach_known(permit.slot, id, since) {
                         Some(pid) => {
+                            // `hand_out`, written out: calling it moves the
+                            // object and permit once more (callgrind: 2,584
+                            // instructions per get + drop against 2,537).
                             let acquire = if waited {
                                 since
                                     .saturating_duration_since(start.into_std())
