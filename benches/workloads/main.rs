@@ -388,18 +388,32 @@ in the lane, a wake-up per grant. The default is now half the pool,
 deadpool and through pgwarden on the new default, two runs each: 7,709 and
 13,147 voluntary context switches raw, 24,790 and 25,778 pgwarden.
 
-4b still misses 1.0, and the server is why: pgwarden's pair does more than
-the plain one (the token from the sequence, the live-row probe that lets an
-attempt on a held name return without a row lock, the server-side lock
-bound, a release that keeps the row). pgbench on a throwaway PostgreSQL 15
-(fsync off, 8 clients, prepared, 8 s per variant, fresh tables, two
-rounds): the plain pair 10,812 and 11,121 pairs/s, pgwarden's statements
-9,978 and 7,900. With the table at fillfactor 70, so that the release's
-`UPDATE` is a heap-only update: 9,388 and 8,435, no gain; not shipped. The
-release stays an `UPDATE`: a `DELETE` would let an acquisition that drew
-its token before another term's acquisition and release insert the lower
-token after them (the purge deletes rows only under a `SHARE` table lock,
-taken without waiting, so with no insert in flight).
+Each pgwarden statement of 4b costs the server more than the plain one: the
+token from the sequence, the live-row probe that lets an attempt on a held
+name return without a row lock, the server-side lock bound, a release that
+keeps the row. pgbench on a throwaway PostgreSQL 15 (fsync off, 8 clients,
+prepared, 8 s per variant, fresh tables, two rounds): the plain pair 10,812
+and 11,121 pairs/s, pgwarden's statements 9,978 and 7,900. With the table at
+fillfactor 70, so that the release's `UPDATE` is a heap-only update: 9,388
+and 8,435, no gain; not shipped. The release stays an `UPDATE`: a `DELETE`
+would let an acquisition that drew its token before another term's
+acquisition and release insert the lower token after them (the purge
+deletes rows only under a `SHARE` table lock, taken without waiting, so
+with no insert in flight). With these statements one per call, 4b measured
+0.70 (full run, 22:28 UTC the day before).
+
+So the statements are shared instead (`src/lease/gather.rs`): an instance
+sends at most two acquisition statements at a time, and the acquisitions
+that come meanwhile go together in the next one (the same for releases),
+each with its own answer. pgbench first, the same pair for eight names per
+statement (2 clients): 4,684 and 5,465 statements/s, 37,000 to 44,000
+pairs/s, against the plain pair's 9,455 to 10,544. A first version passed
+the arrays as parameters: the planner sized them on each call, found that
+plan cheaper than the cached generic one, and planned the statement again
+every time (4b 0.66, 178 µs of server CPU per statement); the arrays now
+come through sub-selects, and 4b measured 0.90 with acquisitions gathered
+and 1.23 with releases gathered too (`--only 4b`, 0.66 statements per
+pair).
 
 Benchmark 2 (issue 17). callgrind, `--profile checkout raw|pgwarden`,
 instructions per `get` + drop (raw deadpool 1,728 throughout):

@@ -159,10 +159,7 @@ impl Inner {
                 inner.release_cancelled(&name, &holder).await;
             }))
         };
-        let taken = match self
-            .run_then(Urgency::Normal, self.statement_timeout, &stmt, follow_up)
-            .await?
-        {
+        let taken = match self.acquire_gathered(&stmt, follow_up).await? {
             Ok(taken) => taken,
             Err(busy) => {
                 if busy == Busy::Blocked {
@@ -552,7 +549,7 @@ impl Inner {
     /// Releases one term for its guard or runner: stops renewing it, then
     /// releases its row.
     pub(crate) async fn release(
-        &self,
+        self: &Arc<Self>,
         id: u64,
         state: &LeaseState,
         forget_hold: bool,
@@ -579,7 +576,7 @@ impl Inner {
     /// server ran it, so a retry that finds the term gone counts as
     /// released.
     pub(crate) async fn release_row(
-        &self,
+        self: &Arc<Self>,
         state: &LeaseState,
         forget_hold: bool,
     ) -> Result<(), Error> {
@@ -625,7 +622,7 @@ impl Inner {
 
     /// One release attempt within `budget`: whether the term was still ours.
     async fn release_once(
-        &self,
+        self: &Arc<Self>,
         state: &LeaseState,
         forget_hold: bool,
         budget: Duration,
@@ -635,31 +632,7 @@ impl Inner {
             holder: state.holder.as_str(),
             keep_hold: !forget_hold,
         };
-        self.run(Urgency::Urgent, budget, &stmt).await
-    }
-
-    /// After a cancelled acquisition: releases the lease if the statement
-    /// took it before the cancel reached the server.
-    pub(crate) async fn release_cancelled(&self, name: &str, holder: &str) {
-        let stmt = Release {
-            name,
-            holder,
-            keep_hold: false,
-        };
-        match self
-            .run(Urgency::Urgent, self.statement_timeout, &stmt)
-            .await
-        {
-            Ok(true) => tracing::info!(
-                pool = %self.pool_name, lease = name,
-                "a cancelled acquisition had taken the lease: released"
-            ),
-            Ok(false) => {}
-            Err(e) => tracing::warn!(
-                pool = %self.pool_name, lease = name, error = %e,
-                "could not release after a cancelled acquisition; if it took the lease, it expires after its TTL"
-            ),
-        }
+        self.release_gathered(&stmt, budget).await
     }
 
     /// The guard's drop: stop renewing now, release in the background.

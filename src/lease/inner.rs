@@ -28,14 +28,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tokio::sync::{Notify, OnceCell};
+use tokio::sync::{oneshot, Notify, OnceCell};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Error as PgError;
 use tokio_postgres::NoTls;
 
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
-use super::table::{Call, LeaseStatement, Statements, TableName};
+use super::table::{Busy, Call, LeaseStatement, Release, Statements, TableName, Taken};
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};
@@ -53,6 +53,11 @@ pub(crate) struct Inner {
     pub(crate) statement_timeout: Duration,
     pub(crate) purge: PurgeSettings,
     pub(crate) registry: Mutex<Registry>,
+    /// Acquisition statements in flight, and acquisitions gathered for the
+    /// next one.
+    pub(crate) acquiring: Mutex<Gather<Acquiring>>,
+    /// The same for releases.
+    pub(crate) releasing: Mutex<Gather<Releasing>>,
     pub(crate) wake: Arc<Notify>,
     /// True while a renewer task exists; its task clears it when dropped
     /// (it ended, or its runtime is gone).
@@ -92,6 +97,8 @@ impl Inner {
             statement_timeout: s.statement_timeout,
             purge: s.purge,
             registry: Mutex::new(Registry::default()),
+            acquiring: Mutex::new(Gather::default()),
+            releasing: Mutex::new(Gather::default()),
             wake: Arc::new(Notify::new()),
             renewer_alive: Arc::new(AtomicBool::new(false)),
             unnamed_only: AtomicBool::new(false),
@@ -174,6 +181,51 @@ impl Registry {
     }
 }
 
+/// Acquisitions (or releases) of one instance gathered into shared
+/// statements (see `gather.rs`): how many statements are out, and who waits
+/// for the next.
+pub(crate) struct Gather<W> {
+    pub(super) in_flight: usize,
+    pub(super) waiting: Vec<W>,
+}
+
+impl<W> Default for Gather<W> {
+    fn default() -> Gather<W> {
+        Gather {
+            in_flight: 0,
+            waiting: Vec::new(),
+        }
+    }
+}
+
+/// An acquisition waiting for the next batch.
+pub(crate) struct Acquiring {
+    pub(super) name: String,
+    pub(super) holder: String,
+    pub(super) ttl: f64,
+    pub(super) hold: Option<(f64, f64)>,
+    pub(super) tx: oneshot::Sender<Joined<Result<Taken, Busy>>>,
+}
+
+/// A release waiting for the next batch.
+pub(crate) struct Releasing {
+    pub(super) name: String,
+    pub(super) holder: String,
+    pub(super) keep_hold: bool,
+    pub(super) tx: oneshot::Sender<Joined<bool>>,
+}
+
+/// What a batch answers one of its own.
+pub(super) enum Joined<T> {
+    /// What its own statement would have answered.
+    Done(T),
+    /// The batch failed on the server and did nothing: send your own
+    /// statement.
+    Alone,
+    /// The batch ran out of time.
+    TimedOut,
+}
+
 /// How long a cancel request may take (it connects anew, and a hung server
 /// does not answer).
 const CANCEL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -208,6 +260,30 @@ impl Inner {
         self.pool
             .checkout_with(Lane::Lease, priority, Location::caller(), timeout)
             .await
+    }
+
+    /// After a cancelled acquisition: releases the lease if the statement
+    /// took it before the cancel reached the server.
+    pub(crate) async fn release_cancelled(&self, name: &str, holder: &str) {
+        let stmt = Release {
+            name,
+            holder,
+            keep_hold: false,
+        };
+        match self
+            .run(Urgency::Urgent, self.statement_timeout, &stmt)
+            .await
+        {
+            Ok(true) => tracing::info!(
+                pool = %self.pool_name, lease = name,
+                "a cancelled acquisition had taken the lease: released"
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(
+                pool = %self.pool_name, lease = name, error = %e,
+                "could not release after a cancelled acquisition; if it took the lease, it expires after its TTL"
+            ),
+        }
     }
 
     /// Named prepared statements only on a connection known to be direct,

@@ -195,6 +195,14 @@ pub struct LeaseStats {
     pub purged: u64,
     /// Purge statements sent.
     pub purge_statements: u64,
+    /// Acquisitions waiting now to go to the server together, in the next
+    /// statement (see [`Leases::acquire`](super::Leases::acquire),
+    /// "Overlapping acquisitions").
+    pub acquisitions_waiting: usize,
+    /// Acquisitions sent in one statement with others, summed.
+    pub gathered: u64,
+    /// The statements that carried them.
+    pub gathered_statements: u64,
     /// Take-overs of an expired lease that met a lock on its row and
     /// answered busy (see [`Leases::acquire`](super::Leases::acquire)).
     pub takeovers_blocked: u64,

@@ -56,7 +56,10 @@
 //!   once per node), and a purge of old rows.
 //! - **Cheap statements.** Prepared once per connection on direct
 //!   connections; unnamed behind a transaction pooler (or until the pool
-//!   knows it is direct).
+//!   knows it is direct). Acquisitions (and releases) that overlap in one
+//!   instance share statements: at most two of each kind are out at a time,
+//!   and those that come meanwhile go together in the next, each with its
+//!   own answer (see [`Leases::acquire`], "Overlapping acquisitions").
 //!
 //! # Trade-offs
 //!
@@ -116,6 +119,8 @@
 //!   [`LeasesBuilder`] (its settings, and their defaults).
 //! - `acquire.rs`: acquire and release: one attempt, the guard it returns
 //!   ([`Lease`], [`LeaseHandle`]: term, lost signal, fence), the releases.
+//! - `gather.rs`: overlapping acquisitions and releases gathered into
+//!   shared statements, and each one's answer.
 //! - `renewer.rs`: the renewer task, its batches and its purge rounds.
 //! - `inner.rs`: the state an instance shares (`Inner`), the leases it holds
 //!   (`Registry`), the lost signal it fires, and the statement helper
@@ -130,6 +135,7 @@
 //! - `metrics.rs`: the metrics and [`LeaseStats`] of an instance.
 
 mod acquire;
+mod gather;
 mod inner;
 mod metrics;
 mod options;
@@ -274,6 +280,18 @@ impl Leases {
     /// database cancels the statement on the server, then releases the
     /// lease in the background in case the statement took it first.
     ///
+    /// # Overlapping acquisitions
+    ///
+    /// One instance sends at most two acquisition statements at a time. The
+    /// acquisitions that come meanwhile wait together and go to the server
+    /// in one statement (up to 64 names) as soon as one of the two ends; each
+    /// gets the answer its own statement would have given, and a batch that
+    /// fails on the server (a take-over blocked by a row lock, say: a
+    /// batch's lock waits are bounded to 100 ms) is tried again one
+    /// acquisition per statement. Each still answers within the statement
+    /// timeout. Releases are gathered the same way. [`LeaseStats::acquisitions_waiting`] and
+    /// [`LeaseStats::gathered`] show it happening.
+    ///
     /// ```no_run
     /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
     /// use std::time::Duration;
@@ -358,8 +376,10 @@ impl Leases {
     /// What this instance has done so far.
     pub fn stats(&self) -> LeaseStats {
         let held = self.inner.registry.lock().len();
+        let acquisitions_waiting = self.inner.waiting();
         LeaseStats {
             held,
+            acquisitions_waiting,
             ..*self.inner.stats.lock()
         }
     }

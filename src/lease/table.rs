@@ -120,6 +120,10 @@ pub(crate) const INSTALL_LOCK_KEY: LockKey = Namespace::PGWARDEN.named("leases.i
 /// lock on that row before it answers busy: 20 ms.
 pub(crate) const TAKEOVER_WAIT: Duration = Duration::from_millis(20);
 
+/// The bound of a batch's lock waits (see `gather.rs`): past it, each of
+/// its statements is sent alone.
+pub(crate) const BATCH_LOCK_WAIT: Duration = Duration::from_millis(100);
+
 /// How far past its term's expiry a fenced transaction may last on the
 /// server (idle, or in one statement) before the server ends it: 1 s.
 pub(crate) const FENCE_GRACE: Duration = Duration::from_secs(1);
@@ -129,10 +133,12 @@ pub(crate) const FENCE_GRACE: Duration = Duration::from_secs(1);
 pub(crate) struct Statements {
     pub(super) acquire: String,
     pub(super) acquire_held: String,
+    pub(super) acquire_batch: String,
     pub(super) free_in: String,
     pub(super) renew: String,
     pub(super) release: String,
     pub(super) release_unheld: String,
+    pub(super) release_batch: String,
     pub(super) fence: String,
     pub(super) blocker: String,
     pub(super) purge: String,
@@ -162,6 +168,15 @@ pub(super) const ACQUIRE_HELD_TYPES: &[Type] = &[
     Type::FLOAT8,
     Type::FLOAT8,
 ];
+pub(super) const ACQUIRE_BATCH_TYPES: &[Type] = &[
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::FLOAT8_ARRAY,
+    Type::FLOAT8_ARRAY,
+    Type::FLOAT8_ARRAY,
+];
+pub(super) const RELEASE_BATCH_TYPES: &[Type] =
+    &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY];
 pub(super) const NAME_TYPES: &[Type] = &[Type::TEXT];
 pub(super) const RENEW_TYPES: &[Type] = &[
     Type::TEXT_ARRAY,
@@ -197,6 +212,10 @@ impl Statements {
         // on the server by the statement timeout, so that a statement whose
         // client is gone (no cancel request comes, as behind a pooler) ends.
         let wait = lock_bound(timeout);
+        // A batch's lock waits are bounded short: one name's wait would hold
+        // up the others; past it, the batch did nothing and each of its
+        // statements is sent alone, with the bounds above.
+        let batch_wait = lock_bound(BATCH_LOCK_WAIT.min(timeout));
         // An acquisition reads the name's row first (`s.live`: NULL when
         // there is none), then bounds its own lock waits: a take-over of an
         // existing row by the take-over bound; a new row by the statement
@@ -240,6 +259,33 @@ SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
  WHERE {gate}
 {on_conflict}"
             ),
+            // The acquisitions of a batch (see `gather.rs`), one row each:
+            // the same probe, bound and take-over as `acquire_held`, row by
+            // row (the executor reads a row, checks it, inserts it, then
+            // reads the next, so each row's `set_config` bounds that row's
+            // own lock waits). A hold of 0 and a period of 0 mean no hold:
+            // `held_until` is then the column's default, as in `acquire`.
+            // Names are distinct and sorted, so two batches lock rows in the
+            // same order. The arrays come through sub-selects: given as
+            // parameters, the planner sizes each call's arrays, finds a
+            // plan for that size cheaper than the cached generic one, and
+            // plans the statement again on every call.
+            acquire_batch: format!(
+                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until)
+SELECT r.name, r.holder, nextval({seq}), now(), now() + make_interval(secs => r.ttl),
+       CASE WHEN r.least > 0 OR r.period > 0 THEN
+         greatest(now() + make_interval(secs => r.least),
+                  CASE WHEN r.period > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / r.period) + 1) * r.period) END)
+       ELSE '-infinity'::timestamptz END
+  FROM (SELECT b.*, (SELECT c.expires_at >= now() OR c.held_until > now() FROM {tbl} c WHERE c.name = b.name) AS live
+          FROM unnest((SELECT $1::text[]), (SELECT $2::text[]), (SELECT $3::float8[]), (SELECT $4::float8[]), (SELECT $5::float8[])) AS b(name, holder, ttl, least, period)
+        OFFSET 0) AS r
+ WHERE r.live IS NOT TRUE
+   AND set_config('lock_timeout', CASE WHEN r.live IS NULL THEN '{}' ELSE '{}' END, true) IS NOT NULL
+{on_conflict}, l.name",
+                lock_ms(BATCH_LOCK_WAIT.min(timeout)),
+                lock_ms(TAKEOVER_WAIT.min(timeout))
+            ),
             free_in: format!(
                 "SELECT extract(epoch FROM greatest(expires_at, held_until) - now())::float8 FROM {tbl} WHERE name = $1"
             ),
@@ -262,6 +308,19 @@ RETURNING l.name, l.token"
             release_unheld: format!(
                 "UPDATE {tbl} SET holder = '', expires_at = now(), held_until = least(held_until, now())
  WHERE {wait} AND name = $1 AND holder = $2"
+            ),
+            // The releases of a batch (see `gather.rs`): the rows of these
+            // names whose holder is one of these holders, which pairs each
+            // name with its own holder (a holder id is new on every
+            // acquisition and written to its own name's row only). `$3`:
+            // the holders whose hold goes too. The arrays come through
+            // sub-selects, as in `acquire_batch`; the lock wait is bounded
+            // short, as a blocked release is tried again alone.
+            release_batch: format!(
+                "UPDATE {tbl} SET holder = '', expires_at = now(),
+       held_until = CASE WHEN holder = ANY ((SELECT $3::text[])::text[]) THEN least(held_until, now()) ELSE held_until END
+ WHERE {batch_wait} AND name = ANY ((SELECT $1::text[])::text[]) AND holder = ANY ((SELECT $2::text[])::text[])
+RETURNING name"
             ),
             // The row locked `FOR KEY SHARE` (a take-over waits for the
             // transaction, a renewal does not), and the transaction bounded
@@ -399,6 +458,36 @@ impl Statements {
                 })
             })
             .transpose()
+    }
+
+    /// The acquisitions of a batch (distinct names): the terms taken, by
+    /// name; a name missing from the answer is held.
+    pub(crate) async fn acquire_batch(
+        &self,
+        client: &Client,
+        named: bool,
+        b: &AcquireBatch,
+    ) -> Result<Vec<(String, Taken)>, PgError> {
+        let rows = query(
+            client,
+            named,
+            &self.acquire_batch,
+            ACQUIRE_BATCH_TYPES,
+            &[&b.names, &b.holders, &b.ttls, &b.leasts, &b.periods],
+        )
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    r.try_get(3)?,
+                    Taken {
+                        token: r.try_get(0)?,
+                        prev_holder: r.try_get(1)?,
+                        taken_at: r.try_get(2)?,
+                    },
+                ))
+            })
+            .collect()
     }
 
     /// Seconds until `name` may be free (database clock): `None` when there
@@ -1228,6 +1317,73 @@ impl LeaseStatement for Acquire<'_> {
     }
     fn on_lock_timeout() -> Option<Result<Taken, Busy>> {
         Some(Err(Busy::Blocked))
+    }
+}
+
+/// The releases of a batch, as parallel arrays (distinct names).
+#[derive(Default)]
+pub(crate) struct ReleaseBatch {
+    pub(crate) names: Vec<String>,
+    pub(crate) holders: Vec<String>,
+    /// The holders of those whose hold goes too.
+    pub(crate) forget_hold: Vec<String>,
+}
+
+impl LeaseStatement for ReleaseBatch {
+    /// The names released; `None` when the server ended a lock wait
+    /// (`lock_timeout`): nothing was released, each is tried alone.
+    type Out = Option<Vec<String>>;
+    const WHAT: &'static str = "release";
+    async fn exec(
+        &self,
+        sql: &Statements,
+        c: &mut Client,
+        call: Call,
+    ) -> Result<Option<Vec<String>>, PgError> {
+        let rows = query(
+            c,
+            call.named,
+            &sql.release_batch,
+            RELEASE_BATCH_TYPES,
+            &[&self.names, &self.holders, &self.forget_hold],
+        )
+        .await?;
+        rows.iter()
+            .map(|r| r.try_get(0))
+            .collect::<Result<_, _>>()
+            .map(Some)
+    }
+    fn on_lock_timeout() -> Option<Option<Vec<String>>> {
+        Some(None)
+    }
+}
+
+/// The acquisitions of a batch, as parallel arrays (distinct names, in
+/// order); a hold of 0 with a period of 0 is no hold.
+#[derive(Default)]
+pub(crate) struct AcquireBatch {
+    pub(crate) names: Vec<String>,
+    pub(crate) holders: Vec<String>,
+    pub(crate) ttls: Vec<f64>,
+    pub(crate) leasts: Vec<f64>,
+    pub(crate) periods: Vec<f64>,
+}
+
+impl LeaseStatement for AcquireBatch {
+    /// The terms taken, by name; `None` when the server ended a lock wait
+    /// (`lock_timeout`): nothing was taken, each acquisition is tried alone.
+    type Out = Option<Vec<(String, Taken)>>;
+    const WHAT: &'static str = "acquisition";
+    async fn exec(
+        &self,
+        sql: &Statements,
+        c: &mut Client,
+        call: Call,
+    ) -> Result<Option<Vec<(String, Taken)>>, PgError> {
+        sql.acquire_batch(c, call.named, self).await.map(Some)
+    }
+    fn on_lock_timeout() -> Option<Option<Vec<(String, Taken)>>> {
+        Some(None)
     }
 }
 

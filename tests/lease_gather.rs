@@ -1,0 +1,324 @@
+//! Overlapping acquisitions and releases of one instance go to the server
+//! together (at most two statements of each kind out at a time; those that
+//! come meanwhile share the next one), and each gets the answer its own
+//! statement would have given: its own term and token, busy for a held or
+//! blocked name, one winner among callers of the same name, holds kept.
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use pgwarden::{Lease, LeaseOptions, Leases};
+use support::leases::{insert_expired, lock_rows, pool};
+use support::{admin, db, eventually, within};
+use tokio_postgres::types::Type;
+
+const S: Duration = Duration::from_secs(1);
+
+fn opts() -> LeaseOptions {
+    LeaseOptions::new(30 * S)
+}
+
+/// Rows of `names` whose term is live.
+async fn live(admin: &tokio_postgres::Client, names: &[String]) -> i64 {
+    admin
+        .query_typed_one(
+            "SELECT count(*) FROM pgwarden_leases WHERE name = ANY($1) AND expires_at >= now()",
+            &[(&names, Type::TEXT_ARRAY)],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_pairs_share_statements_and_each_gets_its_own_term() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 16, "gather-pairs"));
+    leases.install().await.unwrap();
+    let before = leases.stats();
+    let next = Arc::new(AtomicU64::new(0));
+    let tokens = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (leases, next, tokens) = (leases.clone(), next.clone(), tokens.clone());
+            tokio::spawn(async move {
+                for _ in 0..60 {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    let name = format!("pair-{n}");
+                    let lease = leases.acquire(&name, &opts(), None).await.unwrap();
+                    let lease = lease.expect("a new name is free");
+                    assert_eq!(&*lease.term().name, name.as_str());
+                    tokens.lock().push(lease.term().token);
+                    lease.release().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        within(60 * S, "16 tasks of 60 pairs", t).await.unwrap();
+    }
+    let pairs = next.load(Ordering::Relaxed);
+    let after = leases.stats();
+    let statements = after.statements - before.statements;
+    let gathered = after.gathered - before.gathered;
+    let batches = after.gathered_statements - before.gathered_statements;
+    eprintln!(
+        "{pairs} pairs: {statements} statements, {gathered} acquisitions and releases in {batches} shared statements"
+    );
+    // Every term its own token.
+    let tokens = tokens.lock().clone();
+    assert_eq!(tokens.iter().collect::<HashSet<_>>().len(), tokens.len());
+    // Gathering happened, and saved statements: fewer than one per call.
+    assert!(batches > 0 && gathered > batches, "{after:?}");
+    assert!(
+        statements < 2 * pairs,
+        "{statements} statements for {pairs} pairs"
+    );
+    // Each row is its own term's, and every one was released.
+    let (rows, held): (i64, i64) = {
+        let r = admin
+            .query_typed_one(
+                "SELECT count(*), count(*) FILTER (WHERE holder <> '' OR expires_at > now())
+                   FROM pgwarden_leases WHERE name LIKE 'pair-%'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((rows, held), (pairs as i64, 0));
+    assert_eq!(leases.stats().held, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_callers_of_one_name_at_once_get_one_term() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 8, "gather-same"));
+    leases.install().await.unwrap();
+    let before = leases.stats();
+    let o = opts();
+    // All 32 first polled in one pass: two go alone, thirty wait together.
+    let got = join_all((0..32).map(|_| leases.acquire("same", &o, None))).await;
+    let winners: Vec<Lease> = got.into_iter().filter_map(|r| r.unwrap()).collect();
+    assert_eq!(winners.len(), 1, "one term for one name");
+    assert!(leases.stats().gathered_statements > before.gathered_statements);
+    assert_eq!(live(&admin, &["same".to_owned()]).await, 1);
+    for lease in winners {
+        lease.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let other = Leases::new(&pool(&db, 4, "gather-other"));
+    let leases = Leases::new(&pool(&db, 16, "gather-held"));
+    leases.install().await.unwrap();
+    let o = opts();
+    let own: Vec<String> = (0..8).map(|i| format!("h{i}")).collect();
+    let held: Vec<Lease> = join_all(own.iter().map(|n| other.acquire(n, &o, None)))
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect();
+    let before = leases.stats();
+    let names: Vec<String> = (0..8)
+        .map(|i| format!("h{i}"))
+        .chain((0..24).map(|i| format!("free{i}")))
+        .collect();
+    let hold = opts().at_least(60 * S);
+    let got = join_all(names.iter().map(|n| leases.acquire(n, &hold, None))).await;
+    let mut taken = Vec::new();
+    for (name, r) in names.iter().zip(got) {
+        match r.unwrap() {
+            Some(lease) => {
+                assert!(
+                    name.starts_with("free"),
+                    "{name} is held by another instance"
+                );
+                taken.push(lease);
+            }
+            None => assert!(name.starts_with('h'), "{name} is free"),
+        }
+    }
+    assert_eq!(taken.len(), 24);
+    let mid = leases.stats();
+    assert!(
+        mid.gathered_statements > before.gathered_statements,
+        "{mid:?}"
+    );
+    // Released together: each row released, its hold kept.
+    let released = join_all(taken.into_iter().map(|l| l.release())).await;
+    assert!(released.into_iter().all(|r| r.is_ok()));
+    let after = leases.stats();
+    assert!(
+        after.gathered_statements > mid.gathered_statements,
+        "{after:?}"
+    );
+    let r = admin
+        .query_typed_one(
+            "SELECT count(*) FILTER (WHERE holder = ''), count(*) FILTER (WHERE held_until > now() + interval '50 s')
+               FROM pgwarden_leases WHERE name LIKE 'free%'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!((r.get::<_, i64>(0), r.get::<_, i64>(1)), (24, 24));
+    // The other instance's terms are untouched.
+    for lease in held {
+        assert!(!lease.is_lost());
+        lease.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_takeover_in_a_batch_is_busy_and_the_others_are_taken() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 16, "gather-blocked"))
+        .statement_timeout(10 * S)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    // An expired term whose row another session holds.
+    insert_expired(&admin, "stale", "old-holder").await;
+    let locker = lock_rows(&db, "pgwarden_leases", &["stale"], "FOR KEY SHARE").await;
+    // Two acquisitions take the two statements out: each waits behind
+    // another session's insert of its name, not yet committed.
+    let inserter = db.connect().await.unwrap();
+    inserter
+        .batch_execute(
+            "BEGIN; INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             SELECT n, 'inserter', nextval('pgwarden_leases_token_seq'), now() - interval '1 s'
+               FROM unnest(ARRAY['first', 'second']) n",
+        )
+        .await
+        .unwrap();
+    let names: Vec<String> = ["first", "second", "stale"]
+        .into_iter()
+        .map(String::from)
+        .chain((0..10).map(|i| format!("free{i}")))
+        .collect();
+    let all = {
+        let (leases, names) = (leases.clone(), names.clone());
+        tokio::spawn(async move {
+            let (t, o) = (Instant::now(), opts());
+            let got = join_all(names.iter().map(|n| leases.acquire(n, &o, None))).await;
+            (got, t.elapsed())
+        })
+    };
+    eventually(5 * S, "eleven acquisitions wait together", || async {
+        leases.stats().acquisitions_waiting == 11
+    })
+    .await;
+    inserter.batch_execute("ROLLBACK").await.unwrap();
+    let (got, took) = within(10 * S, "the acquisitions", all).await.unwrap();
+    let mut answers = Vec::new();
+    for (name, r) in names.iter().zip(got) {
+        let lease = r.unwrap_or_else(|e| panic!("{name}: {e}"));
+        answers.push((name.as_str(), lease.is_some()));
+        if let Some(lease) = lease {
+            lease.release().await.unwrap();
+        }
+    }
+    eprintln!("answered in {took:?}: {answers:?}");
+    for (name, taken) in &answers {
+        assert_eq!(*taken, *name != "stale", "{name}");
+    }
+    assert!(leases.stats().takeovers_blocked >= 1);
+    assert_eq!(leases.stats().acquisitions_waiting, 0);
+    // Still the stale term: the blocked take-over did not happen.
+    let holder: String = admin
+        .query_typed_one(
+            "SELECT holder FROM pgwarden_leases WHERE name = 'stale'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(holder, "old-holder");
+    drop(locker);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_that_give_up_while_gathered_leave_nothing_held() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 16, "gather-give-up"))
+        .statement_timeout(10 * S)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let inserter = db.connect().await.unwrap();
+    inserter
+        .batch_execute(
+            "BEGIN; INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             SELECT n, 'inserter', nextval('pgwarden_leases_token_seq'), now() - interval '1 s'
+               FROM unnest(ARRAY['first', 'second']) n",
+        )
+        .await
+        .unwrap();
+    let blocked: Vec<_> = ["first", "second"]
+        .into_iter()
+        .map(|n| {
+            let leases = leases.clone();
+            tokio::spawn(async move { leases.acquire(n, &opts(), None).await })
+        })
+        .collect();
+    eventually(5 * S, "both statements wait on the insert", || async {
+        support::leases::busy_backends(&admin, "gather-give-up")
+            .await
+            .0
+            == 2
+    })
+    .await;
+    let names: Vec<String> = (0..6).map(|i| format!("gave-up{i}")).collect();
+    let waiting = {
+        let (leases, names) = (leases.clone(), names.clone());
+        tokio::spawn(async move {
+            let o = opts();
+            join_all(names.iter().map(|n| leases.acquire(n, &o, None))).await
+        })
+    };
+    eventually(5 * S, "six acquisitions wait", || async {
+        leases.stats().acquisitions_waiting == 6
+    })
+    .await;
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    inserter.batch_execute("ROLLBACK").await.unwrap();
+    for b in blocked {
+        let lease = within(10 * S, "a blocked acquisition", b)
+            .await
+            .unwrap()
+            .unwrap();
+        lease
+            .expect("free once the insert rolled back")
+            .release()
+            .await
+            .unwrap();
+    }
+    eventually(5 * S, "nobody waits", || async {
+        leases.stats().acquisitions_waiting == 0
+    })
+    .await;
+    // No statement took the names of the callers that gave up.
+    assert_eq!(live(&admin, &names).await, 0);
+    let rows: i64 = admin
+        .query_typed_one(
+            "SELECT count(*) FROM pgwarden_leases WHERE name LIKE 'gave-up%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0);
+}
