@@ -95,48 +95,64 @@ pub(crate) trait Gathered: Sized + Send + 'static {
 
 /// One of the [`IN_FLIGHT`] statements of a kind; dropped (ended,
 /// cancelled or panicked), it goes to those waiting, if any.
-struct Slot<W: Gathered>(Arc<Inner>, PhantomData<fn() -> W>);
+struct Slot<W: Gathered> {
+    inner: Arc<Inner>,
+    /// Whether its drop may hand it to a new task: false for a slot on its
+    /// way into a task not yet polled (a runtime shutting down drops such a
+    /// task at once; then its drop hands over without spawning again).
+    may_spawn: bool,
+    kind: PhantomData<fn() -> W>,
+}
 
 impl<W: Gathered> Slot<W> {
     fn new(inner: Arc<Inner>) -> Slot<W> {
-        Slot(inner, PhantomData)
+        Slot {
+            inner,
+            may_spawn: true,
+            kind: PhantomData,
+        }
     }
 
-    async fn run_batches(self) {
+    async fn run_batches(mut self) {
+        self.may_spawn = true;
         loop {
-            let batch = take_batch(&mut W::gather(&self.0).lock().waiting);
+            let batch = take_batch(&mut W::gather(&self.inner).lock().waiting);
             if batch.is_empty() {
                 return; // the slot's drop looks once more, under the lock
             }
-            W::send(self.0.clone(), batch).await;
+            W::send(self.inner.clone(), batch).await;
         }
     }
 }
 
 impl<W: Gathered> Drop for Slot<W> {
     fn drop(&mut self) {
-        let inner = self.0.clone();
+        let inner = self.inner.clone();
         let mut g = W::gather(&inner).lock();
         if g.waiting.is_empty() {
             g.in_flight -= 1;
             return;
         }
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
+        if self.may_spawn {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 drop(g);
                 // The slot goes on in the task: `in_flight` is unchanged.
-                rt.spawn(Slot::<W>::new(inner.clone()).run_batches());
+                let next = Slot::<W> {
+                    inner: inner.clone(),
+                    may_spawn: false,
+                    kind: PhantomData,
+                };
+                rt.spawn(next.run_batches());
+                return;
             }
-            Err(_) => {
-                // No runtime to run a batch on: each runs alone (if its own
-                // runtime still exists).
-                g.in_flight -= 1;
-                let waiting = std::mem::take(&mut g.waiting);
-                drop(g);
-                for w in waiting {
-                    w.alone();
-                }
-            }
+        }
+        // No runtime to run a batch on: each runs alone (if its own runtime
+        // still exists).
+        g.in_flight -= 1;
+        let waiting = std::mem::take(&mut g.waiting);
+        drop(g);
+        for w in waiting {
+            w.alone();
         }
     }
 }
