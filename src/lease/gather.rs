@@ -36,9 +36,13 @@ use crate::error::{Error, LeaseError};
 /// Acquisition statements one instance sends at a time; acquisitions that
 /// come while this many are out are gathered into the next one.
 ///
-/// Measured at 2 only (benchmark row 4b: 16 tasks acquiring and releasing
-/// new names on a pool of 16, two cores): 1.23 times the plain lease SQL's
-/// pairs per second, 0.66 statements per pair; without gathering, 0.70.
+/// Measured on two cores against the plain lease SQL prepared (benchmark
+/// rows 4b, 16 tasks acquiring and releasing new names on a pool of 16, and
+/// 4c, attempts on held names; `--only` runs, one after the other): 1 gave
+/// 4b 1.159 (0.42 statements per pair) and 4c 2.391; 2 gave 1.228 and, in
+/// the full run, 1.237 and 1.954; 4 gave 0.999 (1.05 statements per pair)
+/// and 2.090. Without gathering, 4b measured 0.70. Fewer out at a time make
+/// larger batches, and make more calls wait for one slow statement.
 pub(crate) const IN_FLIGHT: usize = 2;
 
 /// The most acquisitions in one statement.
