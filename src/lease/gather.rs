@@ -18,7 +18,10 @@
 //! the timeout, and the leases the batch took are released by holder, as
 //! after a cancelled acquisition. An acquisition whose caller gave up while
 //! it waited is left out of the next batch, or, if its batch took the lease
-//! for it, released.
+//! for it, released. A call still waiting after [`PATIENCE`] (the statements
+//! out are stuck on a lock or a slow server) leaves the queue and sends its
+//! own statement, as it would without gathering. Releases are gathered the
+//! same way.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -45,12 +48,21 @@ use crate::error::{Error, LeaseError};
 /// larger batches, and make more calls wait for one slow statement.
 pub(crate) const IN_FLIGHT: usize = 2;
 
+/// How long a call waits for a batch before it sends its own statement:
+/// a batch normally answers within a few milliseconds; past this the
+/// statements out are stuck (a lock, a slow server), and the calls behind
+/// them go alone, as without gathering.
+pub(crate) const PATIENCE: Duration = Duration::from_millis(100);
+
 /// The most acquisitions in one statement.
 pub(crate) const MAX_BATCH: usize = 64;
 
 impl Gathered for Acquiring {
     fn name(&self) -> &str {
         &self.name
+    }
+    fn holder(&self) -> &str {
+        &self.holder
     }
     fn gave_up(&self) -> bool {
         self.tx.is_closed()
@@ -69,6 +81,9 @@ impl Gathered for Acquiring {
 impl Gathered for Releasing {
     fn name(&self) -> &str {
         &self.name
+    }
+    fn holder(&self) -> &str {
+        &self.holder
     }
     /// A release goes even when its caller stopped waiting for it.
     fn gave_up(&self) -> bool {
@@ -90,6 +105,9 @@ impl Gathered for Releasing {
 /// kind is sent and answered.
 pub(crate) trait Gathered: Sized + Send + 'static {
     fn name(&self) -> &str;
+    /// Its term's holder id: new on every acquisition, so it tells one call
+    /// from every other.
+    fn holder(&self) -> &str;
     fn gave_up(&self) -> bool;
     fn gather(inner: &Inner) -> &Mutex<Gather<Self>>;
     fn send(inner: Arc<Inner>, batch: Vec<Self>) -> impl Future<Output = ()> + Send;
@@ -225,7 +243,13 @@ impl Inner {
             Err(rx) => rx,
         };
         match self
-            .joined(rx, began, self.statement_timeout, "acquisition")
+            .joined::<Acquiring, _>(
+                rx,
+                stmt.holder,
+                began,
+                self.statement_timeout,
+                "acquisition",
+            )
             .await?
         {
             Some(answer) => Ok(answer),
@@ -254,7 +278,10 @@ impl Inner {
             Ok(_slot) => return self.run(Urgency::Urgent, budget, stmt).await,
             Err(rx) => rx,
         };
-        match self.joined(rx, began, budget, "release").await? {
+        match self
+            .joined::<Releasing, _>(rx, stmt.holder, began, budget, "release")
+            .await?
+        {
             Some(ours) => Ok(ours),
             None => {
                 let left = budget.saturating_sub(began.elapsed());
@@ -264,10 +291,14 @@ impl Inner {
     }
 
     /// The batch's answer for one of its own within `budget`: `None` when
-    /// it must send its own statement.
-    async fn joined<T>(
+    /// it must send its own statement. Still waiting for a batch after
+    /// [`PATIENCE`] (the statements out are slow: waiting on a lock, a slow
+    /// server), it leaves the queue and sends its own, as it would without
+    /// gathering; if a batch has it already, it waits for that batch.
+    async fn joined<W: Gathered, T>(
         &self,
-        rx: oneshot::Receiver<Joined<T>>,
+        mut rx: oneshot::Receiver<Joined<T>>,
+        holder: &str,
         began: Instant,
         budget: Duration,
         what: &'static str,
@@ -278,7 +309,26 @@ impl Inner {
                 waited: began.elapsed(),
             })
         };
-        match tokio::time::timeout(budget, rx).await {
+        let answer = match tokio::time::timeout(PATIENCE.min(budget), &mut rx).await {
+            Ok(answer) => Ok(answer),
+            Err(_) => {
+                let left = {
+                    let mut g = W::gather(self).lock();
+                    let at = g.waiting.iter().position(|w| w.holder() == holder);
+                    at.map(|at| g.waiting.remove(at))
+                };
+                if left.is_some() {
+                    tracing::debug!(
+                        pool = %self.pool_name, statement = what,
+                        "no batch within {PATIENCE:?}: sent alone"
+                    );
+                    return Ok(None);
+                }
+                let left = budget.saturating_sub(began.elapsed());
+                tokio::time::timeout(left, rx).await
+            }
+        };
+        match answer {
             Ok(Ok(Joined::Done(answer))) => Ok(Some(answer)),
             Ok(Ok(Joined::TimedOut)) => Err(timed_out()),
             // Dropping the receiver leaves it out of its batch (or has the
@@ -294,7 +344,8 @@ impl Inner {
 
     /// Acquisitions waiting for the next statement now.
     pub(crate) fn waiting(&self) -> usize {
-        self.acquiring.lock().waiting.len()
+        let g = self.acquiring.lock();
+        g.waiting.iter().filter(|w| !w.gave_up()).count()
     }
 
     fn count_gathered(&self, n: usize) {
@@ -355,7 +406,10 @@ impl Inner {
             // statement took nothing (or, its answer lost with its
             // connection, what it took expires unrenewed, as for a lone
             // acquisition); each tries alone.
-            Ok(None) => batch.into_iter().for_each(Gathered::alone),
+            Ok(None) => {
+                tracing::debug!(pool = %self.pool_name, "a batch of acquisitions met a lock wait past its bound: each is sent alone");
+                batch.into_iter().for_each(Gathered::alone)
+            }
             Err(e) => {
                 tracing::debug!(pool = %self.pool_name, error = %e, "a batch of acquisitions failed: each is sent alone");
                 batch.into_iter().for_each(Gathered::alone)
