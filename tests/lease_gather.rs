@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use pgwarden::{Lease, LeaseOptions, Leases};
-use support::leases::{insert_expired, lock_rows, pool};
+use support::leases::{insert_expired, lock_rows, pool, row};
 use support::{admin, db, eventually, within};
 
 use tokio_postgres::types::Type;
@@ -260,15 +260,8 @@ async fn a_blocked_takeover_in_a_batch_is_busy_and_the_others_are_taken() {
     .await;
     assert!(leases.stats().takeovers_blocked >= 1);
     // Still the stale term: the blocked take-over did not happen.
-    let holder: String = admin
-        .query_typed_one(
-            "SELECT holder FROM pgwarden_leases WHERE name = 'stale'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(holder, "old-holder");
+    let holder = row(&admin, "stale").await.map(|(holder, _)| holder);
+    assert_eq!(holder.as_deref(), Some("old-holder"));
     drop(locker);
 }
 

@@ -1,9 +1,11 @@
 //! The state one [`Leases`](super::Leases) instance shares with its
 //! guards and its renewer ([`Inner`]), the leases it holds ([`Registry`]),
 //! the lost signal it fires, and the one way a lease statement reaches the
-//! database ([`Inner::run`]). Its other methods live with what they do:
-//! acquisitions and releases in `acquire.rs`, renewal and purge in
-//! `renewer.rs`.
+//! database ([`Inner::run`], and the release that follows a cancelled
+//! acquisition). Its other methods live with what they do: acquisitions and
+//! releases in `acquire.rs`, their gathering into shared statements in
+//! `gather.rs` (whose queues, [`Gather`], are kept here), renewal and purge
+//! in `renewer.rs`.
 //!
 //! # Statements
 //!
