@@ -265,3 +265,64 @@ async fn through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_bac
     .await;
     assert_eq!(wrong.stats().purged, 240, "{:?}", wrong.stats());
 }
+
+#[tokio::test]
+async fn through_pgbouncer_overlapping_acquisitions_and_releases_share_statements() {
+    if !require_tool("pgbouncer").unwrap() {
+        return;
+    }
+    let server = TestServer::shared().unwrap();
+    let db = server.create_database().await.unwrap();
+    let bouncer = PgBouncer::start_with_pool_size(server, &db, 3).unwrap();
+    let pool = pool_behind(
+        bouncer.pg_config(),
+        8,
+        "bouncer-gather",
+        PoolerMode::Transaction,
+    );
+    let leases = Leases::new(&pool);
+    leases.install().await.unwrap();
+    let admin = db.connect().await.unwrap();
+    let opts = LeaseOptions::new(30 * S);
+    // A call waits at most 100 ms for a batch: on a loaded machine a round
+    // may see none; each round asserts its answers, one must gather.
+    let mut gathered_both = false;
+    for round in 0..5 {
+        let before = leases.stats();
+        let names: Vec<String> = (0..24).map(|i| format!("b{round}-{i}")).collect();
+        let got =
+            futures_util::future::join_all(names.iter().map(|n| leases.acquire(n, &opts, None)))
+                .await;
+        let taken: Vec<_> = got
+            .into_iter()
+            .map(|r| r.unwrap().expect("a new name is free"))
+            .collect();
+        let mut tokens: Vec<i64> = taken.iter().map(|l| l.term().token).collect();
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(tokens.len(), 24, "each term its own token");
+        let mid = leases.stats();
+        let released = futures_util::future::join_all(taken.into_iter().map(|l| l.release())).await;
+        assert!(released.into_iter().all(|r| r.is_ok()));
+        let after = leases.stats();
+        let left: i64 = admin
+            .query_typed_one(
+                "SELECT count(*) FROM pgwarden_leases WHERE name LIKE $1 AND holder <> ''",
+                &[(&format!("b{round}-%"), Type::TEXT)],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(left, 0, "every term released");
+        if mid.gathered_statements > before.gathered_statements
+            && after.gathered_statements > mid.gathered_statements
+        {
+            gathered_both = true;
+            break;
+        }
+    }
+    assert!(
+        gathered_both,
+        "no round of 5 gathered both its acquisitions and its releases"
+    );
+}
