@@ -236,7 +236,7 @@ impl Owners {
                     Owner::CheckedOut {
                         lane: c.lane,
                         site: c.site,
-                        age: now.saturating_duration_since(c.since),
+                        age: c.age(now),
                         note: c.note.clone(),
                     },
                 );

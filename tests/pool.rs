@@ -185,6 +185,20 @@ async fn conn_knows_lane_pid_site_and_age() {
         (2, 1, 1)
     );
     drop(c);
+    // A connection reused: handed out within the call that checked it out
+    // (its time is the one deadpool reads as it recycles the connection).
+    let before = std::time::Instant::now();
+    let c = pool.get().await.unwrap();
+    let after = std::time::Instant::now();
+    assert_eq!(c.pid(), pid, "the idle connection is reused");
+    assert!(
+        before <= c.since() && c.since() <= after,
+        "handed out at {:?}, called {:?} to {:?}",
+        c.since(),
+        before,
+        after
+    );
+    drop(c);
     held.unlock().await.unwrap();
     assert_eq!(pool.status().in_use, 0);
 }

@@ -6,7 +6,11 @@
 //! valgrind --tool=callgrind target/release/deps/workloads-… --profile pgwarden 20000
 //! ```
 //!
-//! `--profile checkout raw|pgwarden OPS` runs benchmark 2's loop instead.
+//! `--profile checkout raw|pgwarden OPS` runs benchmark 2's loop instead;
+//! `--profile checkout-ab ROUNDS OPS` runs it on both sides in interleaved
+//! rounds (A B, B A, …) and prints the nanoseconds per checkout of each
+//! side and the median of the pair ratios: a quick check between criterion
+//! runs.
 //!
 //! The instructions of the pgwarden run minus those of the raw run, divided
 //! by the operations, is what pgwarden adds per checkout (the server runs in
@@ -26,6 +30,9 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
     if let [mode, side, ops, ..] = args {
         if mode == "checkout" {
             return checkout(side, ops.parse()?);
+        }
+        if mode == "checkout-ab" {
+            return checkout_ab(side.parse()?, ops.parse()?);
         }
     }
     let (side, ops) = match args {
@@ -95,6 +102,52 @@ fn checkout(side: &str, ops: u64) -> Result<(), BoxError> {
             }
         }
         eprintln!("checkout {side}: {ops} operations");
+        Ok(())
+    })
+}
+
+/// `--profile checkout-ab ROUNDS OPS`: benchmark 2's loop, both sides in
+/// one process, `ROUNDS` interleaved round pairs of `OPS` checkouts each.
+fn checkout_ab(rounds: usize, ops: u64) -> Result<(), BoxError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let db = TestServer::shared()?.create_database().await?;
+        let raw = db.deadpool(POOL)?;
+        let warden = pgwarden::Pool::builder(db.deadpool(POOL)?)
+            .name("bench-profile")
+            .build()?;
+        drop(raw.get().await?);
+        drop(warden.get().await?);
+        let mut a = Vec::new();
+        let mut b = Vec::new();
+        for r in 0..rounds {
+            for side in if r % 2 == 0 { [0, 1] } else { [1, 0] } {
+                let t = std::time::Instant::now();
+                for _ in 0..ops {
+                    if side == 0 {
+                        drop(raw.get().await?);
+                    } else {
+                        drop(warden.get().await?);
+                    }
+                }
+                let ns = t.elapsed().as_nanos() as f64 / ops as f64;
+                if side == 0 { a.push(ns) } else { b.push(ns) }
+            }
+        }
+        let mut ratios: Vec<f64> = a.iter().zip(&b).map(|(a, b)| b / a).collect();
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (ma, mb) = (med(&mut a.clone()), med(&mut b.clone()));
+        let mr = med(&mut ratios);
+        eprintln!(
+            "checkout-ab: raw {ma:.0} ns, pgwarden {mb:.0} ns, ratio (median of pairs) {mr:.3}, pair ratios {:.3} to {:.3}",
+            ratios[0],
+            ratios[ratios.len() - 1]
+        );
         Ok(())
     })
 }

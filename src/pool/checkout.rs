@@ -98,19 +98,25 @@ impl Pool {
     ) -> Result<Client, E> {
         let shared = &self.shared;
         shared.supervisor.revive();
-        let start = tokio::time::Instant::now();
-        // The caller's bound, tightened by the `Deadline` scope it runs in:
-        // worked out only when something has to wait.
-        let bound = || bounded(start, deadline(start, timeout));
-        let (permit, mut waited) =
-            match shared.admit_now(lane, prio, patient, site, start.into_std()) {
-                Ok(Entry::Admitted(permit)) => (permit, false),
-                Ok(Entry::Queued(q)) => match Box::pin(shared.admitted(q, start, bound())).await {
-                    Ok(permit) => (permit, true),
+        // The caller's bound from `start`, tightened by the `Deadline`
+        // scope it runs in: worked out only when something has to wait.
+        let bound = |start| bounded(start, deadline(start, timeout));
+        // When the checkout began, read only when something has to wait:
+        // a queued checkout reads it as it queues; one admitted at once
+        // when deadpool or its connection makes it wait. A checkout
+        // admitted at once on a known connection reads no clock: deadpool
+        // read it as it recycled the connection, in this call.
+        let (permit, mut start) = match shared.admit_now(lane, prio, patient, site) {
+            Ok(Entry::Admitted(permit)) => (permit, None),
+            Ok(Entry::Queued(q)) => {
+                let start = q.start;
+                match Box::pin(shared.admitted(q, bound(start))).await {
+                    Ok(permit) => (permit, Some(start)),
                     Err(e) => return Err(map(e)),
-                },
-                Err(e) => return Err(map(e)),
-            };
+                }
+            }
+            Err(e) => return Err(map(e)),
+        };
         // deadpool is asked not to wait (after admission it always has
         // room) and polled in place: a free connection comes back at once,
         // with no timer and no move of deadpool's future.
@@ -119,25 +125,14 @@ impl Pool {
             match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
                 Poll::Ready(Ok(obj)) => {
                     let id = Object::id(&obj);
-                    // Admitted at once: handed out at `start`, with no
-                    // second clock read.
-                    let since = if waited {
-                        Instant::now()
-                    } else {
-                        start.into_std()
-                    };
+                    let since = recycled_at(&obj);
                     match shared.attach_known(permit.slot, id, since) {
                         Some(pid) => {
                             // `hand_out`, written out: calling it moves the
-                            // object and permit once more (callgrind: 2,584
-                            // instructions per get + drop against 2,537).
-                            let acquire = if waited {
-                                since
-                                    .saturating_duration_since(start.into_std())
-                                    .as_secs_f64()
-                            } else {
-                                0.0
-                            };
+                            // object and permit once more.
+                            let acquire = start.map_or(0.0, |s| {
+                                since.saturating_duration_since(s.into_std()).as_secs_f64()
+                            });
                             shared.metrics.lane(lane).acquire.record(acquire);
                             return Ok(Client {
                                 obj: Some(obj),
@@ -153,16 +148,17 @@ impl Pool {
                 }
                 Poll::Ready(Err(e)) => Some(Err(e)),
                 Poll::Pending => {
-                    waited = true;
+                    let s = *start.get_or_insert_with(|| shared.started(permit.slot));
                     // The timer in a box of its own: only a checkout that
                     // waits here has one.
-                    Box::pin(tokio::time::timeout_at(bound(), get.as_mut()))
+                    Box::pin(tokio::time::timeout_at(bound(s), get.as_mut()))
                         .await
                         .ok()
                 }
             }
         };
-        Box::pin(self.checkout_rest(lane, site, start, bound(), permit, got, waited))
+        let start = start.unwrap_or_else(|| shared.started(permit.slot));
+        Box::pin(self.checkout_rest(lane, site, start, bound(start), permit, got))
             .await
             .map_err(map)
     }
@@ -170,8 +166,7 @@ impl Pool {
     /// The rest of a checkout whose connection was not handed out at
     /// once: deadpool's answer `got` (`None`: it timed out) was an error,
     /// a tainted connection (discarded, and another asked for) or a new one
-    /// (its backend pid asked).
-    #[allow(clippy::too_many_arguments)]
+    /// (its backend pid asked). `start`: when the checkout began.
     async fn checkout_rest(
         &self,
         lane: Lane,
@@ -180,7 +175,6 @@ impl Pool {
         deadline: tokio::time::Instant,
         permit: Permit,
         got: Option<Result<Object, PoolError>>,
-        mut waited: bool,
     ) -> Result<Client, Error> {
         let shared = &self.shared;
         let lm = shared.metrics.lane(lane);
@@ -193,10 +187,7 @@ impl Pool {
                     let mut get = get;
                     match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
                         Poll::Ready(r) => Some(r),
-                        Poll::Pending => {
-                            waited = true;
-                            tokio::time::timeout_at(deadline, get).await.ok()
-                        }
+                        Poll::Pending => tokio::time::timeout_at(deadline, get).await.ok(),
                     }
                 }
             };
@@ -236,11 +227,7 @@ impl Pool {
                     st.pids.remove(&id);
                     Seen::Tainted
                 } else if let Some(k) = st.pids.get(&id).copied() {
-                    let now = if waited {
-                        Instant::now()
-                    } else {
-                        start.into_std()
-                    };
+                    let now = recycled_at(&obj);
                     Seen::Known(k.pid, st.attach(permit.slot, k.pid, id, now))
                 } else {
                     Seen::New
@@ -279,7 +266,7 @@ impl Pool {
                     }
                 },
             };
-            return Ok(hand_out(obj, permit, pid, site, since, start, true));
+            return Ok(hand_out(obj, permit, pid, site, since, start));
         }
     }
 }
@@ -289,8 +276,15 @@ fn same(e: Error) -> Error {
     e
 }
 
-/// The `Client` of a checkout handed out at `since`, its wait recorded
-/// (`waited`: it may have waited since `start`; otherwise it waited none).
+/// When deadpool handed `obj` out: it reads the clock as it recycles a
+/// connection, in the call that hands it out (a new one: as it creates it).
+fn recycled_at(obj: &Object) -> Instant {
+    let m = Object::metrics(obj);
+    m.recycled.unwrap_or(m.created)
+}
+
+/// The `Client` of a checkout that began at `start`, handed out at
+/// `since`, its wait recorded.
 fn hand_out(
     obj: Object,
     permit: Permit,
@@ -298,15 +292,10 @@ fn hand_out(
     site: &'static Location<'static>,
     since: Instant,
     start: tokio::time::Instant,
-    waited: bool,
 ) -> Client {
-    let acquire = if waited {
-        since
-            .saturating_duration_since(start.into_std())
-            .as_secs_f64()
-    } else {
-        0.0
-    };
+    let acquire = since
+        .saturating_duration_since(start.into_std())
+        .as_secs_f64();
     let shared = &permit.shared;
     shared.metrics.lane(permit.lane).acquire.record(acquire);
     let object = Object::id(&obj);
@@ -321,6 +310,14 @@ fn hand_out(
 }
 
 impl Shared {
+    /// A checkout admitted at once (checkout record `slot`) has to wait:
+    /// it begins now, and its record ages from now.
+    fn started(&self, slot: usize) -> tokio::time::Instant {
+        let start = tokio::time::Instant::now();
+        self.waiting_since(slot, start.into_std());
+        start
+    }
+
     /// deadpool answered an admitted checkout with `e`. A wait timeout
     /// means it had no room: after admission that happens only while a
     /// return is on its way (resolved at once), or when deadpool's capacity

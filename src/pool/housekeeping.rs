@@ -65,7 +65,7 @@ impl Shared {
         let size = {
             let mut st = self.state.lock();
             for (_, c) in st.checkouts.iter_mut() {
-                let age = now.saturating_duration_since(c.since);
+                let age = c.age(now);
                 let o = &mut oldest[c.lane.idx()];
                 *o = (*o).max(age);
                 if age >= self.opts.long_hold && !c.long_warned {

@@ -119,7 +119,12 @@ pub(crate) struct Checkout {
     pub(crate) lane: Lane,
     pub(crate) prio: Priority,
     pub(crate) site: &'static Location<'static>,
-    pub(crate) since: Instant,
+    /// When its connection was handed out, or when its wait began (a
+    /// queued checkout, or one admitted at once that waits for deadpool);
+    /// `None` for the few hundred nanoseconds between an admission at once
+    /// and the hand-out: a checkout admitted at once reads no clock of its
+    /// own (its connection's recycle time is the hand-out time).
+    pub(crate) since: Option<Instant>,
     pub(crate) pid: Option<i32>,
     pub(crate) object: Option<ObjectId>,
     pub(crate) long_warned: bool,
@@ -172,7 +177,7 @@ impl State {
             .filter(|(_, c)| c.lane == lane)
             .map(|(_, c)| LaneHolder {
                 site: c.site,
-                age: now.saturating_duration_since(c.since),
+                age: c.age(now),
                 pid: c.pid,
             })
             .collect()
@@ -190,9 +195,17 @@ impl State {
         if let Some(c) = self.checkouts.get_mut(slot) {
             c.pid = Some(pid);
             c.object = Some(object);
-            c.since = now;
+            c.since = Some(now);
         }
         now
+    }
+
+    /// A checkout admitted at once waits (for deadpool, or a new
+    /// connection's pid) since `start`: its record ages from then.
+    pub(super) fn waiting_since(&mut self, slot: usize, start: Instant) {
+        if let Some(c) = self.checkouts.get_mut(slot) {
+            c.since.get_or_insert(start);
+        }
     }
 
     /// Completes checkout record `slot` with connection `object`, handed
@@ -212,15 +225,15 @@ impl State {
         Some(pid)
     }
 
+    /// Records a checkout admitted at once (handed out next: no time yet).
     pub(super) fn insert(
         &mut self,
         lane: Lane,
         prio: Priority,
         site: &'static Location<'static>,
-        since: Instant,
     ) -> usize {
         self.checkouts
-            .insert(Checkout::new(lane, prio, site, since))
+            .insert(Checkout::new(lane, prio, site, None))
     }
 }
 
@@ -229,7 +242,7 @@ impl Checkout {
         lane: Lane,
         prio: Priority,
         site: &'static Location<'static>,
-        since: Instant,
+        since: Option<Instant>,
     ) -> Checkout {
         Checkout {
             lane,
@@ -242,6 +255,13 @@ impl Checkout {
             releasing: false,
             note: None,
         }
+    }
+
+    /// How long it has been out (or waiting) at `now`; zero while it is
+    /// being handed out.
+    pub(crate) fn age(&self, now: Instant) -> Duration {
+        self.since
+            .map_or(Duration::ZERO, |s| now.saturating_duration_since(s))
     }
 }
 
@@ -462,6 +482,8 @@ pub(super) enum Entry<'a> {
 pub(super) struct Queued<'a> {
     guard: WaiterGuard<'a>,
     rx: oneshot::Receiver<Outcome>,
+    /// When it was queued: its checkout's start, for its deadline.
+    pub(super) start: tokio::time::Instant,
 }
 
 /// Removes a waiter from the queue when its checkout gives up or is dropped.
@@ -577,7 +599,7 @@ impl Shared {
                 };
                 let slot = t
                     .checkouts
-                    .insert(Checkout::new(lane, prio, w.site, w.start));
+                    .insert(Checkout::new(lane, prio, w.site, Some(w.start)));
                 if over_budget {
                     let first = t.warned_sites.insert(w.site as *const _ as usize);
                     fired.overs.push((w.site, first));
@@ -636,7 +658,7 @@ impl Shared {
     }
 
     /// Admits one checkout of `lane` at `prio`, waiting in FIFO order up to
-    /// `deadline` (and, when `patient`, waiting for the session-lock budget
+    /// `timeout` (and, when `patient`, waiting for the session-lock budget
     /// rather than being refused while other locks hold it).
     #[cfg(test)]
     pub(super) async fn admit(
@@ -645,13 +667,25 @@ impl Shared {
         prio: Priority,
         patient: bool,
         site: &'static Location<'static>,
-        start: tokio::time::Instant,
-        deadline: tokio::time::Instant,
+        timeout: Duration,
     ) -> Result<Permit, Error> {
-        match self.admit_now(lane, prio, patient, site, start.into_std())? {
-            Entry::Admitted(permit) => Ok(permit),
-            Entry::Queued(q) => self.admitted(q, start, deadline).await,
+        match self.admit_now(lane, prio, patient, site)? {
+            Entry::Admitted(permit) => {
+                // No connection comes: its record ages from now, as a
+                // checkout's that waits for deadpool.
+                self.waiting_since(permit.slot, tokio::time::Instant::now().into_std());
+                Ok(permit)
+            }
+            Entry::Queued(q) => {
+                let deadline = super::deadline::deadline(q.start, timeout);
+                self.admitted(q, deadline).await
+            }
         }
+    }
+
+    /// [`State::waiting_since`], under the lock.
+    pub(super) fn waiting_since(&self, slot: usize, start: Instant) {
+        self.state.lock().waiting_since(slot, start)
     }
 
     /// [`State::attach_known`], under the lock.
@@ -662,20 +696,21 @@ impl Shared {
     /// The synchronous half of an admission, one lock: admitted now,
     /// queued (in FIFO order; when `patient`, waiting for the session-lock
     /// budget rather than being refused while other locks hold it), or
-    /// refused. A queued checkout waits with [`Shared::admitted`].
+    /// refused. A queued checkout waits with [`Shared::admitted`]. Only a
+    /// queued one reads the clock (its start, for its deadline): one
+    /// admitted at once is handed out at its connection's recycle time.
     pub(super) fn admit_now<'a>(
         self: &'a Arc<Self>,
         lane: Lane,
         prio: Priority,
         patient: bool,
         site: &'static Location<'static>,
-        start: Instant,
     ) -> Result<Entry<'a>, Error> {
         let mut st = self.state.lock();
         let key = st.waiters.vacant_key();
         match st.adm.request_with(lane, prio, key, patient) {
             Admitted::Admit { over_budget } => {
-                let slot = st.insert(lane, prio, site, start);
+                let slot = st.insert(lane, prio, site);
                 let in_use = st.adm.in_use(lane);
                 self.metrics.lane(lane).in_use.set(in_use as f64);
                 let first = over_budget && st.warned_sites.insert(site as *const _ as usize);
@@ -700,13 +735,14 @@ impl Shared {
                 Err(self.closed(lane))
             }
             Admitted::Queued => {
+                let start = tokio::time::Instant::now();
                 let (tx, rx) = oneshot::channel();
                 st.next_waiter += 1;
                 let id = st.next_waiter;
                 st.waiters.insert(Waiter {
                     id,
                     site,
-                    start,
+                    start: start.into_std(),
                     tx,
                 });
                 self.publish(&st, 1 << lane.idx());
@@ -720,20 +756,20 @@ impl Shared {
                         prio,
                     },
                     rx,
+                    start,
                 }))
             }
         }
     }
 
-    /// Waits for a queued checkout's permit up to `deadline` (`start`: when
-    /// its checkout began). Given up or dropped, it leaves the queue.
+    /// Waits for a queued checkout's permit up to `deadline`. Given up or
+    /// dropped, it leaves the queue.
     pub(super) async fn admitted(
         &self,
         q: Queued<'_>,
-        start: tokio::time::Instant,
         deadline: tokio::time::Instant,
     ) -> Result<Permit, Error> {
-        let Queued { guard, rx } = q;
+        let Queued { guard, rx, start } = q;
         let lane = guard.lane;
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(Ok(permit))) => {
@@ -811,7 +847,7 @@ impl Shared {
             // A connection was handed out (not a checkout that failed
             // after admission): its hold counts in the lane's average.
             if c.object.is_some() {
-                let held = held.unwrap_or_else(|| c.since.elapsed());
+                let held = held.unwrap_or_else(|| c.age(Instant::now()));
                 st.holds.record(c.lane, held);
             }
             if st.adm.waiting() == 0 {

@@ -86,16 +86,8 @@ impl Reading {
 }
 
 async fn admit(pool: &Pool, lane: Lane, timeout: Duration) -> Result<Permit, Error> {
-    let start = Instant::now();
     pool.shared
-        .admit(
-            lane,
-            Priority::Normal,
-            false,
-            Location::caller(),
-            start,
-            deadline(start, timeout),
-        )
+        .admit(lane, Priority::Normal, false, Location::caller(), timeout)
         .await
 }
 
