@@ -11,7 +11,6 @@ use futures_util::FutureExt;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::time::Instant;
 
-use super::deadline::deadline;
 use super::shared::{Permit, Pool};
 use crate::admission::{Lane, Priority};
 use crate::error::{CheckoutError, Error, Stage};
