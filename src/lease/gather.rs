@@ -452,3 +452,7 @@ impl Inner {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "gather_tests.rs"]
+mod tests;

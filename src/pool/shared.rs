@@ -232,8 +232,7 @@ impl State {
         prio: Priority,
         site: &'static Location<'static>,
     ) -> usize {
-        self.checkouts
-            .insert(Checkout::new(lane, prio, site, None))
+        self.checkouts.insert(Checkout::new(lane, prio, site, None))
     }
 }
 

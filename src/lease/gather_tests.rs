@@ -1,0 +1,89 @@
+//! The forget-hold half of a gathered release, against a real PostgreSQL:
+//! the scheduler's release of a lease whose job never started, or was
+//! cancelled (`Lease::release_now`, crate-private), shares a statement with
+//! plain releases, and only its own hold goes.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use pgwarden_testing::TestServer;
+use tokio_postgres::types::Type;
+
+use crate::{Lease, LeaseOptions, Leases, Pool};
+
+const S: Duration = Duration::from_secs(1);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gathered_release_forgets_only_the_holds_it_is_asked_to() {
+    let db = TestServer::shared()
+        .unwrap()
+        .create_database()
+        .await
+        .unwrap();
+    let admin = db.connect().await.unwrap();
+    let pool = Pool::builder(db.deadpool(16).unwrap())
+        .name("gather-forget")
+        .build()
+        .unwrap();
+    let leases = Leases::new(&pool);
+    leases.install().await.unwrap();
+    let held = LeaseOptions::new(30 * S).at_least(60 * S);
+    // A call waits at most 100 ms for a batch: on a loaded machine a round
+    // may see none, so rounds run until one shows gathering.
+    for round in 0..5 {
+        let names: Vec<String> = (0..24).map(|i| format!("forget{round}-{i}")).collect();
+        let taken: Vec<Lease> = join_all(names.iter().map(|n| leases.acquire(n, &held, None)))
+            .await
+            .into_iter()
+            .map(|r| r.unwrap().expect("a new name is free"))
+            .collect();
+        let before = leases.stats();
+        // Even names forget their hold, odd ones keep it: all at once.
+        let released = join_all(taken.into_iter().enumerate().map(|(i, lease)| async move {
+            if i % 2 == 0 {
+                lease.release_now().await
+            } else {
+                lease.release().await
+            }
+        }))
+        .await;
+        assert!(released.into_iter().all(|r| r.is_ok()));
+        let after = leases.stats();
+        let rows = admin
+            .query_typed(
+                "SELECT name, holder, held_until <= now(), held_until > now() + interval '50 s'
+                   FROM pgwarden_leases WHERE name = ANY($1)",
+                &[(&names, Type::TEXT_ARRAY)],
+            )
+            .await
+            .unwrap();
+        assert_eq!(rows.len(), 24);
+        for r in &rows {
+            let name: String = r.get(0);
+            let i: usize = name.rsplit('-').next().unwrap().parse().unwrap();
+            assert_eq!(r.get::<_, String>(1), "", "{name} released");
+            let (free, kept): (bool, bool) = (r.get(2), r.get(3));
+            if i % 2 == 0 {
+                assert!(free && !kept, "{name}: its hold forgotten");
+            } else {
+                assert!(kept && !free, "{name}: its hold kept");
+            }
+        }
+        // What the rows say, as a contender sees it: the forgotten ones are
+        // free at once, the others held until their time.
+        let other = Leases::new(&pool);
+        let again = LeaseOptions::new(30 * S);
+        let forgot = other.acquire(&names[0], &again, None).await.unwrap();
+        assert!(forgot.is_some(), "{} is free at once", names[0]);
+        let kept = other.acquire(&names[1], &again, None).await.unwrap();
+        assert!(kept.is_none(), "{} is held until its time", names[1]);
+        if let Some(l) = forgot {
+            l.release().await.unwrap();
+        }
+        if after.gathered_statements > before.gathered_statements {
+            return;
+        }
+        eprintln!("round {round}: no release batch (the statements out took over 100 ms)");
+    }
+    panic!("no round of 5 gathered its releases");
+}
