@@ -424,9 +424,29 @@ instructions per `get` + drop (raw deadpool 1,728 throughout):
 | a checkout admitted at once on a known connection runs in a small future; queue waits, deadpool errors, tainted and new connections in boxed futures entered only then; the deadline worked out only when something waits (the checkout future 6,408 → 2,192 bytes) | 2,698 |
 | a return that fired nothing sends and drops nothing and sets one gauge; admission's serve returns at once with nobody waiting; deadpool's wait timer boxed | 2,636 |
 | deadpool's answer matched where it is polled; a known connection attached in one call; a return with nobody queued takes no effect tables | 2,537 |
+| a checkout admitted at once on a known connection reads no clock: it is handed out at the time deadpool reads as it recycles the connection, in the same call (a checkout that queues or waits reads it when it begins to wait) | 2,487 |
 
-What remains (1.47x the raw count): moves of the 312-byte `Client` and the
-2,056-byte future (~150), admission's one lock and its slab record (~240),
-the return (lock, record removal, budget, gauge: ~250), the pid lookup
-(~75), two clock reads (~90).
+Instructions understate the clock: on this machine (a KVM guest, `tsc`
+clock source) `Instant::now()` costs 31 to 36 ns, a tenth of raw
+deadpool's whole checkout and return, for about 50 instructions. `perf
+record` time per function, pgwarden's run minus raw deadpool's (5 million
+checkouts each), ns per checkout, before that change: clock reads +80
+(raw deadpool reads it once, pgwarden three times); the checkout future's
+own code +48; admission +19, its core +9, its record +13; attach +14; the
+return +21, its core +7, the `Client`'s drop +18; deadpool's own get -68
+(pgwarden asks it not to wait: no semaphore future). After it: criterion
+1.43 and 1.32 in two runs (raw 310 and 338 ns, pgwarden 443 and 445 ns),
+from 1.46 to 1.61. What is left is one clock read at return (the hold
+time: the hold histogram and the recent-hold average the load-shedding
+layer reads), three short critical sections (admission, attach, return)
+and their bookkeeping.
+
+Tried and dropped, measured with `--profile checkout-ab` and callgrind:
+admission and deadpool's answer under one lock (deadpool polled while the
+pool's lock is held: 2,644 instructions, no faster, and it would make
+deadpool's hooks and `Pool::retain`'s closure deadlock if they called the
+pool); deadpool's answer kept out of the checkout future's state (still
+four copies of the connection per checkout: 2,492); the hand-out done
+inside the polling closure (six copies: 2,689). A TSC clock (`quanta`:
+13 ns a read) would need a read at checkout again and save about 15 ns.
 ";
