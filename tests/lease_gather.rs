@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use pgwarden::{Lease, LeaseOptions, Leases};
-use support::leases::{insert_expired, lock_rows, pool, row};
+use pgwarden_testing::{Proxy, TestServer};
+use support::leases::{insert_expired, lock_rows, pool, pool_with, row};
 use support::{admin, db, eventually, within};
 
 use tokio_postgres::types::Type;
@@ -371,4 +372,49 @@ async fn callers_that_give_up_while_gathered_leave_nothing_held() {
         .unwrap()
         .get(0);
     assert_eq!(rows, 0);
+}
+
+/// On a slow link (a proxy adds 100 ms each way) every statement takes
+/// longer than the 100 ms a call waits for a batch at first: calls wait
+/// twice the statements' recent time instead, so overlapping acquisitions
+/// and releases still share statements (with a fixed 100 ms, every call
+/// behind the two out went alone, 100 ms late).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_slow_link_overlapping_calls_still_share_statements() {
+    let server = TestServer::shared().expect("throwaway PostgreSQL");
+    let db = server.create_database().await.unwrap();
+    let proxy = Proxy::start(server).expect("proxy");
+    let leases = Leases::new(&pool_with(proxy.pg_config(&db), 16, "gather-slow"));
+    leases.install().await.unwrap();
+    proxy.set_latency(Duration::from_millis(100));
+    let o = opts();
+    // Statements alone first: their time is what calls wait for.
+    for i in 0..4 {
+        let lease = leases.acquire(&format!("warm{i}"), &o, None).await;
+        lease.unwrap().expect("free").release().await.unwrap();
+    }
+    let names: Vec<String> = (0..24).map(|i| format!("slow{i}")).collect();
+    let before = leases.stats();
+    let taken: Vec<Lease> = join_all(names.iter().map(|n| leases.acquire(n, &o, None)))
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().expect("a new name is free"))
+        .collect();
+    let mid = leases.stats();
+    let released = join_all(taken.into_iter().map(|l| l.release())).await;
+    assert!(released.into_iter().all(|r| r.is_ok()));
+    let after = leases.stats();
+    // Two go alone; the others wait for the next statement.
+    assert!(
+        mid.gathered - before.gathered >= 12,
+        "acquisitions served by batches: {} of 24",
+        mid.gathered - before.gathered
+    );
+    assert!(
+        after.gathered - mid.gathered >= 12,
+        "releases served by batches: {} of 24",
+        after.gathered - mid.gathered
+    );
+    let admin = admin(&db).await;
+    assert_eq!(live(&admin, &names).await, 0, "every term released");
 }

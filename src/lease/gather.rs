@@ -18,10 +18,11 @@
 //! the timeout, and the leases the batch took are released by holder, as
 //! after a cancelled acquisition. An acquisition whose caller gave up while
 //! it waited is left out of the next batch, or, if its batch took the lease
-//! for it, released. A call still waiting after [`PATIENCE`] (the statements
-//! out are stuck on a lock or a slow server) leaves the queue and sends its
-//! own statement, as it would without gathering. Releases are gathered the
-//! same way.
+//! for it, released. A call still waiting after [`PATIENCE`] (100 ms, or
+//! twice the statements' recent time on a slow link, up to 1 s: the
+//! statements out are stuck on a lock or a slow server) leaves the queue
+//! and sends its own statement, as it would without gathering. Releases are
+//! gathered the same way.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -48,11 +49,19 @@ use crate::error::{Error, LeaseError};
 /// larger batches, and make more calls wait for one slow statement.
 pub(crate) const IN_FLIGHT: usize = 2;
 
-/// How long a call waits for a batch before it sends its own statement:
-/// a batch normally answers within a few milliseconds; past this the
+/// How long a call waits for a batch at least before it sends its own
+/// statement: twice the statements' recent time when that is longer (a
+/// slow link: a 200 ms round trip makes every statement take 200 ms, and
+/// the calls behind them still share the next), up to [`MAX_PATIENCE`]. A
+/// batch normally answers within a few milliseconds; past this the
 /// statements out are stuck (a lock, a slow server), and the calls behind
 /// them go alone, as without gathering.
 pub(crate) const PATIENCE: Duration = Duration::from_millis(100);
+
+/// The longest a call waits for a batch, however slow the statements have
+/// been lately (a statement stuck on a lock for seconds raises their
+/// recent time for a while).
+pub(crate) const MAX_PATIENCE: Duration = Duration::from_secs(1);
 
 /// The most acquisitions in one statement.
 pub(crate) const MAX_BATCH: usize = 64;
@@ -142,7 +151,9 @@ impl<W: Gathered> Slot<W> {
             if batch.is_empty() {
                 return; // the slot's drop looks once more, under the lock
             }
+            let began = Instant::now();
             W::send(self.inner.clone(), batch).await;
+            W::gather(&self.inner).lock().observe(began.elapsed());
         }
     }
 }
@@ -236,9 +247,11 @@ impl Inner {
         });
         let rx = match entered {
             Ok(_slot) => {
-                return self
+                let r = self
                     .run_then(Urgency::Normal, self.statement_timeout, stmt, follow_up)
-                    .await
+                    .await;
+                self.acquiring.lock().observe(began.elapsed());
+                return r;
             }
             Err(rx) => rx,
         };
@@ -275,7 +288,11 @@ impl Inner {
             tx,
         });
         let rx = match entered {
-            Ok(_slot) => return self.run(Urgency::Urgent, budget, stmt).await,
+            Ok(_slot) => {
+                let r = self.run(Urgency::Urgent, budget, stmt).await;
+                self.releasing.lock().observe(began.elapsed());
+                return r;
+            }
             Err(rx) => rx,
         };
         match self
@@ -292,9 +309,11 @@ impl Inner {
 
     /// The batch's answer for one of its own within `budget`: `None` when
     /// it must send its own statement. Still waiting for a batch after
-    /// [`PATIENCE`] (the statements out are slow: waiting on a lock, a slow
-    /// server), it leaves the queue and sends its own, as it would without
-    /// gathering; if a batch has it already, it waits for that batch.
+    /// [`PATIENCE`], or twice the statements' recent time when longer (up
+    /// to [`MAX_PATIENCE`]; the statements out are slower than lately:
+    /// waiting on a lock, a slow server), it leaves the queue and sends its
+    /// own, as it would without gathering; if a batch has it already, it
+    /// waits for that batch.
     async fn joined<W: Gathered, T>(
         &self,
         mut rx: oneshot::Receiver<Joined<T>>,
@@ -309,7 +328,10 @@ impl Inner {
                 waited: began.elapsed(),
             })
         };
-        let answer = match tokio::time::timeout(PATIENCE.min(budget), &mut rx).await {
+        let patience = W::gather(self).lock().recent.map_or(PATIENCE, |r| {
+            r.saturating_mul(2).clamp(PATIENCE, MAX_PATIENCE)
+        });
+        let answer = match tokio::time::timeout(patience.min(budget), &mut rx).await {
             Ok(answer) => Ok(answer),
             Err(_) => {
                 let left = {
@@ -320,7 +342,7 @@ impl Inner {
                 if left.is_some() {
                     tracing::debug!(
                         pool = %self.pool_name, statement = what,
-                        "no batch within {PATIENCE:?}: sent alone"
+                        "no batch within {patience:?}: sent alone"
                     );
                     return Ok(None);
                 }

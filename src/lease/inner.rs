@@ -184,11 +184,16 @@ impl Registry {
 }
 
 /// Acquisitions (or releases) of one instance gathered into shared
-/// statements (see `gather.rs`): how many statements are out, and who waits
-/// for the next.
+/// statements (see `gather.rs`): how many statements are out, who waits
+/// for the next, and how long they have taken lately.
 pub(crate) struct Gather<W> {
     pub(super) in_flight: usize,
     pub(super) waiting: Vec<W>,
+    /// The statements' recent time, from checkout to answer (`None` before
+    /// the first): it falls fast and rises slowly, so it follows the
+    /// round trip and the server's pace, not the odd statement stuck on a
+    /// lock.
+    pub(super) recent: Option<Duration>,
 }
 
 impl<W> Default for Gather<W> {
@@ -196,7 +201,20 @@ impl<W> Default for Gather<W> {
         Gather {
             in_flight: 0,
             waiting: Vec::new(),
+            recent: None,
         }
+    }
+}
+
+impl<W> Gather<W> {
+    /// Folds one statement's time into the recent time: down by half the
+    /// gap, up by an eighth.
+    pub(super) fn observe(&mut self, took: Duration) {
+        self.recent = Some(match self.recent {
+            None => took,
+            Some(old) if took < old => old - (old - took) / 2,
+            Some(old) => old + (took - old) / 8,
+        });
     }
 }
 

@@ -289,7 +289,8 @@ impl Leases {
     /// fails on the server (a take-over blocked by a row lock, say: a
     /// batch's lock waits are bounded to 100 ms) is tried again one
     /// acquisition per statement. A call that finds no batch within 100 ms
-    /// (the two statements out are stuck: a lock, a slow server) sends its
+    /// (or twice the statements' recent time on a slow link, up to 1 s: the
+    /// two statements out are stuck on a lock or a slow server) sends its
     /// own statement, as without gathering. Each still answers within the
     /// statement timeout. Releases are gathered the same way. [`LeaseStats::acquisitions_waiting`] and
     /// [`LeaseStats::gathered`] show it happening.
