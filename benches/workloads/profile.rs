@@ -79,10 +79,12 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
     })
 }
 
-/// `--profile checkout raw|pgwarden OPS`: benchmark 2's loop (one task on a
-/// current-thread runtime, pool 16, a connection already open: `get` then
-/// drop), for a profiler. Subtract the run with OPS = 0 to leave set-up out.
-fn checkout(side: &str, ops: u64) -> Result<(), BoxError> {
+/// Benchmark 2's set-up: a current-thread runtime, a raw pool and a
+/// pgwarden pool of 16 on a new database, a connection already open in
+/// each; runs `body` on them.
+fn with_checkout_pools(
+    body: impl AsyncFnOnce(&deadpool_postgres::Pool, &pgwarden::Pool) -> Result<(), BoxError>,
+) -> Result<(), BoxError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -94,6 +96,15 @@ fn checkout(side: &str, ops: u64) -> Result<(), BoxError> {
             .build()?;
         drop(raw.get().await?);
         drop(warden.get().await?);
+        body(&raw, &warden).await
+    })
+}
+
+/// `--profile checkout raw|pgwarden OPS`: benchmark 2's loop (one task on a
+/// current-thread runtime, pool 16, a connection already open: `get` then
+/// drop), for a profiler. Subtract the run with OPS = 0 to leave set-up out.
+fn checkout(side: &str, ops: u64) -> Result<(), BoxError> {
+    with_checkout_pools(async |raw, warden| {
         for _ in 0..ops {
             if side == "raw" {
                 drop(raw.get().await?);
@@ -107,19 +118,14 @@ fn checkout(side: &str, ops: u64) -> Result<(), BoxError> {
 }
 
 /// `--profile checkout-ab ROUNDS OPS`: benchmark 2's loop, both sides in
-/// one process, `ROUNDS` interleaved round pairs of `OPS` checkouts each.
+/// one process, `ROUNDS` interleaved round pairs of `OPS` checkouts each
+/// (the side that goes first alternates); prints each side's median
+/// nanoseconds per checkout and the median and range of the pair ratios.
 fn checkout_ab(rounds: usize, ops: u64) -> Result<(), BoxError> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let db = TestServer::shared()?.create_database().await?;
-        let raw = db.deadpool(POOL)?;
-        let warden = pgwarden::Pool::builder(db.deadpool(POOL)?)
-            .name("bench-profile")
-            .build()?;
-        drop(raw.get().await?);
-        drop(warden.get().await?);
+    if rounds == 0 || ops == 0 {
+        return Err("usage: --profile checkout-ab ROUNDS OPS (both above 0)".into());
+    }
+    with_checkout_pools(async |raw, warden| {
         let mut a = Vec::new();
         let mut b = Vec::new();
         for r in 0..rounds {
@@ -133,7 +139,11 @@ fn checkout_ab(rounds: usize, ops: u64) -> Result<(), BoxError> {
                     }
                 }
                 let ns = t.elapsed().as_nanos() as f64 / ops as f64;
-                if side == 0 { a.push(ns) } else { b.push(ns) }
+                if side == 0 {
+                    a.push(ns)
+                } else {
+                    b.push(ns)
+                }
             }
         }
         let mut ratios: Vec<f64> = a.iter().zip(&b).map(|(a, b)| b / a).collect();
@@ -141,7 +151,7 @@ fn checkout_ab(rounds: usize, ops: u64) -> Result<(), BoxError> {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        let (ma, mb) = (med(&mut a.clone()), med(&mut b.clone()));
+        let (ma, mb) = (med(&mut a), med(&mut b));
         let mr = med(&mut ratios);
         eprintln!(
             "checkout-ab: raw {ma:.0} ns, pgwarden {mb:.0} ns, ratio (median of pairs) {mr:.3}, pair ratios {:.3} to {:.3}",
