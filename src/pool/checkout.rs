@@ -103,7 +103,8 @@ impl Pool {
         let bound = |start| bounded(start, deadline(start, timeout));
         // When the checkout began, read only when something has to wait:
         // a queued checkout reads it as it queues; one admitted at once
-        // when deadpool or its connection makes it wait. A checkout
+        // when deadpool or its connection makes it wait (the record ages
+        // from then). A checkout
         // admitted at once on a known connection reads no clock: deadpool
         // read it as it recycled the connection, in this call.
         let (permit, mut start) = match shared.admit_now(lane, prio, patient, site) {
@@ -148,7 +149,8 @@ impl Pool {
                 }
                 Poll::Ready(Err(e)) => Some(Err(e)),
                 Poll::Pending => {
-                    let s = *start.get_or_insert_with(|| shared.started(permit.slot));
+                    let s = shared.started(permit.slot, start);
+                    start = Some(s);
                     // The timer in a box of its own: only a checkout that
                     // waits here has one.
                     Box::pin(tokio::time::timeout_at(bound(s), get.as_mut()))
@@ -157,7 +159,7 @@ impl Pool {
                 }
             }
         };
-        let start = start.unwrap_or_else(|| shared.started(permit.slot));
+        let start = shared.started(permit.slot, start);
         Box::pin(self.checkout_rest(lane, site, start, bound(start), permit, got))
             .await
             .map_err(map)
@@ -310,10 +312,11 @@ fn hand_out(
 }
 
 impl Shared {
-    /// A checkout admitted at once (checkout record `slot`) has to wait:
-    /// it begins now, and its record ages from now.
-    fn started(&self, slot: usize) -> tokio::time::Instant {
-        let start = tokio::time::Instant::now();
+    /// An admitted checkout (record `slot`) has to wait for deadpool or
+    /// its connection: it began at `start` (a queued one), or now (one
+    /// admitted at once), and its record ages from then.
+    fn started(&self, slot: usize, start: Option<tokio::time::Instant>) -> tokio::time::Instant {
+        let start = start.unwrap_or_else(tokio::time::Instant::now);
         self.waiting_since(slot, start.into_std());
         start
     }

@@ -200,8 +200,9 @@ impl State {
         now
     }
 
-    /// A checkout admitted at once waits (for deadpool, or a new
-    /// connection's pid) since `start`: its record ages from then.
+    /// An admitted checkout waits (for deadpool, or a new connection's
+    /// pid) since `start`: its record ages from then (unless it has a
+    /// time already).
     pub(super) fn waiting_since(&mut self, slot: usize, start: Instant) {
         if let Some(c) = self.checkouts.get_mut(slot) {
             c.since.get_or_insert(start);
@@ -290,8 +291,6 @@ pub(crate) struct Waiter {
     /// waiter filed under the same key.
     pub(super) id: u64,
     pub(super) site: &'static Location<'static>,
-    /// When its checkout began: the checkout record's age until attached.
-    pub(super) start: Instant,
     pub(super) tx: oneshot::Sender<Outcome>,
 }
 
@@ -596,9 +595,7 @@ impl Shared {
                     debug_assert!(false, "granted an unknown waiter");
                     return;
                 };
-                let slot = t
-                    .checkouts
-                    .insert(Checkout::new(lane, prio, w.site, Some(w.start)));
+                let slot = t.checkouts.insert(Checkout::new(lane, prio, w.site, None));
                 if over_budget {
                     let first = t.warned_sites.insert(w.site as *const _ as usize);
                     fired.overs.push((w.site, first));
@@ -696,8 +693,10 @@ impl Shared {
     /// queued (in FIFO order; when `patient`, waiting for the session-lock
     /// budget rather than being refused while other locks hold it), or
     /// refused. A queued checkout waits with [`Shared::admitted`]. Only a
-    /// queued one reads the clock (its start, for its deadline): one
-    /// admitted at once is handed out at its connection's recycle time.
+    /// queued one reads the clock (its start, for its deadline; after the
+    /// lock): one admitted at once is handed out at its connection's
+    /// recycle time. A granted waiter's record, like one admitted at once,
+    /// has no time until its hand-out (or until it waits for deadpool).
     pub(super) fn admit_now<'a>(
         self: &'a Arc<Self>,
         lane: Lane,
@@ -734,18 +733,14 @@ impl Shared {
                 Err(self.closed(lane))
             }
             Admitted::Queued => {
-                let start = tokio::time::Instant::now();
                 let (tx, rx) = oneshot::channel();
                 st.next_waiter += 1;
                 let id = st.next_waiter;
-                st.waiters.insert(Waiter {
-                    id,
-                    site,
-                    start: start.into_std(),
-                    tx,
-                });
+                st.waiters.insert(Waiter { id, site, tx });
                 self.publish(&st, 1 << lane.idx());
                 drop(st);
+                // Read out of the lock: its deadline counts from here.
+                let start = tokio::time::Instant::now();
                 Ok(Entry::Queued(Queued {
                     guard: WaiterGuard {
                         shared: self,
