@@ -476,5 +476,4 @@ impl Inner {
 }
 
 #[cfg(test)]
-#[path = "gather_tests.rs"]
 mod tests;
