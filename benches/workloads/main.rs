@@ -436,7 +436,11 @@ own code +48; admission +19, its core +9, its record +13; attach +14; the
 return +21, its core +7, the `Client`'s drop +18; deadpool's own get -68
 (pgwarden asks it not to wait: no semaphore future). After it: criterion
 1.43 and 1.32 in two runs (raw 310 and 338 ns, pgwarden 443 and 445 ns),
-from 1.46 to 1.61. What is left is one clock read at return (the hold
+from 1.46 to 1.61; in four full runs 1.40, 1.37, 1.60 (after a busy
+minute) and 1.30. Criterion measures one side after the other, and on
+this machine runs of the same build moved from 1.13 to 1.60; the
+interleaved `--profile checkout-ab 60 20000` gave 1.29 to 1.48 (medians
+of pair ratios). What is left is one clock read at return (the hold
 time: the hold histogram and the recent-hold average the load-shedding
 layer reads), three short critical sections (admission, attach, return)
 and their bookkeeping.

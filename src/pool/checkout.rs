@@ -104,9 +104,9 @@ impl Pool {
         // When the checkout began, read only when something has to wait:
         // a queued checkout reads it as it queues; one admitted at once
         // when deadpool or its connection makes it wait (the record ages
-        // from then). A checkout
-        // admitted at once on a known connection reads no clock: deadpool
-        // read it as it recycled the connection, in this call.
+        // from then). A checkout admitted at once on a known connection
+        // reads no clock: deadpool read it as it recycled the connection,
+        // in this call.
         let (permit, mut start) = match shared.admit_now(lane, prio, patient, site) {
             Ok(Entry::Admitted(permit)) => (permit, None),
             Ok(Entry::Queued(q)) => {

@@ -119,11 +119,11 @@ pub(crate) struct Checkout {
     pub(crate) lane: Lane,
     pub(crate) prio: Priority,
     pub(crate) site: &'static Location<'static>,
-    /// When its connection was handed out, or when its wait began (a
-    /// queued checkout, or one admitted at once that waits for deadpool);
-    /// `None` for the few hundred nanoseconds between an admission at once
-    /// and the hand-out: a checkout admitted at once reads no clock of its
-    /// own (its connection's recycle time is the hand-out time).
+    /// When its connection was handed out, or, while it waits for
+    /// deadpool or a new connection's pid, when its checkout began; `None`
+    /// between its admission (at once, or a grant to a waiter) and its
+    /// hand-out: a checkout reads no clock there (its connection's recycle
+    /// time is the hand-out time).
     pub(crate) since: Option<Instant>,
     pub(crate) pid: Option<i32>,
     pub(crate) object: Option<ObjectId>,
@@ -233,22 +233,17 @@ impl State {
         prio: Priority,
         site: &'static Location<'static>,
     ) -> usize {
-        self.checkouts.insert(Checkout::new(lane, prio, site, None))
+        self.checkouts.insert(Checkout::new(lane, prio, site))
     }
 }
 
 impl Checkout {
-    pub(super) fn new(
-        lane: Lane,
-        prio: Priority,
-        site: &'static Location<'static>,
-        since: Option<Instant>,
-    ) -> Checkout {
+    pub(super) fn new(lane: Lane, prio: Priority, site: &'static Location<'static>) -> Checkout {
         Checkout {
             lane,
             prio,
             site,
-            since,
+            since: None,
             pid: None,
             object: None,
             long_warned: false,
@@ -595,7 +590,7 @@ impl Shared {
                     debug_assert!(false, "granted an unknown waiter");
                     return;
                 };
-                let slot = t.checkouts.insert(Checkout::new(lane, prio, w.site, None));
+                let slot = t.checkouts.insert(Checkout::new(lane, prio, w.site));
                 if over_budget {
                     let first = t.warned_sites.insert(w.site as *const _ as usize);
                     fired.overs.push((w.site, first));
