@@ -107,7 +107,7 @@ impl Pool {
         // from then). A checkout admitted at once on a known connection
         // reads no clock: deadpool read it as it recycled the connection,
         // in this call.
-        let (permit, mut start) = match shared.admit_now(lane, prio, patient, site) {
+        let (permit, start) = match shared.admit_now(lane, prio, patient, site) {
             Ok(Entry::Admitted(permit)) => (permit, None),
             Ok(Entry::Queued(q)) => {
                 let start = q.start;
@@ -121,6 +121,8 @@ impl Pool {
         // deadpool is asked not to wait (after admission it always has
         // room) and polled in place: a free connection comes back at once,
         // with no timer and no move of deadpool's future.
+        // `aged`: the start, once the record has it (one lock for that).
+        let mut aged = None;
         let got = {
             let mut get = pin!(shared.inner.timeout_get(&shared.get_timeouts));
             match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
@@ -150,7 +152,7 @@ impl Pool {
                 Poll::Ready(Err(e)) => Some(Err(e)),
                 Poll::Pending => {
                     let s = shared.started(permit.slot, start);
-                    start = Some(s);
+                    aged = Some(s);
                     // The timer in a box of its own: only a checkout that
                     // waits here has one.
                     Box::pin(tokio::time::timeout_at(bound(s), get.as_mut()))
@@ -159,7 +161,7 @@ impl Pool {
                 }
             }
         };
-        let start = shared.started(permit.slot, start);
+        let start = aged.unwrap_or_else(|| shared.started(permit.slot, start));
         Box::pin(self.checkout_rest(lane, site, start, bound(start), permit, got))
             .await
             .map_err(map)
