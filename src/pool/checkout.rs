@@ -8,14 +8,15 @@ use std::fmt;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
-use std::pin::pin;
-use std::task::Poll;
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
 use super::deadline::{bounded, deadline};
-use super::shared::{Entry, IdSet, Known, ObjectId, Permit, Pool, Shared};
+use super::shared::{Entry, IdSet, Known, ObjectId, Permit, Pool, Queued, Shared};
 use crate::admission::{Lane, Priority};
 use crate::error::{CheckoutError, Error, Stage};
 
@@ -81,13 +82,9 @@ impl Pool {
         )
     }
 
-    /// The common case inline, in a small future: admitted at once,
-    /// deadpool polled in place, a known connection handed out after one
-    /// more lock. Everything else (a wait in the queue, a deadpool error, a
-    /// tainted or new connection) runs in boxed futures entered only then,
-    /// so that the future every checkout builds and moves stays small.
-    /// Errors go out through `map`.
-    async fn checkout_inner<E: Send + 'static>(
+    /// A checkout's future: [`Getting`], polled by hand (see there). Errors
+    /// go out through `map`.
+    fn checkout_inner<E: Send + 'static>(
         &self,
         lane: Lane,
         prio: Priority,
@@ -95,76 +92,21 @@ impl Pool {
         site: &'static Location<'static>,
         timeout: Duration,
         map: fn(Error) -> E,
-    ) -> Result<Client, E> {
+    ) -> impl Future<Output = Result<Client, E>> + Send + '_ {
         let shared = &self.shared;
-        shared.supervisor.revive();
-        // The caller's bound from `start`, tightened by the `Deadline`
-        // scope it runs in: worked out only when something has to wait.
-        let bound = |start| bounded(start, deadline(start, timeout));
-        // When the checkout began, read only when something has to wait:
-        // a queued checkout reads it as it queues; one admitted at once
-        // when deadpool or its connection makes it wait (the record ages
-        // from then). A checkout admitted at once on a known connection
-        // reads no clock: deadpool read it as it recycled the connection,
-        // in this call.
-        let (permit, start) = match shared.admit_now(lane, prio, patient, site) {
-            Ok(Entry::Admitted(permit)) => (permit, None),
-            Ok(Entry::Queued(q)) => {
-                let start = q.start;
-                match Box::pin(shared.admitted(q, bound(start))).await {
-                    Ok(permit) => (permit, Some(start)),
-                    Err(e) => return Err(map(e)),
-                }
-            }
-            Err(e) => return Err(map(e)),
-        };
-        // deadpool is asked not to wait (after admission it always has
-        // room) and polled in place: a free connection comes back at once,
-        // with no timer and no move of deadpool's future.
-        // `aged`: the start, once the record has it (one lock for that).
-        let mut aged = None;
-        let got = {
-            let mut get = pin!(shared.inner.timeout_get(&shared.get_timeouts));
-            match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
-                Poll::Ready(Ok(obj)) => {
-                    let id = Object::id(&obj);
-                    let since = recycled_at(&obj);
-                    match shared.attach_known(permit.slot, id, since) {
-                        Some(pid) => {
-                            // `hand_out`, written out: calling it moves the
-                            // object and permit once more.
-                            let acquire = start.map_or(0.0, |s| {
-                                since.saturating_duration_since(s.into_std()).as_secs_f64()
-                            });
-                            shared.metrics.lane(lane).acquire.record(acquire);
-                            return Ok(Client {
-                                obj: Some(obj),
-                                permit,
-                                pid,
-                                site,
-                                since,
-                                object: id,
-                            });
-                        }
-                        None => Some(Ok(obj)),
-                    }
-                }
-                Poll::Ready(Err(e)) => Some(Err(e)),
-                Poll::Pending => {
-                    let s = shared.started(permit.slot, start);
-                    aged = Some(s);
-                    // The timer in a box of its own: only a checkout that
-                    // waits here has one.
-                    Box::pin(tokio::time::timeout_at(bound(s), get.as_mut()))
-                        .await
-                        .ok()
-                }
-            }
-        };
-        let start = aged.unwrap_or_else(|| shared.started(permit.slot, start));
-        Box::pin(self.checkout_rest(lane, site, start, bound(start), permit, got))
-            .await
-            .map_err(map)
+        Getting {
+            // Not polled before admission: an async fn's future does nothing
+            // until then (it only holds its arguments).
+            get: shared.inner.timeout_get(&shared.get_timeouts),
+            state: State::Start,
+            pool: self,
+            lane,
+            prio,
+            patient,
+            site,
+            timeout,
+            map,
+        }
     }
 
     /// The rest of a checkout whose connection was not handed out at
@@ -232,7 +174,7 @@ impl Pool {
                     Seen::Tainted
                 } else if let Some(k) = st.pids.get(&id).copied() {
                     let now = recycled_at(&obj);
-                    Seen::Known(k.pid, st.attach(permit.slot, k.pid, id, now))
+                    Seen::Known(k.pid, st.attach(permit.slot(), k.pid, id, now))
                 } else {
                     Seen::New
                 }
@@ -256,7 +198,7 @@ impl Pool {
                             st.pids.retain(|id, _| out.contains(id));
                         }
                         st.pids.insert(id, Known { pid, created });
-                        (pid, st.attach(permit.slot, pid, id, Instant::now()))
+                        (pid, st.attach(permit.slot(), pid, id, Instant::now()))
                     }
                     Some(Err(e)) => {
                         lm.fail_backend.increment(1);
@@ -280,6 +222,270 @@ fn same(e: Error) -> Error {
     e
 }
 
+pin_project_lite::pin_project! {
+    /// A checkout in progress, written as a future by hand so that the
+    /// common case (admitted at once, deadpool ready with a known
+    /// connection) runs in one poll, holds nothing across it, and builds
+    /// its `Client` where the caller receives it: an `async fn` kept
+    /// deadpool's answer in its state and moved the connection (232 bytes)
+    /// three times more on the way out. Everything else (a wait in the
+    /// queue, a deadpool error or wait, a tainted or new connection) runs
+    /// in boxed futures entered only then.
+    ///
+    /// `get` is deadpool's checkout, made with the future and polled only
+    /// after admission (pgwarden owns the capacity: deadpool is asked not
+    /// to wait). It is declared first so that it drops before the permit
+    /// `state` may hold: a connection goes back to deadpool before its
+    /// admission does.
+    struct Getting<'a, F, E> {
+        #[pin]
+        get: F,
+        state: State<'a>,
+        pool: &'a Pool,
+        lane: Lane,
+        prio: Priority,
+        patient: bool,
+        site: &'static Location<'static>,
+        timeout: Duration,
+        map: fn(Error) -> E,
+    }
+}
+
+type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send + 'a>>;
+
+/// Where a [`Getting`] is.
+enum State<'a> {
+    /// Not polled yet.
+    Start,
+    /// In the admission queue since `start`.
+    Queued {
+        admitted: Boxed<'a, Permit>,
+        start: tokio::time::Instant,
+    },
+    /// Admitted, waiting for deadpool (connecting, or a return under way)
+    /// since `start`, until `timer` fires.
+    Waiting {
+        permit: Permit,
+        start: tokio::time::Instant,
+        timer: Pin<Box<tokio::time::Sleep>>,
+    },
+    /// Admitted, its connection not handed out at once: see
+    /// [`Pool::checkout_rest`].
+    Rest(Boxed<'a, Client>),
+    /// Finished (or its state taken for the length of a poll).
+    Done,
+}
+
+impl<F, E> Future for Getting<'_, F, E>
+where
+    F: Future<Output = Result<Object, PoolError>>,
+{
+    type Output = Result<Client, E>;
+
+    /// The common case runs here, straight through; the rest in cold
+    /// functions of their own (they build boxed futures, and keeping them
+    /// out keeps this frame small).
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let pool: &Pool = this.pool;
+        let shared = &pool.shared;
+        let (lane, site, timeout, map) = (*this.lane, *this.site, *this.timeout, *this.map);
+        loop {
+            // Admitted, with when the checkout began (a queued one), or
+            // `None`: one admitted at once on a known connection reads no
+            // clock (deadpool read it as it recycled the connection, in
+            // this poll); it reads one only when something makes it wait,
+            // and its record ages from then.
+            let (permit, start) = match this.state {
+                State::Start => {
+                    shared.supervisor.revive();
+                    match shared.admit_now(lane, *this.prio, *this.patient, site) {
+                        Ok(Entry::Admitted(permit)) => (permit, None),
+                        Ok(Entry::Queued(q)) => {
+                            *this.state = queued(shared, q, timeout);
+                            continue;
+                        }
+                        Err(e) => {
+                            *this.state = State::Done;
+                            return Poll::Ready(Err(map(e)));
+                        }
+                    }
+                }
+                _ => match pool.poll_slow(this.get.as_mut(), this.state, lane, site, timeout, cx) {
+                    Slow::Pending => return Poll::Pending,
+                    Slow::Done(r) => return Poll::Ready(r.map_err(map)),
+                    Slow::Admitted(permit, start) => (permit, Some(start)),
+                },
+            };
+            // Admitted: deadpool polled in place (after admission it always
+            // has room); a free connection comes back at once, with no timer.
+            let polled = this.get.as_mut().poll(cx);
+            if let Poll::Ready(Ok(obj)) = &polled {
+                let id = Object::id(obj);
+                let since = recycled_at(obj);
+                if let Some(pid) = shared.attach_known(permit.slot(), id, since) {
+                    let acquire = start.map_or(0.0, |s: tokio::time::Instant| {
+                        since.saturating_duration_since(s.into_std()).as_secs_f64()
+                    });
+                    shared.metrics.lane(lane).acquire.record(acquire);
+                    *this.state = State::Done;
+                    let Poll::Ready(Ok(obj)) = polled else {
+                        unreachable!("matched just above")
+                    };
+                    return Poll::Ready(Ok(Client {
+                        obj: Some(obj),
+                        permit,
+                        pid,
+                        site,
+                        since,
+                        object: id,
+                    }));
+                }
+            }
+            *this.state = pool.not_at_once(lane, site, timeout, permit, start, polled);
+        }
+    }
+}
+
+/// What [`Pool::poll_slow`] came to. Returned once per poll of a slow
+/// checkout, never stored: its size costs nothing a box would not.
+#[allow(clippy::large_enum_variant)]
+enum Slow {
+    Pending,
+    Done(Result<Client, Error>),
+    /// Admitted after a wait in the queue that began at the instant given.
+    Admitted(Permit, tokio::time::Instant),
+}
+
+/// The caller's bound from `start`, tightened by the `Deadline` scope it
+/// runs in: worked out only when something has to wait.
+fn bound(start: tokio::time::Instant, timeout: Duration) -> tokio::time::Instant {
+    bounded(start, deadline(start, timeout))
+}
+
+/// A checkout queued for admission: it waits in a boxed future.
+#[cold]
+#[inline(never)]
+fn queued<'a>(shared: &'a Arc<Shared>, q: Queued<'a>, timeout: Duration) -> State<'a> {
+    let start = q.start;
+    State::Queued {
+        admitted: Box::pin(shared.admitted(q, bound(start, timeout))),
+        start,
+    }
+}
+
+impl Pool {
+    /// An admitted checkout whose connection deadpool did not hand out at
+    /// once as a known one (`polled`): it waits for deadpool with a timer,
+    /// or goes on in [`Pool::checkout_rest`].
+    #[cold]
+    #[inline(never)]
+    fn not_at_once(
+        &self,
+        lane: Lane,
+        site: &'static Location<'static>,
+        timeout: Duration,
+        permit: Permit,
+        start: Option<tokio::time::Instant>,
+        polled: Poll<Result<Object, PoolError>>,
+    ) -> State<'_> {
+        let start = self.shared.started(permit.slot(), start);
+        let deadline = bound(start, timeout);
+        match polled {
+            Poll::Pending => State::Waiting {
+                permit,
+                start,
+                timer: Box::pin(tokio::time::sleep_until(deadline)),
+            },
+            Poll::Ready(got) => State::Rest(Box::pin(self.checkout_rest(
+                lane,
+                site,
+                start,
+                deadline,
+                permit,
+                Some(got),
+            ))),
+        }
+    }
+
+    /// Polls a checkout past its start: queued, waiting for deadpool, or in
+    /// [`Pool::checkout_rest`].
+    #[cold]
+    #[inline(never)]
+    fn poll_slow<'a, F>(
+        &'a self,
+        mut get: Pin<&mut F>,
+        state: &mut State<'a>,
+        lane: Lane,
+        site: &'static Location<'static>,
+        timeout: Duration,
+        cx: &mut Context<'_>,
+    ) -> Slow
+    where
+        F: Future<Output = Result<Object, PoolError>>,
+    {
+        loop {
+            match std::mem::replace(state, State::Done) {
+                State::Queued {
+                    mut admitted,
+                    start,
+                } => {
+                    return match admitted.as_mut().poll(cx) {
+                        Poll::Ready(Ok(permit)) => Slow::Admitted(permit, start),
+                        Poll::Ready(Err(e)) => Slow::Done(Err(e)),
+                        Poll::Pending => {
+                            *state = State::Queued { admitted, start };
+                            Slow::Pending
+                        }
+                    };
+                }
+                State::Waiting {
+                    permit,
+                    start,
+                    mut timer,
+                } => {
+                    let got = match get.as_mut().poll(cx) {
+                        Poll::Ready(r) => Some(r),
+                        Poll::Pending => match timer.as_mut().poll(cx) {
+                            Poll::Ready(()) => None,
+                            Poll::Pending => {
+                                *state = State::Waiting {
+                                    permit,
+                                    start,
+                                    timer,
+                                };
+                                return Slow::Pending;
+                            }
+                        },
+                    };
+                    *state = State::Rest(Box::pin(self.checkout_rest(
+                        lane,
+                        site,
+                        start,
+                        bound(start, timeout),
+                        permit,
+                        got,
+                    )));
+                }
+                State::Rest(mut rest) => {
+                    return match rest.as_mut().poll(cx) {
+                        Poll::Ready(r) => Slow::Done(r),
+                        Poll::Pending => {
+                            *state = State::Rest(rest);
+                            Slow::Pending
+                        }
+                    };
+                }
+                // As an `async fn`'s future does: a caller's bug, not a
+                // condition of the pool.
+                State::Start | State::Done => {
+                    panic!("a pgwarden checkout polled after it completed")
+                }
+            }
+        }
+    }
+}
+
 /// When deadpool handed `obj` out: it reads the clock as it recycles a
 /// connection, in the call that hands it out (a new one: as it creates it).
 fn recycled_at(obj: &Object) -> Instant {
@@ -300,7 +506,7 @@ fn hand_out(
     let acquire = since
         .saturating_duration_since(start.into_std())
         .as_secs_f64();
-    let shared = &permit.shared;
+    let shared = permit.shared();
     shared.metrics.lane(permit.lane).acquire.record(acquire);
     let object = Object::id(&obj);
     Client {
@@ -390,15 +596,18 @@ async fn backend_pid(obj: &deadpool_postgres::Client) -> Result<i32, Error> {
 /// println!("{} jobs, pid {}, lane {}", count(&client).await?, client.pid(), client.lane());
 /// # Ok(()) }
 /// ```
+#[repr(C)]
 pub struct Client {
-    // Field order matters: the object goes back to deadpool before the permit
-    // is released, so an admitted checkout never waits inside deadpool.
-    pub(super) obj: Option<deadpool_postgres::Client>,
+    // `Drop` gives the connection back to deadpool before the permit to the
+    // budget, so an admitted checkout never waits inside deadpool. In this
+    // order (`repr(C)`) the small fields are built in place as a checkout
+    // hands its `Client` out, the connection after them.
     pub(super) permit: Permit,
-    pub(super) pid: i32,
-    pub(super) site: &'static Location<'static>,
     pub(super) since: Instant,
+    pub(super) site: &'static Location<'static>,
     pub(super) object: ObjectId,
+    pub(super) pid: i32,
+    pub(super) obj: Option<deadpool_postgres::Client>,
 }
 
 impl Client {
@@ -427,7 +636,7 @@ impl Client {
     /// PostgreSQL ends the session, and every session lock with it.
     pub fn discard(mut self) {
         if let Some(obj) = self.obj.take() {
-            self.permit.shared.state.lock().pids.remove(&self.object);
+            self.permit.shared().state.lock().pids.remove(&self.object);
             drop(Object::take(obj));
         }
     }
@@ -443,18 +652,18 @@ impl Client {
     /// guard whose unlock is in flight): a checkout of its lane refused only
     /// because of it waits for it instead.
     pub(crate) fn mark_releasing(&self) {
-        self.permit.shared.mark_releasing(self.permit.slot);
+        self.permit.shared().mark_releasing(self.permit.slot());
     }
 
     /// Sets what the checkout is for, shown in long-hold warnings.
     pub(crate) fn set_note(&self, note: Option<String>) {
         if let Some(c) = self
             .permit
-            .shared
+            .shared()
             .state
             .lock()
             .checkouts
-            .get_mut(self.permit.slot)
+            .get_mut(self.permit.slot())
         {
             c.note = note;
         }
@@ -490,8 +699,7 @@ impl Drop for Client {
     fn drop(&mut self) {
         if let Some(obj) = &self.obj {
             let held = self.since.elapsed();
-            self.permit.held = Some(held);
-            let shared = &self.permit.shared;
+            let shared = self.permit.shared();
             shared
                 .metrics
                 .lane(self.permit.lane)
@@ -500,9 +708,12 @@ impl Drop for Client {
             if obj.is_closed() {
                 shared.state.lock().pids.remove(&self.object);
             }
+            // The connection goes back to deadpool (dropped in place), then
+            // the permit to the budget.
+            self.obj = None;
+            self.permit.release(held);
         }
-        // The fields drop next, in place: the object goes back to deadpool,
-        // then the permit returns to the budget.
+        // After `discard`, the permit is released as it drops.
     }
 }
 

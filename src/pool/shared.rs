@@ -260,19 +260,56 @@ impl Checkout {
     }
 }
 
-/// The right to one connection of a lane: counted in the budget until dropped.
+/// The right to one connection of a lane: counted in the budget until
+/// released (by [`Permit::release`], or on drop). Small enough to move in
+/// registers: it moves with every checkout.
 pub(crate) struct Permit {
-    pub(super) shared: Arc<Shared>,
-    pub(super) slot: usize,
+    shared: Arc<Shared>,
+    /// Its checkout record (a key of `State::checkouts`, which holds one
+    /// record per admitted checkout: far below `u32::MAX`); [`RELEASED`]
+    /// once released. 32 bits keep the permit to 16 bytes, two registers.
+    slot: u32,
     pub(super) lane: Lane,
-    /// How long its connection was held, when the `Client` that held it
-    /// measured it on drop (one clock read for both records).
-    pub(super) held: Option<Duration>,
+}
+
+/// The slot of a permit already released.
+const RELEASED: u32 = u32::MAX;
+
+impl Permit {
+    fn new(shared: Arc<Shared>, slot: usize, lane: Lane) -> Permit {
+        debug_assert!(slot < RELEASED as usize, "checkout record {slot}");
+        Permit {
+            shared,
+            slot: slot as u32,
+            lane,
+        }
+    }
+
+    /// Its pool's state.
+    pub(super) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Its checkout record.
+    pub(super) fn slot(&self) -> usize {
+        self.slot as usize
+    }
+
+    /// Releases it now, its connection held for `held` (measured by the
+    /// `Client` that held it: one clock read for both records).
+    pub(super) fn release(&mut self, held: Duration) {
+        let slot = std::mem::replace(&mut self.slot, RELEASED);
+        if slot != RELEASED {
+            self.shared.release(slot as usize, Some(held));
+        }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.shared.release(self.slot, self.held);
+        if self.slot != RELEASED {
+            self.shared.release(self.slot as usize, None);
+        }
     }
 }
 
@@ -555,12 +592,7 @@ impl Fired {
             shared.over_budget(site, first);
         }
         for (tx, answer) in self.first.into_iter().chain(self.rest) {
-            let outcome = answer.map(|(slot, lane)| Permit {
-                held: None,
-                shared: shared.clone(),
-                slot,
-                lane,
-            });
+            let outcome = answer.map(|(slot, lane)| Permit::new(shared.clone(), slot, lane));
             // A waiter that gave up in the meantime hands a permit back,
             // whose drop releases it again.
             let _ = tx.send(outcome);
@@ -664,7 +696,7 @@ impl Shared {
             Entry::Admitted(permit) => {
                 // No connection comes: its record ages from now, as a
                 // checkout's that waits for deadpool.
-                self.waiting_since(permit.slot, tokio::time::Instant::now().into_std());
+                self.waiting_since(permit.slot(), tokio::time::Instant::now().into_std());
                 Ok(permit)
             }
             Entry::Queued(q) => {
@@ -692,6 +724,7 @@ impl Shared {
     /// lock): one admitted at once is handed out at its connection's
     /// recycle time. A granted waiter's record, like one admitted at once,
     /// has no time until its hand-out (or until it waits for deadpool).
+    #[inline(always)]
     pub(super) fn admit_now<'a>(
         self: &'a Arc<Self>,
         lane: Lane,
@@ -702,6 +735,34 @@ impl Shared {
         let mut st = self.state.lock();
         let key = st.waiters.vacant_key();
         match st.adm.request_with(lane, prio, key, patient) {
+            // Inline (the common case): the permit is built where the
+            // checkout keeps it.
+            Admitted::Admit { over_budget: false } => {
+                let slot = st.insert(lane, prio, site);
+                let in_use = st.adm.in_use(lane);
+                self.metrics.lane(lane).in_use.set(in_use as f64);
+                drop(st);
+                Ok(Entry::Admitted(Permit::new(self.clone(), slot, lane)))
+            }
+            other => self.admit_otherwise(st, other, lane, prio, key, site),
+        }
+    }
+
+    /// [`Shared::admit_now`] when the answer is not a plain admission:
+    /// admitted over the session-lock budget (warned), refused, closed, or
+    /// queued.
+    #[cold]
+    #[inline(never)]
+    fn admit_otherwise<'a>(
+        self: &'a Arc<Self>,
+        mut st: parking_lot::MutexGuard<'_, State>,
+        answer: Admitted,
+        lane: Lane,
+        prio: Priority,
+        key: WaiterKey,
+        site: &'static Location<'static>,
+    ) -> Result<Entry<'a>, Error> {
+        match answer {
             Admitted::Admit { over_budget } => {
                 let slot = st.insert(lane, prio, site);
                 let in_use = st.adm.in_use(lane);
@@ -711,12 +772,7 @@ impl Shared {
                 if over_budget {
                     self.over_budget(site, first);
                 }
-                Ok(Entry::Admitted(Permit {
-                    held: None,
-                    shared: self.clone(),
-                    slot,
-                    lane,
-                }))
+                Ok(Entry::Admitted(Permit::new(self.clone(), slot, lane)))
             }
             Admitted::Refused(r) => {
                 let err = self.refusal(&st, lane, r);

@@ -193,7 +193,7 @@ async fn a_session_lock_waits_for_a_release_in_flight_and_a_hopeless_one_is_refu
         .unwrap();
     assert!(e.is_budget_exhausted(), "{e}");
     // Its guard is dropped: the release is under way.
-    pool.shared.mark_releasing(lock.slot);
+    pool.shared.mark_releasing(lock.slot());
     assert_eq!(pool.status().lane(Lane::SessionLock).releasing, 1);
     let first = tokio::spawn({
         let pool = pool.clone();
