@@ -1,7 +1,9 @@
 //! Benchmark 2: checkout + return with no query, raw deadpool against
 //! pgwarden (criterion). The nanoseconds pgwarden adds per checkout.
 //!
-//! `cargo bench --bench checkout`; `PGWARDEN_BENCH_SMOKE=1` for a quick run.
+//! `cargo bench --bench checkout`; `PGWARDEN_BENCH_SMOKE=1` for a quick run;
+//! `PGWARDEN_BENCH_ORDER=pgwarden-first` measures pgwarden before raw
+//! deadpool (`benches/run.sh` runs it several times, alternating).
 
 use std::time::Duration;
 
@@ -39,14 +41,20 @@ fn checkout(c: &mut Criterion) {
             .measurement_time(Duration::from_millis(300))
             .sample_size(10);
     }
-    g.bench_function("raw_deadpool", |b| {
-        b.to_async(&rt)
-            .iter(|| async { drop(raw.get().await.unwrap()) })
-    });
-    g.bench_function("pgwarden", |b| {
-        b.to_async(&rt)
-            .iter(|| async { drop(warden.get().await.unwrap()) })
-    });
+    let pgwarden_first = std::env::var("PGWARDEN_BENCH_ORDER").is_ok_and(|o| o == "pgwarden-first");
+    for side in if pgwarden_first { [1, 0] } else { [0, 1] } {
+        if side == 0 {
+            g.bench_function("raw_deadpool", |b| {
+                b.to_async(&rt)
+                    .iter(|| async { drop(raw.get().await.unwrap()) })
+            });
+        } else {
+            g.bench_function("pgwarden", |b| {
+                b.to_async(&rt)
+                    .iter(|| async { drop(warden.get().await.unwrap()) })
+            });
+        }
+    }
     g.finish();
 }
 

@@ -4,9 +4,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--smoke" ]]; then
+  rm -rf target/criterion-rounds
   PGWARDEN_BENCH_SMOKE=1 cargo bench --bench checkout -- --noplot
   cargo bench --bench workloads -- --smoke
 else
-  cargo bench --bench checkout -- --noplot
+  # Row 2: criterion run several times, the side measured first alternating
+  # (the machine's speed drifts between runs more than within one); each
+  # run's estimates kept for the report.
+  rm -rf target/criterion-rounds
+  for k in 1 2 3 4 5 6; do
+    order=raw-first
+    if (( k % 2 == 0 )); then order=pgwarden-first; fi
+    PGWARDEN_BENCH_ORDER=$order cargo bench --bench checkout -- --noplot \
+      --warm-up-time 1 --measurement-time 3
+    mkdir -p "target/criterion-rounds/$k"
+    for side in raw_deadpool pgwarden; do
+      cp "target/criterion/checkout_return/$side/new/estimates.json" \
+        "target/criterion-rounds/$k/$side.json"
+    done
+  done
   cargo bench --bench workloads
 fi
