@@ -8,11 +8,11 @@ if [[ "${1:-}" == "--smoke" ]]; then
   PGWARDEN_BENCH_SMOKE=1 cargo bench --bench checkout -- --noplot
   cargo bench --bench workloads -- --smoke
 else
-  # Row 2: criterion run several times, the side measured first alternating
+  # Row 2: criterion run ten times, the side measured first alternating
   # (the machine's speed drifts between runs more than within one); each
   # run's estimates kept for the report.
   rm -rf target/criterion-rounds
-  for k in 1 2 3 4 5 6; do
+  for k in 1 2 3 4 5 6 7 8 9 10; do
     order=raw-first
     if (( k % 2 == 0 )); then order=pgwarden-first; fi
     PGWARDEN_BENCH_ORDER=$order cargo bench --bench checkout -- --noplot \

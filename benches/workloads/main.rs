@@ -259,7 +259,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
             "1: 64 tasks, pool 16, `get` + `prepare_cached(\"SELECT 1\")` + `query_one`; {} interleaved round pairs of {:?} (up to {} while the spread of pair ratios straddles the target)",
             s.rounds * 2, s.round / 2, s.rounds * 4
         ),
-        "2: criterion (`benches/checkout.rs`), one task on a current-thread runtime, pool 16, a connection already open: `get` then drop; `benches/run.sh` runs criterion 6 times (1 s warm-up and 3 s measured per side), the side measured first alternating, and the row takes each run's ratio of the means: met when their upper quartile and the ratio of their medians are within the target, missed when the lower quartile and that ratio are past it (a single run, as `cargo bench --bench checkout` leaves: judged by the 95 % confidence intervals of its means)".to_owned(),
+        "2: criterion (`benches/checkout.rs`), one task on a current-thread runtime, pool 16, a connection already open: `get` then drop; `benches/run.sh` runs criterion 10 times (1 s warm-up and 3 s measured per side), the side measured first alternating, and the row takes each run's ratio of the means: met when their upper quartile and the ratio of their medians are within the target, missed when the lower quartile and that ratio are past it (a single run, as `cargo bench --bench checkout` leaves: judged by the 95 % confidence intervals of its means)".to_owned(),
         incident::describe(s),
         leases::describe(s),
         plain::describe(s),
@@ -457,8 +457,10 @@ them, three runs: 1.12, 1.19 and 1.29 (raw 318 to 363 ns, pgwarden 379 to
 469 ns); `--profile checkout-ab 40 10000`: medians of pair ratios 1.15 to
 1.33 with the machine's speed moving raw deadpool from 285 to 469 ns per
 checkout between runs. Criterion measures one side after the other, so
-`benches/run.sh` now runs it six times, the side measured first
-alternating, and row 2 is judged on the six ratios. What is left: the clock
+`benches/run.sh` now runs it ten times, the side measured first
+alternating, and row 2 is judged on the ten ratios (a full run with six
+had two runs of pgwarden at 465 and 502 ns in a row, 1.53 and 1.60, while
+the other four measured 1.08 to 1.23; six more right after: 1.10 to 1.26). What is left: the clock
 read at return (31 to 36 ns), two atomic operations for the permit's
 reference to the pool and six for three short critical sections
 (admission, attach, return).
