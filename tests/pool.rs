@@ -269,6 +269,40 @@ async fn a_cancelled_waiter_leaves_no_trace() {
     assert_eq!(pool.status().in_use, 0);
 }
 
+/// A checkout dropped while deadpool makes its connection (the link
+/// partitioned: the connection's start-up gets no answer) gives its
+/// admission back: nothing stays counted in use, and the pool serves the
+/// next checkout once the link heals.
+#[tokio::test]
+async fn a_checkout_dropped_while_its_connection_is_made_leaves_no_trace() {
+    let server = pgwarden_testing::TestServer::shared().expect("throwaway PostgreSQL");
+    let db = server.create_database().await.unwrap();
+    let proxy = pgwarden_testing::Proxy::start(server).expect("proxy");
+    let pool = Pool::builder(proxy.deadpool(&db, 2).unwrap())
+        .name("dropped-while-connecting")
+        .census_interval(None)
+        .build()
+        .unwrap();
+    proxy.blackhole();
+    let getting = pool.get_within(Duration::from_secs(30));
+    let r = tokio::time::timeout(Duration::from_millis(300), getting).await;
+    assert!(r.is_err(), "a connection was made through a partition");
+    let s = pool.status();
+    assert_eq!(
+        (s.waiting, s.in_use),
+        (0, 0),
+        "the dropped checkout still counts: {s}"
+    );
+    proxy.heal();
+    let c = tokio::time::timeout(Duration::from_secs(10), pool.get())
+        .await
+        .expect("a checkout after the partition healed, within 10 s")
+        .expect("a connection after the partition healed");
+    assert_eq!(pool.status().in_use, 1);
+    drop(c);
+    assert_eq!(pool.status().in_use, 0);
+}
+
 #[tokio::test]
 async fn control_lane_answers_while_request_traffic_saturates() {
     let (_db, pool) = pool(4).await;
