@@ -282,9 +282,9 @@ where
 {
     type Output = Result<Client, E>;
 
-    /// The common case runs here, straight through; the rest in cold
-    /// functions of their own (they build boxed futures, and keeping them
-    /// out keeps this frame small).
+    /// The common case runs here, straight through; the rest in functions
+    /// of their own (they build boxed futures, and keeping them out keeps
+    /// this frame small).
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let pool: &Pool = this.pool;
@@ -311,7 +311,7 @@ where
                         }
                     }
                 }
-                _ => match pool.poll_slow(this.get.as_mut(), this.state, lane, site, timeout, cx) {
+                _ => match pool.poll_slow(this.get.as_mut(), this.state, lane, site, cx) {
                     Slow::Pending => return Poll::Pending,
                     Slow::Done(r) => return Poll::Ready(r.map_err(map)),
                     Slow::Admitted(permit, start) => (permit, Some(start)),
@@ -363,8 +363,8 @@ fn bound(start: tokio::time::Instant, timeout: Duration) -> tokio::time::Instant
     bounded(start, deadline(start, timeout))
 }
 
-/// A checkout queued for admission: it waits in a boxed future.
-#[cold]
+/// A checkout queued for admission: it waits in a boxed future. (Out of
+/// line, not cold: under saturation most checkouts queue.)
 #[inline(never)]
 fn queued<'a>(shared: &'a Arc<Shared>, q: Queued<'a>, timeout: Duration) -> State<'a> {
     let start = q.start;
@@ -409,8 +409,8 @@ impl Pool {
     }
 
     /// Polls a checkout past its start: queued, waiting for deadpool, or in
-    /// [`Pool::checkout_rest`].
-    #[cold]
+    /// [`Pool::checkout_rest`]. Out of line, not cold (under saturation
+    /// most checkouts queue).
     #[inline(never)]
     fn poll_slow<'a, F>(
         &'a self,
@@ -418,7 +418,6 @@ impl Pool {
         state: &mut State<'a>,
         lane: Lane,
         site: &'static Location<'static>,
-        timeout: Duration,
         cx: &mut Context<'_>,
     ) -> Slow
     where
@@ -458,14 +457,11 @@ impl Pool {
                             }
                         },
                     };
-                    *state = State::Rest(Box::pin(self.checkout_rest(
-                        lane,
-                        site,
-                        start,
-                        bound(start, timeout),
-                        permit,
-                        got,
-                    )));
+                    // The bound the timer was set to, not worked out again.
+                    let deadline = timer.deadline();
+                    *state = State::Rest(Box::pin(
+                        self.checkout_rest(lane, site, start, deadline, permit, got),
+                    ));
                 }
                 State::Rest(mut rest) => {
                     return match rest.as_mut().poll(cx) {

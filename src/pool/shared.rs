@@ -737,32 +737,6 @@ impl Shared {
         match st.adm.request_with(lane, prio, key, patient) {
             // Inline (the common case): the permit is built where the
             // checkout keeps it.
-            Admitted::Admit { over_budget: false } => {
-                let slot = st.insert(lane, prio, site);
-                let in_use = st.adm.in_use(lane);
-                self.metrics.lane(lane).in_use.set(in_use as f64);
-                drop(st);
-                Ok(Entry::Admitted(Permit::new(self.clone(), slot, lane)))
-            }
-            other => self.admit_otherwise(st, other, lane, prio, key, site),
-        }
-    }
-
-    /// [`Shared::admit_now`] when the answer is not a plain admission:
-    /// admitted over the session-lock budget (warned), refused, closed, or
-    /// queued.
-    #[cold]
-    #[inline(never)]
-    fn admit_otherwise<'a>(
-        self: &'a Arc<Self>,
-        mut st: parking_lot::MutexGuard<'_, State>,
-        answer: Admitted,
-        lane: Lane,
-        prio: Priority,
-        key: WaiterKey,
-        site: &'static Location<'static>,
-    ) -> Result<Entry<'a>, Error> {
-        match answer {
             Admitted::Admit { over_budget } => {
                 let slot = st.insert(lane, prio, site);
                 let in_use = st.adm.in_use(lane);
@@ -783,28 +757,40 @@ impl Shared {
                 drop(st);
                 Err(self.closed(lane))
             }
-            Admitted::Queued => {
-                let (tx, rx) = oneshot::channel();
-                st.next_waiter += 1;
-                let id = st.next_waiter;
-                st.waiters.insert(Waiter { id, site, tx });
-                self.publish(&st, 1 << lane.idx());
-                drop(st);
-                // Read out of the lock: its deadline counts from here.
-                let start = tokio::time::Instant::now();
-                Ok(Entry::Queued(Queued {
-                    guard: WaiterGuard {
-                        shared: self,
-                        key,
-                        id,
-                        lane,
-                        prio,
-                    },
-                    rx,
-                    start,
-                }))
-            }
+            Admitted::Queued => Ok(self.enqueue(st, lane, prio, key, site)),
         }
+    }
+
+    /// [`Shared::admit_now`] for a checkout that must wait: it joins the
+    /// queue (out of line: it keeps the admission's inline part small).
+    #[inline(never)]
+    fn enqueue<'a>(
+        self: &'a Arc<Self>,
+        mut st: parking_lot::MutexGuard<'_, State>,
+        lane: Lane,
+        prio: Priority,
+        key: WaiterKey,
+        site: &'static Location<'static>,
+    ) -> Entry<'a> {
+        let (tx, rx) = oneshot::channel();
+        st.next_waiter += 1;
+        let id = st.next_waiter;
+        st.waiters.insert(Waiter { id, site, tx });
+        self.publish(&st, 1 << lane.idx());
+        drop(st);
+        // Read out of the lock: its deadline counts from here.
+        let start = tokio::time::Instant::now();
+        Entry::Queued(Queued {
+            guard: WaiterGuard {
+                shared: self,
+                key,
+                id,
+                lane,
+                prio,
+            },
+            rx,
+            start,
+        })
     }
 
     /// Waits for a queued checkout's permit up to `deadline`. Given up or
