@@ -465,6 +465,22 @@ read at return (31 to 36 ns), two atomic operations for the permit's
 reference to the pool and six for three short critical sections
 (admission, attach, return).
 
+Workload 1 again (its target, at least 0.97, missed in the full run
+before: 0.892): every operation there queues (64 tasks on 16
+connections). callgrind, `--profile raw|pgwarden` 20,000 operations
+minus 10,000, per operation: raw deadpool 13,027, pgwarden 15,796 (2,769
+added). A queued checkout waited in a boxed future, on a oneshot channel
+(another allocation), under a `Timeout`. A waiter now keeps its answer
+and its task's waker in its entry of the waiters' table (woken once the
+lock is released, the permit made as it reads its answer), and its timer
+is a field of the checkout's future (armed only when it queues or waits
+for deadpool, the same deadline for both): 14,933 (1,906 added). What
+remains of the wait is mostly its timer (tokio's `Sleep` put in the timer
+wheel and taken out again: about 470 instructions; every pgwarden
+checkout is bounded, raw deadpool's has no wait timeout) and the
+admission queue's grant. Three runs of workload 1 alone after it: 1.003
+(yes), 1.013 (yes), 0.977 (unresolved).
+
 Tried and dropped, measured with `--profile checkout-ab` and callgrind:
 admission and deadpool's answer under one lock (deadpool polled while the
 pool's lock is held: 2,644 instructions, no faster, and it would make

@@ -9,7 +9,6 @@ use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
 use std::pin::{pin, Pin};
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -98,6 +97,7 @@ impl Pool {
             // Not polled before admission: an async fn's future does nothing
             // until then (it only holds its arguments).
             get: shared.inner.timeout_get(&shared.get_timeouts),
+            timer: Timer::Off,
             state: State::Start,
             pool: self,
             lane,
@@ -230,7 +230,9 @@ pin_project_lite::pin_project! {
     /// deadpool's answer in its state and moved the connection (232 bytes)
     /// three times more on the way out. Everything else (a wait in the
     /// queue, a deadpool error or wait, a tainted or new connection) runs
-    /// in boxed futures entered only then.
+    /// in functions entered only then. A wait in the queue allocates
+    /// nothing: the checkout's answer and waker are kept in its entry in
+    /// the waiters' table, and its timer in the future itself.
     ///
     /// `get` is deadpool's checkout, made with the future and polled only
     /// after admission (pgwarden owns the capacity: deadpool is asked not
@@ -240,6 +242,10 @@ pin_project_lite::pin_project! {
     struct Getting<'a, F, E> {
         #[pin]
         get: F,
+        // The checkout's bound, armed once something makes it wait (in the
+        // queue, or for deadpool; the same deadline for both).
+        #[pin]
+        timer: Timer,
         state: State<'a>,
         pool: &'a Pool,
         lane: Lane,
@@ -251,23 +257,64 @@ pin_project_lite::pin_project! {
     }
 }
 
+pin_project_lite::pin_project! {
+    /// A checkout's timer: off until something makes it wait.
+    #[project = TimerProj]
+    enum Timer {
+        Off,
+        On {
+            #[pin]
+            sleep: tokio::time::Sleep,
+        },
+    }
+}
+
+impl Timer {
+    /// Arms it for `deadline`, unless it is armed already (a checkout's
+    /// bound does not change once worked out).
+    fn arm(mut self: Pin<&mut Self>, deadline: impl FnOnce() -> tokio::time::Instant) {
+        if matches!(*self, Timer::Off) {
+            self.set(Timer::On {
+                sleep: tokio::time::sleep_until(deadline()),
+            });
+        }
+    }
+
+    /// Whether its deadline has come (registering the task's waker if
+    /// not). Never fires while off.
+    fn poll_fired(self: Pin<&mut Self>, cx: &mut Context<'_>) -> bool {
+        match self.project() {
+            TimerProj::On { sleep } => sleep.poll(cx).is_ready(),
+            TimerProj::Off => {
+                debug_assert!(false, "a checkout waits with its timer off");
+                false
+            }
+        }
+    }
+
+    /// The deadline it is armed for.
+    fn deadline(&self) -> Option<tokio::time::Instant> {
+        match self {
+            Timer::On { sleep } => Some(sleep.deadline()),
+            Timer::Off => None,
+        }
+    }
+}
+
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send + 'a>>;
 
 /// Where a [`Getting`] is.
 enum State<'a> {
     /// Not polled yet.
     Start,
-    /// In the admission queue since `start`.
-    Queued {
-        admitted: Boxed<'a, Permit>,
-        start: tokio::time::Instant,
-    },
+    /// In the admission queue, until its answer or its timer.
+    Queued(Queued<'a>),
     /// Admitted, waiting for deadpool (connecting, or a return under way)
-    /// since `start`, until `timer` fires.
+    /// since `start`, until its timer fires at `deadline`.
     Waiting {
         permit: Permit,
         start: tokio::time::Instant,
-        timer: Pin<Box<tokio::time::Sleep>>,
+        deadline: tokio::time::Instant,
     },
     /// Admitted, its connection not handed out at once: see
     /// [`Pool::checkout_rest`].
@@ -299,10 +346,13 @@ where
             let (permit, start) = match this.state {
                 State::Start => {
                     shared.supervisor.revive();
-                    match shared.admit_now(lane, *this.prio, *this.patient, site) {
+                    let waker = cx.waker();
+                    match shared.admit_now(lane, *this.prio, *this.patient, site, waker) {
                         Ok(Entry::Admitted(permit)) => (permit, None),
                         Ok(Entry::Queued(q)) => {
-                            *this.state = queued(shared, q, timeout);
+                            if queued(q, timeout, this.timer.as_mut(), this.state, cx) {
+                                return Poll::Pending;
+                            }
                             continue;
                         }
                         Err(e) => {
@@ -311,7 +361,14 @@ where
                         }
                     }
                 }
-                _ => match pool.poll_slow(this.get.as_mut(), this.state, lane, site, cx) {
+                _ => match pool.poll_slow(
+                    this.get.as_mut(),
+                    this.timer.as_mut(),
+                    this.state,
+                    lane,
+                    site,
+                    cx,
+                ) {
                     Slow::Pending => return Poll::Pending,
                     Slow::Done(r) => return Poll::Ready(r.map_err(map)),
                     Slow::Admitted(permit, start) => (permit, Some(start)),
@@ -342,7 +399,8 @@ where
                     }));
                 }
             }
-            *this.state = pool.not_at_once(lane, site, timeout, permit, start, polled);
+            *this.state =
+                pool.not_at_once(site, timeout, this.timer.as_mut(), permit, start, polled);
         }
     }
 }
@@ -363,15 +421,22 @@ fn bound(start: tokio::time::Instant, timeout: Duration) -> tokio::time::Instant
     bounded(start, deadline(start, timeout))
 }
 
-/// A checkout queued for admission: it waits in a boxed future. (Out of
-/// line, not cold: under saturation most checkouts queue.)
+/// A checkout just queued for admission (its waker in its entry already:
+/// an answer from now on wakes it): its timer armed and polled. Returns
+/// whether it waits (its deadline not come). (Out of line, not cold: under
+/// saturation most checkouts queue.)
 #[inline(never)]
-fn queued<'a>(shared: &'a Arc<Shared>, q: Queued<'a>, timeout: Duration) -> State<'a> {
+fn queued<'a>(
+    q: Queued<'a>,
+    timeout: Duration,
+    mut timer: Pin<&mut Timer>,
+    state: &mut State<'a>,
+    cx: &mut Context<'_>,
+) -> bool {
     let start = q.start;
-    State::Queued {
-        admitted: Box::pin(shared.admitted(q, bound(start, timeout))),
-        start,
-    }
+    *state = State::Queued(q);
+    timer.as_mut().arm(|| bound(start, timeout));
+    !timer.poll_fired(cx)
 }
 
 impl Pool {
@@ -382,21 +447,26 @@ impl Pool {
     #[inline(never)]
     fn not_at_once(
         &self,
-        lane: Lane,
         site: &'static Location<'static>,
         timeout: Duration,
+        mut timer: Pin<&mut Timer>,
         permit: Permit,
         start: Option<tokio::time::Instant>,
         polled: Poll<Result<Object, PoolError>>,
     ) -> State<'_> {
+        let lane = permit.lane;
         let start = self.shared.started(permit.slot(), start);
-        let deadline = bound(start, timeout);
+        // Armed already when it queued (the same bound: the same start).
+        let deadline = timer.deadline().unwrap_or_else(|| bound(start, timeout));
         match polled {
-            Poll::Pending => State::Waiting {
-                permit,
-                start,
-                timer: Box::pin(tokio::time::sleep_until(deadline)),
-            },
+            Poll::Pending => {
+                timer.as_mut().arm(|| deadline);
+                State::Waiting {
+                    permit,
+                    start,
+                    deadline,
+                }
+            }
             Poll::Ready(got) => State::Rest(Box::pin(self.checkout_rest(
                 lane,
                 site,
@@ -415,6 +485,7 @@ impl Pool {
     fn poll_slow<'a, F>(
         &'a self,
         mut get: Pin<&mut F>,
+        mut timer: Pin<&mut Timer>,
         state: &mut State<'a>,
         lane: Lane,
         site: &'static Location<'static>,
@@ -425,15 +496,21 @@ impl Pool {
     {
         loop {
             match std::mem::replace(state, State::Done) {
-                State::Queued {
-                    mut admitted,
-                    start,
-                } => {
-                    return match admitted.as_mut().poll(cx) {
+                State::Queued(mut q) => {
+                    let start = q.start;
+                    return match q.poll_admitted(cx) {
                         Poll::Ready(Ok(permit)) => Slow::Admitted(permit, start),
                         Poll::Ready(Err(e)) => Slow::Done(Err(e)),
+                        Poll::Pending if timer.as_mut().poll_fired(cx) => {
+                            // The status as this waiter saw it, itself
+                            // still counted; then it leaves the queue.
+                            let shared = &self.shared;
+                            let status = shared.status();
+                            drop(q);
+                            Slow::Done(Err(shared.timed_out(lane, Stage::Admission, start, status)))
+                        }
                         Poll::Pending => {
-                            *state = State::Queued { admitted, start };
+                            *state = State::Queued(q);
                             Slow::Pending
                         }
                     };
@@ -441,24 +518,20 @@ impl Pool {
                 State::Waiting {
                     permit,
                     start,
-                    mut timer,
+                    deadline,
                 } => {
                     let got = match get.as_mut().poll(cx) {
                         Poll::Ready(r) => Some(r),
-                        Poll::Pending => match timer.as_mut().poll(cx) {
-                            Poll::Ready(()) => None,
-                            Poll::Pending => {
-                                *state = State::Waiting {
-                                    permit,
-                                    start,
-                                    timer,
-                                };
-                                return Slow::Pending;
-                            }
-                        },
+                        Poll::Pending if timer.as_mut().poll_fired(cx) => None,
+                        Poll::Pending => {
+                            *state = State::Waiting {
+                                permit,
+                                start,
+                                deadline,
+                            };
+                            return Slow::Pending;
+                        }
                     };
-                    // The bound the timer was set to, not worked out again.
-                    let deadline = timer.deadline();
                     *state = State::Rest(Box::pin(
                         self.checkout_rest(lane, site, start, deadline, permit, got),
                     ));

@@ -1,7 +1,7 @@
 //! What every clone of a [`Pool`] shares, and everything done under its
 //! state lock: the [`Shared`] core, the admission shell's tables and the
 //! checkout records; the shell around the admission core (permits, each
-//! waiter's channel and deadline, returns, the "releasing" mark, resizing,
+//! waiter's answer and waker, returns, the "releasing" mark, resizing,
 //! closing); and what the state says when read (the pool's
 //! [`Status`](crate::Status), a lane's load). Every change to the core
 //! happens under the state lock, and the lane gauges it moves are set there
@@ -20,12 +20,12 @@ use std::panic::Location;
 use std::pin::Pin;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::PoolError;
 use parking_lot::Mutex;
 use slab::Slab;
-use tokio::sync::oneshot;
 
 use super::supervisor::Supervisor;
 use crate::admission::{
@@ -313,17 +313,40 @@ impl Drop for Permit {
     }
 }
 
-/// What a queued waiter is told: its permit, or why never.
-pub(super) type Outcome = Result<Permit, Refusal>;
-
-/// A queued checkout, as the shell keeps it.
+/// A queued checkout, as the shell keeps it: in the table from the moment
+/// it queues until its checkout reads its answer or gives up (only its own
+/// [`Queued`] takes it out), so its key stays its own meanwhile.
 pub(crate) struct Waiter {
-    /// Unique for the pool's life: the table's keys are reused, and a
-    /// waiter that gave up just as it was granted must not touch the next
-    /// waiter filed under the same key.
+    /// Unique for the pool's life: checked (in debug builds) each time the
+    /// checkout reads its entry, whose key the table reuses afterwards.
     pub(super) id: u64,
     pub(super) site: &'static Location<'static>,
-    pub(super) tx: oneshot::Sender<Outcome>,
+    pub(super) wait: Wait,
+}
+
+/// Where a queued checkout's answer is: kept in its [`Waiter`] entry, with
+/// no channel or allocation of its own.
+pub(super) enum Wait {
+    /// Not answered yet: the task to wake when it is.
+    Pending(Option<Waker>),
+    /// Granted (its checkout record and lane) or refused.
+    Answered(Answer),
+    /// The pool closed.
+    Closed,
+}
+
+impl Waiter {
+    /// Gives it its answer; returns the task to wake (once the lock is
+    /// released).
+    fn answer(&mut self, wait: Wait) -> Option<Waker> {
+        match std::mem::replace(&mut self.wait, wait) {
+            Wait::Pending(waker) => waker,
+            _ => {
+                debug_assert!(false, "a waiter answered twice");
+                None
+            }
+        }
+    }
 }
 
 impl fmt::Debug for Pool {
@@ -507,60 +530,117 @@ pub(super) enum Entry<'a> {
     Queued(Queued<'a>),
 }
 
-/// A queued checkout: its channel, and the guard that takes it off the
-/// queue when it gives up or is dropped (whenever that happens).
+/// A queued checkout: its entry in the waiters' table (read with
+/// [`Queued::poll_admitted`]), and when it queued. Dropped before its
+/// answer is read, it leaves the queue, or gives back the grant it was
+/// given meanwhile.
 pub(super) struct Queued<'a> {
-    guard: WaiterGuard<'a>,
-    rx: oneshot::Receiver<Outcome>,
-    /// When it was queued: its checkout's start, for its deadline.
-    pub(super) start: tokio::time::Instant,
-}
-
-/// Removes a waiter from the queue when its checkout gives up or is dropped.
-struct WaiterGuard<'a> {
     shared: &'a Arc<Shared>,
     key: WaiterKey,
     id: u64,
     lane: Lane,
     prio: Priority,
+    /// When it was queued: its checkout's start, for its deadline.
+    pub(super) start: tokio::time::Instant,
 }
 
-impl Drop for WaiterGuard<'_> {
-    fn drop(&mut self) {
-        let mut fired = Fired::default();
-        {
-            let mut guard = self.shared.state.lock();
-            let st = &mut *guard;
-            // Still in the table under its own id: still queued (a grant or
-            // refusal takes it out, and its key may serve another since).
-            let queued = st.waiters.get(self.key).is_some_and(|w| w.id == self.id);
-            if queued {
-                st.waiters.try_remove(self.key);
-                let mut t = Tables {
-                    waiters: &mut st.waiters,
-                    checkouts: &mut st.checkouts,
-                    warned_sites: &mut st.warned_sites,
-                };
-                st.adm.cancel(self.lane, self.prio, self.key, |e| {
-                    self.shared.apply(&mut t, e, &mut fired)
-                });
-                self.shared.publish(st, 1 << self.lane.idx() | fired.lanes);
+impl Queued<'_> {
+    /// Its answer, once given: a permit, or why none (refused, or the pool
+    /// closed). Until then it keeps `cx`'s waker in its entry. Ready only
+    /// once: the entry leaves the table then.
+    pub(super) fn poll_admitted(&mut self, cx: &mut Context<'_>) -> Poll<Result<Permit, Error>> {
+        let shared = self.shared;
+        let lane = self.lane;
+        let mut st = shared.state.lock();
+        let w = match st.waiters.get_mut(self.key) {
+            Some(w) if w.id == self.id => w,
+            // Read already (its key may serve another since): a caller's
+            // bug, answered as the pool closing rather than with a second
+            // permit.
+            _ => {
+                debug_assert!(false, "a queued checkout polled after its answer");
+                return Poll::Ready(Err(shared.closed(lane)));
             }
+        };
+        if let Wait::Pending(waker) = &mut w.wait {
+            match waker {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                _ => *waker = Some(cx.waker().clone()),
+            }
+            return Poll::Pending;
         }
-        fired.send(self.shared);
+        let w = st.waiters.remove(self.key);
+        // Answered: the entry is gone, there is nothing left to undo.
+        self.id = 0;
+        Poll::Ready(match w.wait {
+            Wait::Answered(Ok((slot, lane))) => {
+                drop(st);
+                Ok(Permit::new(shared.clone(), slot, lane))
+            }
+            Wait::Answered(Err(r)) => {
+                let err = shared.refusal(&st, lane, r);
+                drop(st);
+                Err(shared.refused(lane, r, err))
+            }
+            Wait::Closed | Wait::Pending(_) => {
+                drop(st);
+                Err(shared.closed(lane))
+            }
+        })
     }
 }
 
-/// A grant's checkout slot and lane, or a refusal: made into what the
-/// waiter is told once the lock is released (the permit's `Arc` clone is
-/// an atomic every checkout touches: not under the lock).
-type Answer = Result<(usize, Lane), Refusal>;
+impl Drop for Queued<'_> {
+    /// Leaves the queue (a checkout that gave up or was dropped), or gives
+    /// back a grant its checkout did not read.
+    fn drop(&mut self) {
+        if self.id == 0 {
+            return;
+        }
+        let mut fired = Fired::default();
+        let granted = {
+            let mut guard = self.shared.state.lock();
+            let st = &mut *guard;
+            let mine = st.waiters.get(self.key).is_some_and(|w| w.id == self.id);
+            debug_assert!(mine, "a queued checkout's entry gone before its drop");
+            if !mine {
+                return;
+            }
+            match st.waiters.remove(self.key).wait {
+                Wait::Pending(_) => {
+                    let mut t = Tables {
+                        waiters: &mut st.waiters,
+                        checkouts: &mut st.checkouts,
+                        warned_sites: &mut st.warned_sites,
+                    };
+                    st.adm.cancel(self.lane, self.prio, self.key, |e| {
+                        self.shared.apply(&mut t, e, &mut fired)
+                    });
+                    self.shared.publish(st, 1 << self.lane.idx() | fired.lanes);
+                    None
+                }
+                Wait::Answered(Ok((slot, _))) => Some(slot),
+                Wait::Answered(Err(_)) | Wait::Closed => None,
+            }
+        };
+        fired.send(self.shared);
+        if let Some(slot) = granted {
+            // Granted as it gave up: the grant goes back (and to the next).
+            self.shared.release(slot, None);
+        }
+    }
+}
 
-/// Channels to fire once the lock is released, and what changed.
+/// A grant's checkout slot and lane, or a refusal: what a waiter is told
+/// (made into a permit by the waiter as it reads it, out of the lock: the
+/// permit's `Arc` clone is an atomic every checkout touches).
+pub(super) type Answer = Result<(usize, Lane), Refusal>;
+
+/// Tasks to wake once the lock is released, and what changed.
 #[derive(Default)]
 struct Fired {
-    first: Option<(oneshot::Sender<Outcome>, Answer)>,
-    rest: Vec<(oneshot::Sender<Outcome>, Answer)>,
+    first: Option<Waker>,
+    rest: Vec<Waker>,
     /// Lanes whose gauges moved (bit per lane index).
     lanes: u8,
     /// Session locks admitted past the budget: (site, first at that site).
@@ -568,11 +648,12 @@ struct Fired {
 }
 
 impl Fired {
-    fn push(&mut self, tx: oneshot::Sender<Outcome>, a: Answer) {
+    fn push(&mut self, waker: Option<Waker>) {
+        let Some(waker) = waker else { return };
         if self.first.is_none() {
-            self.first = Some((tx, a));
+            self.first = Some(waker);
         } else {
-            self.rest.push((tx, a));
+            self.rest.push(waker);
         }
     }
 
@@ -591,11 +672,8 @@ impl Fired {
         for (site, first) in self.overs {
             shared.over_budget(site, first);
         }
-        for (tx, answer) in self.first.into_iter().chain(self.rest) {
-            let outcome = answer.map(|(slot, lane)| Permit::new(shared.clone(), slot, lane));
-            // A waiter that gave up in the meantime hands a permit back,
-            // whose drop releases it again.
-            let _ = tx.send(outcome);
+        for waker in self.first.into_iter().chain(self.rest) {
+            waker.wake();
         }
     }
 }
@@ -618,7 +696,7 @@ impl Shared {
                 prio,
                 over_budget,
             } => {
-                let Some(w) = t.waiters.try_remove(key) else {
+                let Some(w) = t.waiters.get_mut(key) else {
                     debug_assert!(false, "granted an unknown waiter");
                     return;
                 };
@@ -628,12 +706,12 @@ impl Shared {
                     fired.overs.push((w.site, first));
                 }
                 fired.lanes |= 1 << lane.idx();
-                fired.push(w.tx, Ok((slot, lane)));
+                fired.push(w.answer(Wait::Answered(Ok((slot, lane)))));
             }
             Effect::Refuse { key, lane, refusal } => {
-                if let Some(w) = t.waiters.try_remove(key) {
+                if let Some(w) = t.waiters.get_mut(key) {
                     fired.lanes |= 1 << lane.idx();
-                    fired.push(w.tx, Err(refusal));
+                    fired.push(w.answer(Wait::Answered(Err(refusal))));
                 }
             }
         }
@@ -692,16 +770,27 @@ impl Shared {
         site: &'static Location<'static>,
         timeout: Duration,
     ) -> Result<Permit, Error> {
-        match self.admit_now(lane, prio, patient, site)? {
+        let waker = std::future::poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
+        match self.admit_now(lane, prio, patient, site, &waker)? {
             Entry::Admitted(permit) => {
                 // No connection comes: its record ages from now, as a
                 // checkout's that waits for deadpool.
                 self.waiting_since(permit.slot(), tokio::time::Instant::now().into_std());
                 Ok(permit)
             }
-            Entry::Queued(q) => {
+            Entry::Queued(mut q) => {
                 let deadline = super::deadline::deadline(q.start, timeout);
-                self.admitted(q, deadline).await
+                let answer = std::future::poll_fn(|cx| q.poll_admitted(cx));
+                match tokio::time::timeout_at(deadline, answer).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        // The status as this waiter saw it, itself still counted.
+                        let status = self.status();
+                        let start = q.start;
+                        drop(q);
+                        Err(self.timed_out(lane, Stage::Admission, start, status))
+                    }
+                }
             }
         }
     }
@@ -719,7 +808,8 @@ impl Shared {
     /// The synchronous half of an admission, one lock: admitted now,
     /// queued (in FIFO order; when `patient`, waiting for the session-lock
     /// budget rather than being refused while other locks hold it), or
-    /// refused. A queued checkout waits with [`Shared::admitted`]. Only a
+    /// refused. A queued checkout keeps `waker` in its entry, to be woken
+    /// by its answer, and reads it with [`Queued::poll_admitted`]. Only a
     /// queued one reads the clock (its start, for its deadline; after the
     /// lock): one admitted at once is handed out at its connection's
     /// recycle time. A granted waiter's record, like one admitted at once,
@@ -731,6 +821,7 @@ impl Shared {
         prio: Priority,
         patient: bool,
         site: &'static Location<'static>,
+        waker: &Waker,
     ) -> Result<Entry<'a>, Error> {
         let mut st = self.state.lock();
         let key = st.waiters.vacant_key();
@@ -757,7 +848,7 @@ impl Shared {
                 drop(st);
                 Err(self.closed(lane))
             }
-            Admitted::Queued => Ok(self.enqueue(st, lane, prio, key, site)),
+            Admitted::Queued => Ok(self.enqueue(st, lane, prio, key, site, waker)),
         }
     }
 
@@ -771,60 +862,25 @@ impl Shared {
         prio: Priority,
         key: WaiterKey,
         site: &'static Location<'static>,
+        waker: &Waker,
     ) -> Entry<'a> {
-        let (tx, rx) = oneshot::channel();
         st.next_waiter += 1;
         let id = st.next_waiter;
-        st.waiters.insert(Waiter { id, site, tx });
+        let wait = Wait::Pending(Some(waker.clone()));
+        let at = st.waiters.insert(Waiter { id, site, wait });
+        debug_assert_eq!(at, key, "a waiter filed under another key than the queue's");
         self.publish(&st, 1 << lane.idx());
         drop(st);
         // Read out of the lock: its deadline counts from here.
         let start = tokio::time::Instant::now();
         Entry::Queued(Queued {
-            guard: WaiterGuard {
-                shared: self,
-                key,
-                id,
-                lane,
-                prio,
-            },
-            rx,
+            shared: self,
+            key,
+            id,
+            lane,
+            prio,
             start,
         })
-    }
-
-    /// Waits for a queued checkout's permit up to `deadline`. Given up or
-    /// dropped, it leaves the queue.
-    pub(super) async fn admitted(
-        &self,
-        q: Queued<'_>,
-        deadline: tokio::time::Instant,
-    ) -> Result<Permit, Error> {
-        let Queued { guard, rx, start } = q;
-        let lane = guard.lane;
-        match tokio::time::timeout_at(deadline, rx).await {
-            Ok(Ok(Ok(permit))) => {
-                // Granted: off the queue already, skip the guard's scan.
-                std::mem::forget(guard);
-                Ok(permit)
-            }
-            Ok(Ok(Err(r))) => {
-                std::mem::forget(guard);
-                let err = self.refusal(&self.state.lock(), lane, r);
-                Err(self.refused(lane, r, err))
-            }
-            // The sender went away without an answer: the pool closed.
-            Ok(Err(_)) => {
-                std::mem::forget(guard);
-                Err(self.closed(lane))
-            }
-            Err(_) => {
-                // The status as this waiter saw it, itself still counted.
-                let status = self.status();
-                drop(guard);
-                Err(self.timed_out(lane, Stage::Admission, start, status))
-            }
-        }
     }
 
     /// Counts and logs a checkout whose bound ran out.
@@ -971,21 +1027,23 @@ impl Shared {
     pub(crate) fn close(&self) {
         self.inner.close();
         self.supervisor.close();
-        let mut gone = Vec::new();
+        let mut wake = Vec::new();
         {
             let mut st = self.state.lock();
             let st = &mut *st;
             let mut keys = Vec::new();
             st.adm.close(|k| keys.push(k));
             for k in keys {
-                if let Some(w) = st.waiters.try_remove(k) {
-                    gone.push(w);
+                if let Some(w) = st.waiters.get_mut(k) {
+                    wake.extend(w.answer(Wait::Closed));
                 }
             }
             self.publish(st, u8::MAX);
         }
-        // Their receivers see the sender gone: `closed`.
-        drop(gone);
+        // They read `closed` in their entries.
+        for waker in wake {
+            waker.wake();
+        }
     }
 }
 

@@ -314,18 +314,41 @@ async fn a_waiter_dropped_after_its_grant_leaves_the_next_waiter_alone() {
     let held = admit(&pool, Lane::Request, Duration::ZERO).await.unwrap();
     let mut a = Box::pin(admit(&pool, Lane::Request, Duration::from_secs(5)));
     assert!((&mut a).now_or_never().is_none());
-    // Granted while nobody polls it: its permit waits in its channel.
+    // Granted while nobody polls it: its grant waits in its entry.
     drop(held);
-    // The next waiter takes the table slot the first one had.
     let mut b = Box::pin(admit(&pool, Lane::Request, Duration::from_secs(5)));
     assert!((&mut b).now_or_never().is_none());
     assert_eq!(pool.status().waiting, 1);
-    // The first one gives up without reading its grant: its permit comes
-    // back, and goes to the second, whose place in the queue was kept. (Its
-    // guard must not cancel the second, filed under the same table key: the
-    // guard checks the waiter's id, not only the key.)
+    // The first one gives up without reading its grant: the grant comes
+    // back, and goes to the second, whose place in the queue was kept.
     drop(a);
     assert!(b.await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_polled_by_another_task_is_woken_there() {
+    let (pool, _snap) = pool(2);
+    let held = admit(&pool, Lane::Request, Duration::ZERO).await.unwrap();
+    // Queued with a waker that wakes nothing (`now_or_never`'s), then
+    // awaited here: the grant must wake this task, not the first waker.
+    let mut b = Box::pin(admit(&pool, Lane::Request, Duration::from_secs(5)));
+    assert!((&mut b).now_or_never().is_none());
+    assert_eq!(pool.status().waiting, 1);
+    let giver = tokio::spawn(async move {
+        tokio::task::yield_now().await;
+        drop(held);
+    });
+    // Woken by the grant, at once (the clock is paused: it moves only
+    // when every task sleeps), not by a timer.
+    let start = tokio::time::Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(1), b).await;
+    assert!(matches!(got, Ok(Ok(_))), "the waiter was not served");
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "the grant did not wake the task that awaits"
+    );
+    giver.await.unwrap();
 }
 
 fn runtime() -> tokio::runtime::Runtime {
