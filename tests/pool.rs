@@ -269,6 +269,39 @@ async fn a_cancelled_waiter_leaves_no_trace() {
     assert_eq!(pool.status().in_use, 0);
 }
 
+/// A queued checkout granted while nobody polls it, then dropped without
+/// reading its grant: the grant goes back, and the connection is there for
+/// the next checkout.
+#[tokio::test]
+async fn a_checkout_dropped_after_its_grant_gives_it_back() {
+    use futures_util::FutureExt;
+    let (_db, pool) = pool(2).await;
+    let a = pool.get().await.unwrap();
+    let mut waiting = Box::pin(pool.get());
+    assert!((&mut waiting).now_or_never().is_none());
+    assert_eq!(pool.status().waiting, 1);
+    // Granted to `waiting` as the connection comes back; not polled since.
+    drop(a);
+    let s = pool.status();
+    assert_eq!(
+        (s.waiting, s.in_use),
+        (0, 1),
+        "the grant went to the waiter"
+    );
+    drop(waiting);
+    let s = pool.status();
+    assert_eq!(
+        (s.waiting, s.in_use),
+        (0, 0),
+        "the dropped checkout kept its grant"
+    );
+    let c = tokio::time::timeout(Duration::from_secs(2), pool.get())
+        .await
+        .expect("the next checkout waited")
+        .unwrap();
+    drop(c);
+}
+
 /// A checkout dropped while deadpool makes its connection (the link
 /// partitioned: the connection's start-up gets no answer) gives its
 /// admission back: nothing stays counted in use, and the pool serves the
