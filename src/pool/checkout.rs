@@ -330,8 +330,8 @@ where
     type Output = Result<Client, E>;
 
     /// The common case runs here, straight through; the rest in functions
-    /// of their own (they build boxed futures, and keeping them out keeps
-    /// this frame small).
+    /// of their own (keeping them out keeps this frame small; the rarest,
+    /// `Pool::checkout_rest`, is a boxed future).
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let pool: &Pool = this.pool;

@@ -317,8 +317,8 @@ impl Drop for Permit {
 /// it queues until its checkout reads its answer or gives up (only its own
 /// [`Queued`] takes it out), so its key stays its own meanwhile.
 pub(crate) struct Waiter {
-    /// Unique for the pool's life: checked (in debug builds) each time the
-    /// checkout reads its entry, whose key the table reuses afterwards.
+    /// Unique for the pool's life: checked each time the checkout reads
+    /// or leaves its entry (the table reuses a key once its entry is out).
     pub(super) id: u64,
     pub(super) site: &'static Location<'static>,
     pub(super) wait: Wait,
