@@ -302,6 +302,96 @@ async fn a_checkout_dropped_after_its_grant_gives_it_back() {
     drop(c);
 }
 
+/// Many checkouts on few connections, on two worker threads, each given
+/// up at a point of its own: after one poll and a yield (granted or not
+/// meanwhile), at a timeout that races its grant, or not at all. Whatever the interleaving, every grant ends in a
+/// served checkout or goes back: afterwards nothing is in use or waiting,
+/// and the next checkout is served at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkouts_given_up_at_any_point_under_contention_leave_no_trace() {
+    use futures_util::FutureExt;
+    const TASKS: u64 = 24;
+    const ROUNDS: u64 = 150;
+    let (_db, pool) = pool(4).await;
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                // A small generator of its own per task: the same run each time.
+                let mut x = t.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                let mut next = move || {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x
+                };
+                let mut served = 0u32;
+                for _ in 0..ROUNDS {
+                    match next() % 4 {
+                        0 => {
+                            let c = pool.get().await.expect("a checkout with time to wait");
+                            c.simple_query("SELECT 1").await.expect("SELECT 1");
+                            served += 1;
+                        }
+                        1 => {
+                            let wait = Duration::from_micros(next() % 2_000);
+                            if let Ok(r) = tokio::time::timeout(wait, pool.get()).await {
+                                drop(r.expect("a checkout within its bound"));
+                                served += 1;
+                            }
+                        }
+                        2 => {
+                            // Queued, then left unpolled while others run
+                            // (and may grant it), then dropped unread.
+                            let mut get = Box::pin(pool.get());
+                            if let Some(r) = (&mut get).now_or_never() {
+                                drop(r.expect("a checkout admitted at once"));
+                                served += 1;
+                            } else {
+                                tokio::task::yield_now().await;
+                                drop(get);
+                            }
+                        }
+                        _ => {
+                            let c = pool.get().await.expect("a checkout with time to wait");
+                            tokio::task::yield_now().await;
+                            drop(c);
+                            served += 1;
+                        }
+                    }
+                }
+                served
+            })
+        })
+        .collect();
+    let mut served = 0;
+    for t in tasks {
+        served += tokio::time::timeout(Duration::from_secs(60), t)
+            .await
+            .expect("a task still waiting after 60 s: a grant was lost")
+            .unwrap();
+    }
+    assert!(
+        served >= (TASKS * ROUNDS / 2) as u32,
+        "only {served} checkouts served"
+    );
+    let s = pool.status();
+    assert_eq!(
+        (s.in_use, s.waiting),
+        (0, 0),
+        "checkouts given up left a trace: {s:?}"
+    );
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            pool.get()
+                .now_or_never()
+                .expect("the lane's connections are all free: admitted at once")
+                .unwrap()
+        })
+        .collect();
+    drop(held);
+}
+
 /// A checkout dropped while deadpool makes its connection (the link
 /// partitioned: the connection's start-up gets no answer) gives its
 /// admission back: nothing stays counted in use, and the pool serves the
