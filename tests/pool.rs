@@ -325,19 +325,19 @@ async fn checkouts_given_up_at_any_point_under_contention_leave_no_trace() {
                     x ^= x << 17;
                     x
                 };
-                let mut served = 0u32;
+                // Checkouts given up before they were served.
+                let mut given_up = 0u32;
                 for _ in 0..ROUNDS {
                     match next() % 4 {
                         0 => {
                             let c = pool.get().await.expect("a checkout with time to wait");
                             c.simple_query("SELECT 1").await.expect("SELECT 1");
-                            served += 1;
                         }
                         1 => {
                             let wait = Duration::from_micros(next() % 2_000);
-                            if let Ok(r) = tokio::time::timeout(wait, pool.get()).await {
-                                drop(r.expect("a checkout within its bound"));
-                                served += 1;
+                            match tokio::time::timeout(wait, pool.get()).await {
+                                Ok(r) => drop(r.expect("a checkout within its bound")),
+                                Err(_) => given_up += 1,
                             }
                         }
                         2 => {
@@ -346,49 +346,48 @@ async fn checkouts_given_up_at_any_point_under_contention_leave_no_trace() {
                             let mut get = Box::pin(pool.get());
                             if let Some(r) = (&mut get).now_or_never() {
                                 drop(r.expect("a checkout admitted at once"));
-                                served += 1;
                             } else {
                                 tokio::task::yield_now().await;
                                 drop(get);
+                                given_up += 1;
                             }
                         }
                         _ => {
                             let c = pool.get().await.expect("a checkout with time to wait");
                             tokio::task::yield_now().await;
                             drop(c);
-                            served += 1;
                         }
                     }
                 }
-                served
+                given_up
             })
         })
         .collect();
-    let mut served = 0;
+    let mut given_up = 0;
     for t in tasks {
-        served += tokio::time::timeout(Duration::from_secs(60), t)
+        given_up += tokio::time::timeout(Duration::from_secs(60), t)
             .await
             .expect("a task still waiting after 60 s: a grant was lost")
             .unwrap();
     }
-    assert!(
-        served >= (TASKS * ROUNDS / 2) as u32,
-        "only {served} checkouts served"
-    );
+    // 24 tasks on the request lane's 3 connections: many queue.
+    assert!(given_up > 0, "no checkout was given up: nothing was tried");
     let s = pool.status();
     assert_eq!(
         (s.in_use, s.waiting),
         (0, 0),
         "checkouts given up left a trace: {s:?}"
     );
-    let held: Vec<_> = (0..3)
-        .map(|_| {
-            pool.get()
-                .now_or_never()
-                .expect("the lane's connections are all free: admitted at once")
-                .unwrap()
-        })
-        .collect();
+    // The request lane's three connections, together: none kept by a
+    // checkout given up (the pool's wait timeout is 5 s).
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let c = tokio::time::timeout(Duration::from_secs(2), pool.get())
+            .await
+            .expect("a connection of the lane is still counted in use")
+            .unwrap();
+        held.push(c);
+    }
     drop(held);
 }
 
