@@ -328,7 +328,7 @@ pub(crate) struct Waiter {
 /// no channel or allocation of its own.
 pub(super) enum Wait {
     /// Not answered yet: the task to wake when it is.
-    Pending(Option<Waker>),
+    Pending(Waker),
     /// Granted (its checkout record and lane) or refused.
     Answered(Answer),
     /// The pool closed.
@@ -340,7 +340,7 @@ impl Waiter {
     /// released).
     fn answer(&mut self, wait: Wait) -> Option<Waker> {
         match std::mem::replace(&mut self.wait, wait) {
-            Wait::Pending(waker) => waker,
+            Wait::Pending(waker) => Some(waker),
             _ => {
                 debug_assert!(false, "a waiter answered twice");
                 None
@@ -563,9 +563,8 @@ impl Queued<'_> {
             }
         };
         if let Wait::Pending(waker) = &mut w.wait {
-            match waker {
-                Some(w) if w.will_wake(cx.waker()) => {}
-                _ => *waker = Some(cx.waker().clone()),
+            if !waker.will_wake(cx.waker()) {
+                *waker = cx.waker().clone();
             }
             return Poll::Pending;
         }
@@ -866,7 +865,7 @@ impl Shared {
     ) -> Entry<'a> {
         st.next_waiter += 1;
         let id = st.next_waiter;
-        let wait = Wait::Pending(Some(waker.clone()));
+        let wait = Wait::Pending(waker.clone());
         let at = st.waiters.insert(Waiter { id, site, wait });
         debug_assert_eq!(at, key, "a waiter filed under another key than the queue's");
         self.publish(&st, 1 << lane.idx());
