@@ -8,15 +8,16 @@ if [[ "${1:-}" == "--smoke" ]]; then
   PGWARDEN_BENCH_SMOKE=1 cargo bench --bench checkout -- --noplot
   cargo bench --bench workloads -- --smoke
 else
-  # Row 2: criterion run ten times, the side measured first alternating
-  # (the machine's speed drifts between runs more than within one); each
-  # run's estimates kept for the report.
+  # Row 2: criterion run twenty times, each a process of its own, the side
+  # measured first alternating (runs differ from each other far more than
+  # criterion's interval within one run: many short runs, not a few long
+  # ones); each run's estimates kept for the report.
   rm -rf target/criterion-rounds
-  for k in 1 2 3 4 5 6 7 8 9 10; do
+  for k in $(seq 1 20); do
     order=raw-first
     if (( k % 2 == 0 )); then order=pgwarden-first; fi
     PGWARDEN_BENCH_ORDER=$order cargo bench --bench checkout -- --noplot \
-      --warm-up-time 1 --measurement-time 3
+      --warm-up-time 0.5 --measurement-time 1.5
     mkdir -p "target/criterion-rounds/$k"
     for side in raw_deadpool pgwarden; do
       cp "target/criterion/checkout_return/$side/new/estimates.json" \

@@ -2,11 +2,18 @@
 
 use pgwarden_testing::TestServer;
 
-use crate::ab::{interleave_until, median, throughput, Compared};
+use crate::ab::{interleave, median, throughput, Compared};
 use crate::{BoxError, Row, Settings};
 
 const TASKS: usize = 64;
 const POOL: usize = 16;
+/// Row 1's round pairs (of 1 s per side in a full run): enough for the
+/// median pair ratio's 95 % confidence interval to be about ±0.02 wide at
+/// the spread these pairs have on this machine (quartiles about ±0.05),
+/// so a ratio 0.02 clear of the target resolves. Fixed in advance: a
+/// count that grew until the interval cleared the target would not keep
+/// the interval's confidence.
+pub const PAIRS_1: usize = 96;
 /// Row 1: pgwarden's throughput against raw deadpool's, at least.
 const TARGET: f64 = 0.97;
 /// Row 2: pgwarden's checkout + return time against raw deadpool's, at most.
@@ -19,15 +26,9 @@ pub async fn get_select_1(server: &TestServer, s: Settings) -> Result<Row, BoxEr
     let warden = pgwarden::Pool::builder(db.deadpool(POOL)?)
         .name("bench")
         .build()?;
-    // Short rounds, twice as many: the same 28 s in all, and a median of
-    // pairwise ratios that the machine's noise moves less; up to twice as
-    // many pairs while the spread straddles the target.
     let dur = s.round / 2;
-    let min_pairs = s.rounds * 2;
-    let (a, b) = interleave_until(
-        min_pairs,
-        if s.smoke { min_pairs } else { min_pairs * 2 },
-        |c| c.at_least(TARGET).is_some(),
+    let (a, b) = interleave(
+        if s.smoke { s.rounds * 2 } else { PAIRS_1 },
         || {
             let raw = raw.clone();
             async move {
@@ -75,8 +76,8 @@ pub async fn get_select_1(server: &TestServer, s: Settings) -> Result<Row, BoxEr
 /// `benches/run.sh` runs criterion several times, the side measured first
 /// alternating, and keeps each run's estimates in
 /// `target/criterion-rounds/K/`: the row compares the runs' means as pairs
-/// (the ratio per run; its median, quartiles and range), judged as the
-/// other rows are. Without rounds (a plain `cargo bench --bench checkout`,
+/// (the ratio per run; its median, its confidence interval, quartiles and
+/// range), judged as the other rows are. Without rounds (a plain `cargo bench --bench checkout`,
 /// or `--smoke`) it reads criterion's last run alone, judged with the 95 %
 /// confidence intervals of its two means.
 pub fn checkout_from_criterion(s: Settings) -> Row {
