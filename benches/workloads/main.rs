@@ -493,4 +493,27 @@ pool); deadpool's answer kept out of the checkout future's state (still
 four copies of the connection per checkout: 2,492); the hand-out done
 inside the polling closure (six copies: 2,689). A TSC clock (`quanta`:
 13 ns a read) would need a read at checkout again and save about 15 ns.
+
+Row 2 once more, `--profile checkout-ab 20 200000` (interleaved, ratios of
+pgwarden's time to raw deadpool's, three processes each): as committed
+1.295, 1.240, 1.195; with the hold time's clock read at return taken out
+(an experiment: the hold histogram and the load-shedding layer need it)
+1.090, 1.096, 1.158, so that read is about a third of what pgwarden adds
+(`Instant::now()` measured 23.5 to 23.9 ns here; a TSC read through
+`quanta` 10 ns, but the hold would need a second one at checkout). A
+hand-out that attached the connection to its checkout record without the
+lock (a cell per record and a sequence-locked copy of the pids, written
+under the lock) ran 2,444 instructions against 2,351 and measured the
+same: four processes of each build in turn, 1.251, 1.202, 1.182, 1.238
+before and 1.261, 1.221, 1.155, 1.259 with it. Not kept.
+
+Verdicts: every row was judged on the quartiles of its pair ratios,
+which more pairs never narrow (they are the machine's noise: row 1's
+ran from 0.93 to 1.04 around a median of 0.99 to 1.00 in every run), and
+rows 1 and 4 added pairs until the spread cleared the target. Rows are
+now judged on the 95 % confidence interval of the median pair ratio, a
+number of pairs fixed before the first (96 for row 1, 20 criterion runs
+for row 2, 12 trial pairs for row 6); the quartiles and the range are
+printed beside it. Row 1 alone on the new rule: 1.009, interval 0.990
+to 1.023, quartiles 0.974 to 1.052.
 ";
