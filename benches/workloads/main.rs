@@ -513,7 +513,7 @@ ran from 0.93 to 1.04 around a median of 0.99 to 1.00 in every run), and
 rows 1 and 4 added pairs until the spread cleared the target. Rows are
 now judged on the 95 % confidence interval of the median pair ratio, a
 number of pairs fixed before the first (96 for row 1, 20 criterion runs
-for row 2, 12 trial pairs for row 6); the quartiles and the range are
-printed beside it. Row 1 alone on the new rule: 1.009, interval 0.990
+for row 2, 28 rounds per side for rows 4b and 4c, 12 trial pairs for
+row 6); the quartiles and the range are printed beside it. Row 1 alone on the new rule: 1.009, interval 0.990
 to 1.023, quartiles 0.974 to 1.052.
 ";
