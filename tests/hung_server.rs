@@ -23,13 +23,41 @@ impl Stopped {
         guard
     }
 
-    /// The postmaster and every process it started.
+    /// The postmaster, then every process it started: listed once the
+    /// postmaster is stopped (it starts no more), each stopped unless it
+    /// has exited meanwhile (a backend whose session just ended: nothing
+    /// left to stop).
     fn server(server: &TestServer) -> Stopped {
         let pm = server.pid().expect("a server of this test's own");
-        let mut pids = vec![pm];
-        pids.extend(children(pm));
-        Stopped::stop(pids)
+        let mut guard = Stopped::stop(vec![pm]);
+        for pid in children(pm) {
+            if stop_unless_gone(pid) {
+                guard.0.push(pid);
+            }
+        }
+        assert!(
+            guard.0.len() > 1,
+            "the postmaster of {pm} has no child to stop"
+        );
+        guard
     }
+}
+
+/// Stops `pid`; false when it no longer exists (it exited after it was
+/// listed). A process that exists and cannot be stopped fails the test.
+fn stop_unless_gone(pid: u32) -> bool {
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !stopped {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "kill -STOP {pid}: the process exists and was not stopped"
+        );
+    }
+    stopped
 }
 
 impl Drop for Stopped {
