@@ -46,11 +46,7 @@ impl Stopped {
 /// Stops `pid`; false when it no longer exists (it exited after it was
 /// listed). A process that exists and cannot be stopped fails the test.
 fn stop_unless_gone(pid: u32) -> bool {
-    let stopped = std::process::Command::new("kill")
-        .args(["-STOP", &pid.to_string()])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
+    let stopped = kill("STOP", pid);
     if !stopped {
         assert!(
             !std::path::Path::new(&format!("/proc/{pid}")).exists(),
@@ -69,16 +65,21 @@ impl Drop for Stopped {
 }
 
 fn signal(sig: &str, pid: u32) {
-    let ok = std::process::Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(pid.to_string())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
+    let ok = kill(sig, pid);
     // Continuing runs in Drop, maybe while panicking: never panic there.
     if sig != "CONT" {
         assert!(ok, "kill -{sig} {pid}");
     }
+}
+
+/// Sends `sig` to `pid`; whether it was delivered.
+fn kill(sig: &str, pid: u32) -> bool {
+    std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// Children of `parent`, from /proc/<pid>/stat (the field after the

@@ -77,9 +77,9 @@ pub async fn get_select_1(server: &TestServer, s: Settings) -> Result<Row, BoxEr
 /// alternating, and keeps each run's estimates in
 /// `target/criterion-rounds/K/`: the row compares the runs' means as pairs
 /// (the ratio per run; its median, its confidence interval, quartiles and
-/// range), judged as the other rows are. Without rounds (a plain `cargo bench --bench checkout`,
-/// or `--smoke`) it reads criterion's last run alone, judged with the 95 %
-/// confidence intervals of its two means.
+/// range), judged as the other rows are. Without rounds (a plain `cargo
+/// bench --bench checkout`, or `--smoke`) it reads criterion's last run
+/// alone, judged with the 95 % confidence intervals of its two means.
 pub fn checkout_from_criterion(s: Settings) -> Row {
     let read = |path: String| -> Option<[f64; 3]> {
         let text = std::fs::read_to_string(path).ok()?;
