@@ -5,6 +5,7 @@
 mod connect;
 mod format;
 mod inspect;
+mod keeper;
 mod run;
 
 use std::ffi::OsString;
@@ -24,6 +25,41 @@ pub(crate) const EXIT_LOST: u8 = 76;
 pub(crate) const EXIT_UNREACHABLE: u8 = 69;
 /// Exit code: bad input (as clap's own usage errors).
 pub(crate) const EXIT_USAGE: u8 = 2;
+
+/// `run --help`'s epilogue: the guarantee, its limit, the child's
+/// environment and the exit codes.
+const RUN_HELP: &str = "\
+How CMD is kept to the lease:
+  CMD runs in a process group of its own under a small keeper process (a
+  child subreaper). The keeper kills CMD and every process it started
+  (SIGKILL to the group and to each descendant) when pgwarden run is killed
+  (even by SIGKILL), when run stops answering for longer than its lease can
+  be trusted (SIGSTOP, a stalled process), when the lease is lost, and when
+  CMD exits (what it left running in the background is killed too). After a
+  lost lease (no renewal before the local deadline) CMD gets SIGTERM, then
+  SIGKILL within TTL/16: it is dead before anyone else can take the lease.
+  A revoked or taken-over lease kills CMD at once (SIGKILL).
+  What remains possible: a machine frozen or suspended as a whole (a VM
+  paused, a laptop asleep) keeps CMD frozen with it, and when it resumes CMD
+  may run a moment after another holder took the lease, before the keeper
+  notices. Writes that must never overlap carry PGWARDEN_TOKEN: a fenced
+  transaction or a store that rejects a token lower than the last it saw.
+  Signals: SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to run reach CMD once;
+  SIGKILL follows after --grace if it ignores them. CMD's own process group
+  is not the terminal's foreground group: run forwards the terminal's
+  signals.
+
+Environment given to CMD (besides run's own):
+  PGWARDEN_LEASE   the lease name
+  PGWARDEN_TOKEN   this term's fencing token (grows with every take-over)
+  DATABASE_URL     the database, without its password (PGPASSWORD and
+                   ~/.pgpass are read by libpq clients as usual)
+
+Exit codes:
+  CMD's own (128 + N when signal N ended it); 75 the lease was not acquired
+  within --wait (see --skip-code); 76 the lease was lost and CMD was stopped,
+  or run stopped answering and the keeper killed CMD; 69 the database is
+  unreachable; 127 CMD not found; 126 CMD not executable; 2 bad input.";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -49,6 +85,7 @@ struct Cli {
 enum Cmd {
     /// Run CMD only while holding lease NAME (renewed while it runs,
     /// released when it exits); like `consul lock` for PostgreSQL.
+    #[command(after_help = RUN_HELP)]
     Run(RunArgs),
     /// List every lease row: holder, token, expiry, and a session holding a
     /// row lock on it.
@@ -75,8 +112,10 @@ pub(crate) struct RunArgs {
     /// How long to wait for the lease when it is held (0s: one attempt).
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     pub(crate) wait: Duration,
-    /// After a lost lease: how long the command has between SIGTERM and
-    /// SIGKILL.
+    /// How long the command has between a forwarded signal (SIGTERM,
+    /// SIGINT, SIGHUP, SIGQUIT) and SIGKILL. After a lost lease it is
+    /// capped at TTL/16 (half the safety margin), so that SIGKILL lands
+    /// before anyone else can take the lease.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub(crate) grace: Duration,
     /// The exit code when the lease was not acquired (0 for cron).
@@ -175,6 +214,10 @@ impl From<pgwarden::Error> for Failure {
 }
 
 fn main() -> ExitCode {
+    let mut argv = std::env::args_os();
+    if argv.nth(1).is_some_and(|a| a == keeper::KEEPER_ARG) {
+        return keeper::main(argv.collect());
+    }
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -211,7 +254,7 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         .table(cli.table.as_str())
         .build()?;
     let out = match cli.cmd {
-        Cmd::Run(args) => run::run(&leases, args).await,
+        Cmd::Run(args) => run::run(&leases, args, Vec::new()).await,
         Cmd::Leases(args) => inspect::leases(&leases, &args).await,
         Cmd::Locks(args) => inspect::locks(&pool, &args).await,
         Cmd::Check(args) => inspect::check(&pool, &leases, &args).await,

@@ -1,19 +1,31 @@
 //! `pgwarden run NAME -- CMD…`: CMD runs only while NAME is held.
+//!
+//! The command runs under a keeper process ([`crate::keeper`]) that kills
+//! its whole process tree when `run` dies, freezes past the lease's safety
+//! margin, or loses the lease; `run` sends it a deadline after every check
+//! that the lease is still held.
 
+use std::ffi::OsString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
+use std::time::Duration;
 
-use pgwarden::{LeaseOptions, Leases};
+use pgwarden::{LeaseOptions, Leases, LostReason};
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::format::{human, human_signed};
+use crate::keeper::{mono_ns, CONTROL_FD, KEEPER_ARG};
 use crate::{Failure, RunArgs, EXIT_LOST};
 
 /// The signals `run` forwards to its command.
 struct Signals {
     term: Signal,
     int: Signal,
+    hup: Signal,
+    quit: Signal,
 }
 
 impl Signals {
@@ -27,24 +39,140 @@ impl Signals {
         Ok(Signals {
             term: listen(SignalKind::terminate())?,
             int: listen(SignalKind::interrupt())?,
+            hup: listen(SignalKind::hangup())?,
+            quit: listen(SignalKind::quit())?,
         })
     }
 
-    /// The next SIGTERM or SIGINT.
+    /// The next SIGTERM, SIGINT, SIGHUP or SIGQUIT.
     async fn next(&mut self) -> i32 {
         tokio::select! {
             _ = self.term.recv() => libc::SIGTERM,
             _ = self.int.recv() => libc::SIGINT,
+            _ = self.hup.recv() => libc::SIGHUP,
+            _ = self.quit.recv() => libc::SIGQUIT,
         }
     }
 }
 
-pub(crate) async fn run(leases: &Leases, args: RunArgs) -> Result<u8, Failure> {
+/// The safety margin `run` holds its leases with: the local deadline falls
+/// this long before anyone else can take the lease (the library's default,
+/// set here so that the keeper's arithmetic knows it).
+pub(crate) fn margin(ttl: Duration) -> Duration {
+    ttl / 8
+}
+
+/// The longest the command may run on after `run` stops answering, or
+/// after a lost lease: half the margin, so that its SIGKILL lands half a
+/// margin before the lease can be taken over.
+pub(crate) fn slack(ttl: Duration) -> Duration {
+    margin(ttl) / 2
+}
+
+fn ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// `run`'s side of the keeper: its process and the control pipe.
+struct Keeper {
+    child: Child,
+    ctl: OwnedFd,
+    /// The last deadline sent.
+    deadline: u64,
+}
+
+impl Keeper {
+    /// Starts the keeper (this binary, re-executed) with `deadline` already
+    /// in its pipe; it starts `cmd`.
+    fn spawn(cmd: &[OsString], env: &[(&str, String)], deadline: u64) -> io::Result<Keeper> {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 writes two fds into the array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: both fds were just created and are owned here only.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: fcntl on our own fd.
+        unsafe {
+            let fl = libc::fcntl(write.as_raw_fd(), libc::F_GETFL);
+            libc::fcntl(write.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
+        write_line(&write, &format!("D {deadline}\n"));
+        let exe = if std::path::Path::new("/proc/self/exe").exists() {
+            std::path::PathBuf::from("/proc/self/exe")
+        } else {
+            std::env::current_exe()?
+        };
+        let mut c = Command::new(exe);
+        c.arg0("pgwarden").arg(KEEPER_ARG).arg("--").args(cmd);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let rfd = read.as_raw_fd();
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            c.pre_exec(move || {
+                if rfd == CONTROL_FD {
+                    libc::fcntl(rfd, libc::F_SETFD, 0);
+                } else if libc::dup2(rfd, CONTROL_FD) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = c.spawn()?;
+        drop(read);
+        Ok(Keeper {
+            child,
+            ctl: write,
+            deadline,
+        })
+    }
+
+    fn send(&mut self, line: &str) {
+        write_line(&self.ctl, line);
+    }
+
+    fn set_deadline(&mut self, at: u64) {
+        if at != self.deadline {
+            self.deadline = at;
+            self.send(&format!("D {at}\n"));
+        }
+    }
+
+    fn signal(&mut self, sig: i32) {
+        self.send(&format!("S {sig}\n"));
+    }
+
+    fn kill_now(&mut self) {
+        self.send("K\n");
+    }
+}
+
+/// Writes `line` to the control pipe. A full pipe (the keeper stopped) or
+/// a closed one (the keeper gone) is not an error here: the keeper's own
+/// deadline stands.
+fn write_line(fd: &OwnedFd, line: &str) {
+    let b = line.as_bytes();
+    // SAFETY: write from a live buffer to our own fd.
+    unsafe { libc::write(fd.as_raw_fd(), b.as_ptr().cast(), b.len()) };
+}
+
+pub(crate) async fn run(
+    leases: &Leases,
+    args: RunArgs,
+    env: Vec<(&str, String)>,
+) -> Result<u8, Failure> {
     // Listening from the start: a signal while the lease is sought ends the
     // wait (the command never starts) instead of killing pgwarden mid-way.
     let mut signals = Signals::new()?;
-    let opts = LeaseOptions::new(args.ttl);
+    let margin = margin(args.ttl);
+    let slack = ns(slack(args.ttl));
+    let opts = LeaseOptions::new(args.ttl).safety_margin(margin);
     let wait = (!args.wait.is_zero()).then_some(args.wait);
+    // The acquisition's statement starts after this: its local deadline
+    // falls after `sought + TTL - margin`.
+    let sought = mono_ns();
     let acquired = tokio::select! {
         r = leases.acquire(&args.name, &opts, wait) => r?,
         sig = signals.next() => return Ok(128 + sig as u8),
@@ -71,117 +199,158 @@ pub(crate) async fn run(leases: &Leases, args: RunArgs) -> Result<u8, Failure> {
         return Ok(args.skip_code);
     };
     let term = lease.term().clone();
-    let (program, rest) = args
-        .cmd
-        .split_first()
-        .ok_or_else(|| Failure::usage("no command given after --"))?;
-    let spawned = Command::new(program)
-        .args(rest)
-        .env("PGWARDEN_LEASE", &term.name)
-        .env("PGWARDEN_TOKEN", term.token.to_string())
-        .spawn();
-    let mut child = match spawned {
-        Ok(child) => child,
+    // While the lease is not lost at `t`, its local deadline is at least
+    // `t` (and at least `sought + TTL - margin`), and nobody can take it
+    // before that deadline + margin: the keeper may let the command run
+    // until half a margin after it.
+    let to_deadline = ns(args.ttl - margin);
+    let mut floor = sought + to_deadline;
+    let held_until = |now: u64, floor: u64| now.max(floor) + slack;
+    // Renewals move the deadline to (their start + TTL - margin). The
+    // renewer runs on this thread (a current-thread runtime) and counts a
+    // renewal in the same poll in which it measured it: a renewal counted
+    // since the last look at `seen_at` started after `seen_at - its
+    // duration`.
+    let mut renewed = leases.stats().renewed;
+    let mut seen_at = mono_ns();
+    let mut env = env;
+    env.push(("PGWARDEN_LEASE", term.name.clone()));
+    env.push(("PGWARDEN_TOKEN", term.token.to_string()));
+    let mut keeper = match Keeper::spawn(&args.cmd, &env, held_until(mono_ns(), floor)) {
+        Ok(k) => k,
         Err(e) => {
-            let code = if e.kind() == std::io::ErrorKind::NotFound {
-                127
-            } else {
-                126
-            };
             if let Err(r) = lease.release().await {
                 eprintln!("pgwarden: releasing lease {:?}: {r}", term.name);
             }
             return Err(Failure {
-                code,
-                message: format!("cannot run {}: {e}", program.to_string_lossy()),
+                code: 1,
+                message: format!("cannot start the command's keeper: {e}"),
             });
         }
     };
+    let beat = Duration::from_nanos(slack / 4)
+        .clamp(Duration::from_millis(10), Duration::from_millis(250));
+    let mut ticker = tokio::time::interval(beat);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let lost = lease.lost();
     tokio::pin!(lost);
-    let reason = loop {
+    // Once set (a forwarded signal, a lost lease), the deadline no longer
+    // moves later.
+    let mut pinned: Option<u64> = None;
+    let mut lost_reason: Option<LostReason> = None;
+    let status = loop {
         tokio::select! {
-            status = child.wait() => {
-                let code = exit_code(status.map_err(|e| Failure {
-                    code: 1,
-                    message: format!("waiting for the command: {e}"),
-                })?);
-                if let Err(e) = lease.release().await {
+            status = keeper.child.wait() => break status,
+            _ = ticker.tick() => {
+                let now = mono_ns();
+                let stats = leases.stats();
+                if stats.renewed > renewed {
+                    renewed = stats.renewed;
+                    let start = seen_at.saturating_sub(ns(stats.last_renewal));
+                    floor = floor.max(start + to_deadline);
+                }
+                seen_at = now;
+                if lost_reason.is_none() && !lease.is_lost() {
+                    let at = held_until(now, floor);
+                    keeper.set_deadline(pinned.map_or(at, |p| p.min(at)));
+                }
+            }
+            sig = signals.next() => {
+                keeper.signal(sig);
+                if pinned.is_none() {
+                    // An ignored signal is escalated to SIGKILL after the
+                    // grace (the keeper's deadline).
+                    let at = mono_ns() + ns(args.grace);
+                    pinned = Some(at);
+                    keeper.set_deadline(keeper.deadline.min(at));
+                }
+            }
+            reason = &mut lost, if lost_reason.is_none() => {
+                lost_reason = Some(reason);
+                if reason == LostReason::Deadline {
+                    // Nobody can take it for another margin: SIGTERM, and
+                    // SIGKILL half a margin from now at the latest.
+                    let grace = args.grace.min(Duration::from_nanos(slack));
                     eprintln!(
-                        "pgwarden: releasing lease {:?}: {e}; it expires within {}",
+                        "pgwarden: lease {:?} lost ({reason}; token {}): stopping the command (SIGTERM, SIGKILL after {})",
                         term.name,
-                        human(args.ttl)
+                        term.token,
+                        human(grace)
+                    );
+                    keeper.signal(libc::SIGTERM);
+                    let at = mono_ns() + ns(grace);
+                    pinned = Some(pinned.map_or(at, |p| p.min(at)));
+                    keeper.set_deadline(keeper.deadline.min(at));
+                } else {
+                    // The term is over in the database: another holder may
+                    // run already. Kill first, then find out why.
+                    keeper.kill_now();
+                    let why = lost_why(leases, &term, reason).await;
+                    eprintln!(
+                        "pgwarden: lease {:?} lost ({why}; token {}): killing the command and every process it started (SIGKILL)",
+                        term.name,
+                        term.token
                     );
                 }
-                return Ok(code);
             }
-            sig = signals.next() => send(&child, sig),
-            reason = &mut lost => break reason,
         }
     };
-    eprintln!(
-        "pgwarden: lease {:?} lost ({reason}; token {}): stopping the command (SIGTERM, SIGKILL after {})",
-        term.name,
-        term.token,
-        human(args.grace)
-    );
-    send(&child, libc::SIGTERM);
-    stop(&mut child, args.grace, &mut signals).await;
-    // Released already, or another term's: nothing of ours to release.
-    drop(lease);
-    Ok(EXIT_LOST)
+    let status = status.map_err(|e| Failure {
+        code: 1,
+        message: format!("waiting for the command: {e}"),
+    })?;
+    if lost_reason.is_some() {
+        // Released already, or another term's: nothing of ours to release.
+        drop(lease);
+        return Ok(EXIT_LOST);
+    }
+    if mono_ns() >= keeper.deadline && pinned.is_none() {
+        // The keeper killed it: `run` did not answer in time (frozen). The
+        // lease may still be ours; the command is not running any more.
+        eprintln!(
+            "pgwarden: the command was killed: pgwarden run did not confirm lease {:?} in time",
+            term.name
+        );
+        if let Err(e) = lease.release().await {
+            eprintln!("pgwarden: releasing lease {:?}: {e}", term.name);
+        }
+        return Ok(EXIT_LOST);
+    }
+    let code = exit_code(status);
+    if let Err(e) = lease.release().await {
+        eprintln!(
+            "pgwarden: releasing lease {:?}: {e}; it expires within {}",
+            term.name,
+            human(args.ttl)
+        );
+    }
+    Ok(code)
 }
 
-/// Waits up to `grace` for the command (forwarding signals meanwhile), then
-/// kills it.
-async fn stop(child: &mut Child, grace: std::time::Duration, signals: &mut Signals) {
-    let deadline = tokio::time::Instant::now() + grace;
-    let ended = loop {
-        tokio::select! {
-            r = child.wait() => {
-                if let Err(e) = r {
-                    eprintln!("pgwarden: waiting for the command: {e}");
-                }
-                break true;
+/// Why a term ended, for the message: a row still of this token with no
+/// holder was revoked (`pgwarden revoke`), not taken over.
+async fn lost_why(leases: &Leases, term: &pgwarden::Term, reason: LostReason) -> String {
+    if reason != LostReason::Taken {
+        return reason.to_string();
+    }
+    let rows = tokio::time::timeout(Duration::from_secs(2), leases.rows()).await;
+    match rows {
+        Ok(Ok(rows)) => match rows.into_iter().find(|r| r.name == term.name) {
+            Some(r) if r.token == term.token && r.holder.is_empty() => {
+                "revoked: `pgwarden revoke` ended this term".to_owned()
             }
-            sig = signals.next() => send(child, sig),
-            _ = tokio::time::sleep_until(deadline) => break false,
-        }
-    };
-    if !ended {
-        eprintln!(
-            "pgwarden: the command did not stop within {}: SIGKILL",
-            human(grace)
-        );
-        if let Err(e) = child.start_kill() {
-            eprintln!("pgwarden: killing the command: {e}");
-        }
-        if let Err(e) = child.wait().await {
-            eprintln!("pgwarden: waiting for the command: {e}");
-        }
+            Some(r) if r.token != term.token => format!(
+                "taken over by another holder: {} with token {}",
+                r.holder, r.token
+            ),
+            _ => reason.to_string(),
+        },
+        _ => reason.to_string(),
     }
 }
 
-/// Sends `sig` to the command, if it still runs.
-fn send(child: &Child, sig: i32) {
-    let Some(pid) = child.id() else {
-        return; // already reaped
-    };
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return;
-    };
-    // SAFETY: kill(2) with a pid this process spawned and has not reaped
-    // (`Child::id` is `None` once it has), so the pid is not reused.
-    let rc = unsafe { libc::kill(pid, sig) };
-    if rc != 0 {
-        eprintln!(
-            "pgwarden: signal {sig} to the command (pid {pid}): {}",
-            std::io::Error::last_os_error()
-        );
-    }
-}
-
-/// The command's exit code; 128 + the signal that ended it, as shells do.
+/// The keeper's exit code: the command's (128 + the signal that ended it,
+/// as shells do).
 fn exit_code(status: ExitStatus) -> u8 {
     match (status.code(), status.signal()) {
         (Some(code), _) => (code & 0xff) as u8,

@@ -300,7 +300,9 @@ async fn revoke_stops_the_command_within_ttl_and_run_exits_76() {
         took <= Duration::from_secs(3),
         "stopped {took:?} after the revoke"
     );
-    assert_eq!(wait_file(&dir.join("term")).await.trim(), "term");
+    // Revoked: the name is free at once, so the command is SIGKILLed at
+    // once (no SIGTERM to trap), and did not finish on its own.
+    assert!(!dir.join("term").exists(), "SIGKILL, not SIGTERM");
     assert!(
         !dir.join("ran").exists(),
         "the command did not finish on its own"
@@ -417,10 +419,11 @@ async fn a_frozen_run_is_taken_over_after_the_ttl_and_stops_its_command_when_it_
     );
     std::fs::write(dir_b.join("go"), "").unwrap();
     assert_eq!(exit_code(&mut b, BOUND).await, 0);
-    // Woken, A finds its lease gone: its command is stopped, and it exits 76.
+    // A's keeper killed A's command while A was frozen (before B took
+    // over); woken, A exits 76.
     drop(frozen);
     assert_eq!(exit_code(&mut a, BOUND).await, 76);
-    assert_eq!(wait_file(&dir_a.join("term")).await.trim(), "term");
+    assert!(!dir_a.join("ran").exists());
     println!("take-over of a frozen run after {waited:?} (TTL 2 s)");
 }
 
@@ -837,39 +840,42 @@ async fn check_names_a_lease_that_nobody_took_over_after_its_holder_crashed() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_command_that_ignores_sigterm_is_killed_after_the_grace() {
+async fn one_ctrl_c_reaches_the_command_once_and_an_ignored_one_is_escalated() {
     let db = db().await;
     let url = db.url();
     let (_t, dir) = tempdir();
     let d = dir.display();
+    // Counts SIGINTs and ignores them (and SIGTERM).
     let stubborn = vec![
         "sh".to_owned(),
         "-c".to_owned(),
         format!(
-            "trap '' TERM; echo $$ > {d}/pid.tmp && mv {d}/pid.tmp {d}/pid
+            "trap 'echo int >> {d}/int' INT; trap '' TERM; echo $$ > {d}/pid.tmp && mv {d}/pid.tmp {d}/pid
 i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
         ),
     ];
-    let mut run = spawn_run(
-        &url,
-        "stubborn",
-        &["--ttl", "2s", "--grace", "1s"],
-        &stubborn,
-    );
+    // In a process group of its own, as a shell runs a foreground job: the
+    // terminal's Ctrl-C goes to the whole group.
+    let mut c = pgwarden(&url);
+    c.args(["run", "stubborn", "--ttl", "10s", "--grace", "1s", "--"])
+        .args(&stubborn)
+        .process_group(0)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut run = c.spawn().unwrap();
     let child: i32 = wait_file(&dir.join("pid")).await.trim().parse().unwrap();
-    let out = cli(&url, &["revoke", "stubborn", "--yes"]).await;
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let revoked = Instant::now();
-    assert_eq!(exit_code(&mut run, Duration::from_secs(5)).await, 76);
-    let took = revoked.elapsed();
+    let sent = Instant::now();
+    kill(-pid(&run), libc::SIGINT);
+    // Ignored: SIGKILL after the grace; run's code is 128 + 9.
+    assert_eq!(exit_code(&mut run, BOUND).await, 137);
+    let took = sent.elapsed();
     assert!(
         took >= Duration::from_secs(1),
         "the grace was given: {took:?}"
     );
-    // SIGKILLed: gone (kill -0 fails once it is reaped by run).
-    // SAFETY: kill(2) with signal 0 only checks that the process exists.
-    let alive = unsafe { libc::kill(child, 0) } == 0;
-    assert!(!alive, "the command {child} was killed");
+    assert!(!alive(child), "the command {child} was killed");
+    let ints = std::fs::read_to_string(dir.join("int")).unwrap_or_default();
+    assert_eq!(ints.lines().count(), 1, "one Ctrl-C, one SIGINT: {ints:?}");
     let mut err = String::new();
     use tokio::io::AsyncReadExt;
     run.stderr
@@ -879,4 +885,271 @@ i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
         .await
         .unwrap();
     assert!(err.contains("SIGKILL"), "{err}");
+    // SIGHUP and SIGQUIT are forwarded too, and the lease is released.
+    for (sig, name) in [(libc::SIGHUP, "HUP"), (libc::SIGQUIT, "QUIT")] {
+        let (_t, dir) = tempdir();
+        let d = dir.display();
+        let cmd = vec![
+            "sh".to_owned(),
+            "-c".to_owned(),
+            format!(
+                "trap 'echo {name} > {d}/got; exit 5' {name}; touch {d}/up
+i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
+            ),
+        ];
+        let mut run = spawn_run(&url, "hup", &["--ttl", "60s"], &cmd);
+        wait_file(&dir.join("up")).await;
+        kill(pid(&run), sig);
+        assert_eq!(exit_code(&mut run, BOUND).await, 5, "{name}");
+        assert_eq!(wait_file(&dir.join("got")).await.trim(), name);
+        let next = cli(&url, &["run", "hup", "--", "true"]).await;
+        assert_eq!(next.status.code(), Some(0), "{name}: {}", stderr(&next));
+    }
+}
+
+// ---------------------------------------------------------------------
+// Point 1: the command's whole tree is dead before the next holder starts.
+
+/// A command whose shell and a background grandchild each append
+/// `TOKEN c` / `TOKEN g` to `dir/ledger` every 20 ms (unfenced writes) and
+/// ignore SIGTERM; `dir/pids.TOKEN` holds their pids.
+fn ledger_writer(dir: &Path) -> Vec<String> {
+    let d = dir.display();
+    vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "trap '' TERM
+( while :; do echo \"$PGWARDEN_TOKEN g\" >> {d}/ledger; sleep 0.02; done ) &
+echo \"$$ $!\" > {d}/pids.tmp.$$ && mv {d}/pids.tmp.$$ {d}/pids.$PGWARDEN_TOKEN
+while :; do echo \"$PGWARDEN_TOKEN c\" >> {d}/ledger; sleep 0.02; done"
+        ),
+    ]
+}
+
+/// The next holder's command: 40 lines `TOKEN n` into the same ledger.
+fn ledger_next(dir: &Path) -> Vec<String> {
+    let d = dir.display();
+    vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "i=0; while [ $i -lt 40 ]; do echo \"$PGWARDEN_TOKEN n\" >> {d}/ledger; sleep 0.02; i=$((i+1)); done"
+        ),
+    ]
+}
+
+/// Is `pid` a live process (not gone, not a zombie)?
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next())
+            .is_some_and(|s| s != "Z" && s != "X"),
+        Err(_) => false,
+    }
+}
+
+/// The old holder's pids (its shell and grandchild), once both write.
+async fn ledger_pids(dir: &Path) -> (i64, Vec<i32>) {
+    let token = until("the old command's pids", || async {
+        std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("pids.")
+                .filter(|t| !t.starts_with("tmp"))
+                .and_then(|t| t.parse::<i64>().ok())
+        })
+    })
+    .await;
+    let pids = std::fs::read_to_string(dir.join(format!("pids.{token}")))
+        .unwrap()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    // Both the child and the grandchild have written.
+    eventually(BOUND, "both writers to write", || async {
+        let l = std::fs::read_to_string(dir.join("ledger")).unwrap_or_default();
+        l.contains(&format!("{token} c")) && l.contains(&format!("{token} g"))
+    })
+    .await;
+    (token, pids)
+}
+
+/// Old-term writes after the new term's first write.
+fn overlap(ledger: &str, old: i64, new: i64) -> usize {
+    let lines: Vec<&str> = ledger.lines().collect();
+    let first = lines
+        .iter()
+        .position(|l| l.starts_with(&format!("{new} ")))
+        .expect("the new holder wrote");
+    lines[first..]
+        .iter()
+        .filter(|l| l.starts_with(&format!("{old} ")))
+        .count()
+}
+
+/// How the old `run` fails.
+#[derive(Debug, Clone, Copy)]
+enum Failing {
+    Sigkill,
+    Sigstop,
+    LostDatabase,
+}
+
+async fn takeover_leaves_no_overlap(how: Failing) {
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    let proxy = pgwarden_testing::Proxy::start(TestServer::shared().unwrap()).unwrap();
+    let old_url = match how {
+        Failing::LostDatabase => proxy.url(&db),
+        _ => url.clone(),
+    };
+    // A grace far longer than the TTL: it is capped.
+    let mut old = spawn_run(
+        &old_url,
+        "ledger",
+        &["--ttl", "3s", "--grace", "60s"],
+        &ledger_writer(&dir),
+    );
+    let (old_token, pids) = ledger_pids(&dir).await;
+    let _frozen = match how {
+        Failing::Sigkill => {
+            kill(pid(&old), libc::SIGKILL);
+            None
+        }
+        Failing::Sigstop => Some(Stopped::stop([pid(&old)]).unwrap()),
+        Failing::LostDatabase => {
+            proxy.blackhole();
+            None
+        }
+    };
+    let next = cli(
+        &url,
+        &[
+            &["run", "ledger", "--ttl", "3s", "--wait", "30s", "--"][..],
+            &ledger_next(&dir)
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        ]
+        .concat(),
+    )
+    .await;
+    assert_eq!(next.status.code(), Some(0), "{how:?}: {}", stderr(&next));
+    let ledger = std::fs::read_to_string(dir.join("ledger")).unwrap();
+    let new_token = ledger
+        .lines()
+        .find_map(|l| l.strip_suffix(" n"))
+        .unwrap()
+        .parse::<i64>()
+        .unwrap();
+    assert!(new_token > old_token);
+    let n = overlap(&ledger, old_token, new_token);
+    println!("{how:?}: {n} writes of the old term after the new term's first");
+    assert_eq!(n, 0, "{how:?}: the old command wrote on:\n{ledger}");
+    for p in &pids {
+        assert!(!alive(*p), "{how:?}: process {p} of the old command lives");
+    }
+    drop(_frozen);
+    if !matches!(how, Failing::Sigkill) {
+        let err = {
+            let code = exit_code(&mut old, BOUND).await;
+            assert_eq!(code, 76, "{how:?}");
+            let mut e = String::new();
+            use tokio::io::AsyncReadExt;
+            old.stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut e)
+                .await
+                .unwrap();
+            e
+        };
+        println!("{how:?}: {err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_killed_with_sigkill_leaves_nothing_running() {
+    takeover_leaves_no_overlap(Failing::Sigkill).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_frozen_with_sigstop_has_its_tree_killed_before_the_takeover() {
+    takeover_leaves_no_overlap(Failing::Sigstop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_cut_off_from_the_database_kills_a_tree_that_ignores_sigterm_in_time() {
+    takeover_leaves_no_overlap(Failing::LostDatabase).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_revoked_run_and_a_command_that_exits_leave_no_process_behind() {
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    let mut old = spawn_run(
+        &url,
+        "swept",
+        &["--ttl", "3s", "--grace", "60s"],
+        &ledger_writer(&dir),
+    );
+    let (token, pids) = ledger_pids(&dir).await;
+    let out = cli(&url, &["revoke", "swept", "--yes"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(exit_code(&mut old, BOUND).await, 76);
+    for p in &pids {
+        assert!(!alive(*p), "process {p} of the revoked command lives");
+    }
+    let after = std::fs::read_to_string(dir.join("ledger")).unwrap();
+    let mut err = String::new();
+    use tokio::io::AsyncReadExt;
+    old.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    assert!(err.contains("revoked"), "{err}");
+    // A command that exits, leaving a background writer: run's exit code is
+    // the command's, and the writer is gone with it.
+    let (_t2, dir2) = tempdir();
+    let d = dir2.display();
+    let out = cli(
+        &url,
+        &[
+            "run",
+            "swept",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "( trap '' TERM HUP; while :; do echo x >> {d}/left; sleep 0.02; done ) &
+echo $! > {d}/pid; while [ ! -s {d}/left ]; do sleep 0.01; done; exit 3"
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let left: i32 = std::fs::read_to_string(dir2.join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(!alive(left), "the background writer {left} lives on");
+    // Nothing of the revoked term was written after its run exited.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let later = std::fs::read_to_string(dir.join("ledger")).unwrap();
+    assert_eq!(
+        after
+            .lines()
+            .filter(|l| l.starts_with(&format!("{token} ")))
+            .count(),
+        later
+            .lines()
+            .filter(|l| l.starts_with(&format!("{token} ")))
+            .count()
+    );
 }

@@ -1,0 +1,368 @@
+//! The keeper: the small process between `pgwarden run` and its command
+//! that makes "CMD runs only while NAME is held" hold whatever happens to
+//! `run` itself.
+//!
+//! `run` starts it (`pgwarden` re-executed with a hidden first argument)
+//! with the read end of a pipe as fd 3. The keeper is a child subreaper
+//! (`PR_SET_CHILD_SUBREAPER`: whatever the command starts and leaves behind
+//! is re-parented to it, not to init), starts the command in a process
+//! group of its own with `PR_SET_PDEATHSIG` = `SIGKILL`, and kills the
+//! command's whole tree (its process group, then every descendant found in
+//! `/proc`, until none is left) when:
+//!
+//! - the pipe closes: `run` is gone (`SIGKILL`, the OOM killer, a crash);
+//! - the deadline `run` last sent passes: `run` is frozen (`SIGSTOP`, a
+//!   stalled machine) or the lease was lost and the grace is over;
+//! - `run` says so (`K`): the lease is another holder's already;
+//! - the command's own process exits: what it left running is killed, so
+//!   nothing runs on once the lease is released.
+//!
+//! The protocol, one line each: `D <ns>` sets the deadline (CLOCK_MONOTONIC
+//! nanoseconds), `S <signal>` sends a signal to the command's process
+//! group, `K` kills the tree now. The keeper exits with the command's exit
+//! code (128 + signal when a signal ended it).
+//!
+//! The keeper uses no async runtime and no database: it is a `poll(2)` loop.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::ExitCode;
+
+/// The hidden first argument that makes `pgwarden` the keeper.
+pub(crate) const KEEPER_ARG: &str = "__pgwarden-keeper";
+
+/// The keeper's end of the control pipe.
+pub(crate) const CONTROL_FD: i32 = 3;
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock both processes read (the one
+/// `std::time::Instant` reads on Linux).
+pub(crate) fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// Why the keeper killed the tree.
+#[derive(Copy, Clone, Debug)]
+enum Why {
+    RunGone,
+    Deadline,
+    Told,
+}
+
+struct Keeper {
+    me: libc::pid_t,
+    child: libc::pid_t,
+    deadline: u64,
+    buf: Vec<u8>,
+    status: Option<i32>,
+}
+
+/// The keeper's `main`: `args` is what follows [`KEEPER_ARG`] (`--`, then
+/// the command and its arguments).
+pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
+    let cmd: Vec<OsString> = args.into_iter().skip_while(|a| a != "--").skip(1).collect();
+    let Some((program, rest)) = cmd.split_first() else {
+        eprintln!("pgwarden: keeper: no command");
+        return ExitCode::from(2);
+    };
+    // SAFETY: plain syscalls on this process's own state.
+    let me = unsafe {
+        libc::fcntl(CONTROL_FD, libc::F_SETFD, libc::FD_CLOEXEC);
+        let fl = libc::fcntl(CONTROL_FD, libc::F_GETFL);
+        libc::fcntl(CONTROL_FD, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+        // Terminal and supervisor signals are `run`'s to handle; it
+        // forwards them (once) to the command.
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+        libc::getpid()
+    };
+    let mut k = Keeper {
+        me,
+        child: 0,
+        deadline: mono_ns() + 1_000_000_000,
+        buf: Vec::new(),
+        status: None,
+    };
+    // The first deadline is in the pipe already; an empty pipe at once
+    // closed means `run` is gone: do not start the command.
+    if let Some(why) = k.read_control() {
+        if matches!(why, Why::RunGone | Why::Told) {
+            return ExitCode::from(crate::EXIT_LOST);
+        }
+    }
+    let mut command = std::process::Command::new(program);
+    command.args(rest).process_group(0);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        command.pre_exec(move || {
+            // The command dies with the keeper, even if the keeper is
+            // SIGKILLed (its grandchildren are the keeper's to kill).
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            if libc::getppid() != me {
+                libc::_exit(1);
+            }
+            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
+    let child = match command.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("pgwarden: cannot run {}: {e}", program.to_string_lossy());
+            let code = if e.kind() == io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            };
+            return ExitCode::from(code);
+        }
+    };
+    k.child = child.id() as libc::pid_t;
+    // Reaped by hand below (waitpid(-1) also reaps orphans); the handle is
+    // only dropped.
+    drop(child);
+    let why = k.watch();
+    if let Some(why) = why {
+        let what = match why {
+            Why::RunGone => "`pgwarden run` is gone (killed or crashed)",
+            Why::Deadline => {
+                "its deadline passed (`pgwarden run` stopped answering, or the lease was lost and the grace is over)"
+            }
+            Why::Told => "the lease is lost",
+        };
+        eprintln!(
+            "pgwarden: SIGKILL to the command (pid {}) and every process it started: {what}",
+            k.child
+        );
+    }
+    k.kill_tree();
+    let code = match k.status {
+        Some(st) => {
+            let st = std::process::ExitStatus::from_raw(st);
+            match (st.code(), st.signal()) {
+                (Some(c), _) => (c & 0xff) as u8,
+                (None, Some(s)) => (128 + s) as u8,
+                _ => 1,
+            }
+        }
+        None => 128 + libc::SIGKILL as u8,
+    };
+    ExitCode::from(code)
+}
+
+impl Keeper {
+    /// Waits until the command exits (`None`) or the tree must be killed.
+    fn watch(&mut self) -> Option<Why> {
+        // SAFETY: pidfd_open on our own child; -1 on old kernels (then the
+        // loop wakes every 50 ms to reap).
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, self.child, 0) } as i32;
+        let cap_ms: i64 = if pidfd >= 0 { 1000 } else { 50 };
+        let result = loop {
+            self.reap();
+            if self.status.is_some() {
+                break None;
+            }
+            let now = mono_ns();
+            if now >= self.deadline {
+                break Some(Why::Deadline);
+            }
+            let left_ms = ((self.deadline - now).div_ceil(1_000_000)) as i64;
+            let mut fds = [
+                libc::pollfd {
+                    fd: CONTROL_FD,
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: pidfd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            let n = if pidfd >= 0 { 2 } else { 1 };
+            // SAFETY: poll over `n` valid pollfd entries.
+            let rc = unsafe {
+                libc::poll(
+                    fds.as_mut_ptr(),
+                    n as libc::nfds_t,
+                    left_ms.min(cap_ms) as i32,
+                )
+            };
+            if rc < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    eprintln!("pgwarden: keeper: poll: {e}");
+                    break Some(Why::RunGone);
+                }
+                continue;
+            }
+            if fds[0].revents != 0 {
+                if let Some(why) = self.read_control() {
+                    break Some(why);
+                }
+            }
+        };
+        if pidfd >= 0 {
+            // SAFETY: our own fd.
+            unsafe { libc::close(pidfd) };
+        }
+        result
+    }
+
+    /// Reads what is in the pipe; `Some` when the tree must die now.
+    fn read_control(&mut self) -> Option<Why> {
+        let mut chunk = [0u8; 512];
+        loop {
+            // SAFETY: read into a local buffer.
+            let n = unsafe { libc::read(CONTROL_FD, chunk.as_mut_ptr().cast(), chunk.len()) };
+            if n == 0 {
+                return Some(Why::RunGone);
+            }
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                return match e.kind() {
+                    io::ErrorKind::WouldBlock => None,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => Some(Why::RunGone),
+                };
+            }
+            self.buf.extend_from_slice(&chunk[..n as usize]);
+            while let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=end).collect();
+                let line = String::from_utf8_lossy(&line[..end]).into_owned();
+                let (op, arg) = line.split_once(' ').unwrap_or((line.as_str(), ""));
+                match op {
+                    "D" => {
+                        if let Ok(ns) = arg.parse() {
+                            self.deadline = ns;
+                        }
+                    }
+                    "S" => {
+                        if let (Ok(sig), true) =
+                            (arg.parse::<i32>(), self.child > 0 && self.status.is_none())
+                        {
+                            // SAFETY: signals the command's process group.
+                            unsafe { libc::kill(-self.child, sig) };
+                        }
+                    }
+                    "K" => return Some(Why::Told),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Reaps every exited child (orphans re-parented to the keeper too),
+    /// keeping the command's status.
+    fn reap(&mut self) {
+        loop {
+            let mut st = 0;
+            // SAFETY: waitpid on our own children.
+            let pid = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
+            if pid <= 0 {
+                return;
+            }
+            if pid == self.child {
+                self.status = Some(st);
+            }
+        }
+    }
+
+    /// Kills the command's process group and every descendant of the
+    /// keeper, until none is left alive, and reaps them.
+    fn kill_tree(&mut self) {
+        let started = mono_ns();
+        let mut warned = false;
+        loop {
+            if self.child > 0 && self.status.is_none() {
+                // SAFETY: the command's process group; its leader is not
+                // reaped yet, so the id cannot have been reused.
+                unsafe { libc::kill(-self.child, libc::SIGKILL) };
+            }
+            let alive = descendants(self.me);
+            for &pid in &alive {
+                // SAFETY: a descendant of this process.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            self.reap();
+            if alive.is_empty() {
+                // Zombies of ours left? Reap until no child remains.
+                let mut st = 0;
+                // SAFETY: waitpid on our own children.
+                let pid = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
+                if pid <= 0 {
+                    return;
+                }
+                if pid == self.child {
+                    self.status = Some(st);
+                }
+                continue;
+            }
+            if !warned && mono_ns() - started > 2_000_000_000 {
+                warned = true;
+                eprintln!(
+                    "pgwarden: processes {alive:?} of the command survive SIGKILL (uninterruptible sleep?); still trying"
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+}
+
+/// Every live (not zombie) descendant of `root`, from `/proc`.
+fn descendants(root: libc::pid_t) -> Vec<libc::pid_t> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut procs: Vec<(libc::pid_t, libc::pid_t, bool)> = Vec::new();
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) S ppid ...`; comm may hold anything, even `)`.
+        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let mut f = after.split_whitespace();
+        let state = f.next().unwrap_or("");
+        let Some(ppid) = f.next().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        procs.push((pid, ppid, state == "Z" || state == "X"));
+    }
+    let mut tree = vec![root];
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        for &(pid, ppid, zombie) in &procs {
+            if ppid == parent && pid != root && !tree.contains(&pid) {
+                tree.push(pid);
+                if !zombie {
+                    out.push(pid);
+                }
+            }
+        }
+        i += 1;
+    }
+    out
+}
