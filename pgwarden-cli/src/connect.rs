@@ -421,6 +421,72 @@ impl ServerCertVerifier for ChainOnly {
     }
 }
 
+/// Where `target` points, for headers: `user@host:port/dbname`.
+pub(crate) fn place(target: &Target) -> String {
+    let c = &target.config;
+    let host = match c.get_hosts().first() {
+        Some(Host::Tcp(h)) => h.clone(),
+        Some(Host::Unix(p)) => p.display().to_string(),
+        None => "localhost".to_owned(),
+    };
+    let port = c.get_ports().first().copied().unwrap_or(5432);
+    format!(
+        "{}@{host}:{port}/{}",
+        c.get_user().unwrap_or("?"),
+        c.get_dbname().or(c.get_user()).unwrap_or("?")
+    )
+}
+
+fn url_escape(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The environment `run` gives its command: `DATABASE_URL` without the
+/// password (the command finds it as libpq does: `PGPASSWORD`, the
+/// password file).
+pub(crate) fn child_env(target: &Target) -> Vec<(&'static str, String)> {
+    let c = &target.config;
+    let hosts: Vec<String> = c
+        .get_hosts()
+        .iter()
+        .zip(c.get_ports().iter().chain(std::iter::repeat(&5432)))
+        .map(|(h, p)| match h {
+            Host::Tcp(h) if h.contains(':') => format!("[{h}]:{p}"),
+            Host::Tcp(h) => format!("{}:{p}", url_escape(h)),
+            Host::Unix(d) => format!("{}:{p}", url_escape(&d.display().to_string())),
+        })
+        .collect();
+    let mut url = format!(
+        "postgresql://{}@{}/{}",
+        url_escape(c.get_user().unwrap_or_default()),
+        hosts.join(","),
+        url_escape(c.get_dbname().or(c.get_user()).unwrap_or_default())
+    );
+    let mut query = Vec::new();
+    let mode = match target.ssl {
+        SslMode::Disable => "disable",
+        SslMode::Prefer => "prefer",
+        SslMode::Require => "require",
+        SslMode::VerifyCa => "verify-ca",
+        SslMode::VerifyFull => "verify-full",
+    };
+    query.push(format!("sslmode={mode}"));
+    if let Some(r) = &target.root_cert {
+        query.push(format!("sslrootcert={}", url_escape(r)));
+    }
+    url.push('?');
+    url.push_str(&query.join("&"));
+    vec![("DATABASE_URL", url)]
+}
+
 /// Connects once (the reachability check: a failure here is exit 69), then
 /// builds the pool the commands use.
 pub(crate) async fn pool(target: &Target) -> Result<pgwarden::Pool, Failure> {

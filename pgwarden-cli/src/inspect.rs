@@ -2,15 +2,15 @@
 //! `revoke`, `ddl`.
 
 use std::collections::HashMap;
-use std::io::Write as _;
-use std::time::Duration;
+use std::io::{IsTerminal as _, Write as _};
+use std::time::{Duration, SystemTime};
 
 use pgwarden::lease::LeaseRow;
 use pgwarden::{LockKey, LockMode, Namespace, Pool};
 use serde_json::{json, Value};
 
 use crate::format::{human, human_signed, rfc3339, table};
-use crate::{CheckArgs, Failure, ListArgs, RevokeArgs};
+use crate::{CheckArgs, Failure, ListArgs, LocksArgs, RevokeArgs};
 
 /// pgwarden's own namespace of pair keys (`"pgwd"`: 1885828964).
 const PGWARDEN: Namespace = Namespace::new(0x7067_7764);
@@ -32,21 +32,91 @@ pub(crate) fn ddl(table: &str) -> Result<String, Failure> {
     Ok(leases.ddl())
 }
 
-/// Prints `draw()`'s output once, or every `watch` (redrawn in place) until
-/// SIGINT.
-async fn show<F, Fut>(watch: Option<Duration>, mut draw: F) -> Result<u8, Failure>
+/// One reading of `leases` or `locks`: as JSON, as a table, and its
+/// counts for the `--watch` header.
+pub(crate) struct Sample {
+    pub(crate) json: Value,
+    pub(crate) text: String,
+    pub(crate) counts: String,
+}
+
+/// Prints `draw()`'s output once, or every `--watch` interval until SIGINT:
+/// redrawn in place on a terminal, one after the other otherwise, one JSON
+/// document per line with `--json`. An error is shown (with the time of
+/// the last good sample) and the next sample is tried.
+async fn show<F, Fut>(args: &ListArgs, what: &str, place: &str, mut draw: F) -> Result<u8, Failure>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<String, Failure>>,
+    Fut: std::future::Future<Output = Result<Sample, Failure>>,
 {
-    let Some(every) = watch else {
-        print!("{}", draw().await?);
+    let Some(every) = args.watch else {
+        let s = draw().await?;
+        if args.json {
+            println!("{}", s.json);
+        } else {
+            print!("{}", s.text);
+        }
         return Ok(0);
     };
+    let tty = !args.json && std::io::stdout().is_terminal();
+    let mut last: Option<(SystemTime, Sample)> = None;
     loop {
-        let text = draw().await?;
-        // Home, clear to the end of the screen, then the table.
-        print!("\x1b[H\x1b[2J{text}");
+        let now = SystemTime::now();
+        // A database that stops answering is an error sample too.
+        let bound = every.max(Duration::from_secs(2));
+        let sample = match tokio::time::timeout(bound, draw()).await {
+            Ok(s) => s,
+            Err(_) => Err(Failure {
+                code: 1,
+                message: format!("no answer within {}", human(bound)),
+            }),
+        };
+        let header = format!(
+            "pgwarden {what}  {}  {place}  every {}",
+            rfc3339(now),
+            human(every)
+        );
+        let out = match sample {
+            Ok(s) => {
+                let out = if args.json {
+                    format!(
+                        "{}\n",
+                        json!({"time": rfc3339(now), "database": place, what: s.json})
+                    )
+                } else {
+                    format!("{header}  {}\n{}", s.counts, s.text)
+                };
+                last = Some((now, s));
+                out
+            }
+            Err(e) => {
+                let since = last.as_ref().map(|(t, _)| rfc3339(*t));
+                if args.json {
+                    format!(
+                        "{}\n",
+                        json!({"time": rfc3339(now), "database": place, "error": e.message, "last_good": since})
+                    )
+                } else {
+                    let mut out = format!(
+                        "{header}\nerror: {e} (last good sample: {})\n",
+                        since.as_deref().unwrap_or("none yet")
+                    );
+                    if let (true, Some((_, s))) = (tty, &last) {
+                        out.push_str("stale, as of the last good sample:\n");
+                        out.push_str(&s.text);
+                    }
+                    out
+                }
+            }
+        };
+        if tty {
+            // Home, clear to the end of the screen, then the sample.
+            print!("\x1b[H\x1b[2J{out}");
+        } else if args.json {
+            print!("{out}");
+        } else {
+            println!("{out}");
+        }
         let _ = std::io::stdout().flush();
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
@@ -98,13 +168,14 @@ fn lease_json(r: &LeaseRow) -> Value {
     })
 }
 
-pub(crate) async fn leases(leases: &pgwarden::Leases, args: &ListArgs) -> Result<u8, Failure> {
-    show(args.watch, || async {
+pub(crate) async fn leases(
+    leases: &pgwarden::Leases,
+    args: &ListArgs,
+    place: &str,
+) -> Result<u8, Failure> {
+    show(args, "leases", place, || async {
         let rows = leases.rows().await?;
-        if args.json {
-            let all: Vec<Value> = rows.iter().map(lease_json).collect();
-            return Ok(format!("{}\n", Value::Array(all)));
-        }
+        let live = rows.iter().filter(|r| r.live).count();
         let cells: Vec<Vec<String>> = rows
             .iter()
             .map(|r| {
@@ -123,38 +194,52 @@ pub(crate) async fn leases(leases: &pgwarden::Leases, args: &ListArgs) -> Result
                         format!("expired {}", human_signed(r.expires_in_s))
                     },
                     r.held_until.map(rfc3339).unwrap_or_default(),
+                    r.prev_holder.clone().unwrap_or_default(),
                     blocked_text(r),
                 ]
             })
             .collect();
-        Ok(table(
-            &[
-                "NAME",
-                "HOLDER",
-                "TOKEN",
-                "TAKEN AT",
-                "EXPIRY",
-                "HELD UNTIL",
-                "BLOCKED BY",
-            ],
-            &cells,
-        ))
+        Ok(Sample {
+            json: Value::Array(rows.iter().map(lease_json).collect()),
+            text: table(
+                &[
+                    "NAME",
+                    "HOLDER",
+                    "TOKEN",
+                    "TAKEN AT",
+                    "EXPIRY",
+                    "HELD UNTIL",
+                    "PREVIOUS HOLDER",
+                    "BLOCKED BY",
+                ],
+                &cells,
+            ),
+            counts: format!("{} leases, {live} live", rows.len()),
+        })
     })
     .await
 }
 
-/// One advisory lock, with what the census does not carry.
-struct Lock {
+/// One advisory lock, from `pg_locks` (every database of the server) and
+/// its session from `pg_stat_activity`.
+pub(crate) struct Lock {
+    database: Option<String>,
     key: LockKey,
     mode: LockMode,
     granted: bool,
     pid: Option<i32>,
     application_name: Option<String>,
+    user: Option<String>,
     state: Option<String>,
     client_addr: Option<String>,
     state_for: Option<Duration>,
+    /// The session's details are hidden from this role (another role's
+    /// session, no `pg_monitor` / `pg_read_all_stats`).
+    hidden: bool,
     /// For a held lock: the backends waiting for it.
     waiting_pids: Vec<i32>,
+    /// For an awaited lock: the backends it waits for.
+    blockers: Vec<i32>,
     /// For an awaited lock: how long it has been awaited.
     waiting_for: Option<Duration>,
 }
@@ -180,100 +265,86 @@ fn secs(s: Option<f64>) -> Option<Duration> {
     s.and_then(|s| Duration::try_from_secs_f64(s.max(0.0)).ok())
 }
 
-/// The census, and for its sessions the client address and state age, and
-/// for each lock its waiters (`pg_blocking_pids`), read in the same breath.
-async fn read_locks(pool: &Pool) -> Result<Vec<Lock>, Failure> {
-    let census = pool.census().await?;
+/// Every advisory lock of the server (`pg_locks` is cluster-wide), with
+/// its database, its session, its waiters and blockers, in one statement.
+const LOCKS_SQL: &str = "
+SELECT d.datname, l.pid, l.classid::int8, l.objid::int8, l.objsubid::int4,
+       l.mode, l.granted, a.application_name, a.usename, a.state, host(a.client_addr),
+       greatest(extract(epoch FROM clock_timestamp() - a.state_change), 0)::float8,
+       coalesce(a.query = '<insufficient privilege>', false),
+       CASE WHEN NOT l.granted AND l.pid IS NOT NULL THEN pg_blocking_pids(l.pid) END,
+       CASE WHEN NOT l.granted THEN greatest(extract(epoch FROM clock_timestamp() - l.waitstart), 0)::float8 END
+  FROM pg_locks l
+  LEFT JOIN pg_database d ON d.oid = l.database
+  LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory'
+ ORDER BY d.datname, l.pid, l.granted DESC, l.classid, l.objid, l.objsubid";
+
+pub(crate) async fn read_locks(pool: &Pool) -> Result<Vec<Lock>, Failure> {
     let client = pool.get().await.map_err(pgwarden::Error::from)?;
-    let pids: Vec<i32> = census.locks.iter().filter_map(|l| l.pid).collect();
-    let sessions: HashMap<i32, (Option<String>, Option<f64>)> = client
-        .query(
-            "SELECT pid, host(client_addr),
-                    greatest(extract(epoch FROM clock_timestamp() - state_change), 0)::float8
-               FROM pg_stat_activity WHERE pid = ANY($1)",
-            &[&pids],
-        )
+    let rows = client
+        .query(LOCKS_SQL, &[])
         .await
-        .map_err(pgwarden::Error::from)?
-        .iter()
-        .map(|r| Ok((r.try_get(0)?, (r.try_get(1)?, r.try_get(2)?))))
-        .collect::<Result<_, tokio_postgres::Error>>()
         .map_err(pgwarden::Error::from)?;
-    // Waiters: (key, waiter pid) → (its blockers, how long it has waited).
-    let mut waiters: HashMap<(LockKey, i32), (Vec<i32>, Option<f64>)> = HashMap::new();
-    for r in client
-        .query(
-            "SELECT pid, classid::int8, objid::int8, objsubid::int4, pg_blocking_pids(pid),
-                    greatest(extract(epoch FROM clock_timestamp() - waitstart), 0)::float8
-               FROM pg_locks
-              WHERE locktype = 'advisory' AND NOT granted AND pid IS NOT NULL
-                AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-            &[],
-        )
-        .await
-        .map_err(pgwarden::Error::from)?
-    {
-        let get = || -> Result<_, tokio_postgres::Error> {
+    let mut locks = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let get = || -> Result<Lock, tokio_postgres::Error> {
             let (classid, objid, sub): (i64, i64, i32) =
-                (r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
+                (r.try_get(2)?, r.try_get(3)?, r.try_get(4)?);
             let key = if sub == 1 {
                 LockKey::Single(((classid as u64) << 32 | objid as u64) as i64)
             } else {
                 LockKey::Pair(classid as u32 as i32, objid as u32 as i32)
             };
-            Ok((
+            let mode: String = r.try_get(5)?;
+            Ok(Lock {
+                database: r.try_get(0)?,
+                pid: r.try_get(1)?,
                 key,
-                r.try_get::<_, i32>(0)?,
-                r.try_get::<_, Vec<i32>>(4)?,
-                r.try_get::<_, Option<f64>>(5)?,
-            ))
+                mode: if mode == "ShareLock" {
+                    LockMode::Shared
+                } else {
+                    LockMode::Exclusive
+                },
+                granted: r.try_get(6)?,
+                application_name: r.try_get(7)?,
+                user: r.try_get(8)?,
+                state: r.try_get(9)?,
+                client_addr: r.try_get(10)?,
+                state_for: secs(r.try_get(11)?),
+                hidden: r.try_get(12)?,
+                blockers: r.try_get::<_, Option<Vec<i32>>>(13)?.unwrap_or_default(),
+                waiting_for: secs(r.try_get(14)?),
+                waiting_pids: Vec::new(),
+            })
         };
-        let (key, pid, blockers, waited) = get().map_err(pgwarden::Error::from)?;
-        waiters.insert((key, pid), (blockers, waited));
+        locks.push(get().map_err(pgwarden::Error::from)?);
     }
-    Ok(census
-        .locks
-        .into_iter()
-        .map(|l| {
-            let (client_addr, state_for) = l
-                .pid
-                .and_then(|p| sessions.get(&p).cloned())
-                .unwrap_or_default();
-            let waiting_pids = match (l.granted, l.pid) {
-                (true, Some(pid)) => {
-                    let mut w: Vec<i32> = waiters
-                        .iter()
-                        .filter(|((k, _), (blockers, _))| *k == l.key && blockers.contains(&pid))
-                        .map(|((_, waiter), _)| *waiter)
-                        .collect();
-                    w.sort_unstable();
-                    w
-                }
-                _ => Vec::new(),
-            };
-            let waiting_for = match (l.granted, l.pid) {
-                (false, Some(pid)) => waiters.get(&(l.key, pid)).and_then(|(_, s)| secs(*s)),
-                _ => None,
-            };
-            Lock {
-                key: l.key,
-                mode: l.mode,
-                granted: l.granted,
-                pid: l.pid,
-                application_name: l.application_name,
-                state: l.state,
-                client_addr,
-                state_for: secs(state_for),
-                waiting_pids,
-                waiting_for,
-            }
-        })
-        .collect())
+    // A held lock's waiters: the sessions waiting for its key that it
+    // blocks.
+    let waits: Vec<(Option<String>, LockKey, i32, Vec<i32>)> = locks
+        .iter()
+        .filter(|l| !l.granted)
+        .filter_map(|l| Some((l.database.clone(), l.key, l.pid?, l.blockers.clone())))
+        .collect();
+    for l in locks.iter_mut().filter(|l| l.granted) {
+        let Some(pid) = l.pid else { continue };
+        let mut w: Vec<i32> = waits
+            .iter()
+            .filter(|(db, k, _, b)| *db == l.database && *k == l.key && b.contains(&pid))
+            .map(|(_, _, waiter, _)| *waiter)
+            .collect();
+        w.sort_unstable();
+        w.dedup();
+        l.waiting_pids = w;
+    }
+    Ok(locks)
 }
 
 fn lock_json(l: &Lock) -> Value {
     let (classid, objid, objsubid) = raw(l.key);
     json!({
+        "database": l.database,
         "key": key_text(l.key),
         "classid": classid,
         "objid": objid,
@@ -282,10 +353,13 @@ fn lock_json(l: &Lock) -> Value {
         "granted": l.granted,
         "pid": l.pid,
         "application_name": l.application_name,
+        "user": l.user,
         "client_addr": l.client_addr,
         "state": l.state,
         "state_for_s": l.state_for.map(|d| d.as_secs_f64()),
+        "hidden": l.hidden,
         "waiting_pids": l.waiting_pids,
+        "blocked_by": l.blockers,
         "waiting_for_s": l.waiting_for.map(|d| d.as_secs_f64()),
     })
 }
@@ -298,49 +372,166 @@ fn state_text(state: Option<&str>, age: Option<Duration>) -> String {
     }
 }
 
-pub(crate) async fn locks(pool: &Pool, args: &ListArgs) -> Result<u8, Failure> {
-    show(args.watch, || async {
-        let locks = read_locks(pool).await?;
-        if args.json {
-            let all: Vec<Value> = locks.iter().map(lock_json).collect();
-            return Ok(format!("{}\n", Value::Array(all)));
+/// Where a session connects from: its address, `local` for a Unix socket,
+/// `hidden` when this role may not see it.
+fn client_text(l: &Lock) -> String {
+    match &l.client_addr {
+        Some(a) => a.clone(),
+        None if l.hidden => "hidden".to_owned(),
+        None => "local".to_owned(),
+    }
+}
+
+fn pids_text(pids: &[i32]) -> String {
+    pids.iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl LocksArgs {
+    fn keep(&self, l: &Lock) -> bool {
+        self.pid.is_none_or(|p| l.pid == Some(p))
+            && self
+                .app
+                .as_deref()
+                .is_none_or(|a| l.application_name.as_deref() == Some(a))
+            && self
+                .key
+                .as_deref()
+                .is_none_or(|k| key_text(l.key) == k || l.key.to_string() == k)
+            && self
+                .database
+                .as_deref()
+                .is_none_or(|d| l.database.as_deref() == Some(d))
+    }
+}
+
+/// The counts of a set of locks: `12 advisory locks (10 held, 2 waiting),
+/// 3 sessions, 2 databases`.
+fn summary(locks: &[&Lock]) -> String {
+    let held = locks.iter().filter(|l| l.granted).count();
+    let mut sessions: Vec<i32> = locks.iter().filter_map(|l| l.pid).collect();
+    sessions.sort_unstable();
+    sessions.dedup();
+    let mut dbs: Vec<&str> = locks.iter().filter_map(|l| l.database.as_deref()).collect();
+    dbs.sort_unstable();
+    dbs.dedup();
+    let hidden = locks.iter().filter(|l| l.hidden).filter_map(|l| l.pid);
+    let mut hidden: Vec<i32> = hidden.collect();
+    hidden.sort_unstable();
+    hidden.dedup();
+    let mut s = format!(
+        "{} advisory lock{} ({held} held, {} waiting), {} session{}, {} database{}",
+        locks.len(),
+        if locks.len() == 1 { "" } else { "s" },
+        locks.len() - held,
+        sessions.len(),
+        if sessions.len() == 1 { "" } else { "s" },
+        dbs.len(),
+        if dbs.len() == 1 { "" } else { "s" },
+    );
+    if !hidden.is_empty() {
+        s.push_str(&format!(
+            "; the state and client of {} session{} are hidden from this role (grant it pg_monitor)",
+            hidden.len(),
+            if hidden.len() == 1 { "" } else { "s" }
+        ));
+    }
+    s
+}
+
+/// The human table: the locks of one session in one mode and state are one
+/// row (`3 keys: 1, 2, 3`).
+fn locks_table(locks: &[&Lock]) -> String {
+    let mut cells: Vec<Vec<String>> = Vec::new();
+    let mut i = 0;
+    while i < locks.len() {
+        let l = locks[i];
+        let mut j = i + 1;
+        while j < locks.len() {
+            let m = locks[j];
+            if m.pid.is_none()
+                || m.pid != l.pid
+                || m.database != l.database
+                || m.mode != l.mode
+                || m.granted != l.granted
+            {
+                break;
+            }
+            j += 1;
         }
-        let cells: Vec<Vec<String>> = locks
+        let group = &locks[i..j];
+        let key = if group.len() == 1 {
+            key_text(l.key)
+        } else {
+            let first: Vec<String> = group.iter().take(3).map(|g| key_text(g.key)).collect();
+            format!(
+                "{} keys: {}{}",
+                group.len(),
+                first.join(", "),
+                if group.len() > 3 { ", …" } else { "" }
+            )
+        };
+        let mut waiters: Vec<i32> = group
             .iter()
-            .map(|l| {
-                vec![
-                    key_text(l.key),
-                    l.mode.to_string(),
-                    match l.waiting_for {
-                        _ if l.granted => "held".to_owned(),
-                        Some(w) => format!("waiting {}", human(w)),
-                        None => "waiting".to_owned(),
-                    },
-                    l.pid.map(|p| p.to_string()).unwrap_or_default(),
-                    app(l.application_name.as_deref()).to_owned(),
-                    l.client_addr.clone().unwrap_or_else(|| "local".to_owned()),
-                    state_text(l.state.as_deref(), l.state_for),
-                    l.waiting_pids
-                        .iter()
-                        .map(|p| p.to_string())
-                        .collect::<Vec<_>>()
-                        .join(","),
-                ]
-            })
+            .flat_map(|g| g.waiting_pids.iter().copied())
             .collect();
-        Ok(table(
-            &[
-                "KEY",
-                "MODE",
-                "GRANTED",
-                "PID",
-                "APPLICATION",
-                "CLIENT",
-                "STATE",
-                "WAITERS",
-            ],
-            &cells,
-        ))
+        waiters.sort_unstable();
+        waiters.dedup();
+        cells.push(vec![
+            l.database.clone().unwrap_or_default(),
+            key,
+            l.mode.to_string(),
+            match l.waiting_for {
+                _ if l.granted => "held".to_owned(),
+                Some(w) => format!("waiting {}", human(w)),
+                None => "waiting".to_owned(),
+            },
+            l.pid.map(|p| p.to_string()).unwrap_or_default(),
+            app(l.application_name.as_deref()).to_owned(),
+            client_text(l),
+            if l.hidden {
+                "hidden".to_owned()
+            } else {
+                state_text(l.state.as_deref(), l.state_for)
+            },
+            if l.granted {
+                pids_text(&waiters)
+            } else {
+                format!("blocked by {}", pids_text(&l.blockers))
+            },
+        ]);
+        i = j;
+    }
+    let mut out = table(
+        &[
+            "DATABASE",
+            "KEY",
+            "MODE",
+            "GRANTED",
+            "PID",
+            "APPLICATION",
+            "CLIENT",
+            "STATE",
+            "WAITERS",
+        ],
+        &cells,
+    );
+    out.push_str(&summary(locks));
+    out.push('\n');
+    out
+}
+
+pub(crate) async fn locks(pool: &Pool, args: &LocksArgs, place: &str) -> Result<u8, Failure> {
+    show(&args.list, "locks", place, || async {
+        let all = read_locks(pool).await?;
+        let locks: Vec<&Lock> = all.iter().filter(|l| args.keep(l)).collect();
+        Ok(Sample {
+            json: Value::Array(locks.iter().map(|l| lock_json(l)).collect()),
+            text: locks_table(&locks),
+            counts: summary(&locks),
+        })
     })
     .await
 }
@@ -352,55 +543,157 @@ struct Finding {
     subject: Value,
 }
 
+/// `pid 123 (app, 10.0.0.1)` in database `db`.
+fn who(l: &Lock) -> String {
+    format!(
+        "pid {} ({}, {}) in database {}",
+        l.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
+        app(l.application_name.as_deref()),
+        client_text(l),
+        l.database.as_deref().unwrap_or("?")
+    )
+}
+
+/// The lock findings: idle sessions holding locks (one finding per
+/// session, however many keys), long waiters (naming their blockers), and
+/// sessions this role cannot see.
+fn lock_findings(locks: &[Lock], max: Duration) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    let by_pid: HashMap<i32, &Lock> = locks.iter().filter_map(|l| Some((l.pid?, l))).collect();
+    // Idle holders, grouped by session.
+    let mut idle: Vec<(i32, Vec<&Lock>)> = Vec::new();
+    for l in locks {
+        let is_idle = l.state.as_deref().is_some_and(|s| s.starts_with("idle"));
+        if !(l.granted && is_idle && l.state_for.is_some_and(|d| d >= max)) {
+            continue;
+        }
+        let Some(pid) = l.pid else { continue };
+        match idle.iter_mut().find(|(p, _)| *p == pid) {
+            Some((_, v)) => v.push(l),
+            None => idle.push((pid, vec![l])),
+        }
+    }
+    for (_, group) in &idle {
+        let l = group[0];
+        let keys: Vec<String> = group.iter().take(3).map(|g| key_text(g.key)).collect();
+        let what = if group.len() == 1 {
+            format!("advisory lock {} ({})", keys[0], l.mode)
+        } else {
+            format!(
+                "{} advisory locks ({}{})",
+                group.len(),
+                keys.join(", "),
+                if group.len() > 3 { ", …" } else { "" }
+            )
+        };
+        findings.push(Finding {
+            kind: "idle_lock",
+            message: format!(
+                "{what} held by {}, {}",
+                who(l),
+                state_text(l.state.as_deref(), l.state_for)
+            ),
+            subject: json!({
+                "pid": l.pid,
+                "database": l.database,
+                "count": group.len(),
+                "locks": group.iter().take(100).map(|g| lock_json(g)).collect::<Vec<_>>(),
+            }),
+        });
+    }
+    for l in locks {
+        let Some(w) = l.waiting_for.filter(|w| !l.granted && *w >= max) else {
+            continue;
+        };
+        let blockers: Vec<String> = l
+            .blockers
+            .iter()
+            .map(|b| match by_pid.get(b) {
+                Some(bl) => format!(
+                    "pid {b} ({}, {})",
+                    app(bl.application_name.as_deref()),
+                    if bl.hidden {
+                        "state hidden".to_owned()
+                    } else {
+                        state_text(bl.state.as_deref(), bl.state_for)
+                    }
+                ),
+                None => format!("pid {b}"),
+            })
+            .collect();
+        findings.push(Finding {
+            kind: "lock_waiter",
+            message: format!(
+                "{} has waited {} for advisory lock {} ({}){}",
+                who(l),
+                human(w),
+                key_text(l.key),
+                l.mode,
+                if blockers.is_empty() {
+                    String::new()
+                } else {
+                    format!(", blocked by {}", blockers.join(", "))
+                }
+            ),
+            subject: lock_json(l),
+        });
+    }
+    let mut hidden: Vec<i32> = locks
+        .iter()
+        .filter(|l| l.hidden && l.granted)
+        .filter_map(|l| l.pid)
+        .collect();
+    hidden.sort_unstable();
+    hidden.dedup();
+    if !hidden.is_empty() {
+        let n = locks.iter().filter(|l| l.hidden && l.granted).count();
+        findings.push(Finding {
+            kind: "hidden_sessions",
+            message: format!(
+                "cannot tell whether {} session{} holding {n} advisory lock{} ({}{}) are idle: this role may not see their state (grant it pg_monitor)",
+                hidden.len(),
+                if hidden.len() == 1 { "" } else { "s" },
+                if n == 1 { "" } else { "s" },
+                hidden.iter().take(10).map(|p| format!("pid {p}")).collect::<Vec<_>>().join(", "),
+                if hidden.len() > 10 { ", …" } else { "" }
+            ),
+            subject: json!({"pids": hidden, "locks": n}),
+        });
+    }
+    findings
+}
+
 pub(crate) async fn check(
     pool: &Pool,
     leases: &pgwarden::Leases,
     args: &CheckArgs,
+    table_name: &str,
 ) -> Result<u8, Failure> {
     let max = args.max_idle_lock;
-    let mut findings = Vec::new();
-    for l in read_locks(pool).await? {
-        let idle = l.state.as_deref().is_some_and(|s| s.starts_with("idle"));
-        let pid = l.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into());
-        let who = format!(
-            "pid {pid} ({}, {})",
-            app(l.application_name.as_deref()),
-            l.client_addr.as_deref().unwrap_or("local")
-        );
-        if l.granted && idle && l.state_for.is_some_and(|d| d >= max) {
-            findings.push(Finding {
-                kind: "idle_lock",
-                message: format!(
-                    "advisory lock {} ({}) held by {who}, {}",
-                    key_text(l.key),
-                    l.mode,
-                    state_text(l.state.as_deref(), l.state_for)
-                ),
-                subject: lock_json(&l),
-            });
-        }
-        if let Some(w) = l.waiting_for.filter(|w| !l.granted && *w >= max) {
-            findings.push(Finding {
-                kind: "lock_waiter",
-                message: format!(
-                    "{who} has waited {} for advisory lock {} ({})",
-                    human(w),
-                    key_text(l.key),
-                    l.mode
-                ),
-                subject: lock_json(&l),
-            });
-        }
+    let mut locks = read_locks(pool).await?;
+    if let Some(db) = &args.database {
+        locks.retain(|l| l.database.as_deref() == Some(db.as_str()));
     }
-    let rows = match leases.rows().await {
-        Ok(rows) => rows,
-        // No lease table: no lease to find anything about.
-        Err(pgwarden::Error::Db(e))
-            if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) =>
-        {
-            Vec::new()
+    let mut findings = lock_findings(&locks, max);
+    let rows = if args.no_leases {
+        Vec::new()
+    } else {
+        match leases.rows().await {
+            Ok(rows) => rows,
+            Err(pgwarden::Error::Db(e))
+                if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) =>
+            {
+                findings.push(Finding {
+                    kind: "no_lease_table",
+                    message: format!(
+                        "no lease table {table_name} in this database: is --table right? (--no-leases checks locks only)"
+                    ),
+                    subject: json!({"table": table_name}),
+                });
+                Vec::new()
+            }
+            Err(e) => return Err(e.into()),
         }
-        Err(e) => return Err(e.into()),
     };
     for r in &rows {
         if !r.live && r.blocker_pid.is_some() {
@@ -457,7 +750,9 @@ pub(crate) async fn check(
             .collect();
         println!("{}", Value::Array(all));
     } else if findings.is_empty() {
-        println!("ok: no findings");
+        if !args.quiet {
+            println!("ok: no findings");
+        }
     } else {
         for f in &findings {
             println!("{}: {}", f.kind, f.message);

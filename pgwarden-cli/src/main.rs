@@ -90,8 +90,9 @@ enum Cmd {
     /// List every lease row: holder, token, expiry, and a session holding a
     /// row lock on it.
     Leases(ListArgs),
-    /// List every advisory lock in the database, with its session.
-    Locks(ListArgs),
+    /// List the advisory locks of every database of the server, with their
+    /// sessions (a session's locks in one row, a summary line at the end).
+    Locks(LocksArgs),
     /// Exit 0 when healthy, 1 with one line per finding (for cron, probes
     /// and runbooks).
     Check(CheckArgs),
@@ -104,7 +105,7 @@ enum Cmd {
 
 #[derive(Args, Debug)]
 pub(crate) struct RunArgs {
-    /// The lease name.
+    /// The lease name: at most 128 bytes, no control characters.
     pub(crate) name: String,
     /// The lease's time to live: how long after a crash others wait.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
@@ -121,6 +122,9 @@ pub(crate) struct RunArgs {
     /// The exit code when the lease was not acquired (0 for cron).
     #[arg(long, default_value_t = EXIT_NOT_ACQUIRED)]
     pub(crate) skip_code: u8,
+    /// Say nothing when the lease is not acquired (for cron).
+    #[arg(long, short)]
+    pub(crate) quiet: bool,
     /// The command and its arguments (after `--`).
     #[arg(last = true, required = true, value_name = "CMD")]
     pub(crate) cmd: Vec<OsString>,
@@ -128,12 +132,33 @@ pub(crate) struct RunArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct ListArgs {
-    /// One JSON array on stdout.
+    /// One JSON array on stdout (with --watch: one JSON object per line,
+    /// per sample: time, database, and the rows or the error).
     #[arg(long)]
     pub(crate) json: bool,
-    /// Redraw every SECS seconds until interrupted.
+    /// Redraw every SECS seconds until interrupted (in place on a terminal,
+    /// one sample after the other otherwise); an error is shown and the
+    /// next sample tried.
     #[arg(long, value_name = "SECS", value_parser = parse_watch)]
     pub(crate) watch: Option<Duration>,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct LocksArgs {
+    #[command(flatten)]
+    pub(crate) list: ListArgs,
+    /// Only the locks of this backend pid.
+    #[arg(long)]
+    pub(crate) pid: Option<i32>,
+    /// Only the locks of sessions with this application_name.
+    #[arg(long)]
+    pub(crate) app: Option<String>,
+    /// Only this key: `42`, `1:987`, `pgwarden:leases.install`.
+    #[arg(long)]
+    pub(crate) key: Option<String>,
+    /// Only the locks taken in this database.
+    #[arg(long)]
+    pub(crate) database: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -145,15 +170,48 @@ pub(crate) struct CheckArgs {
     /// One JSON array of findings on stdout.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Print nothing when there is no finding (for cron).
+    #[arg(long, short)]
+    pub(crate) quiet: bool,
+    /// Check advisory locks only: this database has no lease table.
+    #[arg(long)]
+    pub(crate) no_leases: bool,
+    /// Check only the advisory locks taken in this database (default: every
+    /// database of the server).
+    #[arg(long)]
+    pub(crate) database: Option<String>,
 }
 
 #[derive(Args, Debug)]
 pub(crate) struct RevokeArgs {
-    /// The lease name.
+    /// The lease name: at most 128 bytes, no control characters.
     pub(crate) name: String,
     /// Do it; without it, only print what would be done.
     #[arg(long)]
     pub(crate) yes: bool,
+}
+
+/// The longest lease name, in bytes (the library's limit).
+const MAX_NAME: usize = 128;
+
+/// A lease name: checked here so that a huge one is not echoed whole.
+fn parse_name(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        return Err("lease name: empty".to_owned());
+    }
+    if s.len() > MAX_NAME {
+        let head: String = s.chars().take(32).collect();
+        return Err(format!(
+            "lease name {head:?}…: {} bytes, at most {MAX_NAME}",
+            s.len()
+        ));
+    }
+    if let Some(c) = s.chars().find(|c| c.is_control()) {
+        return Err(format!(
+            "lease name {s:?}: control character {c:?}; no NUL byte or other control character"
+        ));
+    }
+    Ok(s.to_owned())
 }
 
 fn parse_watch(s: &str) -> Result<Duration, String> {
@@ -219,6 +277,12 @@ fn main() -> ExitCode {
         return keeper::main(argv.collect());
     }
     let cli = Cli::parse();
+    if !matches!(cli.cmd, Cmd::Run(_)) {
+        // A closed stdout (`pgwarden locks | head -1`) ends the read-only
+        // commands quietly, as it ends `ls` (run keeps running its command).
+        // SAFETY: resetting a signal disposition before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -245,6 +309,12 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         print!("{}", inspect::ddl(&cli.table)?);
         return Ok(0);
     }
+    match &cli.cmd {
+        Cmd::Run(RunArgs { name, .. }) | Cmd::Revoke(RevokeArgs { name, .. }) => {
+            parse_name(name).map_err(Failure::usage)?;
+        }
+        _ => {}
+    }
     let url = cli.url.ok_or_else(|| {
         Failure::usage("no database: pass --url URL or set DATABASE_URL".to_owned())
     })?;
@@ -253,11 +323,12 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
     let leases = pgwarden::Leases::builder(&pool)
         .table(cli.table.as_str())
         .build()?;
+    let place = connect::place(&target);
     let out = match cli.cmd {
-        Cmd::Run(args) => run::run(&leases, args, Vec::new()).await,
-        Cmd::Leases(args) => inspect::leases(&leases, &args).await,
-        Cmd::Locks(args) => inspect::locks(&pool, &args).await,
-        Cmd::Check(args) => inspect::check(&pool, &leases, &args).await,
+        Cmd::Run(args) => run::run(&leases, args, connect::child_env(&target)).await,
+        Cmd::Leases(args) => inspect::leases(&leases, &args, &place).await,
+        Cmd::Locks(args) => inspect::locks(&pool, &args, &place).await,
+        Cmd::Check(args) => inspect::check(&pool, &leases, &args, &cli.table).await,
         Cmd::Revoke(args) => inspect::revoke(&leases, &args).await,
         Cmd::Ddl => Ok(0), // printed above
     };

@@ -182,19 +182,29 @@ pub(crate) async fn run(
             Ok(rows) => rows.into_iter().find(|r| r.name == args.name),
             Err(_) => None,
         };
-        match held {
-            Some(r) if r.live => eprintln!(
-                "pgwarden: lease {:?} is held by {} (token {}, expires {}); not running the command",
-                args.name,
-                r.holder,
-                r.token,
-                human_signed(r.expires_in_s)
-            ),
-            _ => eprintln!(
-                "pgwarden: lease {:?} not acquired within {}; not running the command",
-                args.name,
-                human(args.wait)
-            ),
+        if !args.quiet {
+            match held {
+                Some(r) if r.live => eprintln!(
+                    "pgwarden: lease {:?} is held by {} (token {}, expires {}); not running the command",
+                    args.name,
+                    r.holder,
+                    r.token,
+                    human_signed(r.expires_in_s)
+                ),
+                Some(r) if r.blocker_pid.is_some() => eprintln!(
+                    "pgwarden: lease {:?} expired {} but its take-over is blocked by a row lock of pid {} ({}, {}); not running the command",
+                    args.name,
+                    human_signed(r.expires_in_s),
+                    r.blocker_pid.unwrap_or_default(),
+                    r.blocker_application_name.as_deref().unwrap_or("-"),
+                    r.blocker_state.as_deref().unwrap_or("?"),
+                ),
+                _ => eprintln!(
+                    "pgwarden: lease {:?} not acquired within {}; not running the command",
+                    args.name,
+                    human(args.wait)
+                ),
+            }
         }
         return Ok(args.skip_code);
     };

@@ -227,7 +227,8 @@ async fn the_command_sees_its_token_and_leases_shows_it_then_no_live_holder() {
         "{table}"
     );
 
-    // --watch redraws in place until SIGINT.
+    // --watch into a pipe: one sample after the other, each with its
+    // header, no screen codes; until SIGINT.
     let mut watch = pgwarden(&url)
         .args(["leases", "--watch", "0.2"])
         .stdout(Stdio::piped())
@@ -235,11 +236,11 @@ async fn the_command_sees_its_token_and_leases_shows_it_then_no_live_holder() {
         .unwrap();
     let mut out = watch.stdout.take().unwrap();
     let mut seen = Vec::new();
-    within(BOUND, "two redraws", async {
+    within(BOUND, "three samples", async {
         use tokio::io::AsyncReadExt;
         let mut buf = [0u8; 4096];
         while String::from_utf8_lossy(&seen)
-            .matches("\x1b[H\x1b[2J")
+            .matches("pgwarden leases  ")
             .count()
             < 3
         {
@@ -249,7 +250,12 @@ async fn the_command_sees_its_token_and_leases_shows_it_then_no_live_holder() {
         }
     })
     .await;
-    assert!(String::from_utf8_lossy(&seen).contains("report"));
+    let seen = String::from_utf8_lossy(&seen).into_owned();
+    assert!(seen.contains("report"), "{seen}");
+    assert!(
+        !seen.contains('\x1b'),
+        "no screen codes into a pipe: {seen:?}"
+    );
     kill(pid(&watch), libc::SIGINT);
     assert_eq!(exit_code(&mut watch, BOUND).await, 0);
 
@@ -494,7 +500,7 @@ async fn locks_lists_an_idle_sessions_advisory_lock_and_check_names_it_until_rel
         "{said}"
     );
     // Above the threshold nothing is idle long enough.
-    let out = cli(&url, &["check", "--max-idle-lock", "1h"]).await;
+    let out = cli(&url, &["check", "--max-idle-lock", "1h", "--no-leases"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
 
     cancel.cancel_query(tokio_postgres::NoTls).await.unwrap();
@@ -506,7 +512,19 @@ async fn locks_lists_an_idle_sessions_advisory_lock_and_check_names_it_until_rel
         .execute("SELECT pg_advisory_unlock(4242)", &[])
         .await
         .unwrap();
-    let out = cli(&url, &["check", "--max-idle-lock", "0s", "--json"]).await;
+    let out = cli(
+        &url,
+        &[
+            "check",
+            "--max-idle-lock",
+            "0s",
+            "--json",
+            "--no-leases",
+            "--database",
+            db.name(),
+        ],
+    )
+    .await;
     assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
     assert_eq!(stdout(&out).trim(), "[]");
 }
@@ -1152,4 +1170,213 @@ echo $! > {d}/pid; while [ ! -s {d}/left ]; do sleep 0.01; done; exit 3"
             .filter(|l| l.starts_with(&format!("{token} ")))
             .count()
     );
+}
+
+// ---------------------------------------------------------------------
+// Point 4 of issue 31: output people can pipe and watch.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn output_survives_a_closed_pipe_groups_many_locks_filters_and_watches_through_errors() {
+    let db = db().await;
+    let url = db.url();
+    const MANY: i64 = 2000;
+    let mut config = db.pg_config();
+    config.application_name("bulk");
+    let (bulk, conn) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let bulk_pid: i32 = bulk
+        .query_one(
+            "SELECT pg_backend_pid() FROM (SELECT count(pg_advisory_lock(g)) FROM generate_series(1, $1::int8) g) s",
+            &[&MANY],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // Another session waits for key 1.
+    let (waiter, conn) = db.pg_config().connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let waiter_pid: i32 = waiter
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let cancel = waiter.cancel_token();
+    let wait = tokio::spawn(async move { waiter.execute("SELECT pg_advisory_lock(1)", &[]).await });
+    eventually(BOUND, "the waiter to wait", || async {
+        json(&url, &["locks", "--json", "--pid", &waiter_pid.to_string()])
+            .await
+            .iter()
+            .any(|l| l["granted"] == false)
+    })
+    .await;
+
+    // A closed pipe: no panic, nothing on stderr.
+    let piped = Command::new("sh")
+        .arg("-c")
+        .arg(format!("{BIN} locks --json 2>&1 | head -c 10 >/dev/null; {BIN} locks 2>&1 | head -1 >/dev/null; {BIN} locks --watch 0.1 2>&1 | head -1 >/dev/null"))
+        .env("DATABASE_URL", &url)
+        .stdin(Stdio::null())
+        .output();
+    let piped = within(BOUND, "the pipes to end", piped).await.unwrap();
+    let said = String::from_utf8_lossy(&piped.stdout);
+    assert!(!said.contains("panicked"), "{said}");
+
+    // One session's 2000 locks are one row, with a summary line.
+    let out = cli(&url, &["locks", "--app", "bulk"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let table = stdout(&out);
+    println!("{table}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3, "header, one row, summary: {table}");
+    assert!(lines[0].starts_with("DATABASE"), "{table}");
+    assert!(
+        lines[1].contains(&format!("{MANY} keys: 1, 2, 3, …")),
+        "{table}"
+    );
+    assert!(lines[1].contains(db.name()), "{table}");
+    assert!(
+        lines[1].contains(&waiter_pid.to_string()),
+        "the waiter on key 1: {table}"
+    );
+    assert!(
+        lines[2].starts_with(&format!(
+            "{MANY} advisory locks ({MANY} held, 0 waiting), 1 session, 1 database"
+        )),
+        "{table}"
+    );
+    // Filters.
+    let one = json(
+        &url,
+        &[
+            "locks",
+            "--json",
+            "--key",
+            "17",
+            "--pid",
+            &bulk_pid.to_string(),
+        ],
+    )
+    .await;
+    assert_eq!(one.len(), 1, "{one:?}");
+    assert_eq!(one[0]["database"], db.name());
+    assert!(json(&url, &["locks", "--json", "--database", "nosuchdb"])
+        .await
+        .is_empty());
+    // check: one finding for the session, and the waiter names its blocker.
+    let out = cli(
+        &url,
+        &[
+            "check",
+            "--max-idle-lock",
+            "0s",
+            "--no-leases",
+            "--database",
+            db.name(),
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1));
+    let said = stdout(&out);
+    println!("{said}");
+    let idle: Vec<&str> = said
+        .lines()
+        .filter(|l| l.starts_with("idle_lock:"))
+        .collect();
+    assert_eq!(idle.len(), 1, "{said}");
+    assert!(
+        idle[0].contains(&format!("{MANY} advisory locks")),
+        "{said}"
+    );
+    assert!(
+        said.lines().any(|l| l.starts_with("lock_waiter:")
+            && l.contains(&format!("blocked by pid {bulk_pid} (bulk"))),
+        "{said}"
+    );
+
+    // --watch --json into a pipe: one JSON object per line.
+    let proxy = pgwarden_testing::Proxy::start(TestServer::shared().unwrap()).unwrap();
+    let mut watch = pgwarden(&proxy.url(&db))
+        .args(["locks", "--json", "--watch", "0.2", "--app", "bulk"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines =
+        tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(watch.stdout.take().unwrap()));
+    let first = next_sample(&mut lines).await;
+    assert_eq!(first["locks"].as_array().map(Vec::len), Some(MANY as usize));
+    assert!(first["time"].as_str().is_some_and(|t| t.ends_with('Z')));
+    // The database stops answering (its connections cut, new ones held):
+    // an error sample naming the last good one, then good ones again.
+    proxy.blackhole();
+    proxy.reset_all();
+    let mut saw_error = false;
+    within(BOUND, "an error, then a good sample", async {
+        loop {
+            let s = next_sample(&mut lines).await;
+            if s.get("error").is_some() {
+                assert!(s["last_good"].as_str().is_some(), "{s}");
+                if !saw_error {
+                    println!("{s}");
+                    proxy.heal();
+                    proxy.reset_all();
+                }
+                saw_error = true;
+            } else if saw_error {
+                assert_eq!(s["locks"].as_array().map(Vec::len), Some(MANY as usize));
+                break;
+            }
+        }
+    })
+    .await;
+    kill(pid(&watch), libc::SIGINT);
+    assert_eq!(exit_code(&mut watch, BOUND).await, 0);
+
+    // --quiet for cron.
+    let out = cli(
+        &url,
+        &[
+            "check",
+            "--quiet",
+            "--no-leases",
+            "--database",
+            "postgres",
+            "--max-idle-lock",
+            "1h",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "");
+    cancel.cancel_query(tokio_postgres::NoTls).await.unwrap();
+    let _ = within(BOUND, "the wait to end", wait).await;
+    drop(bulk);
+
+    // A huge name is not echoed whole; the limit is in --help.
+    let huge = "x".repeat(10_000);
+    let out = cli(&url, &["run", &huge, "--", "true"]).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).len() < 600, "{}", stderr(&out));
+    assert!(stderr(&out).contains("at most 128"), "{}", stderr(&out));
+    let help = stdout(&cli(&url, &["run", "--help"]).await);
+    for says in [
+        "at most 128 bytes",
+        "PGWARDEN_TOKEN",
+        "DATABASE_URL",
+        "Exit codes",
+        "76",
+        "frozen",
+    ] {
+        assert!(help.contains(says), "{says}: {help}");
+    }
+}
+
+async fn next_sample(
+    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+) -> Value {
+    let line = within(BOUND, "a sample", lines.next_line())
+        .await
+        .unwrap()
+        .expect("watch ended early");
+    assert!(!line.contains('\x1b'), "{line:?}");
+    serde_json::from_str::<Value>(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
 }
