@@ -33,7 +33,9 @@ impl Pool {
     /// Starts a builder from a deadpool-postgres [`Config`](deadpool_postgres::Config)
     /// (no TLS, tokio runtime). Its pool size must be at most 262 143;
     /// deadpool create and recycle timeouts left unset become 10 s and 5 s
-    /// (every checkout is bounded by its caller's bound too).
+    /// (every checkout is bounded by its caller's bound too). Its
+    /// connections take the pool's [name](PoolBuilder::name) as
+    /// `application_name` unless the config sets one.
     ///
     /// ```no_run
     /// # fn demo() -> Result<(), pgwarden::BuildError> {
@@ -43,20 +45,22 @@ impl Pool {
     /// # Ok(()) }
     /// ```
     pub fn from_config(config: &deadpool_postgres::Config) -> Result<PoolBuilder, BuildError> {
-        crate::pool::config_pool(config).map(Pool::builder)
+        crate::pool::config_pool(config).map(|(inner, name)| Pool::builder(inner).set_ext(name))
     }
 
     /// Starts a builder from a `DATABASE_URL`-style connection string
     /// (`postgres://…` or `host=… user=…`), no TLS, `max_size` connections
     /// (at most 262 143), deadpool create and recycle timeouts of 10 s and
-    /// 5 s (every checkout is bounded by its caller's bound too).
+    /// 5 s (every checkout is bounded by its caller's bound too). Its
+    /// connections take the pool's [name](PoolBuilder::name) as
+    /// `application_name` unless the string sets one.
     ///
     /// ```
     /// let e = pgwarden::Pool::from_url("host=/tmp", usize::MAX).unwrap_err();
     /// assert!(e.to_string().contains("above the maximum 262143"), "{e}");
     /// ```
     pub fn from_url(url: &str, max_size: usize) -> Result<PoolBuilder, BuildError> {
-        crate::pool::url_pool(url, max_size).map(Pool::builder)
+        crate::pool::url_pool(url, max_size).map(|(inner, name)| Pool::builder(inner).set_ext(name))
     }
 
     /// The pool's name, as in logs and metric labels.

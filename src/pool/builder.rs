@@ -29,34 +29,85 @@ fn check_size(size: usize) -> Result<(), BuildError> {
     Ok(())
 }
 
+/// The pool's name, set by [`PoolBuilder::build`]: the `application_name`
+/// of the connections of a pool pgwarden builds itself (`from_url`,
+/// `from_config`) whose settings give none, so that `pg_stat_activity`
+/// (and `pgwarden locks`) names the pool.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct AppName(Arc<std::sync::OnceLock<String>>);
+
+/// deadpool's connector for the pools pgwarden builds: no TLS, and the
+/// pool's name as `application_name` unless the settings give one.
+struct NamedConnect(AppName);
+
+impl deadpool_postgres::Connect for NamedConnect {
+    fn connect(
+        &self,
+        pg_config: &tokio_postgres::Config,
+    ) -> futures_util::future::BoxFuture<
+        '_,
+        Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error>,
+    > {
+        let mut pg_config = pg_config.clone();
+        if pg_config.get_application_name().is_none() {
+            if let Some(name) = self.0 .0.get() {
+                pg_config.application_name(name);
+            }
+        }
+        Box::pin(async move {
+            let (client, connection) = pg_config.connect(tokio_postgres::NoTls).await?;
+            let task = tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::warn!(target: "deadpool.postgres", "Connection error: {}", e);
+                }
+            });
+            Ok((client, task))
+        })
+    }
+}
+
 /// A deadpool pool from a deadpool-postgres config (no TLS, tokio runtime),
-/// its create and recycle timeouts defaulted.
+/// its create and recycle timeouts defaulted; its connections take the
+/// pool's name as `application_name` unless the config sets one.
 pub(crate) fn config_pool(
     config: &deadpool_postgres::Config,
-) -> Result<deadpool_postgres::Pool, BuildError> {
-    let mut config = config.clone();
-    let pool = config
-        .pool
-        .get_or_insert_with(deadpool_postgres::PoolConfig::default);
+) -> Result<(deadpool_postgres::Pool, AppName), BuildError> {
+    let mut pool = config.get_pool_config();
     check_size(pool.max_size)?;
     pool.timeouts.create.get_or_insert(CREATE_TIMEOUT);
     pool.timeouts.recycle.get_or_insert(RECYCLE_TIMEOUT);
-    let inner = config
-        .create_pool(
-            Some(deadpool_postgres::Runtime::Tokio1),
-            tokio_postgres::NoTls,
-        )
-        .map_err(|e| BuildError::Deadpool(Box::new(e)))?;
-    Ok(inner)
+    let pg = config.get_pg_config().map_err(|e| {
+        BuildError::Deadpool(Box::new(deadpool_postgres::CreatePoolError::Config(e)))
+    })?;
+    let name = AppName::default();
+    let mgr = deadpool_postgres::Manager::from_connect(
+        pg,
+        NamedConnect(name.clone()),
+        config.get_manager_config(),
+    );
+    let inner = deadpool_postgres::Pool::builder(mgr)
+        .config(pool)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()
+        .map_err(|e| {
+            BuildError::Deadpool(Box::new(deadpool_postgres::CreatePoolError::Build(e)))
+        })?;
+    Ok((inner, name))
 }
 
-/// A deadpool pool from a connection string, no TLS, timeouts defaulted.
-pub(crate) fn url_pool(url: &str, max_size: usize) -> Result<deadpool_postgres::Pool, BuildError> {
+/// A deadpool pool from a connection string, no TLS, timeouts defaulted;
+/// its connections take the pool's name as `application_name` unless the
+/// string sets one.
+pub(crate) fn url_pool(
+    url: &str,
+    max_size: usize,
+) -> Result<(deadpool_postgres::Pool, AppName), BuildError> {
     check_size(max_size)?;
     let pg: tokio_postgres::Config = url.parse().map_err(BuildError::InvalidUrl)?;
-    let mgr = deadpool_postgres::Manager::from_config(
+    let name = AppName::default();
+    let mgr = deadpool_postgres::Manager::from_connect(
         pg,
-        tokio_postgres::NoTls,
+        NamedConnect(name.clone()),
         deadpool_postgres::ManagerConfig {
             recycling_method: deadpool_postgres::RecyclingMethod::Fast,
         },
@@ -68,7 +119,7 @@ pub(crate) fn url_pool(url: &str, max_size: usize) -> Result<deadpool_postgres::
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .map_err(|e| BuildError::Deadpool(Box::new(e)))?;
-    Ok(inner)
+    Ok((inner, name))
 }
 
 /// Builds a [`Pool`] over a deadpool pool. Every setting has a default.
@@ -267,6 +318,9 @@ impl PoolBuilder {
             .unwrap_or(Duration::from_secs(30));
         let claim = Claim::new(self.name.as_deref());
         let name = claim.name();
+        // A pool built by `from_url` / `from_config`: its connections are
+        // named after it from now on.
+        let _ = self.ext.get::<AppName>().0.set(name.to_string());
         let metrics = PoolMetrics::register(&name, &limits);
         let get_timeouts = deadpool_postgres::Timeouts {
             wait: Some(Duration::ZERO),
