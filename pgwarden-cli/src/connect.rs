@@ -11,7 +11,8 @@ use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, Server
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::ParsedCertificate;
 use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
@@ -58,6 +59,8 @@ pub(crate) struct Target {
     pub(crate) config: tokio_postgres::Config,
     pub(crate) ssl: SslMode,
     pub(crate) root_cert: Option<String>,
+    /// The client certificate and its key (`sslcert`, `sslkey`).
+    pub(crate) client_cert: Option<(String, String)>,
 }
 
 impl fmt::Debug for Target {
@@ -65,32 +68,173 @@ impl fmt::Debug for Target {
         f.debug_struct("Target")
             .field("ssl", &self.ssl)
             .field("root_cert", &self.root_cert)
+            .field("client_cert", &self.client_cert)
             .finish_non_exhaustive()
     }
 }
 
-/// Reads a URL (`postgres://…?sslmode=…` or `host=… sslmode=…`). Without an
-/// `sslmode`, `PGSSLMODE` is used, else `prefer` (libpq's default).
-pub(crate) fn parse(url: &str) -> Result<Target, Failure> {
-    let (rest, ssl, root_cert) = split_tls(url.trim())?;
-    let mut config = tokio_postgres::Config::from_str(&rest)
-        .map_err(|e| Failure::usage(format!("invalid database URL: {e}")))?;
-    let ssl = match ssl.or_else(|| std::env::var("PGSSLMODE").ok()) {
+/// An environment variable, unset when empty (as libpq reads them).
+fn env(key: &str) -> Option<String> {
+    std::env::var(key).ok().filter(|v| !v.is_empty())
+}
+
+/// The settings libpq reads from the environment, when the URL gives none.
+const PG_ENV: &[&str] = &["PGHOST", "PGHOSTADDR", "PGPORT", "PGUSER", "PGDATABASE"];
+
+/// The user's home directory.
+fn home() -> Option<std::path::PathBuf> {
+    env("HOME").map(std::path::PathBuf::from)
+}
+
+/// The operating system user, libpq's default user name.
+fn os_user() -> Option<String> {
+    env("USER").or_else(|| env("LOGNAME")).or_else(|| {
+        // SAFETY: getpwuid returns a pointer to static storage or null; the
+        // name is copied at once.
+        unsafe {
+            let pw = libc::getpwuid(libc::geteuid());
+            if pw.is_null() || (*pw).pw_name.is_null() {
+                return None;
+            }
+            Some(
+                std::ffi::CStr::from_ptr((*pw).pw_name)
+                    .to_string_lossy()
+                    .into_owned(),
+            )
+        }
+    })
+}
+
+/// Reads a URL (`postgres://…?sslmode=…` or `host=… sslmode=…`), or none,
+/// with libpq's environment for what it does not say: `PGHOST`, `PGPORT`,
+/// `PGUSER`, `PGPASSWORD`, `PGDATABASE`, `PGAPPNAME`, `PGCONNECT_TIMEOUT`,
+/// `PGSSLMODE` (else `prefer`), `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`,
+/// and the password file (`PGPASSFILE`, else `~/.pgpass`).
+pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
+    let url =
+        match url {
+            Some(u) => u.trim().to_owned(),
+            None if PG_ENV.iter().any(|k| env(k).is_some()) => String::new(),
+            None => return Err(Failure::usage(
+                "no database: pass --url URL, or set DATABASE_URL or libpq's PGHOST, PGDATABASE…",
+            )),
+        };
+    let tls = split_tls(&url)?;
+    let mut config = if tls.rest.is_empty() {
+        tokio_postgres::Config::new()
+    } else {
+        tokio_postgres::Config::from_str(&tls.rest)
+            .map_err(|e| Failure::usage(format!("invalid database URL: {e}")))?
+    };
+    if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+        match env("PGHOST") {
+            Some(hosts) => {
+                for h in hosts.split(',') {
+                    if h.starts_with('/') {
+                        config.host_path(h);
+                    } else {
+                        config.host(h);
+                    }
+                }
+            }
+            None => {
+                // libpq's default: the Unix socket directory.
+                let dir = ["/var/run/postgresql", "/tmp"]
+                    .into_iter()
+                    .find(|d| std::path::Path::new(d).is_dir())
+                    .unwrap_or("/tmp");
+                config.host_path(dir);
+            }
+        }
+        if let Some(addrs) = env("PGHOSTADDR") {
+            for a in addrs.split(',') {
+                let ip = a
+                    .parse()
+                    .map_err(|_| Failure::usage(format!("PGHOSTADDR {a:?}: not an IP address")))?;
+                config.hostaddr(ip);
+            }
+        }
+    }
+    if config.get_ports().is_empty() {
+        if let Some(p) = env("PGPORT") {
+            for p in p.split(',') {
+                let port = p
+                    .parse()
+                    .map_err(|_| Failure::usage(format!("PGPORT {p:?}: not a port number")))?;
+                config.port(port);
+            }
+        }
+    }
+    if config.get_user().is_none() {
+        match env("PGUSER").or_else(os_user) {
+            Some(u) => config.user(&u),
+            None => return Err(Failure::usage("no user: set PGUSER or user= in the URL")),
+        };
+    }
+    if config.get_dbname().is_none() {
+        if let Some(d) = env("PGDATABASE") {
+            config.dbname(&d);
+        }
+    }
+    if config.get_password().is_none() {
+        if let Some(p) = env("PGPASSWORD") {
+            config.password(p);
+        } else if let Some(p) = passfile_password(&config) {
+            config.password(p);
+        }
+    }
+    if config.get_connect_timeout().is_none() {
+        let t = match env("PGCONNECT_TIMEOUT") {
+            // libpq: at least 2 s; 0 or less means none (here: the default).
+            Some(t) => match t.parse::<i64>() {
+                Ok(n) if n > 0 => Duration::from_secs(n.max(2) as u64),
+                Ok(_) => CONNECT_TIMEOUT,
+                Err(_) => {
+                    return Err(Failure::usage(format!(
+                        "PGCONNECT_TIMEOUT {t:?}: not a number of seconds"
+                    )))
+                }
+            },
+            None => CONNECT_TIMEOUT,
+        };
+        config.connect_timeout(t);
+    }
+    if config.get_application_name().is_none() {
+        config.application_name(env("PGAPPNAME").as_deref().unwrap_or("pgwarden-cli"));
+    }
+    let ssl = match tls.mode.or_else(|| env("PGSSLMODE")) {
         Some(s) => s.parse()?,
         None => SslMode::Prefer,
     };
-    let root_cert = root_cert.or_else(|| std::env::var("PGSSLROOTCERT").ok());
-    if config.get_connect_timeout().is_none() {
-        config.connect_timeout(CONNECT_TIMEOUT);
-    }
-    if config.get_application_name().is_none() {
-        config.application_name("pgwarden-cli");
-    }
+    let root_cert = tls.root_cert.or_else(|| env("PGSSLROOTCERT"));
+    let cert = tls.cert.or_else(|| env("PGSSLCERT"));
+    let key = tls.key.or_else(|| env("PGSSLKEY"));
+    let pg_dir = home().map(|h| h.join(".postgresql"));
+    let default_file = |name: &str| {
+        pg_dir
+            .as_ref()
+            .map(|d| d.join(name))
+            .filter(|p| p.exists())
+            .map(|p| p.display().to_string())
+    };
+    let client_cert = match (cert, key) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (Some(c), None) => Some((
+            c,
+            default_file("postgresql.key").ok_or_else(|| {
+                Failure::usage("sslcert given without sslkey (and no ~/.postgresql/postgresql.key)")
+            })?,
+        )),
+        (None, Some(_)) => return Err(Failure::usage("sslkey given without sslcert")),
+        // libpq's defaults, used when both exist.
+        (None, None) => default_file("postgresql.crt").zip(default_file("postgresql.key")),
+    };
     // No TLS over a Unix socket (libpq ignores sslmode there too).
     let local = config
         .get_hosts()
         .iter()
         .all(|h| matches!(h, Host::Unix(_)))
+        && config.get_hostaddrs().is_empty()
         && !config.get_hosts().is_empty();
     config.ssl_mode(match ssl {
         _ if local => PgSslMode::Disable,
@@ -98,35 +242,153 @@ pub(crate) fn parse(url: &str) -> Result<Target, Failure> {
         SslMode::Prefer => PgSslMode::Prefer,
         _ => PgSslMode::Require,
     });
+    // verify-ca and verify-full without sslrootcert: libpq's default file.
+    let root_cert = match (root_cert, ssl) {
+        (Some(r), _) => Some(r),
+        (None, SslMode::VerifyCa | SslMode::VerifyFull) if !local => {
+            let file = pg_dir.map(|d| d.join("root.crt"));
+            match file.filter(|f| f.exists()) {
+                Some(f) => Some(f.display().to_string()),
+                None => {
+                    return Err(Failure::usage(
+                        "sslmode verify-ca/verify-full: no root certificate (~/.postgresql/root.crt does not exist): name one with sslrootcert=FILE, or sslrootcert=system for the platform's",
+                    ))
+                }
+            }
+        }
+        (None, _) => None,
+    };
     Ok(Target {
         config,
         ssl,
         root_cert,
+        client_cert,
     })
 }
 
-/// Takes `sslmode` and `sslrootcert` out of a URL or a `key=value` string:
-/// what is left, and their values.
-fn split_tls(url: &str) -> Result<(String, Option<String>, Option<String>), Failure> {
-    let (mut ssl, mut root) = (None, None);
+/// The password for `config` in the password file (`PGPASSFILE`, else
+/// `~/.pgpass`), as libpq finds it: the first line whose host, port,
+/// database and user match (`*` matches any); ignored when the file is
+/// readable by group or others.
+fn passfile_password(config: &tokio_postgres::Config) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = env("PGPASSFILE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| home().map(|h| h.join(".pgpass")))?;
+    let meta = std::fs::metadata(&path).ok()?;
+    if !meta.is_file() {
+        return None;
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        eprintln!(
+            "pgwarden: warning: password file {} has group or world access; permissions should be u=rw (0600) or less: ignored",
+            path.display()
+        );
+        return None;
+    }
+    let text = std::fs::read_to_string(&path).ok()?;
+    let (host, local) = match config.get_hosts().first() {
+        Some(Host::Tcp(h)) => (h.clone(), false),
+        Some(Host::Unix(p)) => (p.display().to_string(), true),
+        None => ("localhost".to_owned(), true),
+    };
+    let port = config
+        .get_ports()
+        .first()
+        .copied()
+        .unwrap_or(5432)
+        .to_string();
+    let user = config.get_user().unwrap_or_default();
+    let db = config.get_dbname().unwrap_or(user);
+    for line in text.lines() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let fields = pgpass_fields(line);
+        let [h, p, d, u, pw] = fields.as_slice() else {
+            continue;
+        };
+        let m = |pat: &str, v: &str| pat == "*" || pat == v;
+        let host_ok = m(h, &host) || (local && h == "localhost");
+        if host_ok && m(p, &port) && m(d, db) && m(u, user) {
+            return Some(pw.clone());
+        }
+    }
+    None
+}
+
+/// A password file line's five fields (`:` separates, `\` escapes).
+fn pgpass_fields(line: &str) -> Vec<String> {
+    let mut fields = vec![String::new()];
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if let (Some(n), Some(f)) = (chars.next(), fields.last_mut()) {
+                    f.push(n);
+                }
+            }
+            ':' if fields.len() < 5 => fields.push(String::new()),
+            c => {
+                if let Some(f) = fields.last_mut() {
+                    f.push(c);
+                }
+            }
+        }
+    }
+    fields
+}
+
+/// A URL with the TLS settings tokio-postgres does not read taken out.
+#[derive(Debug, Default)]
+struct TlsParts {
+    rest: String,
+    mode: Option<String>,
+    root_cert: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
+}
+
+impl TlsParts {
+    /// Takes `key=value` if it is one of ours; false otherwise.
+    fn take(&mut self, key: &str, value: String) -> bool {
+        let slot = match key {
+            "sslmode" => &mut self.mode,
+            "sslrootcert" => &mut self.root_cert,
+            "sslcert" => &mut self.cert,
+            "sslkey" => &mut self.key,
+            _ => return false,
+        };
+        *slot = Some(value);
+        true
+    }
+}
+
+/// Takes `sslmode`, `sslrootcert`, `sslcert` and `sslkey` out of a URL or
+/// a `key=value` string.
+fn split_tls(url: &str) -> Result<TlsParts, Failure> {
+    let mut parts = TlsParts::default();
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         let Some((base, query)) = url.split_once('?') else {
-            return Ok((url.to_owned(), None, None));
+            parts.rest = url.to_owned();
+            return Ok(parts);
         };
         let mut kept = Vec::new();
         for pair in query.split('&') {
-            match pair.split_once('=') {
-                Some(("sslmode", v)) => ssl = Some(percent_decode(v)?),
-                Some(("sslrootcert", v)) => root = Some(percent_decode(v)?),
-                _ => kept.push(pair),
+            let taken = match pair.split_once('=') {
+                Some((k, v)) => parts.take(k, percent_decode(v)?),
+                None => false,
+            };
+            if !taken {
+                kept.push(pair);
             }
         }
-        let rest = if kept.is_empty() {
+        parts.rest = if kept.is_empty() {
             base.to_owned()
         } else {
             format!("{base}?{}", kept.join("&"))
         };
-        return Ok((rest, ssl, root));
+        return Ok(parts);
     }
     // key = value pairs; values may be 'quoted' with \ escapes.
     let mut kept = String::new();
@@ -180,16 +442,13 @@ fn split_tls(url: &str) -> Result<(String, Option<String>, Option<String>), Fail
             }
         }
         let end = chars.peek().map_or(url.len(), |&(i, _)| i);
-        match key.as_str() {
-            "sslmode" => ssl = Some(value),
-            "sslrootcert" => root = Some(value),
-            _ => {
-                kept.push_str(&url[start..end]);
-                kept.push(' ');
-            }
+        if !parts.take(&key, value) {
+            kept.push_str(&url[start..end]);
+            kept.push(' ');
         }
     }
-    Ok((kept.trim_end().to_owned(), ssl, root))
+    parts.rest = kept.trim_end().to_owned();
+    Ok(parts)
 }
 
 fn percent_decode(s: &str) -> Result<String, Failure> {
@@ -226,7 +485,11 @@ fn percent_decode(s: &str) -> Result<String, Failure> {
 /// certificate for `prefer` and `require` (libpq's behaviour, unless a root
 /// certificate is named: then as `verify-ca`), the chain for `verify-ca`,
 /// the chain and the host name for `verify-full`. The roots are
-/// `sslrootcert`'s (`system` for the platform's), else the platform's.
+/// `sslrootcert`'s (`system` for the platform's; `~/.postgresql/root.crt`
+/// by default). A self-signed server certificate that is itself the root
+/// named is accepted (OpenSSL 3 marks such certificates `CA:TRUE`, which
+/// webpki refuses as an end entity; libpq accepts them). The client
+/// certificate is `sslcert`'s, with `sslkey`'s key.
 pub(crate) fn tls(target: &Target) -> Result<Tls, Failure> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ClientConfig::builder_with_provider(provider.clone())
@@ -238,24 +501,47 @@ pub(crate) fn tls(target: &Target) -> Result<Tls, Failure> {
         SslMode::VerifyCa => Some(false),
         SslMode::VerifyFull => Some(true),
     };
-    let config = match verify {
-        None => builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
-            .with_no_client_auth(),
+    let verifier: Arc<dyn ServerCertVerifier> = match verify {
+        None => Arc::new(NoVerify(provider)),
         Some(full) => {
-            let roots = Arc::new(roots(target.root_cert.as_deref())?);
-            let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
+            let (store, pinned) = roots(target.root_cert.as_deref())?;
+            let webpki = WebPkiServerVerifier::builder_with_provider(Arc::new(store), provider)
                 .build()
                 .map_err(|e| Failure::usage(format!("TLS setup: {e}")))?;
-            if full {
-                builder.with_webpki_verifier(webpki).with_no_client_auth()
-            } else {
-                builder
-                    .dangerous()
-                    .with_custom_certificate_verifier(Arc::new(ChainOnly(webpki)))
-                    .with_no_client_auth()
+            Arc::new(Verify {
+                webpki,
+                pinned,
+                full,
+            })
+        }
+    };
+    let builder = builder
+        .dangerous()
+        .with_custom_certificate_verifier(verifier);
+    let config = match &target.client_cert {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let certs = CertificateDer::pem_file_iter(cert)
+                .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| Failure::usage(format!("sslcert {cert}: {e}")))?;
+            if certs.is_empty() {
+                return Err(Failure::usage(format!(
+                    "sslcert {cert}: no PEM certificate in it"
+                )));
             }
+            let key_der = PrivateKeyDer::from_pem_file(key)
+                .map_err(|e| Failure::usage(format!("sslkey {key}: {e}")))?;
+            // Not `with_client_auth_cert`: it parses the certificate as
+            // webpki does and refuses a version 1 certificate, which
+            // `openssl x509 -req` makes and the server accepts.
+            let signer = rustls::crypto::ring::default_provider()
+                .key_provider
+                .load_private_key(key_der)
+                .map_err(|e| Failure::usage(format!("sslkey {key}: {e}")))?;
+            let certified = rustls::sign::CertifiedKey::new(certs, signer);
+            builder.with_client_cert_resolver(Arc::new(rustls::sign::SingleCertAndKey::from(
+                certified,
+            )))
         }
     };
     Ok(Tls(MakeRustlsConnect::new(config)))
@@ -286,8 +572,13 @@ where
     }
 }
 
-fn roots(root_cert: Option<&str>) -> Result<RootCertStore, Failure> {
+/// The trusted roots, and the certificates of the file named (a server
+/// certificate found among them is trusted as is).
+fn roots(
+    root_cert: Option<&str>,
+) -> Result<(RootCertStore, Vec<CertificateDer<'static>>), Failure> {
     let mut store = RootCertStore::empty();
+    let mut pinned = Vec::new();
     match root_cert {
         Some(path) if path != "system" => {
             let certs = CertificateDer::pem_file_iter(path)
@@ -300,9 +591,10 @@ fn roots(root_cert: Option<&str>) -> Result<RootCertStore, Failure> {
                 )));
             }
             for c in certs {
-                store
-                    .add(c)
-                    .map_err(|e| Failure::usage(format!("sslrootcert {path}: {e}")))?;
+                // A certificate webpki cannot take as a trust anchor may
+                // still be the server's own (pinned below).
+                let _ = store.add(c.clone());
+                pinned.push(c);
             }
         }
         _ => {
@@ -319,7 +611,7 @@ fn roots(root_cert: Option<&str>) -> Result<RootCertStore, Failure> {
             }
         }
     }
-    Ok(store)
+    Ok((store, pinned))
 }
 
 /// `prefer` and `require` without a root certificate: encrypted, the
@@ -373,12 +665,18 @@ impl ServerCertVerifier for NoVerify {
     }
 }
 
-/// `verify-ca`: the chain must lead to a trusted root; the host name is
-/// not checked.
+/// `verify-ca` (`full` false): the chain must lead to a trusted root, the
+/// host name is not checked; `verify-full`: the host name too. A server
+/// certificate that is one of the root file's certificates is trusted as
+/// is (the self-signed certificate of PostgreSQL's docs).
 #[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+struct Verify {
+    webpki: Arc<WebPkiServerVerifier>,
+    pinned: Vec<CertificateDer<'static>>,
+    full: bool,
+}
 
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for Verify {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -387,13 +685,33 @@ impl ServerCertVerifier for ChainOnly {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        let pinned = self
+            .pinned
+            .iter()
+            .any(|p| p.as_ref() == end_entity.as_ref());
+        let result = if pinned {
+            if self.full {
+                let parsed = ParsedCertificate::try_from(end_entity)?;
+                rustls::client::verify_server_name(&parsed, server_name)
+                    .map(|()| ServerCertVerified::assertion())
+            } else {
+                Ok(ServerCertVerified::assertion())
+            }
+        } else {
+            self.webpki.verify_server_cert(
+                end_entity,
+                intermediates,
+                server_name,
+                ocsp_response,
+                now,
+            )
+        };
+        match result {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
+            )) if !self.full || cn_matches(end_entity, server_name) => {
+                Ok(ServerCertVerified::assertion())
+            }
             other => other,
         }
     }
@@ -404,7 +722,7 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        self.webpki.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -413,11 +731,11 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        self.webpki.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.webpki.supported_verify_schemes()
     }
 }
 
@@ -487,6 +805,129 @@ pub(crate) fn child_env(target: &Target) -> Vec<(&'static str, String)> {
     vec![("DATABASE_URL", url)]
 }
 
+/// One DER element: (tag, contents, rest).
+fn der(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, b) = b.split_first()?;
+    let (&first, mut b) = b.split_first()?;
+    let len = if first < 0x80 {
+        first as usize
+    } else {
+        let n = (first & 0x7f) as usize;
+        if n == 0 || n > 4 || b.len() < n {
+            return None;
+        }
+        let len = b[..n].iter().fold(0usize, |a, &x| a << 8 | x as usize);
+        b = &b[n..];
+        len
+    };
+    (b.len() >= len).then(|| (tag, &b[..len], &b[len..]))
+}
+
+/// libpq's rule for a certificate without a subjectAltName: its subject's
+/// common name is the host name (`*.` matching one label).
+fn cn_matches(cert: &CertificateDer<'_>, name: &ServerName<'_>) -> bool {
+    const SAN: &[u8] = &[0x06, 0x03, 0x55, 0x1d, 0x11];
+    const CN: &[u8] = &[0x06, 0x03, 0x55, 0x04, 0x03];
+    let ServerName::DnsName(host) = name else {
+        return false;
+    };
+    let host = host.as_ref().to_ascii_lowercase();
+    let bytes = cert.as_ref();
+    if bytes.windows(SAN.len()).any(|w| w == SAN) {
+        return false; // the names are in the subjectAltName: webpki decided
+    }
+    // Certificate → TBSCertificate → [0] version?, serial, algorithm,
+    // issuer, validity, subject.
+    let subject = (|| {
+        let (_, cert, _) = der(bytes)?;
+        let (_, tbs, _) = der(cert)?;
+        let (tag, _, after_first) = der(tbs)?;
+        let rest = if tag == 0xa0 {
+            der(after_first)?.2
+        } else {
+            after_first
+        };
+        let (_, _, rest) = der(rest)?; // algorithm
+        let (_, _, rest) = der(rest)?; // issuer
+        let (_, _, rest) = der(rest)?; // validity
+        let (_, subject, _) = der(rest)?;
+        Some(subject)
+    })();
+    let Some(mut rdns) = subject else {
+        return false;
+    };
+    while let Some((_, set, rest)) = der(rdns) {
+        rdns = rest;
+        let Some((_, attr, _)) = der(set) else {
+            continue;
+        };
+        let Some(value) = attr.strip_prefix(CN) else {
+            continue;
+        };
+        let Some((_, value, _)) = der(value) else {
+            continue;
+        };
+        let cn = String::from_utf8_lossy(value).to_ascii_lowercase();
+        if cn == host {
+            return true;
+        }
+        if let (Some(suffix), Some((label, rest))) = (cn.strip_prefix("*."), host.split_once('.')) {
+            if !label.is_empty() && rest == suffix {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// A failed first connection: exit 69 (unreachable) when the server
+/// could not be reached or cannot take connections now (starting up,
+/// shutting down, too many connections); exit 1 when it answered with a
+/// refusal that retrying will not change (a wrong password, an unknown role
+/// or database, a refused certificate). The message names the server.
+fn connect_failure(target: &Target, e: tokio_postgres::Error) -> Failure {
+    let at = place(target);
+    if let Some(db) = e.as_db_error() {
+        let code = db.code().code();
+        let transient = matches!(code, "57P03" | "57P01" | "57P02" | "53300" | "08006");
+        let message = format!("{at}: {} ({code})", db.message());
+        return if transient {
+            Failure::unreachable(message)
+        } else {
+            Failure {
+                code: 1,
+                message: format!("cannot connect to {message}"),
+            }
+        };
+    }
+    // A TLS failure (a refused certificate) is not unreachability.
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(err) = source {
+        let tls = err.downcast_ref::<rustls::Error>().is_some()
+            || err
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some());
+        if tls {
+            return Failure {
+                code: 1,
+                message: format!("cannot connect to {at}: TLS: {err}"),
+            };
+        }
+        source = err.source();
+    }
+    let text = e.to_string();
+    // tokio-postgres reports a server without TLS under sslmode=require
+    // this way: a configuration mismatch, not an outage.
+    if text.contains("server does not support TLS") {
+        return Failure {
+            code: 1,
+            message: format!("cannot connect to {at}: {text}"),
+        };
+    }
+    Failure::unreachable(format!("{at}: {}", pgwarden::Error::Db(e)))
+}
+
 /// Connects once (the reachability check: a failure here is exit 69), then
 /// builds the pool the commands use.
 pub(crate) async fn pool(target: &Target) -> Result<pgwarden::Pool, Failure> {
@@ -503,10 +944,12 @@ pub(crate) async fn pool(target: &Target) -> Result<pgwarden::Pool, Failure> {
             // Ends at once: its client is gone.
             let _ = conn.await;
         }
-        Ok(Err(e)) => return Err(Failure::unreachable(pgwarden::Error::Db(e).to_string())),
+        Ok(Err(e)) => return Err(connect_failure(target, e)),
         Err(_) => {
             return Err(Failure::unreachable(format!(
-                "no answer from the database within {bound:?}"
+                "{}: no answer within {}",
+                place(target),
+                crate::format::human(bound)
             )))
         }
     }
@@ -534,19 +977,24 @@ mod tests {
 
     #[test]
     fn tls_settings_come_out_of_both_url_forms() {
-        let (rest, ssl, root) = split_tls(
-            "postgres://u@h:5/db?sslmode=verify-full&application_name=x&sslrootcert=%2Fa%20b",
+        let p = split_tls(
+            "postgres://u@h:5/db?sslmode=verify-full&application_name=x&sslrootcert=%2Fa%20b&sslcert=c.pem&sslkey=k.pem",
         )
         .unwrap();
-        assert_eq!(rest, "postgres://u@h:5/db?application_name=x");
-        assert_eq!(ssl.as_deref(), Some("verify-full"));
-        assert_eq!(root.as_deref(), Some("/a b"));
-        let (rest, ssl, root) =
-            split_tls("host=h  sslmode = verify-ca dbname='my db' sslrootcert='/c\\'s.pem'")
-                .unwrap();
-        assert_eq!(rest, "host=h dbname='my db'");
-        assert_eq!(ssl.as_deref(), Some("verify-ca"));
-        assert_eq!(root.as_deref(), Some("/c's.pem"));
+        assert_eq!(p.rest, "postgres://u@h:5/db?application_name=x");
+        assert_eq!(p.mode.as_deref(), Some("verify-full"));
+        assert_eq!(p.root_cert.as_deref(), Some("/a b"));
+        assert_eq!(p.cert.as_deref(), Some("c.pem"));
+        assert_eq!(p.key.as_deref(), Some("k.pem"));
+        let p = split_tls("host=h  sslmode = verify-ca dbname='my db' sslrootcert='/c\\'s.pem'")
+            .unwrap();
+        assert_eq!(p.rest, "host=h dbname='my db'");
+        assert_eq!(p.mode.as_deref(), Some("verify-ca"));
+        assert_eq!(p.root_cert.as_deref(), Some("/c's.pem"));
+        assert_eq!(
+            pgpass_fields("h\\:x:5432:*:u:pa\\:ss:word"),
+            ["h:x", "5432", "*", "u", "pa:ss:word"]
+        );
         assert!(split_tls("host=h dbname='x").is_err());
         assert!(split_tls("host").is_err());
         assert!("verify".parse::<SslMode>().is_err());

@@ -69,9 +69,13 @@ Exit codes:
     after_help = "Exit codes: the command's own (run); 75 lease not acquired within --wait; 76 lease lost, command stopped; 69 database unreachable; 1 check findings or an error; 2 bad input."
 )]
 struct Cli {
-    /// The database: a postgres:// URL or a key=value string; `sslmode`
-    /// (disable, prefer, require, verify-ca, verify-full) and `sslrootcert`
-    /// are honoured.
+    /// The database: a postgres:// URL or a key=value string, as libpq reads
+    /// them: `sslmode` (disable, prefer, require, verify-ca, verify-full),
+    /// `sslrootcert`, `sslcert` and `sslkey` are honoured; what the URL does
+    /// not say comes from PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE,
+    /// PGAPPNAME, PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGSSLCERT,
+    /// PGSSLKEY and the password file (PGPASSFILE, else ~/.pgpass); keep the
+    /// password out of the URL.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     url: Option<String>,
     /// The lease table, `[schema.]table`.
@@ -315,10 +319,7 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         }
         _ => {}
     }
-    let url = cli.url.ok_or_else(|| {
-        Failure::usage("no database: pass --url URL or set DATABASE_URL".to_owned())
-    })?;
-    let target = connect::parse(&url)?;
+    let target = connect::parse(cli.url.as_deref())?;
     let pool = connect::pool(&target).await?;
     let leases = pgwarden::Leases::builder(&pool)
         .table(cli.table.as_str())

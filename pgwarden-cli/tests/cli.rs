@@ -25,11 +25,25 @@ async fn db() -> TestDb {
 
 fn pgwarden(url: &str) -> Command {
     let mut c = Command::new(BIN);
-    c.env("DATABASE_URL", url)
-        .env_remove("PGSSLMODE")
-        .env_remove("PGSSLROOTCERT")
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
+    c.env("DATABASE_URL", url);
+    for k in [
+        "PGHOST",
+        "PGHOSTADDR",
+        "PGPORT",
+        "PGUSER",
+        "PGPASSWORD",
+        "PGDATABASE",
+        "PGAPPNAME",
+        "PGPASSFILE",
+        "PGCONNECT_TIMEOUT",
+        "PGSSLMODE",
+        "PGSSLROOTCERT",
+        "PGSSLCERT",
+        "PGSSLKEY",
+    ] {
+        c.env_remove(k);
+    }
+    c.stdin(Stdio::null()).kill_on_drop(true);
     c
 }
 
@@ -783,7 +797,8 @@ async fn sslmode_is_honoured_against_a_server_with_a_self_signed_certificate() {
     ];
     for (u, says) in &refused {
         let out = cli(u, &["locks"]).await;
-        assert_eq!(out.status.code(), Some(69), "{u}: {}", stderr(&out));
+        // Refused, not unreachable: 1, not 69.
+        assert_eq!(out.status.code(), Some(1), "{u}: {}", stderr(&out));
         assert!(stderr(&out).contains(says), "{u}: {}", stderr(&out));
     }
     let out = cli(&url("127.0.0.1", "sslmode=verify"), &["locks"]).await;
@@ -1379,4 +1394,310 @@ async fn next_sample(
         .expect("watch ended early");
     assert!(!line.contains('\x1b'), "{line:?}");
     serde_json::from_str::<Value>(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
+}
+
+// ---------------------------------------------------------------------
+// Point 3 of issue 31: libpq's conventions.
+
+/// Runs `openssl ARGS` in `dir`.
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("the openssl command");
+    assert!(out.status.success(), "openssl {args:?}: {out:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn libpq_environment_password_file_and_openssl_certificates_work_as_with_psql() {
+    let (_t, dir) = tempdir();
+    // As PostgreSQL's docs make them: a self-signed server certificate
+    // (OpenSSL 3 marks it CA:TRUE), and a CA that signs a client's.
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-new",
+            "-x509",
+            "-days",
+            "365",
+            "-nodes",
+            "-text",
+            "-out",
+            "server.crt",
+            "-keyout",
+            "server.key",
+            "-subj",
+            "/CN=localhost",
+        ],
+    );
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-new",
+            "-x509",
+            "-days",
+            "365",
+            "-nodes",
+            "-out",
+            "ca.crt",
+            "-keyout",
+            "ca.key",
+            "-subj",
+            "/CN=clients",
+        ],
+    );
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-new",
+            "-nodes",
+            "-out",
+            "client.csr",
+            "-keyout",
+            "client.key",
+            "-subj",
+            "/CN=certuser",
+        ],
+    );
+    openssl(
+        &dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "client.crt",
+            "-days",
+            "365",
+        ],
+    );
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-new",
+            "-x509",
+            "-days",
+            "365",
+            "-nodes",
+            "-out",
+            "other.crt",
+            "-keyout",
+            "other.key",
+            "-subj",
+            "/CN=localhost",
+        ],
+    );
+    let text = std::fs::read_to_string(dir.join("server.crt")).unwrap();
+    assert!(
+        text.contains("CA:TRUE"),
+        "OpenSSL 3 makes a CA:TRUE certificate: {text}"
+    );
+    let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+    let hba = "local all all trust
+hostssl all certuser 127.0.0.1/32 cert
+hostssl all all 127.0.0.1/32 scram-sha-256
+";
+    let (crt, key, ca) = (read("server.crt"), read("server.key"), read("ca.crt"));
+    let server = tokio::task::spawn_blocking(move || {
+        TestServer::start_local_with(
+            &[
+                ("ssl", "on"),
+                ("listen_addresses", "127.0.0.1"),
+                ("ssl_ca_file", "ca.crt"),
+            ],
+            &[
+                ("server.crt", &crt),
+                ("server.key", &key),
+                ("ca.crt", &ca),
+                ("pg_hba.conf", hba.as_bytes()),
+            ],
+        )
+    })
+    .await
+    .unwrap()
+    .expect("a TLS server");
+    let (admin, conn) = server
+        .pg_config()
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    admin
+        .batch_execute(
+            "CREATE ROLE app LOGIN PASSWORD 'sekret'; CREATE ROLE certuser LOGIN;
+             GRANT pg_monitor TO app, certuser; GRANT ALL ON SCHEMA public TO app",
+        )
+        .await
+        .unwrap();
+    let port = server.port().to_string();
+    let f = |name: &str| dir.join(name).display().to_string();
+    let home = dir.join("home");
+    std::fs::create_dir_all(home.join(".postgresql")).unwrap();
+    // Runs pgwarden with no URL, only `env`.
+    let with_env = |env: Vec<(&str, String)>, args: Vec<&str>| {
+        let mut c = pgwarden("");
+        c.env_remove("DATABASE_URL").env("HOME", &home);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c.args(args);
+        async move { within(BOUND, "pgwarden to exit", c.output()).await.unwrap() }
+    };
+    let base = |extra: Vec<(&'static str, String)>| {
+        let mut v = vec![
+            ("PGHOST", "localhost".to_owned()),
+            ("PGHOSTADDR", "127.0.0.1".to_owned()),
+            ("PGPORT", port.clone()),
+            ("PGUSER", "app".to_owned()),
+            ("PGDATABASE", "postgres".to_owned()),
+        ];
+        v.extend(extra);
+        v
+    };
+
+    // 1. All from libpq's variables; the CA:TRUE certificate is its own root.
+    for mode in ["verify-full", "verify-ca"] {
+        let out = with_env(
+            base(vec![
+                ("PGPASSWORD", "sekret".into()),
+                ("PGSSLMODE", mode.into()),
+                ("PGSSLROOTCERT", f("server.crt")),
+            ]),
+            vec!["locks", "--json"],
+        )
+        .await;
+        assert_eq!(out.status.code(), Some(0), "{mode}: {}", stderr(&out));
+    }
+    // A wrong root: refused (exit 1, not 69), naming the server.
+    let out = with_env(
+        base(vec![
+            ("PGPASSWORD", "sekret".into()),
+            ("PGSSLMODE", "verify-ca".into()),
+            ("PGSSLROOTCERT", f("other.crt")),
+        ]),
+        vec!["locks"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("localhost:{port}")),
+        "{}",
+        stderr(&out)
+    );
+    assert!(stderr(&out).contains("certificate"), "{}", stderr(&out));
+
+    // 2. The password file (0600), and no password anywhere else.
+    let pass = dir.join("pgpass");
+    std::fs::write(&pass, format!("# comment\nlocalhost:{port}:*:app:sekret\n")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&pass, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let passfile = vec![
+        ("PGPASSFILE", pass.display().to_string()),
+        ("PGSSLMODE", "verify-full".into()),
+        ("PGSSLROOTCERT", f("server.crt")),
+    ];
+    let out = with_env(base(passfile.clone()), vec!["locks", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // A wrong password: exit 1, not 69, naming the server.
+    let out = with_env(
+        base(vec![
+            ("PGPASSWORD", "wrong".into()),
+            ("PGSSLMODE", "require".into()),
+        ]),
+        vec!["locks"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("password authentication failed"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains(&format!("localhost:{port}")),
+        "{}",
+        stderr(&out)
+    );
+
+    // 3. PGAPPNAME names the sessions; the command's DATABASE_URL has no
+    // password.
+    let mut env = base(passfile.clone());
+    env.push(("PGAPPNAME", "oncall-job".into()));
+    let d = dir.display();
+    let run = with_env(
+        env,
+        vec![
+            "run",
+            "job",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "echo \"$DATABASE_URL\" > {d}/url; while [ ! -f {d}/go ]; do sleep 0.05; done"
+            ),
+        ],
+    );
+    let run = tokio::spawn(run);
+    let url_seen = wait_file(&dir.join("url")).await;
+    let apps: Vec<String> = admin
+        .query(
+            "SELECT application_name FROM pg_stat_activity WHERE usename = 'app'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    std::fs::write(dir.join("go"), "").unwrap();
+    let out = run.await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(apps.iter().any(|a| a == "oncall-job"), "{apps:?}");
+    assert!(!url_seen.contains("sekret"), "{url_seen}");
+    assert!(
+        url_seen.starts_with("postgresql://app@localhost:"),
+        "{url_seen}"
+    );
+
+    // 4. verify-ca without sslrootcert: ~/.postgresql/root.crt.
+    let no_root = base(vec![
+        ("PGPASSFILE", pass.display().to_string()),
+        ("PGSSLMODE", "verify-ca".into()),
+    ]);
+    let out = with_env(no_root.clone(), vec!["locks"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("root.crt"), "{}", stderr(&out));
+    std::fs::copy(dir.join("server.crt"), home.join(".postgresql/root.crt")).unwrap();
+    let out = with_env(no_root, vec!["locks"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+
+    // 5. A client certificate (the `cert` pg_hba line), in the URL.
+    let cert_url = format!(
+        "host=localhost hostaddr=127.0.0.1 port={port} user=certuser dbname=postgres sslmode=verify-full sslrootcert={} sslcert={} sslkey={}",
+        f("server.crt"), f("client.crt"), f("client.key")
+    );
+    let out = cli(&cert_url, &["locks", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let without = format!(
+        "postgresql://certuser@localhost:{port}/postgres?hostaddr=127.0.0.1&sslmode=verify-full&sslrootcert={}",
+        f("server.crt")
+    );
+    let out = cli(&without, &["locks"]).await;
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "no certificate: refused: {}",
+        stderr(&out)
+    );
 }
