@@ -928,31 +928,52 @@ fn connect_failure(target: &Target, e: tokio_postgres::Error) -> Failure {
     Failure::unreachable(format!("{at}: {}", pgwarden::Error::Db(e)))
 }
 
-/// Connects once (the reachability check: a failure here is exit 69), then
-/// builds the pool the commands use.
-pub(crate) async fn pool(target: &Target) -> Result<pgwarden::Pool, Failure> {
+/// What the first connection learned of the server.
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct Server {
+    /// A hot standby (in recovery): advisory locks and lease writes are the
+    /// primary's.
+    pub(crate) standby: bool,
+}
+
+/// Connects once and asks one question (the reachability check: no answer
+/// within the connect timeout, a paused PgBouncer included, is exit 69),
+/// then builds the pool the commands use.
+pub(crate) async fn pool(target: &Target) -> Result<(pgwarden::Pool, Server), Failure> {
     let tls = tls(target)?;
     let bound = target
         .config
         .get_connect_timeout()
         .copied()
         .unwrap_or(CONNECT_TIMEOUT);
-    let probe = tokio::time::timeout(bound, target.config.connect(tls.clone())).await;
-    match probe {
-        Ok(Ok((client, conn))) => {
-            drop(client);
-            // Ends at once: its client is gone.
-            let _ = conn.await;
-        }
+    let probe = tokio::time::timeout(bound, async {
+        let (client, conn) = target.config.connect(tls.clone()).await?;
+        let task = tokio::spawn(conn);
+        let rows = client
+            .simple_query("SELECT pg_is_in_recovery()::text")
+            .await;
+        drop(client);
+        // Ends at once: its client is gone.
+        let _ = task.await;
+        rows
+    })
+    .await;
+    let server = match probe {
+        Ok(Ok(rows)) => Server {
+            standby: rows.iter().any(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("true"),
+                _ => false,
+            }),
+        },
         Ok(Err(e)) => return Err(connect_failure(target, e)),
         Err(_) => {
             return Err(Failure::unreachable(format!(
-                "{}: no answer within {}",
+                "{}: no answer within {} (PGCONNECT_TIMEOUT or connect_timeout sets the bound)",
                 place(target),
                 crate::format::human(bound)
             )))
         }
-    }
+    };
     let manager = deadpool_postgres::Manager::from_config(
         target.config.clone(),
         tls,
@@ -965,10 +986,11 @@ pub(crate) async fn pool(target: &Target) -> Result<pgwarden::Pool, Failure> {
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .map_err(|e| Failure::usage(format!("building the pool: {e}")))?;
-    pgwarden::Pool::builder(inner)
+    let pool = pgwarden::Pool::builder(inner)
         .name("pgwarden-cli")
         .build()
-        .map_err(|e| Failure::usage(format!("building the pool: {e}")))
+        .map_err(|e| Failure::usage(format!("building the pool: {e}")))?;
+    Ok((pool, server))
 }
 
 #[cfg(test)]

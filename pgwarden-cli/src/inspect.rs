@@ -523,13 +523,26 @@ fn locks_table(locks: &[&Lock]) -> String {
     out
 }
 
-pub(crate) async fn locks(pool: &Pool, args: &LocksArgs, place: &str) -> Result<u8, Failure> {
+/// What `locks` and `check` say on a hot standby.
+const STANDBY: &str = "this server is a hot standby: it shows only the advisory locks of its own sessions; the applications' locks live on the primary (point pgwarden at the primary)";
+
+pub(crate) async fn locks(
+    pool: &Pool,
+    args: &LocksArgs,
+    place: &str,
+    server: crate::connect::Server,
+) -> Result<u8, Failure> {
     show(&args.list, "locks", place, || async {
         let all = read_locks(pool).await?;
         let locks: Vec<&Lock> = all.iter().filter(|l| args.keep(l)).collect();
+        let mut text = locks_table(&locks);
+        if server.standby {
+            text.push_str(STANDBY);
+            text.push('\n');
+        }
         Ok(Sample {
             json: Value::Array(locks.iter().map(|l| lock_json(l)).collect()),
-            text: locks_table(&locks),
+            text,
             counts: summary(&locks),
         })
     })
@@ -668,6 +681,7 @@ pub(crate) async fn check(
     leases: &pgwarden::Leases,
     args: &CheckArgs,
     table_name: &str,
+    server: crate::connect::Server,
 ) -> Result<u8, Failure> {
     let max = args.max_idle_lock;
     let mut locks = read_locks(pool).await?;
@@ -675,6 +689,13 @@ pub(crate) async fn check(
         locks.retain(|l| l.database.as_deref() == Some(db.as_str()));
     }
     let mut findings = lock_findings(&locks, max);
+    if server.standby {
+        findings.push(Finding {
+            kind: "standby",
+            message: STANDBY.to_owned(),
+            subject: Value::Null,
+        });
+    }
     let rows = if args.no_leases {
         Vec::new()
     } else {

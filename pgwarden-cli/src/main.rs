@@ -270,6 +270,11 @@ impl From<pgwarden::Error> for Failure {
                     "; hint: no lease table yet (nothing took a lease), or --table names another",
                 );
             }
+            if db.code() == Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION) {
+                message.push_str(
+                    "; hint: this session is read-only (a hot standby, or default_transaction_read_only): leases are taken on the primary",
+                );
+            }
         }
         Failure { code, message }
     }
@@ -320,7 +325,7 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         _ => {}
     }
     let target = connect::parse(cli.url.as_deref())?;
-    let pool = connect::pool(&target).await?;
+    let (pool, server) = connect::pool(&target).await?;
     let leases = pgwarden::Leases::builder(&pool)
         .table(cli.table.as_str())
         .build()?;
@@ -328,8 +333,8 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
     let out = match cli.cmd {
         Cmd::Run(args) => run::run(&leases, args, connect::child_env(&target)).await,
         Cmd::Leases(args) => inspect::leases(&leases, &args, &place).await,
-        Cmd::Locks(args) => inspect::locks(&pool, &args, &place).await,
-        Cmd::Check(args) => inspect::check(&pool, &leases, &args, &cli.table).await,
+        Cmd::Locks(args) => inspect::locks(&pool, &args, &place, server).await,
+        Cmd::Check(args) => inspect::check(&pool, &leases, &args, &cli.table, server).await,
         Cmd::Revoke(args) => inspect::revoke(&leases, &args).await,
         Cmd::Ddl => Ok(0), // printed above
     };

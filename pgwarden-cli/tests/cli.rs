@@ -1701,3 +1701,152 @@ hostssl all all 127.0.0.1/32 scram-sha-256
         stderr(&out)
     );
 }
+
+// ---------------------------------------------------------------------
+// Point 2 of issue 31: right answers on the databases people have.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_sees_every_database_says_what_it_cannot_see_and_exits_69_only_when_unreachable() {
+    let db1 = db().await;
+    let db2 = db().await;
+    let url = db1.url();
+    // An idle session holds a lock in the other database.
+    let mut config = db2.pg_config();
+    config.application_name("elsewhere");
+    let (holder, conn) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let holder_pid: i32 = holder
+        .query_one(
+            "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock(777)) s",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let out = cli(&url, &["check", "--max-idle-lock", "0s", "--no-leases"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let said = stdout(&out);
+    println!("{said}");
+    assert!(
+        said.lines().any(|l| l.starts_with("idle_lock:")
+            && l.contains("777")
+            && l.contains(&holder_pid.to_string())
+            && l.contains(db2.name())),
+        "{said}"
+    );
+    let locks = json(&url, &["locks", "--json", "--pid", &holder_pid.to_string()]).await;
+    assert_eq!(locks.len(), 1, "{locks:?}");
+    assert_eq!(locks[0]["database"], db2.name());
+    assert_eq!(locks[0]["hidden"], false);
+
+    // A role without pg_monitor: never a silent ok.
+    let admin = db1.connect().await.unwrap();
+    admin
+        .batch_execute(&format!(
+            "DO $$ BEGIN CREATE ROLE nomon LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+             GRANT CONNECT ON DATABASE \"{}\" TO nomon",
+            db1.name()
+        ))
+        .await
+        .unwrap();
+    let nomon = format!("{url} user=nomon");
+    let locks = json(
+        &nomon,
+        &["locks", "--json", "--pid", &holder_pid.to_string()],
+    )
+    .await;
+    assert_eq!(locks[0]["hidden"], true, "{locks:?}");
+    let table = stdout(&cli(&nomon, &["locks", "--pid", &holder_pid.to_string()]).await);
+    println!("{table}");
+    assert!(
+        table.contains("hidden") && !table.contains("local"),
+        "{table}"
+    );
+    assert!(table.contains("grant it pg_monitor"), "{table}");
+    let out = cli(&nomon, &["check", "--no-leases", "--max-idle-lock", "1h"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(
+        stdout(&out)
+            .lines()
+            .any(|l| l.starts_with("hidden_sessions:") && l.contains(&holder_pid.to_string())),
+        "{}",
+        stdout(&out)
+    );
+
+    // A missing lease table (or a mistyped --table) is a finding, not ok.
+    let out = cli(
+        &url,
+        &[
+            "check",
+            "--table",
+            "pgwarden_lease",
+            "--max-idle-lock",
+            "1h",
+            "--database",
+            db1.name(),
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(
+        stdout(&out).starts_with("no_lease_table:"),
+        "{}",
+        stdout(&out)
+    );
+
+    // Refusals are not unreachability: an unknown database or role exits 1.
+    for bad in [
+        format!("{url} dbname=nosuchdb"),
+        format!("{url} user=nosuchrole"),
+    ] {
+        let out = cli(&bad, &["check"]).await;
+        assert_eq!(out.status.code(), Some(1), "{bad}: {}", stderr(&out));
+        assert!(stderr(&out).contains("does not exist"), "{}", stderr(&out));
+    }
+
+    // A paused PgBouncer: exit 69 within the connect timeout.
+    let server = TestServer::shared().unwrap();
+    let bouncer = pgwarden_testing::PgBouncer::start(server, &db1).expect("pgbouncer");
+    let mut console = bouncer.pg_config();
+    console.dbname("pgbouncer");
+    let (console, conn) = console.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    console.simple_query("PAUSE").await.unwrap();
+    for args in [&["check"][..], &["run", "x", "--", "true"]] {
+        let out = within(
+            BOUND,
+            "pgwarden to give up on a paused PgBouncer",
+            pgwarden(&format!("{} connect_timeout=2", bouncer.url()))
+                .args(args)
+                .output(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(out.status.code(), Some(69), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("no answer within 2s"),
+            "{}",
+            stderr(&out)
+        );
+    }
+    console.simple_query("RESUME").await.unwrap();
+    drop(holder);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn on_a_hot_standby_locks_and_check_say_the_locks_live_on_the_primary() {
+    let cluster = pgwarden_testing::Cluster::start().await.expect("a cluster");
+    let db = cluster.create_database().await.unwrap();
+    cluster.wait_replayed().await.unwrap();
+    let standby = cluster.replica().url(&db);
+    let out = cli(&standby, &["locks"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stdout(&out).contains("hot standby"), "{}", stdout(&out));
+    let out = cli(&standby, &["check", "--no-leases"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(stdout(&out).starts_with("standby:"), "{}", stdout(&out));
+    // run cannot take a lease there, and says why.
+    let out = cli(&standby, &["run", "x", "--", "true"]).await;
+    assert_ne!(out.status.code(), Some(0));
+    assert!(stderr(&out).contains("primary"), "{}", stderr(&out));
+}
