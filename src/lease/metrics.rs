@@ -193,8 +193,12 @@ pub struct LeaseStats {
     pub renewal_failures: u64,
     /// Rows deleted by purges.
     pub purged: u64,
-    /// Purge statements sent.
+    /// Purge statements sent (marks and sweeps).
     pub purge_statements: u64,
+    /// Purge rounds that deleted nothing because a session that held the
+    /// lease table at the previous round still held it (see
+    /// [`LeasesBuilder::purge`](super::LeasesBuilder::purge)).
+    pub purges_waited: u64,
     /// Acquisitions waiting now to go to the server together, in the next
     /// statement (see [`Leases::acquire`](super::Leases::acquire),
     /// "Overlapping acquisitions").
