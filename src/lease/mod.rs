@@ -413,7 +413,7 @@ impl Leases {
     /// the row is marked released and expired, so its holder's
     /// [`fence`](super::LeaseHandle::fence) is refused from now on and its
     /// [`lost`](super::LeaseHandle::lost) signal fires at its next renewal
-    /// (`Taken`). The next acquisition takes the name at once, unless an
+    /// ([`LostReason::Revoked`]). The next acquisition takes the name at once, unless an
     /// at-least hold (`held_until`) still runs: the hold is kept.
     ///
     /// Returns the row as it was (old holder and token), or `None` when

@@ -39,7 +39,7 @@ use futures_util::FutureExt;
 use tokio::sync::Notify;
 
 use super::inner::{Entry, Inner, Item, Registry, Urgency};
-use super::table::{PurgeMark, PurgeMarkStmt, PurgeSweep, Renew};
+use super::table::{PurgeMark, PurgeMarkStmt, PurgeSweep, Renew, Terms};
 use super::term::{self, LeaseState, Timing};
 use crate::error::{Error, LeaseError};
 use crate::lost::LostReason;
@@ -394,9 +394,15 @@ impl Inner {
             Ok(_) => {
                 self.metrics.renew_ok.increment(ok);
                 self.metrics.renew_lost.increment(taken.len() as u64);
+                let revoked = self.revoked(&taken).await;
                 for state in &taken {
                     self.metrics.held.decrement(1.0);
-                    self.mark_lost(state, LostReason::Taken);
+                    let reason = if revoked.contains(&(&*state.name, state.token)) {
+                        LostReason::Revoked
+                    } else {
+                        LostReason::Taken
+                    };
+                    self.mark_lost(state, reason);
                 }
             }
             Err(err) => {
@@ -412,6 +418,28 @@ impl Inner {
             }
         }
         self.metrics.renewal.record(took.as_secs_f64());
+    }
+
+    /// Of leases a renewal found gone, those whose row still carries their
+    /// token with no holder: ended by hand ([`LostReason::Revoked`]), not
+    /// taken over. Read once, bounded; on error none is (they are `Taken`).
+    async fn revoked<'a>(&self, gone: &'a [Arc<LeaseState>]) -> HashSet<(&'a str, i64)> {
+        if gone.is_empty() {
+            return HashSet::new();
+        }
+        let stmt = Terms {
+            names: gone.iter().map(|s| &*s.name).collect(),
+        };
+        let Ok(rows) = self.run(Urgency::Urgent, self.statement_timeout, &stmt).await else {
+            return HashSet::new();
+        };
+        gone.iter()
+            .filter(|s| {
+                rows.iter()
+                    .any(|(n, h, t)| n.as_str() == &*s.name && h.is_empty() && *t == s.token)
+            })
+            .map(|s| (&*s.name, s.token))
+            .collect()
     }
 
     /// Whether a purge is due at `now`; marks it started and schedules the

@@ -142,6 +142,7 @@ pub(crate) struct Statements {
     pub(super) release_batch: String,
     pub(super) fence: String,
     pub(super) blocker: String,
+    pub(super) terms: String,
     pub(super) purge_mark: String,
     pub(super) purge_sweep: String,
     pub(crate) ddl: String,
@@ -355,6 +356,11 @@ RETURNING name"
   JOIN pg_stat_activity AS a ON a.pid = k.pid
  WHERE t.name = $1 AND a.pid <> pg_backend_pid()
  LIMIT 1"
+            ),
+            // The current term of each name: after a renewal found some of
+            // its leases gone, whether each was taken over or revoked.
+            terms: format!(
+                "SELECT name, holder, token FROM {tbl} WHERE name = ANY ($1::text[])"
             ),
             // A purge round's mark (see `Statements::purge_mark`): the
             // token sequence's last value, read first (the sub-select in
@@ -1490,6 +1496,23 @@ lease_statement!(Release<'_>, bool, "release", |s, sql, c, call| sql.release(
     s.holder,
     s.keep_hold
 ));
+
+/// The current terms of some names: `(name, holder, token)`.
+pub(crate) struct Terms<'a> {
+    pub(crate) names: Vec<&'a str>,
+}
+
+lease_statement!(
+    Terms<'_>,
+    Vec<(String, String, i64)>,
+    "renewal",
+    |s, sql, c, call| async move {
+        let rows = query(c, call.named, &sql.terms, &[Type::TEXT_ARRAY], &[&s.names]).await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .collect()
+    }
+);
 
 /// A purge round's mark.
 pub(crate) struct PurgeMarkStmt;
