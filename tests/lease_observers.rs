@@ -41,18 +41,28 @@ async fn a_listing_stopped_half_way_blocks_no_writer() {
         .statement_timeout(30 * S)
         .build()
         .unwrap();
-    reader.rows().await.expect("a listing through the slow link");
+    reader
+        .rows()
+        .await
+        .expect("a listing through the slow link");
+    let t0: std::time::SystemTime = admin
+        .query_one("SELECT clock_timestamp()", &[])
+        .await
+        .unwrap()
+        .get(0);
     let listing = tokio::spawn({
         let reader = reader.clone();
         async move { reader.rows().await }
     });
-    // Once the listing is on the server (its backend is active), the link
-    // stops: whatever it holds, it keeps.
+    // Once this listing's first statement on the table has reached the
+    // server, the link stops: whatever the listing holds then, it keeps.
     eventually(10 * S, "the listing reached the server", || async {
         admin
             .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'obs-reader' AND state <> 'idle'",
-                &[],
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name = 'obs-reader' AND query LIKE '%pgwarden_leases%'
+                    AND query_start > $1",
+                &[&t0],
             )
             .await
             .unwrap()
@@ -142,7 +152,10 @@ async fn the_listing_works_read_only_and_names_the_blocker() {
         .auto_install(false)
         .build()
         .unwrap();
-    let rows = reader.rows().await.expect("a listing from a read-only role");
+    let rows = reader
+        .rows()
+        .await
+        .expect("a listing from a read-only role");
     let names: Vec<&str> = rows.iter().map(|r| r.name.as_str()).collect();
     assert_eq!(names, ["free", "stuck"]);
     assert_eq!(rows[1].blocker_pid, Some(locker_pid));
@@ -159,7 +172,8 @@ async fn the_listing_works_read_only_and_names_the_blocker() {
 /// more than a few rounds' worth. Before, the purge needed a moment with no
 /// lease statement in flight (a `SHARE` lock taken with `NOWAIT`), which a
 /// steady stream never gives: it deleted nothing and the table grew by
-/// every name.
+/// every name. Two sessions taking turns on the table's lock make sure
+/// there is no such moment here.
 #[tokio::test]
 async fn the_purge_keeps_up_with_a_stream_of_new_names() {
     let db = db().await;
@@ -190,6 +204,29 @@ async fn the_purge_keeps_up_with_a_stream_of_new_names() {
             })
         })
         .collect();
+    // And, as a busier fleet would, statements on the table overlap without
+    // a gap: two sessions take turns holding its ROW EXCLUSIVE lock (what
+    // every lease statement holds while in flight), each taking it before
+    // the other lets go.
+    let overlap = {
+        let (a, b) = (db.connect().await.unwrap(), db.connect().await.unwrap());
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            a.batch_execute("BEGIN; LOCK TABLE pgwarden_leases IN ROW EXCLUSIVE MODE")
+                .await
+                .unwrap();
+            let (mut holding, mut next) = (a, b);
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(20 * MS).await;
+                next.batch_execute("BEGIN; LOCK TABLE pgwarden_leases IN ROW EXCLUSIVE MODE")
+                    .await
+                    .unwrap();
+                holding.batch_execute("COMMIT").await.unwrap();
+                std::mem::swap(&mut holding, &mut next);
+            }
+            holding.batch_execute("COMMIT").await.unwrap();
+        })
+    };
     let rows = || async {
         admin
             .query_one("SELECT count(*) FROM pgwarden_leases", &[])
@@ -198,9 +235,11 @@ async fn the_purge_keeps_up_with_a_stream_of_new_names() {
             .get::<_, i64>(0)
     };
     // The purge deletes rows while the stream runs...
-    eventually(60 * S, "the purge deleted 2,000 rows under load", || async {
-        leases.stats().purged >= 2_000
-    })
+    eventually(
+        60 * S,
+        "the purge deleted 2,000 rows under load",
+        || async { leases.stats().purged >= 2_000 },
+    )
     .await;
     // ... and over the next rounds the table holds at most what was taken
     // since the mark before last, not every name ever used.
@@ -227,6 +266,7 @@ async fn the_purge_keeps_up_with_a_stream_of_new_names() {
     for t in tasks {
         t.await.unwrap();
     }
+    overlap.await.unwrap();
     let total = pairs.load(Ordering::Relaxed);
     let s = leases.stats();
     eprintln!(
@@ -330,9 +370,7 @@ async fn a_token_sequence_that_can_go_backwards_is_refused() {
         ("CYCLE", "has CYCLE", "NO CYCLE"),
     ] {
         admin
-            .batch_execute(&format!(
-                "ALTER SEQUENCE pgwarden_leases_token_seq {alter}"
-            ))
+            .batch_execute(&format!("ALTER SEQUENCE pgwarden_leases_token_seq {alter}"))
             .await
             .unwrap();
         // A new instance checks the shape at install.
@@ -354,4 +392,31 @@ async fn a_token_sequence_that_can_go_backwards_is_refused() {
         .install()
         .await
         .is_ok());
+}
+
+/// A revoked holder is told it was revoked, not taken over: its renewal
+/// finds its row still carrying its token, with no holder. A lease taken
+/// over after expiring is still `Taken`.
+#[tokio::test]
+async fn a_revoked_holder_is_told_it_was_revoked() {
+    let db = db().await;
+    let leases = Leases::new(&pool(&db, 4, "obs-revoke"));
+    let opts = LeaseOptions::new(2 * S).renew_every(100 * MS);
+    let lease = leases.acquire("job", &opts, None).await.unwrap().unwrap();
+    let token = lease.term().token;
+    let before = Leases::new(&pool(&db, 2, "obs-revoker"))
+        .revoke("job")
+        .await
+        .unwrap()
+        .expect("a term to revoke");
+    assert_eq!(before.token, token);
+    let reason = tokio::time::timeout(30 * S, lease.lost())
+        .await
+        .expect("the holder learns of it at its next renewal");
+    assert_eq!(reason, pgwarden::LostReason::Revoked);
+    assert_eq!(
+        reason.to_string(),
+        "revoked: the term was ended by hand (pgwarden revoke)"
+    );
+    drop(lease);
 }

@@ -37,9 +37,7 @@ use tokio_postgres::NoTls;
 
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
-use super::table::{
-    Busy, Call, LeaseStatement, PurgeMark, Release, Statements, TableName, Taken,
-};
+use super::table::{Busy, Call, LeaseStatement, PurgeMark, Release, Statements, TableName, Taken};
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};

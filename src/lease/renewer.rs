@@ -430,7 +430,10 @@ impl Inner {
         let stmt = Terms {
             names: gone.iter().map(|s| &*s.name).collect(),
         };
-        let Ok(rows) = self.run(Urgency::Urgent, self.statement_timeout, &stmt).await else {
+        let Ok(rows) = self
+            .run(Urgency::Urgent, self.statement_timeout, &stmt)
+            .await
+        else {
             return HashSet::new();
         };
         gone.iter()

@@ -190,12 +190,8 @@ pub(super) const RENEW_TYPES: &[Type] = &[
 pub(super) const RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
 pub(super) const FENCE_TYPES: &[Type] = &[Type::TEXT, Type::INT8];
 pub(super) const PURGE_MARK_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
-pub(super) const PURGE_SWEEP_TYPES: &[Type] = &[
-    Type::TEXT_ARRAY,
-    Type::INT8,
-    Type::FLOAT8,
-    Type::INT8,
-];
+pub(super) const PURGE_SWEEP_TYPES: &[Type] =
+    &[Type::TEXT_ARRAY, Type::INT8, Type::FLOAT8, Type::INT8];
 
 /// `lock_timeout` for the statement's own transaction, as a constant of
 /// the statement's text (at least 1 ms: 0 would mean no bound).
@@ -378,6 +374,7 @@ RETURNING name"
        (SELECT coalesce(array_agg(DISTINCT k.pid), '{{}}')
                 FROM pg_locks k
                WHERE k.locktype = 'relation' AND k.granted AND k.mode = 'RowExclusiveLock'
+                 AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                  AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid())
   FROM (SELECT pg_sequence_last_value(to_regclass($2)) AS w OFFSET 0) AS s"
             ),
