@@ -60,7 +60,40 @@ where
     };
     let tty = !args.json && std::io::stdout().is_terminal();
     let mut last: Option<(SystemTime, Sample)> = None;
+    // Listening from the start: a SIGINT or SIGTERM while a sample is read
+    // ends the watch too.
+    let listen = |kind| {
+        tokio::signal::unix::signal(kind).map_err(|e| Failure {
+            code: 1,
+            message: format!("cannot listen for signals: {e}"),
+        })
+    };
+    let mut int = listen(tokio::signal::unix::SignalKind::interrupt())?;
+    let mut term = listen(tokio::signal::unix::SignalKind::terminate())?;
     loop {
+        tokio::select! {
+            r = watch_once(args, what, place, every, tty, &mut last, &mut draw) => r?,
+            _ = int.recv() => return Ok(0),
+            _ = term.recv() => return Ok(0),
+        }
+    }
+}
+
+/// One sample of `--watch`, printed, then the interval's sleep.
+async fn watch_once<F, Fut>(
+    args: &ListArgs,
+    what: &str,
+    place: &str,
+    every: Duration,
+    tty: bool,
+    last: &mut Option<(SystemTime, Sample)>,
+    draw: &mut F,
+) -> Result<(), Failure>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Sample, Failure>>,
+{
+    {
         let now = SystemTime::now();
         // A database that stops answering is an error sample too.
         let bound = every.max(Duration::from_secs(2));
@@ -86,7 +119,7 @@ where
                 } else {
                     format!("{header}  {}\n{}", s.counts, s.text)
                 };
-                last = Some((now, s));
+                *last = Some((now, s));
                 out
             }
             Err(e) => {
@@ -118,11 +151,9 @@ where
             println!("{out}");
         }
         let _ = std::io::stdout().flush();
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = tokio::signal::ctrl_c() => return Ok(0),
-        }
+        tokio::time::sleep(every).await;
     }
+    Ok(())
 }
 
 /// An application name for humans: `-` when the session set none.

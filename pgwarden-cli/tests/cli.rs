@@ -856,7 +856,11 @@ async fn check_names_a_lease_that_nobody_took_over_after_its_holder_crashed() {
     within(BOUND, "the crash", run.wait()).await.unwrap();
     std::fs::write(dir.join("go"), "").unwrap();
     let said = until("the unclaimed lease to be reported", || async {
-        let out = cli(&url, &["check", "--max-idle-lock", "1s"]).await;
+        let out = cli(
+            &url,
+            &["check", "--max-idle-lock", "1s", "--database", db.name()],
+        )
+        .await;
         (out.status.code() == Some(1)).then(|| stdout(&out))
     })
     .await;
@@ -868,7 +872,11 @@ async fn check_names_a_lease_that_nobody_took_over_after_its_holder_crashed() {
     // Taken over, it is healthy again.
     let next = cli(&url, &["run", "hourly", "--", "true"]).await;
     assert_eq!(next.status.code(), Some(0), "{}", stderr(&next));
-    let out = cli(&url, &["check", "--max-idle-lock", "1s"]).await;
+    let out = cli(
+        &url,
+        &["check", "--max-idle-lock", "1s", "--database", db.name()],
+    )
+    .await;
     assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
 }
 
