@@ -1853,6 +1853,19 @@ async fn on_a_hot_standby_locks_and_check_say_the_locks_live_on_the_primary() {
     let out = cli(&standby, &["check", "--no-leases"]).await;
     assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
     assert!(stdout(&out).starts_with("standby:"), "{}", stdout(&out));
+    // The lease table is readable there (its rows replicated), and from a
+    // read-only session on the primary.
+    let primary = cluster.primary().url(&db);
+    let out = cli(&primary, &["run", "replicated", "--", "true"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    cluster.wait_replayed().await.unwrap();
+    let rows = json(&standby, &["leases", "--json"]).await;
+    assert!(lease(&rows, "replicated").is_some(), "{rows:?}");
+    let read_only = format!("{primary} options='-c default_transaction_read_only=on'");
+    let rows = json(&read_only, &["leases", "--json"]).await;
+    assert!(lease(&rows, "replicated").is_some(), "{rows:?}");
+    let out = cli(&read_only, &["check", "--max-idle-lock", "1h"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
     // run cannot take a lease there, and says why.
     let out = cli(&standby, &["run", "x", "--", "true"]).await;
     assert_ne!(out.status.code(), Some(0));
