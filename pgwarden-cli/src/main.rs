@@ -105,6 +105,13 @@ enum Cmd {
     Revoke(RevokeArgs),
     /// Print the SQL that creates the lease table (for migration tools).
     Ddl,
+    /// Print a shell completion script: `pgwarden completions bash >
+    /// /etc/bash_completion.d/pgwarden` (bash, zsh, fish, elvish,
+    /// powershell).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -314,6 +321,16 @@ fn main() -> ExitCode {
 }
 
 async fn dispatch(cli: Cli) -> Result<u8, Failure> {
+    if let Cmd::Completions { shell } = cli.cmd {
+        use clap::CommandFactory as _;
+        clap_complete::generate(
+            shell,
+            &mut Cli::command(),
+            "pgwarden",
+            &mut std::io::stdout(),
+        );
+        return Ok(0);
+    }
     if let Cmd::Ddl = cli.cmd {
         print!("{}", inspect::ddl(&cli.table)?);
         return Ok(0);
@@ -336,7 +353,7 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         Cmd::Locks(args) => inspect::locks(&pool, &args, &place, server).await,
         Cmd::Check(args) => inspect::check(&pool, &leases, &args, &cli.table, server).await,
         Cmd::Revoke(args) => inspect::revoke(&leases, &args).await,
-        Cmd::Ddl => Ok(0), // printed above
+        Cmd::Ddl | Cmd::Completions { .. } => Ok(0), // printed above
     };
     pool.close();
     out

@@ -646,6 +646,12 @@ async fn bad_input_and_an_unreachable_database_get_clear_errors() {
             "lease table name",
         ),
         (&["frobnicate"], 2, "unrecognized subcommand"),
+        (&["lokcs"], 2, "similar subcommand exists: 'locks'"),
+        (
+            &["run", "x", "--tll", "5s", "--", "true"],
+            2,
+            "similar argument exists: '--ttl'",
+        ),
     ];
     for (args, code, says) in cases {
         let out = cli(&url, args).await;
@@ -702,6 +708,15 @@ async fn bad_input_and_an_unreachable_database_get_clear_errors() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("DATABASE_URL"), "{}", stderr(&out));
+    // Shell completions need no database either.
+    let out = pgwarden("")
+        .env_remove("DATABASE_URL")
+        .args(["completions", "bash"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stdout(&out).contains("_pgwarden()"), "{}", stdout(&out));
     // ddl needs no database.
     let out = pgwarden("")
         .env_remove("DATABASE_URL")
