@@ -49,6 +49,17 @@ pub(crate) fn mono_ns() -> u64 {
         .saturating_add(ts.tv_nsec as u64)
 }
 
+/// The signals the keeper ignores (and resets for the command).
+const IGNORED: [i32; 7] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+    libc::SIGTSTP,
+    libc::SIGTTIN,
+    libc::SIGTTOU,
+];
+
 /// Why the keeper killed the tree.
 #[derive(Copy, Clone, Debug)]
 enum Why {
@@ -80,8 +91,9 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
         libc::fcntl(CONTROL_FD, libc::F_SETFL, fl | libc::O_NONBLOCK);
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
         // Terminal and supervisor signals are `run`'s to handle; it
-        // forwards them (once) to the command.
-        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        // forwards them (once) to the command. The keeper is never stopped
+        // by the terminal either (Ctrl-Z stops `run`, not its watchman).
+        for sig in IGNORED {
             libc::signal(sig, libc::SIG_IGN);
         }
         libc::getpid()
@@ -111,7 +123,7 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
             if libc::getppid() != me {
                 libc::_exit(1);
             }
-            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+            for sig in IGNORED {
                 libc::signal(sig, libc::SIG_DFL);
             }
             Ok(())

@@ -47,7 +47,8 @@ How CMD is kept to the lease:
   Signals: SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to run reach CMD once;
   SIGKILL follows after --grace if it ignores them. CMD's own process group
   is not the terminal's foreground group: run forwards the terminal's
-  signals.
+  signals (a CMD that reads the terminal is stopped by SIGTTIN: give it
+  its input another way).
 
 Environment given to CMD (besides run's own):
   PGWARDEN_LEASE   the lease name
