@@ -333,6 +333,36 @@ impl Keeper {
     }
 }
 
+/// `run`'s second line: kills every live descendant of this process (what
+/// a keeper killed on its own left behind, re-parented to `run`, a child
+/// subreaper too), and reaps them. Returns how many it killed.
+pub(crate) fn kill_orphans() -> usize {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    let mut killed = 0;
+    for _ in 0..1000 {
+        let alive = descendants(me);
+        if alive.is_empty() {
+            break;
+        }
+        for &pid in &alive {
+            // SAFETY: a descendant of this process.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        killed += alive.len();
+        loop {
+            let mut st = 0;
+            // SAFETY: waitpid on our own children (the keeper is reaped
+            // already).
+            if unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) } <= 0 {
+                break;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    killed
+}
+
 /// Every live (not zombie) descendant of `root`, from `/proc`.
 fn descendants(root: libc::pid_t) -> Vec<libc::pid_t> {
     let Ok(dir) = std::fs::read_dir("/proc") else {

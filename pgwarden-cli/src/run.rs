@@ -226,6 +226,10 @@ pub(crate) async fn run(
     let mut env = env;
     env.push(("PGWARDEN_LEASE", term.name.clone()));
     env.push(("PGWARDEN_TOKEN", term.token.to_string()));
+    // A child subreaper too: if the keeper itself is killed, what the
+    // command started comes here, and is killed below.
+    // SAFETY: prctl on this process's own attribute.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let mut keeper = match Keeper::spawn(&args.cmd, &env, held_until(mono_ns(), floor)) {
         Ok(k) => k,
         Err(e) => {
@@ -309,6 +313,12 @@ pub(crate) async fn run(
         code: 1,
         message: format!("waiting for the command: {e}"),
     })?;
+    // The keeper kills the whole tree before it exits; if it was killed
+    // itself, what the command started was re-parented here.
+    let orphans = crate::keeper::kill_orphans();
+    if orphans > 0 {
+        eprintln!("pgwarden: the keeper died: killed {orphans} process(es) the command left");
+    }
     if lost_reason.is_some() {
         // Released already, or another term's: nothing of ours to release.
         drop(lease);

@@ -1169,6 +1169,29 @@ async fn a_revoked_run_and_a_command_that_exits_leave_no_process_behind() {
         .await
         .unwrap();
     assert!(err.contains("revoked"), "{err}");
+    // The keeper itself killed: run (a subreaper too) kills what is left.
+    let (_t3, dir3) = tempdir();
+    let mut run = spawn_run(&url, "keeper", &["--ttl", "60s"], &ledger_writer(&dir3));
+    let (_, pids3) = ledger_pids(&dir3).await;
+    let run_pid = pid(&run);
+    let keeper = until("the keeper's pid", || async {
+        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let ppid: i32 = stat[stat.rfind(')')? + 2..]
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == run_pid).then_some(pid)
+        })
+    })
+    .await;
+    kill(keeper, libc::SIGKILL);
+    assert_eq!(exit_code(&mut run, BOUND).await, 137);
+    for p in &pids3 {
+        assert!(!alive(*p), "process {p} outlived its keeper");
+    }
     // A command that exits, leaving a background writer: run's exit code is
     // the command's, and the writer is gone with it.
     let (_t2, dir2) = tempdir();
