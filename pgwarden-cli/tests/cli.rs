@@ -1690,7 +1690,7 @@ hostssl all all 127.0.0.1/32 scram-sha-256
             "sh",
             "-c",
             &format!(
-                "echo \"$DATABASE_URL\" > {d}/url; while [ ! -f {d}/go ]; do sleep 0.05; done"
+                "echo \"$DATABASE_URL\" > {d}/url.tmp && mv {d}/url.tmp {d}/url; while [ ! -f {d}/go ]; do sleep 0.05; done"
             ),
         ],
     );
