@@ -205,12 +205,13 @@ pub async fn long_run(server: &TestServer, s: Settings) -> Result<Row, BoxError>
     }
     if let Some(r) = results.first() {
         let rows: Vec<String> = r.samples.iter().map(|s| s.rows.to_string()).collect();
-        let _ = write!(notes, "run 1's row counts every {SAMPLE:?}: {}", rows.join(", "));
+        let _ = write!(
+            notes,
+            "run 1's row counts every {SAMPLE:?}: {}",
+            rows.join(", ")
+        );
     }
-    let worst = results
-        .iter()
-        .map(Run::ratio)
-        .fold(f64::INFINITY, f64::min);
+    let worst = results.iter().map(Run::ratio).fold(f64::INFINITY, f64::min);
     Ok(Row {
         id: "4d",
         workload: format!("leases over {length:?}: new names, shipped defaults (purge included)"),

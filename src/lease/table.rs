@@ -365,19 +365,18 @@ RETURNING name"
             // `pg_locks` shows them (to every role, fast-path locks
             // included). Only the sequence's value is read: nothing is
             // locked, nothing waited on.
-            purge_mark: format!(
-                "SELECT s.w, (SELECT coalesce(array_agg(DISTINCT k.virtualtransaction), '{{}}')
+            purge_mark: "SELECT s.w, (SELECT coalesce(array_agg(DISTINCT k.virtualtransaction), '{}')
                 FROM pg_locks k
                WHERE k.locktype = 'relation' AND k.granted AND k.mode = 'RowExclusiveLock'
                  AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                  AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid()),
-       (SELECT coalesce(array_agg(DISTINCT k.pid), '{{}}')
+       (SELECT coalesce(array_agg(DISTINCT k.pid), '{}')
                 FROM pg_locks k
                WHERE k.locktype = 'relation' AND k.granted AND k.mode = 'RowExclusiveLock'
                  AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                  AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid())
   FROM (SELECT pg_sequence_last_value(to_regclass($2)) AS w OFFSET 0) AS s"
-            ),
+                .to_owned(),
             // A purge round's sweep: once none of the transactions the mark
             // saw is left (`$1`, checked in the same statement), the rows
             // released or expired for longer than `$3` seconds whose term's
