@@ -209,6 +209,22 @@ async fn two_runs_at_once_exactly_one_runs_the_other_exits_75() {
         "{}",
         stderr(&skipped)
     );
+    // --quiet: nothing on stderr either (cron mails whatever is written).
+    let quiet = cli(
+        &url,
+        &[
+            "run",
+            "nightly",
+            "--skip-code",
+            "0",
+            "--quiet",
+            "--",
+            "true",
+        ],
+    )
+    .await;
+    assert_eq!(quiet.status.code(), Some(0));
+    assert_eq!(stderr(&quiet), "", "--quiet");
     std::fs::write(dir2.join("go"), "").unwrap();
     assert_eq!(exit_code(&mut holder, BOUND).await, 0);
 }
