@@ -400,6 +400,23 @@ async fn a_token_sequence_that_can_go_backwards_is_refused() {
         .install()
         .await
         .is_ok());
+    // A sequence behind the table's tokens (rows copied in from elsewhere,
+    // a sequence made anew) would give the next term a smaller token.
+    admin
+        .batch_execute(
+            "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             VALUES ('copied', '', 1000000, now() - interval '1 h')",
+        )
+        .await
+        .unwrap();
+    match Leases::new(&pool(&db, 2, "obs-seq4")).install().await {
+        Err(Error::Lease(LeaseError::TableMismatch { differences, .. })) => {
+            let all = differences.join("\n");
+            assert!(all.contains("is behind the table's tokens"), "{all}");
+            assert!(all.contains("1000000"), "{all}");
+        }
+        other => panic!("a sequence behind the table: expected a TableMismatch, got {other:?}"),
+    }
 }
 
 /// A revoked holder is told it was revoked, not taken over: its renewal
