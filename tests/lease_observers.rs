@@ -288,14 +288,15 @@ async fn the_purge_keeps_up_with_a_stream_of_new_names() {
 async fn the_purge_never_waits_on_a_locked_row() {
     let db = db().await;
     let admin = admin(&db).await;
-    // Long statement timeouts: a purge that waits would wait that long, and
-    // everything behind it too.
-    let leases = Leases::builder(&pool(&db, 4, "obs-purge-lock"))
-        .purge(Duration::ZERO, Some(20 * MS))
-        .statement_timeout(120 * S)
+    // The table, with 50 expired rows and one of them locked, before the
+    // purging instance exists (its purge would take them at once).
+    Leases::builder(&pool(&db, 2, "obs-purge-install"))
+        .purge(Duration::ZERO, None)
         .build()
+        .unwrap()
+        .install()
+        .await
         .unwrap();
-    leases.install().await.unwrap();
     for i in 0..50 {
         insert_expired(&admin, &format!("old-{i:02}"), "gone").await;
     }
@@ -303,6 +304,13 @@ async fn the_purge_never_waits_on_a_locked_row() {
     locker
         .batch_execute("BEGIN; SELECT 1 FROM pgwarden_leases WHERE name = 'old-07' FOR UPDATE")
         .await
+        .unwrap();
+    // Long statement timeouts: a purge that waits would wait that long, and
+    // everything behind it too.
+    let leases = Leases::builder(&pool(&db, 4, "obs-purge-lock"))
+        .purge(Duration::ZERO, Some(20 * MS))
+        .statement_timeout(120 * S)
+        .build()
         .unwrap();
     // Keep the renewer (and the purge) running.
     let opts = LeaseOptions::new(2 * S);
@@ -392,6 +400,23 @@ async fn a_token_sequence_that_can_go_backwards_is_refused() {
         .install()
         .await
         .is_ok());
+    // A sequence behind the table's tokens (rows copied in from elsewhere,
+    // a sequence made anew) would give the next term a smaller token.
+    admin
+        .batch_execute(
+            "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             VALUES ('copied', '', 1000000, now() - interval '1 h')",
+        )
+        .await
+        .unwrap();
+    match Leases::new(&pool(&db, 2, "obs-seq4")).install().await {
+        Err(Error::Lease(LeaseError::TableMismatch { differences, .. })) => {
+            let all = differences.join("\n");
+            assert!(all.contains("is behind the table's tokens"), "{all}");
+            assert!(all.contains("1000000"), "{all}");
+        }
+        other => panic!("a sequence behind the table: expected a TableMismatch, got {other:?}"),
+    }
 }
 
 /// A revoked holder is told it was revoked, not taken over: its renewal

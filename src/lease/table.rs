@@ -904,6 +904,10 @@ pub(crate) struct Shape {
     pub(crate) sequence_increment: Option<i64>,
     pub(crate) sequence_cache: Option<i64>,
     pub(crate) sequence_cycle: Option<bool>,
+    /// The table's largest token and the sequence's last value (`None`
+    /// before its first), when both exist: a sequence behind the table
+    /// would give a new term a smaller token than an earlier one.
+    pub(crate) tokens: Option<(Option<i64>, Option<i64>)>,
     /// The sequence is the one owned by the table's `token` column
     /// (`OWNED BY`): `Some(false)` when it is another, or owned by nothing;
     /// `None` without a `token` column.
@@ -982,6 +986,16 @@ impl Shape {
                 "the token sequence {sequence} has CYCLE: past its maximum it starts again from its minimum \
                  (ALTER SEQUENCE {sequence} NO CYCLE)"
             ));
+        }
+        if let Some((Some(max), last)) = self.tokens {
+            if last.is_none_or(|l| l < max) {
+                out.push(format!(
+                    "the token sequence {sequence} is behind the table's tokens (its last value is {}, the table \
+                     holds token {max}): a new term would draw a smaller token than an earlier one \
+                     (SELECT setval('{sequence}', {max}))",
+                    last.map_or("none yet".to_owned(), |l| l.to_string())
+                ));
+            }
         }
         if self.sequence_kind.is_some() && self.sequence_owned == Some(false) {
             out.push(format!(
@@ -1067,6 +1081,20 @@ impl Statements {
         Ok(shape)
     }
 
+    /// The table's largest token and its sequence's last value.
+    async fn tokens(&self, client: &Client) -> Result<(Option<i64>, Option<i64>), PgError> {
+        let row = client
+            .query_typed_one(
+                &format!(
+                    "SELECT (SELECT max(token) FROM {}), pg_sequence_last_value(to_regclass($1))",
+                    self.table
+                ),
+                &[(&self.sequence, Type::TEXT)],
+            )
+            .await?;
+        Ok((row.try_get(0)?, row.try_get(1)?))
+    }
+
     /// Creates the table and its sequence when either is missing, inside a
     /// transaction holding the transaction-scoped advisory lock
     /// [`INSTALL_LOCK_KEY`] (waiting up to `wait` for it); then checks the
@@ -1089,6 +1117,10 @@ impl Statements {
             tx.commit().await?;
             ran = true;
             shape = self.shape(client, bare).await?;
+        }
+        // Tokens are compared once the columns and the sequence fit.
+        if shape.differences(&self.sequence).is_empty() {
+            shape.tokens = Some(self.tokens(client).await?);
         }
         let differences = shape.differences(&self.sequence);
         if differences.is_empty() {
@@ -1139,14 +1171,18 @@ pub struct LeaseRow {
     /// statement in flight), when one transaction holds it: the running
     /// transaction the row's `xmax` names. A take-over of an expired term
     /// is blocked while it lasts (it answers busy). `None` when the row is
-    /// not locked, when several transactions share the lock, and on a hot
-    /// standby.
+    /// not locked, when several transactions share the lock, on a hot
+    /// standby, and for a prepared (two-phase) transaction, which has no
+    /// backend: then [`blocker_state`](Self::blocker_state) says
+    /// `prepared transaction` and the application name is its `gid`.
     pub blocker_pid: Option<i32>,
-    /// That backend's `application_name`.
+    /// That backend's `application_name` (a prepared transaction's `gid`).
     pub blocker_application_name: Option<String>,
-    /// That backend's state (`idle in transaction`…).
+    /// That backend's state (`idle in transaction`…); `None` when the role
+    /// reading may not see it (another role's session, without
+    /// `pg_read_all_stats`).
     pub blocker_state: Option<String>,
-    /// How long that backend has been in its state.
+    /// How long that backend has been in its state, when it can be seen.
     pub blocker_state_for: Option<Duration>,
 }
 
@@ -1155,21 +1191,37 @@ pub struct LeaseRow {
 /// updating) it when one transaction does, and every running transaction
 /// holds an `ExclusiveLock` on its own id in `pg_locks`, which every role
 /// can read. A stale `xmax` (a locker that has ended) matches no running
-/// transaction. Works from a read-only session and on a hot standby (where
-/// the primary's transactions are not in `pg_locks`: no blocker is shown).
+/// transaction; a MultiXactId (several lockers at once) is a number of
+/// another counter, and could equal an unrelated transaction's id: a match
+/// counts only when that transaction holds a lock on the lease table too.
+/// A prepared (two-phase) transaction has no backend: its state says so,
+/// with its `gid`. Works from a read-only session and on a hot standby
+/// (where the primary's transactions are not in `pg_locks`: no blocker).
 fn rows_sql(tbl: &str) -> String {
+    let regclass = quote_literal(tbl);
     format!(
         "SELECT l.name, l.holder, l.token, extract(epoch FROM l.taken_at)::float8,
        extract(epoch FROM l.expires_at - now())::float8,
        l.holder <> '' AND l.expires_at >= now(),
        CASE WHEN l.held_until > '-infinity' THEN extract(epoch FROM l.held_until)::float8 END,
        l.prev_holder,
-       k.pid, a.application_name, a.state,
-       greatest(extract(epoch FROM clock_timestamp() - a.state_change), 0)::float8
+       b.pid,
+       CASE WHEN b.prepared IS NOT NULL THEN b.prepared ELSE a.application_name END,
+       CASE WHEN b.prepared IS NOT NULL THEN 'prepared transaction' ELSE a.state END,
+       CASE WHEN a.state_change IS NOT NULL
+            THEN greatest(extract(epoch FROM clock_timestamp() - a.state_change), 0)::float8 END
   FROM {tbl} l
-  LEFT JOIN pg_locks k ON k.locktype = 'transactionid' AND k.transactionid = l.xmax
-        AND k.mode = 'ExclusiveLock' AND k.granted AND k.pid <> pg_backend_pid()
-  LEFT JOIN pg_stat_activity a ON a.pid = k.pid
+  LEFT JOIN LATERAL (
+       SELECT k.pid, (SELECT p.gid FROM pg_prepared_xacts p WHERE p.transaction = k.transactionid) AS prepared
+         FROM pg_locks k
+        WHERE k.locktype = 'transactionid' AND k.transactionid = l.xmax
+          AND k.mode = 'ExclusiveLock' AND k.granted AND k.pid IS DISTINCT FROM pg_backend_pid()
+          AND EXISTS (SELECT FROM pg_locks t
+                       WHERE t.locktype = 'relation' AND t.granted
+                         AND t.relation = {regclass}::regclass
+                         AND t.virtualtransaction = k.virtualtransaction)
+        LIMIT 1) b ON true
+  LEFT JOIN pg_stat_activity a ON a.pid = b.pid
  ORDER BY l.name"
     )
 }
@@ -1711,6 +1763,7 @@ mod tests {
             sequence_increment: Some(1),
             sequence_cache: Some(1),
             sequence_cycle: Some(false),
+            tokens: Some((Some(7), Some(9))),
             sequence_owned: Some(true),
             shadowed_by: None,
         }
@@ -1736,6 +1789,23 @@ mod tests {
         let mut ok = good();
         ok.sequence_increment = Some(3);
         assert!(ok.differences("seq").is_empty());
+        let mut behind = good();
+        behind.tokens = Some((Some(1_000_000), Some(1)));
+        let all = behind.differences("seq").join("\n");
+        assert!(
+            all.contains(
+                "is behind the table's tokens (its last value is 1, the table holds token 1000000)"
+            ),
+            "{all}"
+        );
+        assert!(all.contains("SELECT setval('seq', 1000000)"), "{all}");
+        behind.tokens = Some((Some(3), None));
+        assert!(behind
+            .differences("seq")
+            .join("\n")
+            .contains("its last value is none yet"));
+        behind.tokens = Some((None, None));
+        assert!(behind.differences("seq").is_empty());
     }
 
     #[test]
@@ -1809,6 +1879,10 @@ mod tests {
         assert!(!rows.contains("FOR "), "{rows}");
         assert!(!rows.contains("set_config"), "{rows}");
         assert!(rows.contains("k.transactionid = l.xmax"), "{rows}");
+        assert!(
+            rows.contains(r#"t.relation = '"app"."leases"'::regclass"#),
+            "{rows}"
+        );
         assert!(rows.contains(r#"FROM "app"."leases" l"#), "{rows}");
         let revoke = revoke_sql(r#""app"."leases""#);
         // FOR NO KEY UPDATE does not conflict with a fence's FOR KEY SHARE;
