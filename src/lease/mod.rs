@@ -540,7 +540,9 @@ impl LeasesBuilder {
     /// its transaction: no acquisition that drew a smaller token can still
     /// land a new row after them. The purge takes no table lock and never
     /// waits for a row lock (locked rows are skipped, kept for the next
-    /// round): no lease statement of any instance waits for it. A session
+    /// round): no lease statement of any instance waits for it (an
+    /// acquisition of a name whose old row a sweep holds at that instant
+    /// answers busy, as for any row lock; a waiting caller tries again). A session
     /// that keeps the table's `ROW EXCLUSIVE` lock across rounds (a
     /// transaction left open after writing to the table, a stopped backend)
     /// holds the purge back, never a lease: counted in
