@@ -401,7 +401,11 @@ impl Leases {
     /// once (two fenced transactions of one term, say) names none of them.
     /// Works from a read-only session and on a hot standby; there no
     /// blocker is shown, since row locks live on the primary. A listing
-    /// stopped half-way (a frozen process, a slow link) holds up nobody.
+    /// stopped half-way (a frozen process, a slow link) holds up nobody by
+    /// itself: it keeps only the table's `ACCESS SHARE` lock, until the
+    /// server sees the link gone (`tcp_keepalives_*`, `tcp_user_timeout`).
+    /// DDL on the table in that time (`VACUUM FULL`, `ALTER TABLE`) queues
+    /// behind it, and every lease statement behind the DDL.
     pub async fn rows(&self) -> Result<Vec<LeaseRow>, Error> {
         let inner = &self.inner;
         inner
@@ -529,7 +533,7 @@ impl LeasesBuilder {
     /// Default: after 60 s, every 10 s. The table holds the live leases and
     /// what was released within about `after` + 2 × `every`, whatever the
     /// rate of new names: a round deletes every row it may, in statements of
-    /// 5,000 rows.
+    /// 500 rows.
     ///
     /// A purged name starts again with a new row, and its tokens still grow.
     /// A round first marks: it reads the token sequence's last value and
@@ -540,7 +544,9 @@ impl LeasesBuilder {
     /// its transaction: no acquisition that drew a smaller token can still
     /// land a new row after them. The purge takes no table lock and never
     /// waits for a row lock (locked rows are skipped, kept for the next
-    /// round): no lease statement of any instance waits for it. A session
+    /// round): no lease statement of any instance waits for it (an
+    /// acquisition of a name whose old row a sweep holds at that instant
+    /// answers busy, as for any row lock; a waiting caller tries again). A session
     /// that keeps the table's `ROW EXCLUSIVE` lock across rounds (a
     /// transaction left open after writing to the table, a stopped backend)
     /// holds the purge back, never a lease: counted in
