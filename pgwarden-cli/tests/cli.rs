@@ -1068,7 +1068,9 @@ enum Failing {
     LostDatabase,
 }
 
-async fn takeover_leaves_no_overlap(how: Failing) {
+/// `defaults`: `run`'s default TTL (60 s) and grace (10 s); else a 3 s TTL
+/// and a 60 s grace (capped).
+async fn takeover_leaves_no_overlap(how: Failing, defaults: bool) {
     let db = db().await;
     let url = db.url();
     let (_t, dir) = tempdir();
@@ -1078,12 +1080,12 @@ async fn takeover_leaves_no_overlap(how: Failing) {
         _ => url.clone(),
     };
     // A grace far longer than the TTL: it is capped.
-    let mut old = spawn_run(
-        &old_url,
-        "ledger",
-        &["--ttl", "3s", "--grace", "60s"],
-        &ledger_writer(&dir),
-    );
+    let opts: &[&str] = if defaults {
+        &[]
+    } else {
+        &["--ttl", "3s", "--grace", "60s"]
+    };
+    let mut old = spawn_run(&old_url, "ledger", opts, &ledger_writer(&dir));
     let (old_token, pids) = ledger_pids(&dir).await;
     let _frozen = match how {
         Failing::Sigkill => {
@@ -1096,18 +1098,21 @@ async fn takeover_leaves_no_overlap(how: Failing) {
             None
         }
     };
-    let next = cli(
-        &url,
-        &[
-            &["run", "ledger", "--ttl", "3s", "--wait", "30s", "--"][..],
-            &ledger_next(&dir)
-                .iter()
-                .map(String::as_str)
-                .collect::<Vec<_>>(),
-        ]
-        .concat(),
+    let next_opts: &[&str] = if defaults {
+        &["run", "ledger", "--wait", "150s", "--"]
+    } else {
+        &["run", "ledger", "--ttl", "3s", "--wait", "30s", "--"]
+    };
+    let next = within(
+        Duration::from_secs(180),
+        "the next holder to run",
+        pgwarden(&url)
+            .args(next_opts)
+            .args(ledger_next(&dir))
+            .output(),
     )
-    .await;
+    .await
+    .unwrap();
     assert_eq!(next.status.code(), Some(0), "{how:?}: {}", stderr(&next));
     let ledger = std::fs::read_to_string(dir.join("ledger")).unwrap();
     let new_token = ledger
@@ -1144,17 +1149,28 @@ async fn takeover_leaves_no_overlap(how: Failing) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn run_killed_with_sigkill_leaves_nothing_running() {
-    takeover_leaves_no_overlap(Failing::Sigkill).await;
+    takeover_leaves_no_overlap(Failing::Sigkill, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn run_frozen_with_sigstop_has_its_tree_killed_before_the_takeover() {
-    takeover_leaves_no_overlap(Failing::Sigstop).await;
+    takeover_leaves_no_overlap(Failing::Sigstop, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn run_cut_off_from_the_database_kills_a_tree_that_ignores_sigterm_in_time() {
-    takeover_leaves_no_overlap(Failing::LostDatabase).await;
+    takeover_leaves_no_overlap(Failing::LostDatabase, false).await;
+}
+
+/// At the default settings (TTL 60 s, grace 10 s): about a minute each.
+#[tokio::test(flavor = "multi_thread")]
+async fn at_the_default_settings_a_frozen_run_leaves_no_overlap() {
+    takeover_leaves_no_overlap(Failing::Sigstop, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_the_default_settings_a_run_cut_off_from_the_database_leaves_no_overlap() {
+    takeover_leaves_no_overlap(Failing::LostDatabase, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
