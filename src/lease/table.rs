@@ -1199,8 +1199,22 @@ pub struct LeaseRow {
 /// (where the primary's transactions are not in `pg_locks`: no blocker).
 fn rows_sql(tbl: &str) -> String {
     let regclass = quote_literal(tbl);
+    // `pg_locks` and `pg_stat_activity` are read once each (materialized,
+    // then hash-joined), not once per row: the table may hold a million
+    // released rows.
     format!(
-        "SELECT l.name, l.holder, l.token, extract(epoch FROM l.taken_at)::float8,
+        "WITH x AS MATERIALIZED (
+       SELECT k.pid, k.transactionid, k.virtualtransaction FROM pg_locks k
+        WHERE k.locktype = 'transactionid' AND k.mode = 'ExclusiveLock' AND k.granted
+          AND k.pid IS DISTINCT FROM pg_backend_pid()),
+     t AS MATERIALIZED (
+       SELECT DISTINCT k.virtualtransaction FROM pg_locks k
+        WHERE k.locktype = 'relation' AND k.granted AND k.relation = {regclass}::regclass),
+     b AS MATERIALIZED (
+       SELECT x.pid, x.transactionid,
+              (SELECT p.gid FROM pg_prepared_xacts p WHERE p.transaction = x.transactionid) AS prepared
+         FROM x JOIN t ON t.virtualtransaction = x.virtualtransaction)
+SELECT l.name, l.holder, l.token, extract(epoch FROM l.taken_at)::float8,
        extract(epoch FROM l.expires_at - now())::float8,
        l.holder <> '' AND l.expires_at >= now(),
        CASE WHEN l.held_until > '-infinity' THEN extract(epoch FROM l.held_until)::float8 END,
@@ -1211,16 +1225,7 @@ fn rows_sql(tbl: &str) -> String {
        CASE WHEN a.state_change IS NOT NULL
             THEN greatest(extract(epoch FROM clock_timestamp() - a.state_change), 0)::float8 END
   FROM {tbl} l
-  LEFT JOIN LATERAL (
-       SELECT k.pid, (SELECT p.gid FROM pg_prepared_xacts p WHERE p.transaction = k.transactionid) AS prepared
-         FROM pg_locks k
-        WHERE k.locktype = 'transactionid' AND k.transactionid = l.xmax
-          AND k.mode = 'ExclusiveLock' AND k.granted AND k.pid IS DISTINCT FROM pg_backend_pid()
-          AND EXISTS (SELECT FROM pg_locks t
-                       WHERE t.locktype = 'relation' AND t.granted
-                         AND t.relation = {regclass}::regclass
-                         AND t.virtualtransaction = k.virtualtransaction)
-        LIMIT 1) b ON true
+  LEFT JOIN b ON b.transactionid = l.xmax
   LEFT JOIN pg_stat_activity a ON a.pid = b.pid
  ORDER BY l.name"
     )
@@ -1878,9 +1883,9 @@ mod tests {
         let rows = rows_sql(r#""app"."leases""#);
         assert!(!rows.contains("FOR "), "{rows}");
         assert!(!rows.contains("set_config"), "{rows}");
-        assert!(rows.contains("k.transactionid = l.xmax"), "{rows}");
+        assert!(rows.contains("b.transactionid = l.xmax"), "{rows}");
         assert!(
-            rows.contains(r#"t.relation = '"app"."leases"'::regclass"#),
+            rows.contains(r#"k.relation = '"app"."leases"'::regclass"#),
             "{rows}"
         );
         assert!(rows.contains(r#"FROM "app"."leases" l"#), "{rows}");
