@@ -74,8 +74,8 @@ pub(crate) struct Inner {
     pub(crate) created: Instant,
     /// When a blocked take-over was last logged (since `created`).
     pub(crate) blocked_logged: Mutex<Option<Duration>>,
-    /// The last purge round's mark, for the next round's sweep.
-    pub(crate) purge_mark: Mutex<Option<PurgeMark>>,
+    /// The purge's mark still to sweep, and when it was taken.
+    pub(crate) purge_mark: Mutex<Option<(PurgeMark, Instant)>>,
     /// When a purge that waits was last logged (since `created`).
     pub(crate) purge_wait_logged: Mutex<Option<Duration>>,
 }
