@@ -343,7 +343,9 @@ impl Inner {
             conn: None,
             follow_up: Some(follow_up),
         };
-        for attempt in 0..2 {
+        let mut refused_once = false;
+        let mut serialization_retries = 0u32;
+        loop {
             let left = budget.saturating_sub(began.elapsed());
             let outcome = tokio::time::timeout(left, async {
                 let conn = self.checkout(urgency, left).await?;
@@ -358,7 +360,8 @@ impl Inner {
                     flight.conn = None; // back to the pool
                     return Ok(out);
                 }
-                Ok(Ok(Err(e))) if attempt == 0 && named && refused_prepared(&e) => {
+                Ok(Ok(Err(e))) if !refused_once && named && refused_prepared(&e) => {
+                    refused_once = true;
                     // A pooler behind a direct-looking connection: never
                     // name a statement again, retry this one unnamed.
                     self.unnamed_only.store(true, Ordering::Relaxed);
@@ -371,6 +374,24 @@ impl Inner {
                         conn.discard();
                     }
                     named = false;
+                }
+                // A lost race under a database whose default isolation is
+                // repeatable read or serializable: the statement (one
+                // statement, its own transaction) committed nothing. Sent
+                // again, it sees the winner's row and answers as it would
+                // at read committed (busy, say).
+                Ok(Ok(Err(e)))
+                    if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+                        && budget.saturating_sub(began.elapsed()) > SERIALIZATION_PAUSE_MAX =>
+                {
+                    flight.conn = None;
+                    serialization_retries += 1;
+                    tracing::debug!(
+                        pool = %self.pool_name, statement = S::WHAT, retries = serialization_retries,
+                        "lease statement lost a race under snapshot isolation (40001): sent again"
+                    );
+                    let pause = SERIALIZATION_PAUSE_MAX.mul_f64(rand::random::<f64>());
+                    tokio::time::sleep(pause).await;
                 }
                 Ok(Ok(Err(e))) => {
                     flight.conn = None;
@@ -407,12 +428,13 @@ impl Inner {
                 }
             }
         }
-        Err(Error::Lease(LeaseError::Timeout {
-            what: S::WHAT,
-            waited: began.elapsed(),
-        }))
     }
 }
+
+/// The longest pause before a lease statement that lost a race under
+/// snapshot isolation (40001) is sent again (a random pause up to this, so
+/// that the losers of one race do not meet again at once).
+const SERIALIZATION_PAUSE_MAX: Duration = Duration::from_millis(5);
 
 /// A prepared statement the server (a pooler, really) does not know, or
 /// already knows under that name.

@@ -36,7 +36,8 @@
 //!   transaction; the take-over of an expired term waits at most 20 ms for a
 //!   lock on its row, then answers busy (counted, and logged with the
 //!   session holding it). No lease statement takes an advisory lock, so no
-//!   other session can keep a free name busy with one.
+//!   other session can keep a free name busy with one (the fence's mark, in
+//!   the holder's own transaction, is a shared try-lock nothing waits on).
 //! - **One table whatever the `search_path`.** A table name without a
 //!   schema means `public`: instances whose search paths differ share it.
 //! - **A lost signal that cannot be silenced.** [`LeaseHandle::lost`] fires
@@ -145,7 +146,7 @@ mod table;
 mod term;
 
 pub use crate::lost::LostReason;
-pub use acquire::{Lease, LeaseHandle};
+pub use acquire::{Fenced, Lease, LeaseHandle};
 pub use metrics::LeaseStats;
 pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Job, JobOutcome, Scheduler, SchedulerBuilder};
