@@ -24,7 +24,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::inner::{FollowUp, Inner, Urgency};
+use super::inner::{Inner, Urgency};
 use super::options::{check_name, new_holder, LeaseOptions};
 use super::table::{
     Acquire, Blocker, Busy, Call, FreeIn, Install, LeaseStatement, Release, Statements, FENCE_GRACE,
@@ -156,19 +156,11 @@ impl Inner {
             }),
         };
         let start = Instant::now();
-        // Cancelled after it reached the server, the statement may have
-        // taken the lease: release whatever this holder got.
-        let follow_up = || -> Option<FollowUp> {
-            let (inner, name, holder) = (self.clone(), name.to_owned(), holder.clone());
-            Some(Box::pin(async move {
-                inner.release_cancelled(&name, &holder).await;
-            }))
-        };
         // A take-over blocked past the expired term's end + 1 s by a fenced
         // transaction of that term ends its session, then tries once more.
         let mut tried_again = false;
         let taken = loop {
-            match self.acquire_gathered(&stmt, follow_up).await? {
+            match self.acquire_gathered(&stmt).await? {
                 Ok(taken) => break taken,
                 Err(Busy::Blocked) => {
                     let ended = self.takeover_blocked(name).await;
