@@ -78,12 +78,23 @@ async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
     leases.install().await.unwrap();
     let inserter = insert_uncommitted(&db).await;
     let o = opts();
-    let names = ["first", "second", "unpolled"];
+    // `first` and `second` take the statements out (and wait on the
+    // insert), in tasks that keep polling them.
+    let stuck: Vec<_> = ["first", "second"]
+        .into_iter()
+        .map(|n| {
+            let (leases, o) = (leases.clone(), o.clone());
+            tokio::spawn(async move { leases.acquire(n, &o, None).await })
+        })
+        .collect();
+    eventually(5 * S, "both statements wait on the insert", || async {
+        busy_backends(&admin, "unpolled").await.0 == 2
+    })
+    .await;
     {
-        // Polled once: `first` and `second` take the statements out (and
-        // wait on the insert), `unpolled` waits for a batch.
-        let mut all = std::pin::pin!(join_all(names.iter().map(|n| leases.acquire(n, &o, None))));
-        assert!(poll!(all.as_mut()).is_pending());
+        // Polled once: `unpolled` waits for a batch.
+        let mut unpolled = Box::pin(leases.acquire("unpolled", &o, None));
+        assert!(poll!(unpolled.as_mut()).is_pending());
         assert_eq!(leases.stats().acquisitions_waiting, 1);
         // The insert goes: the statements out end, the batch runs and
         // answers `unpolled` (its caller is not polled meanwhile).
@@ -95,10 +106,10 @@ async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
         !held(&admin, "unpolled").await
     })
     .await;
-    eventually(5 * S, "`first` and `second` released", || async {
-        !held(&admin, "first").await && !held(&admin, "second").await
-    })
-    .await;
+    for h in stuck {
+        let lease = within(5 * S, "a stuck acquisition", h).await.unwrap();
+        lease.unwrap().expect("free once the insert rolled back").release().await.unwrap();
+    }
 }
 
 /// Where no cancel request goes (a transaction pooler, or a direct
