@@ -22,11 +22,10 @@ const MS: Duration = Duration::from_millis(1);
 async fn show(tx: &tokio_postgres::Transaction<'_>) -> (String, String) {
     let get = |row: tokio_postgres::Row| row.get::<_, String>(0);
     let st = get(tx.query_one("SHOW statement_timeout", &[]).await.unwrap());
-    let it = get(
-        tx.query_one("SHOW idle_in_transaction_session_timeout", &[])
-            .await
-            .unwrap(),
-    );
+    let it = get(tx
+        .query_one("SHOW idle_in_transaction_session_timeout", &[])
+        .await
+        .unwrap());
     (st, it)
 }
 
@@ -149,7 +148,10 @@ async fn a_row_locker_without_the_mark_is_left_alone() {
         .unwrap();
     assert!(got.is_none(), "the row is locked: busy");
     assert!(b.stats().takeovers_blocked >= 1);
-    assert!(alive(&admin, pid).await, "a locker without the mark was ended");
+    assert!(
+        alive(&admin, pid).await,
+        "a locker without the mark was ended"
+    );
     locker.batch_execute("ROLLBACK").await.unwrap();
 }
 
@@ -181,7 +183,10 @@ async fn fence_keeps_tighter_timeouts_and_its_commit_reports_a_failed_transactio
         .unwrap()
         .unwrap();
     let mut conn = pool_a.get().await.unwrap();
-    let tx = lease.fence(conn.transaction().await.unwrap()).await.unwrap();
+    let tx = lease
+        .fence(conn.transaction().await.unwrap())
+        .await
+        .unwrap();
     assert_eq!(show(&tx).await, ("200ms".into(), "300ms".into()));
     // A second check keeps them too (it may extend its own bound, never
     // loosen the caller's).
@@ -193,13 +198,15 @@ async fn fence_keeps_tighter_timeouts_and_its_commit_reports_a_failed_transactio
 
     // The caller gives up on a statement (a client timeout drops its
     // future); the server's bound cancels it; the commit must not say Ok.
-    let tx = lease.fence(conn.transaction().await.unwrap()).await.unwrap();
+    let tx = lease
+        .fence(conn.transaction().await.unwrap())
+        .await
+        .unwrap();
     let token = lease.term().token;
     tx.query_typed("INSERT INTO ledger VALUES ($1)", &[(&token, Type::INT8)])
         .await
         .unwrap();
-    let gave_up =
-        tokio::time::timeout(50 * MS, tx.batch_execute("SELECT pg_sleep(5)")).await;
+    let gave_up = tokio::time::timeout(50 * MS, tx.batch_execute("SELECT pg_sleep(5)")).await;
     assert!(gave_up.is_err(), "the client timeout came first");
     let err = tx.commit().await.unwrap_err();
     assert!(
@@ -231,7 +238,10 @@ async fn a_fenced_commit_of_a_failed_transaction_is_an_error() {
         .unwrap()
         .unwrap();
     let mut conn = pool_a.get().await.unwrap();
-    let tx = lease.fence(conn.transaction().await.unwrap()).await.unwrap();
+    let tx = lease
+        .fence(conn.transaction().await.unwrap())
+        .await
+        .unwrap();
     let token = lease.term().token;
     tx.execute("INSERT INTO ledger VALUES ($1)", &[&token])
         .await
@@ -244,7 +254,10 @@ async fn a_fenced_commit_of_a_failed_transaction_is_an_error() {
     );
     assert_eq!(ledger_rows(&admin).await, 0);
     // A fenced commit that says Ok has landed.
-    let tx = lease.fence(conn.transaction().await.unwrap()).await.unwrap();
+    let tx = lease
+        .fence(conn.transaction().await.unwrap())
+        .await
+        .unwrap();
     tx.execute("INSERT INTO ledger VALUES ($1)", &[&token])
         .await
         .unwrap();

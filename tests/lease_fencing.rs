@@ -200,7 +200,10 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         "{err}"
     );
     // 3. Taken over before the snapshot: the same.
-    let err = stale.fence(begin(&mut conn, level).await).await.unwrap_err();
+    let err = stale
+        .fence(begin(&mut conn, level).await)
+        .await
+        .unwrap_err();
     assert!(err.is_lease_lost(), "{err}");
     drop(conn);
     let rows: Vec<i64> = admin

@@ -99,7 +99,10 @@ async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
         // The insert goes: the statements out end, the batch runs and
         // answers `unpolled` (its caller is not polled meanwhile).
         inserter.batch_execute("ROLLBACK").await.unwrap();
-        eventually(5 * S, "the batch takes `unpolled`", || held(&admin, "unpolled")).await;
+        eventually(5 * S, "the batch takes `unpolled`", || {
+            held(&admin, "unpolled")
+        })
+        .await;
         // Dropped here, its answer never taken.
     }
     eventually(5 * S, "`unpolled` released", || async {
@@ -108,7 +111,12 @@ async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
     .await;
     for h in stuck {
         let lease = within(5 * S, "a stuck acquisition", h).await.unwrap();
-        lease.unwrap().expect("free once the insert rolled back").release().await.unwrap();
+        lease
+            .unwrap()
+            .expect("free once the insert rolled back")
+            .release()
+            .await
+            .unwrap();
     }
 }
 
@@ -138,9 +146,11 @@ async fn a_dropped_acquisition_is_released_after_its_statement_ends() {
     })
     .await;
     inserter.batch_execute("ROLLBACK").await.unwrap();
-    eventually(5 * S, "the statement took `first`, then released it", || async {
-        released(&admin, "first").await
-    })
+    eventually(
+        5 * S,
+        "the statement took `first`, then released it",
+        || async { released(&admin, "first").await },
+    )
     .await;
 }
 
@@ -303,7 +313,10 @@ async fn a_fallback_timeout_reports_the_whole_wait() {
     match err {
         Error::Lease(LeaseError::Timeout { waited, .. }) => {
             eprintln!("timed out after {waited:?} (statement timeout {timeout:?})");
-            assert!(waited >= timeout, "reported {waited:?} of a {timeout:?} wait");
+            assert!(
+                waited >= timeout,
+                "reported {waited:?} of a {timeout:?} wait"
+            );
         }
         e => panic!("{e}"),
     }

@@ -43,7 +43,12 @@ impl ServerCertVerifier for AnyCert {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
     fn verify_tls13_signature(
         &self,
@@ -51,7 +56,12 @@ impl ServerCertVerifier for AnyCert {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
@@ -148,9 +158,11 @@ async fn a_dropped_acquisition_is_cancelled_on_a_tls_only_pool() {
         .await
         .unwrap();
     let opts = pgwarden::LeaseOptions::new(30 * S);
-    let gave_up =
-        tokio::time::timeout(Duration::from_millis(300), leases.acquire("first", &opts, None))
-            .await;
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        leases.acquire("first", &opts, None),
+    )
+    .await;
     assert!(gave_up.is_err(), "the acquisition waits on the insert");
     // Cancelled on the server: no backend of the pool waits any more,
     // while the insert still holds the row.

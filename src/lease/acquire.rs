@@ -29,13 +29,13 @@ use super::options::{check_name, new_holder, LeaseOptions};
 use super::table::{
     Acquire, Blocker, Busy, Call, FreeIn, Install, LeaseStatement, Release, Statements, FENCE_GRACE,
 };
-use crate::key::Namespace;
-use tokio_postgres::types::Type;
 use super::term::{LeaseState, Term, TermInfo};
 use crate::error::{Error, LeaseError};
-use tokio_postgres::error::SqlState;
+use crate::key::Namespace;
 use crate::lost::LostReason;
 use crate::pooler::PoolerMode;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
 /// a holder may release early. Also the wait after a blocked take-over.
@@ -207,12 +207,13 @@ impl Inner {
         }))
     }
 
-    /// A take-over that met a row lock: first, past the expired term's end
-    /// + [`FENCE_GRACE`], ends the sessions that hold that term's fence
-    /// mark (its fenced transactions: see [`LeaseHandle::fence`]), and
-    /// returns true when it ended one; otherwise counted, and logged (at
-    /// most once per [`BLOCKED_LOG_EVERY`] per instance) with the session
-    /// that holds the row when the server can tell.
+    /// A take-over that met a row lock. First, once the expired term ended
+    /// more than [`FENCE_GRACE`] ago, ends the sessions that hold that
+    /// term's fence mark (its fenced transactions: see
+    /// [`LeaseHandle::fence`]), and returns true when it ended one.
+    /// Otherwise counted, and logged (at most once per
+    /// [`BLOCKED_LOG_EVERY`] per instance) with the session that holds the
+    /// row when the server can tell.
     async fn takeover_blocked(&self, name: &str) -> bool {
         match self
             .run(

@@ -11,10 +11,14 @@
 //!
 //! Checkout, statement, and the bound around both; a statement that does not
 //! finish in time (or whose future is dropped) is cancelled on the server
-//! with a cancel request before its connection is closed, so no backend
-//! goes on waiting, for a row lock say, after its client gave up. Named
-//! prepared statements on direct connections, unnamed ones behind a
-//! transaction pooler (or before the pool knows which it is).
+//! (`pg_cancel_backend` on another connection of the pool: the pool's own
+//! TLS and path), so no backend goes on waiting, for a row lock say, after
+//! its client gave up; what follows it (an acquisition's release by holder)
+//! runs only once the statement has ended, seen on its own connection. A
+//! lease statement that lost a race under snapshot isolation (40001) is
+//! sent again within its bound. Named prepared statements on direct
+//! connections, unnamed ones behind a transaction pooler (or before the
+//! pool knows which it is).
 //!
 //! # Registry
 //!
@@ -32,8 +36,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify, OnceCell};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::Error as PgError;
 use tokio_postgres::types::Type;
+use tokio_postgres::Error as PgError;
 
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};

@@ -277,9 +277,24 @@ impl Leases {
     /// ([`LeaseError::Timeout`](crate::LeaseError::Timeout)), a table of another shape
     /// ([`LeaseError::TableMismatch`](crate::LeaseError::TableMismatch)) or the database's.
     ///
-    /// Cancellation: a future dropped after its statement reached the
-    /// database cancels the statement on the server, then releases the
-    /// lease in the background in case the statement took it first.
+    /// Cancellation: the statement runs in a task of its own. A future
+    /// dropped after its statement went out leaves that task running: the
+    /// statement is cancelled on the server where a cancel can reach it (a
+    /// connection known to be direct: `pg_cancel_backend`, sent on another
+    /// connection of the pool, so with the pool's own TLS), and driven to
+    /// its end either way; if it took the lease, the lease is released
+    /// then, in the background, never before the statement has ended. The
+    /// same holds for an acquisition answered by a batch while its future
+    /// was not polled, then dropped. A statement that runs out of time is
+    /// cancelled the same way, and its connection waits for its end (up to
+    /// its server-side bound, the statement timeout) before the release
+    /// that follows.
+    ///
+    /// Isolation: the lease statements behave the same at every default
+    /// isolation level of the database (`default_transaction_isolation`):
+    /// one that loses a race under `repeatable read` or `serializable`
+    /// (40001; it committed nothing) is sent again within its bound, and
+    /// answers as at `read committed` (busy, say).
     ///
     /// # Overlapping acquisitions
     ///
@@ -289,7 +304,10 @@ impl Leases {
     /// gets the answer its own statement would have given, and a batch that
     /// fails on the server (a take-over blocked by a row lock, say: a
     /// batch's lock waits are bounded to 100 ms) is tried again one
-    /// acquisition per statement. A call that finds no batch within 100 ms
+    /// acquisition per statement. Callers of one name waiting at once
+    /// share one attempt: the first gets the lease if the batch took it,
+    /// the others busy (what their own statements would have answered). A
+    /// call that finds no batch within 100 ms
     /// (or twice the statements' recent time on a slow link, up to 1 s: the
     /// two statements out are stuck on a lock or a slow server) sends its
     /// own statement, as without gathering. Each still answers within the
