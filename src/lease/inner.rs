@@ -538,7 +538,9 @@ impl Inner {
 const SERIALIZATION_PAUSE_MAX: Duration = Duration::from_millis(5);
 
 /// Cancels the statement running on backend `pid` with
-/// `pg_cancel_backend`, sent on another connection of the pool's lease lane:
+/// `pg_cancel_backend`, sent on another connection of the pool (its control
+/// lane, pgwarden's own statements: the lease lane may be full of the very
+/// statements to cancel):
 /// it goes the way every connection of the pool goes (its TLS, its
 /// network path), unlike a cancel request, which opens a connection of its
 /// own (tokio-postgres needs the TLS connector again, which a deadpool pool
@@ -550,7 +552,7 @@ pub(crate) async fn cancel_backend(pool: &Pool, pid: i32) -> Result<bool, Error>
     let sent = async {
         let conn = pool
             .checkout_with(
-                Lane::Lease,
+                Lane::Control,
                 Priority::Urgent,
                 Location::caller(),
                 CANCEL_TIMEOUT,
