@@ -325,3 +325,45 @@ async fn a_fallback_timeout_reports_the_whole_wait() {
         let _ = within(10 * S, "a stuck acquisition", h).await;
     }
 }
+
+/// Where no cancel goes (a direct connection configured as behind a
+/// pooler), an acquisition that runs out of time while its statement is
+/// still busy on the server (a trigger sleeps 2 s, past the 1 s statement
+/// timeout; no lock wait, so its `lock_timeout` does not end it): the
+/// release that follows waits for the statement's end, and the lease the
+/// statement took is released. Before: the release ran at once, the
+/// statement committed after it, and the lease stayed held until its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_acquisition_is_released_after_its_statement_ends() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool_behind(db.pg_config(), 4, "timed-out", PoolerMode::Transaction);
+    let leases = Leases::builder(&pool).statement_timeout(S).build().unwrap();
+    leases.install().await.unwrap();
+    admin
+        .batch_execute(
+            "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NEW.name = 'slow-insert' THEN PERFORM pg_sleep(2); END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER slow_insert BEFORE INSERT ON pgwarden_leases
+               FOR EACH ROW EXECUTE FUNCTION slow_insert();",
+        )
+        .await
+        .unwrap();
+    let err = leases
+        .acquire("slow-insert", &opts(), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Lease(LeaseError::Timeout { .. })),
+        "{err}"
+    );
+    eventually(
+        10 * S,
+        "the statement took the lease, then it was released",
+        || released(&admin, "slow-insert"),
+    )
+    .await;
+}
