@@ -15,8 +15,8 @@
 --
 -- A logged table on purpose: unlike advisory locks, leases survive a primary
 -- failover. Every time comes from the database clock. A released row is
--- kept, marked released (holder ''), until the purge deletes it (under a
--- SHARE lock of the table, so that no acquisition is in flight); the next
+-- kept, marked released (holder ''), until the purge deletes it (once no
+-- acquisition that drew a smaller token can still be in flight); the next
 -- term of a name takes its row over and draws its token with the row
 -- locked. Either way tokens grow with every term of a name.
 --

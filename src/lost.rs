@@ -37,6 +37,10 @@ pub enum LostReason {
     /// [`Leases::release_all`](crate::Leases::release_all) released it while
     /// its guard was still alive.
     Released,
+    /// A renewal found the term ended by hand: its row still carries this
+    /// term's token, with no holder ([`Leases::revoke`](crate::Leases::revoke),
+    /// `pgwarden revoke`, or an `UPDATE` of the row).
+    Revoked,
 }
 
 impl LostReason {
@@ -47,6 +51,7 @@ impl LostReason {
             LostReason::Deadline => "deadline",
             LostReason::Expired => "expired",
             LostReason::Released => "released",
+            LostReason::Revoked => "revoked",
         }
     }
 }
@@ -58,6 +63,7 @@ impl fmt::Display for LostReason {
             LostReason::Deadline => "no renewal succeeded before the local deadline",
             LostReason::Expired => "expired in the database",
             LostReason::Released => "released by release_all",
+            LostReason::Revoked => "revoked: the term was ended by hand (pgwarden revoke)",
         })
     }
 }

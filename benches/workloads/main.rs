@@ -21,6 +21,7 @@ mod http;
 mod http_client;
 mod incident;
 mod leases;
+mod long_run;
 mod overhead;
 mod paused;
 mod paused_holder;
@@ -145,6 +146,11 @@ fn main() -> Result<(), BoxError> {
             timed("4c", began, &rows);
         }
         let began = std::time::Instant::now();
+        if want("4d") {
+            rows.push(long_run::long_run(server, settings).await?);
+            timed("4d", began, &rows);
+        }
+        let began = std::time::Instant::now();
         if want("5") {
             rows.push(renewal::renewal(server, settings).await?);
             timed("5", began, &rows);
@@ -267,6 +273,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
         incident::describe(s),
         leases::describe(s),
         plain::describe(s),
+        long_run::describe(s),
         renewal::describe(s),
         takeover::describe(s),
         paused::describe(s),

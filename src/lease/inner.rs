@@ -41,7 +41,7 @@ use tokio_postgres::Error as PgError;
 
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
-use super::table::{Busy, Call, LeaseStatement, Release, Statements, TableName, Taken};
+use super::table::{Busy, Call, LeaseStatement, PurgeMark, Release, Statements, TableName, Taken};
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};
@@ -78,6 +78,10 @@ pub(crate) struct Inner {
     pub(crate) created: Instant,
     /// When a blocked take-over was last logged (since `created`).
     pub(crate) blocked_logged: Mutex<Option<Duration>>,
+    /// The last purge round's mark, for the next round's sweep.
+    pub(crate) purge_mark: Mutex<Option<PurgeMark>>,
+    /// When a purge that waits was last logged (since `created`).
+    pub(crate) purge_wait_logged: Mutex<Option<Duration>>,
 }
 
 impl Drop for Inner {
@@ -113,6 +117,8 @@ impl Inner {
             metrics,
             created: Instant::now(),
             blocked_logged: Mutex::new(None),
+            purge_mark: Mutex::new(None),
+            purge_wait_logged: Mutex::new(None),
         }
     }
 

@@ -45,8 +45,8 @@ pub(crate) struct NameMetrics {
     skipped: Counter,
     takeovers: Counter,
     takeovers_blocked: Counter,
-    /// By [`LostReason`]: taken, deadline, expired, released.
-    lost: [Counter; 4],
+    /// By [`LostReason`]: taken, deadline, expired, released, revoked.
+    lost: [Counter; 5],
 }
 
 impl NameMetrics {
@@ -63,6 +63,7 @@ impl NameMetrics {
                 lost(LostReason::Deadline),
                 lost(LostReason::Expired),
                 lost(LostReason::Released),
+                lost(LostReason::Revoked),
             ],
         }
     }
@@ -146,6 +147,7 @@ impl LeaseMetrics {
             LostReason::Deadline => 1,
             LostReason::Expired => 2,
             LostReason::Released => 3,
+            LostReason::Revoked => 4,
         };
         self.with(lease, |m| m.lost[i].increment(1));
     }
@@ -193,8 +195,12 @@ pub struct LeaseStats {
     pub renewal_failures: u64,
     /// Rows deleted by purges.
     pub purged: u64,
-    /// Purge statements sent.
+    /// Purge statements sent (marks and sweeps).
     pub purge_statements: u64,
+    /// Purge rounds that deleted nothing because a session that held the
+    /// lease table at the previous round still held it (see
+    /// [`LeasesBuilder::purge`](super::LeasesBuilder::purge)).
+    pub purges_waited: u64,
     /// Acquisitions waiting now to go to the server together, in the next
     /// statement (see [`Leases::acquire`](super::Leases::acquire),
     /// "Overlapping acquisitions").

@@ -411,21 +411,24 @@ impl Leases {
     /// transaction left open (a frozen or cut-off holder) blocks the
     /// take-over of an expired term until it ends.
     ///
-    /// Reads only: locked rows are found with `FOR UPDATE SKIP LOCKED` in a
-    /// transaction that is rolled back, which never waits on a row lock.
-    /// That probe needs the `UPDATE` privilege on the table; without it a
-    /// blocker is found only when the row names its transaction (`xmax`:
-    /// one locker, not several sharing the lock).
+    /// Reads only, and locks nothing a lease statement could wait for: one
+    /// statement, no transaction, no row lock. The blocker is the running
+    /// transaction named by the row's `xmax`, found in `pg_locks` (which
+    /// every role can read; `application_name` and state come from
+    /// `pg_stat_activity`, where a role without `pg_monitor` sees other
+    /// roles' state as `None`). A row locked by several transactions at
+    /// once (two fenced transactions of one term, say) names none of them.
+    /// Works from a read-only session and on a hot standby; there no
+    /// blocker is shown, since row locks live on the primary. A listing
+    /// stopped half-way (a frozen process, a slow link) holds up nobody by
+    /// itself: it keeps only the table's `ACCESS SHARE` lock, until the
+    /// server sees the link gone (`tcp_keepalives_*`, `tcp_user_timeout`).
+    /// DDL on the table in that time (`VACUUM FULL`, `ALTER TABLE`) queues
+    /// behind it, and every lease statement behind the DDL.
     pub async fn rows(&self) -> Result<Vec<LeaseRow>, Error> {
         let inner = &self.inner;
         inner
-            .run(
-                Urgency::Normal,
-                inner.statement_timeout,
-                &ReadRows {
-                    wait_ms: wait_ms(inner.statement_timeout),
-                },
-            )
+            .run(Urgency::Normal, inner.statement_timeout, &ReadRows)
             .await
     }
 
@@ -433,7 +436,7 @@ impl Leases {
     /// the row is marked released and expired, so its holder's
     /// [`fence`](super::LeaseHandle::fence) is refused from now on and its
     /// [`lost`](super::LeaseHandle::lost) signal fires at its next renewal
-    /// (`Taken`). The next acquisition takes the name at once, unless an
+    /// ([`LostReason::Revoked`]). The next acquisition takes the name at once, unless an
     /// at-least hold (`held_until`) still runs: the hold is kept.
     ///
     /// Returns the row as it was (old holder and token), or `None` when
@@ -543,17 +546,30 @@ impl LeasesBuilder {
     }
 
     /// Old rows: the renewer deletes rows released or expired for longer
-    /// than `after` (0 to 366 days), one statement (at most 500 rows) per
-    /// `every` (10 ms to 366 days); `None` turns the purge off (the rows then
-    /// stay: one per name ever used). Default: after 10 min, every 60 s.
+    /// than `after` (0 to 366 days), one round per `every` (10 ms to 366
+    /// days); `None` turns the purge off on this instance (the rows then
+    /// stay, one per name ever used, unless another instance purges).
+    /// Default: after 60 s, every 10 s. The table holds the live leases and
+    /// what was released within about `after` + 2 × `every`, whatever the
+    /// rate of new names: a round deletes every row it may, in statements of
+    /// 500 rows.
     ///
-    /// A purged name starts again with a new row, and its tokens still grow:
-    /// a row is deleted only under an exclusive transaction-scoped try-lock
-    /// on its name, which it cannot get while an acquisition of that name
-    /// (which holds the lock shared from before it draws its token until it
-    /// commits) is in flight. Rows it cannot lock stay for the next round; an
-    /// acquisition that meets the purge of its name in the same instant
-    /// finds the name busy (`Ok(None)`).
+    /// A purged name starts again with a new row, and its tokens still grow.
+    /// A round first marks: it reads the token sequence's last value and
+    /// which sessions hold the table's `ROW EXCLUSIVE` lock (from
+    /// `pg_locks`: every lease statement in flight holds it from before it
+    /// draws its token). The next round deletes only rows whose token is at
+    /// most the mark's, and only once every session of the mark has ended
+    /// its transaction: no acquisition that drew a smaller token can still
+    /// land a new row after them. The purge takes no table lock and never
+    /// waits for a row lock (locked rows are skipped, kept for the next
+    /// round): no lease statement of any instance waits for it (an
+    /// acquisition of a name whose old row a sweep holds at that instant
+    /// answers busy, as for any row lock; a waiting caller tries again). A session
+    /// that keeps the table's `ROW EXCLUSIVE` lock across rounds (a
+    /// transaction left open after writing to the table, a stopped backend)
+    /// holds the purge back, never a lease: counted in
+    /// [`LeaseStats::purges_waited`] and logged with its pid.
     pub fn purge(mut self, after: Duration, every: Option<Duration>) -> Self {
         self.purge.age = after;
         self.purge.auto = every.is_some();

@@ -39,7 +39,7 @@ use futures_util::FutureExt;
 use tokio::sync::Notify;
 
 use super::inner::{Entry, Inner, Item, Registry, Urgency};
-use super::table::{Purge, Renew};
+use super::table::{PurgeMark, PurgeMarkStmt, PurgeSweep, Renew, Terms};
 use super::term::{self, LeaseState, Timing};
 use crate::error::{Error, LeaseError};
 use crate::lost::LostReason;
@@ -268,10 +268,17 @@ async fn run(inner: Weak<Inner>, wake: Arc<Notify>, _alive: Alive) {
     }
 }
 
-/// The most rows one purge statement deletes: its transaction holds the
-/// table's `SHARE` lock, during which lease statements wait; 500 rows keep
-/// that short.
+/// The most rows one purge statement deletes; a round sends as many
+/// statements as it needs. Small, because a statement locks its rows until
+/// it commits: an acquisition of one of those (old, free) names waits for
+/// it, up to the take-over bound (20 ms) before it answers busy. 5,000 rows
+/// took about 30 ms a statement on two busy cores, and free names answered
+/// busy (2 to 3 in 250); 500 take a few milliseconds.
 pub(crate) const PURGE_BATCH: i64 = 500;
+
+/// At most one log line per this interval, per instance, for a purge that
+/// waits on a session holding the lease table.
+const PURGE_WAIT_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// Clears the in-flight mark of a batch's leases however the batch ends; a
 /// batch that did not complete (it panicked) retries with back-off.
@@ -390,9 +397,15 @@ impl Inner {
             Ok(_) => {
                 self.metrics.renew_ok.increment(ok);
                 self.metrics.renew_lost.increment(taken.len() as u64);
+                let revoked = self.revoked(&taken).await;
                 for state in &taken {
                     self.metrics.held.decrement(1.0);
-                    self.mark_lost(state, LostReason::Taken);
+                    let reason = if revoked.contains(&(&*state.name, state.token)) {
+                        LostReason::Revoked
+                    } else {
+                        LostReason::Taken
+                    };
+                    self.mark_lost(state, reason);
                 }
             }
             Err(err) => {
@@ -408,6 +421,31 @@ impl Inner {
             }
         }
         self.metrics.renewal.record(took.as_secs_f64());
+    }
+
+    /// Of leases a renewal found gone, those whose row still carries their
+    /// token with no holder: ended by hand ([`LostReason::Revoked`]), not
+    /// taken over. Read once, bounded; on error none is (they are `Taken`).
+    async fn revoked<'a>(&self, gone: &'a [Arc<LeaseState>]) -> HashSet<(&'a str, i64)> {
+        if gone.is_empty() {
+            return HashSet::new();
+        }
+        let stmt = Terms {
+            names: gone.iter().map(|s| &*s.name).collect(),
+        };
+        let Ok(rows) = self
+            .run(Urgency::Urgent, self.statement_timeout, &stmt)
+            .await
+        else {
+            return HashSet::new();
+        };
+        gone.iter()
+            .filter(|s| {
+                rows.iter()
+                    .any(|(n, h, t)| n.as_str() == &*s.name && h.is_empty() && *t == s.token)
+            })
+            .map(|s| (&*s.name, s.token))
+            .collect()
     }
 
     /// Whether a purge is due at `now`; marks it started and schedules the
@@ -426,7 +464,7 @@ impl Inner {
         true
     }
 
-    /// One purge statement (the renewer's round).
+    /// One purge round (the renewer's): see [`Inner::purge_once`].
     pub(super) async fn purge_round(self: Arc<Self>) {
         let run = AssertUnwindSafe(self.purge_once()).catch_unwind().await;
         self.registry.lock().purging = false;
@@ -440,32 +478,78 @@ impl Inner {
         }
     }
 
-    /// One purge statement: rows deleted.
+    /// One purge round: the sweep of the previous round's mark, then a new
+    /// mark; returns the rows deleted.
+    ///
+    /// The sweep deletes the rows released or expired for longer than the
+    /// purge age whose token is at most the mark's, once every lease
+    /// statement that was in flight at the mark has ended (see
+    /// `Statements::purge_mark` for why that keeps tokens growing), in
+    /// statements of at most [`PURGE_BATCH`] rows until none is left or the
+    /// statement timeout is spent. It takes no table lock of its own and
+    /// waits for no row lock (a locked row stays for the next round), so
+    /// no renewal, release or acquisition ever waits for it. While a
+    /// transaction of the mark is still open (a session holding the table
+    /// for long: a user's transaction that wrote to it, a frozen backend),
+    /// nothing is deleted and the next round tries with a new mark.
     pub(crate) async fn purge_once(&self) -> Result<u64, Error> {
-        let stmt = Purge {
-            age: self.purge.age,
-            limit: PURGE_BATCH,
-        };
-        let Some(n) = self
-            .run(Urgency::Normal, self.statement_timeout, &stmt)
-            .await?
-        else {
-            self.stats.lock().purge_statements += 1;
-            tracing::debug!(
-                pool = %self.pool_name,
-                "lease purge skipped: lease statements kept the table busy; it runs again next interval"
-            );
-            return Ok(0);
-        };
+        let began = Instant::now();
+        let previous = self.purge_mark.lock().take();
+        let mut deleted = 0;
+        if let Some(mark) = &previous {
+            loop {
+                let left = self.statement_timeout.saturating_sub(began.elapsed());
+                if left.is_zero() {
+                    break;
+                }
+                let stmt = PurgeSweep {
+                    mark,
+                    age: self.purge.age,
+                    limit: PURGE_BATCH,
+                };
+                let swept = self.run(Urgency::Normal, left, &stmt).await?;
+                self.stats.lock().purge_statements += 1;
+                let Some(n) = swept else {
+                    self.purge_waited(mark);
+                    break;
+                };
+                deleted += n;
+                if n < PURGE_BATCH as u64 {
+                    break;
+                }
+            }
+        }
+        let mark = self
+            .run(Urgency::Normal, self.statement_timeout, &PurgeMarkStmt)
+            .await?;
+        self.stats.lock().purge_statements += 1;
+        *self.purge_mark.lock() = Some(mark);
         {
             let mut s = self.stats.lock();
-            s.purged += n;
-            s.purge_statements += 1;
+            s.purged += deleted;
         }
-        self.metrics.purged.increment(n);
-        if n > 0 {
-            tracing::debug!(pool = %self.pool_name, rows = n, "lease rows purged");
+        self.metrics.purged.increment(deleted);
+        if deleted > 0 {
+            tracing::debug!(pool = %self.pool_name, rows = deleted, "lease rows purged");
         }
-        Ok(n)
+        Ok(deleted)
+    }
+
+    /// A sweep found a transaction of its mark still open: counted, and
+    /// logged at most once per [`PURGE_WAIT_LOG_EVERY`].
+    fn purge_waited(&self, mark: &PurgeMark) {
+        self.stats.lock().purges_waited += 1;
+        let now = self.created.elapsed();
+        let mut last = self.purge_wait_logged.lock();
+        if last.is_some_and(|t| now.saturating_sub(t) < PURGE_WAIT_LOG_EVERY) {
+            return;
+        }
+        *last = Some(now);
+        tracing::info!(
+            pool = %self.pool_name,
+            pids = ?mark.pids,
+            "lease purge waits: a session that held the lease table at the last round still does \
+             (a transaction left open on it, or a stopped backend); nothing is deleted until it ends"
+        );
     }
 }

@@ -52,10 +52,12 @@
 //!   marked released (holder `''`, expired): the next term of the name takes
 //!   the row over and draws its token with the row locked, so it is larger
 //!   than every token of the rows before it. Only a new name draws its token
-//!   before its row exists; only the purge deletes rows, and only once it
-//!   holds the table's `SHARE` lock, which no lease statement in flight
-//!   allows (it takes it with `NOWAIT`, or skips its round): no new row
-//!   drawn before a purge lands after it.
+//!   before its row exists; only the purge deletes rows, and only rows whose
+//!   token is at most the last value of the sequence at its previous
+//!   round's mark, once every session that held the table's `ROW
+//!   EXCLUSIVE` lock at that mark has ended its transaction (see
+//!   `Statements::purge_mark`): no new row drawn before a purge lands after
+//!   it. The purge locks nothing that a lease statement waits for.
 //! - **Busy** is a statement that returns no row. Waiting callers ask when
 //!   the lease may be free with a second, read-only statement.
 //! - **Bounded on the server too.** Acquisitions, renewals and releases set
@@ -107,7 +109,6 @@ use std::future::Future;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use deadpool_postgres::ClientWrapper as Client;
-use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Error as PgError;
 use tokio_postgres::Row;
@@ -147,7 +148,9 @@ pub(crate) struct Statements {
     pub(super) release_batch: String,
     pub(super) fence: String,
     pub(super) blocker: String,
-    pub(super) purge: String,
+    pub(super) terms: String,
+    pub(super) purge_mark: String,
+    pub(super) purge_sweep: String,
     pub(crate) ddl: String,
     /// The table, schema-qualified and quoted.
     pub(crate) table: String,
@@ -192,6 +195,9 @@ pub(super) const RENEW_TYPES: &[Type] = &[
 ];
 pub(super) const RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
 pub(super) const FENCE_TYPES: &[Type] = &[Type::TEXT, Type::INT8];
+pub(super) const PURGE_MARK_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
+pub(super) const PURGE_SWEEP_TYPES: &[Type] =
+    &[Type::TEXT_ARRAY, Type::INT8, Type::FLOAT8, Type::INT8];
 
 /// `lock_timeout` for the statement's own transaction, as a constant of
 /// the statement's text (at least 1 ms: 0 would mean no bound).
@@ -392,12 +398,44 @@ RETURNING name"
  WHERE t.name = $1 AND a.pid <> pg_backend_pid()
  LIMIT 1"
             ),
-            // Rows released or expired for longer than `$1` seconds, at most
-            // `$2`, after the table lock the purge takes first without
-            // waiting (see `Statements::purge`).
-            purge: format!(
-                "DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
-  SELECT ctid FROM {tbl} WHERE greatest(expires_at, held_until) < now() - make_interval(secs => $1) LIMIT $2))"
+            // The current term of each name: after a renewal found some of
+            // its leases gone, whether each was taken over or revoked.
+            terms: format!(
+                "SELECT name, holder, token FROM {tbl} WHERE name = ANY ($1::text[])"
+            ),
+            // A purge round's mark (see `Statements::purge_mark`): the
+            // token sequence's last value, read first (the sub-select in
+            // FROM is scanned before the target list is computed), then the
+            // transactions holding the table's `ROW EXCLUSIVE` lock, as
+            // `pg_locks` shows them (to every role, fast-path locks
+            // included). Only the sequence's value is read: nothing is
+            // locked, nothing waited on.
+            purge_mark: "SELECT s.w, (SELECT coalesce(array_agg(DISTINCT k.virtualtransaction), '{}')
+                FROM pg_locks k
+               WHERE k.locktype = 'relation' AND k.granted AND k.mode = 'RowExclusiveLock'
+                 AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                 AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid()),
+       (SELECT coalesce(array_agg(DISTINCT k.pid), '{}')
+                FROM pg_locks k
+               WHERE k.locktype = 'relation' AND k.granted AND k.mode = 'RowExclusiveLock'
+                 AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                 AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid())
+  FROM (SELECT pg_sequence_last_value(to_regclass($2)) AS w OFFSET 0) AS s"
+                .to_owned(),
+            // A purge round's sweep: once none of the transactions the mark
+            // saw is left (`$1`, checked in the same statement), the rows
+            // released or expired for longer than `$3` seconds whose term's
+            // token is at most the mark's (`$2`), up to `$4` of them. Rows
+            // locked by anyone are skipped, never waited for.
+            purge_sweep: format!(
+                "WITH d AS (SELECT NOT EXISTS (SELECT FROM pg_locks WHERE virtualtransaction = ANY ($1::text[])) AS drained),
+     x AS (DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
+             SELECT ctid FROM {tbl}
+              WHERE (SELECT drained FROM d) AND token <= $2
+                AND greatest(expires_at, held_until) < now() - make_interval(secs => $3)
+              LIMIT $4 FOR UPDATE SKIP LOCKED))
+           RETURNING 1)
+SELECT (SELECT drained FROM d), (SELECT count(*) FROM x)"
             ),
             ddl: t.ddl(),
             table: tbl,
@@ -652,51 +690,82 @@ impl Statements {
             .transpose()
     }
 
-    /// Deletes up to `limit` rows released or expired for longer than
-    /// `age`; returns how many, or `None` when a lease statement was in
-    /// flight (the round is skipped).
+    /// The mark of a purge round: the token sequence's last value (`None`
+    /// before its first value), and the virtual transaction ids of the
+    /// sessions holding the table's `ROW EXCLUSIVE` lock (every lease
+    /// statement in flight, from before it draws a token until it ends).
     ///
-    /// One round trip, one implicit transaction: the table's `SHARE` lock
-    /// taken with `NOWAIT`, then the `DELETE`. The lock is granted only when
-    /// no lease statement is in flight (each holds `ROW EXCLUSIVE` until it
-    /// ends, from before it draws a token), so no acquisition that drew a
-    /// token for a new row before the purge can insert it after a purged
-    /// row of the same name with a larger token. It never queues (a queued
-    /// request would hold up every lease statement behind it: a statement
-    /// takes its table lock before its own `lock_timeout` applies);
-    /// statements that come while the `DELETE` runs wait for it alone,
-    /// scan included (on a table of 200,000 rows, up to a few hundred ms
-    /// once per purge interval: see the README).
-    pub(crate) async fn purge(
+    /// Why it makes the sweep safe: a row whose term's token is at most the
+    /// mark's was drawn before the mark. An acquisition of a new row that
+    /// drew an even smaller token before it, and has not inserted yet, held
+    /// the table lock since before it drew, so it is in the mark's set; the
+    /// sweep deletes nothing until every one of them has ended. No new row
+    /// can then land after a purged row of its name with a smaller token.
+    /// Nothing here locks or waits: the purge takes no table lock of its own.
+    pub(crate) async fn purge_mark(
         &self,
-        client: &mut Client,
+        client: &Client,
+        named: bool,
+    ) -> Result<PurgeMark, PgError> {
+        let rows = query(
+            client,
+            named,
+            &self.purge_mark,
+            PURGE_MARK_TYPES,
+            &[&self.table, &self.sequence],
+        )
+        .await?;
+        let Some(r) = rows.first() else {
+            return Ok(PurgeMark::default());
+        };
+        Ok(PurgeMark {
+            token: r.try_get(0)?,
+            in_flight: r.try_get(1)?,
+            pids: r.try_get(2)?,
+        })
+    }
+
+    /// One sweep statement of a purge round: `None` while a transaction of
+    /// the mark is still open (nothing deleted), else the rows deleted (at
+    /// most `limit`; locked rows are skipped, never waited for).
+    pub(crate) async fn purge_sweep(
+        &self,
+        client: &Client,
+        named: bool,
+        mark: &PurgeMark,
         age: Duration,
         limit: i64,
     ) -> Result<Option<u64>, PgError> {
-        // Both values are this crate's own numbers, formatted as SQL
-        // numbers (the simple query protocol takes no parameters).
-        let text = self
-            .purge
-            .replace("$1", &format!("{:.6}::float8", age.as_secs_f64()))
-            .replace("$2", &format!("{limit}::int8"));
-        let batch = format!("LOCK TABLE {} IN SHARE MODE NOWAIT; {text}", self.table);
-        match client.simple_query(&batch).await {
-            Ok(messages) => Ok(Some(
-                messages
-                    .iter()
-                    .filter_map(|m| match m {
-                        tokio_postgres::SimpleQueryMessage::CommandComplete(n) => Some(*n),
-                        _ => None,
-                    })
-                    .last()
-                    .unwrap_or(0),
-            )),
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
-                Ok(None)
-            }
-            Err(e) => Err(e),
-        }
+        let Some(token) = mark.token else {
+            return Ok(Some(0)); // no token drawn yet: no row to purge
+        };
+        let age = age.as_secs_f64();
+        let rows = query(
+            client,
+            named,
+            &self.purge_sweep,
+            PURGE_SWEEP_TYPES,
+            &[&mark.in_flight, &token, &age, &limit],
+        )
+        .await?;
+        let Some(r) = rows.first() else {
+            return Ok(None);
+        };
+        let drained: bool = r.try_get(0)?;
+        let n: i64 = r.try_get(1)?;
+        Ok(drained.then(|| u64::try_from(n).unwrap_or(0)))
     }
+}
+
+/// What a purge round's mark saw (see [`Statements::purge_mark`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PurgeMark {
+    /// The token sequence's last value.
+    pub(crate) token: Option<i64>,
+    /// The lease statements then in flight (virtual transaction ids).
+    pub(crate) in_flight: Vec<String>,
+    /// Their backends, for the log line of a purge that waits.
+    pub(crate) pids: Vec<i32>,
 }
 
 /// The default lease table: `public.pgwarden_leases`.
@@ -893,6 +962,14 @@ pub(crate) struct Shape {
     pub(crate) sequence_kind: Option<String>,
     /// The sequence's data type (`bigint`, `integer`…).
     pub(crate) sequence_type: Option<String>,
+    /// Its `INCREMENT`, `CACHE` and `CYCLE` (from `pg_sequence`).
+    pub(crate) sequence_increment: Option<i64>,
+    pub(crate) sequence_cache: Option<i64>,
+    pub(crate) sequence_cycle: Option<bool>,
+    /// The table's largest token and the sequence's last value (`None`
+    /// before its first), when both exist: a sequence behind the table
+    /// would give a new term a smaller token than an earlier one.
+    pub(crate) tokens: Option<(Option<i64>, Option<i64>)>,
     /// The sequence is the one owned by the table's `token` column
     /// (`OWNED BY`): `Some(false)` when it is another, or owned by nothing;
     /// `None` without a `token` column.
@@ -952,6 +1029,36 @@ impl Shape {
             )),
             (Some(kind), _) => out.push(format!("{sequence} is not a sequence (relkind {kind:?})")),
         }
+        // Tokens must grow with every term: a sequence that can hand out a
+        // smaller value later is refused, naming the setting to change.
+        if let Some(cache) = self.sequence_cache.filter(|c| *c > 1) {
+            out.push(format!(
+                "the token sequence {sequence} has CACHE {cache}: each session draws from a cache of its own, \
+                 so a later term can get a smaller token (ALTER SEQUENCE {sequence} CACHE 1)"
+            ));
+        }
+        if let Some(inc) = self.sequence_increment.filter(|i| *i <= 0) {
+            out.push(format!(
+                "the token sequence {sequence} has INCREMENT {inc}: tokens must grow \
+                 (ALTER SEQUENCE {sequence} INCREMENT BY 1)"
+            ));
+        }
+        if self.sequence_cycle == Some(true) {
+            out.push(format!(
+                "the token sequence {sequence} has CYCLE: past its maximum it starts again from its minimum \
+                 (ALTER SEQUENCE {sequence} NO CYCLE)"
+            ));
+        }
+        if let Some((Some(max), last)) = self.tokens {
+            if last.is_none_or(|l| l < max) {
+                out.push(format!(
+                    "the token sequence {sequence} is behind the table's tokens (its last value is {}, the table \
+                     holds token {max}): a new term would draw a smaller token than an earlier one \
+                     (SELECT setval('{sequence}', {max}))",
+                    last.map_or("none yet".to_owned(), |l| l.to_string())
+                ));
+            }
+        }
         if self.sequence_kind.is_some() && self.sequence_owned == Some(false) {
             out.push(format!(
                 "the token sequence {sequence} is not owned by the table's token column \
@@ -987,6 +1094,9 @@ impl Statements {
                 "SELECT (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)),
                         (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($2)),
                         (SELECT format_type(seqtypid, NULL) FROM pg_sequence WHERE seqrelid = to_regclass($2)),
+                        (SELECT seqincrement FROM pg_sequence WHERE seqrelid = to_regclass($2)),
+                        (SELECT seqcache FROM pg_sequence WHERE seqrelid = to_regclass($2)),
+                        (SELECT seqcycle FROM pg_sequence WHERE seqrelid = to_regclass($2)),
                         coalesce((SELECT array_agg(a.attname::text ORDER BY k.ord)
                                     FROM pg_index i
                                    CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
@@ -1015,9 +1125,12 @@ impl Statements {
             shape.table_kind = r.try_get(0)?;
             shape.sequence_kind = r.try_get(1)?;
             shape.sequence_type = r.try_get(2)?;
-            shape.primary_key = r.try_get(3)?;
-            shape.sequence_owned = r.try_get(4)?;
-            shape.shadowed_by = r.try_get(5)?;
+            shape.sequence_increment = r.try_get(3)?;
+            shape.sequence_cache = r.try_get(4)?;
+            shape.sequence_cycle = r.try_get(5)?;
+            shape.primary_key = r.try_get(6)?;
+            shape.sequence_owned = r.try_get(7)?;
+            shape.shadowed_by = r.try_get(8)?;
         }
         for r in &columns {
             shape.columns.push(Column {
@@ -1028,6 +1141,20 @@ impl Statements {
             });
         }
         Ok(shape)
+    }
+
+    /// The table's largest token and its sequence's last value.
+    async fn tokens(&self, client: &Client) -> Result<(Option<i64>, Option<i64>), PgError> {
+        let row = client
+            .query_typed_one(
+                &format!(
+                    "SELECT (SELECT max(token) FROM {}), pg_sequence_last_value(to_regclass($1))",
+                    self.table
+                ),
+                &[(&self.sequence, Type::TEXT)],
+            )
+            .await?;
+        Ok((row.try_get(0)?, row.try_get(1)?))
     }
 
     /// Creates the table and its sequence when either is missing, inside a
@@ -1052,6 +1179,10 @@ impl Statements {
             tx.commit().await?;
             ran = true;
             shape = self.shape(client, bare).await?;
+        }
+        // Tokens are compared once the columns and the sequence fit.
+        if shape.differences(&self.sequence).is_empty() {
+            shape.tokens = Some(self.tokens(client).await?);
         }
         let differences = shape.differences(&self.sequence);
         if differences.is_empty() {
@@ -1099,51 +1230,67 @@ pub struct LeaseRow {
     /// The holder of the term this one took over, if any.
     pub prev_holder: Option<String>,
     /// The backend holding a row lock on this row (a fenced transaction, a
-    /// statement in flight): the one whose transaction locked it last where
-    /// the row tells, else the oldest open transaction holding the table.
-    /// A take-over of an expired term is blocked while it lasts (it answers
-    /// busy). `None` when the row is not locked.
+    /// statement in flight), when one transaction holds it: the running
+    /// transaction the row's `xmax` names. A take-over of an expired term
+    /// is blocked while it lasts (it answers busy). `None` when the row is
+    /// not locked, when several transactions share the lock, on a hot
+    /// standby, and for a prepared (two-phase) transaction, which has no
+    /// backend: then [`blocker_state`](Self::blocker_state) says
+    /// `prepared transaction` and the application name is its `gid`.
     pub blocker_pid: Option<i32>,
-    /// That backend's `application_name`.
+    /// That backend's `application_name` (a prepared transaction's `gid`).
     pub blocker_application_name: Option<String>,
-    /// That backend's state (`idle in transaction`…).
+    /// That backend's state (`idle in transaction`…); `None` when the role
+    /// reading may not see it (another role's session, without
+    /// `pg_read_all_stats`).
     pub blocker_state: Option<String>,
-    /// How long that backend has been in its state.
+    /// How long that backend has been in its state, when it can be seen.
     pub blocker_state_for: Option<Duration>,
 }
 
-/// The rows, row-locked names found by a probe that never waits: within a
-/// transaction that is rolled back, the rows `FOR UPDATE SKIP LOCKED`
-/// skips are the rows some other transaction holds a lock on (row locks
-/// are not in `pg_locks`; `FOR UPDATE` conflicts with every row lock). Only
-/// rows whose `xmax` is set can be locked, so only those are probed.
-fn rows_sql(tbl: &str) -> (String, String) {
-    let probe = format!(
-        "SELECT name FROM {tbl} WHERE xmax::text <> '0' AND name NOT IN
-  (SELECT name FROM {tbl} WHERE xmax::text <> '0' FOR UPDATE SKIP LOCKED)"
-    );
-    let rows = format!(
-        "SELECT l.name, l.holder, l.token, extract(epoch FROM l.taken_at)::float8,
+/// Every row with the session holding a lock on it, read without locking
+/// anything: a row's `xmax` names the transaction that locked (or is
+/// updating) it when one transaction does, and every running transaction
+/// holds an `ExclusiveLock` on its own id in `pg_locks`, which every role
+/// can read. A stale `xmax` (a locker that has ended) matches no running
+/// transaction; a MultiXactId (several lockers at once) is a number of
+/// another counter, and could equal an unrelated transaction's id: a match
+/// counts only when that transaction holds a lock on the lease table too.
+/// A prepared (two-phase) transaction has no backend: its state says so,
+/// with its `gid`. Works from a read-only session and on a hot standby
+/// (where the primary's transactions are not in `pg_locks`: no blocker).
+fn rows_sql(tbl: &str) -> String {
+    let regclass = quote_literal(tbl);
+    // `pg_locks` and `pg_stat_activity` are read once each (materialized,
+    // then hash-joined), not once per row: the table may hold a million
+    // released rows.
+    format!(
+        "WITH x AS MATERIALIZED (
+       SELECT k.pid, k.transactionid, k.virtualtransaction FROM pg_locks k
+        WHERE k.locktype = 'transactionid' AND k.mode = 'ExclusiveLock' AND k.granted
+          AND k.pid IS DISTINCT FROM pg_backend_pid()),
+     t AS MATERIALIZED (
+       SELECT DISTINCT k.virtualtransaction FROM pg_locks k
+        WHERE k.locktype = 'relation' AND k.granted AND k.relation = {regclass}::regclass),
+     b AS MATERIALIZED (
+       SELECT x.pid, x.transactionid,
+              (SELECT p.gid FROM pg_prepared_xacts p WHERE p.transaction = x.transactionid) AS prepared
+         FROM x JOIN t ON t.virtualtransaction = x.virtualtransaction)
+SELECT l.name, l.holder, l.token, extract(epoch FROM l.taken_at)::float8,
        extract(epoch FROM l.expires_at - now())::float8,
        l.holder <> '' AND l.expires_at >= now(),
        CASE WHEN l.held_until > '-infinity' THEN extract(epoch FROM l.held_until)::float8 END,
        l.prev_holder,
-       b.pid, b.application_name, b.state,
-       greatest(extract(epoch FROM clock_timestamp() - b.state_change), 0)::float8
+       b.pid,
+       CASE WHEN b.prepared IS NOT NULL THEN b.prepared ELSE a.application_name END,
+       CASE WHEN b.prepared IS NOT NULL THEN 'prepared transaction' ELSE a.state END,
+       CASE WHEN a.state_change IS NOT NULL
+            THEN greatest(extract(epoch FROM clock_timestamp() - a.state_change), 0)::float8 END
   FROM {tbl} l
-  LEFT JOIN LATERAL (
-       SELECT a.pid, a.application_name, a.state, a.state_change
-         FROM pg_stat_activity a
-        WHERE (l.name = ANY($1) OR a.backend_xid = l.xmax)
-          AND a.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL
-          AND EXISTS (SELECT FROM pg_locks k
-                       WHERE k.pid = a.pid AND k.locktype = 'relation' AND k.granted
-                         AND k.relation = $2::text::regclass)
-        ORDER BY a.backend_xid = l.xmax DESC, a.xact_start
-        LIMIT 1) b ON true
+  LEFT JOIN b ON b.transactionid = l.xmax
+  LEFT JOIN pg_stat_activity a ON a.pid = b.pid
  ORDER BY l.name"
-    );
-    (probe, rows)
+    )
 }
 
 /// Unix seconds as a time; a value no `SystemTime` holds (a timestamp of
@@ -1187,11 +1334,9 @@ fn lease_row_blocked(r: &Row) -> Result<LeaseRow, PgError> {
     })
 }
 
-/// Every row, with its blocker; lock waits (for the table lock, behind
-/// DDL only) bounded on the server by `wait_ms`.
-pub(crate) struct ReadRows {
-    pub(crate) wait_ms: i32,
-}
+/// Every row, with its blocker (see [`rows_sql`]): one statement, no
+/// transaction, no lock but the table's `ACCESS SHARE`.
+pub(crate) struct ReadRows;
 
 /// A statement timeout as a server-side `lock_timeout` in milliseconds
 /// (at least 1: 0 would mean no bound).
@@ -1208,45 +1353,12 @@ impl LeaseStatement for ReadRows {
         client: &'a mut Client,
         _call: Call,
     ) -> Result<Self::Out, PgError> {
-        let (probe, rows) = rows_sql(&sql.table);
-        let tx = client.transaction().await?;
-        // The table lock (ROW SHARE) waits only behind DDL: bounded too.
-        tx.query_typed(
-            "SELECT set_config('lock_timeout', $1::int4::text, true)",
-            &[(&self.wait_ms, Type::INT4)],
-        )
-        .await?;
-        // Without the UPDATE privilege the probe is refused: then only the
-        // row's own `xmax` tells (one locker's open transaction).
-        let mut tx = tx;
-        let sp = tx.savepoint("pgwarden_probe").await?;
-        let locked: Vec<String> = match sp.query_typed(&probe, &[]).await {
-            Ok(rows) => {
-                let names = rows
-                    .iter()
-                    .map(|r| r.try_get(0))
-                    .collect::<Result<_, _>>()?;
-                sp.commit().await?; // releases the savepoint, keeps the locks
-                names
-            }
-            Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
-                sp.rollback().await?;
-                Vec::new()
-            }
-            Err(e) => return Err(e),
-        };
-        let out = tx
-            .query_typed(
-                &rows,
-                &[(&locked, Type::TEXT_ARRAY), (&sql.table, Type::TEXT)],
-            )
+        client
+            .query_typed(&rows_sql(&sql.table), &[])
             .await?
             .iter()
             .map(lease_row_blocked)
-            .collect::<Result<_, _>>()?;
-        // Nothing was written; the probe's row locks go with it.
-        tx.rollback().await?;
-        Ok(out)
+            .collect()
     }
 }
 
@@ -1500,14 +1612,38 @@ lease_statement!(Release<'_>, bool, "release", |s, sql, c, call| sql.release(
     s.keep_hold
 ));
 
-/// One purge statement: rows deleted.
-pub(crate) struct Purge {
+/// The current terms of some names: `(name, holder, token)`.
+pub(crate) struct Terms<'a> {
+    pub(crate) names: Vec<&'a str>,
+}
+
+lease_statement!(
+    Terms<'_>,
+    Vec<(String, String, i64)>,
+    "renewal",
+    |s, sql, c, call| async move {
+        let rows = query(c, call.named, &sql.terms, &[Type::TEXT_ARRAY], &[&s.names]).await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .collect()
+    }
+);
+
+/// A purge round's mark.
+pub(crate) struct PurgeMarkStmt;
+
+lease_statement!(PurgeMarkStmt, PurgeMark, "purge", |_s, sql, c, call| sql
+    .purge_mark(c, call.named));
+
+/// One sweep statement of a purge round.
+pub(crate) struct PurgeSweep<'a> {
+    pub(crate) mark: &'a PurgeMark,
     pub(crate) age: Duration,
     pub(crate) limit: i64,
 }
 
-lease_statement!(Purge, Option<u64>, "purge", |s, sql, c, _call| sql
-    .purge(c, s.age, s.limit));
+lease_statement!(PurgeSweep<'_>, Option<u64>, "purge", |s, sql, c, call| sql
+    .purge_sweep(c, call.named, s.mark, s.age, s.limit));
 
 /// Create the table if missing, then check its shape.
 pub(crate) struct Install<'a> {
@@ -1544,7 +1680,7 @@ mod tests {
             &s.release_unheld,
             &s.fence,
             &s.blocker,
-            &s.purge,
+            &s.purge_sweep,
         ] {
             assert!(text.contains(r#""app"."leases""#), "{text}");
             assert!(!text.contains("pgwarden_leases"));
@@ -1597,7 +1733,7 @@ mod tests {
                 "{text}"
             );
         }
-        for text in [&s.free_in, &s.purge, &s.blocker] {
+        for text in [&s.free_in, &s.purge_mark, &s.purge_sweep, &s.blocker] {
             assert!(!text.contains("set_config"), "{text}");
         }
         // A statement timeout under the take-over bound bounds it too.
@@ -1701,9 +1837,52 @@ mod tests {
             primary_key: vec!["name".into()],
             sequence_kind: Some("S".into()),
             sequence_type: Some("bigint".into()),
+            sequence_increment: Some(1),
+            sequence_cache: Some(1),
+            sequence_cycle: Some(false),
+            tokens: Some((Some(7), Some(9))),
             sequence_owned: Some(true),
             shadowed_by: None,
         }
+    }
+
+    #[test]
+    fn a_sequence_that_can_go_backwards_is_refused_naming_the_setting() {
+        let mut s = good();
+        s.sequence_cache = Some(20);
+        s.sequence_increment = Some(-1);
+        s.sequence_cycle = Some(true);
+        let all = s.differences("seq").join("\n");
+        for want in [
+            "has CACHE 20",
+            "ALTER SEQUENCE seq CACHE 1",
+            "has INCREMENT -1",
+            "ALTER SEQUENCE seq INCREMENT BY 1",
+            "has CYCLE",
+            "ALTER SEQUENCE seq NO CYCLE",
+        ] {
+            assert!(all.contains(want), "{want:?} not in:\n{all}");
+        }
+        let mut ok = good();
+        ok.sequence_increment = Some(3);
+        assert!(ok.differences("seq").is_empty());
+        let mut behind = good();
+        behind.tokens = Some((Some(1_000_000), Some(1)));
+        let all = behind.differences("seq").join("\n");
+        assert!(
+            all.contains(
+                "is behind the table's tokens (its last value is 1, the table holds token 1000000)"
+            ),
+            "{all}"
+        );
+        assert!(all.contains("SELECT setval('seq', 1000000)"), "{all}");
+        behind.tokens = Some((Some(3), None));
+        assert!(behind
+            .differences("seq")
+            .join("\n")
+            .contains("its last value is none yet"));
+        behind.tokens = Some((None, None));
+        assert!(behind.differences("seq").is_empty());
     }
 
     #[test]
@@ -1772,11 +1951,13 @@ mod tests {
     }
 
     #[test]
-    fn the_probe_never_waits_and_the_revoke_does_not_wait_on_a_fence() {
-        let (probe, rows) = rows_sql(r#""app"."leases""#);
-        assert!(probe.contains("FOR UPDATE SKIP LOCKED"), "{probe}");
+    fn the_listing_locks_nothing_and_the_revoke_does_not_wait_on_a_fence() {
+        let rows = rows_sql(r#""app"."leases""#);
+        assert!(!rows.contains("FOR "), "{rows}");
+        assert!(!rows.contains("set_config"), "{rows}");
+        assert!(rows.contains("b.transactionid = l.xmax"), "{rows}");
         assert!(
-            !probe.contains("NOWAIT") && !rows.contains("FOR "),
+            rows.contains(r#"k.relation = '"app"."leases"'::regclass"#),
             "{rows}"
         );
         assert!(rows.contains(r#"FROM "app"."leases" l"#), "{rows}");
