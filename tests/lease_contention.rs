@@ -33,8 +33,10 @@ async fn a_contender_skips_at_once_while_the_holder_sits_in_a_fenced_transaction
     let handle = LeaseHandle::clone(&lease);
     let holder = tokio::spawn(async move {
         let mut conn = pool_a.get().await.unwrap();
-        let tx = conn.transaction().await.unwrap();
-        handle.fence(&tx).await.unwrap();
+        let tx = handle
+            .fence(conn.transaction().await.unwrap())
+            .await
+            .unwrap();
         // Cancelled by the test once it has seen enough.
         let _ = tx.batch_execute("SELECT pg_sleep(10)").await;
     });

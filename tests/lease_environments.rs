@@ -66,8 +66,10 @@ async fn a_holder_cut_off_inside_a_fenced_transaction_is_taken_over_within_its_t
     let opts = LeaseOptions::new(ttl);
     let lease = a.acquire("nightly", &opts, None).await.unwrap().unwrap();
     let mut conn = pool_a.get().await.unwrap();
-    let tx = conn.transaction().await.unwrap();
-    lease.fence(&tx).await.unwrap();
+    let tx = lease
+        .fence(conn.transaction().await.unwrap())
+        .await
+        .unwrap();
     tx.execute(
         "INSERT INTO ledger VALUES ('a', $1)",
         &[&lease.term().token],

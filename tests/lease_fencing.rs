@@ -1,5 +1,6 @@
 //! Fenced transactions against a real PostgreSQL: a stale holder's writes
-//! are rejected, a take-over waits for the fenced commit, and the fence
+//! are rejected (at the fence, and at the commit, which checks the term
+//! again), a take-over waits for the fenced transaction, and the fence
 //! gives typed lease errors under every isolation level.
 
 mod support;
@@ -34,8 +35,7 @@ async fn fencing_rejects_the_stale_holder() {
 
     // A writes under its fence and holds the transaction open.
     let mut conn = pool_a.get().await.unwrap();
-    let tx = conn.transaction().await.unwrap();
-    old.fence(&tx).await.unwrap();
+    let tx = old.fence(conn.transaction().await.unwrap()).await.unwrap();
     let token = old.term().token;
     tx.query_typed(
         "INSERT INTO ledger VALUES ('a', $1)",
@@ -51,35 +51,43 @@ async fn fencing_rejects_the_stale_holder() {
         .await
         .unwrap();
     // B's take-over waits for A's fenced transaction…
-    let taker = tokio::spawn(async move { b.acquire("ledger", &opts, None).await });
+    let taker_opts = opts.clone();
+    let taker = tokio::spawn(async move {
+        let got = b.acquire("ledger", &taker_opts, None).await;
+        (b, got)
+    });
     eventually(5 * S, "B waits on the fenced row", || async {
-        busy_backends(&admin, "fence-b").await.0 == 1
+        busy_backends(&admin, "fence-b").await.0 == 1 || taker.is_finished()
     })
     .await;
-    assert!(!taker.is_finished());
-    // …and takes it once A commits.
-    tx.commit().await.unwrap();
-    let new = within(5 * S, "take-over", taker)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert!(new.term().token > old.term().token);
-
-    // A, stale, tries again: rejected, nothing written.
-    let tx = conn.transaction().await.unwrap();
-    let err = old.fence(&tx).await.unwrap_err();
+    // …A's commit checks the term once more: expired, so nothing lands…
+    let err = tx.commit().await.unwrap_err();
     assert!(
         matches!(
             err,
             Error::Lease(LeaseError::Lost {
-                reason: LostReason::Taken,
+                reason: LostReason::Expired,
                 ..
             })
         ),
         "{err}"
     );
-    drop(tx);
+    // …and B takes it (at once, or at its next attempt if its first one
+    // answered busy while A's transaction was open).
+    let (b, got) = within(5 * S, "take-over", taker).await.unwrap();
+    let new = match got.unwrap() {
+        Some(lease) => lease,
+        None => b.acquire("ledger", &opts, None).await.unwrap().unwrap(),
+    };
+    assert!(new.term().token > old.term().token);
+
+    // A, stale, tries again: rejected (its lost signal fired at the
+    // refused commit, with the reason it saw then), nothing written.
+    let err = old
+        .fence(conn.transaction().await.unwrap())
+        .await
+        .unwrap_err();
+    assert!(err.is_lease_lost(), "{err}");
     let rows: Vec<(String, i64)> = admin
         .query_typed("SELECT writer, token FROM ledger", &[])
         .await
@@ -87,7 +95,7 @@ async fn fencing_rejects_the_stale_holder() {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    assert_eq!(rows, [("a".to_owned(), old.term().token)]);
+    assert_eq!(rows, []);
     drop(conn);
 
     // A fenced transaction does not hold up its own lease's renewals.
@@ -97,15 +105,14 @@ async fn fencing_rejects_the_stale_holder() {
         .unwrap()
         .unwrap();
     let mut conn = pool_a.get().await.unwrap();
-    let tx = conn.transaction().await.unwrap();
-    keep.fence(&tx).await.unwrap();
+    let tx = keep.fence(conn.transaction().await.unwrap()).await.unwrap();
     let renewed = a.stats().renewed;
     eventually(3 * S, "renewals during a fenced transaction", || async {
         a.stats().renewed >= renewed + 3
     })
     .await;
     assert!(!keep.is_lost());
-    keep.fence(&tx).await.unwrap();
+    tx.check().await.unwrap();
     tx.commit().await.unwrap();
 }
 
@@ -140,8 +147,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     let opts = LeaseOptions::new(S).renew_every(200 * MS);
     let own = a.acquire("own", &opts, None).await.unwrap().unwrap();
     let mut conn = pool_a.get().await.unwrap();
-    let tx = begin(&mut conn, level).await;
-    own.fence(&tx).await.unwrap(); // the snapshot is taken here
+    let tx = own.fence(begin(&mut conn, level).await).await.unwrap(); // the snapshot is taken here
     let snapshot = Instant::now();
     // Past the snapshot's expiry, renewed meanwhile. The expiry the snapshot
     // holds was set by a renewal before it, so it is at most the TTL (1 s)
@@ -155,7 +161,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         || async { snapshot.elapsed() >= 1500 * MS && a.stats().renewed >= renewed + 4 },
     )
     .await;
-    own.fence(&tx).await.unwrap();
+    tx.check().await.unwrap();
     let token = own.term().token;
     tx.query_typed("INSERT INTO ledger VALUES ($1)", &[(&token, Type::INT8)])
         .await
@@ -182,7 +188,7 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         .await
         .unwrap()
         .expect("expired: B takes it");
-    let err = stale.fence(&tx).await.unwrap_err();
+    let err = stale.fence(tx).await.unwrap_err();
     assert!(
         matches!(
             err,
@@ -193,12 +199,12 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         ),
         "{err}"
     );
-    drop(tx);
     // 3. Taken over before the snapshot: the same.
-    let tx = begin(&mut conn, level).await;
-    let err = stale.fence(&tx).await.unwrap_err();
+    let err = stale
+        .fence(begin(&mut conn, level).await)
+        .await
+        .unwrap_err();
     assert!(err.is_lease_lost(), "{err}");
-    drop(tx);
     drop(conn);
     let rows: Vec<i64> = admin
         .query_typed("SELECT token FROM ledger", &[])

@@ -61,8 +61,10 @@ async fn leases_work_through_pgbouncer_in_transaction_mode() {
         .unwrap();
     {
         let mut conn = pool_a.get().await.unwrap();
-        let tx = conn.transaction().await.unwrap();
-        held[0].fence(&tx).await.unwrap();
+        let tx = held[0]
+            .fence(conn.transaction().await.unwrap())
+            .await
+            .unwrap();
         let token = held[0].term().token;
         tx.query_typed("INSERT INTO ledger VALUES ($1)", &[(&token, Type::INT8)])
             .await
@@ -149,8 +151,10 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
         .unwrap()
         .unwrap();
     let mut conn = pool_a.get().await.unwrap();
-    let tx = conn.transaction().await.unwrap();
-    lease.fence(&tx).await.unwrap();
+    let tx = lease
+        .fence(conn.transaction().await.unwrap())
+        .await
+        .unwrap();
     for _ in 0..3 {
         let got = within(
             S,

@@ -83,8 +83,7 @@ pub enum WriteError {
 pub async fn fenced_write(pool: &Pool, lease: &LeaseHandle, seq: i32) -> Result<Row, WriteError> {
     let write = async {
         let mut conn = pool.get_within(STEP).await?;
-        let tx = conn.transaction().await?;
-        lease.fence(&tx).await?;
+        let tx = lease.fence(conn.transaction().await?).await?;
         let n: i64 = tx
             .query_one(
                 "UPDATE fence_clock SET n = n + 1 WHERE id = 1 RETURNING n",
