@@ -156,8 +156,14 @@ async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period() {
         .install()
         .await
         .unwrap();
+    // The child test's full name: its module path without the crate's name
+    // (`scheduler_faults::crash_child` in the `it` binary).
+    let child_test = match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::crash_child"),
+        None => "crash_child".to_owned(),
+    };
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "crash_child", "--nocapture"])
+        .args(["--ignored", "--exact", &child_test, "--nocapture"])
         .env("PGWARDEN_CRASH_CHILD_URL", db.url())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

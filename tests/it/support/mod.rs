@@ -125,13 +125,18 @@ impl Logs {
     /// the process and interested in everything, makes `tracing` ask every
     /// registered dispatcher instead.
     pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+        self.subscriber_at(tracing::Level::DEBUG)
+    }
+
+    /// [`Logs::subscriber`] with events up to `level` only.
+    pub fn subscriber_at(&self, level: tracing::Level) -> impl tracing::Subscriber + Send + Sync {
         static ANCHOR: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
         ANCHOR.get_or_init(|| tracing::Dispatch::new(tracing_subscriber::registry()));
         let w = self.clone();
         tracing_subscriber::fmt()
             .with_writer(move || w.clone())
             .with_ansi(false)
-            .with_max_level(tracing::Level::DEBUG)
+            .with_max_level(level)
             .finish()
     }
 }
@@ -144,6 +149,23 @@ impl Write for Logs {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// The process-wide log of the `it` binary: one global subscriber (INFO and
+/// above), installed at first use. A thread's own subscriber (`set_default`)
+/// misses events from the runtime's worker threads and from callsites
+/// another test's thread registered first; this one sees them all, from
+/// every test of the process, so tests tell their lines apart by pool name
+/// (`pool=<name>`). One function for every module: a process has one global
+/// subscriber.
+pub fn logs() -> &'static Logs {
+    static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Logs::default();
+        tracing::subscriber::set_global_default(logs.subscriber_at(tracing::Level::INFO))
+            .expect("support::logs installs the only global subscriber");
+        logs
+    })
 }
 
 /// A plain connection to `db` for the test's own queries.

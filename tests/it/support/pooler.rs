@@ -1,7 +1,7 @@
 //! Helpers of the pooler tests: load (clients running short transactions
 //! in a loop), pools through PgBouncer, figures from detection logs.
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use pgwarden::Pool;
@@ -9,7 +9,7 @@ use pgwarden_testing::{require_tool, PgBouncer, PoolMode, TestDb, TestServer};
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
 
-use super::{eventually, Logs};
+use super::eventually;
 
 pub const T: Duration = Duration::from_secs(5);
 /// Clients of the load.
@@ -103,23 +103,10 @@ pub fn through(b: &PgBouncer, name: &str) -> Pool {
         .unwrap()
 }
 
-/// The process-wide log of every test of the binary (a thread's own
-/// subscriber would miss events whose callsites another test's thread
-/// registered first); tests tell their lines apart by pool name.
-pub fn logs() -> &'static Logs {
-    static LOGS: OnceLock<Logs> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let logs = Logs::default();
-        tracing::subscriber::set_global_default(logs.subscriber())
-            .expect("no other global subscriber in the pooler tests");
-        logs
-    })
-}
-
 /// Statements each detection of pools named `prefix…` ran, from its log line.
 pub fn statements(prefix: &str) -> Vec<usize> {
     let pool = format!("pool={prefix}");
-    logs()
+    super::logs()
         .text()
         .lines()
         .filter(|l| l.contains("pooler detected") && l.contains(&pool))
