@@ -8,18 +8,26 @@
 //! second to a lane that serves about 60 (3 request connections × 20 holds
 //! a second): it is shed for its whole length.
 //!
-//! The service is the release build of the example, as deployed: a debug
-//! build of hyper and axum spends about ten times the CPU per request, and
-//! on two shared cores the first burst of 200 connections then queues in
-//! the accept loop for longer than a shed request may take.
+//! The service is the example as the test build built it (same profile: no
+//! build of another profile inside the test). Its answer times depend on
+//! that build and on the machine's load (a debug build of hyper and axum
+//! spends about ten times the CPU per request): they are printed, not
+//! asserted. The flood lasts 4 s, and until 20 probes were answered and 30
+//! requests served.
 //!
-//! What must hold: every probe answers 200 within 1 s; shed requests get
-//! their 503 at once (median under 5 ms, every one under 50 ms, a fifth of
-//! the bound, as the client measures its round trip); no admitted request waits longer than the
-//! bound for its connection (the handler measures its checkout and reports it
-//! in `x-checkout-wait-us`); the shed counter counts them; nothing is left
-//! checked out afterwards. Throughput with and without the layer is a
-//! benchmark row (`benches/workloads/http.rs`), not a timed test.
+//! What must hold, whatever the machine: every probe answers 200 (the
+//! service's readiness answers 503 when its check finds no connection
+//! within its own 1 s bound); shed requests get their 503 from the layer
+//! without reaching a checkout (no `x-checkout-wait-us`: the handler never
+//! ran), with `Retry-After`; every admitted request had the layer's bound
+//! as its checkout bound (`x-checkout-bound-us`) and was served or answered
+//! 503 by its handler when the pool found no connection within it; the shed
+//! counter counts them; nothing is left checked out afterwards. That a shed
+//! answer is decided at once, without waiting, is shown in process by
+//! `a_shed_answer_is_ready_at_its_first_poll` (no clock). Answer times and
+//! throughput with and without the layer are a benchmark row
+//! (`benches/workloads/http.rs`, row 8 of BENCHMARKS.md: 503 p99), not a
+//! timed test.
 
 use crate::support;
 
@@ -34,15 +42,10 @@ const CLIENTS: usize = 200;
 const HOLD: Duration = Duration::from_millis(50);
 const BOUND: Duration = Duration::from_millis(250);
 const FLOOD: Duration = Duration::from_secs(4);
-/// A checkout that times out at its bound is seen a little after it: the
-/// timer's millisecond resolution and the wake-up of the handler's task on
-/// a loaded 2-core machine. The bound itself is enforced by the pool.
-const TIMER_SLACK: Duration = Duration::from_millis(15);
-/// A shed answer's round trip, as the client sees it: the median, and the
-/// most any may take (a fifth of the bound: a request that waited for a
-/// connection would take the whole bound).
-const SHED_MEDIAN: Duration = Duration::from_millis(5);
-const SHED_MAX: Duration = Duration::from_millis(50);
+/// Readiness probes during the flood: it lasts until this many answered…
+const PROBES: usize = 20;
+/// …and this many requests were served.
+const SERVED: usize = 30;
 
 fn percentile(v: &mut [Duration], p: f64) -> Duration {
     v.sort();
@@ -63,7 +66,7 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
     let url = db.url();
     let inst = tokio::task::spawn_blocking(move || {
         Instance::start_binary(
-            &support::service::service_binary_release()?,
+            &support::service::service_binary()?,
             &url,
             "flood",
             "node-a",
@@ -86,14 +89,16 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
     }
     let start = Instant::now();
     let end = start + FLOOD;
+    let flooding = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let path = format!("/work?hold_ms={}", HOLD.as_millis());
     let clients: Vec<_> = conns
         .into_iter()
         .map(|c| {
             let (replies, errors, path) = (replies.clone(), errors.clone(), path.clone());
+            let flooding = flooding.clone();
             tokio::spawn(async move {
                 let mut conn = Some(c);
-                while Instant::now() < end {
+                while flooding.load(std::sync::atomic::Ordering::Relaxed) {
                     if conn.is_none() {
                         match KeepAlive::connect(addr).await {
                             Ok(c) => conn = Some(c),
@@ -124,13 +129,27 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
             })
         })
         .collect();
-    // The readiness probe every 100 ms while the flood lasts.
+    // The readiness probe every 100 ms while the flood lasts: 4 s, and
+    // until PROBES were answered however slow the machine.
     let mut probes = Vec::new();
-    while Instant::now() < end {
+    let served_so_far = || {
+        replies
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, r)| r.status == 200)
+            .count()
+    };
+    while Instant::now() < end || probes.len() < PROBES || served_so_far() < SERVED {
+        // Only against a hang: the assertions below say what was missing.
+        if start.elapsed() > Duration::from_secs(300) {
+            break;
+        }
         let tick = tokio::time::sleep(Duration::from_millis(100));
-        probes.push(request(addr, "GET", "/health/ready", Duration::from_secs(5)).await);
+        probes.push(request(addr, "GET", "/health/ready", Duration::from_secs(30)).await);
         tick.await;
     }
+    flooding.store(false, std::sync::atomic::Ordering::Relaxed);
     for c in clients {
         c.await?;
     }
@@ -139,7 +158,7 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
     let replies: Vec<Reply> = sent.iter().map(|(_, r)| r.clone()).collect();
     let errors = std::mem::take(&mut *errors.lock().unwrap());
 
-    // Readiness: 100 % of probes 200 within 1 s.
+    // Readiness: 100 % of probes 200 (within the service's own bound).
     let probes: Vec<Reply> = probes.into_iter().collect::<Result<_>>()?;
     let mut probe_times: Vec<Duration> = probes.iter().map(|p| p.took).collect();
     let not_ready: Vec<_> = probes.iter().filter(|p| p.status != 200).collect();
@@ -150,11 +169,10 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
         percentile(&mut probe_times, 50.0),
         percentile(&mut probe_times, 100.0)
     );
-    assert!(probes.len() >= 20, "only {} probes", probes.len());
+    assert!(probes.len() >= PROBES, "only {} probes", probes.len());
     assert!(not_ready.is_empty(), "probes not ready: {not_ready:?}");
-    assert!(percentile(&mut probe_times, 100.0) < Duration::from_secs(1));
 
-    // Shed: 503 with Retry-After, at once.
+    // Shed: 503 with Retry-After, from the layer (no checkout).
     let shed: Vec<&Reply> = replies.iter().filter(|r| is_shed(r)).collect();
     let mut shed_times: Vec<Duration> = shed.iter().map(|r| r.took).collect();
     say!(
@@ -172,26 +190,17 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
     assert!(shed
         .iter()
         .all(|r| r.header_u64("retry-after").is_some_and(|s| s >= 1)));
-    // At once: the median shed answer under 5 ms, and none anywhere near
-    // the bound (a request that waited for the lane would answer after
-    // 250 ms). The times are the client's round trips: the tail is the
-    // first burst of 200 connections on two cores shared by the clients,
-    // the service and the server (max 8-22 ms in 13 runs), not the layer.
+    let reached_a_checkout: Vec<_> = shed
+        .iter()
+        .filter(|r| r.header("x-checkout-wait-us").is_some())
+        .collect();
     assert!(
-        percentile(&mut shed_times, 50.0) < SHED_MEDIAN,
-        "shed answers took a median of {:?}",
-        percentile(&mut shed_times, 50.0)
-    );
-    let slow: Vec<_> = shed.iter().filter(|r| r.took >= SHED_MAX).collect();
-    assert!(
-        slow.is_empty(),
-        "{} of {} shed in {SHED_MAX:?} or more, e.g. {:?}",
-        slow.len(),
-        shed.len(),
-        slow.first()
+        reached_a_checkout.is_empty(),
+        "shed answers from a handler that waited for a connection: {reached_a_checkout:?}"
     );
 
-    // Admitted: the checkout waited at most the bound.
+    // Admitted: the checkout had the layer's bound (the pool enforces it:
+    // `deadline.rs`); the waits are figures.
     let admitted: Vec<&Reply> = replies.iter().filter(|r| !is_shed(r)).collect();
     let served = admitted.iter().filter(|r| r.status == 200).count();
     let mut waits = Vec::new();
@@ -231,12 +240,7 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
         served as f64 / elapsed.as_secs_f64(),
         errors.len()
     );
-    assert!(served >= 30, "only {served} served");
-    assert!(
-        percentile(&mut waits, 100.0) <= BOUND + TIMER_SLACK,
-        "an admitted request waited {:?} for its connection",
-        percentile(&mut waits, 100.0)
-    );
+    assert!(served >= SERVED, "only {served} served");
     assert!(
         admitted.iter().all(|r| r.status == 200 || r.status == 503),
         "admitted requests failed otherwise: {:?}",
@@ -275,4 +279,45 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
     );
     drop(inst);
     Ok(())
+}
+
+/// A shed answer is decided when the request arrives, not after a wait:
+/// with every request connection held and a bound of zero, the layer's
+/// future is ready at its first poll (no clock: a layer that waited for
+/// the lane would be pending there). The flood above shows the same layer
+/// at scale, in a real process.
+#[tokio::test]
+async fn a_shed_answer_is_ready_at_its_first_poll() {
+    use futures_util::FutureExt;
+    use tower_service::Service;
+
+    let db = support::db().await;
+    let pool = support::builder(&db, 4).build().unwrap();
+    let max = pool.status().lane(pgwarden::Lane::Request).max;
+    let mut held = Vec::new();
+    for _ in 0..max {
+        held.push(pool.get().await.unwrap());
+    }
+    let mut app = axum::Router::new()
+        .route(
+            "/work",
+            axum::routing::get(|| async {
+                panic!("a shed request reached its handler");
+                #[allow(unreachable_code)]
+                "served"
+            }),
+        )
+        .layer(pgwarden::http::ShedLayer::new(&pool).max_wait(Duration::ZERO));
+    let req = axum::http::Request::get("/work")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let reply = app
+        .call(req)
+        .now_or_never()
+        .expect("the shed answer is ready at its first poll")
+        .unwrap();
+    assert_eq!(reply.status(), 503);
+    assert!(reply.headers().contains_key("retry-after"));
+    assert_eq!(pool.status().lane(pgwarden::Lane::Request).waiting, 0);
+    drop(held);
 }

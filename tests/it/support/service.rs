@@ -31,22 +31,14 @@ macro_rules! say {
 /// when `cargo test --all-features` built it already.
 pub fn service_binary() -> Result<PathBuf> {
     static BIN: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    BIN.get_or_init(|| build(false).map_err(|e| e.to_string()))
+    BIN.get_or_init(|| build().map_err(|e| e.to_string()))
         .clone()
         .map_err(Into::into)
 }
 
-/// The `service` example built with optimisations, whatever the test's own
-/// profile: for the tests that time what a deployed service does (a debug
-/// build of hyper and axum spends ten times the CPU per request).
-pub fn service_binary_release() -> Result<PathBuf> {
-    static BIN: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    BIN.get_or_init(|| build(true).map_err(|e| e.to_string()))
-        .clone()
-        .map_err(Into::into)
-}
-
-fn build(release: bool) -> Result<PathBuf> {
+/// Builds the example with the test binary's own profile (its directory:
+/// `target/<profile>`): never another profile inside a test.
+fn build() -> Result<PathBuf> {
     // target/<profile>/deps/<test binary>
     let exe = std::env::current_exe()?;
     let profile_dir = exe
@@ -62,7 +54,7 @@ fn build(release: bool) -> Result<PathBuf> {
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
         .arg("--target-dir")
         .arg(target_dir);
-    let release = release || profile_dir.file_name().is_some_and(|n| n == "release");
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
     if release {
         cmd.arg("--release");
     }
@@ -112,7 +104,7 @@ impl Instance {
         Instance::start_binary(&service_binary()?, database_url, name, node, env)
     }
 
-    /// [`Instance::start`] with the binary `bin` (e.g. [`service_binary_release`]).
+    /// [`Instance::start`] with the binary `bin` (e.g. [`service_binary`]).
     pub fn start_binary(
         bin: &Path,
         database_url: &str,
