@@ -8,7 +8,7 @@ use crate::support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::Query;
 use axum::http::StatusCode;
@@ -19,7 +19,12 @@ use pgwarden::{Deadline, Lane, Pool};
 use support::http::request;
 use support::{builder, db, eventually, within};
 
-const LIMIT: Duration = Duration::from_secs(10);
+/// Request timeouts and waits: only against a hang (the right behaviour
+/// ends well within it on any machine; the wrong one waits an hour).
+const LIMIT: Duration = Duration::from_secs(60);
+/// The pool's and the layer's bounds where a wrong behaviour would wait
+/// them out.
+const HOUR: Duration = Duration::from_secs(3600);
 
 /// The app under test: `/up`, `/health/ready`, and `GET /work?hold_ms=M`
 /// behind `shed` (a request connection held M ms; 503 when none comes).
@@ -157,13 +162,8 @@ async fn a_bound_of_zero_answers_at_once_and_checks_nothing_out() {
     assert_eq!(shed.status, 503, "{}", shed.body);
     assert!(shed.body.contains("\"reason\":\"busy\""), "{}", shed.body);
     assert_eq!(shed.header("retry-after"), Some("1"));
-    // At once: the bounds here leave room for a loaded 2-core machine; what
-    // they rule out is a wait for the pool (5 s).
-    assert!(
-        shed.took < Duration::from_millis(500),
-        "shed after {:?}",
-        shed.took
-    );
+    // At once: no waiter queued (a request that waited for the pool, whose
+    // bound is an hour here, would have run into the client's timeout).
     assert_eq!(
         pool.status().lane(Lane::Request).waiting,
         0,
@@ -171,17 +171,14 @@ async fn a_bound_of_zero_answers_at_once_and_checks_nothing_out() {
     );
 
     // A deadline with nothing left: a free connection at once, else no wait.
-    let t = Instant::now();
-    let e = Deadline::after(Duration::ZERO)
-        .scope(pool.get())
-        .await
-        .unwrap_err();
+    let e = within(
+        LIMIT,
+        "no wait with nothing left (the pool's own bound is an hour)",
+        Deadline::after(Duration::ZERO).scope(pool.get()),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(e, deadpool_postgres::PoolError::Timeout(_)), "{e}");
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "waited {:?}",
-        t.elapsed()
-    );
     drop(held);
     let c = Deadline::after(Duration::ZERO)
         .scope(pool.get())
@@ -194,8 +191,8 @@ async fn a_bound_of_zero_answers_at_once_and_checks_nothing_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_closed_during_requests_answers_503_and_leaves_nothing_checked_out() {
     let db = db().await;
-    let pool = builder(&db, 4).build().unwrap();
-    let shed = ShedLayer::new(&pool).max_wait(Duration::from_secs(5));
+    let pool = builder(&db, 4).wait_timeout(HOUR).build().unwrap();
+    let shed = ShedLayer::new(&pool).max_wait(HOUR);
     let addr = serve(app(&pool, Readiness::new(pool.clone()), shed)).await;
 
     // Three requests hold the request lane, two more wait for it.
@@ -212,19 +209,13 @@ async fn a_pool_closed_during_requests_answers_503_and_leaves_nothing_checked_ou
     })
     .await;
 
-    let closed_at = Instant::now();
     pool.close();
-    // The waiters hear at once (within 1 s on a loaded machine), not at
-    // their 5 s bound.
+    // The waiters hear when the pool closes, not at their bound (an hour:
+    // a waiter the close did not wake would run into the client's timeout).
     for w in waiters {
         let r = w.await.unwrap().unwrap();
         assert_eq!(r.status, 503, "{}", r.body);
         assert!(r.body.contains("closed"), "{}", r.body);
-        assert!(
-            closed_at.elapsed() < Duration::from_secs(1),
-            "answered {:?} after the close",
-            closed_at.elapsed()
-        );
     }
     // The holders had their connections: their work completes.
     for h in holders {
@@ -277,22 +268,16 @@ async fn a_probe_whose_client_goes_away_leaves_nothing_checked_out() {
         pool.status().lane(Lane::Probe).in_use == 1
     })
     .await;
-    let dropped = Instant::now();
     drop(s); // the client gives up mid-probe
 
     // The probe runs to its bound in its own task, then gives its
-    // connection up: closed, since its server never answered.
-    eventually(
-        bound + Duration::from_secs(2),
-        "the probe's connection back",
-        || async { pool.status().in_use == 0 },
-    )
+    // connection up: closed, since its server never answered (and never
+    // will while it is stopped: a probe that did not end at its bound
+    // would hang past the limit).
+    eventually(LIMIT, "the probe's connection back", || async {
+        pool.status().in_use == 0
+    })
     .await;
-    let back = dropped.elapsed();
-    assert!(
-        back <= bound + Duration::from_millis(500),
-        "released {back:?} after the client left"
-    );
     assert_eq!(
         pool.status().size,
         0,
