@@ -2,6 +2,16 @@
 //! clients running short transactions the whole time, and PostgreSQL itself
 //! under the same load. Every try builds a fresh pool, so detection runs
 //! every time.
+//!
+//! Detection (or a refusal built on it) is a short probe. Its time is
+//! printed, not asserted (measured on a loaded 2-core machine, all three
+//! tests of this file at once, 4 runs: a median of 0.08 to 0.34 s and a
+//! maximum of 1.35 s): what a slow machine cannot pass, the tests assert
+//! without a clock. A probe that queued behind the load for a server
+//! connection until its bound `T` fails `detect_pooler` with a timeout; a
+//! refusal that waited for the lock first (a wait of `T`) runs into its
+//! `within(T)`; a probe that stopped seeing motion runs more statements
+//! than the first test allows (its statements to proof).
 use crate::support;
 
 use std::time::{Duration, Instant};
@@ -65,23 +75,6 @@ async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time() {
         "median statements to proof: {hist:?}"
     );
     assert!(sorted[TRIES - 1] <= 12, "statements to proof: {hist:?}");
-    bounded_detection("detection through a loaded PgBouncer", times);
-}
-
-/// Detection (or a refusal built on it) is a short probe: measured on a
-/// loaded 2-core machine, all three tests of this file at once, 4 runs: a
-/// median of 0.08 to 0.34 s and a maximum of 1.35 s. Allowed: a median of
-/// 1 s and a maximum of 4 s, under the checkout bound `T` (5 s): a probe
-/// that queued behind the load for a server connection until its bound, or
-/// a refusal that waited for the lock first, fails it.
-fn bounded_detection(what: &str, mut times: Vec<Duration>) {
-    times.sort();
-    let (median, max) = (times[times.len() / 2], times[times.len() - 1]);
-    assert!(
-        median <= Duration::from_secs(1),
-        "{what}: median {median:?}"
-    );
-    assert!(max <= Duration::from_secs(4), "{what}: max {max:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -139,7 +132,6 @@ async fn session_locks_through_a_loaded_pgbouncer_are_never_granted() {
         "{TRIES}/{TRIES} refused (BehindPooler); {}",
         summary(times.clone())
     );
-    bounded_detection("a session lock refused", times);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,5 +166,4 @@ async fn loaded_postgres_is_direct_every_time() {
         "{TRIES}/{TRIES} direct; detection {}",
         summary(times.clone())
     );
-    bounded_detection("detection straight to PostgreSQL", times);
 }
