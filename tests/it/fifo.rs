@@ -45,7 +45,7 @@ async fn waiters_are_served_in_fifo_order() {
     let mut order = Vec::new();
     for _ in 0..5 {
         order.push(
-            tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            tokio::time::timeout(Duration::from_secs(60), rx.recv())
                 .await
                 .unwrap()
                 .unwrap(),
@@ -126,7 +126,7 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
     // of the session-lock waiter may not take it (their lane is full); the
     // session-lock waiter behind them gets it.
     first_lock.unlock().await.unwrap();
-    let first = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+    let first = tokio::time::timeout(Duration::from_secs(60), rx.recv())
         .await
         .unwrap()
         .unwrap();
@@ -134,7 +134,7 @@ async fn a_returned_connection_goes_to_the_first_waiter_whose_lane_may_take_it()
     assert_eq!(pool.status().lane(Lane::Request).waiting, 2);
     // A request connection comes back: the first request waiter, in order.
     drop(requests.pop());
-    let next = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+    let next = tokio::time::timeout(Duration::from_secs(60), rx.recv())
         .await
         .unwrap()
         .unwrap();

@@ -152,7 +152,7 @@ async fn every_lane_has_its_series_and_unnamed_pools_never_share_a_label() {
     });
     assert_ne!(a.name(), b.name());
     assert!(a.name().starts_with("default") && b.name().starts_with("default"));
-    a.readiness(Duration::from_secs(1)).await.unwrap();
+    a.readiness(Duration::from_secs(60)).await.unwrap();
     let now = metrics_now(&snap);
     for pool in [a.name(), b.name()] {
         assert_eq!(

@@ -175,7 +175,7 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
     let pool = pool(db.deadpool(4).unwrap(), "hung");
     // One connection open and idle: the probe will find it and its query
     // will hang; a second checkout must connect, and connecting hangs.
-    pool.readiness(Duration::from_secs(1)).await.unwrap();
+    pool.readiness(Duration::from_secs(60)).await.unwrap();
     let stopped = Stopped::server(&server);
 
     let ms = Duration::from_millis;
