@@ -1,6 +1,6 @@
 //! A lease holder paused inside a fenced transaction, and what it does to
 //! a healthy instance: the scenario of the readiness-reserve test
-//! (`tests/readiness_reserve.rs`) and of benchmark row 7.
+//! (`tests/it/readiness_reserve.rs`) and of benchmark row 7.
 //!
 //! Instance B holds lease `x` and sits in a transaction after
 //! `lease.fence(tx)` (a GC pause, a stopped process). Instance A (pool of
