@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks the module layering of src/: no import cycle between files, the
-layer rules of the README's Architecture section, and no two files that
-call each other's functions.
+layer rules of ARCHITECTURE.md (the README's Architecture section sums
+them up), and no two files that call each other's functions.
 
 Every file of src/ is a node. An edge goes from a file to the file that
 *defines* each crate item it names (`use crate::…`, `use super::…`, inline

@@ -89,7 +89,7 @@ pub use error::{
     Stage,
 };
 pub use lease::{
-    Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder,
+    Fenced, Job, JobOutcome, Lease, LeaseHandle, LeaseOptions, LeaseStats, Leases, LeasesBuilder,
     LostReason, OnLost, Scheduler, SchedulerBuilder, Term,
 };
 pub use lock::{xact_lock, LockKey, LockMode, Migrated, Namespace, SessionLock};

@@ -17,7 +17,7 @@
 
 mod ab;
 mod http;
-#[path = "../../tests/support/http.rs"]
+#[path = "../../tests/it/support/http.rs"]
 mod http_client;
 mod incident;
 mod leases;

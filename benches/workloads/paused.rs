@@ -43,7 +43,7 @@ pub fn describe(s: Settings) -> String {
          contenders poll `pg_try_advisory_lock` on their own checkouts (10 ms apart); its own jobs \
          are session locks, each keeping its connection; the probe is `get` + `SELECT 1` on the \
          same pool. B, pgwarden on default limits and timeouts: `x` a table lease, the holder \
-         paused after `lease.fence(&tx)`; contenders poll `acquire(\"x\", None)` (each blocks on \
+         paused after `lease.fence(tx)`; contenders poll `acquire(\"x\", None)` (each blocks on \
          the holder's row lock); its own jobs are leases (TTL {:?}); the probe is \
          `Pool::readiness`. {rounds} interleaved round pairs, a fresh database each; ratios over \
          the pairs",

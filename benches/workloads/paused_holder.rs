@@ -1,9 +1,9 @@
 //! A lease holder paused inside a fenced transaction, and what it does to
 //! a healthy instance: the scenario of the readiness-reserve test
-//! (`tests/readiness_reserve.rs`) and of benchmark row 7.
+//! (`tests/it/readiness_reserve.rs`) and of benchmark row 7.
 //!
 //! Instance B holds lease `x` and sits in a transaction after
-//! `lease.fence(&tx)` (a GC pause, a stopped process). Instance A (pool of
+//! `lease.fence(tx)` (a GC pause, a stopped process). Instance A (pool of
 //! 4) runs contenders polling `acquire("x", None)`, whose statement blocks on
 //! B's row lock; request traffic that keeps its request lane full; its own
 //! unrelated leases (TTL 2 s, renewed every 500 ms); and the readiness probe
@@ -143,8 +143,7 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
 
     // B pauses inside its fenced transaction.
     let mut conn_b = pool_b.get().await?;
-    let tx = conn_b.transaction().await?;
-    held.fence(&tx).await?;
+    let tx = held.fence(conn_b.transaction().await?).await?;
 
     let stop = Arc::new(AtomicBool::new(false));
     let attempts = Arc::new(AtomicUsize::new(0));

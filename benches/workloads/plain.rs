@@ -35,8 +35,15 @@ use crate::{BoxError, Row, Settings};
 const TASKS: usize = 16;
 const POOL: usize = 16;
 const TTL: Duration = Duration::from_secs(60);
-/// Names held by another holder, for 4c.
-const HELD: usize = 64;
+/// Names held by another holder, for 4c: 64, or `PGWARDEN_BENCH_HELD`
+/// (issue 30's case of many tasks on one held name runs it with 1).
+fn held_names() -> usize {
+    std::env::var("PGWARDEN_BENCH_HELD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(64)
+}
 
 pub(crate) const PLAIN_DDL: &str =
     "CREATE TABLE leases (name text PRIMARY KEY, holder text NOT NULL, \
@@ -53,10 +60,12 @@ pub fn describe(s: Settings) -> String {
          the plain lease SQL through deadpool, prepared (`prepare_cached`) on a direct pool and unnamed (`query_typed`) \
          through PgBouncer ({TASKS} server connections, transaction mode), \
          pgwarden on its shipped defaults on a pool detected direct (prepared) and on one detected \
-         behind PgBouncer (unnamed), and (not a default, in the notes) with the lease lane raised to {TASKS}; 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {HELD} names held \
+         behind PgBouncer (unnamed), and (not a default, in the notes) with the lease lane raised to {TASKS}; 4b a new name per pair, TTL {TTL:?}; 4c attempts cycling over {} names held \
          by another holder; {} rounds of {:?} per side, the order rotating; server CPU per statement \
          = utime + stime of the side's client backends (`/proc/<pid>/stat`) / statements sent",
-        s.rounds * 4, s.round / 2
+        held_names(),
+        s.rounds * 4,
+        s.round / 2
     )
 }
 
@@ -225,7 +234,7 @@ async fn plain_side(
         conn.execute(
             "INSERT INTO leases (name, holder, expires_at)
              SELECT 'held-' || i, 'another-holder', now() + interval '1 hour' FROM generate_series(0, $1 - 1) i",
-            &[&(HELD as i32)],
+            &[&(held_names() as i32)],
         )
         .await?;
     }
@@ -240,7 +249,7 @@ async fn plain_side(
             Box::pin(async move {
                 let n = next.fetch_add(1, Ordering::Relaxed);
                 if held {
-                    let name = format!("held-{}", n % HELD as u64);
+                    let name = format!("held-{}", n % held_names() as u64);
                     let took = plain
                         .acquire(&name, &holder())
                         .await
@@ -311,7 +320,7 @@ async fn warden_side(
                 "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
                  SELECT 'held-' || i, 'another-holder', nextval('pgwarden_leases_token_seq'), now() + interval '1 hour'
                    FROM generate_series(0, $1 - 1) i",
-                &[&(HELD as i32)],
+                &[&(held_names() as i32)],
             )
             .await?;
     }
@@ -323,7 +332,7 @@ async fn warden_side(
             Box::pin(async move {
                 let n = next.fetch_add(1, Ordering::Relaxed);
                 if held {
-                    let name = format!("held-{}", n % HELD as u64);
+                    let name = format!("held-{}", n % held_names() as u64);
                     let got = leases
                         .acquire(&name, &LeaseOptions::new(TTL), None)
                         .await

@@ -12,6 +12,8 @@
 
 mod scenarios;
 
+use std::io::IsTerminal;
+
 use pgwarden::BudgetPolicy;
 use pgwarden_testing::TestServer;
 use scenarios::{check, Table};
@@ -23,6 +25,9 @@ async fn main() -> std::process::ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: redirected to a file or a pipe, stderr
+        // gets plain text (`.ci/run` checks it).
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run().await {
         Ok(true) => std::process::ExitCode::SUCCESS,

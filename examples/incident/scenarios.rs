@@ -1,5 +1,5 @@
 //! The incident, scenario by scenario: shared by `examples/incident`
-//! and `tests/incident.rs`.
+//! and `tests/it/incident.rs`.
 
 use std::fmt;
 use std::time::{Duration, Instant};

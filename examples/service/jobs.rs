@@ -105,8 +105,7 @@ async fn run(
         Vec::new()
     };
     let mut conn = ctx.pool.get().await?;
-    let tx = conn.transaction().await?;
-    lease.fence(&tx).await?;
+    let tx = lease.fence(conn.transaction().await?).await?;
     let done = match name {
         "cleanup" => cleanup(&tx).await?,
         "alerts" => alerts(&tx).await?,

@@ -852,22 +852,22 @@ async fn revoke_refuses_the_holders_fence_and_fires_its_lost_signal() {
         .unwrap()
         .expect("free");
     let mut conn = pool.get().await.unwrap();
-    let tx = conn.transaction().await.unwrap();
-    lease.fence(&tx).await.expect("fenced before the revoke");
+    let tx = lease
+        .fence(conn.transaction().await.unwrap())
+        .await
+        .expect("fenced before the revoke");
     // The open fenced transaction does not hold the revoke up.
     let out = cli(&url, &["revoke", "fenced", "--yes"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let said = stdout(&out);
     assert!(said.contains(&lease.term().holder), "{said}");
     assert!(said.contains(&lease.term().token.to_string()), "{said}");
-    tx.rollback().await.unwrap();
-    let tx = conn.transaction().await.unwrap();
+    drop(tx); // rolls back
     let refused = lease
-        .fence(&tx)
+        .fence(conn.transaction().await.unwrap())
         .await
         .expect_err("refused after the revoke");
     assert!(refused.is_lease_lost(), "{refused}");
-    drop(tx);
     let reason = within(Duration::from_secs(3), "lost()", lease.lost()).await;
     assert_eq!(reason, pgwarden::LostReason::Taken);
     // And the name is free at once.

@@ -20,8 +20,8 @@ use crate::lost::LostReason;
 /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::Lease) -> Result<(), Error> {
 /// let mut conn = pool.get().await?;
 /// let tx = conn.transaction().await?;
-/// match lease.fence(&tx).await {
-///     Ok(()) => tx.commit().await?,
+/// match lease.fence(tx).await {
+///     Ok(tx) => tx.commit().await?,
 ///     Err(Error::Lease(LeaseError::Lost { reason: LostReason::Taken, .. })) => {
 ///         // another holder has it now: stop (the transaction rolls back on drop)
 ///     }
@@ -41,6 +41,18 @@ pub enum LeaseError {
         name: String,
         /// Why.
         reason: LostReason,
+    },
+
+    /// A fenced transaction had already failed when [`Fenced::commit`](crate::Fenced::commit)
+    /// was called: one of its statements failed, whether or not its caller
+    /// saw the error (a future dropped by a client timeout after the
+    /// fence's server-side bound cancelled its statement, say). Nothing was
+    /// committed; the transaction was rolled back. Redo the work in a new
+    /// transaction, under a new fence.
+    #[error("fenced transaction of lease {name:?} had already failed (a statement of it failed): nothing was committed")]
+    Aborted {
+        /// The lease.
+        name: String,
     },
 
     /// A lease statement did not complete in time; its connection was closed

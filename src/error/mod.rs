@@ -137,8 +137,8 @@ impl Error {
     /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::Lease) -> Result<(), pgwarden::Error> {
     /// let mut conn = pool.get().await?;
     /// let tx = conn.transaction().await?;
-    /// match lease.fence(&tx).await {
-    ///     Ok(()) => tx.commit().await?,
+    /// match lease.fence(tx).await {
+    ///     Ok(tx) => tx.commit().await?,
     ///     Err(e) if e.is_lease_lost() => return Ok(()), // rolled back on drop
     ///     Err(e) => return Err(e),
     /// }

@@ -20,17 +20,22 @@
 
 use std::fmt;
 use std::future::Future;
-use std::ops::Deref;
+use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::inner::{FollowUp, Inner, Urgency};
+use super::inner::{Inner, Urgency};
 use super::options::{check_name, new_holder, LeaseOptions};
-use super::table::{Acquire, Blocker, Busy, FreeIn, Install, Release};
+use super::table::{
+    Acquire, Blocker, Busy, Call, FreeIn, Install, LeaseStatement, Release, Statements, FENCE_GRACE,
+};
 use super::term::{LeaseState, Term, TermInfo};
 use crate::error::{Error, LeaseError};
+use crate::key::Namespace;
 use crate::lost::LostReason;
 use crate::pooler::PoolerMode;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
 /// a holder may release early. Also the wait after a blocked take-over.
@@ -151,21 +156,21 @@ impl Inner {
             }),
         };
         let start = Instant::now();
-        // Cancelled after it reached the server, the statement may have
-        // taken the lease: release whatever this holder got.
-        let follow_up = || -> Option<FollowUp> {
-            let (inner, name, holder) = (self.clone(), name.to_owned(), holder.clone());
-            Some(Box::pin(async move {
-                inner.release_cancelled(&name, &holder).await;
-            }))
-        };
-        let taken = match self.acquire_gathered(&stmt, follow_up).await? {
-            Ok(taken) => taken,
-            Err(busy) => {
-                if busy == Busy::Blocked {
-                    self.takeover_blocked(name).await;
+        // A take-over blocked past the expired term's end + 1 s by a fenced
+        // transaction of that term ends its session, then tries once more.
+        let mut tried_again = false;
+        let taken = loop {
+            match self.acquire_gathered(&stmt).await? {
+                Ok(taken) => break taken,
+                Err(Busy::Blocked) => {
+                    let ended = self.takeover_blocked(name).await;
+                    if ended && !tried_again {
+                        tried_again = true;
+                        continue;
+                    }
+                    return Ok(Err(Busy::Blocked));
                 }
-                return Ok(Err(busy));
+                Err(busy) => return Ok(Err(busy)),
             }
         };
         let taken_at = Duration::try_from_secs_f64(taken.taken_at)
@@ -202,17 +207,63 @@ impl Inner {
         }))
     }
 
-    /// A take-over that met a row lock: counted, and logged (at most once
-    /// per [`BLOCKED_LOG_EVERY`] per instance) with the session that holds
-    /// the row when the server can tell.
-    async fn takeover_blocked(&self, name: &str) {
+    /// A take-over that met a row lock. First, once the expired term ended
+    /// more than [`FENCE_GRACE`] ago, ends the sessions that hold that
+    /// term's fence mark (its fenced transactions: see
+    /// [`LeaseHandle::fence`]), and returns true when it ended one.
+    /// Otherwise counted, and logged (at most once per
+    /// [`BLOCKED_LOG_EVERY`] per instance) with the session that holds the
+    /// row when the server can tell.
+    async fn takeover_blocked(&self, name: &str) -> bool {
+        match self
+            .run(
+                Urgency::Normal,
+                self.statement_timeout,
+                &EndFenced {
+                    name,
+                    grace: FENCE_GRACE,
+                },
+            )
+            .await
+        {
+            Ok(found) => {
+                let mut ended = false;
+                for f in found {
+                    if f.ended {
+                        ended = true;
+                        tracing::warn!(
+                            pool = %self.pool_name, lease = name, pid = f.pid,
+                            application_name = %f.application_name,
+                            "ended the session of a fenced transaction left open past its term's end + {FENCE_GRACE:?} \
+                             (a frozen or cut-off holder): its commit cannot land; taking the lease over"
+                        );
+                    } else {
+                        tracing::warn!(
+                            pool = %self.pool_name, lease = name, pid = f.pid,
+                            application_name = %f.application_name, role = %f.role,
+                            "a fenced transaction left open past its term's end blocks this take-over, and this \
+                             role may not end its session: grant the lease role pg_signal_backend (or use one role \
+                             for the lease statements and the fenced transactions), or end pid {} by hand",
+                            f.pid
+                        );
+                    }
+                }
+                if ended {
+                    return true;
+                }
+            }
+            Err(e) => tracing::debug!(
+                pool = %self.pool_name, lease = name, error = %e,
+                "could not look for a fenced transaction past its term blocking a take-over"
+            ),
+        }
         self.metrics.takeover_blocked(name);
         self.stats.lock().takeovers_blocked += 1;
         let now = self.created.elapsed();
         {
             let mut last = self.blocked_logged.lock();
             if last.is_some_and(|t| now.saturating_sub(t) < BLOCKED_LOG_EVERY) {
-                return;
+                return false;
             }
             *last = Some(now);
         }
@@ -225,7 +276,7 @@ impl Inner {
                 blocking_pid = b.pid, application_name = %b.application_name,
                 state = %b.state, state_for_s = b.state_for_s,
                 "lease take-over blocked by a row lock on its expired row: answered busy, tried again later \
-                 (a fenced transaction of the expired term ends at most 1 s past the term; another session \
+                 (a fenced transaction of the expired term is ended 1 s past the term; another session \
                  holding the row blocks it as long as it holds it)"
             ),
             Ok(None) => tracing::warn!(
@@ -237,6 +288,7 @@ impl Inner {
                 "lease take-over blocked by a row lock on its expired row (its holder could not be read): answered busy"
             ),
         }
+        false
     }
 
     /// How long until a held name may be free (database clock), for callers
@@ -331,30 +383,48 @@ impl LeaseHandle {
         }
     }
 
-    /// The fenced-transaction check: inside the caller's transaction, locks
-    /// the lease row `FOR KEY SHARE` and checks that it is still this term
-    /// (holder and token) and unexpired, and that the local deadline has not
-    /// passed (before and after the statement).
+    /// Fences the transaction `tx`: inside it, locks the lease row `FOR KEY
+    /// SHARE` and checks that it is still this term (holder and token) and
+    /// unexpired, and that the local deadline has not passed (before and
+    /// after the statement). Returns the transaction as a [`Fenced`] guard:
+    /// run the writes through it (it dereferences to the transaction), then
+    /// [`Fenced::commit`], the only way to commit it.
     ///
     /// On success, the writes of that transaction commit only under this
     /// term: a take-over (which locks the row `FOR UPDATE`) waits for the
     /// transaction to end, and then sees the term the commit happened under.
     /// Renewals of this lease do not wait (they take `FOR NO KEY UPDATE`).
     /// No take-over happens while the transaction is open (a take-over
-    /// answers busy meanwhile), so the transaction is bounded on the server:
-    /// `fence` sets `statement_timeout` and
-    /// `idle_in_transaction_session_timeout` for this transaction to the
-    /// term's time left + 1 s. A holder frozen or cut off with the
-    /// transaction open loses its session then, and its commit never lands;
-    /// the lease is taken over at most 1 s after its term ends. A
-    /// transaction that must outlive its term's time left (renewals extend
-    /// the term meanwhile) calls `fence` again to extend the bound. Keep
-    /// fenced transactions short.
+    /// answers busy meanwhile), so the transaction is bounded on the server,
+    /// as a whole, to the term's time left + 1 s:
+    ///
+    /// - `statement_timeout` and `idle_in_transaction_session_timeout` are
+    ///   set for this transaction to that bound, or kept when the role's,
+    ///   the session's or the transaction's own is tighter (0 counts as
+    ///   none); on PostgreSQL 17 and later `transaction_timeout` too, which
+    ///   bounds the transaction as a whole;
+    /// - these bound one statement or one idle spell each, not the
+    ///   transaction: the transaction also takes pgwarden's *fence mark*,
+    ///   the shared advisory lock `(1885828964, the token's low 32 bits)`
+    ///   (pgwarden's own namespace; a try, never waited on, released at the
+    ///   transaction's end). A take-over blocked by this row's lock past the
+    ///   term's end + 1 s ends (`pg_terminate_backend`) the session that
+    ///   holds the mark of the expired term and started before its end,
+    ///   then tries once more. This needs the right to signal that session
+    ///   (the same role, or `pg_signal_backend`); without it the take-over
+    ///   answers busy and logs the pid.
+    ///
+    /// A holder frozen or cut off with the transaction open loses its
+    /// session then, and its commit never lands; the lease is taken over at
+    /// most about 1 s after its term ends. A transaction that must outlive
+    /// its term's time left (renewals extend the term meanwhile) calls
+    /// [`Fenced::check`] to extend the bound. Keep fenced transactions
+    /// short.
     ///
     /// Fails with [`LeaseError::Lost`](crate::LeaseError::Lost) when the term is over: `Taken` (the
     /// row is another term's, or gone), `Expired` (still this term, expired
-    /// in the database) or `Deadline`. Roll back: the writes would come from
-    /// a stale holder.
+    /// in the database) or `Deadline`. The transaction is then rolled back
+    /// (dropped): the writes would come from a stale holder.
     ///
     /// # Isolation levels
     ///
@@ -374,17 +444,34 @@ impl LeaseHandle {
     /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::LeaseHandle) -> Result<(), pgwarden::Error> {
     /// let mut conn = pool.get_within(std::time::Duration::from_secs(5)).await?;
     /// let tx = conn.transaction().await?;
-    /// lease.fence(&tx).await?; // rejected if another holder took over
+    /// let tx = lease.fence(tx).await?; // rejected if another holder took over
     /// tx.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 1", &[]).await?;
-    /// tx.commit().await?;
+    /// tx.commit().await?; // Ok only when it landed
     /// # Ok(()) }
     /// ```
-    pub async fn fence(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<(), Error> {
+    pub async fn fence<'a>(
+        &self,
+        tx: deadpool_postgres::Transaction<'a>,
+    ) -> Result<Fenced<'a>, Error> {
+        self.check_in(&tx).await?;
+        Ok(Fenced {
+            tx,
+            lease: self.clone(),
+        })
+    }
+
+    /// The fence check in `tx` (see [`LeaseHandle::fence`]).
+    async fn check_in(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<(), Error> {
         if let Some(reason) = self.inner.check_lost(&self.state) {
             return Err(self.fence_failed(reason));
         }
         self.inner.count_statement();
-        let row = match self.inner.sql.fence(tx, &self.state.name).await {
+        let row = match self
+            .inner
+            .sql
+            .fence(tx, &self.state.name, &self.state.holder, self.state.token)
+            .await
+        {
             Ok(row) => row,
             // A take-over (or purge) committed after the transaction's
             // snapshot: the term is over.
@@ -394,9 +481,19 @@ impl LeaseHandle {
             Err(e) => return Err(Error::Db(e)),
         };
         let reason = match row {
-            Some((holder, token, fresh, snapshot))
+            Some((holder, token, fresh, snapshot, marked))
                 if holder == self.state.holder && token == self.state.token =>
             {
+                if !marked {
+                    // Another transaction of this session holds the same
+                    // key exclusively (a token whose low 32 bits are one of
+                    // pgwarden's own keys): the per-statement bounds stand.
+                    tracing::debug!(
+                        pool = %self.inner.pool_name, lease = %self.state.name,
+                        token = self.state.token,
+                        "fence mark not taken: its key is held exclusively elsewhere"
+                    );
+                }
                 // Under a snapshot the expiry read may predate renewals made
                 // since: the local deadline (checked below) decides.
                 if fresh || snapshot {
@@ -431,7 +528,7 @@ impl LeaseHandle {
 }
 
 fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
-    e.code() == Some(&tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE)
+    e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
 }
 
 impl fmt::Debug for LeaseHandle {
@@ -441,6 +538,90 @@ impl fmt::Debug for LeaseHandle {
             .field("token", &self.state.token)
             .field("holder", &self.state.holder)
             .field("lost", &self.state.lost_reason())
+            .finish()
+    }
+}
+
+/// A fenced transaction: the transaction [`LeaseHandle::fence`] checked,
+/// whose writes commit only under that term. It dereferences to the
+/// transaction (run the writes through it); [`Fenced::commit`] is the only
+/// way to commit, and dropping it rolls back.
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::Lease) -> Result<(), pgwarden::Error> {
+/// let mut conn = pool.get().await?;
+/// let tx = lease.fence(conn.transaction().await?).await?;
+/// tx.execute("DELETE FROM sso_requests WHERE expires_at < now()", &[]).await?;
+/// tx.commit().await?; // Ok: it landed, under this term
+/// # Ok(()) }
+/// ```
+pub struct Fenced<'a> {
+    tx: deadpool_postgres::Transaction<'a>,
+    lease: LeaseHandle,
+}
+
+impl Fenced<'_> {
+    /// Checks the term again inside the transaction, as
+    /// [`LeaseHandle::fence`] did, and moves the transaction's server-side
+    /// bound to the term's time left now + 1 s (renewals since the fence
+    /// extended the term): for a transaction that must outlive the bound
+    /// its fence set. Fails as `fence` does; drop the guard then (it rolls
+    /// back).
+    pub async fn check(&self) -> Result<(), Error> {
+        self.lease.check_in(&self.tx).await
+    }
+
+    /// Commits, after checking the term once more inside the transaction:
+    /// `Ok` only when the transaction committed, under this term.
+    ///
+    /// PostgreSQL answers `COMMIT` on a failed transaction (one whose
+    /// statement failed, whether or not its caller saw the error: a future
+    /// dropped by a client timeout after the fence's bound cancelled its
+    /// statement, say) with `ROLLBACK`, and tokio-postgres does not tell
+    /// the two apart. The check before the commit fails on such a
+    /// transaction: the commit then reports
+    /// [`LeaseError::Aborted`](crate::LeaseError::Aborted) and nothing
+    /// lands. A term over by then reports [`LeaseError::Lost`](crate::LeaseError::Lost) and rolls back;
+    /// any other failure (of the check or of `COMMIT` itself, a
+    /// serialization failure say) is the database's error.
+    pub async fn commit(self) -> Result<(), Error> {
+        match self.lease.check_in(&self.tx).await {
+            Ok(()) => {}
+            Err(Error::Db(e)) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => {
+                tracing::warn!(
+                    pool = %self.lease.inner.pool_name, lease = %self.lease.state.name,
+                    token = self.lease.state.token,
+                    "fenced commit refused: the transaction had already failed; nothing was committed"
+                );
+                return Err(Error::Lease(LeaseError::Aborted {
+                    name: self.lease.state.name.to_string(),
+                }));
+            }
+            Err(e) => return Err(e),
+        }
+        self.tx.commit().await.map_err(Error::Db)
+    }
+}
+
+impl<'a> Deref for Fenced<'a> {
+    type Target = deadpool_postgres::Transaction<'a>;
+
+    fn deref(&self) -> &deadpool_postgres::Transaction<'a> {
+        &self.tx
+    }
+}
+
+impl<'a> DerefMut for Fenced<'a> {
+    fn deref_mut(&mut self) -> &mut deadpool_postgres::Transaction<'a> {
+        &mut self.tx
+    }
+}
+
+impl fmt::Debug for Fenced<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fenced")
+            .field("name", &self.lease.state.name)
+            .field("token", &self.lease.state.token)
             .finish()
     }
 }
@@ -459,8 +640,7 @@ impl fmt::Debug for LeaseHandle {
 /// let opts = pgwarden::LeaseOptions::default();
 /// if let Some(lease) = leases.acquire("cleanup", &opts, None).await? {
 ///     let mut conn = pool.get().await?; // the work's own connection
-///     let tx = conn.transaction().await?;
-///     lease.fence(&tx).await?; // its writes commit only under this term
+///     let tx = lease.fence(conn.transaction().await?).await?; // under this term only
 ///     tx.execute("DELETE FROM sso_requests WHERE expires_at < now()", &[]).await?;
 ///     tx.commit().await?;
 ///     drop(conn);
@@ -666,5 +846,82 @@ impl Inner {
                 "lease dropped outside a tokio runtime; it expires after its TTL"
             ),
         }
+    }
+}
+
+/// The sessions holding the fence mark of `name`'s current term, when that
+/// term ended more than `grace` ago, each ended (`pg_terminate_backend`,
+/// waiting up to `grace` for it to go) when this role may.
+///
+/// A session qualifies when it holds the term's mark (the shared advisory
+/// lock `(1885828964, low 32 bits of the token)` that only
+/// [`LeaseHandle::fence`] takes, and only for its own term) and its
+/// transaction started before the term's end (a fence succeeds only before
+/// it; two terms whose tokens are 2^32 apart share a mark, and this keeps a
+/// later term's fenced transaction out). Another session holding the row
+/// (no mark) is never ended: the take-over answers busy as before.
+struct EndFenced<'a> {
+    name: &'a str,
+    grace: Duration,
+}
+
+/// A session [`EndFenced`] found: whether it was ended.
+struct FoundFenced {
+    pid: i32,
+    ended: bool,
+    application_name: String,
+    role: String,
+}
+
+impl LeaseStatement for EndFenced<'_> {
+    type Out = Vec<FoundFenced>;
+    const WHAT: &'static str = "busy check";
+    async fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut deadpool_postgres::ClientWrapper,
+        _call: Call,
+    ) -> Result<Vec<FoundFenced>, tokio_postgres::Error> {
+        let text = format!(
+            "SELECT a.pid,
+       CASE WHEN (pg_has_role(a.usesysid, 'MEMBER') OR pg_has_role('pg_signal_backend', 'MEMBER'))
+             AND (NOT r.rolsuper OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user))
+            THEN pg_terminate_backend(a.pid, $3) ELSE false END,
+       coalesce(a.application_name, ''), coalesce(a.usename::text, '')
+  FROM {tbl} AS t
+  JOIN pg_locks AS m
+    ON m.locktype = 'advisory' AND m.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND m.classid = $4::int8::oid AND m.objid = (t.token & 4294967295)::oid AND m.objsubid = 2
+   AND m.mode = 'ShareLock' AND m.granted
+  JOIN pg_stat_activity AS a ON a.pid = m.pid
+  LEFT JOIN pg_roles AS r ON r.oid = a.usesysid
+ WHERE t.name = $1 AND t.expires_at < clock_timestamp() - make_interval(secs => $2)
+   AND a.pid <> pg_backend_pid()
+   AND (a.xact_start IS NULL OR a.xact_start <= t.expires_at)",
+            tbl = sql.table
+        );
+        let grace_ms = i64::try_from(self.grace.as_millis()).unwrap_or(i64::MAX);
+        let ns = i64::from(Namespace::PGWARDEN.id());
+        let rows = client
+            .query_typed(
+                &text,
+                &[
+                    (&self.name, Type::TEXT),
+                    (&self.grace.as_secs_f64(), Type::FLOAT8),
+                    (&grace_ms, Type::INT8),
+                    (&ns, Type::INT8),
+                ],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(FoundFenced {
+                    pid: r.try_get(0)?,
+                    ended: r.try_get::<_, Option<bool>>(1)?.unwrap_or(false),
+                    application_name: r.try_get(2)?,
+                    role: r.try_get(3)?,
+                })
+            })
+            .collect()
     }
 }

@@ -18,7 +18,17 @@
 //! the timeout, and the leases the batch took are released by holder, as
 //! after a cancelled acquisition. An acquisition whose caller gave up while
 //! it waited is left out of the next batch, or, if its batch took the lease
-//! for it, released. A call still waiting after [`PATIENCE`] (100 ms, or
+//! for it, released: the term travels to its caller in a `Won` (see `inner.rs`), which
+//! releases it (in the background) when dropped before its caller took it,
+//! whether the caller was gone when the batch answered or never polled
+//! again after, and a batch answers every caller before any such release
+//! runs. Callers waiting for the same name share one attempt: the batch
+//! tries the name once, the first caller gets the term if it was taken,
+//! the others the busy answer their own statements would have given then.
+//! A statement sent alone runs in a task of its own: a caller that gives up
+//! leaves it running to its end (cancelled on a direct connection), and
+//! what it took is released then, never before the statement has ended. A
+//! call still waiting after [`PATIENCE`] (100 ms, or
 //! twice the statements' recent time on a slow link, up to 1 s: the
 //! statements out are stuck on a lock or a slow server) leaves the queue
 //! and sends its own statement, as it would without gathering. Releases are
@@ -33,8 +43,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
-use super::inner::{Acquiring, FollowUp, Gather, Inner, Joined, Releasing, Urgency};
-use super::table::{Acquire, AcquireBatch, Busy, Release, ReleaseBatch, Taken};
+use super::inner::{Acquiring, FollowUp, Gather, Inner, Joined, Releasing, Urgency, Won};
+use super::table::{
+    Acquire, AcquireBatch, Busy, Call, LeaseStatement, Release, ReleaseBatch, Statements, Taken,
+};
 use crate::error::{Error, LeaseError};
 
 /// Acquisition statements one instance sends at a time; acquisitions that
@@ -84,6 +96,15 @@ impl Gathered for Acquiring {
     }
     fn alone(self) {
         let _ = self.tx.send(Joined::Alone);
+        for f in self.followers {
+            let _ = f.send(Joined::Alone);
+        }
+    }
+    /// Callers of the same name share one attempt.
+    fn follow(&mut self, other: Self) -> Result<(), Self> {
+        self.followers.push(other.tx);
+        self.followers.extend(other.followers);
+        Ok(())
     }
 }
 
@@ -122,6 +143,12 @@ pub(crate) trait Gathered: Sized + Send + 'static {
     fn send(inner: Arc<Inner>, batch: Vec<Self>) -> impl Future<Output = ()> + Send;
     /// Tells it to send its own statement.
     fn alone(self);
+    /// Joins `other`, which waits for the same name, to this one's
+    /// attempt; `Err(other)` when the kind does not share (it then waits
+    /// for the next batch).
+    fn follow(&mut self, other: Self) -> Result<(), Self> {
+        Err(other)
+    }
 }
 
 /// One of the [`IN_FLIGHT`] statements of a kind; dropped (ended,
@@ -192,14 +219,21 @@ impl<W: Gathered> Drop for Slot<W> {
 
 /// Up to [`MAX_BATCH`] of distinct names, in the order they came, then
 /// sorted by name (two batches lock rows in one order); those whose caller
-/// gave up are left out.
+/// gave up are left out. A call for a name already in the batch joins that
+/// name's attempt when its kind shares ([`Gathered::follow`]), else waits
+/// for the next batch.
 fn take_batch<W: Gathered>(waiting: &mut Vec<W>) -> Vec<W> {
     waiting.retain(|w| !w.gave_up());
-    let mut names = HashSet::new();
-    let mut batch = Vec::new();
+    let mut at: HashMap<String, usize> = HashMap::new();
+    let mut batch: Vec<W> = Vec::new();
     let mut rest = Vec::new();
     for w in waiting.drain(..) {
-        if batch.len() < MAX_BATCH && names.insert(w.name().to_owned()) {
+        if let Some(&i) = at.get(w.name()) {
+            if let Err(w) = batch[i].follow(w) {
+                rest.push(w);
+            }
+        } else if batch.len() < MAX_BATCH {
+            at.insert(w.name().to_owned(), batch.len());
             batch.push(w);
         } else {
             rest.push(w);
@@ -229,14 +263,10 @@ fn enter<W: Gathered, A>(
 impl Inner {
     /// One acquisition statement, alone or gathered with others (see the
     /// module docs), bounded by the statement timeout.
-    pub(crate) async fn acquire_gathered<F>(
+    pub(crate) async fn acquire_gathered(
         self: &Arc<Self>,
         stmt: &Acquire<'_>,
-        follow_up: F,
-    ) -> Result<Result<Taken, Busy>, Error>
-    where
-        F: FnOnce() -> Option<FollowUp>,
-    {
+    ) -> Result<Result<Taken, Busy>, Error> {
         let began = Instant::now();
         let entered = enter(self, |tx| Acquiring {
             name: stmt.name.to_owned(),
@@ -244,15 +274,10 @@ impl Inner {
             ttl: stmt.ttl,
             hold: stmt.hold,
             tx,
+            followers: Vec::new(),
         });
         let rx = match entered {
-            Ok(_slot) => {
-                let r = self
-                    .run_then(Urgency::Normal, self.statement_timeout, stmt, follow_up)
-                    .await;
-                self.acquiring.lock().observe(began.elapsed());
-                return r;
-            }
+            Ok(slot) => return self.acquire_alone(stmt, began, Some(slot)).await,
             Err(rx) => rx,
         };
         match self
@@ -265,11 +290,79 @@ impl Inner {
             )
             .await?
         {
-            Some(answer) => Ok(answer),
-            None => {
-                let left = self.statement_timeout.saturating_sub(began.elapsed());
-                self.run_then(Urgency::Normal, left, stmt, follow_up).await
+            Some(answer) => Ok(answer.map(Won::take)),
+            None => self.acquire_alone(stmt, began, None).await,
+        }
+    }
+
+    /// One acquisition in its own statement, run in a task of its own (with
+    /// `slot`, when it holds one): a caller that gives up (drops this
+    /// future) leaves the statement running to its end (cancelled on the
+    /// server where a cancel can reach it), and whatever it took is released
+    /// then, by its `Won`. Bounded by the statement timeout from `began`.
+    async fn acquire_alone(
+        self: &Arc<Self>,
+        stmt: &Acquire<'_>,
+        began: Instant,
+        slot: Option<Slot<Acquiring>>,
+    ) -> Result<Result<Taken, Busy>, Error> {
+        let own = OwnAcquire {
+            name: stmt.name.to_owned(),
+            holder: stmt.holder.to_owned(),
+            ttl: stmt.ttl,
+            hold: stmt.hold,
+        };
+        let (tx, rx) = oneshot::channel();
+        let inner = self.clone();
+        let task = async move {
+            let mut tx = tx;
+            let answer = {
+                let gone = std::pin::pin!(tx.closed());
+                let gone: std::pin::Pin<&mut (dyn Future<Output = ()> + Send)> = gone;
+                // Cut short by its timeout, the statement may have taken
+                // the lease: released by holder once it has ended.
+                let follow_up = || -> Option<FollowUp> {
+                    let (inner, name, holder) =
+                        (inner.clone(), own.name.clone(), own.holder.clone());
+                    Some(Box::pin(async move {
+                        inner.release_cancelled(&name, &holder).await;
+                    }))
+                };
+                inner
+                    .run_then(
+                        Urgency::Normal,
+                        began,
+                        inner.statement_timeout,
+                        &own,
+                        follow_up,
+                        Some(gone),
+                    )
+                    .await
+            };
+            if slot.is_some() {
+                inner.acquiring.lock().observe(began.elapsed());
             }
+            drop(slot); // the next batch may go
+            let answer = answer.map(|r| r.map(|t| Won::new(&inner, &own.name, &own.holder, t)));
+            // Its caller gone: the term (if any) is released as the
+            // answer drops.
+            let _ = tx.send(answer);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(task);
+            }
+            // No runtime to run it on (a caller polling this future with
+            // another executor): run it here.
+            Err(_) => task.await,
+        }
+        match rx.await {
+            Ok(answer) => answer.map(|r| r.map(Won::take)),
+            // The task is gone (its runtime shut down).
+            Err(_) => Err(Error::Lease(LeaseError::Timeout {
+                what: "acquisition",
+                waited: began.elapsed(),
+            })),
         }
     }
 
@@ -300,10 +393,7 @@ impl Inner {
             .await?
         {
             Some(ours) => Ok(ours),
-            None => {
-                let left = budget.saturating_sub(began.elapsed());
-                self.run(Urgency::Urgent, left, stmt).await
-            }
+            None => self.run_since(Urgency::Urgent, began, budget, stmt).await,
         }
     }
 
@@ -402,25 +492,41 @@ impl Inner {
             }))
         };
         let answer = self
-            .run_then(Urgency::Normal, self.statement_timeout, &stmt, follow_up)
+            .run_then(
+                Urgency::Normal,
+                Instant::now(),
+                self.statement_timeout,
+                &stmt,
+                follow_up,
+                None,
+            )
             .await;
         match answer {
             Ok(Some(taken)) => {
-                self.count_gathered(batch.len());
+                self.count_gathered(batch.iter().map(|w| 1 + w.followers.len()).sum());
                 let mut taken: HashMap<String, Taken> = taken.into_iter().collect();
+                // Every caller is answered here, at once: a term whose
+                // caller is gone is released in the background as its
+                // `Won` drops, never in this loop.
                 for w in batch {
-                    let Some(t) = taken.remove(&w.name) else {
-                        let _ = w.tx.send(Joined::Done(Err(Busy::Held)));
-                        continue;
+                    let answer = match taken.remove(&w.name) {
+                        Some(t) => Ok(Won::new(self, &w.name, &w.holder, t)),
+                        None => Err(Busy::Held),
                     };
-                    if w.tx.send(Joined::Done(Ok(t))).is_err() {
-                        // Its caller gave up meanwhile.
-                        self.release_cancelled(&w.name, &w.holder).await;
+                    // The other callers of the name: its own statement,
+                    // sent now, would have found it held (by this one's
+                    // term, or as this one did).
+                    for f in w.followers {
+                        let _ = f.send(Joined::Done(Err(Busy::Held)));
                     }
+                    let _ = w.tx.send(Joined::Done(answer));
                 }
             }
             Err(Error::Lease(LeaseError::Timeout { .. })) => {
                 for w in batch {
+                    for f in w.followers {
+                        let _ = f.send(Joined::TimedOut);
+                    }
                     let _ = w.tx.send(Joined::TimedOut);
                 }
             }
@@ -472,6 +578,36 @@ impl Inner {
                 batch.into_iter().for_each(Gathered::alone)
             }
         }
+    }
+}
+
+/// An acquisition statement that owns its parameters, for a task of its own.
+struct OwnAcquire {
+    name: String,
+    holder: String,
+    ttl: f64,
+    hold: Option<(f64, f64)>,
+}
+
+impl LeaseStatement for OwnAcquire {
+    type Out = Result<Taken, Busy>;
+    const WHAT: &'static str = "acquisition";
+    async fn exec<'a>(
+        &'a self,
+        sql: &'a Statements,
+        client: &'a mut deadpool_postgres::ClientWrapper,
+        call: Call,
+    ) -> Result<Self::Out, tokio_postgres::Error> {
+        let stmt = Acquire {
+            name: &self.name,
+            holder: &self.holder,
+            ttl: self.ttl,
+            hold: self.hold,
+        };
+        stmt.exec(sql, client, call).await
+    }
+    fn on_lock_timeout() -> Option<Self::Out> {
+        Acquire::on_lock_timeout()
     }
 }
 

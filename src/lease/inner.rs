@@ -11,10 +11,14 @@
 //!
 //! Checkout, statement, and the bound around both; a statement that does not
 //! finish in time (or whose future is dropped) is cancelled on the server
-//! with a cancel request before its connection is closed, so no backend
-//! goes on waiting, for a row lock say, after its client gave up. Named
-//! prepared statements on direct connections, unnamed ones behind a
-//! transaction pooler (or before the pool knows which it is).
+//! (`pg_cancel_backend` on another connection of the pool: the pool's own
+//! TLS and path), so no backend goes on waiting, for a row lock say, after
+//! its client gave up; what follows it (an acquisition's release by holder)
+//! runs only once the statement has ended, seen on its own connection. A
+//! lease statement that lost a race under snapshot isolation (40001) is
+//! sent again within its bound. Named prepared statements on direct
+//! connections, unnamed ones behind a transaction pooler (or before the
+//! pool knows which it is).
 //!
 //! # Registry
 //!
@@ -32,8 +36,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify, OnceCell};
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
 use tokio_postgres::Error as PgError;
-use tokio_postgres::NoTls;
 
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
@@ -74,8 +78,8 @@ pub(crate) struct Inner {
     pub(crate) created: Instant,
     /// When a blocked take-over was last logged (since `created`).
     pub(crate) blocked_logged: Mutex<Option<Duration>>,
-    /// The last purge round's mark, for the next round's sweep.
-    pub(crate) purge_mark: Mutex<Option<PurgeMark>>,
+    /// The purge's mark still to sweep, and when it was taken.
+    pub(crate) purge_mark: Mutex<Option<(PurgeMark, Instant)>>,
     /// When a purge that waits was last logged (since `created`).
     pub(crate) purge_wait_logged: Mutex<Option<Duration>>,
 }
@@ -230,7 +234,10 @@ pub(crate) struct Acquiring {
     pub(super) holder: String,
     pub(super) ttl: f64,
     pub(super) hold: Option<(f64, f64)>,
-    pub(super) tx: oneshot::Sender<Joined<Result<Taken, Busy>>>,
+    pub(super) tx: oneshot::Sender<Joined<Result<Won, Busy>>>,
+    /// Callers of the same name that share this one's attempt (see
+    /// `gather.rs`).
+    pub(super) followers: Vec<oneshot::Sender<Joined<Result<Won, Busy>>>>,
 }
 
 /// A release waiting for the next batch.
@@ -239,6 +246,62 @@ pub(crate) struct Releasing {
     pub(super) holder: String,
     pub(super) keep_hold: bool,
     pub(super) tx: oneshot::Sender<Joined<bool>>,
+}
+
+/// A term taken for one caller, on its way to it. Dropped before its caller
+/// took it ([`Won::take`]): the caller was gone when it was answered, or
+/// stopped polling after; the term is then released by holder, in the
+/// background (its release never holds up the answers of others).
+pub(crate) struct Won {
+    taken: Option<Taken>,
+    inner: Arc<Inner>,
+    name: String,
+    holder: String,
+}
+
+impl Won {
+    pub(super) fn new(inner: &Arc<Inner>, name: &str, holder: &str, taken: Taken) -> Won {
+        Won {
+            taken: Some(taken),
+            inner: inner.clone(),
+            name: name.to_owned(),
+            holder: holder.to_owned(),
+        }
+    }
+
+    /// The term, now its caller's.
+    pub(super) fn take(mut self) -> Taken {
+        match self.taken.take() {
+            Some(t) => t,
+            // Only `take` empties it, and it consumes the `Won`.
+            None => unreachable!("a Won is taken once"),
+        }
+    }
+}
+
+impl Drop for Won {
+    fn drop(&mut self) {
+        if self.taken.take().is_none() {
+            return;
+        }
+        let (inner, name, holder) = (
+            self.inner.clone(),
+            std::mem::take(&mut self.name),
+            std::mem::take(&mut self.holder),
+        );
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    tracing::debug!(pool = %inner.pool_name, lease = %name, "an acquisition's caller gave up after it took the lease: releasing");
+                    inner.release_cancelled(&name, &holder).await;
+                });
+            }
+            Err(_) => tracing::warn!(
+                pool = %self.inner.pool_name, lease = %name,
+                "an acquisition's caller gave up after it took the lease, outside a tokio runtime: it expires after its TTL"
+            ),
+        }
+    }
 }
 
 /// What a batch answers one of its own.
@@ -325,23 +388,42 @@ impl Inner {
         budget: Duration,
         stmt: &S,
     ) -> Result<S::Out, Error> {
-        self.run_then(urgency, budget, stmt, || None).await
+        self.run_then(urgency, Instant::now(), budget, stmt, || None, None)
+            .await
     }
 
-    /// [`Inner::run`], with `follow_up` run after the cancel request when
-    /// the statement is cancelled (timed out, or its future dropped).
+    /// [`Inner::run`] for a caller that started waiting at `began` (its
+    /// budget, and the time its timeout reports, count from then).
+    pub(crate) async fn run_since<S: LeaseStatement>(
+        &self,
+        urgency: Urgency,
+        began: Instant,
+        budget: Duration,
+        stmt: &S,
+    ) -> Result<S::Out, Error> {
+        self.run_then(urgency, began, budget, stmt, || None, None)
+            .await
+    }
+
+    /// [`Inner::run`] from `began`, with `follow_up` run once a statement
+    /// cut short (timed out, or its future dropped) has ended on the server
+    /// (see [`InFlight`]). When `abandoned` completes while the statement is
+    /// out (its caller gave up), the statement is cancelled on the server
+    /// (on a connection known to be direct) and still driven to its end, so
+    /// that its caller's task learns what it did.
     pub(crate) async fn run_then<S, F>(
         &self,
         urgency: Urgency,
+        began: Instant,
         budget: Duration,
         stmt: &S,
         follow_up: F,
+        mut abandoned: Option<Pin<&mut (dyn Future<Output = ()> + Send)>>,
     ) -> Result<S::Out, Error>
     where
         S: LeaseStatement,
         F: FnOnce() -> Option<FollowUp>,
     {
-        let began = Instant::now();
         let mut named = self.named();
         let mut flight = InFlight {
             inner: self,
@@ -349,14 +431,35 @@ impl Inner {
             conn: None,
             follow_up: Some(follow_up),
         };
-        for attempt in 0..2 {
+        let mut refused_once = false;
+        let mut serialization_retries = 0u32;
+        loop {
             let left = budget.saturating_sub(began.elapsed());
+            let abandoned = abandoned.as_mut();
             let outcome = tokio::time::timeout(left, async {
                 let conn = self.checkout(urgency, left).await?;
                 self.count_statement();
                 let call = Call { named };
                 let conn = flight.conn.insert(conn);
-                Ok::<_, Error>(stmt.exec(&self.sql, conn, call).await)
+                let pid = conn.pid();
+                let exec = stmt.exec(&self.sql, conn, call);
+                let Some(abandoned) = abandoned else {
+                    return Ok::<_, Error>(exec.await);
+                };
+                let mut exec = std::pin::pin!(exec);
+                tokio::select! {
+                    out = &mut exec => return Ok(out),
+                    () = abandoned.as_mut() => {}
+                }
+                // Its caller gave up: cancelled on the server where a
+                // cancel can reach it, driven to its end either way.
+                if self.named() {
+                    let pool = self.pool();
+                    tokio::spawn(async move {
+                        let _ = cancel_backend(&pool, pid).await;
+                    });
+                }
+                Ok(exec.await)
             })
             .await;
             match outcome {
@@ -364,7 +467,8 @@ impl Inner {
                     flight.conn = None; // back to the pool
                     return Ok(out);
                 }
-                Ok(Ok(Err(e))) if attempt == 0 && named && refused_prepared(&e) => {
+                Ok(Ok(Err(e))) if !refused_once && named && refused_prepared(&e) => {
+                    refused_once = true;
                     // A pooler behind a direct-looking connection: never
                     // name a statement again, retry this one unnamed.
                     self.unnamed_only.store(true, Ordering::Relaxed);
@@ -377,6 +481,24 @@ impl Inner {
                         conn.discard();
                     }
                     named = false;
+                }
+                // A lost race under a database whose default isolation is
+                // repeatable read or serializable: the statement (its own
+                // transaction) committed nothing. Sent again, it sees the
+                // winner's row and answers as it would at read committed
+                // (busy, say).
+                Ok(Ok(Err(e)))
+                    if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+                        && budget.saturating_sub(began.elapsed()) > SERIALIZATION_PAUSE_MAX =>
+                {
+                    flight.conn = None;
+                    serialization_retries += 1;
+                    tracing::debug!(
+                        pool = %self.pool_name, statement = S::WHAT, retries = serialization_retries,
+                        "lease statement lost a race under snapshot isolation (40001): sent again"
+                    );
+                    let pause = SERIALIZATION_PAUSE_MAX.mul_f64(rand::random::<f64>());
+                    tokio::time::sleep(pause).await;
                 }
                 Ok(Ok(Err(e))) => {
                     flight.conn = None;
@@ -413,10 +535,46 @@ impl Inner {
                 }
             }
         }
-        Err(Error::Lease(LeaseError::Timeout {
-            what: S::WHAT,
-            waited: began.elapsed(),
-        }))
+    }
+}
+
+/// The longest pause before a lease statement that lost a race under
+/// snapshot isolation (40001) is sent again (a random pause up to this, so
+/// that the losers of one race do not meet again at once).
+const SERIALIZATION_PAUSE_MAX: Duration = Duration::from_millis(5);
+
+/// Cancels the statement running on backend `pid` with
+/// `pg_cancel_backend`, sent on another connection of the pool (its control
+/// lane, pgwarden's own statements: the lease lane may be full of the very
+/// statements to cancel):
+/// it goes the way every connection of the pool goes (its TLS, its
+/// network path), unlike a cancel request, which opens a connection of its
+/// own (tokio-postgres needs the TLS connector again, which a deadpool pool
+/// does not expose). The same role may cancel its own sessions. Bounded by
+/// [`CANCEL_TIMEOUT`]; true when the server signalled the backend. Only for
+/// a connection known to be direct (behind a pooler the pid is not the
+/// backend's).
+pub(crate) async fn cancel_backend(pool: &Pool, pid: i32) -> Result<bool, Error> {
+    let sent = async {
+        let conn = pool
+            .checkout_with(
+                Lane::Control,
+                Priority::Urgent,
+                Location::caller(),
+                CANCEL_TIMEOUT,
+            )
+            .await?;
+        let row = conn
+            .query_typed_one("SELECT pg_cancel_backend($1)", &[(&pid, Type::INT4)])
+            .await?;
+        Ok::<bool, Error>(row.try_get(0)?)
+    };
+    match tokio::time::timeout(CANCEL_TIMEOUT, sent).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Lease(LeaseError::Timeout {
+            what: "cancel",
+            waited: CANCEL_TIMEOUT,
+        })),
     }
 }
 
@@ -430,14 +588,22 @@ fn refused_prepared(e: &PgError) -> bool {
 
 /// The connection of a statement in flight. Dropped while it still holds
 /// one (a timeout, a dropped future), it cancels the statement on the server
-/// and closes the connection.
+/// (on a connection known to be direct: [`cancel_backend`]), then waits for
+/// the statement's end on its own connection (a `SELECT 1` sent behind it
+/// answers only once it has ended, bounded by its server-side bound: its
+/// `lock_timeout` is at most the statement timeout), and only then runs the
+/// follow-up (an acquisition's release by holder): a release that ran while
+/// the statement still waited would come before the statement's commit, and
+/// leave the lease held until its TTL. A cancel that failed changes
+/// nothing but the wait.
 ///
-/// The cancel request goes only to a connection known to be direct. Behind
-/// a transaction pooler it is not sent: PgBouncer before 1.20 crashes when a
-/// cancel request's client closes before PgBouncer has forwarded it
-/// (pgbouncer/pgbouncer#801), and tokio-postgres closes it right after
-/// writing. There the statement's own `lock_timeout` ends its wait on the
-/// server, and the connection is closed at once.
+/// No cancel request goes to a connection not known to be direct: PgBouncer
+/// before 1.20 crashes when a cancel request's client closes before
+/// PgBouncer has forwarded it (pgbouncer/pgbouncer#801), and a pid seen
+/// through a pooler is not the backend's. There the statement's own
+/// `lock_timeout` ends its wait on the server, and the `SELECT 1` behind it
+/// (kept on the same server connection while the statement's transaction
+/// lasts) answers once it has.
 struct InFlight<'i, F: FnOnce() -> Option<FollowUp>> {
     inner: &'i Inner,
     what: &'static str,
@@ -445,50 +611,57 @@ struct InFlight<'i, F: FnOnce() -> Option<FollowUp>> {
     follow_up: Option<F>,
 }
 
+/// How much longer than the statement timeout a cut-short statement may
+/// take to end on the server before its connection is closed anyway.
+const END_MARGIN: Duration = Duration::from_secs(1);
+
 impl<F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, F> {
     fn drop(&mut self) {
         let Some(conn) = self.conn.take() else {
             return;
         };
-        let pool = self.inner.pool_name.clone();
+        let pool_name = self.inner.pool_name.clone();
         let what = self.what;
         let pid = conn.pid();
         let follow_up = self.follow_up.take().and_then(|f| f());
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             conn.discard();
             tracing::warn!(
-                pool = %pool, statement = what, pid,
+                pool = %pool_name, statement = what, pid,
                 "lease statement abandoned outside a tokio runtime: its connection is closed; its lock_timeout ends it on the server"
             );
             return;
         };
         // Known direct by now (detection may have finished meanwhile).
-        if !self.inner.named() {
-            conn.discard();
-            if let Some(f) = follow_up {
-                rt.spawn(f);
-            }
-            return;
-        }
-        // Cancel first, then close: behind a transaction pooler the cancel
-        // request finds the server connection through this client's link,
-        // which closing the connection would cut.
-        let token = conn.cancel_token();
+        let direct = self.inner.named();
+        let pool = self.inner.pool();
+        let bound = self.inner.statement_timeout + END_MARGIN;
         rt.spawn(async move {
-            match tokio::time::timeout(CANCEL_TIMEOUT, token.cancel_query(NoTls)).await {
-                Ok(Ok(())) => {
-                    tracing::debug!(pool = %pool, statement = what, pid, "lease statement cancelled on the server")
+            if direct {
+                match cancel_backend(&pool, pid).await {
+                    Ok(true) => tracing::debug!(pool = %pool_name, statement = what, pid, "lease statement cancelled on the server"),
+                    Ok(false) => tracing::debug!(pool = %pool_name, statement = what, pid, "lease statement to cancel had ended"),
+                    Err(e) => tracing::warn!(
+                        pool = %pool_name, statement = what, pid, error = %e,
+                        "cancelling a lease statement failed: waiting for its end on the server (its lock_timeout bounds it)"
+                    ),
                 }
-                Ok(Err(e)) => tracing::warn!(
-                    pool = %pool, statement = what, pid, error = %e,
-                    "cancel request for a lease statement failed; its connection is closed"
-                ),
-                Err(_) => tracing::warn!(
-                    pool = %pool, statement = what, pid,
-                    "cancel request for a lease statement got no answer within {CANCEL_TIMEOUT:?}; its connection is closed"
-                ),
             }
-            conn.discard();
+            match tokio::time::timeout(bound, conn.simple_query("SELECT 1")).await {
+                // It has ended: the connection is clean, back to the pool.
+                Ok(Ok(_)) => drop(conn),
+                Ok(Err(e)) => {
+                    tracing::debug!(pool = %pool_name, statement = what, pid, error = %e, "connection of a cut-short lease statement failed: closed");
+                    conn.discard();
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        pool = %pool_name, statement = what, pid,
+                        "a cut-short lease statement did not end within {bound:?}: its connection is closed"
+                    );
+                    conn.discard();
+                }
+            }
             if let Some(f) = follow_up {
                 f.await;
             }

@@ -198,7 +198,7 @@ pub struct LeaseStats {
     /// Purge statements sent (marks and sweeps).
     pub purge_statements: u64,
     /// Purge rounds that deleted nothing because a session that held the
-    /// lease table at the previous round still held it (see
+    /// lease table when the purge last looked still held it (see
     /// [`LeasesBuilder::purge`](super::LeasesBuilder::purge)).
     pub purges_waited: u64,
     /// Acquisitions waiting now to go to the server together, in the next

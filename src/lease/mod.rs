@@ -36,7 +36,8 @@
 //!   transaction; the take-over of an expired term waits at most 20 ms for a
 //!   lock on its row, then answers busy (counted, and logged with the
 //!   session holding it). No lease statement takes an advisory lock, so no
-//!   other session can keep a free name busy with one.
+//!   other session can keep a free name busy with one (the fence's mark, in
+//!   the holder's own transaction, is a shared try-lock nothing waits on).
 //! - **One table whatever the `search_path`.** A table name without a
 //!   schema means `public`: instances whose search paths differ share it.
 //! - **A lost signal that cannot be silenced.** [`LeaseHandle::lost`] fires
@@ -145,7 +146,7 @@ mod table;
 mod term;
 
 pub use crate::lost::LostReason;
-pub use acquire::{Lease, LeaseHandle};
+pub use acquire::{Fenced, Lease, LeaseHandle};
 pub use metrics::LeaseStats;
 pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Job, JobOutcome, Scheduler, SchedulerBuilder};
@@ -276,9 +277,24 @@ impl Leases {
     /// ([`LeaseError::Timeout`](crate::LeaseError::Timeout)), a table of another shape
     /// ([`LeaseError::TableMismatch`](crate::LeaseError::TableMismatch)) or the database's.
     ///
-    /// Cancellation: a future dropped after its statement reached the
-    /// database cancels the statement on the server, then releases the
-    /// lease in the background in case the statement took it first.
+    /// Cancellation: the statement runs in a task of its own. A future
+    /// dropped after its statement went out leaves that task running: the
+    /// statement is cancelled on the server where a cancel can reach it (a
+    /// connection known to be direct: `pg_cancel_backend`, sent on another
+    /// connection of the pool, so with the pool's own TLS), and driven to
+    /// its end either way; if it took the lease, the lease is released
+    /// then, in the background, never before the statement has ended. The
+    /// same holds for an acquisition answered by a batch while its future
+    /// was not polled, then dropped. A statement that runs out of time is
+    /// cancelled the same way, and its connection waits for its end (up to
+    /// its server-side bound, the statement timeout) before the release
+    /// that follows.
+    ///
+    /// Isolation: the lease statements behave the same at every default
+    /// isolation level of the database (`default_transaction_isolation`):
+    /// one that loses a race under `repeatable read` or `serializable`
+    /// (40001; it committed nothing) is sent again within its bound, and
+    /// answers as at `read committed` (busy, say).
     ///
     /// # Overlapping acquisitions
     ///
@@ -288,7 +304,10 @@ impl Leases {
     /// gets the answer its own statement would have given, and a batch that
     /// fails on the server (a take-over blocked by a row lock, say: a
     /// batch's lock waits are bounded to 100 ms) is tried again one
-    /// acquisition per statement. A call that finds no batch within 100 ms
+    /// acquisition per statement. Callers of one name waiting at once
+    /// share one attempt: the first gets the lease if the batch took it,
+    /// the others busy (what their own statements would have answered). A
+    /// call that finds no batch within 100 ms
     /// (or twice the statements' recent time on a slow link, up to 1 s: the
     /// two statements out are stuck on a lock or a slow server) sends its
     /// own statement, as without gathering. Each still answers within the

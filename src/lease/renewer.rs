@@ -489,28 +489,40 @@ impl Inner {
     /// statement timeout is spent. It takes no table lock of its own and
     /// waits for no row lock (a locked row stays for the next round), so
     /// no renewal, release or acquisition ever waits for it. While a
-    /// transaction of the mark is still open (a session holding the table
-    /// for long: a user's transaction that wrote to it, a frozen backend),
-    /// nothing is deleted and the next round tries with a new mark.
+    /// transaction of the mark is still open (a statement still running, or
+    /// a session holding the table for long: a user's transaction that wrote
+    /// to it, a frozen backend), nothing is deleted and the next round
+    /// sweeps with the same mark: its sessions are a fixed set, which ends.
     pub(crate) async fn purge_once(&self) -> Result<u64, Error> {
         let began = Instant::now();
         let previous = self.purge_mark.lock().take();
         let mut deleted = 0;
-        if let Some(mark) = &previous {
+        let mut result = Ok(());
+        if let Some((mark, marked)) = previous {
             loop {
                 let left = self.statement_timeout.saturating_sub(began.elapsed());
                 if left.is_zero() {
                     break;
                 }
                 let stmt = PurgeSweep {
-                    mark,
+                    mark: &mark,
                     age: self.purge.age,
                     limit: PURGE_BATCH,
                 };
-                let swept = self.run(Urgency::Normal, left, &stmt).await?;
+                let swept = match self.run(Urgency::Normal, left, &stmt).await {
+                    Ok(swept) => swept,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                };
                 self.stats.lock().purge_statements += 1;
                 let Some(n) = swept else {
-                    self.purge_waited(mark);
+                    // Still open: the same mark is swept next round (a new
+                    // one would hold newer statements, and under a steady
+                    // stream of them it might never drain).
+                    self.purge_waited(&mark, marked.elapsed());
+                    *self.purge_mark.lock() = Some((mark, marked));
                     break;
                 };
                 deleted += n;
@@ -519,11 +531,6 @@ impl Inner {
                 }
             }
         }
-        let mark = self
-            .run(Urgency::Normal, self.statement_timeout, &PurgeMarkStmt)
-            .await?;
-        self.stats.lock().purge_statements += 1;
-        *self.purge_mark.lock() = Some(mark);
         {
             let mut s = self.stats.lock();
             s.purged += deleted;
@@ -532,13 +539,26 @@ impl Inner {
         if deleted > 0 {
             tracing::debug!(pool = %self.pool_name, rows = deleted, "lease rows purged");
         }
+        result?;
+        // A new mark, unless the last one still waits for its sessions.
+        if self.purge_mark.lock().is_none() {
+            let mark = self
+                .run(Urgency::Normal, self.statement_timeout, &PurgeMarkStmt)
+                .await?;
+            self.stats.lock().purge_statements += 1;
+            *self.purge_mark.lock() = Some((mark, Instant::now()));
+        }
         Ok(deleted)
     }
 
-    /// A sweep found a transaction of its mark still open: counted, and
-    /// logged at most once per [`PURGE_WAIT_LOG_EVERY`].
-    fn purge_waited(&self, mark: &PurgeMark) {
+    /// A sweep found a transaction of its mark still open: counted; logged
+    /// (at most once per [`PURGE_WAIT_LOG_EVERY`]) once the mark is older
+    /// than the statement timeout, which no lease statement outlives.
+    fn purge_waited(&self, mark: &PurgeMark, waited: Duration) {
         self.stats.lock().purges_waited += 1;
+        if waited < self.statement_timeout {
+            return;
+        }
         let now = self.created.elapsed();
         let mut last = self.purge_wait_logged.lock();
         if last.is_some_and(|t| now.saturating_sub(t) < PURGE_WAIT_LOG_EVERY) {
@@ -548,7 +568,8 @@ impl Inner {
         tracing::info!(
             pool = %self.pool_name,
             pids = ?mark.pids,
-            "lease purge waits: a session that held the lease table at the last round still does \
+            waited_s = waited.as_secs_f64(),
+            "lease purge waits: a session that held the lease table when the purge looked still does \
              (a transaction left open on it, or a stopped backend); nothing is deleted until it ends"
         );
     }

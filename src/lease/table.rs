@@ -38,10 +38,16 @@
 //!   cannot keep it waiting for long either: `fence` bounds its own
 //!   transaction on the server (see `FENCE`), so a holder frozen or cut off
 //!   inside it loses its session soon after its term ends.
-//! - **No advisory lock.** No statement takes an advisory lock, so no other
-//!   session (of any role) can make an acquisition answer "busy" by holding
-//!   one: the only thing that can keep a free name busy is a lock on its row,
-//!   which needs write privileges on the table, and is reported.
+//! - **No advisory lock waited on.** No acquisition, renewal, release or
+//!   purge takes an advisory lock, so no other session (of any role) can
+//!   make an acquisition answer "busy" by holding one: the only thing that
+//!   can keep a free name busy is a lock on its row, which needs write
+//!   privileges on the table, and is reported. The one advisory lock in a
+//!   lease statement is the fence's mark (`fence`, in the holder's own
+//!   transaction): shared, taken with `pg_try_advisory_xact_lock_shared`
+//!   (never waits; a session holding the key exclusively only leaves the
+//!   transaction unmarked), read by a blocked take-over from `pg_locks` to
+//!   tell a fenced transaction past its term from any other row locker.
 //! - **Tokens grow with every term of a name.** A release keeps its row,
 //!   marked released (holder `''`, expired): the next term of the name takes
 //!   the row over and draws its token with the row locked, so it is larger
@@ -330,16 +336,55 @@ RETURNING name"
             ),
             // The row locked `FOR KEY SHARE` (a take-over waits for the
             // transaction, a renewal does not), and the transaction bounded
-            // on the server from the term's expiry: past it by more than
-            // `$2` ms, idle or in one statement, the server ends the session.
+            // on the server from the term's expiry (`b.ms`: the term's time
+            // left plus `$2` ms):
+            //
+            // - `statement_timeout` and `idle_in_transaction_session_timeout`
+            //   for this transaction, each the tighter of that bound and the
+            //   value it had before the transaction's first fence (the
+            //   role's, the session's, or the transaction's own; 0 is none),
+            //   kept in `pgwarden.fence_*` (transaction-local) so that a
+            //   second fence can extend its own bound but never loosen the
+            //   caller's;
+            // - PostgreSQL 17 and later: `transaction_timeout` too, which
+            //   bounds the transaction as a whole (its timer is re-armed
+            //   from now: set to 0 first, then to the bound);
+            // - earlier servers have no whole-transaction bound: the
+            //   transaction takes pgwarden's *fence mark* instead, the
+            //   shared advisory lock `(1885828964, low 32 bits of the
+            //   token)` (pgwarden's own namespace, taken with a try, never
+            //   waited on, released at the transaction's end), and only
+            //   when the row is this term's (`$3`, `$4`). A take-over that
+            //   finds the row locked past the term's end plus the grace
+            //   ends the session carrying that term's mark (see
+            //   `acquire.rs`): a fenced transaction that ran several
+            //   statements and froze is not kept alive by per-statement
+            //   bounds.
             fence: format!(
-                "SELECT holder, token, expires_at > clock_timestamp(),
+                "SELECT f.holder, f.token, f.expires_at > clock_timestamp(),
        current_setting('transaction_isolation') <> 'read committed',
-       set_config('idle_in_transaction_session_timeout', b.ms, true) IS NOT NULL
-         AND set_config('statement_timeout', b.ms, true) IS NOT NULL
+       f.holder = $3 AND f.token = $4 AND pg_try_advisory_xact_lock_shared({ns}, b.mark),
+       set_config('pgwarden.fence_st', b.st::text, true) IS NOT NULL
+         AND set_config('pgwarden.fence_it', b.it::text, true) IS NOT NULL
+         AND set_config('statement_timeout', (CASE WHEN b.st > 0 THEN least(b.st, b.ms) ELSE b.ms END)::text, true) IS NOT NULL
+         AND set_config('idle_in_transaction_session_timeout', (CASE WHEN b.it > 0 THEN least(b.it, b.ms) ELSE b.ms END)::text, true) IS NOT NULL
+         AND (current_setting('server_version_num')::int < 170000
+              OR (set_config('pgwarden.fence_tt', b.tt::text, true) IS NOT NULL
+                  AND set_config('transaction_timeout', '0', true) IS NOT NULL
+                  AND set_config('transaction_timeout', greatest(1, CASE WHEN b.tt > 0 THEN least(b.tt - b.age, b.ms) ELSE b.ms END)::text, true) IS NOT NULL))
   FROM {tbl} AS f,
-       LATERAL (SELECT (ceil(greatest(extract(epoch FROM expires_at - clock_timestamp()), 0) * 1000) + $2)::int8::text) AS b(ms)
- WHERE name = $1 FOR KEY SHARE OF f"
+       LATERAL (SELECT (ceil(greatest(extract(epoch FROM f.expires_at - clock_timestamp()), 0) * 1000) + $2)::int8 AS ms,
+                       coalesce(nullif(current_setting('pgwarden.fence_st', true), '')::int8,
+                                (SELECT setting::int8 FROM pg_settings WHERE name = 'statement_timeout')) AS st,
+                       coalesce(nullif(current_setting('pgwarden.fence_it', true), '')::int8,
+                                (SELECT setting::int8 FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout')) AS it,
+                       coalesce(nullif(current_setting('pgwarden.fence_tt', true), '')::int8,
+                                (SELECT setting::int8 FROM pg_settings WHERE name = 'transaction_timeout'), 0) AS tt,
+                       ceil(extract(epoch FROM clock_timestamp() - now()) * 1000)::int8 AS age,
+                       (CASE WHEN f.token & 2147483648 = 0 THEN f.token & 2147483647
+                             ELSE (f.token & 2147483647) - 2147483648 END)::int4 AS mark) AS b
+ WHERE f.name = $1 FOR KEY SHARE OF f",
+                ns = Namespace::PGWARDEN.id()
             ),
             // The session holding a lock on a row (its `xmax` is the locking
             // transaction when one transaction holds it), for the log line
@@ -584,15 +629,22 @@ impl Statements {
 
     /// Locks the lease row `FOR KEY SHARE` in the caller's transaction and
     /// bounds that transaction on the server (`statement_timeout` and
-    /// `idle_in_transaction_session_timeout`, for the transaction only: the
-    /// term's time left plus [`FENCE_GRACE`]); returns its holder, its
-    /// token, whether it is unexpired, and whether the transaction reads
-    /// from one snapshot (repeatable read or serializable).
+    /// `idle_in_transaction_session_timeout` for the transaction only, each
+    /// the tighter of its value before the first fence and the term's time
+    /// left plus [`FENCE_GRACE`]; `transaction_timeout` too on PostgreSQL
+    /// 17 and later); marks the transaction as a fence of this term (the
+    /// shared advisory lock `(1885828964, token as i32)`, when the row is
+    /// `holder`'s term `token`); returns the row's holder, its token,
+    /// whether it is unexpired, whether the transaction reads from one
+    /// snapshot (repeatable read or serializable), and whether the mark is
+    /// held.
     pub(crate) async fn fence(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
         name: &str,
-    ) -> Result<Option<(String, i64, bool, bool)>, PgError> {
+        holder: &str,
+        token: i64,
+    ) -> Result<Option<(String, i64, bool, bool, bool)>, PgError> {
         let grace = i64::try_from(FENCE_GRACE.as_millis()).unwrap_or(i64::MAX);
         let row = tx
             .query_typed_opt(
@@ -600,11 +652,21 @@ impl Statements {
                 &[
                     (&name, FENCE_TYPES[0].clone()),
                     (&grace, FENCE_TYPES[1].clone()),
+                    (&holder, Type::TEXT),
+                    (&token, Type::INT8),
                 ],
             )
             .await?;
-        row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
-            .transpose()
+        row.map(|r| {
+            Ok((
+                r.try_get(0)?,
+                r.try_get(1)?,
+                r.try_get(2)?,
+                r.try_get(3)?,
+                r.try_get::<_, Option<bool>>(4)?.unwrap_or(false),
+            ))
+        })
+        .transpose()
     }
 
     /// The session holding a lock on `name`'s row, when one transaction
@@ -1622,7 +1684,17 @@ mod tests {
         ] {
             assert!(text.contains(r#""app"."leases""#), "{text}");
             assert!(!text.contains("pgwarden_leases"));
-            assert!(!text.contains("advisory"), "{text}");
+            // No statement waits on an advisory lock (another session could
+            // keep a name busy with one). The fence alone takes one: its
+            // mark, shared and tried (never waited on), in pgwarden's
+            // namespace, read by a blocked take-over.
+            let advisory: Vec<&str> = text.matches("advisory").collect();
+            if std::ptr::eq(text, &s.fence) {
+                assert_eq!(advisory.len(), 1, "{text}");
+                assert!(text.contains("pg_try_advisory_xact_lock_shared(1885828964, b.mark)"));
+            } else {
+                assert!(advisory.is_empty(), "{text}");
+            }
         }
         assert!(s.acquire.contains(r#"nextval('"app"."leases_token_seq"')"#));
         assert_eq!(INSTALL_LOCK_KEY, LockKey::Pair(1_885_828_964, 594_100_531));

@@ -1,0 +1,420 @@
+//! Overlapping acquisitions and releases of one instance go to the server
+//! together (at most two statements of each kind out at a time; those that
+//! come meanwhile share the next one), and each gets the answer its own
+//! statement would have given: its own term and token, busy for a held or
+//! blocked name, one winner among callers of the same name, holds kept.
+
+use crate::support;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use pgwarden::{Lease, LeaseOptions, Leases};
+use pgwarden_testing::{Proxy, TestServer};
+use support::leases::{insert_expired, lock_rows, pool, pool_with, row};
+use support::{admin, db, eventually, within};
+
+use tokio_postgres::types::Type;
+
+const S: Duration = Duration::from_secs(1);
+
+fn opts() -> LeaseOptions {
+    LeaseOptions::new(30 * S)
+}
+
+/// Rows of `names` whose term is live.
+async fn live(admin: &tokio_postgres::Client, names: &[String]) -> i64 {
+    admin
+        .query_typed_one(
+            "SELECT count(*) FROM pgwarden_leases WHERE name = ANY($1) AND expires_at >= now()",
+            &[(&names, Type::TEXT_ARRAY)],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_pairs_share_statements_and_each_gets_its_own_term() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 16, "gather-pairs"));
+    leases.install().await.unwrap();
+    let before = leases.stats();
+    let next = Arc::new(AtomicU64::new(0));
+    let tokens = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (leases, next, tokens) = (leases.clone(), next.clone(), tokens.clone());
+            tokio::spawn(async move {
+                for _ in 0..60 {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    let name = format!("pair-{n}");
+                    let lease = leases.acquire(&name, &opts(), None).await.unwrap();
+                    let lease = lease.expect("a new name is free");
+                    assert_eq!(&*lease.term().name, name.as_str());
+                    tokens.lock().push(lease.term().token);
+                    lease.release().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        within(60 * S, "16 tasks of 60 pairs", t).await.unwrap();
+    }
+    let pairs = next.load(Ordering::Relaxed);
+    let after = leases.stats();
+    let statements = after.statements - before.statements;
+    let gathered = after.gathered - before.gathered;
+    let batches = after.gathered_statements - before.gathered_statements;
+    eprintln!(
+        "{pairs} pairs: {statements} statements, {gathered} acquisitions and releases in {batches} shared statements"
+    );
+    // Every term its own token.
+    let tokens = tokens.lock().clone();
+    assert_eq!(tokens.iter().collect::<HashSet<_>>().len(), tokens.len());
+    // Gathering happened, and saved statements: fewer than one per call.
+    assert!(batches > 0 && gathered > batches, "{after:?}");
+    assert!(
+        statements < 2 * pairs,
+        "{statements} statements for {pairs} pairs"
+    );
+    // Each row is its own term's, and every one was released.
+    let (rows, held): (i64, i64) = {
+        let r = admin
+            .query_typed_one(
+                "SELECT count(*), count(*) FILTER (WHERE holder <> '' OR expires_at > now())
+                   FROM pgwarden_leases WHERE name LIKE 'pair-%'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((rows, held), (pairs as i64, 0));
+    assert_eq!(leases.stats().held, 0);
+}
+
+/// Runs `round` (given its number) until one shows gathering, at most 5
+/// times: a call waits at most 100 ms for a batch before it goes alone, so
+/// on a loaded machine a round may see none. Each round asserts its own
+/// answers whichever way it went.
+async fn until_gathered<F, Fut>(mut round: F)
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for i in 0..5 {
+        if round(i).await {
+            return;
+        }
+        eprintln!("round {i}: no batch (the statements out took over 100 ms)");
+    }
+    panic!("no round of 5 gathered its calls");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_callers_of_one_name_at_once_get_one_term() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 8, "gather-same"));
+    leases.install().await.unwrap();
+    let o = opts();
+    until_gathered(|i| {
+        let (leases, admin, o) = (&leases, &admin, &o);
+        async move {
+            let name = format!("same{i}");
+            let before = leases.stats();
+            // All 32 first polled in one pass: two go alone, thirty wait
+            // together.
+            let got = join_all((0..32).map(|_| leases.acquire(&name, o, None))).await;
+            let winners: Vec<Lease> = got.into_iter().filter_map(|r| r.unwrap()).collect();
+            assert_eq!(winners.len(), 1, "one term for one name");
+            assert_eq!(live(admin, &[name]).await, 1);
+            for lease in winners {
+                lease.release().await.unwrap();
+            }
+            leases.stats().gathered_statements > before.gathered_statements
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let other = Leases::new(&pool(&db, 4, "gather-other"));
+    let leases = Leases::new(&pool(&db, 16, "gather-held"));
+    leases.install().await.unwrap();
+    let o = opts();
+    let own: Vec<String> = (0..8).map(|i| format!("h{i}")).collect();
+    let held: Vec<Lease> = join_all(own.iter().map(|n| other.acquire(n, &o, None)))
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect();
+    let hold = opts().at_least(60 * S);
+    until_gathered(|round| {
+        let (leases, admin, hold) = (&leases, &admin, &hold);
+        async move {
+            let before = leases.stats();
+            let names: Vec<String> = (0..8)
+                .map(|i| format!("h{i}"))
+                .chain((0..24).map(|i| format!("free{round}-{i}")))
+                .collect();
+            let got = join_all(names.iter().map(|n| leases.acquire(n, hold, None))).await;
+            let mut taken = Vec::new();
+            for (name, r) in names.iter().zip(got) {
+                match r.unwrap() {
+                    Some(lease) => {
+                        assert!(
+                            name.starts_with("free"),
+                            "{name} is held by another instance"
+                        );
+                        taken.push(lease);
+                    }
+                    None => assert!(name.starts_with('h'), "{name} is free"),
+                }
+            }
+            assert_eq!(taken.len(), 24);
+            let mid = leases.stats();
+            // Released together: each row released, its hold kept.
+            let released = join_all(taken.into_iter().map(|l| l.release())).await;
+            assert!(released.into_iter().all(|r| r.is_ok()));
+            let after = leases.stats();
+            let r = admin
+                .query_typed_one(
+                    "SELECT count(*) FILTER (WHERE holder = ''),
+                            count(*) FILTER (WHERE held_until > now() + interval '50 s')
+                       FROM pgwarden_leases WHERE name LIKE $1",
+                    &[(&format!("free{round}-%"), Type::TEXT)],
+                )
+                .await
+                .unwrap();
+            assert_eq!((r.get::<_, i64>(0), r.get::<_, i64>(1)), (24, 24));
+            mid.gathered_statements > before.gathered_statements
+                && after.gathered_statements > mid.gathered_statements
+        }
+    })
+    .await;
+    // The other instance's terms are untouched.
+    for lease in held {
+        assert!(!lease.is_lost());
+        lease.release().await.unwrap();
+    }
+}
+
+/// Takes `first` and `second` in another session's open transaction: an
+/// acquisition of either waits on that transaction (its own bound: the
+/// statement timeout) until `ROLLBACK`.
+async fn insert_uncommitted(db: &pgwarden_testing::TestDb) -> tokio_postgres::Client {
+    let inserter = db.connect().await.unwrap();
+    inserter
+        .batch_execute(
+            "BEGIN; INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             SELECT n, 'inserter', nextval('pgwarden_leases_token_seq'), now() - interval '1 s'
+               FROM unnest(ARRAY['first', 'second']) n",
+        )
+        .await
+        .unwrap();
+    inserter
+}
+
+#[tokio::test]
+async fn a_blocked_takeover_in_a_batch_is_busy_and_the_others_are_taken() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let logs = support::Logs::default();
+    let _guard = tracing::subscriber::set_default(logs.subscriber());
+    let leases = Leases::new(&pool(&db, 16, "gather-blocked"));
+    leases.install().await.unwrap();
+    // An expired term whose row another session holds.
+    insert_expired(&admin, "stale", "old-holder").await;
+    let locker = lock_rows(&db, "pgwarden_leases", &["stale"], "FOR KEY SHARE").await;
+    let o = opts();
+    let met = "a batch of acquisitions met a lock wait past its bound";
+    until_gathered(|round| {
+        let (leases, logs, o) = (&leases, &logs, &o);
+        async move {
+            // The first two take the statements out; `stale` and ten free
+            // names wait together and go in one batch, which meets the row
+            // lock: each is then sent alone.
+            let names: Vec<String> = [format!("a{round}"), format!("b{round}"), "stale".into()]
+                .into_iter()
+                .chain((0..10).map(|i| format!("free{round}-{i}")))
+                .collect();
+            let got = join_all(names.iter().map(|n| leases.acquire(n, o, None))).await;
+            for (name, r) in names.iter().zip(got) {
+                let lease = r.unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert_eq!(lease.is_some(), name != "stale", "{name}");
+                if let Some(lease) = lease {
+                    lease.release().await.unwrap();
+                }
+            }
+            logs.text().contains(met)
+        }
+    })
+    .await;
+    assert!(leases.stats().takeovers_blocked >= 1);
+    // Still the stale term: the blocked take-over did not happen.
+    let holder = row(&admin, "stale").await.map(|(holder, _)| holder);
+    assert_eq!(holder.as_deref(), Some("old-holder"));
+    drop(locker);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_behind_stuck_statements_go_alone_after_a_short_wait() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 16, "gather-stuck"))
+        .statement_timeout(10 * S)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let inserter = insert_uncommitted(&db).await;
+    let stuck: Vec<_> = ["first", "second"]
+        .into_iter()
+        .map(|n| {
+            let leases = leases.clone();
+            tokio::spawn(async move { leases.acquire(n, &opts(), None).await })
+        })
+        .collect();
+    eventually(5 * S, "both statements wait on the insert", || async {
+        support::leases::busy_backends(&admin, "gather-stuck")
+            .await
+            .0
+            == 2
+    })
+    .await;
+    // Both statements out are stuck: five more acquisitions wait 100 ms for
+    // a batch, then each goes alone.
+    let t = Instant::now();
+    let o = opts();
+    let names: Vec<String> = (0..5).map(|i| format!("free{i}")).collect();
+    let got = within(
+        5 * S,
+        "five acquisitions behind two stuck ones",
+        join_all(names.iter().map(|n| leases.acquire(n, &o, None))),
+    )
+    .await;
+    let took = t.elapsed();
+    let taken: Vec<Lease> = got.into_iter().map(|r| r.unwrap().unwrap()).collect();
+    eprintln!("taken in {took:?} while two statements were stuck");
+    assert!(took < 2 * S, "{took:?}");
+    // The stuck ones are still stuck.
+    assert!(stuck.iter().all(|h| !h.is_finished()));
+    assert_eq!(leases.stats().acquisitions_waiting, 0);
+    inserter.batch_execute("ROLLBACK").await.unwrap();
+    for h in stuck {
+        let lease = within(10 * S, "a stuck acquisition", h)
+            .await
+            .unwrap()
+            .unwrap();
+        lease
+            .expect("free once the insert rolled back")
+            .release()
+            .await
+            .unwrap();
+    }
+    for lease in taken {
+        lease.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_that_give_up_while_gathered_leave_nothing_held() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 16, "gather-give-up"))
+        .statement_timeout(10 * S)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let inserter = insert_uncommitted(&db).await;
+    let o = opts();
+    let names: Vec<String> = ["first", "second"]
+        .into_iter()
+        .map(String::from)
+        .chain((0..6).map(|i| format!("gave-up{i}")))
+        .collect();
+    {
+        // Polled once: `first` and `second` take the statements out (and
+        // wait on the insert), the six others wait for a batch; then the
+        // caller gives up on all of them.
+        let mut all = std::pin::pin!(join_all(names.iter().map(|n| leases.acquire(n, &o, None))));
+        assert!(futures_util::poll!(all.as_mut()).is_pending());
+        assert_eq!(leases.stats().acquisitions_waiting, 6);
+    }
+    assert_eq!(leases.stats().acquisitions_waiting, 0);
+    inserter.batch_execute("ROLLBACK").await.unwrap();
+    // Nothing of this instance waits on the server, and a new acquisition
+    // is taken at once: the two statements out were given back.
+    eventually(5 * S, "no backend of the instance waits", || async {
+        support::leases::busy_backends(&admin, "gather-give-up").await == (0, 0)
+    })
+    .await;
+    let lease = within(S, "a new acquisition", leases.acquire("after", &o, None))
+        .await
+        .unwrap()
+        .expect("free");
+    lease.release().await.unwrap();
+    // No statement took the names of the calls given up.
+    let rows: i64 = admin
+        .query_typed_one(
+            "SELECT count(*) FROM pgwarden_leases WHERE name LIKE 'gave-up%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0);
+}
+
+/// On a slow link (a proxy adds 100 ms each way) every statement takes
+/// longer than the 100 ms a call waits for a batch at first: calls wait
+/// twice the statements' recent time instead, so overlapping acquisitions
+/// and releases still share statements (with a fixed 100 ms, every call
+/// behind the two out went alone, 100 ms late).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_slow_link_overlapping_calls_still_share_statements() {
+    let server = TestServer::shared().expect("throwaway PostgreSQL");
+    let db = server.create_database().await.unwrap();
+    let proxy = Proxy::start(server).expect("proxy");
+    let leases = Leases::new(&pool_with(proxy.pg_config(&db), 16, "gather-slow"));
+    leases.install().await.unwrap();
+    proxy.set_latency(Duration::from_millis(100));
+    let o = opts();
+    // Statements alone first: their time is what calls wait for.
+    for i in 0..4 {
+        let lease = leases.acquire(&format!("warm{i}"), &o, None).await;
+        lease.unwrap().expect("free").release().await.unwrap();
+    }
+    let names: Vec<String> = (0..24).map(|i| format!("slow{i}")).collect();
+    let before = leases.stats();
+    let taken: Vec<Lease> = join_all(names.iter().map(|n| leases.acquire(n, &o, None)))
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().expect("a new name is free"))
+        .collect();
+    let mid = leases.stats();
+    let released = join_all(taken.into_iter().map(|l| l.release())).await;
+    assert!(released.into_iter().all(|r| r.is_ok()));
+    let after = leases.stats();
+    // Two go alone; the others wait for the next statement.
+    assert!(
+        mid.gathered - before.gathered >= 12,
+        "acquisitions served by batches: {} of 24",
+        mid.gathered - before.gathered
+    );
+    assert!(
+        after.gathered - mid.gathered >= 12,
+        "releases served by batches: {} of 24",
+        after.gathered - mid.gathered
+    );
+    let admin = admin(&db).await;
+    assert_eq!(live(&admin, &names).await, 0, "every term released");
+}

@@ -1,0 +1,369 @@
+//! Gathering when callers give up, stop polling, or ask about one name
+//! together, against a real PostgreSQL: a term answered to a caller that
+//! never takes it is released; a dropped acquisition's release comes after
+//! its statement's end (also where no cancel can reach it); a batch answers
+//! every caller before it releases those that gave up; callers of one name
+//! share one attempt; a caller that falls back to its own statement reports
+//! its whole wait.
+
+use crate::support;
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use futures_util::poll;
+use pgwarden::{Error, LeaseError, LeaseOptions, Leases, PoolerMode};
+use support::leases::{busy_backends, pool, pool_behind};
+use support::{admin, db, eventually, within};
+
+const S: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+fn opts() -> LeaseOptions {
+    LeaseOptions::new(30 * S)
+}
+
+/// Takes `first` and `second` in another session's open transaction: an
+/// acquisition of either waits on that transaction until `ROLLBACK`.
+async fn insert_uncommitted(db: &pgwarden_testing::TestDb) -> tokio_postgres::Client {
+    let inserter = db.connect().await.unwrap();
+    inserter
+        .batch_execute(
+            "BEGIN; INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             SELECT n, 'inserter', nextval('pgwarden_leases_token_seq'), now() - interval '1 s'
+               FROM unnest(ARRAY['first', 'second']) n",
+        )
+        .await
+        .unwrap();
+    inserter
+}
+
+/// Whether `name`'s row is held (a holder, unexpired).
+async fn held(admin: &tokio_postgres::Client, name: &str) -> bool {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pgwarden_leases WHERE name = $1 AND holder <> '' AND expires_at > now()",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+        == 1
+}
+
+/// Whether `name` has a row, released.
+async fn released(admin: &tokio_postgres::Client, name: &str) -> bool {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pgwarden_leases WHERE name = $1 AND holder = ''",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+        == 1
+}
+
+/// A caller waiting for a batch is answered (its batch took the lease for
+/// it) while nobody polls its future, which is then dropped: the lease is
+/// released. Before: it stayed held until its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 16, "unpolled"))
+        .statement_timeout(10 * S)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let inserter = insert_uncommitted(&db).await;
+    let o = opts();
+    // `first` and `second` take the statements out (and wait on the
+    // insert), in tasks that keep polling them.
+    let stuck: Vec<_> = ["first", "second"]
+        .into_iter()
+        .map(|n| {
+            let (leases, o) = (leases.clone(), o.clone());
+            tokio::spawn(async move { leases.acquire(n, &o, None).await })
+        })
+        .collect();
+    eventually(5 * S, "both statements wait on the insert", || async {
+        busy_backends(&admin, "unpolled").await.0 == 2
+    })
+    .await;
+    {
+        // Polled once: `unpolled` waits for a batch.
+        let mut unpolled = Box::pin(leases.acquire("unpolled", &o, None));
+        assert!(poll!(unpolled.as_mut()).is_pending());
+        assert_eq!(leases.stats().acquisitions_waiting, 1);
+        // The insert goes: the statements out end, the batch runs and
+        // answers `unpolled` (its caller is not polled meanwhile).
+        inserter.batch_execute("ROLLBACK").await.unwrap();
+        eventually(5 * S, "the batch takes `unpolled`", || {
+            held(&admin, "unpolled")
+        })
+        .await;
+        // Dropped here, its answer never taken.
+    }
+    eventually(5 * S, "`unpolled` released", || async {
+        !held(&admin, "unpolled").await
+    })
+    .await;
+    for h in stuck {
+        let lease = within(5 * S, "a stuck acquisition", h).await.unwrap();
+        lease
+            .unwrap()
+            .expect("free once the insert rolled back")
+            .release()
+            .await
+            .unwrap();
+    }
+}
+
+/// Where no cancel request goes (a transaction pooler, or a direct
+/// connection before detection ends: here a direct connection configured
+/// as behind a pooler), an acquisition dropped while its statement waits
+/// on the server: the statement goes on, takes the lease once the insert
+/// it waits on rolls back, and the lease is released after that. Before:
+/// the release ran at once, before the statement's commit, and the lease
+/// stayed held until its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_acquisition_is_released_after_its_statement_ends() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool_behind(db.pg_config(), 4, "undetected", PoolerMode::Transaction);
+    let leases = Leases::builder(&pool)
+        .statement_timeout(10 * S)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let inserter = insert_uncommitted(&db).await;
+    let gave_up = tokio::time::timeout(200 * MS, leases.acquire("first", &opts(), None)).await;
+    assert!(gave_up.is_err(), "the acquisition waits on the insert");
+    // Its statement still waits on the server.
+    eventually(5 * S, "the statement waits on the insert", || async {
+        busy_backends(&admin, "undetected").await.0 == 1
+    })
+    .await;
+    inserter.batch_execute("ROLLBACK").await.unwrap();
+    eventually(
+        5 * S,
+        "the statement took `first`, then released it",
+        || async { released(&admin, "first").await },
+    )
+    .await;
+}
+
+/// A batch takes two names; the caller of one (`slow-a`) gives up while
+/// the batch runs, and its release is held up on the server (a trigger
+/// waits on an advisory lock the test holds). The other caller (`zed`) is
+/// answered all the same, before that release ends. Before: the batch
+/// awaited the release inline, and `zed` waited for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_answers_every_caller_before_releasing_those_that_gave_up() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 16, "answers"))
+        .statement_timeout(10 * S)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    // The batch's insert of `slow-a` takes 2 s; a release of it waits for
+    // the gate (advisory lock 4242).
+    admin
+        .batch_execute(
+            "CREATE FUNCTION slow_lease() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF TG_OP = 'INSERT' AND NEW.name = 'slow-a' THEN PERFORM pg_sleep(2); END IF;
+               IF TG_OP = 'UPDATE' AND NEW.name = 'slow-a' AND NEW.holder = '' AND OLD.holder <> '' THEN
+                 PERFORM pg_advisory_xact_lock(4242);
+               END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER slow_lease BEFORE INSERT OR UPDATE ON pgwarden_leases
+               FOR EACH ROW EXECUTE FUNCTION slow_lease();",
+        )
+        .await
+        .unwrap();
+    let gate = db.connect().await.unwrap();
+    gate.batch_execute("SELECT pg_advisory_lock(4242)")
+        .await
+        .unwrap();
+    let inserter = insert_uncommitted(&db).await;
+    let o = opts();
+    let stuck: Vec<_> = ["first", "second"]
+        .into_iter()
+        .map(|n| {
+            let (leases, o) = (leases.clone(), o.clone());
+            tokio::spawn(async move { leases.acquire(n, &o, None).await })
+        })
+        .collect();
+    eventually(5 * S, "both statements wait on the insert", || async {
+        busy_backends(&admin, "answers").await.0 == 2
+    })
+    .await;
+    let mut slow = Box::pin(leases.acquire("slow-a", &o, None));
+    let mut zed = Box::pin(leases.acquire("zed", &o, None));
+    assert!(poll!(slow.as_mut()).is_pending());
+    assert!(poll!(zed.as_mut()).is_pending());
+    assert_eq!(leases.stats().acquisitions_waiting, 2);
+    inserter.batch_execute("ROLLBACK").await.unwrap();
+    // The batch of `slow-a` and `zed` runs (2 s in the trigger): the
+    // caller of `slow-a` gives up meanwhile.
+    eventually(5 * S, "the batch runs", || async {
+        admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'answers'
+                   AND state = 'active' AND query LIKE '%unnest%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+    drop(slow);
+    // `zed` is answered while the release of `slow-a` still waits on the
+    // gate.
+    let lease = within(8 * S, "zed's answer", zed)
+        .await
+        .unwrap()
+        .expect("zed is free");
+    assert!(
+        held(&admin, "slow-a").await,
+        "slow-a's release cannot have ended: the gate is held"
+    );
+    gate.batch_execute("SELECT pg_advisory_unlock(4242)")
+        .await
+        .unwrap();
+    eventually(5 * S, "slow-a released once the gate opens", || async {
+        !held(&admin, "slow-a").await
+    })
+    .await;
+    lease.release().await.unwrap();
+    for h in stuck {
+        if let Some(l) = within(10 * S, "a stuck acquisition", h)
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            l.release().await.unwrap();
+        }
+    }
+}
+
+/// 32 callers of one instance ask about one name held by another instance,
+/// all at once: they share one attempt per statement (two go alone, the
+/// 30 others share the next statement). Before: one attempt per caller,
+/// 32 statements.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_of_one_name_share_one_attempt() {
+    let db = db().await;
+    let other = Leases::new(&pool(&db, 2, "share-holder"));
+    let holder = other.acquire("busy", &opts(), None).await.unwrap().unwrap();
+    let leases = Leases::new(&pool(&db, 16, "share"));
+    leases.install().await.unwrap();
+    let o = opts();
+    // A call waits at most 100 ms for a batch: on a loaded machine a round
+    // may see some go alone, so rounds run until one shows the sharing.
+    for round in 0..5 {
+        let before = leases.stats();
+        let got = join_all((0..32).map(|_| leases.acquire("busy", &o, None))).await;
+        for r in got {
+            assert!(r.unwrap().is_none(), "held by the other instance");
+        }
+        let statements = leases.stats().statements - before.statements;
+        eprintln!("round {round}: 32 attempts in {statements} statements");
+        if statements <= 8 {
+            holder.release().await.unwrap();
+            return;
+        }
+    }
+    panic!("no round of 5 shared its attempts");
+}
+
+/// A caller waits for a batch behind two stuck statements, goes alone after
+/// its patience, and its own statement is stuck too: its timeout reports
+/// its whole wait (the statement timeout), not only its own statement's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_timeout_reports_the_whole_wait() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let timeout = S;
+    let leases = Leases::builder(&pool(&db, 16, "whole-wait"))
+        .statement_timeout(timeout)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let inserter = insert_uncommitted(&db).await;
+    let o = opts();
+    let stuck: Vec<_> = ["first", "second"]
+        .into_iter()
+        .map(|n| {
+            let (leases, o) = (leases.clone(), o.clone());
+            tokio::spawn(async move { leases.acquire(n, &o, None).await })
+        })
+        .collect();
+    eventually(5 * S, "both statements wait on the insert", || async {
+        busy_backends(&admin, "whole-wait").await.0 == 2
+    })
+    .await;
+    let err = leases.acquire("first", &o, None).await.unwrap_err();
+    match err {
+        Error::Lease(LeaseError::Timeout { waited, .. }) => {
+            eprintln!("timed out after {waited:?} (statement timeout {timeout:?})");
+            assert!(
+                waited >= timeout,
+                "reported {waited:?} of a {timeout:?} wait"
+            );
+        }
+        e => panic!("{e}"),
+    }
+    inserter.batch_execute("ROLLBACK").await.unwrap();
+    for h in stuck {
+        let _ = within(10 * S, "a stuck acquisition", h).await;
+    }
+}
+
+/// Where no cancel goes (a direct connection configured as behind a
+/// pooler), an acquisition that runs out of time while its statement is
+/// still busy on the server (a trigger sleeps 2 s, past the 1 s statement
+/// timeout; no lock wait, so its `lock_timeout` does not end it): the
+/// release that follows waits for the statement's end, and the lease the
+/// statement took is released. Before: the release ran at once, the
+/// statement committed after it, and the lease stayed held until its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_acquisition_is_released_after_its_statement_ends() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool_behind(db.pg_config(), 4, "timed-out", PoolerMode::Transaction);
+    let leases = Leases::builder(&pool).statement_timeout(S).build().unwrap();
+    leases.install().await.unwrap();
+    admin
+        .batch_execute(
+            "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NEW.name = 'slow-insert' THEN PERFORM pg_sleep(2); END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER slow_insert BEFORE INSERT ON pgwarden_leases
+               FOR EACH ROW EXECUTE FUNCTION slow_insert();",
+        )
+        .await
+        .unwrap();
+    let err = leases
+        .acquire("slow-insert", &opts(), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Lease(LeaseError::Timeout { .. })),
+        "{err}"
+    );
+    eventually(
+        10 * S,
+        "the statement took the lease, then it was released",
+        || released(&admin, "slow-insert"),
+    )
+    .await;
+}

@@ -1,0 +1,200 @@
+//! Installing the lease table against a real PostgreSQL: idempotent and
+//! race-free, the same as sql/leases.sql, and a table of another shape is a
+//! typed error that names what differs, at install and at first use.
+
+use crate::support;
+
+use std::time::Duration;
+
+use pgwarden::{Error, LeaseError, LeaseOptions, Leases};
+use support::leases::pool;
+use support::{admin, db};
+use tokio_postgres::types::Type;
+
+const S: Duration = Duration::from_secs(1);
+
+#[tokio::test]
+async fn install_is_idempotent_race_free_and_matches_the_sql_file() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    admin.batch_execute("CREATE SCHEMA app").await.unwrap();
+    let pool = pool(&db, 6, "install");
+    // Four instances starting together.
+    let all: Vec<Leases> = (0..4)
+        .map(|_| Leases::builder(&pool).table("app.leases").build().unwrap())
+        .collect();
+    let ran = futures_util::future::join_all(all.iter().map(|l| l.install())).await;
+    let ran: Vec<bool> = ran.into_iter().map(|r| r.expect("install")).collect();
+    assert!(ran.contains(&true), "{ran:?}");
+    assert!(
+        !all[0].install().await.unwrap(),
+        "second install is a no-op"
+    );
+
+    // sql/leases.sql, run by hand, makes the same table.
+    admin
+        .batch_execute(include_str!("../../sql/leases.sql"))
+        .await
+        .unwrap();
+    let columns = |schema: &'static str, table: &'static str| {
+        let admin = &admin;
+        async move {
+            admin
+                .query_typed(
+                    "SELECT column_name::text, data_type::text, is_nullable::text, coalesce(column_default, '')::text
+                       FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2
+                      ORDER BY ordinal_position",
+                    &[(&schema, Type::TEXT), (&table, Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1), r.get::<_, String>(2), r.get::<_, String>(3)))
+                .collect::<Vec<_>>()
+        }
+    };
+    let a = columns("app", "leases").await;
+    assert_eq!(a.len(), 7, "{a:?}");
+    assert_eq!(a, columns("public", "pgwarden_leases").await);
+    // Logged (survives failover), sequence owned by the table.
+    let r = admin
+        .query_typed_one(
+            "SELECT c.relpersistence::text, s.seqcache, s.seqtypid::regtype::text
+               FROM pg_class c, pg_sequence s
+              WHERE c.oid = 'app.leases'::regclass AND s.seqrelid = 'app.leases_token_seq'::regclass",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.get::<_, String>(0), "p");
+    assert_eq!(r.get::<_, i64>(1), 1);
+    assert_eq!(r.get::<_, String>(2), "bigint");
+    // And the schema-qualified table works.
+    let lease = all[1]
+        .acquire("x", &LeaseOptions::new(2 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    lease.release().await.unwrap();
+}
+
+/// The differences an install check reports, or a panic.
+fn differences(e: Error) -> Vec<String> {
+    match e {
+        Error::Lease(LeaseError::TableMismatch { differences, .. }) => differences,
+        other => panic!("expected a shape mismatch, got {other}"),
+    }
+}
+
+#[tokio::test]
+async fn a_table_of_another_shape_is_a_typed_error() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool(&db, 3, "shape");
+    let cases: [(&str, &str, &[&str]); 4] = [
+        (
+            "wrong_types",
+            "CREATE TABLE wrong_types (name varchar(64) PRIMARY KEY, holder text NOT NULL,
+               token integer NOT NULL, taken_at timestamptz NOT NULL, expires_at timestamp NOT NULL,
+               held_until timestamptz NOT NULL, prev_holder text);
+             CREATE SEQUENCE wrong_types_token_seq AS bigint OWNED BY wrong_types.token",
+            &[
+                "column name is character varying(64), expected text",
+                "column token is integer, expected bigint",
+                "column expires_at is timestamp without time zone, expected timestamp with time zone",
+            ],
+        ),
+        (
+            "no_key",
+            "CREATE TABLE no_key (name text NOT NULL, holder text NOT NULL, token bigint NOT NULL,
+               taken_at timestamptz NOT NULL, expires_at timestamptz NOT NULL,
+               held_until timestamptz NOT NULL, prev_holder text);
+             CREATE SEQUENCE no_key_token_seq AS bigint OWNED BY no_key.token",
+            &["there is no primary key (expected PRIMARY KEY (name))"],
+        ),
+        (
+            "missing",
+            "CREATE TABLE missing (name text PRIMARY KEY, holder text NOT NULL, expires_at timestamptz NOT NULL);
+             CREATE SEQUENCE missing_token_seq AS integer",
+            &[
+                "column token (bigint) is missing",
+                "column taken_at (timestamp with time zone) is missing",
+                "column held_until (timestamp with time zone) is missing",
+                "column prev_holder (text) is missing",
+                "the token sequence \"public\".\"missing_token_seq\" is integer, expected bigint",
+            ],
+        ),
+        (
+            "other_key",
+            "CREATE TABLE other_key (name text, holder text NOT NULL, token bigint NOT NULL,
+               taken_at timestamptz NOT NULL, expires_at timestamptz NOT NULL,
+               held_until timestamptz NOT NULL, prev_holder text NOT NULL, PRIMARY KEY (name, holder));
+             CREATE SEQUENCE other_key_token_seq AS bigint OWNED BY other_key.token",
+            &[
+                "the primary key is (name, holder), expected (name)",
+                "column prev_holder is NOT NULL, it must allow NULL",
+            ],
+        ),
+    ];
+    for (table, ddl, expected) in cases {
+        admin.batch_execute(ddl).await.unwrap();
+        let leases = Leases::builder(&pool).table(table).build().unwrap();
+        let err = leases.install().await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                pgwarden::Error::Lease(pgwarden::LeaseError::TableMismatch { .. })
+            ),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(text.contains(table), "{text}");
+        let found = differences(err);
+        for want in expected {
+            assert!(
+                found.iter().any(|d| d == want),
+                "{table}: {want:?} not in {found:?}"
+            );
+        }
+        assert_eq!(found.len(), expected.len(), "{table}: {found:?}");
+        // At first use too (auto_install is on by default), before any
+        // acquisition statement.
+        let fresh = Leases::builder(&pool).table(table).build().unwrap();
+        let err = fresh
+            .acquire("x", &LeaseOptions::new(S), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                pgwarden::Error::Lease(pgwarden::LeaseError::TableMismatch { .. })
+            ),
+            "{err}"
+        );
+        eprintln!("{table}: {err}");
+    }
+    // A table without its sequence: install creates the sequence, and the
+    // table then fits.
+    admin
+        .batch_execute(
+            &Leases::builder(&pool)
+                .table("seqless")
+                .build()
+                .unwrap()
+                .ddl(),
+        )
+        .await
+        .unwrap();
+    admin
+        .batch_execute("DROP SEQUENCE seqless_token_seq CASCADE")
+        .await
+        .unwrap();
+    let leases = Leases::builder(&pool).table("seqless").build().unwrap();
+    assert!(leases.install().await.unwrap(), "the DDL ran");
+    let lease = leases
+        .acquire("x", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    lease.release().await.unwrap();
+}

@@ -1,0 +1,336 @@
+//! The purge against a real PostgreSQL: old rows go, live ones stay, and
+//! tokens still grow with every term of a name, under 16 contenders with an
+//! aggressive purge and stalled backends.
+
+use crate::support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden::{LeaseOptions, Leases};
+use support::leases::{backends, insert_expired, pool};
+use support::{admin, db, eventually, Stopped};
+
+const S: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+/// Sixteen contenders take and release one name for a second, while every
+/// instance purges each 10 ms everything released (age zero). Half the
+/// contenders hold for at least 1 ms, so their release keeps the row and the
+/// purge deletes it; the others' release deletes it at once when it can.
+/// Terms alternate between a new row (its token drawn before the insert)
+/// and a take-over of a kept one, and tokens still grow with every term.
+#[tokio::test]
+async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
+    let db = db().await;
+    let instances: Vec<Leases> = (0..4)
+        .map(|i| {
+            Leases::builder(&pool(&db, 5, &format!("purge{i}")))
+                .purge(Duration::ZERO, Some(10 * MS))
+                .build()
+                .unwrap()
+        })
+        .collect();
+    instances[0].install().await.unwrap();
+    // Keep every renewer (and its purge) running: each instance holds a
+    // lease of its own.
+    let mut keep = Vec::new();
+    for (i, l) in instances.iter().enumerate() {
+        keep.push(
+            l.acquire(&format!("keep{i}"), &LeaseOptions::new(3 * S), None)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+
+    let inside = Arc::new(AtomicUsize::new(0));
+    let tokens = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let stop = Instant::now() + S;
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let leases = instances[i % 4].clone();
+            let (inside, tokens) = (inside.clone(), tokens.clone());
+            let opts = match i % 2 {
+                0 => LeaseOptions::new(2 * S).at_least(MS),
+                _ => LeaseOptions::new(2 * S),
+            };
+            tokio::spawn(async move {
+                while Instant::now() < stop {
+                    if let Some(lease) = leases.acquire("mutex", &opts, None).await.unwrap() {
+                        assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                        // The token of each term, in the order terms happened.
+                        tokens.lock().push(lease.term().token);
+                        tokio::time::sleep(2 * MS).await;
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        lease.release().await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    // Meanwhile, contenders' backends stall at random points of their
+    // statements (SIGSTOP for 1 to 20 ms): a statement that drew its token
+    // and then stalls is what could make a token go backwards.
+    let staller = {
+        let admin = admin(&db).await;
+        tokio::spawn(async move {
+            let mut stalls = 0;
+            while Instant::now() < stop {
+                let mut pids = Vec::new();
+                for i in 0..4 {
+                    pids.extend(backends(&admin, &format!("purge{i}")).await);
+                }
+                if let Some(&pid) = pids.get(rand::random::<usize>() % pids.len().max(1)) {
+                    let pause = Duration::from_millis(1 + rand::random::<u64>() % 20);
+                    let stopped = Stopped::stop(vec![pid]).expect("SIGSTOP");
+                    tokio::time::sleep(pause).await;
+                    drop(stopped);
+                    stalls += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(rand::random::<u64>() % 5)).await;
+            }
+            stalls
+        })
+    };
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let stalls = staller.await.unwrap();
+    let tokens = tokens.lock().clone();
+    let purged: u64 = instances.iter().map(|l| l.stats().purged).sum();
+    let purges: u64 = instances.iter().map(|l| l.stats().purge_statements).sum();
+    eprintln!(
+        "16 contenders, purge every 10 ms, {stalls} backend stalls: {} terms, {purges} purge statements deleted {purged} rows",
+        tokens.len()
+    );
+    assert!(tokens.len() > 5, "{} terms", tokens.len());
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens grow: {tokens:?}"
+    );
+    assert!(purged > 0, "the purge deleted rows between terms");
+    for lease in keep {
+        lease.release().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn ten_thousand_released_names_leave_under_a_hundred_rows() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool(&db, 8, "purge-10k");
+    // Takes and releases the names; purges nothing itself.
+    let leases = Leases::builder(&pool)
+        .purge(Duration::from_secs(600), None)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    // Half with a hold (their rows are kept at release, for the purge), half
+    // without (their release deletes the row when it can).
+    let held = LeaseOptions::new(10 * S).at_least(MS);
+    let plain = LeaseOptions::new(10 * S);
+    let t = Instant::now();
+    let tasks: Vec<_> = (0..16)
+        .map(|task| {
+            let (leases, held, plain) = (leases.clone(), held.clone(), plain.clone());
+            tokio::spawn(async move {
+                for i in (task..10_000).step_by(16) {
+                    let opts = if i % 2 == 0 { &held } else { &plain };
+                    let lease = leases
+                        .acquire(&format!("n{i:05}"), opts, None)
+                        .await
+                        .unwrap()
+                        .expect("a new name is free");
+                    lease.release().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let rows = || async {
+        admin
+            .query_typed_one("SELECT count(*) FROM pgwarden_leases", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let before = rows().await;
+    eprintln!(
+        "10,000 names acquired and released in {:?}: {before} rows before the purge",
+        t.elapsed()
+    );
+    assert!(before >= 5_000, "held rows are kept at release: {before}");
+    // Another instance purges every 50 ms whatever was released; one lease
+    // held keeps its renewer (and so its purge) running.
+    let purger = Leases::builder(&pool)
+        .purge(Duration::ZERO, Some(50 * MS))
+        .build()
+        .unwrap();
+    let keep = purger
+        .acquire("keep", &LeaseOptions::new(3 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let t = Instant::now();
+    eventually(10 * S, "the renewer purged", || async {
+        rows().await < 100
+    })
+    .await;
+    let after = rows().await;
+    let stats = purger.stats();
+    eprintln!(
+        "after {:?}: {after} rows; {} purge statements deleted {} rows",
+        t.elapsed(),
+        stats.purge_statements,
+        stats.purged
+    );
+    assert!(after < 100);
+    assert!(stats.purged >= 5_000);
+    keep.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn purge_deletes_only_rows_older_than_its_age() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 2, "purge-age"))
+        .purge(Duration::from_secs(3600), Some(20 * MS))
+        .build()
+        .unwrap();
+    // A released row kept by its hold, and a crashed holder's expired row.
+    let opts = LeaseOptions::new(10 * S).at_least(MS);
+    leases
+        .acquire("released", &opts, None)
+        .await
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    insert_expired(&admin, "crashed", "gone").await;
+    let names = || async {
+        admin
+            .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names().await, ["crashed", "released"]);
+    // Younger than an hour: kept by two whole purge statements.
+    purge_rounds(&leases, 2).await;
+    assert_eq!(names().await, ["crashed", "released"]);
+    assert_eq!(leases.stats().purged, 0);
+    // Two hours old: purged, released and expired alike.
+    admin
+        .batch_execute(
+            "UPDATE pgwarden_leases SET expires_at = expires_at - interval '2 h',
+                    held_until = held_until - interval '2 h'",
+        )
+        .await
+        .unwrap();
+    // A live lease is never purged, however old its take.
+    let live = leases
+        .acquire("live", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    eventually(5 * S, "the old rows purged", || async {
+        names().await == ["live"]
+    })
+    .await;
+    assert_eq!(leases.stats().purged, 2);
+    // A purged name starts again with a larger token.
+    let again = leases
+        .acquire("crashed", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(again.term().token > live.term().token);
+    assert_eq!(again.term().took_over_from.as_deref(), None);
+}
+
+/// The guard behind growing tokens, step by step: a release keeps its row
+/// (marked released), so the next term of the name draws its token with
+/// the row locked; and while any statement on the table is in flight (each
+/// holds `ROW EXCLUSIVE` until it ends, from before it draws a token), the
+/// purge deletes nothing: it skips its round, and purges once it is gone.
+#[tokio::test]
+async fn no_row_is_deleted_under_an_acquisition_in_flight() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::builder(&pool(&db, 2, "guard"))
+        .purge(Duration::ZERO, Some(20 * MS))
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let row = || async {
+        admin
+            .query_typed_opt(
+                "SELECT holder, token FROM pgwarden_leases WHERE name = 'n'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+    };
+
+    // An acquisition in flight: what it holds on the table from its start.
+    let inflight = db.connect().await.unwrap();
+    inflight
+        .batch_execute("BEGIN; LOCK TABLE pgwarden_leases IN ROW EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let lease = leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let first = lease.term().token;
+    lease.release().await.unwrap();
+    // Released: the row stays, marked released, with its token.
+    assert_eq!(row().await, Some((String::new(), first)));
+    purge_rounds(&leases, 3).await;
+    assert_eq!(
+        row().await,
+        Some((String::new(), first)),
+        "purged while a statement was in flight"
+    );
+    inflight.batch_execute("COMMIT").await.unwrap();
+    eventually(5 * S, "the released row purged", || async {
+        row().await.is_none()
+    })
+    .await;
+    // A new row of the name: a larger token than the purged term's.
+    let lease = leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(lease.term().token > first);
+    // And a term after a release (the row kept) draws a larger one again.
+    let second = lease.term().token;
+    lease.release().await.unwrap();
+    let again = leases
+        .acquire("n", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(again.term().token > second);
+    assert_eq!(row().await.map(|r| r.1), Some(again.term().token));
+}
+
+/// Waits until `n` more purge statements have run: with `n` = 2, at least
+/// one ran from start to end after the call.
+async fn purge_rounds(leases: &Leases, n: u64) {
+    let before = leases.stats().purge_statements;
+    eventually(5 * S, "purge statements", || async {
+        leases.stats().purge_statements >= before + n
+    })
+    .await;
+}

@@ -1,0 +1,215 @@
+//! The renewer is supervised, against a real PostgreSQL: when its runtime
+//! is dropped, the lease still reports itself lost at its deadline (before
+//! another instance takes it) and the next acquisition starts a renewer
+//! again; a panic inside it (here, the metrics recorder's) is caught and
+//! counted, and renewal goes on.
+
+use crate::support;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use pgwarden::{LeaseOptions, Leases, LostReason};
+use support::leases::{ahead, expiry, pool, short};
+use support::{admin, db, eventually, within};
+
+const S: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+/// The lease is taken in a runtime that is then dropped, with its renewer:
+/// the lease still reports itself lost at its deadline, before another
+/// instance takes it; the next acquisition starts a renewer again.
+#[test]
+fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (db, a, b) = main.block_on(async {
+        let db = db().await;
+        let pool_a = pool(&db, 3, "rt-a");
+        // The pool's connections live in this runtime.
+        drop(pool_a.get().await.unwrap());
+        let a = Leases::new(&pool_a);
+        let b = Leases::new(&pool(&db, 2, "rt-b"));
+        b.install().await.unwrap();
+        (db, a, b)
+    });
+    // Taken in a runtime of its own, which starts the renewer there...
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let lease = other
+        .block_on(a.acquire("job", &short(), None))
+        .unwrap()
+        .unwrap();
+    // ...and is dropped, with the renewer.
+    drop(other);
+    let renewals = a.stats().renewal_statements;
+    main.block_on(async {
+        let admin = admin(&db).await;
+        let expires = expiry(&admin, "job").await;
+        let taker = tokio::spawn(async move {
+            let l = b.acquire("job", &short(), Some(10 * S)).await;
+            (SystemTime::now(), l)
+        });
+        let reason = within(5 * S, "lost signal", lease.lost()).await;
+        let lost_at = SystemTime::now();
+        assert_eq!(reason, LostReason::Deadline);
+        assert_eq!(a.stats().renewal_statements, renewals, "nothing renewed it");
+        let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
+        let taken = taken.unwrap().expect("taken within the wait");
+        eprintln!(
+            "runtime dropped: lost {:.3} s before the expiry, {:.3} s before the take-over",
+            ahead(lost_at, expires),
+            ahead(lost_at, taken_at)
+        );
+        assert!(ahead(lost_at, expires) > 0.0);
+        assert!(lost_at < taken_at);
+        assert_eq!(
+            taken.term().took_over_from.as_deref(),
+            Some(lease.term().holder.as_str())
+        );
+
+        // The next acquisition starts a renewer in this runtime.
+        let fresh = a.acquire("again", &short(), None).await.unwrap().unwrap();
+        let before = a.stats().renewed;
+        eventually(4 * S, "renewals again", || async {
+            a.stats().renewed >= before + 2
+        })
+        .await;
+        assert!(!fresh.is_lost());
+        fresh.release().await.unwrap();
+        taken.release().await.unwrap();
+    });
+}
+
+/// A metrics recorder that panics: the renewal histogram on its first 3
+/// records (inside renewal batches), the renew-interval gauge on its first
+/// 5 sets (inside the renewer's tick). It counts the renewer's panics.
+#[derive(Default)]
+struct Panicky {
+    histogram: Arc<AtomicUsize>,
+    gauge: Arc<AtomicUsize>,
+    renewer_panics: Arc<AtomicU64>,
+}
+
+struct Fails(Arc<AtomicUsize>, usize);
+struct Counts(Arc<AtomicU64>);
+
+impl metrics::HistogramFn for Fails {
+    fn record(&self, _: f64) {
+        if self.0.fetch_add(1, Ordering::SeqCst) < self.1 {
+            panic!("recorder failure (histogram)");
+        }
+    }
+}
+
+impl metrics::GaugeFn for Fails {
+    fn increment(&self, _: f64) {}
+    fn decrement(&self, _: f64) {}
+    fn set(&self, _: f64) {
+        if self.0.fetch_add(1, Ordering::SeqCst) < self.1 {
+            panic!("recorder failure (gauge)");
+        }
+    }
+}
+
+impl metrics::CounterFn for Counts {
+    fn increment(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::SeqCst);
+    }
+    fn absolute(&self, _: u64) {}
+}
+
+impl metrics::Recorder for Panicky {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() == "pgwarden_lease_renewer_panics_total" {
+            metrics::Counter::from_arc(Arc::new(Counts(self.renewer_panics.clone())))
+        } else {
+            metrics::Counter::noop()
+        }
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        if key.name() == "pgwarden_lease_renew_interval_seconds" {
+            metrics::Gauge::from_arc(Arc::new(Fails(self.gauge.clone(), 5)))
+        } else {
+            metrics::Gauge::noop()
+        }
+    }
+    fn register_histogram(
+        &self,
+        key: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        if key.name() == "pgwarden_lease_renewal_duration_seconds" {
+            metrics::Histogram::from_arc(Arc::new(Fails(self.histogram.clone(), 3)))
+        } else {
+            metrics::Histogram::noop()
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_renewer_survives_panics() {
+    let db = db().await;
+    let recorder = Panicky::default();
+    let pool = pool(&db, 3, "panicky");
+    // The handles are registered with the recorder when the instance is built.
+    let leases = metrics::with_local_recorder(&recorder, || Leases::new(&pool));
+    let opts = LeaseOptions::new(2 * S).renew_every(250 * MS);
+    let lease = leases.acquire("job", &opts, None).await.unwrap().unwrap();
+    // The lease lives on, renewed, through 8 panics: the recorder panics in
+    // the first 3 histogram records and the first 5 gauge sets, then no more.
+    let panics = || recorder.renewer_panics.load(Ordering::SeqCst);
+    eventually(20 * S, "8 renewer panics caught", || async {
+        panics() >= 8
+    })
+    .await;
+    // Then past a whole TTL more of renewals (9 at 250 ms: over 2 s) with no
+    // further panic: a renewer that died with a panic would have lost the
+    // lease by then.
+    let renewed = leases.stats().renewed;
+    eventually(20 * S, "9 renewals after the panics", || async {
+        leases.stats().renewed >= renewed + 9
+    })
+    .await;
+    let stats = leases.stats();
+    eprintln!("{} renewer panics caught; {stats:?}", panics());
+    assert_eq!(
+        panics(),
+        8,
+        "3 in batches + 5 in ticks, each caught and counted"
+    );
+    assert!(
+        !lease.is_lost(),
+        "{:?}",
+        futures_util::FutureExt::now_or_never(lease.lost())
+    );
+    assert!(stats.renewed >= 8, "{stats:?}");
+    lease.release().await.unwrap();
+}

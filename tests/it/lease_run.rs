@@ -1,0 +1,337 @@
+//! Running under leases against a real PostgreSQL: Leases::run (skip,
+//! renewal, release, cancel on loss), the at-least hold, bad input refused
+//! at the call, and futures dropped mid-flight.
+
+use crate::support;
+
+use std::ops::Bound;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden::{
+    Error, InvalidInput, LeaseError, LeaseOptions, Leases, LostReason, NameRule, OnLost,
+};
+use support::leases::{pool, row};
+use support::{admin, db, eventually, within};
+
+const S: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+// ---- Leases::run ----
+
+#[tokio::test]
+async fn run_skips_renews_releases_and_cancels() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 3, "run"));
+    // Runs; a concurrent run skips; it outlives its TTL, renewed.
+    let l2 = leases.clone();
+    let out = leases
+        .run("nightly", &LeaseOptions::new(S), |lease| async move {
+            let inner = l2
+                .run("nightly", &LeaseOptions::new(S), |_| async {})
+                .await
+                .unwrap();
+            assert!(inner.is_none(), "a second run skips");
+            // The scenario: the run outlives its TTL (1 s).
+            tokio::time::sleep(1500 * MS).await;
+            assert!(!lease.is_lost());
+            lease.term().token
+        })
+        .await
+        .unwrap();
+    assert!(out.is_some());
+    // Released after: free at once.
+    assert_eq!(row(&admin, "nightly").await, None);
+
+    // OnLost::Cancel: the job is dropped at once when its lease is taken.
+    let dropped = Arc::new(AtomicBool::new(false));
+    struct Flag(Arc<AtomicBool>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let opts = LeaseOptions::new(S).on_lost(OnLost::Cancel);
+    let flag = Flag(dropped.clone());
+    let admin2 = &admin;
+    let err = within(5 * S, "cancelled run", leases.run("steal-me", &opts, |_| async move {
+        let _flag = flag;
+        // Another holder takes the row over.
+        admin2
+            .batch_execute("UPDATE pgwarden_leases SET holder = 'thief', token = 0 WHERE name = 'steal-me'")
+            .await
+            .unwrap();
+        tokio::time::sleep(60 * S).await;
+    }))
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Lease(LeaseError::Lost {
+                reason: LostReason::Taken,
+                ..
+            })
+        ),
+        "{err}"
+    );
+    assert!(dropped.load(Ordering::SeqCst));
+    assert_eq!(row(&admin, "steal-me").await, Some(("thief".to_owned(), 0)));
+
+    // OnLost::Signal (default): the job sees the signal and finishes its way.
+    let out = within(
+        5 * S,
+        "signalled run",
+        leases.run("steal-me-too", &LeaseOptions::new(S), |lease| async move {
+            admin2
+                .batch_execute(
+                    "UPDATE pgwarden_leases SET holder = 'thief' WHERE name = 'steal-me-too'",
+                )
+                .await
+                .unwrap();
+            lease.lost().await
+        }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out, Some(LostReason::Taken));
+}
+
+// ---- at-least-hold ----
+
+#[tokio::test]
+async fn at_least_hold_outlives_an_early_release() {
+    let db = db().await;
+    let leases = Leases::new(&pool(&db, 2, "hold"));
+    let opts = LeaseOptions::new(S).at_least(1500 * MS);
+    let start = Instant::now();
+    let first = leases.acquire("mail", &opts, None).await.unwrap().unwrap();
+    let first_token = first.term().token;
+    first.release().await.unwrap();
+    // Released, still held: nobody gets it before 1.5 s.
+    assert!(leases
+        .acquire("mail", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_none());
+    let second = leases
+        .acquire("mail", &LeaseOptions::new(S), Some(5 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
+    assert!(start.elapsed() >= 1400 * MS, "{:?}", start.elapsed());
+    // A released row is not a take-over.
+    assert_eq!(second.term().took_over_from.as_deref(), None);
+    assert!(second.term().token > first_token);
+    second.release().await.unwrap();
+    assert!(leases
+        .acquire("mail", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_some());
+}
+
+// ---- bad input ----
+
+#[tokio::test]
+async fn bad_input_is_a_typed_error_at_the_call() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool(&db, 2, "bad");
+    let invalid = |e: Error| assert!(matches!(e, Error::Invalid(_)), "{e}");
+    // Each refusal names the value and the rule it breaks.
+    let name_rule = |e: Error| match e {
+        Error::Invalid(InvalidInput::Name { what, value, rule }) => (what, value, rule),
+        e => panic!("{e}"),
+    };
+    let table_cases: [(&str, &str, NameRule); 8] = [
+        ("", "", NameRule::Empty),
+        (
+            "lea ses",
+            "lea ses",
+            NameRule::Character {
+                found: ' ',
+                allowed: "",
+            },
+        ),
+        (
+            "leases\"; DROP TABLE x; --",
+            "",
+            NameRule::Character {
+                found: '"',
+                allowed: "",
+            },
+        ),
+        (
+            "a.b.c",
+            "a.b.c",
+            NameRule::Character {
+                found: '.',
+                allowed: "",
+            },
+        ),
+        ("app.", "", NameRule::Empty),
+        (
+            "x'y",
+            "x'y",
+            NameRule::Character {
+                found: '\'',
+                allowed: "",
+            },
+        ),
+        (
+            "n\0ul",
+            "n\0ul",
+            NameRule::Character {
+                found: '\0',
+                allowed: "",
+            },
+        ),
+        (&"t".repeat(54), "", NameRule::TooLong { len: 54, max: 53 }),
+    ];
+    for (table, part, want) in table_cases {
+        let (what, value, rule) =
+            name_rule(Leases::builder(&pool).table(table).build().unwrap_err());
+        assert_eq!(what, "lease table name");
+        if !part.is_empty() {
+            assert_eq!(value, part, "{table:?}");
+        }
+        match (&rule, &want) {
+            (NameRule::Character { found, .. }, NameRule::Character { found: w, .. }) => {
+                assert_eq!(found, w, "{table:?}")
+            }
+            _ => assert_eq!(rule, want, "{table:?}"),
+        }
+    }
+    match Leases::builder(&pool)
+        .statement_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err()
+    {
+        Error::Invalid(InvalidInput::Duration {
+            value, min, max, ..
+        }) => {
+            assert_eq!(value, Duration::ZERO);
+            assert_eq!(min, Bound::Excluded(Duration::ZERO));
+            assert_eq!(max, Bound::Included(24 * 3600 * S));
+        }
+        e => panic!("{e}"),
+    }
+    let leases = Leases::new(&pool);
+    let long = "n".repeat(129);
+    for name in ["", "a\0b", "new\nline", long.as_str()] {
+        invalid(
+            leases
+                .acquire(name, &LeaseOptions::new(S), None)
+                .await
+                .unwrap_err(),
+        );
+        invalid(
+            leases
+                .acquire(name, &LeaseOptions::new(S), Some(S))
+                .await
+                .unwrap_err(),
+        );
+        let opts = LeaseOptions::default();
+        invalid(leases.run(name, &opts, |_| async {}).await.unwrap_err());
+    }
+    for ttl in [Duration::ZERO, 999 * MS, 25 * 3600 * S, Duration::MAX] {
+        let e = leases
+            .acquire("x", &LeaseOptions::new(ttl), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Invalid(InvalidInput::Duration { what: "lease TTL", value, min: Bound::Included(min), max: Bound::Included(max) })
+                    if value == ttl && min == S && max == 24 * 3600 * S
+            ),
+            "{e}"
+        );
+    }
+    for opts in [
+        LeaseOptions::new(2 * S).renew_every(2 * S),
+        LeaseOptions::new(2 * S).renew_every(3 * S),
+        LeaseOptions::new(2 * S).renew_every(Duration::ZERO),
+        LeaseOptions::new(2 * S).safety_margin(2 * S),
+        LeaseOptions::new(2 * S).at_least(400 * 24 * 3600 * S),
+    ] {
+        invalid(leases.acquire("x", &opts, None).await.unwrap_err());
+        invalid(leases.run("x", &opts, |_| async {}).await.unwrap_err());
+    }
+    // Refused before any statement: nothing was installed.
+    assert_eq!(leases.stats().statements, 0);
+    let exists: bool = admin
+        .query_typed_one("SELECT to_regclass('pgwarden_leases') IS NOT NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!exists);
+    // A name that looks like SQL is only data.
+    let odd = "x'); DROP TABLE pgwarden_leases; --";
+    let lease = leases
+        .acquire(odd, &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row(&admin, odd).await.unwrap().1, lease.term().token);
+    lease.release().await.unwrap();
+}
+
+// ---- cancellation ----
+
+#[tokio::test]
+async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
+    let db = db().await;
+    let pool = pool(&db, 2, "cancel");
+    let leases = Leases::new(&pool);
+    leases.install().await.unwrap();
+    // Drop acquisitions and releases after every number of polls.
+    for polls in 0..12 {
+        // Polled `polls` times (or until it completes: a completed future
+        // must not be polled again), then dropped.
+        let opts = LeaseOptions::new(S);
+        let mut fut = Box::pin(leases.acquire("c", &opts, None));
+        for _ in 0..polls {
+            if futures_util::poll!(&mut fut).is_ready() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        drop(fut);
+        if let Some(lease) = leases
+            .acquire("r", &LeaseOptions::new(S), None)
+            .await
+            .unwrap()
+        {
+            let mut fut = Box::pin(lease.release());
+            for _ in 0..polls {
+                if futures_util::poll!(&mut fut).is_ready() {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            drop(fut);
+        }
+    }
+    // No connection stays out; a dropped acquisition registers nothing, and
+    // whatever it took in the database expires after its TTL.
+    eventually(3 * S, "connections back", || async {
+        pool.status().in_use == 0
+    })
+    .await;
+    assert_eq!(leases.stats().held, 0);
+    let c = leases
+        .acquire("c", &LeaseOptions::new(S), Some(3 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
+    let r = leases
+        .acquire("r", &LeaseOptions::new(S), Some(3 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
+    assert!(!c.is_lost() && !r.is_lost());
+}

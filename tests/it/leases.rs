@@ -1,0 +1,345 @@
+//! Table leases against a real PostgreSQL: four jobs on a pool of two, one holder,
+//! take-over, late release, the lost signal, fencing, batched renewal,
+//! Leases::run, holds, bad input.
+
+use crate::support;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden::{LeaseOptions, Leases, LostReason, PoolerMode};
+use support::leases::{backends, pool, pool_behind, row, short, TwoHolders};
+use support::{admin, db, eventually, within, Stopped};
+use tokio_postgres::types::Type;
+
+const S: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+// ---- leases hold no connection; the session-lock version starves the pool ----
+
+const JOBS: [&str; 4] = ["cleanup", "alerts", "mail-checks", "uptime@node-a"];
+
+#[tokio::test]
+async fn leases_hold_no_connection() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    admin
+        .batch_execute(
+            "CREATE TABLE readiness (id serial PRIMARY KEY, at timestamptz DEFAULT now())",
+        )
+        .await
+        .unwrap();
+    // The smallest pool pgwarden allows: the probe reserve + 1 shared
+    // connection. Known direct before counting connections (configured:
+    // detection takes two connections outside the probe reserve, more than
+    // a pool of 2 has).
+    let pool = pool_behind(db.pg_config(), 2, "four-jobs", PoolerMode::Direct);
+    let leases = Leases::new(&pool);
+    let mut held = Vec::new();
+    for job in JOBS {
+        let lease = leases
+            .acquire(job, &LeaseOptions::default(), None)
+            .await
+            .unwrap();
+        held.push(lease.unwrap_or_else(|| panic!("{job} is free")));
+    }
+    let status = pool.status();
+    assert_eq!(status.in_use, 0, "four leases hold no connection: {status}");
+
+    // The readiness-style write commits within 3 s, and the probe passes.
+    let start = Instant::now();
+    within(3 * S, "readiness write", async {
+        let conn = pool.get().await.unwrap();
+        conn.query_typed("INSERT INTO readiness DEFAULT VALUES", &[])
+            .await
+            .unwrap();
+    })
+    .await;
+    pool.readiness(S).await.expect("readiness probe");
+    eprintln!("readiness write with 4 leases held: {:?}", start.elapsed());
+
+    // Every lease is a row of its own term; none is lost.
+    for lease in &held {
+        let (holder, token) = row(&admin, lease.term().name.as_str()).await.unwrap();
+        assert_eq!(
+            (holder.as_str(), token),
+            (lease.term().holder.as_str(), lease.term().token)
+        );
+        assert!(!lease.is_lost());
+    }
+    for lease in held {
+        lease.release().await.unwrap();
+    }
+    assert_eq!(pool.status().in_use, 0);
+}
+
+/// "Run on one instance only" with a session advisory lock: a pooled connection holding a session
+/// advisory lock for as long as the job runs.
+async fn old_try_exclusive(
+    pool: &deadpool_postgres::Pool,
+    name: &str,
+) -> Option<deadpool_postgres::Object> {
+    let conn = pool.get().await.unwrap();
+    let ok: bool = conn
+        .query_typed_one(
+            "SELECT pg_try_advisory_lock(hashtext($1))",
+            &[(&name, Type::TEXT)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    ok.then_some(conn)
+}
+
+#[tokio::test]
+async fn old_try_exclusive_never_gets_there() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    admin
+        .batch_execute("CREATE TABLE readiness (id serial PRIMARY KEY)")
+        .await
+        .unwrap();
+    let raw = db.deadpool(2).unwrap();
+    let reached = AtomicBool::new(false);
+    let scenario = async {
+        let mut held = Vec::new();
+        for job in JOBS {
+            held.push(old_try_exclusive(&raw, job).await);
+        }
+        let conn = raw.get().await.unwrap();
+        conn.query_typed("INSERT INTO readiness DEFAULT VALUES", &[])
+            .await
+            .unwrap();
+        reached.store(true, Ordering::SeqCst);
+    };
+    // The third lock waits for a connection the first two hold: it never gets
+    // to the readiness write.
+    assert!(tokio::time::timeout(3 * S, scenario).await.is_err());
+    assert!(!reached.load(Ordering::SeqCst));
+    // The two locks went back to the pool with their connections, still held.
+    let n: i64 = admin
+        .query_typed_one(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+              WHERE l.locktype = 'advisory' AND a.datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 2);
+}
+
+// ---- one holder ----
+
+#[tokio::test]
+async fn one_holder_under_16_concurrent_contenders() {
+    let db = db().await;
+    // Four instances, four contenders each.
+    let instances: Vec<Leases> = (0..4)
+        .map(|i| Leases::new(&pool(&db, 5, &format!("c{i}"))))
+        .collect();
+    instances[0].install().await.unwrap();
+
+    // All at once: exactly one wins, each round.
+    for round in 0..5 {
+        let name = format!("round-{round}");
+        let barrier = Arc::new(tokio::sync::Barrier::new(16));
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let leases = instances[i % 4].clone();
+                let (barrier, name) = (barrier.clone(), name.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    leases
+                        .acquire(&name, &LeaseOptions::new(2 * S), None)
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        let won: Vec<_> = futures_util::future::join_all(tasks)
+            .await
+            .into_iter()
+            .filter_map(|r| r.unwrap())
+            .collect();
+        assert_eq!(won.len(), 1, "round {round}");
+    }
+
+    // Taken and released over and over for a second: never two inside.
+    let inside = Arc::new(AtomicUsize::new(0));
+    let tokens = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let stop = Instant::now() + S;
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let leases = instances[i % 4].clone();
+            let (inside, tokens) = (inside.clone(), tokens.clone());
+            tokio::spawn(async move {
+                while Instant::now() < stop {
+                    if let Some(lease) = leases
+                        .acquire("mutex", &LeaseOptions::new(2 * S), None)
+                        .await
+                        .unwrap()
+                    {
+                        assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                        tokens.lock().push(lease.term().token);
+                        tokio::time::sleep(2 * MS).await;
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        lease.release().await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let tokens = tokens.lock().clone();
+    assert!(tokens.len() > 5, "{} holds", tokens.len());
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens grow: {tokens:?}"
+    );
+    eprintln!(
+        "16 contenders: {} successive holds, tokens increasing",
+        tokens.len()
+    );
+}
+
+// ---- take-over ----
+
+#[tokio::test]
+async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
+    let TwoHolders { pool_a, a, b, .. } = TwoHolders::new("renew", 2).await;
+
+    // Renewed: B waits 2.5 TTLs and never gets it.
+    let held = a
+        .acquire("renewed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let got = b
+        .acquire("renewed", &LeaseOptions::new(S), Some(2500 * MS))
+        .await
+        .unwrap();
+    assert!(got.is_none(), "B took a renewed lease");
+    assert!(!held.is_lost());
+    assert!(a.stats().renewed >= 5, "{:?}", a.stats());
+    held.release().await.unwrap();
+
+    // Not renewed: A crashes (its pool closes), B takes it over after the TTL.
+    let crashed = a
+        .acquire("crashed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(b
+        .acquire("crashed", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_none());
+    pool_a.close();
+    let taken = b
+        .acquire("crashed", &LeaseOptions::new(S), Some(5 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
+    assert_eq!(
+        taken.term().took_over_from.as_deref(),
+        Some(crashed.term().holder.as_str())
+    );
+    assert!(taken.term().token > crashed.term().token);
+    assert_eq!(
+        within(3 * S, "A's lost signal", crashed.lost()).await,
+        LostReason::Deadline
+    );
+    taken.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn late_release_never_deletes_a_lease_taken_since() {
+    let TwoHolders { admin, a, b, .. } = TwoHolders::installed("late").await;
+    let old = a.acquire("report", &short(), None).await.unwrap().unwrap();
+    // A's backend stops: its renewals hang, B takes the lease after its TTL.
+    let stopped = Stopped::stop(backends(&admin, "late-a").await).expect("SIGSTOP");
+    let new = b
+        .acquire("report", &short(), Some(10 * S))
+        .await
+        .unwrap()
+        .expect("taken within the wait");
+    drop(stopped);
+    // A, late, releases its old term: nothing of B's is touched.
+    let err = old.release().await.unwrap_err();
+    assert!(err.is_lease_lost(), "{err}");
+    assert_eq!(
+        row(&admin, "report").await,
+        Some((new.term().holder.clone(), new.term().token))
+    );
+    // B still renews and releases it.
+    let renewed = b.stats().renewed;
+    eventually(3 * S, "B renews", || async { b.stats().renewed > renewed }).await;
+    assert!(!new.is_lost());
+    new.release().await.unwrap();
+    assert_eq!(row(&admin, "report").await, None);
+}
+
+// ---- batched renewal ----
+
+#[tokio::test]
+async fn one_statement_renews_a_thousand_leases() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let leases = Leases::new(&pool(&db, 4, "batch"));
+    leases.install().await.unwrap();
+    let opts = LeaseOptions::new(4 * S).renew_every(S);
+    let start = Instant::now();
+    let mut held = Vec::with_capacity(1000);
+    for i in 0..1000 {
+        let name = format!("job-{i:04}");
+        held.push(leases.acquire(&name, &opts, None).await.unwrap().unwrap());
+    }
+    eprintln!("1,000 acquisitions: {:?}", start.elapsed());
+    // Batches fold together within one round; then one statement a tick.
+    eventually(10 * S, "a full batch", || async {
+        leases.stats().last_batch == 1000
+    })
+    .await;
+    let before = leases.stats();
+    eventually(10 * S, "three more renewal ticks", || async {
+        leases.stats().renewal_statements >= before.renewal_statements + 3
+    })
+    .await;
+    let after = leases.stats();
+    let statements = after.statements - before.statements;
+    let renewal_statements = after.renewal_statements - before.renewal_statements;
+    let renewed = after.renewed - before.renewed;
+    eprintln!(
+        "batched renewal: {renewal_statements} statements renewed {renewed} leases \
+         ({} per statement, the last in {:?}); {statements} statements in all",
+        renewed / renewal_statements,
+        after.last_renewal
+    );
+    assert_eq!(statements, renewal_statements, "nothing but renewals");
+    assert_eq!(
+        renewed,
+        1000 * renewal_statements,
+        "each statement renews all 1,000"
+    );
+    assert_eq!(after.held, 1000);
+    // In the database: every lease runs at least 2 s more.
+    let fresh: i64 = admin
+        .query_typed_one(
+            "SELECT count(*) FROM pgwarden_leases WHERE expires_at > now() + interval '2 s'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(fresh, 1000);
+    assert!(held.iter().all(|l| !l.is_lost()));
+    assert_eq!(leases.release_all().await.unwrap(), 1000);
+    assert!(held
+        .iter()
+        .all(|l| futures_util::FutureExt::now_or_never(l.lost()) == Some(LostReason::Released)));
+    drop(held);
+}

@@ -1,0 +1,478 @@
+//! Session advisory locks against a real PostgreSQL: key spaces, budget,
+//! re-entry, errors, and the drop, panic and cancellation paths.
+
+use crate::support;
+
+use std::time::{Duration, Instant};
+
+use pgwarden::{Lane, LockKey, LockMode, Namespace};
+use support::*;
+
+const T: Duration = Duration::from_secs(5);
+/// A bound only a wrong behaviour waits out, under [`GUARD`], the guard
+/// against that hang: no upper bound on the machine's speed.
+const HOUR: Duration = Duration::from_secs(3600);
+const GUARD: Duration = Duration::from_secs(60);
+
+/// The backend that waits on the server for advisory lock `objid`, if any.
+async fn lock_waiter(raw: &tokio_postgres::Client, objid: i64) -> Option<i32> {
+    raw.query_opt(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = $1::bigint::oid AND NOT granted",
+        &[&objid],
+    )
+    .await
+    .unwrap()
+    .map(|r| r.get(0))
+}
+
+/// Drives `fut` until its lock statement waits on the server for `objid`,
+/// then drops it (cancelled while waiting: an event, not a clock), and
+/// returns the waiting backend's pid; `None` when `fut` finished first.
+async fn cancel_once_waiting<F: std::future::Future>(
+    raw: &tokio_postgres::Client,
+    objid: i64,
+    fut: F,
+) -> Option<i32> {
+    tokio::select! {
+        _ = fut => None,
+        pid = async {
+            loop {
+                if let Some(pid) = lock_waiter(raw, objid).await {
+                    break pid;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        } => Some(pid),
+    }
+}
+
+#[tokio::test]
+async fn single_and_pair_are_distinct_key_spaces() {
+    let db = db().await;
+    let pool = builder(&db, 4).build().unwrap();
+    let raw = db.connect().await.unwrap();
+    let single = pool
+        .session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    assert!(!free(&raw, LockKey::Single(1)).await, "Single(1) is held");
+    assert!(
+        free(&raw, LockKey::Pair(0, 1)).await,
+        "Pair(0, 1) is another key"
+    );
+    single.unlock().await.unwrap();
+
+    const APP: Namespace = Namespace::new(7);
+    let named = pool
+        .session_lock(APP.named("nightly"), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    // 32-bit FNV-1a of the name, computed here independently.
+    let hash = b"nightly".iter().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    }) as i32;
+    assert!(
+        !free(&raw, LockKey::Pair(7, hash)).await,
+        "named key = (7, fnv1a32)"
+    );
+    named.unlock().await.unwrap();
+    assert!(free(&raw, LockKey::Pair(7, hash)).await);
+}
+
+#[tokio::test]
+async fn session_locks_check_out_on_their_budgeted_lane() {
+    let db = db().await;
+    // Size 4: the default session-lock budget is 1, policy refuse.
+    let pool = builder(&db, 4).build().unwrap();
+    let a = pool
+        .session_lock(LockKey::Single(10), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    assert_eq!(a.client().lane(), Lane::SessionLock);
+    assert!(
+        a.client().site().file().ends_with("locks.rs"),
+        "{}",
+        a.client().site()
+    );
+    assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 1);
+    let e = pool
+        .session_lock(LockKey::Single(11), pgwarden::LockMode::Exclusive, None)
+        .await
+        .unwrap_err();
+    assert!(e.is_budget_exhausted(), "{e}");
+    assert!(
+        e.to_string().contains("locks.rs"),
+        "names the holder's call site: {e}"
+    );
+    a.unlock().await.unwrap();
+    assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 0);
+}
+
+#[tokio::test]
+async fn reentry_is_counted_and_gauged() {
+    let db = db().await;
+    let (pool, snap) = with_recorder(builder(&db, 4).name("reentry"));
+    let raw = db.connect().await.unwrap();
+    let key = LockKey::Pair(3, 4);
+    let held = || {
+        let m = metrics_now(&snap);
+        let get = |k: &str| m.get(&format!("pgwarden_{k}{{pool=reentry}}")).copied();
+        (get("session_locks_held"), get("session_lock_connections"))
+    };
+    let mut lock = pool
+        .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    assert_eq!(lock.lock_again().await.unwrap(), 2);
+    assert_eq!(held(), (Some(2.0), Some(1.0)));
+    assert_eq!(lock.unlock_one().await.unwrap(), 1);
+    assert!(
+        !free(&raw, key).await,
+        "one level left: still held, as in PostgreSQL"
+    );
+    let e = lock.unlock_one().await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            pgwarden::Error::Lock(pgwarden::LockError::UnbalancedUnlock { .. })
+        ),
+        "{e}"
+    );
+    assert_eq!(lock.lock_again().await.unwrap(), 2);
+    lock.unlock().await.unwrap(); // every level
+    assert!(free(&raw, key).await);
+    assert_eq!(held(), (Some(0.0), Some(0.0)), "set back by the unlock");
+    assert_eq!(pool.status().in_use, 0);
+}
+
+/// A level statement cut off in flight leaves the count unknown, and a
+/// `lock_again` the server refuses after it does not make it known again:
+/// `unlock()` releases what the session holds instead of answering
+/// `NotOwned` for a lock it still holds (issue 16, point 12).
+#[tokio::test]
+async fn an_unlock_one_cut_off_then_a_refused_lock_again_still_unlocks() {
+    let db = db().await;
+    let pool = builder(&db, 3).build().unwrap();
+    let raw = db.connect().await.unwrap();
+    let key = LockKey::Pair(3, 5);
+    let mut lock = pool
+        .session_lock(key, LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    assert_eq!(lock.lock_again().await.unwrap(), 2);
+    let pid = lock.client().pid();
+    // unlock_one polled once (its statement goes out) and dropped.
+    assert!(futures_util::FutureExt::now_or_never(lock.unlock_one()).is_none());
+    eventually(T, "the cut-off unlock ran", || async {
+        let row = raw
+            .query_one(
+                "SELECT state, query FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .unwrap();
+        let (state, query): (Option<String>, Option<String>) = (row.get(0), row.get(1));
+        state.as_deref() == Some("idle") && query.is_some_and(|q| q.contains("pg_advisory_unlock"))
+    })
+    .await;
+    assert!(!free(&raw, key).await, "one level left");
+    // The session in a failed transaction: the server refuses lock_again.
+    lock.client().batch_execute("BEGIN").await.unwrap();
+    assert!(lock.client().batch_execute("SELECT 1/0").await.is_err());
+    let e = lock.lock_again().await.unwrap_err();
+    let pgwarden::Error::Db(db_err) = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(
+        db_err.code(),
+        Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION)
+    );
+    lock.client().batch_execute("ROLLBACK").await.unwrap();
+    assert!(!free(&raw, key).await, "the session still holds it");
+    lock.unlock().await.unwrap();
+    assert!(free(&raw, key).await);
+    eventually(T, "connection back", || async { pool.status().in_use == 0 }).await;
+}
+
+#[tokio::test]
+async fn shared_and_try_variants() {
+    let db = db().await;
+    let pool = builder(&db, 8)
+        .lane(Lane::SessionLock, 0, 3)
+        .build()
+        .unwrap();
+    let raw = db.connect().await.unwrap();
+    let key = LockKey::Single(-5);
+    let r1 = pool
+        .session_lock(key, pgwarden::LockMode::Shared, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    let r2 = pool
+        .session_lock(key, pgwarden::LockMode::Shared, None)
+        .await
+        .unwrap()
+        .expect("shared with shared");
+    assert!(
+        pool.session_lock(key, pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap()
+            .is_none(),
+        "no writer while readers"
+    );
+    assert!(!free(&raw, key).await);
+    r1.unlock().await.unwrap();
+    r2.unlock().await.unwrap();
+    let w = pool
+        .session_lock(key, pgwarden::LockMode::Exclusive, None)
+        .await
+        .unwrap()
+        .expect("free again");
+    assert!(pool
+        .session_lock(key, pgwarden::LockMode::Shared, None)
+        .await
+        .unwrap()
+        .is_none());
+    w.unlock().await.unwrap();
+    assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 0);
+}
+
+#[tokio::test]
+async fn lock_timeout_is_typed_and_leaves_the_connection_clean() {
+    let db = db().await;
+    // The pool's own bound is an hour: a wait that ignored its lock timeout
+    // would hang past the guard.
+    let pool = builder(&db, 3).wait_timeout(HOUR).build().unwrap();
+    let raw = db.connect().await.unwrap();
+    raw.execute("SELECT pg_advisory_lock(77)", &[])
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let e = within(
+        GUARD,
+        "the wait ends at its lock timeout",
+        pool.session_lock(
+            LockKey::Single(77),
+            pgwarden::LockMode::Exclusive,
+            Some(Duration::from_millis(200)),
+        ),
+    )
+    .await
+    .unwrap_err();
+    let took = start.elapsed();
+    assert!(e.is_lock_timeout(), "{e}");
+    assert!(took >= Duration::from_millis(150), "{took:?}");
+    assert_eq!(
+        pool.status().in_use,
+        0,
+        "returned at once: nothing was taken"
+    );
+    // The bound was statement-local: no pooled session keeps it.
+    let c = pool.get().await.unwrap();
+    let lt: String = c.query_one("SHOW lock_timeout", &[]).await.unwrap().get(0);
+    assert_eq!(lt, "0");
+}
+
+#[tokio::test]
+async fn unlock_that_postgres_refuses_is_an_error() {
+    let db = db().await;
+    let pool = builder(&db, 3).build().unwrap();
+    let raw = db.connect().await.unwrap();
+    let lock = pool
+        .session_lock(LockKey::Single(8), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    // Released behind the guard's back, on its own connection.
+    lock.client()
+        .batch_execute("SELECT pg_advisory_unlock_all()")
+        .await
+        .unwrap();
+    let e = lock.unlock().await.unwrap_err();
+    assert!(e.is_not_owned(), "{e}");
+    eventually(T, "connection back", || async { pool.status().in_use == 0 }).await;
+    assert!(free(&raw, LockKey::Single(8)).await);
+}
+
+#[tokio::test]
+async fn dropped_guard_is_released_in_the_background() {
+    let db = db().await;
+    let (pool, snap) = with_recorder(builder(&db, 3).name("dropped"));
+    let raw = db.connect().await.unwrap();
+    let lock = pool
+        .session_lock(LockKey::Single(9), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    let pid = lock.client().pid();
+    let size = pool.status().size;
+    drop(lock);
+    eventually(T, "released", || async { pool.status().in_use == 0 }).await;
+    assert!(free(&raw, LockKey::Single(9)).await);
+    // Set to 1 at acquisition and not read since: 0 means the release set it.
+    let m = metrics_now(&snap);
+    assert_eq!(
+        m.get("pgwarden_session_locks_held{pool=dropped}"),
+        Some(&0.0)
+    );
+    assert_eq!(
+        m.get("pgwarden_session_lock_connections{pool=dropped}"),
+        Some(&0.0)
+    );
+    // Unlocked, not closed: the same session is back in the pool.
+    assert!(alive(&raw, pid).await);
+    assert_eq!(pool.status().size, size);
+}
+
+#[tokio::test]
+async fn panic_while_held_releases() {
+    let db = db().await;
+    let pool = builder(&db, 3).build().unwrap();
+    let raw = db.connect().await.unwrap();
+    let p = pool.clone();
+    let task = tokio::spawn(async move {
+        let _lock = p
+            .session_lock(LockKey::Single(12), pgwarden::LockMode::Exclusive, Some(T))
+            .await
+            .unwrap()
+            .expect("a wait grants the lock or fails");
+        panic!("work under the lock failed");
+    });
+    assert!(task.await.unwrap_err().is_panic());
+    eventually(T, "released after the panic", || async {
+        pool.status().in_use == 0
+    })
+    .await;
+    assert!(free(&raw, LockKey::Single(12)).await);
+}
+
+/// Cancelled while the lock statement waits on the server: the release
+/// queues behind it. Confirmed within the unlock timeout, the connection is
+/// kept; not confirmed, it is closed and PostgreSQL ends the session.
+#[tokio::test]
+async fn cancelled_while_waiting_unlocks_or_closes() {
+    let db = db().await;
+    let raw = db.connect().await.unwrap();
+    let key = LockKey::Single(13);
+    raw.execute("SELECT pg_advisory_lock(13)", &[])
+        .await
+        .unwrap();
+
+    // Confirmed: lock_timeout (2 s) ends the wait before the unlock bound
+    // (an hour). Cancelled once it waits on the server; tried again in the
+    // rare case its lock timeout ended the wait before that was seen.
+    let pool = builder(&db, 3).unlock_timeout(HOUR).build().unwrap();
+    let mut tries = 0;
+    while cancel_once_waiting(
+        &raw,
+        13,
+        pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(2 * T / 5)),
+    )
+    .await
+    .is_none()
+    {
+        tries += 1;
+        assert!(tries < 10, "never seen waiting on the server");
+    }
+    eventually(GUARD, "released", || async { pool.status().in_use == 0 }).await;
+    assert_eq!(pool.status().size, 1, "unlocked and kept");
+
+    // Not confirmed: the wait (an hour) outlasts the unlock bound (100 ms).
+    let pool = builder(&db, 3)
+        .unlock_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let fut = pool.session_lock(key, pgwarden::LockMode::Exclusive, Some(HOUR));
+    let waiting = cancel_once_waiting(&raw, 13, fut)
+        .await
+        .expect("an hour's wait on a held lock ended");
+    eventually(T, "closed", || async { pool.status().in_use == 0 }).await;
+    assert_eq!(pool.status().size, 0, "closed, not returned");
+    // A cancel request ends the abandoned backend's wait (closing the socket
+    // alone would not): it leaves while the raw session still holds the lock.
+    eventually(T, "abandoned backend gone", || async {
+        !alive(&raw, waiting).await
+    })
+    .await;
+    raw.execute("SELECT pg_advisory_unlock(13)", &[])
+        .await
+        .unwrap();
+    assert!(raw_locks(&raw).await.is_empty());
+}
+
+#[tokio::test]
+async fn long_hold_warning_names_the_key() {
+    let db = db().await;
+    let b = builder(&db, 3)
+        .name("held")
+        .long_hold_threshold(Duration::from_millis(50))
+        .housekeeping_interval(Duration::from_millis(20));
+    let (pool, snap) = with_recorder(b);
+    // The runtime of `#[tokio::test]` runs the housekeeping task on this
+    // thread: the thread's default subscriber sees its logs.
+    let logs = Logs::default();
+    let _logs = tracing::subscriber::set_default(logs.subscriber());
+    let lock = pool
+        .session_lock(LockKey::Pair(5, 6), LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    eventually(T, "the long hold is logged", || {
+        std::future::ready(logs.text().contains("long-hold threshold"))
+    })
+    .await;
+    // Three more passes (the oldest-hold gauge is set again by each pass
+    // after a reading resets it): still logged once.
+    let key = "pgwarden_long_holds_total{lane=session_lock,pool=held}";
+    let mut long = 0.0;
+    for _ in 0..3 {
+        long += metrics_now(&snap).get(key).copied().unwrap_or(0.0);
+        eventually(T, "a housekeeping pass", || {
+            let m = metrics_now(&snap);
+            long += m.get(key).copied().unwrap_or(0.0);
+            std::future::ready(
+                m.contains_key("pgwarden_oldest_hold_seconds{lane=session_lock,pool=held}"),
+            )
+        })
+        .await;
+    }
+    let text = logs.text();
+    assert_eq!(text.matches("long-hold threshold").count(), 1, "{text}");
+    for part in [
+        "session lock 5:6",
+        "session_lock",
+        &lock.client().pid().to_string(),
+        "locks.rs",
+    ] {
+        assert!(text.contains(part), "{part:?} missing from {text}");
+    }
+    // Counted once, at the first pass past the threshold (readings reset
+    // counters: summed over all of them).
+    long += metrics_now(&snap).get(key).copied().unwrap_or(0.0);
+    assert_eq!(long, 1.0);
+
+    lock.unlock().await.unwrap();
+}
+
+/// The log capture the tests here count on: a log line that a thread with
+/// no subscriber (a sibling test) hits first is still captured by the test
+/// that installed one (see `Logs::subscriber`).
+#[test]
+fn a_log_line_first_hit_elsewhere_is_still_captured() {
+    fn hit(n: u32) {
+        tracing::debug!(n, "capture probe");
+    }
+    let logs = Logs::default();
+    let _log = tracing::subscriber::set_default(logs.subscriber());
+    std::thread::spawn(|| hit(1)).join().unwrap();
+    hit(2);
+    assert!(logs.text().contains("capture probe n=2"), "{}", logs.text());
+}
+
+#[path = "locks/thousand.rs"]
+mod thousand;

@@ -1,0 +1,287 @@
+//! Pool metrics, checked with a local debugging recorder after scripted events.
+
+use crate::support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, Snapshotter};
+
+use pgwarden::{BudgetPolicy, Lane, LockKey, LockMode, Pool, PoolerMode};
+use support::{counter, db, gauge, histogram, metrics_now, snapshot, with_recorder};
+
+/// A snapshot, with the long holds it shows (request, session lock) added
+/// to `long`.
+fn read(snap: &Snapshotter, long: &mut (u64, u64)) -> HashMap<String, DebugValue> {
+    let s = snapshot(snap);
+    let n = |lane: &str| match s.get(&format!("pgwarden_long_holds_total{{lane={lane},pool=mx}}")) {
+        Some(DebugValue::Counter(n)) => *n,
+        _ => 0,
+    };
+    long.0 += n("request");
+    long.1 += n("session_lock");
+    s
+}
+
+/// Past it, a hold is long: longer than `b`'s short hold below ever is,
+/// even when a housekeeping pass lands inside its checkout on a loaded
+/// machine (with 1 ms, it was counted once in a full run).
+const LONG_HOLD: Duration = Duration::from_millis(150);
+
+#[tokio::test]
+async fn pool_events_are_recorded() {
+    let db = db().await;
+    let (pool, snap) = with_recorder(
+        Pool::builder(db.deadpool(4).unwrap())
+            .name("mx")
+            .pooler(PoolerMode::Direct)
+            .policy(BudgetPolicy::Refuse)
+            .wait_timeout(Duration::from_millis(100))
+            .long_hold_threshold(LONG_HOLD)
+            .housekeeping_interval(Duration::from_millis(20)),
+    );
+
+    // Housekeeping passes run in the background from here on and may count
+    // the long holds below at any reading: every reading adds them up.
+    let mut long = (0, 0);
+
+    // Limits are published at build.
+    let s = read(&snap, &mut long);
+    assert_eq!(
+        gauge(&s, &format!("{}{{pool=mx}}", "pgwarden_connections_max")),
+        4.0
+    );
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_lane_max")
+        ),
+        1.0
+    );
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=probe,pool=mx}}", "pgwarden_lane_reserved")
+        ),
+        1.0
+    );
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_max")
+        ),
+        3.0
+    );
+
+    // A session-lock checkout, then one refused past the budget.
+    let try_lock = |n| pool.session_lock(LockKey::Single(n), LockMode::Exclusive, None);
+    let lock = try_lock(1).await.unwrap().unwrap();
+    assert!(try_lock(2).await.unwrap_err().is_budget_exhausted());
+    // Request work: two checkouts, one returned.
+    let a = pool.get().await.unwrap();
+    let b = pool.get().await.unwrap();
+    drop(b);
+    let s = read(&snap, &mut long);
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_in_use")
+        ),
+        1.0
+    );
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,pool=mx,reason=refused}}",
+                "pgwarden_acquire_failures_total"
+            )
+        ),
+        1
+    );
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,policy=refuse,pool=mx}}",
+                "pgwarden_budget_overruns_total"
+            )
+        ),
+        1
+    );
+    assert_eq!(
+        histogram(
+            &s,
+            &format!(
+                "{}{{lane=request,pool=mx}}",
+                "pgwarden_acquire_duration_seconds"
+            )
+        )
+        .len(),
+        2
+    );
+    assert_eq!(
+        histogram(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,pool=mx}}",
+                "pgwarden_acquire_duration_seconds"
+            )
+        )
+        .len(),
+        1
+    );
+    assert_eq!(
+        histogram(
+            &s,
+            &format!(
+                "{}{{lane=request,pool=mx}}",
+                "pgwarden_hold_duration_seconds"
+            )
+        )
+        .len(),
+        1
+    );
+
+    // The request lane (max 3 with one session lock out: 4 - 1 - control reserve 1 = 2 free) saturates; a waiter times out.
+    let c = pool.get().await.unwrap();
+    let c_taken = tokio::time::Instant::now();
+    let waiter = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.get_within(Duration::from_millis(100)).await.map(drop) })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while pool.status().lane(Lane::Request).waiting == 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::task::yield_now().await;
+    }
+    let s = read(&snap, &mut long);
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=request,pool=mx}}", "pgwarden_lane_pending")
+        ),
+        1.0
+    );
+    assert!(waiter.await.unwrap().unwrap_err().is_timeout());
+    let s = read(&snap, &mut long);
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=request,pool=mx,reason=timeout}}",
+                "pgwarden_acquire_failures_total"
+            )
+        ),
+        1
+    );
+
+    // Readiness answers on the probe reserve.
+    pool.readiness(Duration::from_secs(60)).await.unwrap();
+    // Housekeeping runs every 20 ms: oldest hold per lane, long holds (each
+    // counted once), connections by state. A reading resets what it reads,
+    // so the counters are summed over the readings, and a gauge present
+    // means a pass ran since the last one. Passes are counted once every
+    // hold still out (`lock`, `a`, `c`) is past the threshold.
+    let (mut readiness, mut passes) = (0.0, 0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while passes < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {passes} housekeeping passes"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let m = metrics_now(&snap);
+        let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
+        readiness += get("pgwarden_readiness_duration_seconds{pool=mx}");
+        long.0 += get("pgwarden_long_holds_total{lane=request,pool=mx}") as u64;
+        long.1 += get("pgwarden_long_holds_total{lane=session_lock,pool=mx}") as u64;
+        if get("pgwarden_oldest_hold_seconds{lane=session_lock,pool=mx}") > 0.0
+            && c_taken.elapsed() > LONG_HOLD
+        {
+            passes += 1;
+            assert_eq!(
+                get("pgwarden_oldest_hold_seconds{lane=control,pool=mx}"),
+                0.0
+            );
+            assert_eq!(get("pgwarden_connections{pool=mx,state=in_use}"), 3.0);
+            assert_eq!(get("pgwarden_connections{pool=mx,state=idle}"), 1.0);
+        }
+    }
+    assert_eq!(readiness, 1.0);
+    // A long hold is reported once, not at every pass.
+    assert_eq!(long, (2, 1));
+
+    lock.unlock().await.unwrap();
+    drop((a, c));
+    // Readiness failure: a closed pool.
+    pool.close();
+    assert!(pool.readiness(Duration::from_millis(200)).await.is_err());
+    let s = snapshot(&snap);
+    let failures = counter(
+        &s,
+        &format!(
+            "{}{{pool=mx,reason=error}}",
+            "pgwarden_readiness_failures_total"
+        ),
+    ) + counter(
+        &s,
+        &format!(
+            "{}{{pool=mx,reason=timeout}}",
+            "pgwarden_readiness_failures_total"
+        ),
+    );
+    assert_eq!(failures, 1);
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mx}}", "pgwarden_lane_in_use")
+        ),
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn warn_overruns_are_counted() {
+    let db = db().await;
+    let (pool, snap) = with_recorder(
+        Pool::builder(db.deadpool(4).unwrap())
+            .name("mw")
+            .pooler(PoolerMode::Direct)
+            .policy(BudgetPolicy::Warn),
+    );
+    let try_lock = |n| pool.session_lock(LockKey::Single(n), LockMode::Exclusive, None);
+    let a = try_lock(1).await.unwrap().unwrap();
+    let b = try_lock(2).await.unwrap().unwrap();
+    assert!(try_lock(3).await.is_err());
+    let s = snapshot(&snap);
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,policy=warn,pool=mw}}",
+                "pgwarden_budget_overruns_total"
+            )
+        ),
+        1
+    );
+    // Past the hard floor it is a refusal, but no budget overrun of policy refuse.
+    assert_eq!(
+        counter(
+            &s,
+            &format!(
+                "{}{{lane=session_lock,pool=mw,reason=refused}}",
+                "pgwarden_acquire_failures_total"
+            )
+        ),
+        1
+    );
+    assert_eq!(
+        gauge(
+            &s,
+            &format!("{}{{lane=session_lock,pool=mw}}", "pgwarden_lane_in_use")
+        ),
+        2.0
+    );
+    drop((a, b));
+}

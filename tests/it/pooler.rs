@@ -1,0 +1,363 @@
+//! Transaction poolers: detection against PostgreSQL and a real PgBouncer in
+//! transaction mode; behind it session locks are refused and everything
+//! else pgwarden does works (its statements are unnamed or simple).
+
+use crate::support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwarden::{xact_lock, Error, LockKey, Pool, PoolerMode};
+use pgwarden_testing::{require_tool, PgBouncer, TestServer};
+use support::*;
+
+const T: Duration = Duration::from_secs(5);
+
+#[tokio::test]
+async fn direct_postgres_is_detected_direct() {
+    let db = db().await;
+    let pool = builder(&db, 4).pooler(PoolerMode::Auto).build().unwrap();
+    assert_eq!(
+        pool.status().size,
+        0,
+        "not probed yet: no connection opened"
+    );
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
+    // The probe sets nothing in the session (an earlier one did).
+    let c = pool.get().await.unwrap();
+    let left: Option<String> = c
+        .query_one(
+            "SELECT nullif(current_setting('pgwarden.probe', true), '')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, None);
+}
+
+#[tokio::test]
+async fn lazy_detection_at_the_first_session_lock_allows_it_direct() {
+    let db = db().await;
+    let pool = builder(&db, 4).pooler(PoolerMode::Auto).build().unwrap();
+    let lock = pool
+        .session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
+    lock.unlock().await.unwrap();
+    assert_eq!(pool.status().in_use, 0);
+}
+
+#[tokio::test]
+async fn configured_transaction_pooler_refuses_session_locks_without_a_probe() {
+    let db = db().await;
+    let pool = builder(&db, 4)
+        .pooler(PoolerMode::Transaction)
+        .build()
+        .unwrap();
+    let e = pool
+        .session_lock(LockKey::Single(1), pgwarden::LockMode::Exclusive, None)
+        .await
+        .unwrap_err();
+    assert!(e.is_behind_pooler(), "{e}");
+    assert!(e.to_string().contains("(configured)"), "{e}");
+    assert_eq!(pool.status().size, 0, "refused before any checkout");
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Transaction);
+}
+
+fn bouncer(db: &pgwarden_testing::TestDb) -> Option<PgBouncer> {
+    if !require_tool("pgbouncer").expect("pgbouncer is required on CI") {
+        return None;
+    }
+    Some(PgBouncer::start(TestServer::shared().unwrap(), db).expect("pgbouncer"))
+}
+
+fn through(b: &PgBouncer, size: usize) -> Pool {
+    Pool::builder(b.deadpool(size).unwrap())
+        .wait_timeout(T)
+        .housekeeping_interval(Duration::from_secs(3600))
+        .census_interval(None)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn behind_pgbouncer_session_locks_are_refused_and_the_rest_works() {
+    let db = db().await;
+    let Some(bouncer) = bouncer(&db) else { return };
+
+    // Detected lazily, at the first session lock.
+    let pool = through(&bouncer, 4);
+    let e = pool
+        .session_lock(LockKey::Single(5), pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap_err();
+    assert!(e.is_behind_pooler(), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("(detected)") && msg.contains("with_xact_lock") && msg.contains("lease"),
+        "{msg}"
+    );
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Transaction);
+    assert!(pool
+        .session_lock(LockKey::Single(5), pgwarden::LockMode::Shared, None)
+        .await
+        .unwrap_err()
+        .is_behind_pooler());
+    assert_eq!(pool.status().in_use, 0);
+
+    // Detected on demand.
+    let pool = through(&bouncer, 4);
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Transaction);
+
+    // Transaction locks work, and serialise.
+    let raw = db.connect().await.unwrap();
+    raw.batch_execute("CREATE TABLE counter (n int NOT NULL); INSERT INTO counter VALUES (0)")
+        .await
+        .unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                pool.with_xact_lock(LockKey::Pair(2, 1), T, |tx| {
+                    Box::pin(async move {
+                        // query_typed: named statements break behind PgBouncer.
+                        let n: i32 = tx
+                            .query_typed_one("SELECT n FROM counter", &[])
+                            .await?
+                            .get(0);
+                        // The scenario: a wide read-modify-write window.
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        tx.query_typed(
+                            "UPDATE counter SET n = $1",
+                            &[(&(n + 1), tokio_postgres::types::Type::INT4)],
+                        )
+                        .await?;
+                        Ok::<_, Error>(())
+                    })
+                })
+                .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let n: i32 = raw
+        .query_one("SELECT n FROM counter", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 8);
+
+    let mut c = pool.get().await.unwrap();
+    let tx = c.transaction().await.unwrap();
+    assert!(
+        xact_lock(&tx, LockKey::Single(6), pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap()
+    );
+    assert!(!free(&raw, LockKey::Single(6)).await);
+    tx.commit().await.unwrap();
+    drop(c);
+
+    // migrate_once and the census, through the pooler.
+    let ran = Arc::new(AtomicUsize::new(0));
+    for _ in 0..2 {
+        let ran = ran.clone();
+        pool.migrate_once("bouncer/0001", T, move |tx| {
+            Box::pin(async move {
+                tx.batch_execute("CREATE TABLE IF NOT EXISTS t (id int)")
+                    .await?;
+                ran.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Error>(())
+            })
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    raw.execute("SELECT pg_advisory_lock(7)", &[])
+        .await
+        .unwrap();
+    let census = pool.census().await.unwrap();
+    assert!(
+        census.locks.iter().any(|l| l.key == LockKey::Single(7)),
+        "{census:?}"
+    );
+    assert_eq!(
+        census.ours().count(),
+        0,
+        "pids mean nothing behind a pooler"
+    );
+    assert!(pool.readiness(T).await.is_ok());
+}
+
+/// A pool told it goes straight to PostgreSQL, through PgBouncer in
+/// transaction mode with two server connections: the test pins them with
+/// raw transactions so that the guard's unlock lands on the other one.
+struct Pinned {
+    bouncer: PgBouncer,
+    raw: tokio_postgres::Client,
+    pool: Pool,
+}
+
+impl Pinned {
+    async fn new(db: &pgwarden_testing::TestDb, unlock_timeout: Duration) -> Option<Pinned> {
+        if !require_tool("pgbouncer").expect("pgbouncer is required on CI") {
+            return None;
+        }
+        let server = TestServer::shared().unwrap();
+        let bouncer = PgBouncer::start_with_pool_size(server, db, 2).expect("pgbouncer");
+        let pool = Pool::builder(bouncer.deadpool(4).unwrap())
+            .pooler(PoolerMode::Direct)
+            .unlock_timeout(unlock_timeout)
+            .wait_timeout(T)
+            .housekeeping_interval(Duration::from_secs(3600))
+            .census_interval(None)
+            .build()
+            .unwrap();
+        let raw = db.connect().await.unwrap();
+        Some(Pinned { bouncer, raw, pool })
+    }
+
+    /// A client through PgBouncer inside a transaction: it holds one of the
+    /// two server connections. Returns it and that backend's pid.
+    async fn pin(&self) -> (tokio_postgres::Client, i32) {
+        let c = self.bouncer.connect().await.unwrap();
+        c.batch_execute("BEGIN").await.unwrap();
+        let pid = c
+            .query_typed_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (c, pid)
+    }
+
+    /// The backends holding advisory locks, seen on the server itself.
+    async fn holders(&self) -> Vec<i32> {
+        raw_locks(&self.raw).await.iter().map(|l| l.0).collect()
+    }
+}
+
+#[tokio::test]
+async fn an_unlock_a_pooler_moved_names_the_pooler_and_the_backend_left_holding_it() {
+    let db = db().await;
+    let Some(p) = Pinned::new(&db, Duration::from_millis(300)).await else {
+        return;
+    };
+    let key = LockKey::Pair(13, 1);
+    let (first, s1) = p.pin().await;
+    // The only other server connection takes the lock.
+    let lock = p
+        .pool
+        .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    let holders = p.holders().await;
+    let s2 = holders[0];
+    assert_eq!(holders.len(), 1);
+    assert_ne!(s2, s1);
+    // Another client holds that server connection; the first one is free.
+    let (second, pinned) = p.pin().await;
+    assert_eq!(pinned, s2, "the only idle server connection");
+    first.batch_execute("COMMIT").await.unwrap();
+
+    let e = lock.unlock().await.unwrap_err();
+    assert!(e.is_not_owned() && e.is_behind_pooler(), "{e:?}");
+    let msg = e.to_string();
+    for part in [
+        "transaction-mode pooler".to_owned(),
+        format!("ran the guard's statement on backend pid {s1}, not on pid {s2}"),
+        format!("pg_terminate_backend({s2})"),
+        "PoolerMode::Transaction".to_owned(),
+    ] {
+        assert!(msg.contains(&part), "{part:?} not in: {msg}");
+    }
+    assert!(!msg.contains("raw pg_advisory_unlock"), "{msg}");
+    // What it reports is so: the lock is still on that server connection.
+    assert_eq!(p.holders().await, vec![s2]);
+    let released: bool = second
+        .query_one("SELECT pg_advisory_unlock(13, 1)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(released);
+    second.batch_execute("COMMIT").await.unwrap();
+    assert!(p.holders().await.is_empty());
+}
+
+#[tokio::test]
+async fn a_lock_a_pooler_moved_is_released_on_its_backend_once_reachable() {
+    released_once_reachable(T, LockKey::Pair(13, 2)).await;
+}
+
+/// The same with an unlock timeout of `Duration::MAX`: the bound saturates
+/// (it once overflowed `Instant + Duration` and panicked).
+#[tokio::test]
+async fn an_unbounded_unlock_timeout_reaches_a_moved_lock_without_panicking() {
+    released_once_reachable(Duration::MAX, LockKey::Pair(13, 3)).await;
+}
+
+async fn released_once_reachable(unlock_timeout: Duration, key: LockKey) {
+    let db = db().await;
+    let Some(p) = Pinned::new(&db, unlock_timeout).await else {
+        return;
+    };
+    let mut lock = p
+        .pool
+        .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+        .await
+        .unwrap()
+        .expect("a wait grants the lock or fails");
+    // Held twice: reaching the backend must release every level.
+    assert_eq!(lock.lock_again().await.unwrap(), 2);
+    let x = p.holders().await[0];
+    // The lock's server connection was released last: a new transaction gets it.
+    let (on_x, pid) = p.pin().await;
+    assert_eq!(pid, x);
+    let unlock = tokio::spawn(lock.unlock());
+    // The unlock runs on the other server connection, then keeps trying to
+    // reach the lock's own (the statement shows in pg_stat_activity).
+    let raw = &p.raw;
+    eventually(
+        T,
+        "the unlock tries to reach the lock's backend",
+        || async {
+            raw.query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+              WHERE pid NOT IN ($1, pg_backend_pid()) \
+                AND query LIKE '%CASE WHEN pg_backend_pid() = $1%'",
+                &[&x],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+                > 0
+        },
+    )
+    .await;
+    // Hold that other one too, so the next try waits for a free server
+    // connection: the lock's, once its transaction ends.
+    let (on_y, y) = p.pin().await;
+    assert_ne!(y, x);
+    on_x.batch_execute("COMMIT").await.unwrap();
+    let e = tokio::time::timeout(T + T, unlock)
+        .await
+        .expect("unlock returns within its bound")
+        .unwrap()
+        .unwrap_err();
+    assert!(e.is_behind_pooler(), "{e:?}");
+    assert!(
+        e.to_string()
+            .contains(&format!("the lock was released on pid {x}")),
+        "{e}"
+    );
+    assert!(p.holders().await.is_empty(), "released on its backend");
+    on_y.batch_execute("COMMIT").await.unwrap();
+}

@@ -1,0 +1,132 @@
+//! Through PgBouncer in session mode a client keeps its server session:
+//! detection says Direct every time, and session locks work, each checked on
+//! its own connection (a proxy whose mode cannot be read). Switched to
+//! transaction mode under the pools' feet, that check refuses every lock
+//! and leaves none behind.
+use crate::support;
+
+use std::time::Instant;
+
+use pgwarden::{LockKey, PoolerMode};
+use pgwarden_testing::PoolMode;
+use support::pooler::*;
+use support::*;
+
+const TRIES: usize = 100;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
+    let db = db().await;
+    // Session mode: every client holds a server connection for its life.
+    let Some(bouncer) = bouncer(&db, 40, PoolMode::Session) else {
+        return;
+    };
+    let load = load_through(&bouncer).await;
+    logs();
+    let mut times = Vec::new();
+    for i in 0..TRIES {
+        let pool = through(&bouncer, &format!("session-{i}"));
+        let start = Instant::now();
+        let found = pool.detect_pooler().await.unwrap();
+        times.push(start.elapsed());
+        assert_eq!(found, PoolerMode::Direct, "try {i}");
+        pool.close();
+    }
+    let counts = statements("session-");
+    assert_eq!(counts, vec![42; TRIES], "1 + 1 + 40 probe statements each");
+
+    // Session locks work through it, checked on their own connection.
+    let raw = db.connect().await.unwrap();
+    let pool = through(&bouncer, "locks");
+    let rival = through(&bouncer, "rival");
+    let mut lock_times = Vec::new();
+    for i in 0..10 {
+        let key = LockKey::Pair(11, i);
+        let start = Instant::now();
+        let lock = pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+            .await
+            .unwrap()
+            .expect("a wait grants the lock or fails");
+        lock_times.push(start.elapsed());
+        assert!(!free(&raw, key).await, "held on the server");
+        assert!(rival
+            .session_lock(key, pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap()
+            .is_none());
+        lock.unlock().await.unwrap();
+        assert!(free(&raw, key).await, "released on the server");
+    }
+    assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
+    load.stop().await;
+    assert!(raw_locks(&raw).await.is_empty());
+    eprintln!(
+        "{TRIES}/{TRIES} direct through a session pooler; detection {}; \
+         session lock with its check {}",
+        summary(times),
+        summary(lock_times)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
+    const POOLS: usize = 16;
+    let db = db().await;
+    let Some(bouncer) = bouncer(&db, 40, PoolMode::Session) else {
+        return;
+    };
+    // Detection through the session pooler: Direct, its mode unproven.
+    let mut pools = Vec::new();
+    for i in 0..POOLS {
+        let pool = through(&bouncer, &format!("missed-{i}"));
+        assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
+        pools.push(pool);
+    }
+    // Now it pools transactions, under load.
+    bouncer
+        .set_pool_mode(PoolMode::Transaction)
+        .await
+        .expect("switch to transaction mode");
+    let load = load_through(&bouncer).await;
+    let mut times = Vec::new();
+    for (i, pool) in pools.iter().enumerate() {
+        let key = LockKey::Pair(12, i as i32);
+        let start = Instant::now();
+        let e = match pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+            .await
+        {
+            Err(e) => e,
+            Ok(lock) => panic!("pool {i}: granted through a transaction pooler: {lock:?}"),
+        };
+        times.push(start.elapsed());
+        assert!(e.is_behind_pooler(), "pool {i}: {e}");
+        assert!(
+            e.to_string().contains("(detected at the lock)"),
+            "pool {i}: {e}"
+        );
+        assert_eq!(
+            pool.detect_pooler().await.unwrap(),
+            PoolerMode::Transaction,
+            "pool {i}"
+        );
+        // Refused from then on without a probe.
+        let again = pool
+            .session_lock(key, pgwarden::LockMode::Exclusive, None)
+            .await
+            .unwrap_err();
+        assert!(
+            again.to_string().contains("(detected)"),
+            "pool {i}: {again}"
+        );
+    }
+    load.stop().await;
+    let raw = db.connect().await.unwrap();
+    let left = raw_locks(&raw).await;
+    assert!(
+        left.is_empty(),
+        "advisory locks left on the server: {left:?}"
+    );
+    eprintln!("{POOLS}/{POOLS} caught at the lock; {}", summary(times));
+}

@@ -1,0 +1,338 @@
+//! The lease scheduler against a real PostgreSQL: once per period across
+//! instances, once per node, graceful shutdown.
+
+use crate::support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use pgwarden::{Job, LeaseHandle, LeaseOptions, Leases, Scheduler};
+use support::leases::pool;
+use support::{db, eventually};
+
+const S: Duration = Duration::from_secs(1);
+
+/// One run: which instance, which lease, which period (database clock).
+#[derive(Clone, Debug)]
+struct Run {
+    instance: usize,
+    lease: String,
+    slot: i64,
+}
+
+type Log = Arc<parking_lot::Mutex<Vec<Run>>>;
+
+fn slot_of(lease: &LeaseHandle, period: Duration) -> i64 {
+    let t = lease.term().taken_at.duration_since(UNIX_EPOCH).unwrap();
+    (t.as_secs_f64() / period.as_secs_f64()).floor() as i64
+}
+
+fn recorder(
+    log: &Log,
+    instance: usize,
+) -> impl Fn(LeaseHandle) -> std::future::Ready<()> + Send + Sync + 'static {
+    let log = log.clone();
+    move |lease| {
+        log.lock().push(Run {
+            instance,
+            lease: lease.term().name.clone(),
+            slot: slot_of(&lease, S),
+        });
+        std::future::ready(())
+    }
+}
+
+#[tokio::test]
+async fn three_instances_run_each_job_once_per_period_and_per_node() {
+    let db = db().await;
+    let nodes = ["n1", "n1", "n2"];
+    let log: Log = Arc::default();
+    let mut schedulers = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let leases = Leases::new(&pool(&db, 3, &format!("sched{i}")));
+        leases.install().await.unwrap();
+        let s = Scheduler::builder(&leases)
+            .node(*node)
+            .job(Job::every("tick", S, recorder(&log, i)))
+            .job(Job::per_node("uptime", S, recorder(&log, i)))
+            .start()
+            .unwrap();
+        schedulers.push(s);
+    }
+    // Seven periods of the cluster job: the five in the middle are whole.
+    let start = Instant::now();
+    eventually(15 * S, "seven periods", || async {
+        let slots: std::collections::BTreeSet<i64> = log
+            .lock()
+            .iter()
+            .filter(|r| r.lease == "tick")
+            .map(|r| r.slot)
+            .collect();
+        slots.len() >= 7
+    })
+    .await;
+    for s in schedulers {
+        s.shutdown(10 * S).await;
+    }
+    let runs = log.lock().clone();
+    eprintln!("{} runs in {:?}", runs.len(), start.elapsed());
+
+    let mut by_lease: BTreeMap<&str, BTreeMap<i64, Vec<usize>>> = BTreeMap::new();
+    for r in &runs {
+        by_lease
+            .entry(r.lease.as_str())
+            .or_default()
+            .entry(r.slot)
+            .or_default()
+            .push(r.instance);
+    }
+    assert_eq!(
+        by_lease.keys().copied().collect::<Vec<_>>(),
+        ["tick", "uptime@n1", "uptime@n2"]
+    );
+    let ticks = &by_lease["tick"];
+    let (first, last) = (*ticks.keys().next().unwrap(), *ticks.keys().last().unwrap());
+    assert!(last - first >= 6, "{ticks:?}");
+    for (lease, slots) in &by_lease {
+        // Never twice in a period, on any instance.
+        for (slot, instances) in slots {
+            assert_eq!(
+                instances.len(),
+                1,
+                "{lease} ran {instances:?} in period {slot}"
+            );
+        }
+        // Every whole period ran (the first and last may be partial).
+        for slot in first + 1..last {
+            assert!(
+                slots.contains_key(&slot),
+                "{lease} missed period {slot}: {slots:?}"
+            );
+        }
+        // Per-node jobs run on their node.
+        let allowed: &[usize] = match *lease {
+            "uptime@n1" => &[0, 1],
+            "uptime@n2" => &[2],
+            _ => &[0, 1, 2],
+        };
+        for instances in slots.values() {
+            assert!(
+                allowed.contains(&instances[0]),
+                "{lease} ran on instance {}",
+                instances[0]
+            );
+        }
+    }
+    let per_instance: Vec<usize> = (0..3)
+        .map(|i| runs.iter().filter(|r| r.instance == i).count())
+        .collect();
+    eprintln!("runs per instance: {per_instance:?}; periods {first}..={last}");
+}
+
+#[tokio::test]
+async fn graceful_shutdown_releases_leases() {
+    let db = db().await;
+    let admin = support::admin(&db).await;
+    let a = Leases::new(&pool(&db, 3, "shut-a"));
+    let b = Leases::new(&pool(&db, 3, "shut-b"));
+    a.install().await.unwrap();
+    let started = Arc::new(AtomicBool::new(false));
+    let dropped = Arc::new(AtomicBool::new(false));
+    struct Flag(Arc<AtomicBool>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let daily_ran = Arc::new(AtomicBool::new(false));
+    let (st, dr, daily) = (started.clone(), dropped.clone(), daily_ran.clone());
+    let scheduler = Scheduler::builder(&a)
+        .node("n1")
+        // Runs once a day and is quick: its period is done once it ran.
+        .job(Job::every(
+            "daily",
+            Duration::from_secs(24 * 3600),
+            move |_| {
+                let daily = daily.clone();
+                async move { daily.store(true, Ordering::SeqCst) }
+            },
+        ))
+        // Still running at shutdown.
+        .job(Job::every("long", S, move |_| {
+            let (st, flag) = (st.clone(), Flag(dr.clone()));
+            async move {
+                let _flag = flag;
+                st.store(true, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+        }))
+        .start()
+        .unwrap();
+    eventually(5 * S, "both jobs started", || async {
+        started.load(Ordering::SeqCst) && daily_ran.load(Ordering::SeqCst)
+    })
+    .await;
+    assert!(
+        b.acquire("long", &LeaseOptions::new(S), None)
+            .await
+            .unwrap()
+            .is_none(),
+        "held while running"
+    );
+
+    let t = Instant::now();
+    scheduler.shutdown(Duration::from_millis(200)).await;
+    assert!(t.elapsed() < 3 * S, "shutdown took {:?}", t.elapsed());
+    assert!(
+        dropped.load(Ordering::SeqCst),
+        "the long job was dropped after its grace"
+    );
+    // The interrupted run keeps its period: released at shutdown (no
+    // holder), but nobody runs it again before the next period.
+    let (holder, held, period_kept): (String, bool, bool) = {
+        let r = admin
+            .query_typed_one(
+                "SELECT holder, held_until > now(),
+                        held_until >= date_trunc('second', taken_at) + interval '1 second'
+                   FROM pgwarden_leases WHERE name = 'long'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!(holder, "", "released at shutdown");
+    assert!(
+        period_kept,
+        "the hold until the end of the run's period stays"
+    );
+    if held {
+        assert!(
+            b.acquire("long", &LeaseOptions::new(S), None)
+                .await
+                .unwrap()
+                .is_none(),
+            "the interrupted run's period is kept"
+        );
+    }
+    // The next period is free.
+    let long = b
+        .acquire("long", &LeaseOptions::new(S), Some(3 * S))
+        .await
+        .unwrap();
+    assert!(long.is_some(), "free in the next period");
+    // The completed daily run keeps its period: nobody reruns it today.
+    assert!(b
+        .acquire("daily", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+        .is_none());
+}
+
+#[tokio::test]
+async fn polls_are_jittered() {
+    let db = db().await;
+    let leases = Leases::new(&pool(&db, 3, "jitter"));
+    leases.install().await.unwrap();
+    // When, within its period, each run took its lease (database clock).
+    let offsets: Arc<parking_lot::Mutex<Vec<f64>>> = Arc::default();
+    let log = offsets.clone();
+    let s = Scheduler::builder(&leases)
+        .node("n1")
+        .poll_jitter(Duration::from_millis(400)) // capped at period / 4: 250 ms
+        .job(Job::every("spread", S, move |lease: LeaseHandle| {
+            let t = lease.term().taken_at.duration_since(UNIX_EPOCH).unwrap();
+            log.lock().push(t.as_secs_f64().fract());
+            std::future::ready(())
+        }))
+        .start()
+        .unwrap();
+    eventually(10 * S, "seven runs", || async { offsets.lock().len() >= 7 }).await;
+    s.shutdown(10 * S).await;
+    // The first run came at start-up, not at a boundary.
+    let offsets: Vec<f64> = offsets.lock()[1..].to_vec();
+    eprintln!("offsets into the period: {offsets:?}");
+    // Uniform in [0, 250 ms) past the boundary: six runs all within the
+    // first 40 ms would happen once in 60,000 tries. The upper bound leaves
+    // room for a loaded machine.
+    assert!(offsets.iter().any(|&o| o > 0.04), "{offsets:?}");
+    assert!(offsets.iter().all(|&o| o < 0.6), "{offsets:?}");
+}
+
+/// A run still going at the boundary keeps its lease; the period it ends in
+/// gets its run once it ends (the holder asks again at once), and that run
+/// belongs to that period. So a slow run can end inside the next period's
+/// run's period: what counts is when each term began.
+#[tokio::test]
+async fn a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in() {
+    let db = db().await;
+    // (slot of the term, when the term began, when the run ended).
+    type Spans = Arc<parking_lot::Mutex<Vec<(i64, f64, f64)>>>;
+    let spans: Spans = Arc::default();
+    let mut schedulers = Vec::new();
+    for i in 0..2 {
+        let leases = Leases::new(&pool(&db, 3, &format!("overrun{i}")));
+        leases.install().await.unwrap();
+        let log = spans.clone();
+        let s = Scheduler::builder(&leases)
+            .node(format!("n{i}"))
+            .job(Job::every("slow", S, move |lease: LeaseHandle| {
+                let log = log.clone();
+                async move {
+                    let taken = lease.term().taken_at;
+                    let began = taken.duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
+                    let first = log.lock().is_empty();
+                    if first {
+                        // The first run ends 300 ms into the next period
+                        // (the database and this process share a clock).
+                        let end = UNIX_EPOCH + Duration::from_secs_f64(began.floor() + 1.3);
+                        let left = end.duration_since(std::time::SystemTime::now());
+                        tokio::time::sleep(left.unwrap_or_default()).await;
+                    }
+                    let ended = std::time::SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap()
+                        .as_secs_f64();
+                    log.lock().push((slot_of(&lease, S), began, ended));
+                }
+            }))
+            .start()
+            .unwrap();
+        schedulers.push(s);
+    }
+    eventually(10 * S, "three runs", || async { spans.lock().len() >= 3 }).await;
+    for s in schedulers {
+        s.shutdown(10 * S).await;
+    }
+    let spans = spans.lock().clone();
+    eprintln!("runs (slot, term began, run ended): {spans:?}");
+    let (slot0, _, end0) = spans[0];
+    let (slot1, began1, _) = spans[1];
+    assert_eq!(
+        end0.floor() as i64,
+        slot0 + 1,
+        "the first run ended in the next period"
+    );
+    assert_eq!(
+        slot1,
+        slot0 + 1,
+        "the period the first run ended in got its run"
+    );
+    assert!(
+        began1 >= end0 - 0.005,
+        "the second term began before the first run ended"
+    );
+    assert!(
+        began1 - end0 < 0.5,
+        "the next run waited {:.3} s",
+        began1 - end0
+    );
+    let slots: std::collections::BTreeSet<i64> = spans.iter().map(|s| s.0).collect();
+    assert_eq!(
+        slots.len(),
+        spans.len(),
+        "two terms in one period: {spans:?}"
+    );
+}

@@ -1,0 +1,84 @@
+//! Readiness on a slow link (issue 16, point 9): with a 350 ms round trip
+//! (a TCP proxy adds 175 ms each way) and no idle connection, making a
+//! connection and asking it `SELECT 1` takes longer than a 1 s probe; the
+//! probe's work goes on in the background past its bound, so a later probe
+//! of `readiness(1 s)` succeeds (the 2nd or 3rd on a quiet machine; how
+//! many is printed, not asserted: it depends on the machine's load). A probe
+//! whose work was dropped at its bound would never succeed: the runs are
+//! bounded only against that hang.
+
+use std::time::{Duration, Instant};
+
+use pgwarden::{Pool, PoolerMode};
+use pgwarden_testing::{Proxy, TestServer};
+
+const BOUND: Duration = Duration::from_secs(1);
+const RUNS: usize = 5;
+/// Only against a hang: the probes of one run end well within it.
+const GUARD: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_becomes_ready_within_three_probes_on_a_350_ms_link() {
+    let server = TestServer::shared().expect("throwaway PostgreSQL");
+    let db = server.create_database().await.unwrap();
+    let proxy = Proxy::start(server).expect("proxy");
+    proxy.set_latency(Duration::from_millis(175));
+
+    // The premise: from scratch, connecting and two statements (the pool's
+    // backend-pid query, the probe's SELECT 1) take longer than the bound.
+    let t = Instant::now();
+    let raw = proxy.connect(&db).await.unwrap();
+    raw.simple_query("SELECT pg_backend_pid()").await.unwrap();
+    raw.simple_query("SELECT 1").await.unwrap();
+    let from_scratch = t.elapsed();
+    drop(raw);
+    assert!(
+        from_scratch > BOUND,
+        "set-up and SELECT 1 took {from_scratch:?}"
+    );
+
+    let mut probes_until_ready = Vec::new();
+    for run in 0..RUNS {
+        let pool = Pool::builder(proxy.deadpool(&db, 4).unwrap())
+            .name(format!("slow-link-{run}"))
+            .pooler(PoolerMode::Direct)
+            .census_interval(None)
+            .build()
+            .unwrap();
+        assert_eq!(pool.status().size, 0, "no idle connection to start with");
+        let mut ready = None;
+        let mut answers = Vec::new();
+        let started = Instant::now();
+        for probe in 1.. {
+            if started.elapsed() > GUARD {
+                break;
+            }
+            let t = Instant::now();
+            let r = pool.readiness(BOUND).await;
+            let took = t.elapsed();
+            answers.push(format!(
+                "{took:.0?} {}",
+                if r.is_ok() { "ok" } else { "timeout" }
+            ));
+            match r {
+                Ok(latency) => {
+                    // Answered within its bound, as pgwarden measured it.
+                    assert!(latency <= BOUND, "probe {probe}: ready after {latency:?}");
+                    ready = Some((probe, latency));
+                    break;
+                }
+                Err(e) => assert!(e.is_timeout(), "probe {probe}: {e}"),
+            }
+        }
+        let Some((n, latency)) = ready else {
+            panic!("run {run}: not ready within {GUARD:?}: {answers:?}");
+        };
+        eprintln!("run {run}: ready at probe {n} ({latency:.0?}); probes: {answers:?}");
+        probes_until_ready.push(n);
+        pool.close();
+    }
+    eprintln!(
+        "350 ms round trip, set-up and SELECT 1 from scratch {} ms: probes until ready over {RUNS} runs: {probes_until_ready:?}",
+        from_scratch.as_millis()
+    );
+}
