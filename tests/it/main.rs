@@ -55,6 +55,7 @@ mod locks;
 mod metrics;
 mod migrate_name;
 mod pool;
+mod pool_application_name;
 mod pooler;
 mod pooler_load;
 mod pooler_session;
