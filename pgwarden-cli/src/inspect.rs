@@ -844,7 +844,7 @@ pub(crate) async fn revoke(leases: &pgwarden::Leases, args: &RevokeArgs) -> Resu
     match leases.revoke(&args.name).await? {
         Some(r) => {
             println!(
-                "revoked lease {:?}: holder {}, token {}; its fence is refused from now on, and it learns of the loss at its next renewal",
+                "revoked lease {:?}: holder {}, token {}; its fence is refused from now on, it learns of the loss at its next renewal, and the name is free once the term expires",
                 r.name, r.holder, r.token
             );
             Ok(0)

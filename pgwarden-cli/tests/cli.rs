@@ -869,9 +869,15 @@ async fn revoke_refuses_the_holders_fence_and_fires_its_lost_signal() {
         .expect_err("refused after the revoke");
     assert!(refused.is_lease_lost(), "{refused}");
     let reason = within(Duration::from_secs(3), "lost()", lease.lost()).await;
-    assert_eq!(reason, pgwarden::LostReason::Taken);
-    // And the name is free at once.
-    let next = leases.acquire("fenced", &opts, None).await.unwrap();
+    assert_eq!(reason, pgwarden::LostReason::Revoked);
+    // The name stays busy until the revoked term's expiry (the revoked
+    // holder learns of it at its next renewal, and stops), then is free.
+    let busy = leases.acquire("fenced", &opts, None).await.unwrap();
+    assert!(busy.is_none(), "taken before the revoked term's expiry");
+    let next = leases
+        .acquire("fenced", &opts, Some(Duration::from_secs(30)))
+        .await
+        .unwrap();
     assert!(next.expect("free again").term().token > lease.term().token);
 }
 
@@ -1225,7 +1231,8 @@ async fn a_revoked_run_and_a_command_that_exits_leave_no_process_behind() {
         assert!(!alive(*p), "process {p} outlived its keeper");
     }
     // A command that exits, leaving a background writer: run's exit code is
-    // the command's, and the writer is gone with it.
+    // the command's, and the writer is gone with it. The revoked name is
+    // busy until its term's expiry (the revoke keeps it): this run waits.
     let (_t2, dir2) = tempdir();
     let d = dir2.display();
     let out = cli(
@@ -1233,6 +1240,8 @@ async fn a_revoked_run_and_a_command_that_exits_leave_no_process_behind() {
         &[
             "run",
             "swept",
+            "--wait",
+            "30s",
             "--",
             "sh",
             "-c",

@@ -505,6 +505,11 @@ impl LeaseHandle {
                     LostReason::Expired
                 }
             }
+            // The row still carries this term's token, with no holder: the
+            // term was ended by hand.
+            Some((holder, token, ..)) if holder.is_empty() && token == self.state.token => {
+                LostReason::Revoked
+            }
             _ => LostReason::Taken,
         };
         Err(self.fence_failed(reason))

@@ -433,11 +433,14 @@ impl Leases {
     }
 
     /// Ends the current term of `name` by hand (an operator's last resort):
-    /// the row is marked released and expired, so its holder's
+    /// the row is marked released, so its holder's
     /// [`fence`](super::LeaseHandle::fence) is refused from now on and its
     /// [`lost`](super::LeaseHandle::lost) signal fires at its next renewal
-    /// ([`LostReason::Revoked`]). The next acquisition takes the name at once, unless an
-    /// at-least hold (`held_until`) still runs: the hold is kept.
+    /// ([`LostReason::Revoked`]). The term's expiry is kept: nobody takes the
+    /// name before the revoked holder must have stopped trusting it (its
+    /// renewal fails, and its local deadline falls before that expiry), so
+    /// a revoke never starts a second holder while the first still runs.
+    /// An at-least hold (`held_until`) still running is kept too.
     ///
     /// Returns the row as it was (old holder and token), or `None` when
     /// there is no row or no holder (already released). It does not wait

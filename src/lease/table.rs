@@ -1372,14 +1372,16 @@ pub(crate) struct Revoke<'a> {
 fn revoke_sql(tbl: &str) -> String {
     // The row is locked `FOR NO KEY UPDATE` (as a renewal does), which a
     // fenced transaction's `FOR KEY SHARE` does not hold up; `$2` bounds
-    // the wait for a statement in flight on it.
+    // the wait for a statement in flight on it. The term's expiry is kept:
+    // the name stays busy until the revoked holder, which learns of it at
+    // its next renewal, must have stopped trusting it.
     format!(
         "WITH o AS (
   SELECT name, holder, token, taken_at, expires_at, held_until, prev_holder FROM {tbl}
    WHERE set_config('lock_timeout', $2::int4::text, true) IS NOT NULL
      AND name = $1 AND holder <> ''
      FOR NO KEY UPDATE)
-UPDATE {tbl} AS l SET holder = '', expires_at = least(l.expires_at, now())
+UPDATE {tbl} AS l SET holder = ''
   FROM o WHERE l.name = o.name
 RETURNING o.name, o.holder, o.token, extract(epoch FROM o.taken_at)::float8,
        extract(epoch FROM o.expires_at - now())::float8, o.expires_at >= now(),
@@ -1968,8 +1970,9 @@ mod tests {
         assert!(!revoke.contains("FOR UPDATE"), "{revoke}");
         let bound = revoke.find("set_config('lock_timeout'").unwrap();
         assert!(bound < revoke.find("FOR NO KEY UPDATE").unwrap());
-        // Only the term's holder, token and expiry change: the key stays.
-        assert!(revoke.contains("SET holder = '', expires_at = least(l.expires_at, now())"));
+        // Only the term's holder changes: the key, the token and the expiry
+        // stay (the name is busy until the revoked holder must have stopped).
+        assert!(revoke.contains("SET holder = ''\n  FROM o"), "{revoke}");
     }
 
     #[test]
