@@ -46,7 +46,19 @@ CREATE TABLE IF NOT EXISTS "public"."pgwarden_leases" (
     -- at-least-hold time, or the start of a scheduled job's next period.
     held_until  timestamptz NOT NULL DEFAULT '-infinity',
     -- The holder of the previous term, when this term took the row over.
-    prev_holder text
+    prev_holder text,
+    -- When the current term's expiry was last set (its acquisition or its
+    -- last renewal, in the same statement): the term's TTL is
+    -- expires_at - renewed_at while it is held and renewed_at >= taken_at.
+    -- NULL, or older than taken_at, in a row written by a pgwarden that did
+    -- not know this column: readers then guess the TTL.
+    renewed_at  timestamptz
 );
+
+-- A table made by an earlier pgwarden has no renewed_at: `install()` adds it
+-- when its role may (the table's owner); this line does the same for
+-- applications that run their own migrations. Without it leases work, and
+-- readers (`pgwarden check`) guess each term's TTL.
+ALTER TABLE "public"."pgwarden_leases" ADD COLUMN IF NOT EXISTS renewed_at timestamptz;
 
 ALTER SEQUENCE "public"."pgwarden_leases_token_seq" OWNED BY "public"."pgwarden_leases".token;

@@ -195,6 +195,7 @@ fn lease_json(r: &LeaseRow) -> Value {
         "live": r.live,
         "held_until": r.held_until.map(rfc3339),
         "prev_holder": r.prev_holder,
+        "ttl_s": r.ttl.map(|t| t.as_secs_f64()),
         "blocked_by": blocked_by(r),
     })
 }
@@ -224,6 +225,7 @@ pub(crate) async fn leases(
                     } else {
                         format!("expired {}", human_signed(r.expires_in_s))
                     },
+                    r.ttl.map(human).unwrap_or_else(|| "-".to_owned()),
                     r.held_until.map(rfc3339).unwrap_or_default(),
                     r.prev_holder.clone().unwrap_or_default(),
                     blocked_text(r),
@@ -239,6 +241,7 @@ pub(crate) async fn leases(
                     "TOKEN",
                     "TAKEN AT",
                     "EXPIRY",
+                    "TTL",
                     "HELD UNTIL",
                     "PREVIOUS HOLDER",
                     "BLOCKED BY",
@@ -707,6 +710,23 @@ fn lock_findings(locks: &[Lock], max: Duration) -> Vec<Finding> {
     findings
 }
 
+/// A term's TTL, and whether it is guessed: the stored one
+/// ([`LeaseRow::ttl`]), else taken_at to expires_at (right for a term never
+/// renewed, too long for one renewed many times).
+fn term_ttl(r: &LeaseRow) -> (Duration, bool) {
+    if let Some(ttl) = r.ttl {
+        return (ttl, false);
+    }
+    let guess = r
+        .taken_at
+        .elapsed()
+        .ok()
+        .map(|since| since.as_secs_f64() + r.expires_in_s)
+        .unwrap_or(0.0)
+        .max(0.0);
+    (Duration::try_from_secs_f64(guess).unwrap_or_default(), true)
+}
+
 pub(crate) async fn check(
     pool: &Pool,
     leases: &pgwarden::Leases,
@@ -766,30 +786,30 @@ pub(crate) async fn check(
             });
         }
         // A holder that neither released nor renewed it, and nobody took
-        // it over: expired for longer than its TTL (taken_at to expires_at
-        // when it was never renewed), at most --max-idle-lock.
+        // it over: expired for longer than its TTL, at most
+        // --max-idle-lock.
         let held = r
             .held_until
             .is_some_and(|h| h > std::time::SystemTime::now());
-        let ttl = r
-            .taken_at
-            .elapsed()
-            .ok()
-            .map(|since| since.as_secs_f64() + r.expires_in_s)
-            .unwrap_or(0.0)
-            .max(0.0);
-        let ttl = Duration::try_from_secs_f64(ttl)
-            .unwrap_or_default()
-            .min(max);
-        if !r.live && !r.holder.is_empty() && !held && -r.expires_in_s > ttl.as_secs_f64() {
+        let (ttl, guessed) = term_ttl(r);
+        if !r.live && !r.holder.is_empty() && !held && -r.expires_in_s > ttl.min(max).as_secs_f64()
+        {
             findings.push(Finding {
                 kind: "unclaimed_lease",
                 message: format!(
-                    "lease {:?} expired {} and nobody took it over (last holder {}, token {})",
+                    "lease {:?} expired {} and nobody took it over (last holder {}, token {}){}",
                     r.name,
                     human_signed(r.expires_in_s),
                     r.holder,
-                    r.token
+                    r.token,
+                    if guessed {
+                        format!(
+                            "; its TTL is not stored (a table or a holder of a pgwarden before renewed_at): guessed as {}",
+                            human(ttl)
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
                 subject: lease_json(r),
             });

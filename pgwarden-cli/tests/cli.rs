@@ -246,6 +246,7 @@ async fn the_command_sees_its_token_and_leases_shows_it_then_no_live_holder() {
     );
     let expires = row["expires_in_s"].as_f64().unwrap();
     assert!(expires > 0.0 && expires <= 10.0, "{row}");
+    assert_eq!(row["ttl_s"].as_f64(), Some(10.0), "{row}");
     assert!(row["blocked_by"].is_null());
     assert!(row["taken_at"].as_str().is_some_and(|t| t.ends_with('Z')));
     // The human table names it too.
@@ -915,6 +916,81 @@ async fn check_names_a_lease_that_nobody_took_over_after_its_holder_crashed() {
     )
     .await;
     assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+}
+
+/// The findings of `check --json` on `db` (exit 0 or 1).
+async fn findings(url: &str, db: &TestDb, extra: &[&str]) -> Vec<Value> {
+    let mut args = vec!["check", "--json", "--database", db.name()];
+    args.extend_from_slice(extra);
+    let out = cli(url, &args).await;
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{}", stderr(&out));
+    serde_json::from_slice(&out.stdout).expect("a JSON array")
+}
+
+/// Issue 31, point 2: `check` knows a term's TTL (stored with every
+/// renewal), so a long job (its term began an hour ago) whose holder
+/// crashed is flagged one TTL after its term ran out, at the default
+/// `--max-idle-lock` (5 min): guessing the TTL from `taken_at` and the
+/// expiry, as before, waited the whole 5 minutes. On a table made by
+/// pgwarden 0.1 it still guesses, and says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn check_flags_a_crashed_long_job_one_ttl_after_its_term_ran_out() {
+    let db = db().await;
+    let url = db.url();
+    let admin = db.connect().await.unwrap();
+    let (_t, dir) = tempdir();
+    let mut run = spawn_run(&url, "long", &["--ttl", "1s"], &job(&dir, 0));
+    token_seen(&dir, "long").await;
+    // The job has run for an hour (renewals never move taken_at).
+    admin
+        .batch_execute(
+            "UPDATE pgwarden_leases SET taken_at = taken_at - interval '1 hour' WHERE name = 'long'",
+        )
+        .await
+        .unwrap();
+    kill(pid(&run), libc::SIGKILL);
+    within(BOUND, "the crash", run.wait()).await.unwrap();
+    std::fs::write(dir.join("go"), "").unwrap();
+    let found = until("the unclaimed lease to be reported", || async {
+        findings(&url, &db, &[])
+            .await
+            .into_iter()
+            .find(|f| f["kind"] == "unclaimed_lease")
+    })
+    .await;
+    assert_eq!(found["subject"]["name"], "long", "{found}");
+    assert_eq!(found["subject"]["ttl_s"].as_f64(), Some(1.0), "{found}");
+    let message = found["message"].as_str().unwrap();
+    assert!(!message.contains("guessed"), "{message}");
+
+    // A table made by pgwarden 0.1: a crashed 0.1 holder's term (never
+    // renewed: the guess is right) is flagged, saying the TTL is guessed.
+    let old = self::db().await;
+    let old_url = old.url();
+    let admin = old.connect().await.unwrap();
+    admin
+        .batch_execute(pgwarden_testing::LEASES_DDL_0_1)
+        .await
+        .unwrap();
+    admin
+        .batch_execute(
+            "INSERT INTO pgwarden_leases (name, holder, token, taken_at, expires_at)
+             VALUES ('old', 'old-host:1:aa', nextval('pgwarden_leases_token_seq'),
+                     now() - interval '3 s', now() - interval '2 s')",
+        )
+        .await
+        .unwrap();
+    let found = findings(&old_url, &old, &[])
+        .await
+        .into_iter()
+        .find(|f| f["kind"] == "unclaimed_lease")
+        .expect("the 0.1 term is flagged");
+    assert!(found["subject"]["ttl_s"].is_null(), "{found}");
+    let message = found["message"].as_str().unwrap();
+    assert!(message.contains("TTL is not stored"), "{message}");
+    assert!(message.contains("guessed as 1s"), "{message}");
+    let table = stdout(&cli(&old_url, &["leases"]).await);
+    assert!(table.contains("TTL"), "{table}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

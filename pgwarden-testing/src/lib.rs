@@ -108,3 +108,15 @@ pub use wait::{eventually, within};
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connect timeout put into every [`Config`](tokio_postgres::Config) handed out.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The lease table's DDL as pgwarden 0.1 shipped it, before the
+/// `renewed_at` column (default names `public.pgwarden_leases` and its
+/// token sequence): for tests of a table made by that version, and of a
+/// fleet where instances of it still write.
+pub const LEASES_DDL_0_1: &str = r#"
+CREATE SEQUENCE IF NOT EXISTS "public"."pgwarden_leases_token_seq" AS bigint CACHE 1;
+CREATE TABLE IF NOT EXISTS "public"."pgwarden_leases" (name text PRIMARY KEY, holder text NOT NULL,
+  token bigint NOT NULL, taken_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz NOT NULL,
+  held_until timestamptz NOT NULL DEFAULT '-infinity', prev_holder text);
+ALTER SEQUENCE "public"."pgwarden_leases_token_seq" OWNED BY "public"."pgwarden_leases".token;
+"#;

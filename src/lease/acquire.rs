@@ -110,9 +110,21 @@ impl Inner {
             table: &table,
             bare: bare.as_deref(),
         };
-        let ran = self
+        let found = self
             .run(Urgency::Normal, self.statement_timeout, &stmt)
             .await??;
+        self.unstamped
+            .store(!found.stamped, std::sync::atomic::Ordering::Relaxed);
+        if let Some(why) = &found.unstamped_why {
+            tracing::warn!(
+                pool = %self.pool_name, table = %self.table, error = %why,
+                "lease table made by an earlier pgwarden: could not add its column renewed_at; \
+                 leases work without it, but readers (`pgwarden check`, `Leases::rows`) must guess \
+                 each term's TTL; run `ALTER TABLE {} ADD COLUMN renewed_at timestamptz` as the table's owner",
+                self.sql.table
+            );
+        }
+        let ran = found.ran;
         if ran {
             tracing::info!(pool = %self.pool_name, table = %self.table, "lease table installed");
         }

@@ -70,6 +70,9 @@ pub(crate) struct Inner {
     pub(crate) renewer_alive: Arc<AtomicBool>,
     /// Set once the server refused a named prepared statement.
     pub(crate) unnamed_only: AtomicBool,
+    /// Set once the table is known to lack the `renewed_at` column (its
+    /// install could not add it, or a statement met its absence).
+    pub(crate) unstamped: AtomicBool,
     pub(crate) detect_started: AtomicBool,
     /// Counts, updated under one lock so a snapshot is consistent.
     pub(crate) stats: Mutex<LeaseStats>,
@@ -112,6 +115,7 @@ impl Inner {
             wake: Arc::new(Notify::new()),
             renewer_alive: Arc::new(AtomicBool::new(false)),
             unnamed_only: AtomicBool::new(false),
+            unstamped: AtomicBool::new(false),
             detect_started: AtomicBool::new(false),
             stats: Mutex::new(LeaseStats::default()),
             metrics,
@@ -432,6 +436,7 @@ impl Inner {
             follow_up: Some(follow_up),
         };
         let mut refused_once = false;
+        let mut unstamped_once = false;
         let mut serialization_retries = 0u32;
         loop {
             let left = budget.saturating_sub(began.elapsed());
@@ -439,7 +444,10 @@ impl Inner {
             let outcome = tokio::time::timeout(left, async {
                 let conn = self.checkout(urgency, left).await?;
                 self.count_statement();
-                let call = Call { named };
+                let call = Call {
+                    named,
+                    stamped: !self.unstamped.load(Ordering::Relaxed),
+                };
                 let conn = flight.conn.insert(conn);
                 let pid = conn.pid();
                 let exec = stmt.exec(&self.sql, conn, call);
@@ -481,6 +489,24 @@ impl Inner {
                         conn.discard();
                     }
                     named = false;
+                }
+                // A table made by an earlier pgwarden, never installed by
+                // this instance (or whose column was dropped): every
+                // statement goes without `renewed_at` from now on.
+                Ok(Ok(Err(e)))
+                    if !unstamped_once
+                        && e.code() == Some(&SqlState::UNDEFINED_COLUMN)
+                        && !self.unstamped.load(Ordering::Relaxed) =>
+                {
+                    unstamped_once = true;
+                    flight.conn = None;
+                    self.unstamped.store(true, Ordering::Relaxed);
+                    tracing::warn!(
+                        pool = %self.pool_name, table = %self.table, error = %e,
+                        "the lease table has no renewed_at column (made by an earlier pgwarden): \
+                         lease statements go without it; readers guess each term's TTL \
+                         (Leases::install adds it when the role owns the table)"
+                    );
                 }
                 // A lost race under a database whose default isolation is
                 // repeatable read or serializable: the statement (its own

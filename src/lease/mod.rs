@@ -243,6 +243,15 @@ impl Leases {
     /// sequence (a `bigint` sequence named after the table). With
     /// `auto_install` on (the default) the first acquisition runs this.
     ///
+    /// A table made by pgwarden 0.1 lacks the `renewed_at` column (each
+    /// term's TTL, stored for readers: [`LeaseRow::ttl`]): the install adds
+    /// it (`ALTER TABLE … ADD COLUMN IF NOT EXISTS`, under the same lock,
+    /// waiting at most 200 ms for the table's lock). When it cannot (the
+    /// role does not own the table, a read-only session, the table busy),
+    /// it logs a warning naming the statement to run, and leases work
+    /// without the column; so does an instance that never installs. Rows
+    /// written without it read as `ttl: None`.
+    ///
     /// ```no_run
     /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
     /// // At start-up: fail early on a table of another shape.

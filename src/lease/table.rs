@@ -138,11 +138,11 @@ pub(crate) const FENCE_GRACE: Duration = Duration::from_secs(1);
 /// The statements of one lease table.
 #[derive(Debug)]
 pub(crate) struct Statements {
-    pub(super) acquire: String,
-    pub(super) acquire_held: String,
-    pub(super) acquire_batch: String,
+    pub(super) acquire: Stamped,
+    pub(super) acquire_held: Stamped,
+    pub(super) acquire_batch: Stamped,
     pub(super) free_in: String,
-    pub(super) renew: String,
+    pub(super) renew: Stamped,
     pub(super) release: String,
     pub(super) release_unheld: String,
     pub(super) release_batch: String,
@@ -156,6 +156,43 @@ pub(crate) struct Statements {
     pub(crate) table: String,
     /// The token sequence, schema-qualified and quoted.
     pub(crate) sequence: String,
+}
+
+/// A statement that starts or renews a term, in two texts: one that writes
+/// the row's `renewed_at` (the database's `now()` when `expires_at` was
+/// set, so that a reader knows the term's TTL exactly: `expires_at -
+/// renewed_at`), and one for a table made before that column existed,
+/// which the role may not alter (see [`RENEWED_AT`]).
+#[derive(Debug)]
+pub(crate) struct Stamped {
+    pub(super) stamped: String,
+    pub(super) legacy: String,
+}
+
+impl Stamped {
+    /// Both texts of `text`, whose `{stamp_col}` (a column list's tail),
+    /// `{stamp_val}` (the values') and `{stamp_set}` (a `SET` list's tail)
+    /// become the column, or nothing.
+    fn new(text: &str) -> Stamped {
+        let fill = |col: &str, val: &str, set: &str| {
+            text.replace("{stamp_col}", col)
+                .replace("{stamp_val}", val)
+                .replace("{stamp_set}", set)
+        };
+        Stamped {
+            stamped: fill(", renewed_at", ", now()", ", renewed_at = now()"),
+            legacy: fill("", "", ""),
+        }
+    }
+
+    /// The text `call` is sent with.
+    pub(super) fn text(&self, call: Call) -> &str {
+        if call.stamped {
+            &self.stamped
+        } else {
+            &self.legacy
+        }
+    }
 }
 
 /// A term just taken.
@@ -248,29 +285,29 @@ impl Statements {
             "ON CONFLICT (name) DO UPDATE
    SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
        taken_at = excluded.taken_at, expires_at = excluded.expires_at,
-       held_until = excluded.held_until, prev_holder = l.holder
+       held_until = excluded.held_until, prev_holder = l.holder{{stamp_set}}
  WHERE l.expires_at < now() AND l.held_until <= now()
 RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8"
         );
         Statements {
             // Without a hold, `held_until` keeps its default ('-infinity'):
             // fewer expressions for the server to set up on every call.
-            acquire: format!(
-                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at)
-SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3)
+            acquire: Stamped::new(&format!(
+                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at{{stamp_col}})
+SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3){{stamp_val}}
   FROM {probe}
  WHERE {gate}
 {on_conflict}"
-            ),
-            acquire_held: format!(
-                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until)
+            )),
+            acquire_held: Stamped::new(&format!(
+                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until{{stamp_col}})
 SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
        greatest(now() + make_interval(secs => $4),
-                CASE WHEN $5 > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / $5) + 1) * $5) END)
+                CASE WHEN $5 > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / $5) + 1) * $5) END){{stamp_val}}
  FROM {probe}
  WHERE {gate}
 {on_conflict}"
-            ),
+            )),
             // The acquisitions of a batch (see `gather.rs`), one row each:
             // the same probe, bound and take-over as `acquire_held`, row by
             // row (the executor reads a row, checks it, inserts it, then
@@ -282,13 +319,13 @@ SELECT $1, $2, nextval({seq}), now(), now() + make_interval(secs => $3),
             // parameters, the planner sizes each call's arrays, finds a
             // plan for that size cheaper than the cached generic one, and
             // plans the statement again on every call.
-            acquire_batch: format!(
-                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until)
+            acquire_batch: Stamped::new(&format!(
+                "INSERT INTO {tbl} AS l (name, holder, token, taken_at, expires_at, held_until{{stamp_col}})
 SELECT r.name, r.holder, nextval({seq}), now(), now() + make_interval(secs => r.ttl),
        CASE WHEN r.least > 0 OR r.period > 0 THEN
          greatest(now() + make_interval(secs => r.least),
                   CASE WHEN r.period > 0 THEN to_timestamp((floor(extract(epoch FROM now()) / r.period) + 1) * r.period) END)
-       ELSE '-infinity'::timestamptz END
+       ELSE '-infinity'::timestamptz END{{stamp_val}}
   FROM (SELECT b.*, (SELECT c.expires_at >= now() OR c.held_until > now() FROM {tbl} c WHERE c.name = b.name) AS live
           FROM unnest((SELECT $1::text[]), (SELECT $2::text[]), (SELECT $3::float8[]), (SELECT $4::float8[]), (SELECT $5::float8[])) AS b(name, holder, ttl, least, period)
         OFFSET 0) AS r
@@ -297,18 +334,18 @@ SELECT r.name, r.holder, nextval({seq}), now(), now() + make_interval(secs => r.
 {on_conflict}, l.name",
                 lock_ms(BATCH_LOCK_WAIT.min(timeout)),
                 lock_ms(TAKEOVER_WAIT.min(timeout))
-            ),
+            )),
             free_in: format!(
                 "SELECT extract(epoch FROM greatest(expires_at, held_until) - now())::float8 FROM {tbl} WHERE name = $1"
             ),
             // One statement renews every lease of the batch, each within its
             // own term only.
-            renew: format!(
-                "UPDATE {tbl} AS l SET expires_at = now() + make_interval(secs => r.ttl)
+            renew: Stamped::new(&format!(
+                "UPDATE {tbl} AS l SET expires_at = now() + make_interval(secs => r.ttl){{stamp_set}}
   FROM unnest($1::text[], $2::text[], $3::int8[], $4::float8[]) AS r(name, holder, token, ttl)
  WHERE {wait} AND l.name = r.name AND l.holder = r.holder AND l.token = r.token
 RETURNING l.name, l.token"
-            ),
+            )),
             // Holder ids are new on every acquisition: a holder matches its
             // own term only, so a late release never touches a later term.
             // The row stays, marked released, with its hold.
@@ -504,7 +541,7 @@ impl Statements {
     pub(crate) async fn acquire(
         &self,
         client: &Client,
-        named: bool,
+        call: Call,
         name: &str,
         holder: &str,
         ttl: f64,
@@ -514,8 +551,8 @@ impl Statements {
             None => {
                 query(
                     client,
-                    named,
-                    &self.acquire,
+                    call.named,
+                    self.acquire.text(call),
                     ACQUIRE_TYPES,
                     &[&name, &holder, &ttl],
                 )
@@ -524,8 +561,8 @@ impl Statements {
             Some((at_least, period)) => {
                 query(
                     client,
-                    named,
-                    &self.acquire_held,
+                    call.named,
+                    self.acquire_held.text(call),
                     ACQUIRE_HELD_TYPES,
                     &[&name, &holder, &ttl, &at_least, &period],
                 )
@@ -548,13 +585,13 @@ impl Statements {
     pub(crate) async fn acquire_batch(
         &self,
         client: &Client,
-        named: bool,
+        call: Call,
         b: &AcquireBatch,
     ) -> Result<Vec<(String, Taken)>, PgError> {
         let rows = query(
             client,
-            named,
-            &self.acquire_batch,
+            call.named,
+            self.acquire_batch.text(call),
             ACQUIRE_BATCH_TYPES,
             &[&b.names, &b.holders, &b.ttls, &b.leasts, &b.periods],
         )
@@ -589,7 +626,7 @@ impl Statements {
     pub(crate) async fn renew(
         &self,
         client: &Client,
-        named: bool,
+        call: Call,
         names: &[&str],
         holders: &[&str],
         tokens: &[i64],
@@ -597,8 +634,8 @@ impl Statements {
     ) -> Result<Vec<(String, i64)>, PgError> {
         let rows = query(
             client,
-            named,
-            &self.renew,
+            call.named,
+            self.renew.text(call),
             RENEW_TYPES,
             &[&names, &holders, &tokens, &ttls],
         )
@@ -929,8 +966,30 @@ pub(crate) fn quote_literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
+/// The column stamping each write of a term's expiry with the database's
+/// `now()` (acquisitions and renewals write both in one statement), so that
+/// a reader knows the term's TTL exactly: `expires_at - renewed_at`, while
+/// the term is held and `renewed_at >= taken_at`. Optional: a table made by
+/// an earlier pgwarden lacks it until `install()` adds it (when the role
+/// may); without it every statement runs without it and readers guess the
+/// TTL. Why a stamp and not the TTL itself: a term taken over by an older
+/// pgwarden (a mixed fleet) leaves the column as the previous term wrote
+/// it; a stamp older than the term's `taken_at` is seen as stale, a TTL
+/// would not be.
+pub(crate) const RENEWED_AT: &str = "renewed_at";
+
+/// Its type, as the catalog names it.
+const RENEWED_AT_TYPE: &str = "timestamp with time zone";
+
+/// How long the install's `ALTER TABLE … ADD COLUMN renewed_at` may wait
+/// for the table's lock (every lease statement queues behind it meanwhile):
+/// past it, the instance runs without the column, and the next install
+/// tries again.
+pub(crate) const MIGRATE_LOCK_WAIT: Duration = Duration::from_millis(200);
+
 /// The columns pgwarden reads and writes: name, type, and whether NULL must
-/// be allowed (`prev_holder` is NULL for a new row).
+/// be allowed (`prev_holder` is NULL for a new row). [`RENEWED_AT`] is
+/// checked apart: it may be missing.
 const COLUMNS: &[(&str, &str, bool)] = &[
     ("name", "text", false),
     ("holder", "text", false),
@@ -1001,8 +1060,20 @@ impl Shape {
                 Some(_) => {}
             }
         }
+        if let Some(c) = self.columns.iter().find(|c| c.name == RENEWED_AT) {
+            if c.type_name != RENEWED_AT_TYPE {
+                out.push(format!(
+                    "column {RENEWED_AT} is {}, expected {RENEWED_AT_TYPE}",
+                    c.type_name
+                ));
+            } else if c.not_null && !c.has_default {
+                out.push(format!(
+                    "column {RENEWED_AT} is NOT NULL, it must allow NULL"
+                ));
+            }
+        }
         for c in &self.columns {
-            let ours = COLUMNS.iter().any(|(n, _, _)| *n == c.name);
+            let ours = c.name == RENEWED_AT || COLUMNS.iter().any(|(n, _, _)| *n == c.name);
             if !ours && c.not_null && !c.has_default {
                 out.push(format!(
                     "extra column {} is NOT NULL without a default: pgwarden's inserts would fail",
@@ -1078,6 +1149,11 @@ impl Shape {
     /// The DDL has something to create (it skips what exists).
     fn is_missing(&self) -> bool {
         self.table_kind.is_none() || self.sequence_kind.is_none()
+    }
+
+    /// The table has the [`RENEWED_AT`] column.
+    pub(crate) fn has_stamp(&self) -> bool {
+        self.columns.iter().any(|c| c.name == RENEWED_AT)
     }
 }
 
@@ -1157,17 +1233,37 @@ impl Statements {
         Ok((row.try_get(0)?, row.try_get(1)?))
     }
 
+    /// Adds the [`RENEWED_AT`] column to a table made by an earlier
+    /// pgwarden, inside a transaction holding [`INSTALL_LOCK_KEY`] (as the
+    /// DDL does), waiting at most [`MIGRATE_LOCK_WAIT`] for the table's lock.
+    async fn add_stamp(&self, client: &mut Client, wait: Duration) -> Result<(), Error> {
+        let tx = client.transaction().await?;
+        xact_lock(&tx, INSTALL_LOCK_KEY, LockMode::Exclusive, Some(wait)).await?;
+        // `IF NOT EXISTS`: another instance may have added it while this
+        // one waited for the install lock.
+        tx.batch_execute(&format!(
+            "SET LOCAL lock_timeout = '{}ms'; ALTER TABLE {} ADD COLUMN IF NOT EXISTS {RENEWED_AT} timestamptz",
+            lock_ms(MIGRATE_LOCK_WAIT),
+            self.table
+        ))
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Creates the table and its sequence when either is missing, inside a
     /// transaction holding the transaction-scoped advisory lock
-    /// [`INSTALL_LOCK_KEY`] (waiting up to `wait` for it); then checks the
-    /// shape of what exists. Returns true when it ran the DDL.
+    /// [`INSTALL_LOCK_KEY`] (waiting up to `wait` for it); adds the
+    /// [`RENEWED_AT`] column to a table made without it, when the role may
+    /// (else says so and goes on without it); then checks the shape of what
+    /// exists.
     pub(crate) async fn install(
         &self,
         client: &mut Client,
         wait: Duration,
         table_name: &str,
         bare: Option<&str>,
-    ) -> Result<bool, Error> {
+    ) -> Result<Installed, Error> {
         let mut ran = false;
         let mut shape = self.shape(client, bare).await?;
         if shape.is_missing() {
@@ -1180,13 +1276,26 @@ impl Statements {
             ran = true;
             shape = self.shape(client, bare).await?;
         }
+        let mut unstamped_why = None;
+        if shape.table_kind.is_some() && !shape.has_stamp() {
+            match self.add_stamp(client, wait).await {
+                Ok(()) => shape = self.shape(client, bare).await?,
+                // Not the owner, a read-only session, the table's lock busy
+                // past the bound: leases work without it.
+                Err(e) => unstamped_why = Some(e.to_string()),
+            }
+        }
         // Tokens are compared once the columns and the sequence fit.
         if shape.differences(&self.sequence).is_empty() {
             shape.tokens = Some(self.tokens(client).await?);
         }
         let differences = shape.differences(&self.sequence);
         if differences.is_empty() {
-            Ok(ran)
+            Ok(Installed {
+                ran,
+                stamped: shape.has_stamp(),
+                unstamped_why,
+            })
         } else {
             Err(Error::Lease(LeaseError::TableMismatch {
                 table: table_name.to_owned(),
@@ -1229,6 +1338,13 @@ pub struct LeaseRow {
     pub held_until: Option<SystemTime>,
     /// The holder of the term this one took over, if any.
     pub prev_holder: Option<String>,
+    /// The term's TTL, exactly (`expires_at` minus when it was last set):
+    /// `None` once released, and when the table or the row cannot tell (a
+    /// table made by an earlier pgwarden whose role may not add the
+    /// `renewed_at` column, or a term taken by such a pgwarden in a mixed
+    /// fleet): then guess it, as `pgwarden check` does, from `taken_at` and
+    /// the expiry.
+    pub ttl: Option<Duration>,
     /// The backend holding a row lock on this row (a fenced transaction, a
     /// statement in flight), when one transaction holds it: the running
     /// transaction the row's `xmax` names. A take-over of an expired term
@@ -1259,7 +1375,8 @@ pub struct LeaseRow {
 /// A prepared (two-phase) transaction has no backend: its state says so,
 /// with its `gid`. Works from a read-only session and on a hot standby
 /// (where the primary's transactions are not in `pg_locks`: no blocker).
-fn rows_sql(tbl: &str) -> String {
+fn rows_sql(tbl: &str, stamped: bool) -> String {
+    let ttl = ttl_sql("l", stamped);
     let regclass = quote_literal(tbl);
     // `pg_locks` and `pg_stat_activity` are read once each (materialized,
     // then hash-joined), not once per row: the table may hold a million
@@ -1277,7 +1394,7 @@ fn rows_sql(tbl: &str) -> String {
               (SELECT p.gid FROM pg_prepared_xacts p WHERE p.transaction = x.transactionid) AS prepared
          FROM x JOIN t ON t.virtualtransaction = x.virtualtransaction)
 SELECT l.name, l.holder, l.token, extract(epoch FROM l.taken_at)::float8,
-       extract(epoch FROM l.expires_at - now())::float8,
+       (extract(epoch FROM l.expires_at) - extract(epoch FROM now()))::float8,
        l.holder <> '' AND l.expires_at >= now(),
        CASE WHEN l.held_until > '-infinity' THEN extract(epoch FROM l.held_until)::float8 END,
        l.prev_holder,
@@ -1285,12 +1402,31 @@ SELECT l.name, l.holder, l.token, extract(epoch FROM l.taken_at)::float8,
        CASE WHEN b.prepared IS NOT NULL THEN b.prepared ELSE a.application_name END,
        CASE WHEN b.prepared IS NOT NULL THEN 'prepared transaction' ELSE a.state END,
        CASE WHEN a.state_change IS NOT NULL
-            THEN greatest(extract(epoch FROM clock_timestamp() - a.state_change), 0)::float8 END
+            THEN greatest(extract(epoch FROM clock_timestamp() - a.state_change), 0)::float8 END,
+       {ttl}
   FROM {tbl} l
   LEFT JOIN b ON b.transactionid = l.xmax
   LEFT JOIN pg_stat_activity a ON a.pid = b.pid
  ORDER BY l.name"
     )
+}
+
+/// A row's TTL in seconds (see [`RENEWED_AT`]), from alias `t`: the term's
+/// expiry minus when it was last set, while the term is held and that stamp
+/// is its own (not older than its `taken_at`: a term taken by an earlier
+/// pgwarden keeps the stamp of the term before), and both are finite (a
+/// row edited by hand must not fail the listing). NULL otherwise, and
+/// always on a table without the column.
+fn ttl_sql(t: &str, stamped: bool) -> String {
+    if stamped {
+        format!(
+            "CASE WHEN {t}.holder <> '' AND {t}.{RENEWED_AT} >= {t}.taken_at \
+                  AND isfinite({t}.{RENEWED_AT}) AND isfinite({t}.expires_at) \
+             THEN extract(epoch FROM {t}.expires_at - {t}.{RENEWED_AT})::float8 END"
+        )
+    } else {
+        "NULL::float8".to_owned()
+    }
 }
 
 /// Unix seconds as a time; a value no `SystemTime` holds (a timestamp of
@@ -1304,6 +1440,11 @@ fn from_epoch(s: f64) -> SystemTime {
     }
 }
 
+/// The column of a [`LeaseRow`]'s TTL in the listing's and the revoke's
+/// rows (after the blocker's columns in the listing; the revoke returns
+/// NULLs in their place).
+const LEASE_ROW_TTL: usize = 12;
+
 fn lease_row(r: &Row) -> Result<LeaseRow, PgError> {
     Ok(LeaseRow {
         name: r.try_get(0)?,
@@ -1314,6 +1455,9 @@ fn lease_row(r: &Row) -> Result<LeaseRow, PgError> {
         live: r.try_get(5)?,
         held_until: r.try_get::<_, Option<f64>>(6)?.map(from_epoch),
         prev_holder: r.try_get(7)?,
+        ttl: r
+            .try_get::<_, Option<f64>>(LEASE_ROW_TTL)?
+            .and_then(|s| Duration::try_from_secs_f64(s).ok()),
         blocker_pid: None,
         blocker_application_name: None,
         blocker_state: None,
@@ -1351,10 +1495,10 @@ impl LeaseStatement for ReadRows {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        _call: Call,
+        call: Call,
     ) -> Result<Self::Out, PgError> {
         client
-            .query_typed(&rows_sql(&sql.table), &[])
+            .query_typed(&rows_sql(&sql.table, call.stamped), &[])
             .await?
             .iter()
             .map(lease_row_blocked)
@@ -1369,7 +1513,12 @@ pub(crate) struct Revoke<'a> {
     pub(crate) wait_ms: i32,
 }
 
-fn revoke_sql(tbl: &str) -> String {
+fn revoke_sql(tbl: &str, stamped: bool) -> String {
+    let (stamp, ttl) = if stamped {
+        (format!(", {RENEWED_AT}"), ttl_sql("o", true))
+    } else {
+        (String::new(), ttl_sql("o", false))
+    };
     // The row is locked `FOR NO KEY UPDATE` (as a renewal does), which a
     // fenced transaction's `FOR KEY SHARE` does not hold up; `$2` bounds
     // the wait for a statement in flight on it. The term's expiry is kept:
@@ -1377,16 +1526,16 @@ fn revoke_sql(tbl: &str) -> String {
     // its next renewal, must have stopped trusting it.
     format!(
         "WITH o AS (
-  SELECT name, holder, token, taken_at, expires_at, held_until, prev_holder FROM {tbl}
+  SELECT name, holder, token, taken_at, expires_at, held_until, prev_holder{stamp} FROM {tbl}
    WHERE set_config('lock_timeout', $2::int4::text, true) IS NOT NULL
      AND name = $1 AND holder <> ''
      FOR NO KEY UPDATE)
 UPDATE {tbl} AS l SET holder = ''
   FROM o WHERE l.name = o.name
 RETURNING o.name, o.holder, o.token, extract(epoch FROM o.taken_at)::float8,
-       extract(epoch FROM o.expires_at - now())::float8, o.expires_at >= now(),
+       (extract(epoch FROM o.expires_at) - extract(epoch FROM now()))::float8, o.expires_at >= now(),
        CASE WHEN o.held_until > '-infinity' THEN extract(epoch FROM o.held_until)::float8 END,
-       o.prev_holder"
+       o.prev_holder, NULL::int4, NULL::text, NULL::text, NULL::float8, {ttl}"
     )
 }
 
@@ -1397,11 +1546,11 @@ impl LeaseStatement for Revoke<'_> {
         &'a self,
         sql: &'a Statements,
         client: &'a mut Client,
-        _call: Call,
+        call: Call,
     ) -> Result<Self::Out, PgError> {
         let rows = client
             .query_typed(
-                &revoke_sql(&sql.table),
+                &revoke_sql(&sql.table, call.stamped),
                 &[(&self.name, Type::TEXT), (&self.wait_ms, Type::INT4)],
             )
             .await?;
@@ -1434,6 +1583,8 @@ pub(crate) trait LeaseStatement: Sync {
 pub(crate) struct Call {
     /// A named prepared statement (direct connections), or unnamed.
     pub(crate) named: bool,
+    /// The table has the `renewed_at` column (see [`Stamped`]).
+    pub(crate) stamped: bool,
 }
 
 /// Implements [`LeaseStatement`] for `$ty`: `$out` from the `Statements`
@@ -1487,7 +1638,7 @@ impl LeaseStatement for Acquire<'_> {
         call: Call,
     ) -> Result<Result<Taken, Busy>, PgError> {
         let taken = sql
-            .acquire(c, call.named, self.name, self.holder, self.ttl, self.hold)
+            .acquire(c, call, self.name, self.holder, self.ttl, self.hold)
             .await?;
         Ok(taken.ok_or(Busy::Held))
     }
@@ -1556,7 +1707,7 @@ impl LeaseStatement for AcquireBatch {
         c: &mut Client,
         call: Call,
     ) -> Result<Option<Vec<(String, Taken)>>, PgError> {
-        sql.acquire_batch(c, call.named, self).await.map(Some)
+        sql.acquire_batch(c, call, self).await.map(Some)
     }
     fn on_lock_timeout() -> Option<Option<Vec<(String, Taken)>>> {
         Some(None)
@@ -1595,7 +1746,7 @@ lease_statement!(
     Renew<'_>,
     Vec<(String, i64)>,
     "renewal",
-    |s, sql, c, call| sql.renew(c, call.named, &s.names, &s.holders, &s.tokens, &s.ttls)
+    |s, sql, c, call| sql.renew(c, call, &s.names, &s.holders, &s.tokens, &s.ttls)
 );
 
 /// A release: the row stays, marked released; with `keep_hold` false the
@@ -1647,6 +1798,17 @@ pub(crate) struct PurgeSweep<'a> {
 lease_statement!(PurgeSweep<'_>, Option<u64>, "purge", |s, sql, c, call| sql
     .purge_sweep(c, call.named, s.mark, s.age, s.limit));
 
+/// What an install did and found.
+#[derive(Clone, Debug)]
+pub(crate) struct Installed {
+    /// It ran the DDL.
+    pub(crate) ran: bool,
+    /// The table has the [`RENEWED_AT`] column.
+    pub(crate) stamped: bool,
+    /// Why the column could not be added, when it was tried and failed.
+    pub(crate) unstamped_why: Option<String>,
+}
+
 /// Create the table if missing, then check its shape.
 pub(crate) struct Install<'a> {
     pub(crate) wait: Duration,
@@ -1657,7 +1819,7 @@ pub(crate) struct Install<'a> {
 
 lease_statement!(
     Install<'_>,
-    Result<bool, crate::error::Error>,
+    Result<Installed, crate::error::Error>,
     "install",
     |s, sql, c, _call| async move { Ok(sql.install(c, s.wait, s.table, s.bare).await) }
 );
@@ -1674,10 +1836,13 @@ mod tests {
             Duration::from_secs(10),
         );
         for text in [
-            &s.acquire,
-            &s.acquire_held,
+            &s.acquire.stamped,
+            &s.acquire_held.stamped,
+            &s.acquire.legacy,
+            &s.acquire_held.legacy,
             &s.free_in,
-            &s.renew,
+            &s.renew.stamped,
+            &s.renew.legacy,
             &s.release,
             &s.release_unheld,
             &s.fence,
@@ -1698,7 +1863,10 @@ mod tests {
                 assert!(advisory.is_empty(), "{text}");
             }
         }
-        assert!(s.acquire.contains(r#"nextval('"app"."leases_token_seq"')"#));
+        assert!(s
+            .acquire
+            .stamped
+            .contains(r#"nextval('"app"."leases_token_seq"')"#));
         assert_eq!(INSTALL_LOCK_KEY, LockKey::Pair(1_885_828_964, 594_100_531));
         assert!(s.ddl.contains("(1885828964, 594100531)"));
     }
@@ -1710,13 +1878,14 @@ mod tests {
         assert_eq!(s.sequence, r#""public"."pgwarden_leases_token_seq""#);
         assert!(s
             .acquire
+            .legacy
             .contains(r#"nextval('"public"."pgwarden_leases_token_seq"')"#));
     }
 
     #[test]
     fn lock_waits_are_bounded_by_constants() {
         let s = Statements::new(&TableName::default(), Duration::from_millis(1500));
-        for text in [&s.acquire, &s.acquire_held] {
+        for text in [&s.acquire.stamped, &s.acquire_held.legacy] {
             // A take-over of an existing row waits 20 ms for a lock; a new
             // row, the statement timeout.
             assert!(
@@ -1729,7 +1898,7 @@ mod tests {
             let bound = text.find("set_config").unwrap();
             assert!(bound < text.find("ON CONFLICT").unwrap());
         }
-        for text in [&s.renew, &s.release, &s.release_unheld] {
+        for text in [&s.renew.stamped, &s.release, &s.release_unheld] {
             assert!(
                 text.contains("set_config('lock_timeout', '1500', true)"),
                 "{text}"
@@ -1742,11 +1911,56 @@ mod tests {
         let short = Statements::new(&TableName::default(), Duration::from_millis(7));
         assert!(short
             .acquire
+            .stamped
             .contains("CASE WHEN s.live IS NULL THEN '7' ELSE '7' END"));
         assert!(s.fence.contains("idle_in_transaction_session_timeout"));
         assert!(s.fence.contains("'statement_timeout'"));
-        assert!(!s.acquire.contains("held_until)\nSELECT"));
-        assert!(s.acquire_held.contains("held_until)\nSELECT"));
+        assert!(!s.acquire.legacy.contains("held_until)\nSELECT"));
+        assert!(s.acquire_held.legacy.contains("held_until)\nSELECT"));
+        assert!(s
+            .acquire_held
+            .stamped
+            .contains("held_until, renewed_at)\nSELECT"));
+    }
+
+    #[test]
+    fn every_statement_that_sets_an_expiry_stamps_it_unless_the_table_cannot() {
+        let s = Statements::new(&TableName::default(), Duration::from_secs(10));
+        for v in [&s.acquire, &s.acquire_held, &s.acquire_batch, &s.renew] {
+            assert!(!v.legacy.contains(RENEWED_AT), "{}", v.legacy);
+            assert!(!v.stamped.contains("{stamp"), "{}", v.stamped);
+            assert!(!v.legacy.contains("{stamp"), "{}", v.legacy);
+            // The expiry and the stamp come from the same `now()`.
+            assert!(
+                v.stamped.contains("renewed_at = now()") || v.stamped.contains(", now()\n"),
+                "{}",
+                v.stamped
+            );
+        }
+        for v in [&s.acquire, &s.acquire_held, &s.acquire_batch] {
+            // A take-over stamps the row too (the previous term's stamp
+            // would be older than the new `taken_at` anyway).
+            assert!(
+                v.stamped
+                    .contains("prev_holder = l.holder, renewed_at = now()"),
+                "{}",
+                v.stamped
+            );
+            assert!(
+                v.stamped.contains("expires_at, held_until, renewed_at)")
+                    || v.stamped.contains("expires_at, renewed_at)"),
+                "{}",
+                v.stamped
+            );
+        }
+        // Nothing else sets an expiry while a term is held.
+        for text in [&s.release, &s.release_unheld, &s.release_batch] {
+            assert!(text.contains("holder = ''"), "{text}");
+        }
+        assert!(rows_sql("t", true).contains("l.expires_at - l.renewed_at"));
+        assert!(!rows_sql("t", false).contains(RENEWED_AT));
+        assert!(revoke_sql("t", true).contains("o.expires_at - o.renewed_at"));
+        assert!(!revoke_sql("t", false).contains(RENEWED_AT));
     }
 
     #[test]
@@ -1888,6 +2102,34 @@ mod tests {
     }
 
     #[test]
+    fn renewed_at_may_be_missing_but_not_of_another_type() {
+        let mut s = good();
+        assert!(!s.has_stamp());
+        assert!(s.differences("s").is_empty());
+        s.columns.push(Column {
+            name: RENEWED_AT.into(),
+            type_name: "timestamp with time zone".into(),
+            not_null: false,
+            has_default: false,
+        });
+        assert!(s.has_stamp());
+        assert!(s.differences("s").is_empty());
+        s.columns.last_mut().unwrap().type_name = "interval".into();
+        let all = s.differences("s").join("\n");
+        assert!(
+            all.contains("column renewed_at is interval, expected timestamp with time zone"),
+            "{all}"
+        );
+        s.columns.last_mut().unwrap().type_name = "timestamp with time zone".into();
+        s.columns.last_mut().unwrap().not_null = true;
+        let all = s.differences("s").join("\n");
+        assert!(
+            all.contains("column renewed_at is NOT NULL, it must allow NULL"),
+            "{all}"
+        );
+    }
+
+    #[test]
     fn the_shipped_shape_fits() {
         assert_eq!(good().differences("s"), Vec::<String>::new());
         let mut extra = good();
@@ -1954,7 +2196,7 @@ mod tests {
 
     #[test]
     fn the_listing_locks_nothing_and_the_revoke_does_not_wait_on_a_fence() {
-        let rows = rows_sql(r#""app"."leases""#);
+        let rows = rows_sql(r#""app"."leases""#, true);
         assert!(!rows.contains("FOR "), "{rows}");
         assert!(!rows.contains("set_config"), "{rows}");
         assert!(rows.contains("b.transactionid = l.xmax"), "{rows}");
@@ -1963,7 +2205,7 @@ mod tests {
             "{rows}"
         );
         assert!(rows.contains(r#"FROM "app"."leases" l"#), "{rows}");
-        let revoke = revoke_sql(r#""app"."leases""#);
+        let revoke = revoke_sql(r#""app"."leases""#, true);
         // FOR NO KEY UPDATE does not conflict with a fence's FOR KEY SHARE;
         // FOR UPDATE would.
         assert!(revoke.contains("FOR NO KEY UPDATE"), "{revoke}");

@@ -54,7 +54,7 @@ async fn install_is_idempotent_race_free_and_matches_the_sql_file() {
         }
     };
     let a = columns("app", "leases").await;
-    assert_eq!(a.len(), 7, "{a:?}");
+    assert_eq!(a.len(), 8, "{a:?}");
     assert_eq!(a, columns("public", "pgwarden_leases").await);
     // Logged (survives failover), sequence owned by the table.
     let r = admin

@@ -50,6 +50,7 @@ mod lease_pgbouncer;
 mod lease_purge;
 mod lease_renewer;
 mod lease_run;
+mod lease_ttl;
 mod leases;
 mod locks;
 mod metrics;
