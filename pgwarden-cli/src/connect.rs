@@ -61,6 +61,9 @@ pub(crate) struct Target {
     pub(crate) root_cert: Option<String>,
     /// The client certificate and its key (`sslcert`, `sslkey`).
     pub(crate) client_cert: Option<(String, String)>,
+    /// Where a password was looked for and not found (for the message when
+    /// the server asks for one): `None` when there is a password.
+    pub(crate) no_password: Option<String>,
 }
 
 impl fmt::Debug for Target {
@@ -111,15 +114,23 @@ fn os_user() -> Option<String> {
 /// `PGSSLMODE` (else `prefer`), `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`,
 /// and the password file (`PGPASSFILE`, else `~/.pgpass`).
 pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
-    let url =
-        match url {
-            Some(u) => u.trim().to_owned(),
-            None if PG_ENV.iter().any(|k| env(k).is_some()) => String::new(),
-            None => return Err(Failure::usage(
-                "no database: pass --url URL, or set DATABASE_URL or libpq's PGHOST, PGDATABASE…",
-            )),
-        };
-    let tls = split_tls(&url)?;
+    let url = match url {
+        Some(u) => u.trim().to_owned(),
+        None if PG_ENV.iter().any(|k| env(k).is_some()) || env("PGSERVICE").is_some() => {
+            String::new()
+        }
+        None => return Err(Failure::usage(
+            "no database: pass --url URL, or set DATABASE_URL, PGSERVICE or libpq's PGHOST, PGDATABASE…",
+        )),
+    };
+    let mut tls = split_tls(&url)?;
+    // A service (`service=` in the URL, else PGSERVICE): its settings fill
+    // in what the URL does not say, before the environment does (libpq's
+    // order).
+    if let Some(name) = tls.service.take().or_else(|| env("PGSERVICE")) {
+        let found = crate::service::lookup(&name)?;
+        apply_service(&mut tls, &name, found)?;
+    }
     let mut config = if tls.rest.is_empty() {
         tokio_postgres::Config::new()
     } else {
@@ -176,11 +187,17 @@ pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
             config.dbname(&d);
         }
     }
+    let mut no_password = None;
     if config.get_password().is_none() {
         if let Some(p) = env("PGPASSWORD") {
             config.password(p);
-        } else if let Some(p) = passfile_password(&config) {
-            config.password(p);
+        } else {
+            match passfile_password(&config, tls.passfile.as_deref()) {
+                Ok(p) => {
+                    config.password(p);
+                }
+                Err(why) => no_password = Some(why),
+            }
         }
     }
     if config.get_connect_timeout().is_none() {
@@ -200,7 +217,10 @@ pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
         config.connect_timeout(t);
     }
     if config.get_application_name().is_none() {
-        config.application_name(env("PGAPPNAME").as_deref().unwrap_or("pgwarden-cli"));
+        let name = env("PGAPPNAME")
+            .or(tls.fallback_app.take())
+            .unwrap_or_else(|| "pgwarden-cli".to_owned());
+        config.application_name(&name);
     }
     let ssl = match tls.mode.or_else(|| env("PGSSLMODE")) {
         Some(s) => s.parse()?,
@@ -217,7 +237,18 @@ pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
             .filter(|p| p.exists())
             .map(|p| p.display().to_string())
     };
+    // No TLS over a Unix socket (libpq ignores sslmode there too).
+    let local = config
+        .get_hosts()
+        .iter()
+        .all(|h| matches!(h, Host::Unix(_)))
+        && config.get_hostaddrs().is_empty()
+        && !config.get_hosts().is_empty();
+    // Without TLS, libpq reads none of the TLS files (sslcert may name one
+    // that does not exist here).
+    let no_tls = local || ssl == SslMode::Disable;
     let client_cert = match (cert, key) {
+        _ if no_tls => None,
         (Some(c), Some(k)) => Some((c, k)),
         (Some(c), None) => Some((
             c,
@@ -229,13 +260,6 @@ pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
         // libpq's defaults, used when both exist.
         (None, None) => default_file("postgresql.crt").zip(default_file("postgresql.key")),
     };
-    // No TLS over a Unix socket (libpq ignores sslmode there too).
-    let local = config
-        .get_hosts()
-        .iter()
-        .all(|h| matches!(h, Host::Unix(_)))
-        && config.get_hostaddrs().is_empty()
-        && !config.get_hosts().is_empty();
     config.ssl_mode(match ssl {
         _ if local => PgSslMode::Disable,
         SslMode::Disable => PgSslMode::Disable,
@@ -263,30 +287,41 @@ pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
         ssl,
         root_cert,
         client_cert,
+        no_password,
     })
 }
 
-/// The password for `config` in the password file (`PGPASSFILE`, else
-/// `~/.pgpass`), as libpq finds it: the first line whose host, port,
-/// database and user match (`*` matches any); ignored when the file is
-/// readable by group or others.
-fn passfile_password(config: &tokio_postgres::Config) -> Option<String> {
+/// The password for `config` in the password file (`passfile`, else
+/// `PGPASSFILE`, else `~/.pgpass`), as libpq finds it: the first line whose
+/// host, port, database and user match (`*` matches any); ignored when the
+/// file is readable by group or others. Else where it looked, for the
+/// message should the server ask for a password.
+fn passfile_password(
+    config: &tokio_postgres::Config,
+    named: Option<&str>,
+) -> Result<String, String> {
     use std::os::unix::fs::PermissionsExt;
-    let path = env("PGPASSFILE")
+    let path = named
+        .map(str::to_owned)
+        .or_else(|| env("PGPASSFILE"))
         .map(std::path::PathBuf::from)
-        .or_else(|| home().map(|h| h.join(".pgpass")))?;
-    let meta = std::fs::metadata(&path).ok()?;
+        .or_else(|| home().map(|h| h.join(".pgpass")))
+        .ok_or("no password file (HOME is not set)")?;
+    let shown = path.display();
+    let meta = std::fs::metadata(&path).map_err(|e| format!("no password file {shown} ({e})"))?;
     if !meta.is_file() {
-        return None;
+        return Err(format!("password file {shown} is not a plain file"));
     }
     if meta.permissions().mode() & 0o077 != 0 {
         eprintln!(
-            "pgwarden: warning: password file {} has group or world access; permissions should be u=rw (0600) or less: ignored",
-            path.display()
+            "pgwarden: warning: password file {shown} has group or world access; permissions should be u=rw (0600) or less: ignored"
         );
-        return None;
+        return Err(format!(
+            "password file {shown} ignored: it has group or world access (chmod 0600 {shown})"
+        ));
     }
-    let text = std::fs::read_to_string(&path).ok()?;
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("password file {shown} unreadable ({e})"))?;
     let (host, local) = match config.get_hosts().first() {
         Some(Host::Tcp(h)) => (h.clone(), false),
         Some(Host::Unix(p)) => (p.display().to_string(), true),
@@ -311,10 +346,75 @@ fn passfile_password(config: &tokio_postgres::Config) -> Option<String> {
         let m = |pat: &str, v: &str| pat == "*" || pat == v;
         let host_ok = m(h, &host) || (local && h == "localhost");
         if host_ok && m(p, &port) && m(d, db) && m(u, user) {
-            return Some(pw.clone());
+            return Ok(pw.clone());
         }
     }
-    None
+    Err(format!(
+        "no line for {host}:{port}:{db}:{user} in password file {shown}"
+    ))
+}
+
+/// Fills in what `tls` (the URL) does not say from service `name`'s
+/// settings (libpq: the URL's win over the service's, which win over the
+/// environment's).
+fn apply_service(
+    tls: &mut TlsParts,
+    name: &str,
+    found: crate::service::Found,
+) -> Result<(), Failure> {
+    let mut given = tls.keys.clone();
+    if !tls.rest.is_empty() {
+        let c = tokio_postgres::Config::from_str(&tls.rest)
+            .map_err(|e| Failure::usage(format!("invalid database URL: {e}")))?;
+        let set = [
+            ("user", c.get_user().is_some()),
+            ("password", c.get_password().is_some()),
+            ("dbname", c.get_dbname().is_some()),
+            ("host", !c.get_hosts().is_empty()),
+            ("hostaddr", !c.get_hostaddrs().is_empty()),
+            ("port", !c.get_ports().is_empty()),
+        ];
+        given.extend(set.iter().filter(|(_, s)| *s).map(|(k, _)| (*k).to_owned()));
+    }
+    let url_form = tls.rest.starts_with("postgres://") || tls.rest.starts_with("postgresql://");
+    for s in found.settings {
+        let at = format!(
+            "service {name:?} ({}, line {})",
+            found.file.display(),
+            s.line
+        );
+        let ours = tls
+            .take_if(&s.key, s.value.clone(), true)
+            .map_err(|e| Failure::usage(format!("{at}: {e}")))?;
+        if ours || given.contains(&s.key) {
+            continue;
+        }
+        let pair = format!("{}={}", s.key, kv_quote(&s.value));
+        // The key and its value, checked as tokio-postgres reads them.
+        tokio_postgres::Config::from_str(&pair).map_err(|e| {
+            Failure::usage(format!(
+                "{at}: {}: {e} (not a setting pgwarden supports)",
+                s.key
+            ))
+        })?;
+        if url_form {
+            tls.rest
+                .push(if tls.rest.contains('?') { '&' } else { '?' });
+            tls.rest
+                .push_str(&format!("{}={}", s.key, url_escape(&s.value)));
+        } else {
+            if !tls.rest.is_empty() {
+                tls.rest.push(' ');
+            }
+            tls.rest.push_str(&pair);
+        }
+    }
+    Ok(())
+}
+
+/// A value quoted for a `key=value` string.
+fn kv_quote(v: &str) -> String {
+    format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
 /// A password file line's five fields (`:` separates, `\` escapes).
@@ -339,7 +439,8 @@ fn pgpass_fields(line: &str) -> Vec<String> {
     fields
 }
 
-/// A URL with the TLS settings tokio-postgres does not read taken out.
+/// A URL with the settings tokio-postgres does not read taken out: TLS,
+/// `service`, `passfile`, `fallback_application_name`.
 #[derive(Debug, Default)]
 struct TlsParts {
     rest: String,
@@ -347,20 +448,54 @@ struct TlsParts {
     root_cert: Option<String>,
     cert: Option<String>,
     key: Option<String>,
+    service: Option<String>,
+    passfile: Option<String>,
+    fallback_app: Option<String>,
+    /// Every key the URL's query or `key=value` string gave.
+    keys: Vec<String>,
 }
 
 impl TlsParts {
-    /// Takes `key=value` if it is one of ours; false otherwise.
-    fn take(&mut self, key: &str, value: String) -> bool {
+    /// Takes `key=value` if it is one of ours; false otherwise. With
+    /// `keep`, a value already there stays (a service's settings do not
+    /// override the URL's).
+    fn take(&mut self, key: &str, value: String) -> Result<bool, Failure> {
+        self.take_if(key, value, false)
+    }
+
+    fn take_if(&mut self, key: &str, value: String, keep: bool) -> Result<bool, Failure> {
         let slot = match key {
             "sslmode" => &mut self.mode,
             "sslrootcert" => &mut self.root_cert,
             "sslcert" => &mut self.cert,
             "sslkey" => &mut self.key,
-            _ => return false,
+            "service" => &mut self.service,
+            "passfile" => &mut self.passfile,
+            "fallback_application_name" => &mut self.fallback_app,
+            // libpq's old spelling of sslmode=require.
+            "requiressl" => {
+                let mode = if value.starts_with('1') {
+                    "require"
+                } else {
+                    "prefer"
+                };
+                return self.take_if("sslmode", mode.to_owned(), keep);
+            }
+            // No GSSAPI encryption here: allowed unless required.
+            "gssencmode" if value == "require" => {
+                return Err(Failure::usage(
+                    "gssencmode=require: pgwarden has no GSSAPI encryption (use sslmode)",
+                ))
+            }
+            // Settings of what pgwarden does not do (GSSAPI, compression,
+            // the terminal): without effect here, as in libpq for most.
+            "gssencmode" | "krbsrvname" | "gsslib" | "sslcompression" | "tty" => return Ok(true),
+            _ => return Ok(false),
         };
-        *slot = Some(value);
-        true
+        if !(keep && slot.is_some()) {
+            *slot = Some(value);
+        }
+        Ok(true)
     }
 }
 
@@ -376,7 +511,10 @@ fn split_tls(url: &str) -> Result<TlsParts, Failure> {
         let mut kept = Vec::new();
         for pair in query.split('&') {
             let taken = match pair.split_once('=') {
-                Some((k, v)) => parts.take(k, percent_decode(v)?),
+                Some((k, v)) => {
+                    parts.keys.push(k.to_owned());
+                    parts.take(k, percent_decode(v)?)?
+                }
                 None => false,
             };
             if !taken {
@@ -442,7 +580,8 @@ fn split_tls(url: &str) -> Result<TlsParts, Failure> {
             }
         }
         let end = chars.peek().map_or(url.len(), |&(i, _)| i);
-        if !parts.take(&key, value) {
+        parts.keys.push(key.clone());
+        if !parts.take(&key, value)? {
             kept.push_str(&url[start..end]);
             kept.push(' ');
         }
@@ -755,7 +894,8 @@ pub(crate) fn place(target: &Target) -> String {
     )
 }
 
-fn url_escape(s: &str) -> String {
+/// Percent-encodes all but URL-safe characters.
+pub(crate) fn url_escape(s: &str) -> String {
     let mut out = String::new();
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
@@ -903,20 +1043,27 @@ fn connect_failure(target: &Target, e: tokio_postgres::Error) -> Failure {
     // A TLS failure (a refused certificate) is not unreachability.
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
     while let Some(err) = source {
-        let tls = err.downcast_ref::<rustls::Error>().is_some()
-            || err
-                .downcast_ref::<std::io::Error>()
+        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
+            err.downcast_ref::<std::io::Error>()
                 .and_then(|io| io.get_ref())
-                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some());
-        if tls {
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if let Some(tls) = tls {
             return Failure {
                 code: 1,
-                message: format!("cannot connect to {at}: TLS: {err}"),
+                message: format!("cannot connect to {at}: {}", tls_text(tls, target)),
             };
         }
         source = err.source();
     }
-    let text = e.to_string();
+    // The error and its causes (tokio-postgres's `Display` shows only the
+    // kind: "invalid configuration").
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
     // tokio-postgres reports a server without TLS under sslmode=require
     // this way: a configuration mismatch, not an outage.
     if text.contains("server does not support TLS") {
@@ -925,7 +1072,92 @@ fn connect_failure(target: &Target, e: tokio_postgres::Error) -> Failure {
             message: format!("cannot connect to {at}: {text}"),
         };
     }
+    // The server asked for a password and there is none: it was reached.
+    if text.contains("password missing") {
+        let user = target.config.get_user().unwrap_or("?");
+        return Failure {
+            code: 1,
+            message: format!(
+                "cannot connect to {at}: fe_sendauth: no password supplied (the server asks {user} for one; {}); hint: set PGPASSWORD, or add host:port:database:user:password to ~/.pgpass (or the file PGPASSFILE names) with mode 0600",
+                target
+                    .no_password
+                    .as_deref()
+                    .unwrap_or("none in the URL, PGPASSWORD or the password file")
+            ),
+        };
+    }
     Failure::unreachable(format!("{at}: {}", pgwarden::Error::Db(e)))
+}
+
+/// A TLS failure as psql says it, in substance: what was wrong with which
+/// certificate, and which file was trusted.
+fn tls_text(e: &rustls::Error, target: &Target) -> String {
+    let roots = match target.root_cert.as_deref() {
+        Some("system") | None => "the system's trusted roots".to_owned(),
+        Some(f) => f.to_owned(),
+    };
+    let verify = "certificate verify failed: the server's certificate";
+    let cert = match e {
+        rustls::Error::InvalidCertificate(c) => c,
+        rustls::Error::AlertReceived(alert) => {
+            return match &target.client_cert {
+                Some((cert, _)) => format!(
+                    "TLS: the server refused the handshake ({alert:?} alert): it does not accept the client certificate {cert} (not signed by a CA of its ssl_ca_file, or not for this user)"
+                ),
+                None => format!("TLS: the server refused the handshake ({alert:?} alert)"),
+            };
+        }
+        other => return format!("TLS: {other}"),
+    };
+    match cert {
+        CertificateError::UnknownIssuer => format!(
+            "{verify} is not signed by a certificate authority in {roots} (unknown issuer): sslrootcert must name the CA that signed it"
+        ),
+        CertificateError::Other(o)
+            if o.0.downcast_ref::<webpki::Error>() == Some(&webpki::Error::CaUsedAsEndEntity) =>
+        {
+            format!(
+                "{verify} is self-signed (a CA certificate, as OpenSSL makes them) and is not in {roots} (unknown issuer): sslrootcert must name that certificate, or the CA that signed it"
+            )
+        }
+        CertificateError::NotValidForName => format!(
+            "{verify} does not name host {:?} (sslmode=verify-full checks the name)",
+            host_name(target)
+        ),
+        CertificateError::NotValidForNameContext {
+            expected,
+            presented,
+        } => format!(
+            "{verify} is for {} and not for host {:?} (sslmode=verify-full checks the name)",
+            if presented.is_empty() {
+                "no host name".to_owned()
+            } else {
+                presented.join(", ")
+            },
+            expected.to_str()
+        ),
+        CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
+            format!("{verify} has expired")
+        }
+        CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
+            format!("{verify} is not valid yet (check this machine's clock)")
+        }
+        CertificateError::Revoked => format!("{verify} has been revoked"),
+        CertificateError::BadSignature => format!("{verify} has a bad signature"),
+        CertificateError::InvalidPurpose | CertificateError::InvalidPurposeContext { .. } => {
+            format!("{verify} is not for a TLS server (extended key usage)")
+        }
+        other => format!("{verify} was refused: {other}"),
+    }
+}
+
+/// The first host name, for messages.
+fn host_name(target: &Target) -> String {
+    match target.config.get_hosts().first() {
+        Some(Host::Tcp(h)) => h.clone(),
+        Some(Host::Unix(p)) => p.display().to_string(),
+        None => "localhost".to_owned(),
+    }
 }
 
 /// What the first connection learned of the server.

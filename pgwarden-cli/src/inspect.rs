@@ -38,6 +38,8 @@ pub(crate) struct Sample {
     pub(crate) json: Value,
     pub(crate) text: String,
     pub(crate) counts: String,
+    /// On a hot standby: what it is and how far behind (JSON), else null.
+    pub(crate) standby: Value,
 }
 
 /// Prints `draw()`'s output once, or every `--watch` interval until SIGINT:
@@ -53,6 +55,10 @@ where
         let s = draw().await?;
         if args.json {
             println!("{}", s.json);
+            // The array stays an array: the note goes to stderr.
+            if let Some(note) = s.standby.get("note").and_then(Value::as_str) {
+                eprintln!("pgwarden: warning: {note}");
+            }
         } else {
             print!("{}", s.text);
         }
@@ -114,7 +120,7 @@ where
                 let out = if args.json {
                     format!(
                         "{}\n",
-                        json!({"time": rfc3339(now), "database": place, what: s.json})
+                        json!({"time": rfc3339(now), "database": place, what: s.json, "standby": s.standby})
                     )
                 } else {
                     format!("{header}  {}\n{}", s.counts, s.text)
@@ -201,12 +207,15 @@ fn lease_json(r: &LeaseRow) -> Value {
 }
 
 pub(crate) async fn leases(
+    pool: &Pool,
     leases: &pgwarden::Leases,
     args: &ListArgs,
     place: &str,
+    server: crate::connect::Server,
 ) -> Result<u8, Failure> {
     show(args, "leases", place, || async {
         let rows = leases.rows().await?;
+        let standby = standby(pool, server).await?;
         let live = rows.iter().filter(|r| r.live).count();
         let cells: Vec<Vec<String>> = rows
             .iter()
@@ -232,23 +241,30 @@ pub(crate) async fn leases(
                 ]
             })
             .collect();
+        let mut text = table(
+            &[
+                "NAME",
+                "HOLDER",
+                "TOKEN",
+                "TAKEN AT",
+                "EXPIRY",
+                "TTL",
+                "HELD UNTIL",
+                "PREVIOUS HOLDER",
+                "BLOCKED BY",
+            ],
+            &cells,
+        );
+        let standby = standby.map(|s| s.json(&s.leases_note()));
+        if let Some(note) = standby.as_ref().and_then(|s| s["note"].as_str()) {
+            text.push_str(note);
+            text.push('\n');
+        }
         Ok(Sample {
             json: Value::Array(rows.iter().map(lease_json).collect()),
-            text: table(
-                &[
-                    "NAME",
-                    "HOLDER",
-                    "TOKEN",
-                    "TAKEN AT",
-                    "EXPIRY",
-                    "TTL",
-                    "HELD UNTIL",
-                    "PREVIOUS HOLDER",
-                    "BLOCKED BY",
-                ],
-                &cells,
-            ),
+            text,
             counts: format!("{} leases, {live} live", rows.len()),
+            standby: standby.unwrap_or(Value::Null),
         })
     })
     .await
@@ -560,6 +576,99 @@ fn locks_table(locks: &[&Lock]) -> String {
 /// What `locks` and `check` say on a hot standby.
 const STANDBY: &str = "this server is a hot standby: it shows only the advisory locks of its own sessions; the applications' locks live on the primary (point pgwarden at the primary)";
 
+/// A hot standby's replay, as far as any role can see it.
+pub(crate) struct Standby {
+    /// The primary's commit time of the last transaction replayed.
+    last_replay: Option<SystemTime>,
+    /// How long ago that was (by this server's clock).
+    age: Option<Duration>,
+    paused: bool,
+    /// WAL received but not replayed yet, in bytes (none: not streaming).
+    behind_bytes: Option<i64>,
+}
+
+const STANDBY_SQL: &str = "
+SELECT pg_is_wal_replay_paused(),
+       extract(epoch FROM pg_last_xact_replay_timestamp())::float8,
+       greatest(extract(epoch FROM clock_timestamp() - pg_last_xact_replay_timestamp()), 0)::float8,
+       pg_wal_lsn_diff(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn())::int8
+ WHERE pg_is_in_recovery()";
+
+/// The server's replay state, when it is a hot standby (asked again at
+/// each sample: replay moves, or is paused).
+pub(crate) async fn standby(
+    pool: &Pool,
+    server: crate::connect::Server,
+) -> Result<Option<Standby>, Failure> {
+    if !server.standby {
+        return Ok(None);
+    }
+    let client = pool.get().await.map_err(pgwarden::Error::from)?;
+    let row = client
+        .query_opt(STANDBY_SQL, &[])
+        .await
+        .map_err(pgwarden::Error::from)?;
+    let Some(r) = row else { return Ok(None) };
+    let get = || -> Result<Standby, tokio_postgres::Error> {
+        let at: Option<f64> = r.try_get(1)?;
+        Ok(Standby {
+            paused: r.try_get(0)?,
+            last_replay: at.and_then(|s| {
+                std::time::UNIX_EPOCH.checked_add(Duration::try_from_secs_f64(s).ok()?)
+            }),
+            age: secs(r.try_get(2)?),
+            behind_bytes: r.try_get(3)?,
+        })
+    };
+    Ok(Some(get().map_err(pgwarden::Error::from)?))
+}
+
+impl Standby {
+    /// `replay paused; last transaction replayed 8s ago (committed on the
+    /// primary at …)`.
+    fn lag_text(&self) -> String {
+        let mut s = if self.paused {
+            "replay paused (pg_wal_replay_resume() resumes it)".to_owned()
+        } else {
+            "replay running".to_owned()
+        };
+        match (self.last_replay, self.age) {
+            (Some(at), Some(age)) => s.push_str(&format!(
+                "; the last transaction it replayed committed on the primary {} ago, at {} (an idle primary commits nothing either)",
+                human(age),
+                rfc3339(at)
+            )),
+            _ => s.push_str("; it has replayed no transaction since it started"),
+        }
+        if let Some(b) = self.behind_bytes.filter(|b| *b > 0) {
+            s.push_str(&format!("; {b} bytes of WAL received and not yet replayed"));
+        }
+        s
+    }
+
+    fn leases_note(&self) -> String {
+        format!(
+            "this server is a hot standby ({}): these lease rows are its replayed copy of the primary's, and a lease taken, renewed or released since is not shown; leases live on the primary (point pgwarden at the primary for the current holders)",
+            self.lag_text()
+        )
+    }
+
+    fn locks_note(&self) -> String {
+        format!("{STANDBY}; {}", self.lag_text())
+    }
+
+    fn json(&self, note: &str) -> Value {
+        json!({
+            "standby": true,
+            "replay_paused": self.paused,
+            "last_replay": self.last_replay.map(rfc3339),
+            "last_replay_age_s": self.age.map(|d| d.as_secs_f64()),
+            "unreplayed_bytes": self.behind_bytes,
+            "note": note,
+        })
+    }
+}
+
 pub(crate) async fn locks(
     pool: &Pool,
     args: &LocksArgs,
@@ -570,14 +679,18 @@ pub(crate) async fn locks(
         let all = read_locks(pool).await?;
         let locks: Vec<&Lock> = all.iter().filter(|l| args.keep(l)).collect();
         let mut text = locks_table(&locks);
-        if server.standby {
-            text.push_str(STANDBY);
+        let standby = standby(pool, server)
+            .await?
+            .map(|s| s.json(&s.locks_note()));
+        if let Some(note) = standby.as_ref().and_then(|s| s["note"].as_str()) {
+            text.push_str(note);
             text.push('\n');
         }
         Ok(Sample {
             json: Value::Array(locks.iter().map(|l| lock_json(l)).collect()),
             text,
             counts: summary(&locks),
+            standby: standby.unwrap_or(Value::Null),
         })
     })
     .await
@@ -710,6 +823,53 @@ fn lock_findings(locks: &[Lock], max: Duration) -> Vec<Finding> {
     findings
 }
 
+/// What `check` says when the lease table cannot be read: missing (the
+/// table or its schema: a mistyped `--table`), or not readable by this
+/// role (the lock findings stand either way). `None` for other errors.
+fn lease_table_finding(e: &tokio_postgres::Error, table: &str, user: &str) -> Option<Finding> {
+    use tokio_postgres::error::SqlState;
+    let db = e.as_db_error()?;
+    let code = db.code();
+    let subject = json!({"table": table, "sqlstate": code.code(), "error": db.message()});
+    if *code == SqlState::UNDEFINED_TABLE || *code == SqlState::INVALID_SCHEMA_NAME {
+        let what = if *code == SqlState::INVALID_SCHEMA_NAME {
+            format!("no lease table {table} in this database ({})", db.message())
+        } else {
+            format!("no lease table {table} in this database")
+        };
+        return Some(Finding {
+            kind: "no_lease_table",
+            message: format!(
+                "{what}: is --table right? (unquoted names are folded to lower case, as psql does: \"Name\" keeps its case; --no-leases checks locks only)"
+            ),
+            subject,
+        });
+    }
+    if *code == SqlState::INSUFFICIENT_PRIVILEGE {
+        let role = crate::quote_ident(user);
+        let (schema, _) = table.split_once('.').unwrap_or(("public", table));
+        let fix = if db.message().contains("schema") {
+            format!(
+                "GRANT USAGE ON SCHEMA {} TO {role}; GRANT SELECT ON {} TO {role}",
+                crate::quote_ident(schema),
+                crate::quoted_table(table)
+            )
+        } else {
+            format!("GRANT SELECT ON {} TO {role}", crate::quoted_table(table))
+        };
+        return Some(Finding {
+            kind: "lease_table_unreadable",
+            message: format!(
+                "cannot read lease table {table}: {} ({}); the leases were not checked: {fix} (or --no-leases to check locks only)",
+                db.message(),
+                code.code()
+            ),
+            subject,
+        });
+    }
+    None
+}
+
 /// A term's TTL, and whether it is guessed: the stored one
 /// ([`LeaseRow::ttl`]), else taken_at to expires_at (right for a term never
 /// renewed, too long for one renewed many times).
@@ -732,6 +892,7 @@ pub(crate) async fn check(
     leases: &pgwarden::Leases,
     args: &CheckArgs,
     table_name: &str,
+    user: &str,
     server: crate::connect::Server,
 ) -> Result<u8, Failure> {
     let max = args.max_idle_lock;
@@ -740,11 +901,12 @@ pub(crate) async fn check(
         locks.retain(|l| l.database.as_deref() == Some(db.as_str()));
     }
     let mut findings = lock_findings(&locks, max);
-    if server.standby {
+    if let Some(s) = standby(pool, server).await? {
+        let note = s.locks_note();
         findings.push(Finding {
             kind: "standby",
-            message: STANDBY.to_owned(),
-            subject: Value::Null,
+            subject: s.json(&note),
+            message: note,
         });
     }
     let rows = if args.no_leases {
@@ -752,18 +914,13 @@ pub(crate) async fn check(
     } else {
         match leases.rows().await {
             Ok(rows) => rows,
-            Err(pgwarden::Error::Db(e))
-                if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) =>
-            {
-                findings.push(Finding {
-                    kind: "no_lease_table",
-                    message: format!(
-                        "no lease table {table_name} in this database: is --table right? (--no-leases checks locks only)"
-                    ),
-                    subject: json!({"table": table_name}),
-                });
-                Vec::new()
-            }
+            Err(pgwarden::Error::Db(e)) => match lease_table_finding(&e, table_name, user) {
+                Some(f) => {
+                    findings.push(f);
+                    Vec::new()
+                }
+                None => return Err(pgwarden::Error::Db(e).into()),
+            },
             Err(e) => return Err(e.into()),
         }
     };

@@ -7,6 +7,7 @@ mod format;
 mod inspect;
 mod keeper;
 mod run;
+mod service;
 
 use std::ffi::OsString;
 use std::fmt;
@@ -79,7 +80,9 @@ struct Cli {
     /// password out of the URL.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     url: Option<String>,
-    /// The lease table, `[schema.]table`.
+    /// The lease table, `[schema.]table` (schema `public` by default),
+    /// read as psql reads a name: unquoted parts are folded to lower case,
+    /// a "quoted" part keeps its case.
     #[arg(long, global = true, default_value = "pgwarden_leases")]
     table: String,
     #[command(subcommand)]
@@ -226,6 +229,66 @@ fn parse_name(s: &str) -> Result<String, String> {
     Ok(s.to_owned())
 }
 
+/// `--table` as psql reads a name: each part unquoted (folded to lower
+/// case) or "quoted" (kept as is; `""` inside is a quote, which the
+/// library refuses as it refuses every character but `[A-Za-z0-9_]`).
+/// The result is the name the library takes (`schema.table`, no quotes).
+fn table_name(s: &str) -> Result<String, Failure> {
+    let mut parts = Vec::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        let mut part = String::new();
+        if chars.peek() == Some(&'"') {
+            chars.next();
+            loop {
+                match chars.next() {
+                    Some('"') if chars.peek() == Some(&'"') => {
+                        chars.next();
+                        part.push('"');
+                    }
+                    Some('"') => break,
+                    Some(c) => part.push(c),
+                    None => {
+                        return Err(Failure::usage(format!(
+                            "--table {s}: unterminated quoted name"
+                        )))
+                    }
+                }
+            }
+        } else {
+            while let Some(&c) = chars.peek() {
+                if c == '.' || c == '"' {
+                    break;
+                }
+                part.push(c.to_ascii_lowercase());
+                chars.next();
+            }
+        }
+        parts.push(part);
+        match chars.next() {
+            None => break,
+            Some('.') => continue,
+            Some(c) => {
+                return Err(Failure::usage(format!(
+                    "--table {s}: unexpected {c:?} (a name is [schema.]table, each part unquoted or \"quoted\")"
+                )))
+            }
+        }
+    }
+    Ok(parts.join("."))
+}
+
+/// Quotes an identifier for SQL (messages that show a fix).
+pub(crate) fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// `schema.table` (schema `public` if none) quoted for SQL.
+pub(crate) fn quoted_table(table: &str) -> String {
+    let (schema, name) = table.split_once('.').unwrap_or(("public", table));
+    format!("{}.{}", quote_ident(schema), quote_ident(name))
+}
+
 fn parse_watch(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
     if d < Duration::from_millis(100) {
@@ -273,9 +336,17 @@ impl From<pgwarden::Error> for Failure {
         };
         let mut message = e.to_string();
         if let pgwarden::Error::Db(db) = &e {
-            if db.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+            use tokio_postgres::error::SqlState;
+            if db.code() == Some(&SqlState::UNDEFINED_TABLE)
+                || db.code() == Some(&SqlState::INVALID_SCHEMA_NAME)
+            {
                 message.push_str(
-                    "; hint: no lease table yet (nothing took a lease), or --table names another",
+                    "; hint: no lease table yet (nothing took a lease), or --table names another (unquoted names are folded to lower case; \"Name\" keeps its case)",
+                );
+            }
+            if db.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) {
+                message.push_str(
+                    "; hint: this role needs SELECT on the lease table (UPDATE for revoke, and USAGE on its schema): GRANT SELECT ON <table> TO <role>",
                 );
             }
             if db.code() == Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION) {
@@ -332,8 +403,9 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         );
         return Ok(0);
     }
+    let table = table_name(&cli.table)?;
     if let Cmd::Ddl = cli.cmd {
-        print!("{}", inspect::ddl(&cli.table)?);
+        print!("{}", inspect::ddl(&table)?);
         return Ok(0);
     }
     match &cli.cmd {
@@ -345,14 +417,15 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
     let target = connect::parse(cli.url.as_deref())?;
     let (pool, server) = connect::pool(&target).await?;
     let leases = pgwarden::Leases::builder(&pool)
-        .table(cli.table.as_str())
+        .table(table.as_str())
         .build()?;
     let place = connect::place(&target);
+    let user = target.config.get_user().unwrap_or_default();
     let out = match cli.cmd {
-        Cmd::Run(args) => run::run(&leases, args, connect::child_env(&target)).await,
-        Cmd::Leases(args) => inspect::leases(&leases, &args, &place).await,
+        Cmd::Run(args) => run::run(&pool, &leases, args, connect::child_env(&target)).await,
+        Cmd::Leases(args) => inspect::leases(&pool, &leases, &args, &place, server).await,
         Cmd::Locks(args) => inspect::locks(&pool, &args, &place, server).await,
-        Cmd::Check(args) => inspect::check(&pool, &leases, &args, &cli.table, server).await,
+        Cmd::Check(args) => inspect::check(&pool, &leases, &args, &table, user, server).await,
         Cmd::Revoke(args) => inspect::revoke(&leases, &args).await,
         Cmd::Ddl | Cmd::Completions { .. } => Ok(0), // printed above
     };

@@ -159,6 +159,7 @@ fn write_line(fd: &OwnedFd, line: &str) {
 }
 
 pub(crate) async fn run(
+    pool: &pgwarden::Pool,
     leases: &Leases,
     args: RunArgs,
     env: Vec<(&str, String)>,
@@ -226,6 +227,7 @@ pub(crate) async fn run(
     let mut env = env;
     env.push(("PGWARDEN_LEASE", term.name.clone()));
     env.push(("PGWARDEN_TOKEN", term.token.to_string()));
+    let identity = session_identity(&mut env, &term);
     // A child subreaper too: if the keeper itself is killed, what the
     // command started comes here, and is killed below.
     // SAFETY: prctl on this process's own attribute.
@@ -319,6 +321,7 @@ pub(crate) async fn run(
     if orphans > 0 {
         eprintln!("pgwarden: the keeper died: killed {orphans} process(es) the command left");
     }
+    end_sessions(pool, identity.as_deref()).await;
     if lost_reason.is_some() {
         // Released already, or another term's: nothing of ours to release.
         drop(lease);
@@ -376,5 +379,127 @@ fn exit_code(status: ExitStatus) -> u8 {
         (Some(code), _) => (code & 0xff) as u8,
         (None, Some(sig)) => (128 + sig) as u8,
         (None, None) => 1,
+    }
+}
+
+/// The longest `application_name` PostgreSQL keeps (NAMEDATALEN - 1).
+const MAX_APP_NAME: usize = 63;
+
+/// Names the command's sessions after its term, unless the user named
+/// them (`PGAPPNAME`): `PGAPPNAME` and `application_name` in
+/// `DATABASE_URL` become `pgwarden run NAME token N` (printable ASCII, the
+/// name shortened to fit 63 bytes: the token, unique to the term, is kept
+/// whole). Returns that name, to find the sessions by.
+fn session_identity(env: &mut [(&str, String)], term: &pgwarden::Term) -> Option<String> {
+    if std::env::var_os("PGAPPNAME").is_some_and(|v| !v.is_empty()) {
+        return None;
+    }
+    let tail = format!(" token {}", term.token);
+    let room = MAX_APP_NAME - "pgwarden run ".len() - tail.len();
+    let mut name: String = term
+        .name
+        .chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect();
+    if name.len() > room {
+        name.truncate(room - 2);
+        name.push_str("..");
+    }
+    let id = format!("pgwarden run {name}{tail}");
+    for (k, v) in env.iter_mut() {
+        if *k == "DATABASE_URL" {
+            v.push(if v.contains('?') { '&' } else { '?' });
+            v.push_str(&format!(
+                "application_name={}",
+                crate::connect::url_escape(&id)
+            ));
+        }
+    }
+    Some(id)
+}
+
+/// The pids of the sessions named `id` that are not idle.
+async fn left(client: &tokio_postgres::Client, id: &str) -> Result<Vec<i32>, String> {
+    const LEFT: &str = "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid() AND state IS DISTINCT FROM 'idle'";
+    let rows = client
+        .query(LEFT, &[&id])
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// After the command's tree is dead, and before the lease is released:
+/// its sessions still running a statement in the database (found by their
+/// `application_name`, [`session_identity`]) are cancelled, and those
+/// still there a second later terminated. A killed client's statement
+/// runs on in its backend otherwise, and could commit after the next
+/// holder started. Best effort, within 3 s: the database may not answer
+/// (say so), and another role's sessions need `pg_signal_backend`.
+async fn end_sessions(pool: &pgwarden::Pool, identity: Option<&str>) {
+    let Some(id) = identity else { return };
+    let work = async {
+        let client = pool.get().await.map_err(|e| e.to_string())?;
+        let pids = left(&client, id).await?;
+        if pids.is_empty() {
+            return Ok((0, 0, Vec::new()));
+        }
+        let mut refused = Vec::new();
+        for pid in &pids {
+            if let Err(e) = client.query("SELECT pg_cancel_backend($1)", &[pid]).await {
+                refused.push(format!("pid {pid}: {e}"));
+            }
+        }
+        let mut still = left(&client, id).await?;
+        for _ in 0..20 {
+            if still.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            still = left(&client, id).await?;
+        }
+        let mut terminated = 0;
+        for pid in &still {
+            match client
+                .query("SELECT pg_terminate_backend($1)", &[pid])
+                .await
+            {
+                Ok(_) => terminated += 1,
+                Err(e) => refused.push(format!("pid {pid}: {e}")),
+            }
+        }
+        Ok::<_, String>((pids.len(), terminated, refused))
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(3), work).await;
+    let left_running = "a statement it started may still run in its backend (and commit) until it ends; client_connection_check_interval bounds that on the server, PGWARDEN_TOKEN fencing makes it harmless";
+    match outcome {
+        Ok(Ok((0, _, _))) => {}
+        Ok(Ok((n, terminated, refused))) => {
+            eprintln!(
+                "pgwarden: {n} session(s) of the command (application_name {id:?}) were still running a statement: cancelled{}",
+                if terminated > 0 {
+                    format!(", {terminated} terminated a second later")
+                } else {
+                    String::new()
+                }
+            );
+            if !refused.is_empty() {
+                eprintln!(
+                    "pgwarden: could not end {}: {left_running}",
+                    refused.join("; ")
+                );
+            }
+        }
+        Ok(Err(e)) => eprintln!(
+            "pgwarden: could not look for the command's sessions (application_name {id:?}): {e}; {left_running}"
+        ),
+        Err(_) => eprintln!(
+            "pgwarden: the database did not answer within 3s: could not end the command's sessions (application_name {id:?}); {left_running}"
+        ),
     }
 }

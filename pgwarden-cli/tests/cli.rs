@@ -40,6 +40,9 @@ fn pgwarden(url: &str) -> Command {
         "PGSSLROOTCERT",
         "PGSSLCERT",
         "PGSSLKEY",
+        "PGSERVICE",
+        "PGSERVICEFILE",
+        "PGSYSCONFDIR",
     ] {
         c.env_remove(k);
     }
@@ -2025,4 +2028,516 @@ async fn on_a_hot_standby_locks_and_check_say_the_locks_live_on_the_primary() {
     let out = cli(&standby, &["run", "x", "--", "true"]).await;
     assert_ne!(out.status.code(), Some(0));
     assert!(stderr(&out).contains("primary"), "{}", stderr(&out));
+}
+
+// ---------------------------------------------------------------------
+// Issue 31, the hostile reading of the second round (L1-L4, S1-S4, P10).
+
+/// A TLS server (the docs' self-signed certificate) with password
+/// (scram) logins over TCP, TLS or not, and a role `app` (password
+/// `sekret`); and the directory of its certificates (`server.crt`, and
+/// `other.crt`, a self-signed certificate that did not sign it).
+async fn password_server() -> (TestServer, tempfile::TempDir, PathBuf) {
+    let (t, dir) = tempdir();
+    for (crt, key) in [("server.crt", "server.key"), ("other.crt", "other.key")] {
+        openssl(
+            &dir,
+            &[
+                "req",
+                "-new",
+                "-x509",
+                "-days",
+                "365",
+                "-nodes",
+                "-out",
+                crt,
+                "-keyout",
+                key,
+                "-subj",
+                "/CN=localhost",
+            ],
+        );
+    }
+    let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+    let (crt, key) = (read("server.crt"), read("server.key"));
+    let hba = "local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n";
+    let server = tokio::task::spawn_blocking(move || {
+        TestServer::start_local_with(
+            &[("ssl", "on"), ("listen_addresses", "127.0.0.1")],
+            &[
+                ("server.crt", &crt),
+                ("server.key", &key),
+                ("pg_hba.conf", hba.as_bytes()),
+            ],
+        )
+    })
+    .await
+    .unwrap()
+    .expect("a TLS server");
+    let (admin, conn) = server
+        .pg_config()
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    admin
+        .batch_execute("CREATE ROLE app LOGIN PASSWORD 'sekret'")
+        .await
+        .unwrap();
+    (server, t, dir)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libpq_reads_them() {
+    let (server, _t, dir) = password_server().await;
+    let port = server.port();
+    let home = dir.join("home");
+    let sysconf = dir.join("sysconf");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(&sysconf).unwrap();
+    let with_env = |env: Vec<(&str, String)>, args: Vec<&str>| {
+        let mut c = pgwarden("");
+        c.env_remove("DATABASE_URL").env("HOME", &home);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c.args(args);
+        async move { within(BOUND, "pgwarden to exit", c.output()).await.unwrap() }
+    };
+    let service = format!(
+        "# on-call\n[other]\nhost=/nowhere\n\n  [oncall]  \nhost=localhost\nhostaddr=127.0.0.1\nport={port}\nuser=app\ndbname=postgres\nsslmode=require\nport=1\n[oncall]\nport=2\n"
+    );
+    let file = dir.join("services.conf");
+    std::fs::write(&file, &service).unwrap();
+    let pw = ("PGPASSWORD", "sekret".to_owned());
+    let file_env = ("PGSERVICEFILE", file.display().to_string());
+
+    // L1: PGSERVICE with PGSERVICEFILE; service= in a key=value string and
+    // in a URL; the service's settings beat the environment's (PGHOST),
+    // the URL's beat the service's.
+    for (env, args) in [
+        (
+            vec![file_env.clone(), ("PGSERVICE", "oncall".into()), pw.clone()],
+            vec!["locks", "--json"],
+        ),
+        (
+            vec![file_env.clone(), pw.clone(), ("PGHOST", "/nowhere".into())],
+            vec!["locks", "--json", "--url", "service=oncall"],
+        ),
+        (
+            vec![file_env.clone(), pw.clone()],
+            vec!["locks", "--json", "--url", "postgresql:///?service=oncall"],
+        ),
+    ] {
+        let out = with_env(env.clone(), args.clone()).await;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{env:?} {args:?}: {}",
+            stderr(&out)
+        );
+    }
+    let out = with_env(
+        vec![file_env.clone(), pw.clone()],
+        vec!["locks", "--url", "service=oncall port=1"],
+    )
+    .await;
+    assert_eq!(
+        out.status.code(),
+        Some(69),
+        "the URL's port wins: {}",
+        stderr(&out)
+    );
+    // ~/.pg_service.conf, then PGSYSCONFDIR/pg_service.conf for a service
+    // the first does not define.
+    std::fs::write(home.join(".pg_service.conf"), &service).unwrap();
+    std::fs::write(
+        sysconf.join("pg_service.conf"),
+        service.replace("[oncall]", "[system]"),
+    )
+    .unwrap();
+    for name in ["oncall", "system"] {
+        let out = with_env(
+            vec![
+                ("PGSERVICE", name.into()),
+                ("PGSYSCONFDIR", sysconf.display().to_string()),
+                pw.clone(),
+            ],
+            vec!["leases", "--json"],
+        )
+        .await;
+        // (No lease table yet: reached and asked, exit 1 with the hint.)
+        assert_eq!(out.status.code(), Some(1), "{name}: {}", stderr(&out));
+        assert!(stderr(&out).contains("no lease table"), "{}", stderr(&out));
+    }
+    // Not defined anywhere, a missing PGSERVICEFILE, a syntax error: exit 2
+    // with libpq's words and the files.
+    let out = with_env(
+        vec![
+            ("PGSERVICE", "nosuch".into()),
+            ("PGSYSCONFDIR", sysconf.display().to_string()),
+        ],
+        vec!["locks"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("definition of service \"nosuch\" not found")
+            && stderr(&out).contains(".pg_service.conf")
+            && stderr(&out).contains("sysconf/pg_service.conf"),
+        "{}",
+        stderr(&out)
+    );
+    let out = with_env(
+        vec![
+            ("PGSERVICE", "oncall".into()),
+            (
+                "PGSERVICEFILE",
+                dir.join("nosuch.conf").display().to_string(),
+            ),
+        ],
+        vec!["locks"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("nosuch.conf not found"),
+        "{}",
+        stderr(&out)
+    );
+    let bad = dir.join("bad.conf");
+    std::fs::write(&bad, "[oncall]\nhost = localhost\n").unwrap();
+    let out = with_env(
+        vec![
+            ("PGSERVICE", "oncall".into()),
+            ("PGSERVICEFILE", bad.display().to_string()),
+        ],
+        vec!["locks"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("line 2"), "{}", stderr(&out));
+
+    // L2: no password (the password file has group access: ignored, as
+    // libpq does): the server was reached and asked for one: exit 1.
+    let pass = dir.join("pgpass");
+    std::fs::write(&pass, format!("*:{port}:*:app:sekret\n")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&pass, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = with_env(
+        vec![
+            file_env.clone(),
+            ("PGSERVICE", "oncall".into()),
+            ("PGPASSFILE", pass.display().to_string()),
+        ],
+        vec!["locks"],
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("no password supplied") && err.contains("0600") && err.contains("PGPASSWORD"),
+        "{err}"
+    );
+    std::fs::set_permissions(&pass, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = with_env(
+        vec![
+            file_env.clone(),
+            ("PGSERVICE", "oncall".into()),
+            ("PGPASSFILE", pass.display().to_string()),
+        ],
+        vec!["locks", "--json"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+
+    // L3: a root that did not sign the server's certificate: what is wrong
+    // and with which file, not rustls's debug text.
+    let other = dir.join("other.crt").display().to_string();
+    let out = with_env(
+        vec![
+            file_env.clone(),
+            ("PGSERVICE", "oncall".into()),
+            pw.clone(),
+            ("PGSSLMODE", "verify-ca".into()),
+            ("PGSSLROOTCERT", other.clone()),
+        ],
+        vec!["locks"],
+    )
+    .await;
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("certificate verify failed")
+            && err.contains(&other)
+            && err.contains("unknown issuer"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("CaUsedAsEndEntity") && !err.contains("Other("),
+        "{err}"
+    );
+
+    // L4: sslmode=disable ignores the TLS files, as libpq does.
+    let out = cli(
+        &format!(
+            "host=localhost hostaddr=127.0.0.1 port={port} user=app password=sekret dbname=postgres sslmode=disable sslcert=/nonexistent/client.crt"
+        ),
+        &["locks", "--json"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_reports_what_it_can_when_the_lease_table_is_unreadable_missing_or_differently_cased()
+{
+    let db = db().await;
+    let url = db.url();
+    // The lease table exists (a lease was taken and released), and an idle
+    // session holds a lock.
+    let out = cli(&url, &["run", "made", "--", "true"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let (holder, conn) = db.pg_config().connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let holder_pid: i32 = holder
+        .query_one(
+            "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock(4242)) s",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+
+    // S2: a role with no rights at all (not even SELECT on the table): the
+    // lock findings it can see, and one saying the leases were not read
+    // and the GRANT that fixes it.
+    let admin = db.connect().await.unwrap();
+    admin
+        .batch_execute(
+            "DO $$ BEGIN CREATE ROLE norights LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$",
+        )
+        .await
+        .unwrap();
+    let norights = format!("{url} user=norights");
+    let out = cli(
+        &norights,
+        &["check", "--max-idle-lock", "0s", "--database", db.name()],
+    )
+    .await;
+    let said = stdout(&out);
+    println!("{said}");
+    assert_eq!(out.status.code(), Some(1), "{said} {}", stderr(&out));
+    assert!(
+        said.lines()
+            .any(|l| l.starts_with("hidden_sessions:") && l.contains(&holder_pid.to_string())),
+        "the locks it can see: {said}"
+    );
+    assert!(
+        said.lines()
+            .any(|l| l.starts_with("lease_table_unreadable:")
+                && l.contains("GRANT SELECT ON \"public\".\"pgwarden_leases\" TO \"norights\"")),
+        "{said}"
+    );
+    let out = cli(&norights, &["check", "--json", "--max-idle-lock", "0s"]).await;
+    let all: Vec<Value> = serde_json::from_slice(&out.stdout).expect("a JSON array");
+    assert!(
+        all.iter()
+            .any(|f| f["kind"] == "lease_table_unreadable" && f["subject"]["sqlstate"] == "42501"),
+        "{all:?}"
+    );
+
+    // S3: a mistyped schema is a missing table, with the lock findings.
+    let out = cli(
+        &url,
+        &[
+            "check",
+            "--table",
+            "nosuchschema.leases",
+            "--max-idle-lock",
+            "0s",
+            "--database",
+            db.name(),
+        ],
+    )
+    .await;
+    let said = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{said} {}", stderr(&out));
+    assert!(
+        said.lines()
+            .any(|l| l.starts_with("no_lease_table:") && l.contains("nosuchschema")),
+        "{said}"
+    );
+    assert!(
+        said.lines()
+            .any(|l| l.starts_with("idle_lock:") && l.contains("4242")),
+        "{said}"
+    );
+
+    // S4: unquoted names are folded to lower case (as psql does), a quoted
+    // one keeps its case.
+    for t in [
+        "Pgwarden_Leases",
+        "PUBLIC.PGWARDEN_LEASES",
+        "\"public\".pgwarden_leases",
+    ] {
+        let rows = json(&url, &["leases", "--json", "--table", t]).await;
+        assert!(lease(&rows, "made").is_some(), "{t}: {rows:?}");
+    }
+    let out = cli(
+        &url,
+        &["run", "cased", "--table", "\"Mixed_Case\"", "--", "true"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let exists: bool = admin
+        .query_one(
+            "SELECT to_regclass('public.\"Mixed_Case\"') IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(exists, "the quoted name keeps its case");
+    let rows = json(&url, &["leases", "--json", "--table", "\"Mixed_Case\""]).await;
+    assert!(lease(&rows, "cased").is_some(), "{rows:?}");
+    let out = cli(&url, &["leases", "--table", "Mixed_Case"]).await;
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "folded: another table: {}",
+        stdout(&out)
+    );
+    let out = cli(&url, &["leases", "--table", "\"bad\"name"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    drop(holder);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_on_a_standby_whose_replay_is_paused_say_so_in_text_and_json() {
+    let cluster = pgwarden_testing::Cluster::start().await.expect("a cluster");
+    let db = cluster.create_database().await.unwrap();
+    let primary = cluster.primary().url(&db);
+    let out = cli(&primary, &["run", "before-pause", "--", "true"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    cluster.wait_replayed().await.unwrap();
+    let replica = cluster.replica().connect(&db).await.unwrap();
+    replica
+        .batch_execute("SELECT pg_wal_replay_pause()")
+        .await
+        .unwrap();
+    eventually(BOUND, "replay to be paused", || async {
+        replica
+            .query_one("SELECT pg_get_wal_replay_pause_state() = 'paused'", &[])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    })
+    .await;
+    let standby = cluster.replica().url(&db);
+    let out = cli(&standby, &["leases"]).await;
+    let said = stdout(&out);
+    println!("{said}");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(said.contains("before-pause"), "{said}");
+    assert!(
+        said.contains("hot standby") && said.contains("replay paused") && said.contains("primary"),
+        "{said}"
+    );
+    // --json: the array stays an array; the note goes to stderr.
+    let out = cli(&standby, &["leases", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let rows: Vec<Value> = serde_json::from_slice(&out.stdout).expect("a JSON array");
+    assert!(lease(&rows, "before-pause").is_some(), "{rows:?}");
+    assert!(stderr(&out).contains("hot standby"), "{}", stderr(&out));
+    // --watch --json: each sample says it.
+    let mut c = pgwarden(&standby);
+    c.args(["leases", "--json", "--watch", "0.2"])
+        .stdout(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let mut lines =
+        tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(child.stdout.take().unwrap()));
+    let first = within(BOUND, "a sample", lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    child.kill().await.unwrap();
+    let sample: Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(sample["standby"]["replay_paused"], true, "{sample}");
+    assert!(sample["standby"]["last_replay"].is_string(), "{sample}");
+    // The primary says nothing of the kind.
+    let out = cli(&primary, &["leases"]).await;
+    assert!(!stdout(&out).contains("standby"), "{}", stdout(&out));
+    replica
+        .batch_execute("SELECT pg_wal_replay_resume()")
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_sql_jobs_statement_does_not_outlive_its_term() {
+    let Some(psql) = pgwarden_testing::find_tool("psql") else {
+        panic!("psql is needed (PostgreSQL's client)");
+    };
+    let db = db().await;
+    let url = db.url();
+    let admin = db.connect().await.unwrap();
+    admin
+        .batch_execute("CREATE TABLE ledger (token int8, at timestamptz)")
+        .await
+        .unwrap();
+    // The shape of most jobs under a PostgreSQL lease: one long statement
+    // (psql reads DATABASE_URL through sh).
+    let job = format!(
+        "exec {} -X \"$DATABASE_URL\" -c 'INSERT INTO ledger SELECT 1, clock_timestamp() FROM pg_sleep(300)'",
+        psql.display()
+    );
+    let mut c = pgwarden(&url);
+    c.args(["run", "sql-job", "--ttl", "4s", "--", "sh", "-c", &job])
+        .stderr(Stdio::piped());
+    let mut run = c.spawn().unwrap();
+    // Its session carries the term's name.
+    let (pid, app) = until("the job's statement to run", || async {
+        admin
+            .query_opt(
+                "SELECT pid, application_name FROM pg_stat_activity WHERE query LIKE 'INSERT INTO ledger%' AND state = 'active'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|r| (r.get::<_, i32>(0), r.get::<_, String>(1)))
+    })
+    .await;
+    assert!(app.starts_with("pgwarden run sql-job token "), "{app}");
+    let out = cli(&url, &["revoke", "sql-job", "--yes"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(exit_code(&mut run, BOUND).await, 76);
+    let mut err = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut run.stderr.take().unwrap(), &mut err)
+        .await
+        .unwrap();
+    println!("{err}");
+    assert!(
+        err.contains("still running a statement: cancelled"),
+        "{err}"
+    );
+    // When run has exited, the statement has been cancelled: its backend
+    // is gone or idle (psql is dead), and it wrote nothing.
+    eventually(BOUND, "the killed job's backend to end", || async {
+        admin
+            .query_opt(
+                "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active'",
+                &[&pid],
+            )
+            .await
+            .unwrap()
+            .is_none()
+    })
+    .await;
+    let n: i64 = admin
+        .query_one("SELECT count(*) FROM ledger", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
 }
