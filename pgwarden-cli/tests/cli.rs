@@ -2036,8 +2036,22 @@ async fn on_a_hot_standby_locks_and_check_say_the_locks_live_on_the_primary() {
 /// A TLS server (the docs' self-signed certificate) with password
 /// (scram) logins over TCP, TLS or not, and a role `app` (password
 /// `sekret`); and the directory of its certificates (`server.crt`, and
-/// `other.crt`, a self-signed certificate that did not sign it).
-async fn password_server() -> (TestServer, tempfile::TempDir, PathBuf) {
+/// `other.crt`, a self-signed certificate that did not sign it). One for
+/// the tests of this binary that need it.
+struct PasswordServer {
+    server: TestServer,
+    dir: PathBuf,
+    _t: tempfile::TempDir,
+}
+
+async fn password_server() -> &'static PasswordServer {
+    static SERVER: std::sync::OnceLock<PasswordServer> = std::sync::OnceLock::new();
+    tokio::task::spawn_blocking(|| SERVER.get_or_init(start_password_server))
+        .await
+        .unwrap()
+}
+
+fn start_password_server() -> PasswordServer {
     let (t, dir) = tempdir();
     for (crt, key) in [("server.crt", "server.key"), ("other.crt", "other.key")] {
         openssl(
@@ -2061,60 +2075,73 @@ async fn password_server() -> (TestServer, tempfile::TempDir, PathBuf) {
     let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
     let (crt, key) = (read("server.crt"), read("server.key"));
     let hba = "local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n";
-    let server = tokio::task::spawn_blocking(move || {
-        TestServer::start_local_with(
-            &[("ssl", "on"), ("listen_addresses", "127.0.0.1")],
-            &[
-                ("server.crt", &crt),
-                ("server.key", &key),
-                ("pg_hba.conf", hba.as_bytes()),
-            ],
-        )
-    })
-    .await
-    .unwrap()
+    let server = TestServer::start_local_with(
+        &[("ssl", "on"), ("listen_addresses", "127.0.0.1")],
+        &[
+            ("server.crt", &crt),
+            ("server.key", &key),
+            ("pg_hba.conf", hba.as_bytes()),
+        ],
+    )
     .expect("a TLS server");
-    let (admin, conn) = server
-        .pg_config()
-        .connect(tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    admin
-        .batch_execute("CREATE ROLE app LOGIN PASSWORD 'sekret'")
-        .await
-        .unwrap();
-    (server, t, dir)
+    let config = server.pg_config();
+    // Its own runtime: the role is made once, whichever test comes first.
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (admin, conn) = config.connect(tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(conn);
+            admin
+                .batch_execute("CREATE ROLE app LOGIN PASSWORD 'sekret'")
+                .await
+                .unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+    PasswordServer { server, dir, _t: t }
+}
+
+/// Runs pgwarden with no URL, HOME set to `home`, and `env`.
+async fn with_env(home: &Path, env: Vec<(&str, String)>, args: Vec<&str>) -> Output {
+    let mut c = pgwarden("");
+    c.env_remove("DATABASE_URL").env("HOME", home);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.args(args);
+    within(BOUND, "pgwarden to exit", c.output()).await.unwrap()
+}
+
+/// A service file: `oncall` is the password server (sslmode=require;
+/// later lines and sections of the same name do not count).
+fn service_file(port: u16) -> String {
+    format!(
+        "# on-call\n[other]\nhost=/nowhere\n\n  [oncall]  \nhost=localhost\nhostaddr=127.0.0.1\nport={port}\nuser=app\ndbname=postgres\nsslmode=require\nport=1\n[oncall]\nport=2\n"
+    )
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libpq_reads_them() {
-    let (server, _t, dir) = password_server().await;
-    let port = server.port();
+async fn service_files_are_read_as_libpq_reads_them() {
+    let pw_server = password_server().await;
+    let (_t, dir) = tempdir();
+    let port = pw_server.server.port();
     let home = dir.join("home");
     let sysconf = dir.join("sysconf");
     std::fs::create_dir_all(&home).unwrap();
     std::fs::create_dir_all(&sysconf).unwrap();
-    let with_env = |env: Vec<(&str, String)>, args: Vec<&str>| {
-        let mut c = pgwarden("");
-        c.env_remove("DATABASE_URL").env("HOME", &home);
-        for (k, v) in env {
-            c.env(k, v);
-        }
-        c.args(args);
-        async move { within(BOUND, "pgwarden to exit", c.output()).await.unwrap() }
-    };
-    let service = format!(
-        "# on-call\n[other]\nhost=/nowhere\n\n  [oncall]  \nhost=localhost\nhostaddr=127.0.0.1\nport={port}\nuser=app\ndbname=postgres\nsslmode=require\nport=1\n[oncall]\nport=2\n"
-    );
+    let service = service_file(port);
     let file = dir.join("services.conf");
     std::fs::write(&file, &service).unwrap();
     let pw = ("PGPASSWORD", "sekret".to_owned());
     let file_env = ("PGSERVICEFILE", file.display().to_string());
 
-    // L1: PGSERVICE with PGSERVICEFILE; service= in a key=value string and
-    // in a URL; the service's settings beat the environment's (PGHOST),
-    // the URL's beat the service's.
+    // PGSERVICE with PGSERVICEFILE; service= in a key=value string and in
+    // a URL; the service's settings beat the environment's (PGHOST), the
+    // URL's beat the service's.
     for (env, args) in [
         (
             vec![file_env.clone(), ("PGSERVICE", "oncall".into()), pw.clone()],
@@ -2129,7 +2156,7 @@ async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libp
             vec!["locks", "--json", "--url", "postgresql:///?service=oncall"],
         ),
     ] {
-        let out = with_env(env.clone(), args.clone()).await;
+        let out = with_env(&home, env.clone(), args.clone()).await;
         assert_eq!(
             out.status.code(),
             Some(0),
@@ -2138,6 +2165,7 @@ async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libp
         );
     }
     let out = with_env(
+        &home,
         vec![file_env.clone(), pw.clone()],
         vec!["locks", "--url", "service=oncall port=1"],
     )
@@ -2158,21 +2186,21 @@ async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libp
     .unwrap();
     for name in ["oncall", "system"] {
         let out = with_env(
+            &home,
             vec![
                 ("PGSERVICE", name.into()),
                 ("PGSYSCONFDIR", sysconf.display().to_string()),
                 pw.clone(),
             ],
-            vec!["leases", "--json"],
+            vec!["locks", "--json"],
         )
         .await;
-        // (No lease table yet: reached and asked, exit 1 with the hint.)
-        assert_eq!(out.status.code(), Some(1), "{name}: {}", stderr(&out));
-        assert!(stderr(&out).contains("no lease table"), "{}", stderr(&out));
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", stderr(&out));
     }
     // Not defined anywhere, a missing PGSERVICEFILE, a syntax error: exit 2
     // with libpq's words and the files.
     let out = with_env(
+        &home,
         vec![
             ("PGSERVICE", "nosuch".into()),
             ("PGSYSCONFDIR", sysconf.display().to_string()),
@@ -2189,6 +2217,7 @@ async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libp
         stderr(&out)
     );
     let out = with_env(
+        &home,
         vec![
             ("PGSERVICE", "oncall".into()),
             (
@@ -2208,6 +2237,7 @@ async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libp
     let bad = dir.join("bad.conf");
     std::fs::write(&bad, "[oncall]\nhost = localhost\n").unwrap();
     let out = with_env(
+        &home,
         vec![
             ("PGSERVICE", "oncall".into()),
             ("PGSERVICEFILE", bad.display().to_string()),
@@ -2217,72 +2247,91 @@ async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libp
     .await;
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("line 2"), "{}", stderr(&out));
+}
 
-    // L2: no password (the password file has group access: ignored, as
-    // libpq does): the server was reached and asked for one: exit 1.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_password_exits_1_with_libpqs_words_and_a_hint() {
+    let pw_server = password_server().await;
+    let (_t, dir) = tempdir();
+    let port = pw_server.server.port();
+    let home = dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let env = |extra: Vec<(&'static str, String)>| {
+        let mut v = vec![
+            ("PGHOST", "localhost".to_owned()),
+            ("PGHOSTADDR", "127.0.0.1".to_owned()),
+            ("PGPORT", port.to_string()),
+            ("PGUSER", "app".to_owned()),
+            ("PGDATABASE", "postgres".to_owned()),
+        ];
+        v.extend(extra);
+        v
+    };
+    // No password anywhere; then a password file with group access
+    // (ignored, as libpq does): the server was reached and asked: exit 1.
     let pass = dir.join("pgpass");
     std::fs::write(&pass, format!("*:{port}:*:app:sekret\n")).unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&pass, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let out = with_env(
-        vec![
-            file_env.clone(),
-            ("PGSERVICE", "oncall".into()),
-            ("PGPASSFILE", pass.display().to_string()),
-        ],
-        vec!["locks"],
-    )
-    .await;
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("no password supplied") && err.contains("0600") && err.contains("PGPASSWORD"),
-        "{err}"
-    );
+    for (extra, why) in [
+        (vec![], "no password file"),
+        (
+            vec![("PGPASSFILE", pass.display().to_string())],
+            "has group or world access",
+        ),
+    ] {
+        let out = with_env(&home, env(extra), vec!["locks"]).await;
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("no password supplied")
+                && err.contains("0600")
+                && err.contains("PGPASSWORD")
+                && err.contains(why),
+            "{err}"
+        );
+    }
     std::fs::set_permissions(&pass, std::fs::Permissions::from_mode(0o600)).unwrap();
     let out = with_env(
-        vec![
-            file_env.clone(),
-            ("PGSERVICE", "oncall".into()),
-            ("PGPASSFILE", pass.display().to_string()),
-        ],
+        &home,
+        env(vec![("PGPASSFILE", pass.display().to_string())]),
         vec!["locks", "--json"],
     )
     .await;
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
 
-    // L3: a root that did not sign the server's certificate: what is wrong
-    // and with which file, not rustls's debug text.
-    let other = dir.join("other.crt").display().to_string();
-    let out = with_env(
-        vec![
-            file_env.clone(),
-            ("PGSERVICE", "oncall".into()),
-            pw.clone(),
-            ("PGSSLMODE", "verify-ca".into()),
-            ("PGSSLROOTCERT", other.clone()),
-        ],
-        vec!["locks"],
-    )
-    .await;
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("certificate verify failed")
-            && err.contains(&other)
-            && err.contains("unknown issuer"),
-        "{err}"
+#[tokio::test(flavor = "multi_thread")]
+async fn a_root_that_did_not_sign_the_servers_certificate_is_named_as_psql_names_it() {
+    let pw_server = password_server().await;
+    let port = pw_server.server.port();
+    let other = pw_server.dir.join("other.crt").display().to_string();
+    let url = format!(
+        "host=localhost hostaddr=127.0.0.1 port={port} user=app password=sekret dbname=postgres"
     );
-    assert!(
-        !err.contains("CaUsedAsEndEntity") && !err.contains("Other("),
-        "{err}"
-    );
-
-    // L4: sslmode=disable ignores the TLS files, as libpq does.
+    for mode in ["verify-ca", "verify-full"] {
+        let out = cli(
+            &format!("{url} sslmode={mode} sslrootcert={other}"),
+            &["locks"],
+        )
+        .await;
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("certificate verify failed")
+                && err.contains(&other)
+                && err.contains("unknown issuer"),
+            "{err}"
+        );
+        assert!(
+            !err.contains("CaUsedAsEndEntity") && !err.contains("Other("),
+            "{err}"
+        );
+    }
+    // The right root still works.
+    let root = pw_server.dir.join("server.crt").display().to_string();
     let out = cli(
-        &format!(
-            "host=localhost hostaddr=127.0.0.1 port={port} user=app password=sekret dbname=postgres sslmode=disable sslcert=/nonexistent/client.crt"
-        ),
+        &format!("{url} sslmode=verify-full sslrootcert={root}"),
         &["locks", "--json"],
     )
     .await;
@@ -2290,17 +2339,28 @@ async fn service_files_missing_passwords_wrong_roots_and_sslmode_disable_as_libp
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn check_reports_what_it_can_when_the_lease_table_is_unreadable_missing_or_differently_cased()
-{
+async fn sslmode_disable_ignores_the_tls_files_as_libpq_does() {
+    let pw_server = password_server().await;
+    let port = pw_server.server.port();
+    let out = cli(
+        &format!(
+            "host=localhost hostaddr=127.0.0.1 port={port} user=app password=sekret dbname=postgres sslmode=disable sslcert=/nonexistent/client.crt sslkey=/nonexistent/client.key"
+        ),
+        &["locks", "--json"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+/// A database with a lease table (a lease was taken and released) and an
+/// idle session holding advisory lock 4242 (its client, and its pid).
+async fn db_with_table_and_idle_lock() -> (TestDb, tokio_postgres::Client, i32) {
     let db = db().await;
-    let url = db.url();
-    // The lease table exists (a lease was taken and released), and an idle
-    // session holds a lock.
-    let out = cli(&url, &["run", "made", "--", "true"]).await;
+    let out = cli(&db.url(), &["run", "made", "--", "true"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let (holder, conn) = db.pg_config().connect(tokio_postgres::NoTls).await.unwrap();
     tokio::spawn(conn);
-    let holder_pid: i32 = holder
+    let pid: i32 = holder
         .query_one(
             "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock(4242)) s",
             &[],
@@ -2308,8 +2368,13 @@ async fn check_reports_what_it_can_when_the_lease_table_is_unreadable_missing_or
         .await
         .unwrap()
         .get(0);
+    (db, holder, pid)
+}
 
-    // S2: a role with no rights at all (not even SELECT on the table): the
+#[tokio::test(flavor = "multi_thread")]
+async fn check_by_a_role_that_cannot_read_the_lease_table_reports_the_locks_and_the_grant() {
+    let (db, _holder, holder_pid) = db_with_table_and_idle_lock().await;
+    // A role with no rights at all (not even SELECT on the table): the
     // lock findings it can see, and one saying the leases were not read
     // and the GRANT that fixes it.
     let admin = db.connect().await.unwrap();
@@ -2319,7 +2384,7 @@ async fn check_reports_what_it_can_when_the_lease_table_is_unreadable_missing_or
         )
         .await
         .unwrap();
-    let norights = format!("{url} user=norights");
+    let norights = format!("{} user=norights", db.url());
     let out = cli(
         &norights,
         &["check", "--max-idle-lock", "0s", "--database", db.name()],
@@ -2346,10 +2411,13 @@ async fn check_reports_what_it_can_when_the_lease_table_is_unreadable_missing_or
             .any(|f| f["kind"] == "lease_table_unreadable" && f["subject"]["sqlstate"] == "42501"),
         "{all:?}"
     );
+}
 
-    // S3: a mistyped schema is a missing table, with the lock findings.
+#[tokio::test(flavor = "multi_thread")]
+async fn check_treats_a_mistyped_schema_as_a_missing_lease_table() {
+    let (db, _holder, _) = db_with_table_and_idle_lock().await;
     let out = cli(
-        &url,
+        &db.url(),
         &[
             "check",
             "--table",
@@ -2373,9 +2441,13 @@ async fn check_reports_what_it_can_when_the_lease_table_is_unreadable_missing_or
             .any(|l| l.starts_with("idle_lock:") && l.contains("4242")),
         "{said}"
     );
+}
 
-    // S4: unquoted names are folded to lower case (as psql does), a quoted
-    // one keeps its case.
+#[tokio::test(flavor = "multi_thread")]
+async fn table_names_are_read_as_psql_reads_them() {
+    let (db, _holder, _) = db_with_table_and_idle_lock().await;
+    let url = db.url();
+    // Unquoted: folded to lower case; quoted: kept.
     for t in [
         "Pgwarden_Leases",
         "PUBLIC.PGWARDEN_LEASES",
@@ -2390,6 +2462,7 @@ async fn check_reports_what_it_can_when_the_lease_table_is_unreadable_missing_or
     )
     .await;
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let admin = db.connect().await.unwrap();
     let exists: bool = admin
         .query_one(
             "SELECT to_regclass('public.\"Mixed_Case\"') IS NOT NULL",
@@ -2410,7 +2483,6 @@ async fn check_reports_what_it_can_when_the_lease_table_is_unreadable_missing_or
     );
     let out = cli(&url, &["leases", "--table", "\"bad\"name"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    drop(holder);
 }
 
 #[tokio::test(flavor = "multi_thread")]
