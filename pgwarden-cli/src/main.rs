@@ -40,11 +40,20 @@ How CMD is kept to the lease:
   lost lease (no renewal before the local deadline) CMD gets SIGTERM, then
   SIGKILL within TTL/16: it is dead before anyone else can take the lease.
   A revoked or taken-over lease kills CMD at once (SIGKILL).
+  CMD's database sessions are named after the term (application_name
+  `pgwarden run NAME token N`, unless PGAPPNAME is set): once CMD's tree is
+  dead, and before the lease is released, run cancels those still running
+  a statement, and terminates them a second later (best effort: it needs
+  the database, and pg_signal_backend for another role's sessions).
   What remains possible: a machine frozen or suspended as a whole (a VM
   paused, a laptop asleep) keeps CMD frozen with it, and when it resumes CMD
   may run a moment after another holder took the lease, before the keeper
-  notices. Writes that must never overlap carry PGWARDEN_TOKEN: a fenced
-  transaction or a store that rejects a token lower than the last it saw.
+  notices; a killed client's statement runs on in its backend (the server
+  notices a dead client only when it next writes to it, or at
+  client_connection_check_interval) when run cannot reach the database to
+  cancel it, or when the sessions are not named as above. Writes that must
+  never overlap carry PGWARDEN_TOKEN: a fenced transaction or a store that
+  rejects a token lower than the last it saw.
   Signals: SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to run reach CMD once;
   SIGKILL follows after --grace if it ignores them. CMD's own process group
   is not the terminal's foreground group: run forwards the terminal's
@@ -55,7 +64,10 @@ Environment given to CMD (besides run's own):
   PGWARDEN_LEASE   the lease name
   PGWARDEN_TOKEN   this term's fencing token (grows with every take-over)
   DATABASE_URL     the database, without its password (PGPASSWORD and
-                   ~/.pgpass are read by libpq clients as usual)
+                   ~/.pgpass are read by libpq clients as usual), with
+                   application_name=pgwarden run NAME token N
+  PGAPPNAME        pgwarden run NAME token N (unless PGAPPNAME is set):
+                   how run finds the command's sessions to cancel them
 
 Exit codes:
   CMD's own (128 + N when signal N ended it); 75 the lease was not acquired
@@ -73,10 +85,13 @@ Exit codes:
 struct Cli {
     /// The database: a postgres:// URL or a key=value string, as libpq reads
     /// them: `sslmode` (disable, prefer, require, verify-ca, verify-full),
-    /// `sslrootcert`, `sslcert` and `sslkey` are honoured; what the URL does
-    /// not say comes from PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE,
-    /// PGAPPNAME, PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGSSLCERT,
-    /// PGSSLKEY and the password file (PGPASSFILE, else ~/.pgpass); keep the
+    /// `sslrootcert`, `sslcert`, `sslkey`, `passfile` and `service` are
+    /// honoured; what the URL does not say comes from the service
+    /// (`service=NAME`, else PGSERVICE) in pg_service.conf (PGSERVICEFILE,
+    /// else ~/.pg_service.conf, then PGSYSCONFDIR/pg_service.conf), then
+    /// from PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGAPPNAME,
+    /// PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGSSLCERT, PGSSLKEY and
+    /// the password file (PGPASSFILE, else ~/.pgpass, mode 0600); keep the
     /// password out of the URL.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     url: Option<String>,
@@ -431,4 +446,22 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
     };
     pool.close();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_read_as_psql_reads_them() {
+        let ok = |s: &str| table_name(s).map_err(|f| f.message).unwrap();
+        assert_eq!(ok("Pgwarden_Leases"), "pgwarden_leases");
+        assert_eq!(ok("Ops.Leases"), "ops.leases");
+        assert_eq!(ok("\"Ops\".Leases"), "Ops.leases");
+        assert_eq!(ok("ops.\"Lea\"\"ses\""), "ops.Lea\"ses");
+        assert!(table_name("\"ops").is_err());
+        assert!(table_name("\"a\"b").is_err());
+        assert_eq!(quoted_table("a.b"), "\"a\".\"b\"");
+        assert_eq!(quoted_table("t"), "\"public\".\"t\"");
+    }
 }

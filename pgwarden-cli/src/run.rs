@@ -390,7 +390,7 @@ const MAX_APP_NAME: usize = 63;
 /// `DATABASE_URL` become `pgwarden run NAME token N` (printable ASCII, the
 /// name shortened to fit 63 bytes: the token, unique to the term, is kept
 /// whole). Returns that name, to find the sessions by.
-fn session_identity(env: &mut [(&str, String)], term: &pgwarden::Term) -> Option<String> {
+fn session_identity(env: &mut Vec<(&str, String)>, term: &pgwarden::Term) -> Option<String> {
     if std::env::var_os("PGAPPNAME").is_some_and(|v| !v.is_empty()) {
         return None;
     }
@@ -421,6 +421,7 @@ fn session_identity(env: &mut [(&str, String)], term: &pgwarden::Term) -> Option
             ));
         }
     }
+    env.push(("PGAPPNAME", id.clone()));
     Some(id)
 }
 

@@ -145,3 +145,35 @@ fn read(file: &Path, name: &str) -> Result<Option<Vec<Setting>>, Failure> {
     }
     Ok(found)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sections_and_lines_follow_libpq() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("s.conf");
+        std::fs::write(
+            &f,
+            "#c\n[ab]\nhost=x\n  [a]  trailing\n port=1 \nport=2\nuser= sp\n[a]\nport=3\n",
+        )
+        .unwrap();
+        let got = read(&f, "a").map_err(|e| e.message).unwrap().unwrap();
+        let pairs: Vec<(&str, &str, usize)> = got
+            .iter()
+            .map(|s| (s.key.as_str(), s.value.as_str(), s.line))
+            .collect();
+        assert_eq!(pairs, [("port", "1", 5), ("user", " sp", 7)]);
+        assert!(read(&f, "none").map_err(|e| e.message).unwrap().is_none());
+        std::fs::write(&f, "[a]\nservice=b\n").unwrap();
+        let e = read(&f, "a").err().unwrap().message;
+        assert!(e.contains("nested") && e.contains("line 2"), "{e}");
+        std::fs::write(&f, "[a]\nhost\n").unwrap();
+        assert!(read(&f, "a")
+            .err()
+            .unwrap()
+            .message
+            .contains("syntax error"));
+    }
+}
