@@ -392,10 +392,15 @@ fn apply_service(
         let pair = format!("{}={}", s.key, kv_quote(&s.value));
         // The key and its value, checked as tokio-postgres reads them.
         tokio_postgres::Config::from_str(&pair).map_err(|e| {
-            Failure::usage(format!(
-                "{at}: {}: {e} (not a setting pgwarden supports)",
-                s.key
-            ))
+            let why = std::error::Error::source(&e).map_or(e.to_string(), |c| c.to_string());
+            Failure::usage(if why.starts_with("unknown option") {
+                format!(
+                    "{at}: {}: not a setting pgwarden supports (libpq's that tokio-postgres reads, and sslmode, sslrootcert, sslcert, sslkey, passfile)",
+                    s.key
+                )
+            } else {
+                format!("{at}: {}={}: {why}", s.key, s.value)
+            })
         })?;
         if url_form {
             tls.rest
@@ -1117,7 +1122,7 @@ fn tls_text(e: &rustls::Error, target: &Target) -> String {
             if o.0.downcast_ref::<webpki::Error>() == Some(&webpki::Error::CaUsedAsEndEntity) =>
         {
             format!(
-                "{verify} is self-signed (a CA certificate, as OpenSSL makes them) and is not in {roots} (unknown issuer): sslrootcert must name that certificate, or the CA that signed it"
+                "{verify} is a CA certificate (CA:TRUE, as OpenSSL makes self-signed ones) that is not in {roots} (unknown issuer): sslrootcert must name that certificate, or the CA that signed it"
             )
         }
         CertificateError::NotValidForName => format!(
@@ -1130,7 +1135,8 @@ fn tls_text(e: &rustls::Error, target: &Target) -> String {
         } => format!(
             "{verify} is for {} and not for host {:?} (sslmode=verify-full checks the name)",
             if presented.is_empty() {
-                "no host name".to_owned()
+                "no host name in a subjectAltName (and its common name does not match)"
+                    .to_owned()
             } else {
                 presented.join(", ")
             },

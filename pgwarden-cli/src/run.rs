@@ -425,6 +425,21 @@ fn session_identity(env: &mut Vec<(&str, String)>, term: &pgwarden::Term) -> Opt
     Some(id)
 }
 
+/// `SELECT f(pid)` (`pg_cancel_backend`, `pg_terminate_backend`): whether
+/// the signal was sent, or the server's refusal.
+async fn signal_backend(
+    client: &tokio_postgres::Client,
+    f: &str,
+    pid: i32,
+) -> Result<bool, String> {
+    match client.query_one(&format!("SELECT {f}($1)"), &[&pid]).await {
+        Ok(row) => Ok(row.get(0)),
+        Err(e) => Err(e
+            .as_db_error()
+            .map_or_else(|| e.to_string(), |d| d.message().to_owned())),
+    }
+}
+
 /// The pids of the sessions named `id` that are not idle.
 async fn left(client: &tokio_postgres::Client, id: &str) -> Result<Vec<i32>, String> {
     const LEFT: &str = "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid() AND state IS DISTINCT FROM 'idle'";
@@ -448,12 +463,18 @@ async fn end_sessions(pool: &pgwarden::Pool, identity: Option<&str>) {
         let client = pool.get().await.map_err(|e| e.to_string())?;
         let pids = left(&client, id).await?;
         if pids.is_empty() {
-            return Ok((0, 0, Vec::new()));
+            return Ok((0, 0, 0, std::collections::BTreeMap::new()));
         }
-        let mut refused = Vec::new();
-        for pid in &pids {
-            if let Err(e) = client.query("SELECT pg_cancel_backend($1)", &[pid]).await {
-                refused.push(format!("pid {pid}: {e}"));
+        // pid -> why it could not be signalled (the last error).
+        let mut refused = std::collections::BTreeMap::new();
+        let mut cancelled = 0;
+        for &pid in &pids {
+            match signal_backend(&client, "pg_cancel_backend", pid).await {
+                Ok(true) => cancelled += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    refused.insert(pid, e);
+                }
             }
         }
         let mut still = left(&client, id).await?;
@@ -465,34 +486,33 @@ async fn end_sessions(pool: &pgwarden::Pool, identity: Option<&str>) {
             still = left(&client, id).await?;
         }
         let mut terminated = 0;
-        for pid in &still {
-            match client
-                .query("SELECT pg_terminate_backend($1)", &[pid])
-                .await
-            {
-                Ok(_) => terminated += 1,
-                Err(e) => refused.push(format!("pid {pid}: {e}")),
+        for &pid in &still {
+            match signal_backend(&client, "pg_terminate_backend", pid).await {
+                Ok(true) => terminated += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    refused.insert(pid, e);
+                }
             }
         }
-        Ok::<_, String>((pids.len(), terminated, refused))
+        Ok::<_, String>((pids.len(), cancelled, terminated, refused))
     };
     let outcome = tokio::time::timeout(Duration::from_secs(3), work).await;
     let left_running = "a statement it started may still run in its backend (and commit) until it ends; client_connection_check_interval bounds that on the server, PGWARDEN_TOKEN fencing makes it harmless";
     match outcome {
-        Ok(Ok((0, _, _))) => {}
-        Ok(Ok((n, terminated, refused))) => {
+        Ok(Ok((0, ..))) => {}
+        Ok(Ok((n, cancelled, terminated, refused))) => {
             eprintln!(
-                "pgwarden: {n} session(s) of the command (application_name {id:?}) were still running a statement: cancelled{}",
-                if terminated > 0 {
-                    format!(", {terminated} terminated a second later")
-                } else {
-                    String::new()
-                }
+                "pgwarden: {n} session(s) of the command (application_name {id:?}) were still running a statement: {cancelled} cancelled, {terminated} terminated a second later"
             );
             if !refused.is_empty() {
+                let why: Vec<String> = refused
+                    .iter()
+                    .map(|(pid, e)| format!("pid {pid}: {e}"))
+                    .collect();
                 eprintln!(
-                    "pgwarden: could not end {}: {left_running}",
-                    refused.join("; ")
+                    "pgwarden: could not end {} (another role's sessions need pg_signal_backend): {left_running}",
+                    why.join("; ")
                 );
             }
         }

@@ -119,6 +119,11 @@ fn read(file: &Path, name: &str) -> Result<Option<Vec<Setting>>, Failure> {
         let Some(settings) = found.as_mut() else {
             continue;
         };
+        if line.starts_with("ldap") {
+            return Err(Failure::usage(format!(
+                "service file {shown}, line {n}: LDAP lookups are not supported by pgwarden"
+            )));
+        }
         let Some((key, value)) = line.split_once('=') else {
             return Err(Failure::usage(format!(
                 "syntax error in service file {shown}, line {n}: expected key=value or [service]"

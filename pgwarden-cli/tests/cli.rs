@@ -2590,7 +2590,7 @@ async fn a_killed_sql_jobs_statement_does_not_outlive_its_term() {
         .unwrap();
     println!("{err}");
     assert!(
-        err.contains("still running a statement: cancelled"),
+        err.contains("still running a statement: 1 cancelled"),
         "{err}"
     );
     // When run has exited, the statement has been cancelled: its backend
