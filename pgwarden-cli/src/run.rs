@@ -425,19 +425,27 @@ fn session_identity(env: &mut Vec<(&str, String)>, term: &pgwarden::Term) -> Opt
     Some(id)
 }
 
-/// `SELECT f(pid)` (`pg_cancel_backend`, `pg_terminate_backend`): whether
-/// the signal was sent, or the server's refusal.
-async fn signal_backend(
+/// `SELECT f(pid)` (`pg_cancel_backend`, `pg_terminate_backend`) for each
+/// pid: how many were signalled; the server's refusals go to `refused`.
+async fn signal_all(
     client: &tokio_postgres::Client,
     f: &str,
-    pid: i32,
-) -> Result<bool, String> {
-    match client.query_one(&format!("SELECT {f}($1)"), &[&pid]).await {
-        Ok(row) => Ok(row.get(0)),
-        Err(e) => Err(e
-            .as_db_error()
-            .map_or_else(|| e.to_string(), |d| d.message().to_owned())),
+    pids: &[i32],
+    refused: &mut std::collections::BTreeMap<i32, String>,
+) -> usize {
+    let mut sent = 0;
+    for &pid in pids {
+        match client.query_one(&format!("SELECT {f}($1)"), &[&pid]).await {
+            Ok(row) => sent += usize::from(row.get::<_, bool>(0)),
+            Err(e) => {
+                let why = e
+                    .as_db_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_owned());
+                refused.insert(pid, why);
+            }
+        }
     }
+    sent
 }
 
 /// The pids of the sessions named `id` that are not idle.
@@ -467,16 +475,7 @@ async fn end_sessions(pool: &pgwarden::Pool, identity: Option<&str>) {
         }
         // pid -> why it could not be signalled (the last error).
         let mut refused = std::collections::BTreeMap::new();
-        let mut cancelled = 0;
-        for &pid in &pids {
-            match signal_backend(&client, "pg_cancel_backend", pid).await {
-                Ok(true) => cancelled += 1,
-                Ok(false) => {}
-                Err(e) => {
-                    refused.insert(pid, e);
-                }
-            }
-        }
+        let cancelled = signal_all(&client, "pg_cancel_backend", &pids, &mut refused).await;
         let mut still = left(&client, id).await?;
         for _ in 0..20 {
             if still.is_empty() {
@@ -485,16 +484,7 @@ async fn end_sessions(pool: &pgwarden::Pool, identity: Option<&str>) {
             tokio::time::sleep(Duration::from_millis(50)).await;
             still = left(&client, id).await?;
         }
-        let mut terminated = 0;
-        for &pid in &still {
-            match signal_backend(&client, "pg_terminate_backend", pid).await {
-                Ok(true) => terminated += 1,
-                Ok(false) => {}
-                Err(e) => {
-                    refused.insert(pid, e);
-                }
-            }
-        }
+        let terminated = signal_all(&client, "pg_terminate_backend", &still, &mut refused).await;
         Ok::<_, String>((pids.len(), cancelled, terminated, refused))
     };
     let outcome = tokio::time::timeout(Duration::from_secs(3), work).await;
