@@ -111,13 +111,16 @@ enum Cmd {
     #[command(after_help = RUN_HELP)]
     Run(RunArgs),
     /// List every lease row: holder, token, expiry, and a session holding a
-    /// row lock on it.
+    /// row lock on it (on a hot standby: that it is one, whether replay is
+    /// paused and how old its copy is).
     Leases(ListArgs),
     /// List the advisory locks of every database of the server, with their
     /// sessions (a session's locks in one row, a summary line at the end).
     Locks(LocksArgs),
     /// Exit 0 when healthy, 1 with one line per finding (for cron, probes
-    /// and runbooks).
+    /// and runbooks); the role needs pg_monitor and SELECT on the lease
+    /// table (without it, the locks are still checked and a finding says
+    /// what to grant).
     Check(CheckArgs),
     /// End the current term of lease NAME: its holder's fence is refused
     /// from then on, and it learns of the loss at its next renewal.
