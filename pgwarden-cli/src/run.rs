@@ -1,9 +1,13 @@
 //! `pgwarden run NAME -- CMD…`: CMD runs only while NAME is held.
 //!
-//! The command runs under a keeper process ([`crate::keeper`]) that kills
-//! its whole process tree when `run` dies, freezes past the lease's safety
-//! margin, or loses the lease; `run` sends it a deadline after every check
-//! that the lease is still held.
+//! The command runs under a keeper process ([`crate::keeper`], in a
+//! session of its own) that kills its whole process tree when `run` dies,
+//! freezes past the lease's safety margin, or loses the lease; `run` sends
+//! it a deadline after every check that the lease is still held. `run`
+//! watches the keeper in turn: a keeper that has not acknowledged a
+//! deadline, or not exited by the deadline it acknowledged (stopped,
+//! hung), is killed by `run`, with everything under it, before the lease
+//! can be taken over.
 
 use std::ffi::OsString;
 use std::io;
@@ -17,7 +21,7 @@ use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::format::{human, human_signed};
-use crate::keeper::{mono_ns, CONTROL_FD, KEEPER_ARG};
+use crate::keeper::{mono_ns, Until, CONTROL_FD, KEEPER_ARG, REPORT_FD};
 use crate::{Failure, RunArgs, EXIT_LOST};
 
 /// The signals `run` forwards to its command.
@@ -69,35 +73,58 @@ pub(crate) fn slack(ttl: Duration) -> Duration {
     margin(ttl) / 2
 }
 
+const SECOND: u64 = 1_000_000_000;
+
 fn ns(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// `run`'s side of the keeper: its process and the control pipe.
+/// `run`'s side of the keeper: its process and the two pipes.
 struct Keeper {
     child: Child,
+    pid: i32,
     ctl: OwnedFd,
+    /// The report pipe's read end (non-blocking).
+    reports: OwnedFd,
+    buf: Vec<u8>,
     /// The last deadline sent.
     deadline: u64,
+    /// The last deadline the keeper acknowledged (it enforces it).
+    acked: u64,
+    /// The command's pid, once the keeper reported it.
+    cmd: Option<i32>,
+    /// Why the keeper killed the tree, once it said so (`W`).
+    why: Option<char>,
+}
+
+/// A pipe, both ends close-on-exec.
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned here only.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn nonblocking(fd: &OwnedFd) {
+    // SAFETY: fcntl on our own fd.
+    unsafe {
+        let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
 }
 
 impl Keeper {
-    /// Starts the keeper (this binary, re-executed) with `deadline` already
-    /// in its pipe; it starts `cmd`.
+    /// Starts the keeper (this binary, re-executed, in a session of its
+    /// own) with `deadline` already in its pipe; it starts `cmd`.
     fn spawn(cmd: &[OsString], env: &[(&str, String)], deadline: u64) -> io::Result<Keeper> {
-        let mut fds = [0; 2];
-        // SAFETY: pipe2 writes two fds into the array.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: both fds were just created and are owned here only.
-        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        // SAFETY: fcntl on our own fd.
-        unsafe {
-            let fl = libc::fcntl(write.as_raw_fd(), libc::F_GETFL);
-            libc::fcntl(write.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
-        }
-        write_line(&write, &format!("D {deadline}\n"));
+        let (read, write) = pipe()?;
+        let (reports, report_w) = pipe()?;
+        nonblocking(&write);
+        nonblocking(&reports);
+        write_line(&write, &format!("D {deadline} {}\n", Until::Held.code()));
         let exe = if std::path::Path::new("/proc/self/exe").exists() {
             std::path::PathBuf::from("/proc/self/exe")
         } else {
@@ -108,24 +135,40 @@ impl Keeper {
         for (k, v) in env {
             c.env(k, v);
         }
-        let rfd = read.as_raw_fd();
+        let (rfd, wfd) = (read.as_raw_fd(), report_w.as_raw_fd());
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             c.pre_exec(move || {
-                if rfd == CONTROL_FD {
-                    libc::fcntl(rfd, libc::F_SETFD, 0);
-                } else if libc::dup2(rfd, CONTROL_FD) < 0 {
+                // A session (and process group) of its own: what is sent
+                // to `run`'s group or job does not reach the keeper.
+                if libc::setsid() < 0 {
                     return Err(io::Error::last_os_error());
                 }
+                // Copies above both targets first, so that neither dup2
+                // closes the other's source.
+                let r = libc::fcntl(rfd, libc::F_DUPFD, 10);
+                let w = libc::fcntl(wfd, libc::F_DUPFD, 10);
+                if r < 0 || w < 0 || libc::dup2(r, CONTROL_FD) < 0 || libc::dup2(w, REPORT_FD) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                libc::close(r);
+                libc::close(w);
                 Ok(())
             });
         }
         let child = c.spawn()?;
         drop(read);
+        drop(report_w);
         Ok(Keeper {
+            pid: child.id().map_or(0, |p| p as i32),
             child,
             ctl: write,
+            reports,
+            buf: Vec::new(),
             deadline,
+            acked: deadline,
+            cmd: None,
+            why: None,
         })
     }
 
@@ -133,10 +176,10 @@ impl Keeper {
         write_line(&self.ctl, line);
     }
 
-    fn set_deadline(&mut self, at: u64) {
+    fn set_deadline(&mut self, at: u64, until: Until) {
         if at != self.deadline {
             self.deadline = at;
-            self.send(&format!("D {at}\n"));
+            self.send(&format!("D {at} {}\n", until.code()));
         }
     }
 
@@ -146,6 +189,42 @@ impl Keeper {
 
     fn kill_now(&mut self) {
         self.send("K\n");
+    }
+
+    /// Reads the keeper's reports so far (`P`, `A`, `W`).
+    fn read_reports(&mut self) {
+        let mut chunk = [0u8; 512];
+        loop {
+            // SAFETY: read into a local buffer from our own fd.
+            let n = unsafe {
+                libc::read(
+                    self.reports.as_raw_fd(),
+                    chunk.as_mut_ptr().cast(),
+                    chunk.len(),
+                )
+            };
+            if n <= 0 {
+                if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                break;
+            }
+            self.buf.extend_from_slice(&chunk[..n as usize]);
+        }
+        while let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.buf.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line[..end]).into_owned();
+            match line.split_once(' ') {
+                Some(("P", pid)) => self.cmd = pid.parse().ok(),
+                Some(("A", at)) => {
+                    if let Ok(at) = at.parse() {
+                        self.acked = at;
+                    }
+                }
+                Some(("W", why)) => self.why = why.chars().next(),
+                _ => {}
+            }
+        }
     }
 }
 
@@ -227,7 +306,8 @@ pub(crate) async fn run(
     env.push(("PGWARDEN_LEASE", term.name.clone()));
     env.push(("PGWARDEN_TOKEN", term.token.to_string()));
     // A child subreaper too: if the keeper itself is killed, what the
-    // command started comes here, and is killed below.
+    // command started comes here, and is killed below; a stopped keeper
+    // and its tree stay `run`'s descendants, killed by `run` if need be.
     // SAFETY: prctl on this process's own attribute.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let mut keeper = match Keeper::spawn(&args.cmd, &env, held_until(mono_ns(), floor)) {
@@ -244,19 +324,31 @@ pub(crate) async fn run(
     };
     let beat = Duration::from_nanos(slack / 4)
         .clamp(Duration::from_millis(10), Duration::from_millis(250));
+    // How long past its deadline the keeper may take to kill the tree and
+    // exit before `run` does it itself: a second (a loaded machine), but
+    // never past half a slack after the last deadline at which the lease
+    // was confirmed (`hold`), so that the tree is dead a quarter of the
+    // margin before the lease can be taken over.
+    let overdue = slack / 2;
+    let mut hold = keeper.deadline;
     let mut ticker = tokio::time::interval(beat);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let lost = lease.lost();
     tokio::pin!(lost);
     // Once set (a forwarded signal, a lost lease), the deadline no longer
     // moves later.
-    let mut pinned: Option<u64> = None;
+    let mut pinned: Option<(u64, Until)> = None;
     let mut lost_reason: Option<LostReason> = None;
+    // When the keeper was told to kill the tree now (`K`).
+    let mut told_at: Option<u64> = None;
+    // Whether `run` killed the keeper and the tree itself.
+    let mut took_over = false;
     let status = loop {
         tokio::select! {
             status = keeper.child.wait() => break status,
             _ = ticker.tick() => {
                 let now = mono_ns();
+                keeper.read_reports();
                 let stats = leases.stats();
                 if stats.renewed > renewed {
                     renewed = stats.renewed;
@@ -266,7 +358,32 @@ pub(crate) async fn run(
                 seen_at = now;
                 if lost_reason.is_none() && !lease.is_lost() {
                     let at = held_until(now, floor);
-                    keeper.set_deadline(pinned.map_or(at, |p| p.min(at)));
+                    hold = at;
+                    match pinned {
+                        Some((p, why)) if p <= at => keeper.set_deadline(p, why),
+                        _ => keeper.set_deadline(at, Until::Held),
+                    }
+                }
+                // The keeper enforces the deadline it acknowledged; one
+                // that has not exited well past it (or past `K`) is
+                // stopped or hung: `run` kills it and the tree.
+                let due = keeper
+                    .acked
+                    .min(keeper.deadline)
+                    .min(told_at.unwrap_or(u64::MAX))
+                    .saturating_add(overdue.max(SECOND))
+                    .min(hold + overdue);
+                // (Exited and not reaped yet is done, not hung.)
+                if !took_over && now >= due && !matches!(keeper.child.try_wait(), Ok(Some(_))) {
+                    took_over = true;
+                    let state = crate::keeper::state(keeper.pid).unwrap_or('?');
+                    eprintln!(
+                        "pgwarden: the keeper (pid {}, state {state}) did not stop the command{} in time: killing it and every process under it (SIGKILL)",
+                        keeper.pid,
+                        keeper.cmd.map(|c| format!(" (pid {c})")).unwrap_or_default(),
+                    );
+                    let n = crate::keeper::kill_descendants();
+                    eprintln!("pgwarden: killed {n} process(es)");
                 }
             }
             sig = signals.next() => {
@@ -275,8 +392,10 @@ pub(crate) async fn run(
                     // An ignored signal is escalated to SIGKILL after the
                     // grace (the keeper's deadline).
                     let at = mono_ns() + ns(args.grace);
-                    pinned = Some(at);
-                    keeper.set_deadline(keeper.deadline.min(at));
+                    pinned = Some((at, Until::Grace));
+                    if at < keeper.deadline {
+                        keeper.set_deadline(at, Until::Grace);
+                    }
                 }
             }
             reason = &mut lost, if lost_reason.is_none() => {
@@ -293,12 +412,17 @@ pub(crate) async fn run(
                     );
                     keeper.signal(libc::SIGTERM);
                     let at = mono_ns() + ns(grace);
-                    pinned = Some(pinned.map_or(at, |p| p.min(at)));
-                    keeper.set_deadline(keeper.deadline.min(at));
+                    if pinned.is_none_or(|(p, _)| at < p) {
+                        pinned = Some((at, Until::Lost));
+                    }
+                    if at < keeper.deadline {
+                        keeper.set_deadline(at, Until::Lost);
+                    }
                 } else {
                     // The term is over in the database: another holder may
                     // run already. Kill first, then find out why.
                     keeper.kill_now();
+                    told_at = Some(mono_ns());
                     let why = lost_why(leases, &term, reason).await;
                     eprintln!(
                         "pgwarden: lease {:?} lost ({why}; token {}): killing the command and every process it started (SIGKILL)",
@@ -313,30 +437,39 @@ pub(crate) async fn run(
         code: 1,
         message: format!("waiting for the command: {e}"),
     })?;
+    keeper.read_reports();
     // The keeper kills the whole tree before it exits; if it was killed
     // itself, what the command started was re-parented here.
     let orphans = crate::keeper::kill_orphans();
-    if orphans > 0 {
-        eprintln!("pgwarden: the keeper died: killed {orphans} process(es) the command left");
+    let keeper_killed = !took_over && status.signal().is_some();
+    if keeper_killed {
+        eprintln!(
+            "pgwarden: the keeper (pid {}) was killed by signal {}: killed the {orphans} process(es) the command left; the command's exit code is unknown",
+            keeper.pid,
+            status.signal().unwrap_or_default()
+        );
+    } else if orphans > 0 {
+        eprintln!("pgwarden: killed {orphans} process(es) the command left");
     }
     if lost_reason.is_some() {
         // Released already, or another term's: nothing of ours to release.
         drop(lease);
         return Ok(EXIT_LOST);
     }
-    if mono_ns() >= keeper.deadline && pinned.is_none() {
-        // The keeper killed it: `run` did not answer in time (frozen). The
-        // lease may still be ours; the command is not running any more.
+    // `h`: the keeper killed the tree because `run` did not confirm the
+    // lease in time (it was stopped or frozen); the lease may still be ours.
+    let answered_late = keeper.why == Some(Until::Held.code());
+    if answered_late {
         eprintln!(
             "pgwarden: the command was killed: pgwarden run did not confirm lease {:?} in time",
             term.name
         );
-        if let Err(e) = lease.release().await {
-            eprintln!("pgwarden: releasing lease {:?}: {e}", term.name);
-        }
-        return Ok(EXIT_LOST);
     }
-    let code = exit_code(status);
+    let code = if took_over || keeper_killed || answered_late {
+        EXIT_LOST
+    } else {
+        exit_code(status)
+    };
     if let Err(e) = lease.release().await {
         eprintln!(
             "pgwarden: releasing lease {:?}: {e}; it expires within {}",
