@@ -157,7 +157,7 @@ fn report(line: &str) {
 pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
     let cmd: Vec<OsString> = args.into_iter().skip_while(|a| a != "--").skip(1).collect();
     let Some((program, rest)) = cmd.split_first() else {
-        eprintln!("pgwarden: keeper: no command");
+        say!("pgwarden: keeper: no command");
         return ExitCode::from(2);
     };
     // SAFETY: plain syscalls on this process's own state.
@@ -211,7 +211,7 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
     let child = match command.spawn() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("pgwarden: cannot run {}: {e}", program.to_string_lossy());
+            say!("pgwarden: cannot run {}: {e}", program.to_string_lossy());
             let code = if e.kind() == io::ErrorKind::NotFound {
                 127
             } else {
@@ -228,7 +228,7 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
     let why = k.watch();
     if let Some(why) = why {
         report(&format!("W {}\n", why.code()));
-        eprintln!(
+        say!(
             "pgwarden: SIGKILL to the command (pid {}) and every process it started: {}",
             k.child,
             why.says()
@@ -290,7 +290,7 @@ impl Keeper {
             if rc < 0 {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::Interrupted {
-                    eprintln!("pgwarden: keeper: poll: {e}");
+                    say!("pgwarden: keeper: poll: {e}");
                     break Some(Why::RunGone);
                 }
                 continue;
@@ -413,9 +413,7 @@ impl Keeper {
             }
             if !warned && mono_ns() - started > 2_000_000_000 {
                 warned = true;
-                eprintln!(
-                    "pgwarden: processes {alive:?} of the command survive SIGKILL (uninterruptible sleep?); still trying"
-                );
+                survivors(&alive);
             }
             if !alive.is_empty() {
                 std::thread::sleep(std::time::Duration::from_millis(2));
@@ -432,6 +430,25 @@ fn sigkill_all(root: libc::pid_t) -> Vec<libc::pid_t> {
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
     alive
+}
+
+/// The warning for processes that outlive SIGKILL for two seconds.
+fn survivors(alive: &[libc::pid_t]) {
+    let denied: Vec<libc::pid_t> = alive
+        .iter()
+        .copied()
+        // SAFETY: signal 0 only checks the permission to signal.
+        .filter(|&p| unsafe { libc::kill(p, 0) } != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+        .collect();
+    if denied.is_empty() {
+        say!(
+            "pgwarden: processes {alive:?} of the command survive SIGKILL (uninterruptible sleep?); still trying"
+        );
+    } else {
+        say!(
+            "pgwarden: processes {denied:?} of the command may not be signalled by this user (setuid, sudo?); still trying"
+        );
+    }
 }
 
 /// `run`'s own line of defence: SIGKILLs every live descendant of this
@@ -453,9 +470,7 @@ pub(crate) fn kill_descendants() -> usize {
         killed += alive.len();
         if !warned && mono_ns() - started > 2_000_000_000 {
             warned = true;
-            eprintln!(
-                "pgwarden: processes {alive:?} of the command survive SIGKILL (uninterruptible sleep?); still trying"
-            );
+            survivors(&alive);
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
     }

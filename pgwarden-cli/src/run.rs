@@ -263,14 +263,14 @@ pub(crate) async fn run(
         };
         if !args.quiet {
             match held {
-                Some(r) if r.live => eprintln!(
+                Some(r) if r.live => say!(
                     "pgwarden: lease {:?} is held by {} (token {}, expires {}); not running the command",
                     args.name,
                     r.holder,
                     r.token,
                     human_signed(r.expires_in_s)
                 ),
-                Some(r) if r.blocker_pid.is_some() => eprintln!(
+                Some(r) if r.blocker_pid.is_some() => say!(
                     "pgwarden: lease {:?} expired {} but its take-over is blocked by a row lock of pid {} ({}, {}); not running the command",
                     args.name,
                     human_signed(r.expires_in_s),
@@ -278,7 +278,7 @@ pub(crate) async fn run(
                     r.blocker_application_name.as_deref().unwrap_or("-"),
                     r.blocker_state.as_deref().unwrap_or("?"),
                 ),
-                _ => eprintln!(
+                _ => say!(
                     "pgwarden: lease {:?} not acquired within {}; not running the command",
                     args.name,
                     human(args.wait)
@@ -314,7 +314,7 @@ pub(crate) async fn run(
         Ok(k) => k,
         Err(e) => {
             if let Err(r) = lease.release().await {
-                eprintln!("pgwarden: releasing lease {:?}: {r}", term.name);
+                say!("pgwarden: releasing lease {:?}: {r}", term.name);
             }
             return Err(Failure {
                 code: 1,
@@ -377,13 +377,13 @@ pub(crate) async fn run(
                 if !took_over && now >= due && !matches!(keeper.child.try_wait(), Ok(Some(_))) {
                     took_over = true;
                     let state = crate::keeper::state(keeper.pid).unwrap_or('?');
-                    eprintln!(
+                    say!(
                         "pgwarden: the keeper (pid {}, state {state}) did not stop the command{} in time: killing it and every process under it (SIGKILL)",
                         keeper.pid,
                         keeper.cmd.map(|c| format!(" (pid {c})")).unwrap_or_default(),
                     );
                     let n = crate::keeper::kill_descendants();
-                    eprintln!("pgwarden: killed {n} process(es)");
+                    say!("pgwarden: killed {n} process(es)");
                 }
             }
             sig = signals.next() => {
@@ -400,11 +400,19 @@ pub(crate) async fn run(
             }
             reason = &mut lost, if lost_reason.is_none() => {
                 lost_reason = Some(reason);
-                if reason == LostReason::Deadline {
+                if matches!(keeper.child.try_wait(), Ok(Some(_))) {
+                    // Its keeper killed it already (`run` was stopped or
+                    // frozen past its deadline).
+                    say!(
+                        "pgwarden: lease {:?} lost ({reason}; token {}): the command was killed already",
+                        term.name,
+                        term.token
+                    );
+                } else if reason == LostReason::Deadline {
                     // Nobody can take it for another margin: SIGTERM, and
                     // SIGKILL half a margin from now at the latest.
                     let grace = args.grace.min(Duration::from_nanos(slack));
-                    eprintln!(
+                    say!(
                         "pgwarden: lease {:?} lost ({reason}; token {}): stopping the command (SIGTERM, SIGKILL after {})",
                         term.name,
                         term.token,
@@ -424,7 +432,7 @@ pub(crate) async fn run(
                     keeper.kill_now();
                     told_at = Some(mono_ns());
                     let why = lost_why(leases, &term, reason).await;
-                    eprintln!(
+                    say!(
                         "pgwarden: lease {:?} lost ({why}; token {}): killing the command and every process it started (SIGKILL)",
                         term.name,
                         term.token
@@ -443,13 +451,13 @@ pub(crate) async fn run(
     let orphans = crate::keeper::kill_orphans();
     let keeper_killed = !took_over && status.signal().is_some();
     if keeper_killed {
-        eprintln!(
+        say!(
             "pgwarden: the keeper (pid {}) was killed by signal {}: killed the {orphans} process(es) the command left; the command's exit code is unknown",
             keeper.pid,
             status.signal().unwrap_or_default()
         );
     } else if orphans > 0 {
-        eprintln!("pgwarden: killed {orphans} process(es) the command left");
+        say!("pgwarden: killed {orphans} process(es) the command left");
     }
     if lost_reason.is_some() {
         // Released already, or another term's: nothing of ours to release.
@@ -460,7 +468,7 @@ pub(crate) async fn run(
     // lease in time (it was stopped or frozen); the lease may still be ours.
     let answered_late = keeper.why == Some(Until::Held.code());
     if answered_late {
-        eprintln!(
+        say!(
             "pgwarden: the command was killed: pgwarden run did not confirm lease {:?} in time",
             term.name
         );
@@ -471,7 +479,7 @@ pub(crate) async fn run(
         exit_code(status)
     };
     if let Err(e) = lease.release().await {
-        eprintln!(
+        say!(
             "pgwarden: releasing lease {:?}: {e}; it expires within {}",
             term.name,
             human(args.ttl)

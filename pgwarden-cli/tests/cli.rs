@@ -1346,6 +1346,13 @@ async fn at_the_default_settings_a_frozen_run_leaves_no_overlap() {
     takeover_leaves_no_overlap(Failing::Sigstop, true).await;
 }
 
+/// Cron's `timeout -k` at `run`'s defaults: the group kill lands during
+/// the 10 s grace of the SIGTERM timeout sent first.
+#[tokio::test(flavor = "multi_thread")]
+async fn at_the_default_settings_timeout_k_leaves_no_overlap() {
+    takeover_leaves_no_overlap(Failing::TimeoutKill, true).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn at_the_default_settings_a_run_cut_off_from_the_database_leaves_no_overlap() {
     takeover_leaves_no_overlap(Failing::LostDatabase, true).await;
