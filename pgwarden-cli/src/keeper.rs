@@ -433,7 +433,7 @@ fn sigkill_all(root: libc::pid_t) -> Vec<libc::pid_t> {
 }
 
 /// The warning for processes that outlive SIGKILL for two seconds.
-fn survivors(alive: &[libc::pid_t]) {
+pub(crate) fn survivors(alive: &[libc::pid_t]) {
     let denied: Vec<libc::pid_t> = alive
         .iter()
         .copied()
@@ -451,43 +451,23 @@ fn survivors(alive: &[libc::pid_t]) {
     }
 }
 
-/// `run`'s own line of defence: SIGKILLs every live descendant of this
-/// process (the keeper included, stopped or not, and the command's whole
-/// tree under it) until none is left, without reaping (the keeper is
-/// reaped by its handle, the rest by [`kill_orphans`]). Returns how many
-/// processes it killed.
-pub(crate) fn kill_descendants() -> usize {
+/// `run`'s own line of defence, one pass: SIGKILLs every live descendant
+/// of this process (the keeper included, stopped or not, and the
+/// command's whole tree under it, or what the keeper left re-parented to
+/// `run`, a child subreaper too), without reaping (the keeper is reaped by
+/// its handle, the rest by [`reap_orphans`]). Returns the pids it killed.
+pub(crate) fn kill_pass() -> Vec<libc::pid_t> {
     // SAFETY: getpid has no preconditions.
-    let me = unsafe { libc::getpid() };
-    let started = mono_ns();
-    let mut warned = false;
-    let mut killed = 0;
-    loop {
-        let alive = sigkill_all(me);
-        if alive.is_empty() {
-            return killed;
-        }
-        killed += alive.len();
-        if !warned && mono_ns() - started > 2_000_000_000 {
-            warned = true;
-            survivors(&alive);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
+    sigkill_all(unsafe { libc::getpid() })
 }
 
-/// `run`'s last word, once the keeper is reaped: kills every live
-/// descendant of this process (what a keeper killed on its own left
-/// behind, re-parented to `run`, a child subreaper too), and reaps them.
-/// Returns how many it killed.
-pub(crate) fn kill_orphans() -> usize {
-    let killed = kill_descendants();
+/// Reaps every exited child of `run` (once the keeper is reaped).
+pub(crate) fn reap_orphans() {
     loop {
         let mut st = 0;
-        // SAFETY: waitpid on our own children (the keeper is reaped
-        // already).
+        // SAFETY: waitpid on our own children.
         if unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) } <= 0 {
-            return killed;
+            return;
         }
     }
 }

@@ -382,7 +382,7 @@ pub(crate) async fn run(
                         keeper.pid,
                         keeper.cmd.map(|c| format!(" (pid {c})")).unwrap_or_default(),
                     );
-                    let n = crate::keeper::kill_descendants();
+                    let n = kill_tree().await;
                     say!("pgwarden: killed {n} process(es)");
                 }
             }
@@ -448,7 +448,8 @@ pub(crate) async fn run(
     keeper.read_reports();
     // The keeper kills the whole tree before it exits; if it was killed
     // itself, what the command started was re-parented here.
-    let orphans = crate::keeper::kill_orphans();
+    let orphans = kill_tree().await;
+    crate::keeper::reap_orphans();
     let keeper_killed = !took_over && status.signal().is_some();
     if keeper_killed {
         say!(
@@ -486,6 +487,28 @@ pub(crate) async fn run(
         );
     }
     Ok(code)
+}
+
+/// Kills every live descendant of `run` until none is left, and returns
+/// how many processes it killed. It yields between passes: the lease is
+/// still renewed while a process resists (uninterruptible sleep, another
+/// user's), so nobody else takes it while that process lives.
+async fn kill_tree() -> usize {
+    let started = mono_ns();
+    let mut warned = false;
+    let mut killed = 0;
+    loop {
+        let alive = crate::keeper::kill_pass();
+        if alive.is_empty() {
+            return killed;
+        }
+        killed += alive.len();
+        if !warned && mono_ns() - started > 2 * SECOND {
+            warned = true;
+            crate::keeper::survivors(&alive);
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// Why a term ended, for the message: a row still of this token with no
