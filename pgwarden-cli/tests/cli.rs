@@ -1100,6 +1100,9 @@ enum Failing {
     TimeoutKill,
     /// The keeper stopped alone (`SIGSTOP`), then the lease revoked.
     KeeperStoppedRevoked,
+    /// `run`'s stderr a pipe nobody reads any more (a log reader died),
+    /// then `run` stopped: the keeper's message meets a closed pipe.
+    SigstopStderrClosed,
 }
 
 /// The child of `parent` (the keeper of a `run`), from `/proc`.
@@ -1180,6 +1183,10 @@ async fn takeover_leaves_no_overlap(how: Failing, defaults: bool) {
             None
         }
         Failing::Sigstop => Some(Stopped::stop([pid(&old)]).unwrap()),
+        Failing::SigstopStderrClosed => {
+            drop(old.stderr.take());
+            Some(Stopped::stop([pid(&old)]).unwrap())
+        }
         Failing::LostDatabase => {
             proxy.blackhole();
             None
@@ -1237,7 +1244,10 @@ async fn takeover_leaves_no_overlap(how: Failing, defaults: bool) {
     drop(_frozen);
     if matches!(
         how,
-        Failing::Sigstop | Failing::GroupStop | Failing::LostDatabase
+        Failing::Sigstop
+            | Failing::GroupStop
+            | Failing::LostDatabase
+            | Failing::SigstopStderrClosed
     ) {
         let code = exit_code(&mut old, BOUND).await;
         assert_eq!(code, 76, "{how:?}");
@@ -1249,14 +1259,16 @@ async fn takeover_leaves_no_overlap(how: Failing, defaults: bool) {
     }
     let mut err = String::new();
     use tokio::io::AsyncReadExt;
-    // Every writer of the pipe (run, its keeper, the command) is gone.
-    within(
-        BOUND,
-        "the old run's stderr to close",
-        old.stderr.take().unwrap().read_to_string(&mut err),
-    )
-    .await
-    .unwrap();
+    if let Some(mut e) = old.stderr.take() {
+        // Every writer of the pipe (run, its keeper, the command) is gone.
+        within(
+            BOUND,
+            "the old run's stderr to close",
+            e.read_to_string(&mut err),
+        )
+        .await
+        .unwrap();
+    }
     println!("{how:?}: {err}");
     if how == Failing::TimeoutKill {
         assert!(err.contains("`pgwarden run` is gone"), "{err}");
@@ -1338,6 +1350,11 @@ async fn a_forwarded_sigterm_reaches_the_whole_tree_and_its_grace_is_named() {
     assert!(err.contains("--grace"), "{err}");
     assert!(!err.contains("stopped answering"), "{err}");
     assert!(!err.contains("lease was lost"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_closed_stderr_does_not_stop_the_keeper_killing_the_tree() {
+    takeover_leaves_no_overlap(Failing::SigstopStderrClosed, false).await;
 }
 
 /// At the default settings (TTL 60 s, grace 10 s): about a minute each.
