@@ -65,7 +65,10 @@ How CMD is kept to the lease:
   Signals: SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to run reach every
   process of CMD once; SIGKILL follows after --grace if they ignore them.
   CMD's own process group is not the terminal's foreground group: run
-  forwards the terminal's signals.
+  forwards the terminal's signals. CMD has no controlling terminal (its
+  keeper's session has none): it reads and writes the terminal through its
+  standard input and output, but /dev/tty cannot be opened (a password
+  prompt of ssh or sudo fails: give CMD its input another way).
 
 Environment given to CMD (besides run's own):
   PGWARDEN_LEASE   the lease name
