@@ -29,8 +29,8 @@
 //! at once, then each other descendant once), `K` kills the tree now. The
 //! keeper reports back: `P <pid>` (the command started), `A <ns>` (the
 //! deadline it now enforces), `W <why>` (why it kills the tree). `run`
-//! watches the acknowledged deadline: a keeper that is stopped or hung
-//! past it is killed by `run`, with the tree. The keeper exits with the
+//! watches the keeper: one stopped for a second, or hung past the deadline
+//! it acknowledged, is killed by `run`, with the tree. The keeper exits with the
 //! command's exit code (128 + signal when a signal ended it).
 //!
 //! The keeper uses no async runtime and no database: it is a `poll(2)` loop.

@@ -49,9 +49,9 @@ How CMD is kept to the lease:
   answering for longer than its lease can be trusted (SIGSTOP, a stalled
   process), when the lease is lost, and when CMD exits (what it left
   running in the background is killed too). run watches the keeper in
-  turn: a keeper stopped or hung past the deadline it acknowledged is
-  killed by run, with everything under it, before the lease can be taken
-  over. After a lost lease (no renewal before the local deadline) CMD gets
+  turn: a keeper stopped for a second, or hung past the deadline it
+  acknowledged, is killed by run, with everything under it, before the
+  lease can be taken over. After a lost lease (no renewal before the local deadline) CMD gets
   SIGTERM, then SIGKILL within TTL/16: it is dead before anyone else can
   take the lease. A revoked or taken-over lease kills CMD at once.
   What remains possible: run and the keeper both killed or stopped at once

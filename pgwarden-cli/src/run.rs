@@ -4,10 +4,9 @@
 //! session of its own) that kills its whole process tree when `run` dies,
 //! freezes past the lease's safety margin, or loses the lease; `run` sends
 //! it a deadline after every check that the lease is still held. `run`
-//! watches the keeper in turn: a keeper that has not acknowledged a
-//! deadline, or not exited by the deadline it acknowledged (stopped,
-//! hung), is killed by `run`, with everything under it, before the lease
-//! can be taken over.
+//! watches the keeper in turn: a keeper seen stopped for a second, or not
+//! exited a second after the deadline it acknowledged (hung), is killed by
+//! `run`, with everything under it, before the lease can be taken over.
 
 use std::ffi::OsString;
 use std::io;
@@ -343,6 +342,8 @@ pub(crate) async fn run(
     let mut told_at: Option<u64> = None;
     // Whether `run` killed the keeper and the tree itself.
     let mut took_over = false;
+    // Since when the keeper has been seen stopped.
+    let mut stopped_since: Option<u64> = None;
     let status = loop {
         tokio::select! {
             status = keeper.child.wait() => break status,
@@ -373,12 +374,30 @@ pub(crate) async fn run(
                     .min(told_at.unwrap_or(u64::MAX))
                     .saturating_add(overdue.max(SECOND))
                     .min(hold + overdue);
+                // A keeper stopped (SIGSTOP, a debugger) for a second
+                // protects nothing: if `run` went too, the tree would run
+                // on. `run` does not wait for its deadline.
+                let state = crate::keeper::state(keeper.pid).unwrap_or('?');
+                let stopped_for = if matches!(state, 'T' | 't') {
+                    now - *stopped_since.get_or_insert(now)
+                } else {
+                    stopped_since = None;
+                    0
+                };
+                let late = now >= due;
                 // (Exited and not reaped yet is done, not hung.)
-                if !took_over && now >= due && !matches!(keeper.child.try_wait(), Ok(Some(_))) {
+                if !took_over
+                    && (late || stopped_for >= SECOND)
+                    && !matches!(keeper.child.try_wait(), Ok(Some(_)))
+                {
                     took_over = true;
-                    let state = crate::keeper::state(keeper.pid).unwrap_or('?');
+                    let what = if late {
+                        "did not stop the command in time"
+                    } else {
+                        "is stopped: a stopped keeper cannot stop the command"
+                    };
                     say!(
-                        "pgwarden: the keeper (pid {}, state {state}) did not stop the command{} in time: killing it and every process under it (SIGKILL)",
+                        "pgwarden: the keeper (pid {}, state {state}) {what}{}: killing it and every process under it (SIGKILL)",
                         keeper.pid,
                         keeper.cmd.map(|c| format!(" (pid {c})")).unwrap_or_default(),
                     );
