@@ -313,7 +313,7 @@ fn passfile_password(
         return Err(format!("password file {shown} is not a plain file"));
     }
     if meta.permissions().mode() & 0o077 != 0 {
-        eprintln!(
+        say!(
             "pgwarden: warning: password file {shown} has group or world access; permissions should be u=rw (0600) or less: ignored"
         );
         return Err(format!(

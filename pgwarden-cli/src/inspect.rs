@@ -57,7 +57,7 @@ where
             println!("{}", s.json);
             // The array stays an array: the note goes to stderr.
             if let Some(note) = s.standby.get("note").and_then(Value::as_str) {
-                eprintln!("pgwarden: warning: {note}");
+                say!("pgwarden: warning: {note}");
             }
         } else {
             print!("{}", s.text);

@@ -2,25 +2,36 @@
 //! that makes "CMD runs only while NAME is held" hold whatever happens to
 //! `run` itself.
 //!
-//! `run` starts it (`pgwarden` re-executed with a hidden first argument)
-//! with the read end of a pipe as fd 3. The keeper is a child subreaper
-//! (`PR_SET_CHILD_SUBREAPER`: whatever the command starts and leaves behind
-//! is re-parented to it, not to init), starts the command in a process
-//! group of its own with `PR_SET_PDEATHSIG` = `SIGKILL`, and kills the
-//! command's whole tree (its process group, then every descendant found in
-//! `/proc`, until none is left) when:
+//! `run` starts it (`pgwarden` re-executed with a hidden first argument) in
+//! a session of its own (`setsid`: a signal to `run`'s process group, a
+//! shell's `kill -9 %1`, `timeout -k`, a terminal's `SIGSTOP`, cannot take
+//! the keeper along), with the read end of a control pipe as fd 3 and the
+//! write end of a report pipe as fd 4. The keeper is a child subreaper
+//! (`PR_SET_CHILD_SUBREAPER`: whatever the command starts and leaves behind,
+//! a double-forked `setsid` daemon included, is re-parented to it, not to
+//! init), starts the command in a process group of its own with
+//! `PR_SET_PDEATHSIG` = `SIGKILL`, and kills the command's whole tree (its
+//! process group, then every descendant found in `/proc`, until none is
+//! left) when:
 //!
-//! - the pipe closes: `run` is gone (`SIGKILL`, the OOM killer, a crash);
-//! - the deadline `run` last sent passes: `run` is frozen (`SIGSTOP`, a
-//!   stalled machine) or the lease was lost and the grace is over;
+//! - the control pipe closes: `run` is gone (`SIGKILL`, the OOM killer, a
+//!   crash, its process group killed);
+//! - the deadline `run` last sent passes: `run` is frozen (`SIGSTOP`, its
+//!   process group stopped, a stalled machine), or the lease was lost, or a
+//!   forwarded signal's grace is over;
 //! - `run` says so (`K`): the lease is another holder's already;
 //! - the command's own process exits: what it left running is killed, so
 //!   nothing runs on once the lease is released.
 //!
-//! The protocol, one line each: `D <ns>` sets the deadline (CLOCK_MONOTONIC
-//! nanoseconds), `S <signal>` sends a signal to the command's process
-//! group, `K` kills the tree now. The keeper exits with the command's exit
-//! code (128 + signal when a signal ended it).
+//! The control protocol, one line each: `D <ns> <why>` sets the deadline
+//! (CLOCK_MONOTONIC nanoseconds) and says what it is ([`Until`]), `S <signal>`
+//! sends a signal to every process of the command's tree (its process group
+//! at once, then each other descendant once), `K` kills the tree now. The
+//! keeper reports back: `P <pid>` (the command started), `A <ns>` (the
+//! deadline it now enforces), `W <why>` (why it kills the tree). `run`
+//! watches the keeper: one stopped for a second, or hung past the deadline
+//! it acknowledged, is killed by `run`, with the tree. The keeper exits with the
+//! command's exit code (128 + signal when a signal ended it).
 //!
 //! The keeper uses no async runtime and no database: it is a `poll(2)` loop.
 
@@ -32,8 +43,11 @@ use std::process::ExitCode;
 /// The hidden first argument that makes `pgwarden` the keeper.
 pub(crate) const KEEPER_ARG: &str = "__pgwarden-keeper";
 
-/// The keeper's end of the control pipe.
+/// The keeper's end of the control pipe (`run` → keeper).
 pub(crate) const CONTROL_FD: i32 = 3;
+
+/// The keeper's end of the report pipe (keeper → `run`).
+pub(crate) const REPORT_FD: i32 = 4;
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock both processes read (the one
 /// `std::time::Instant` reads on Linux).
@@ -49,6 +63,67 @@ pub(crate) fn mono_ns() -> u64 {
         .saturating_add(ts.tv_nsec as u64)
 }
 
+/// What a deadline stands for: what has happened once it passes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Until {
+    /// `run` confirmed the lease until then: past it, `run` stopped
+    /// answering (stopped, frozen).
+    Held,
+    /// A signal was forwarded: past it, the grace (`--grace`) is over.
+    Grace,
+    /// The lease was lost: past it, its grace is over.
+    Lost,
+}
+
+impl Until {
+    pub(crate) fn code(self) -> char {
+        match self {
+            Until::Held => 'h',
+            Until::Grace => 'g',
+            Until::Lost => 'l',
+        }
+    }
+
+    fn parse(s: &str) -> Until {
+        match s {
+            "g" => Until::Grace,
+            "l" => Until::Lost,
+            _ => Until::Held,
+        }
+    }
+}
+
+/// Why the keeper kills the tree (its `W` report: `r`, the [`Until`]
+/// code, or `k`).
+#[derive(Copy, Clone, Debug)]
+enum Why {
+    RunGone,
+    Deadline(Until),
+    Told,
+}
+
+impl Why {
+    fn code(self) -> char {
+        match self {
+            Why::RunGone => 'r',
+            Why::Deadline(u) => u.code(),
+            Why::Told => 'k',
+        }
+    }
+
+    fn says(self) -> &'static str {
+        match self {
+            Why::RunGone => "`pgwarden run` is gone (killed or crashed)",
+            Why::Deadline(Until::Held) => {
+                "`pgwarden run` did not confirm the lease in time (stopped or frozen)"
+            }
+            Why::Deadline(Until::Grace) => "it still ran --grace after the signal forwarded to it",
+            Why::Deadline(Until::Lost) => "the lease was lost and its grace is over",
+            Why::Told => "the lease is lost",
+        }
+    }
+}
+
 /// The signals the keeper ignores (and resets for the command).
 const IGNORED: [i32; 7] = [
     libc::SIGINT,
@@ -60,20 +135,21 @@ const IGNORED: [i32; 7] = [
     libc::SIGTTOU,
 ];
 
-/// Why the keeper killed the tree.
-#[derive(Copy, Clone, Debug)]
-enum Why {
-    RunGone,
-    Deadline,
-    Told,
-}
-
 struct Keeper {
     me: libc::pid_t,
     child: libc::pid_t,
     deadline: u64,
+    until: Until,
     buf: Vec<u8>,
     status: Option<i32>,
+}
+
+/// Writes `line` to the report pipe; a full or closed pipe (`run` stopped
+/// or gone) drops it: the keeper's own deadline stands.
+fn report(line: &str) {
+    let b = line.as_bytes();
+    // SAFETY: write from a live buffer to our own fd.
+    unsafe { libc::write(REPORT_FD, b.as_ptr().cast(), b.len()) };
 }
 
 /// The keeper's `main`: `args` is what follows [`KEEPER_ARG`] (`--`, then
@@ -81,18 +157,20 @@ struct Keeper {
 pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
     let cmd: Vec<OsString> = args.into_iter().skip_while(|a| a != "--").skip(1).collect();
     let Some((program, rest)) = cmd.split_first() else {
-        eprintln!("pgwarden: keeper: no command");
+        say!("pgwarden: keeper: no command");
         return ExitCode::from(2);
     };
     // SAFETY: plain syscalls on this process's own state.
     let me = unsafe {
-        libc::fcntl(CONTROL_FD, libc::F_SETFD, libc::FD_CLOEXEC);
-        let fl = libc::fcntl(CONTROL_FD, libc::F_GETFL);
-        libc::fcntl(CONTROL_FD, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        for fd in [CONTROL_FD, REPORT_FD] {
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
-        // Terminal and supervisor signals are `run`'s to handle; it
-        // forwards them (once) to the command. The keeper is never stopped
-        // by the terminal either (Ctrl-Z stops `run`, not its watchman).
+        // Supervisor signals are `run`'s to handle; it forwards them (once)
+        // to the command's tree. In a session of its own, the keeper gets
+        // no terminal signal anyway.
         for sig in IGNORED {
             libc::signal(sig, libc::SIG_IGN);
         }
@@ -102,6 +180,7 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
         me,
         child: 0,
         deadline: mono_ns() + 1_000_000_000,
+        until: Until::Held,
         buf: Vec::new(),
         status: None,
     };
@@ -118,7 +197,7 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
     unsafe {
         command.pre_exec(move || {
             // The command dies with the keeper, even if the keeper is
-            // SIGKILLed (its grandchildren are the keeper's to kill).
+            // SIGKILLed (its descendants are then `run`'s to kill).
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
             if libc::getppid() != me {
                 libc::_exit(1);
@@ -132,7 +211,7 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
     let child = match command.spawn() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("pgwarden: cannot run {}: {e}", program.to_string_lossy());
+            say!("pgwarden: cannot run {}: {e}", program.to_string_lossy());
             let code = if e.kind() == io::ErrorKind::NotFound {
                 127
             } else {
@@ -142,21 +221,17 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
         }
     };
     k.child = child.id() as libc::pid_t;
+    report(&format!("P {}\n", k.child));
     // Reaped by hand below (waitpid(-1) also reaps orphans); the handle is
     // only dropped.
     drop(child);
     let why = k.watch();
     if let Some(why) = why {
-        let what = match why {
-            Why::RunGone => "`pgwarden run` is gone (killed or crashed)",
-            Why::Deadline => {
-                "its deadline passed (`pgwarden run` stopped answering, or the lease was lost and the grace is over)"
-            }
-            Why::Told => "the lease is lost",
-        };
-        eprintln!(
-            "pgwarden: SIGKILL to the command (pid {}) and every process it started: {what}",
-            k.child
+        report(&format!("W {}\n", why.code()));
+        say!(
+            "pgwarden: SIGKILL to the command (pid {}) and every process it started: {}",
+            k.child,
+            why.says()
         );
     }
     k.kill_tree();
@@ -188,7 +263,7 @@ impl Keeper {
             }
             let now = mono_ns();
             if now >= self.deadline {
-                break Some(Why::Deadline);
+                break Some(Why::Deadline(self.until));
             }
             let left_ms = ((self.deadline - now).div_ceil(1_000_000)) as i64;
             let mut fds = [
@@ -215,7 +290,7 @@ impl Keeper {
             if rc < 0 {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::Interrupted {
-                    eprintln!("pgwarden: keeper: poll: {e}");
+                    say!("pgwarden: keeper: poll: {e}");
                     break Some(Why::RunGone);
                 }
                 continue;
@@ -233,9 +308,16 @@ impl Keeper {
         result
     }
 
-    /// Reads what is in the pipe; `Some` when the tree must die now.
+    /// Reads what is in the pipe; `Some` when the tree must die now. A new
+    /// deadline is acknowledged (`A`) once read.
     fn read_control(&mut self) -> Option<Why> {
         let mut chunk = [0u8; 512];
+        let before = self.deadline;
+        let ack = |k: &Keeper| {
+            if k.deadline != before {
+                report(&format!("A {}\n", k.deadline));
+            }
+        };
         loop {
             // SAFETY: read into a local buffer.
             let n = unsafe { libc::read(CONTROL_FD, chunk.as_mut_ptr().cast(), chunk.len()) };
@@ -245,7 +327,10 @@ impl Keeper {
             if n < 0 {
                 let e = io::Error::last_os_error();
                 return match e.kind() {
-                    io::ErrorKind::WouldBlock => None,
+                    io::ErrorKind::WouldBlock => {
+                        ack(self);
+                        None
+                    }
                     io::ErrorKind::Interrupted => continue,
                     _ => Some(Why::RunGone),
                 };
@@ -254,38 +339,56 @@ impl Keeper {
             while let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = self.buf.drain(..=end).collect();
                 let line = String::from_utf8_lossy(&line[..end]).into_owned();
-                let (op, arg) = line.split_once(' ').unwrap_or((line.as_str(), ""));
-                match op {
-                    "D" => {
-                        if let Ok(ns) = arg.parse() {
+                let mut f = line.split(' ');
+                match (f.next(), f.next(), f.next()) {
+                    (Some("D"), Some(at), why) => {
+                        if let Ok(ns) = at.parse() {
                             self.deadline = ns;
+                            self.until = Until::parse(why.unwrap_or("h"));
                         }
                     }
-                    "S" => {
-                        if let (Ok(sig), true) =
-                            (arg.parse::<i32>(), self.child > 0 && self.status.is_none())
-                        {
-                            // SAFETY: signals the command's process group.
-                            unsafe { libc::kill(-self.child, sig) };
+                    (Some("S"), Some(sig), _) => {
+                        if let Ok(sig) = sig.parse::<i32>() {
+                            self.forward(sig);
                         }
                     }
-                    "K" => return Some(Why::Told),
+                    (Some("K"), _, _) => return Some(Why::Told),
                     _ => {}
                 }
             }
         }
     }
 
+    /// Sends `sig` once to every process of the command's tree: its
+    /// process group at once (a fork cannot slip past it), then each
+    /// other live descendant (a `setsid` daemon, another group).
+    fn forward(&mut self, sig: i32) {
+        if self.child <= 0 || self.status.is_some() {
+            return;
+        }
+        // SAFETY: the command's process group; its leader is not reaped
+        // yet, so the id cannot have been reused.
+        unsafe { libc::kill(-self.child, sig) };
+        for p in descendants(self.me) {
+            if p.pgid != self.child {
+                // SAFETY: a descendant of this process.
+                unsafe { libc::kill(p.pid, sig) };
+            }
+        }
+    }
+
     /// Reaps every exited child (orphans re-parented to the keeper too),
-    /// keeping the command's status.
-    fn reap(&mut self) {
+    /// keeping the command's status. True when it reaped one.
+    fn reap(&mut self) -> bool {
+        let mut any = false;
         loop {
             let mut st = 0;
             // SAFETY: waitpid on our own children.
             let pid = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
             if pid <= 0 {
-                return;
+                return any;
             }
+            any = true;
             if pid == self.child {
                 self.status = Some(st);
             }
@@ -303,72 +406,91 @@ impl Keeper {
                 // reaped yet, so the id cannot have been reused.
                 unsafe { libc::kill(-self.child, libc::SIGKILL) };
             }
-            let alive = descendants(self.me);
-            for &pid in &alive {
-                // SAFETY: a descendant of this process.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-            self.reap();
-            if alive.is_empty() {
-                // Zombies of ours left? Reap until no child remains.
-                let mut st = 0;
-                // SAFETY: waitpid on our own children.
-                let pid = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
-                if pid <= 0 {
-                    return;
-                }
-                if pid == self.child {
-                    self.status = Some(st);
-                }
-                continue;
+            let alive = sigkill_all(self.me);
+            let reaped = self.reap();
+            if alive.is_empty() && !reaped {
+                return;
             }
             if !warned && mono_ns() - started > 2_000_000_000 {
                 warned = true;
-                eprintln!(
-                    "pgwarden: processes {alive:?} of the command survive SIGKILL (uninterruptible sleep?); still trying"
-                );
+                survivors(&alive);
             }
-            std::thread::sleep(std::time::Duration::from_millis(2));
+            if !alive.is_empty() {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
         }
     }
 }
 
-/// `run`'s second line: kills every live descendant of this process (what
-/// a keeper killed on its own left behind, re-parented to `run`, a child
-/// subreaper too), and reaps them. Returns how many it killed.
-pub(crate) fn kill_orphans() -> usize {
-    // SAFETY: getpid has no preconditions.
-    let me = unsafe { libc::getpid() };
-    let mut killed = 0;
-    for _ in 0..1000 {
-        let alive = descendants(me);
-        if alive.is_empty() {
-            break;
-        }
-        for &pid in &alive {
-            // SAFETY: a descendant of this process.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        killed += alive.len();
-        loop {
-            let mut st = 0;
-            // SAFETY: waitpid on our own children (the keeper is reaped
-            // already).
-            if unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) } <= 0 {
-                break;
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(2));
+/// SIGKILLs every live descendant of `root` once; returns their pids.
+fn sigkill_all(root: libc::pid_t) -> Vec<libc::pid_t> {
+    let alive: Vec<libc::pid_t> = descendants(root).into_iter().map(|p| p.pid).collect();
+    for &pid in &alive {
+        // SAFETY: a descendant of `root`.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    killed
+    alive
+}
+
+/// The warning for processes that outlive SIGKILL for two seconds.
+pub(crate) fn survivors(alive: &[libc::pid_t]) {
+    let denied: Vec<libc::pid_t> = alive
+        .iter()
+        .copied()
+        // SAFETY: signal 0 only checks the permission to signal.
+        .filter(|&p| unsafe { libc::kill(p, 0) } != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+        .collect();
+    if denied.is_empty() {
+        say!(
+            "pgwarden: processes {alive:?} of the command survive SIGKILL (uninterruptible sleep?); still trying"
+        );
+    } else {
+        say!(
+            "pgwarden: processes {denied:?} of the command may not be signalled by this user (setuid, sudo?); still trying"
+        );
+    }
+}
+
+/// `run`'s own line of defence, one pass: SIGKILLs every live descendant
+/// of this process (the keeper included, stopped or not, and the
+/// command's whole tree under it, or what the keeper left re-parented to
+/// `run`, a child subreaper too), without reaping (the keeper is reaped by
+/// its handle, the rest by [`reap_orphans`]). Returns the pids it killed.
+pub(crate) fn kill_pass() -> Vec<libc::pid_t> {
+    // SAFETY: getpid has no preconditions.
+    sigkill_all(unsafe { libc::getpid() })
+}
+
+/// Reaps every exited child of `run` (once the keeper is reaped).
+pub(crate) fn reap_orphans() {
+    loop {
+        let mut st = 0;
+        // SAFETY: waitpid on our own children.
+        if unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) } <= 0 {
+            return;
+        }
+    }
+}
+
+/// The state of `pid` (`R`, `S`, `T` stopped, `D`…), from `/proc`.
+pub(crate) fn state(pid: libc::pid_t) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+/// A live process of a tree.
+struct Proc {
+    pid: libc::pid_t,
+    pgid: libc::pid_t,
 }
 
 /// Every live (not zombie) descendant of `root`, from `/proc`.
-fn descendants(root: libc::pid_t) -> Vec<libc::pid_t> {
+fn descendants(root: libc::pid_t) -> Vec<Proc> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let mut procs: Vec<(libc::pid_t, libc::pid_t, bool)> = Vec::new();
+    // (pid, ppid, pgid, zombie)
+    let mut procs: Vec<(libc::pid_t, libc::pid_t, libc::pid_t, bool)> = Vec::new();
     for entry in dir.flatten() {
         let Some(pid) = entry
             .file_name()
@@ -380,27 +502,30 @@ fn descendants(root: libc::pid_t) -> Vec<libc::pid_t> {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        // `pid (comm) S ppid ...`; comm may hold anything, even `)`.
+        // `pid (comm) S ppid pgrp ...`; comm may hold anything, even `)`.
         let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
             continue;
         };
         let mut f = after.split_whitespace();
         let state = f.next().unwrap_or("");
-        let Some(ppid) = f.next().and_then(|p| p.parse().ok()) else {
+        let (Some(ppid), Some(pgid)) = (
+            f.next().and_then(|p| p.parse().ok()),
+            f.next().and_then(|p| p.parse().ok()),
+        ) else {
             continue;
         };
-        procs.push((pid, ppid, state == "Z" || state == "X"));
+        procs.push((pid, ppid, pgid, state == "Z" || state == "X"));
     }
     let mut tree = vec![root];
     let mut out = Vec::new();
     let mut i = 0;
     while i < tree.len() {
         let parent = tree[i];
-        for &(pid, ppid, zombie) in &procs {
+        for &(pid, ppid, pgid, zombie) in &procs {
             if ppid == parent && pid != root && !tree.contains(&pid) {
                 tree.push(pid);
                 if !zombie {
-                    out.push(pid);
+                    out.push(Proc { pid, pgid });
                 }
             }
         }

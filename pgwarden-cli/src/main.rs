@@ -2,6 +2,16 @@
 //!
 //! See `pgwarden --help` and the README's "On call" section.
 
+/// `eprintln!` that cannot panic: `run` and its keeper write their messages
+/// with it, so that a closed stderr (a log pipe whose reader died) never
+/// stops either of them half-way through stopping a command.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod connect;
 mod format;
 mod inspect;
@@ -32,33 +42,43 @@ pub(crate) const EXIT_USAGE: u8 = 2;
 const RUN_HELP: &str = "\
 How CMD is kept to the lease:
   CMD runs in a process group of its own under a small keeper process (a
-  child subreaper). The keeper kills CMD and every process it started
-  (SIGKILL to the group and to each descendant) when pgwarden run is killed
-  (even by SIGKILL), when run stops answering for longer than its lease can
-  be trusted (SIGSTOP, a stalled process), when the lease is lost, and when
-  CMD exits (what it left running in the background is killed too). After a
-  lost lease (no renewal before the local deadline) CMD gets SIGTERM, then
-  SIGKILL within TTL/16: it is dead before anyone else can take the lease.
-  A revoked or taken-over lease kills CMD at once (SIGKILL).
+  child subreaper, in a session of its own: a signal to run's process
+  group, kill -9 %1, kill -STOP %1, timeout -k, does not reach it). The
+  keeper kills CMD and every process it started (SIGKILL to the group and
+  to each descendant, setsid daemons included) when pgwarden run is gone
+  (even by SIGKILL, alone or with its process group), when run stops
+  answering for longer than its lease can be trusted (SIGSTOP, a stalled
+  process), when the lease is lost, and when CMD exits (what it left
+  running in the background is killed too). run watches the keeper in
+  turn: a keeper stopped for a second, or hung past the deadline it
+  acknowledged, is killed by run, with everything under it, before the
+  lease can be taken over. After a lost lease (no renewal before the local deadline) CMD gets
+  SIGTERM, then SIGKILL within TTL/16: it is dead before anyone else can
+  take the lease. A revoked or taken-over lease kills CMD at once.
   CMD's database sessions are named after the term (application_name
   `pgwarden run NAME token N`, unless PGAPPNAME is set): once CMD's tree is
   dead, and before the lease is released, run cancels those still running
   a statement, and terminates them a second later (best effort: it needs
   the database, and pg_signal_backend for another role's sessions).
-  What remains possible: a machine frozen or suspended as a whole (a VM
-  paused, a laptop asleep) keeps CMD frozen with it, and when it resumes CMD
-  may run a moment after another holder took the lease, before the keeper
-  notices; a killed client's statement runs on in its backend (the server
-  notices a dead client only when it next writes to it, or at
-  client_connection_check_interval) when run cannot reach the database to
-  cancel it, or when the sessions are not named as above. Writes that must
-  never overlap carry PGWARDEN_TOKEN: a fenced transaction or a store that
-  rejects a token lower than the last it saw.
-  Signals: SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to run reach CMD once;
-  SIGKILL follows after --grace if it ignores them. CMD's own process group
-  is not the terminal's foreground group: run forwards the terminal's
-  signals (a CMD that reads the terminal is stopped by SIGTTIN: give it
-  its input another way).
+  What remains possible: run and the keeper both killed or stopped at once
+  (pkill -9 pgwarden), or the machine frozen or suspended as a whole (a VM
+  paused, a laptop asleep): CMD's processes may then run a moment after
+  another holder took the lease. So may work CMD hands to something outside
+  its process tree (systemd-run, at, ssh), and another user's process the
+  keeper may not signal (setuid, sudo). And a killed client's statement
+  runs on in its backend (the server notices a dead client only when it
+  next writes to it, or at client_connection_check_interval) when run
+  cannot reach the database to cancel it, or when the sessions are not
+  named as above. Writes that must never overlap
+  carry PGWARDEN_TOKEN: a fenced transaction or a store that rejects a
+  token lower than the last it saw.
+  Signals: SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to run reach every
+  process of CMD once; SIGKILL follows after --grace if they ignore them.
+  CMD's own process group is not the terminal's foreground group: run
+  forwards the terminal's signals. CMD has no controlling terminal (its
+  keeper's session has none): it reads and writes the terminal through its
+  standard input and output, but /dev/tty cannot be opened (a password
+  prompt of ssh or sudo fails: give CMD its input another way).
 
 Environment given to CMD (besides run's own):
   PGWARDEN_LEASE   the lease name
@@ -72,7 +92,8 @@ Environment given to CMD (besides run's own):
 Exit codes:
   CMD's own (128 + N when signal N ended it); 75 the lease was not acquired
   within --wait (see --skip-code); 76 the lease was lost and CMD was stopped,
-  or run stopped answering and the keeper killed CMD; 69 the database is
+  or run stopped answering and the keeper killed CMD, or the keeper was
+  killed, stopped or hung and run killed CMD; 69 the database is
   unreachable; 127 CMD not found; 126 CMD not executable; 2 bad input.";
 
 #[derive(Parser, Debug)]
@@ -395,7 +416,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("pgwarden: cannot start the runtime: {e}");
+            say!("pgwarden: cannot start the runtime: {e}");
             return ExitCode::from(1);
         }
     };
@@ -403,7 +424,7 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(f) => {
             if !f.message.is_empty() {
-                eprintln!("pgwarden: {f}");
+                say!("pgwarden: {f}");
             }
             ExitCode::from(f.code)
         }

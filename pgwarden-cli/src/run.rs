@@ -1,9 +1,12 @@
 //! `pgwarden run NAME -- CMD…`: CMD runs only while NAME is held.
 //!
-//! The command runs under a keeper process ([`crate::keeper`]) that kills
-//! its whole process tree when `run` dies, freezes past the lease's safety
-//! margin, or loses the lease; `run` sends it a deadline after every check
-//! that the lease is still held.
+//! The command runs under a keeper process ([`crate::keeper`], in a
+//! session of its own) that kills its whole process tree when `run` dies,
+//! freezes past the lease's safety margin, or loses the lease; `run` sends
+//! it a deadline after every check that the lease is still held. `run`
+//! watches the keeper in turn: a keeper seen stopped for a second, or not
+//! exited a second after the deadline it acknowledged (hung), is killed by
+//! `run`, with everything under it, before the lease can be taken over.
 
 use std::ffi::OsString;
 use std::io;
@@ -17,7 +20,7 @@ use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::format::{human, human_signed};
-use crate::keeper::{mono_ns, CONTROL_FD, KEEPER_ARG};
+use crate::keeper::{mono_ns, Until, CONTROL_FD, KEEPER_ARG, REPORT_FD};
 use crate::{Failure, RunArgs, EXIT_LOST};
 
 /// The signals `run` forwards to its command.
@@ -69,35 +72,58 @@ pub(crate) fn slack(ttl: Duration) -> Duration {
     margin(ttl) / 2
 }
 
+const SECOND: u64 = 1_000_000_000;
+
 fn ns(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// `run`'s side of the keeper: its process and the control pipe.
+/// `run`'s side of the keeper: its process and the two pipes.
 struct Keeper {
     child: Child,
+    pid: i32,
     ctl: OwnedFd,
+    /// The report pipe's read end (non-blocking).
+    reports: OwnedFd,
+    buf: Vec<u8>,
     /// The last deadline sent.
     deadline: u64,
+    /// The last deadline the keeper acknowledged (it enforces it).
+    acked: u64,
+    /// The command's pid, once the keeper reported it.
+    cmd: Option<i32>,
+    /// Why the keeper killed the tree, once it said so (`W`).
+    why: Option<char>,
+}
+
+/// A pipe, both ends close-on-exec.
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned here only.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn nonblocking(fd: &OwnedFd) {
+    // SAFETY: fcntl on our own fd.
+    unsafe {
+        let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
 }
 
 impl Keeper {
-    /// Starts the keeper (this binary, re-executed) with `deadline` already
-    /// in its pipe; it starts `cmd`.
+    /// Starts the keeper (this binary, re-executed, in a session of its
+    /// own) with `deadline` already in its pipe; it starts `cmd`.
     fn spawn(cmd: &[OsString], env: &[(&str, String)], deadline: u64) -> io::Result<Keeper> {
-        let mut fds = [0; 2];
-        // SAFETY: pipe2 writes two fds into the array.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: both fds were just created and are owned here only.
-        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        // SAFETY: fcntl on our own fd.
-        unsafe {
-            let fl = libc::fcntl(write.as_raw_fd(), libc::F_GETFL);
-            libc::fcntl(write.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
-        }
-        write_line(&write, &format!("D {deadline}\n"));
+        let (read, write) = pipe()?;
+        let (reports, report_w) = pipe()?;
+        nonblocking(&write);
+        nonblocking(&reports);
+        write_line(&write, &format!("D {deadline} {}\n", Until::Held.code()));
         let exe = if std::path::Path::new("/proc/self/exe").exists() {
             std::path::PathBuf::from("/proc/self/exe")
         } else {
@@ -108,24 +134,40 @@ impl Keeper {
         for (k, v) in env {
             c.env(k, v);
         }
-        let rfd = read.as_raw_fd();
+        let (rfd, wfd) = (read.as_raw_fd(), report_w.as_raw_fd());
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             c.pre_exec(move || {
-                if rfd == CONTROL_FD {
-                    libc::fcntl(rfd, libc::F_SETFD, 0);
-                } else if libc::dup2(rfd, CONTROL_FD) < 0 {
+                // A session (and process group) of its own: what is sent
+                // to `run`'s group or job does not reach the keeper.
+                if libc::setsid() < 0 {
                     return Err(io::Error::last_os_error());
                 }
+                // Copies above both targets first, so that neither dup2
+                // closes the other's source.
+                let r = libc::fcntl(rfd, libc::F_DUPFD, 10);
+                let w = libc::fcntl(wfd, libc::F_DUPFD, 10);
+                if r < 0 || w < 0 || libc::dup2(r, CONTROL_FD) < 0 || libc::dup2(w, REPORT_FD) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                libc::close(r);
+                libc::close(w);
                 Ok(())
             });
         }
         let child = c.spawn()?;
         drop(read);
+        drop(report_w);
         Ok(Keeper {
+            pid: child.id().map_or(0, |p| p as i32),
             child,
             ctl: write,
+            reports,
+            buf: Vec::new(),
             deadline,
+            acked: deadline,
+            cmd: None,
+            why: None,
         })
     }
 
@@ -133,10 +175,10 @@ impl Keeper {
         write_line(&self.ctl, line);
     }
 
-    fn set_deadline(&mut self, at: u64) {
+    fn set_deadline(&mut self, at: u64, until: Until) {
         if at != self.deadline {
             self.deadline = at;
-            self.send(&format!("D {at}\n"));
+            self.send(&format!("D {at} {}\n", until.code()));
         }
     }
 
@@ -146,6 +188,42 @@ impl Keeper {
 
     fn kill_now(&mut self) {
         self.send("K\n");
+    }
+
+    /// Reads the keeper's reports so far (`P`, `A`, `W`).
+    fn read_reports(&mut self) {
+        let mut chunk = [0u8; 512];
+        loop {
+            // SAFETY: read into a local buffer from our own fd.
+            let n = unsafe {
+                libc::read(
+                    self.reports.as_raw_fd(),
+                    chunk.as_mut_ptr().cast(),
+                    chunk.len(),
+                )
+            };
+            if n <= 0 {
+                if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                break;
+            }
+            self.buf.extend_from_slice(&chunk[..n as usize]);
+        }
+        while let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.buf.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line[..end]).into_owned();
+            match line.split_once(' ') {
+                Some(("P", pid)) => self.cmd = pid.parse().ok(),
+                Some(("A", at)) => {
+                    if let Ok(at) = at.parse() {
+                        self.acked = at;
+                    }
+                }
+                Some(("W", why)) => self.why = why.chars().next(),
+                _ => {}
+            }
+        }
     }
 }
 
@@ -185,14 +263,14 @@ pub(crate) async fn run(
         };
         if !args.quiet {
             match held {
-                Some(r) if r.live => eprintln!(
+                Some(r) if r.live => say!(
                     "pgwarden: lease {:?} is held by {} (token {}, expires {}); not running the command",
                     args.name,
                     r.holder,
                     r.token,
                     human_signed(r.expires_in_s)
                 ),
-                Some(r) if r.blocker_pid.is_some() => eprintln!(
+                Some(r) if r.blocker_pid.is_some() => say!(
                     "pgwarden: lease {:?} expired {} but its take-over is blocked by a row lock of pid {} ({}, {}); not running the command",
                     args.name,
                     human_signed(r.expires_in_s),
@@ -200,7 +278,7 @@ pub(crate) async fn run(
                     r.blocker_application_name.as_deref().unwrap_or("-"),
                     r.blocker_state.as_deref().unwrap_or("?"),
                 ),
-                _ => eprintln!(
+                _ => say!(
                     "pgwarden: lease {:?} not acquired within {}; not running the command",
                     args.name,
                     human(args.wait)
@@ -229,14 +307,15 @@ pub(crate) async fn run(
     env.push(("PGWARDEN_TOKEN", term.token.to_string()));
     let identity = session_identity(&mut env, &term);
     // A child subreaper too: if the keeper itself is killed, what the
-    // command started comes here, and is killed below.
+    // command started comes here, and is killed below; a stopped keeper
+    // and its tree stay `run`'s descendants, killed by `run` if need be.
     // SAFETY: prctl on this process's own attribute.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let mut keeper = match Keeper::spawn(&args.cmd, &env, held_until(mono_ns(), floor)) {
         Ok(k) => k,
         Err(e) => {
             if let Err(r) = lease.release().await {
-                eprintln!("pgwarden: releasing lease {:?}: {r}", term.name);
+                say!("pgwarden: releasing lease {:?}: {r}", term.name);
             }
             return Err(Failure {
                 code: 1,
@@ -246,19 +325,33 @@ pub(crate) async fn run(
     };
     let beat = Duration::from_nanos(slack / 4)
         .clamp(Duration::from_millis(10), Duration::from_millis(250));
+    // How long past its deadline the keeper may take to kill the tree and
+    // exit before `run` does it itself: a second (a loaded machine), but
+    // never past half a slack after the last deadline at which the lease
+    // was confirmed (`hold`), so that the tree is dead a quarter of the
+    // margin before the lease can be taken over.
+    let overdue = slack / 2;
+    let mut hold = keeper.deadline;
     let mut ticker = tokio::time::interval(beat);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let lost = lease.lost();
     tokio::pin!(lost);
     // Once set (a forwarded signal, a lost lease), the deadline no longer
     // moves later.
-    let mut pinned: Option<u64> = None;
+    let mut pinned: Option<(u64, Until)> = None;
     let mut lost_reason: Option<LostReason> = None;
+    // When the keeper was told to kill the tree now (`K`).
+    let mut told_at: Option<u64> = None;
+    // Whether `run` killed the keeper and the tree itself.
+    let mut took_over = false;
+    // Since when the keeper has been seen stopped.
+    let mut stopped_since: Option<u64> = None;
     let status = loop {
         tokio::select! {
             status = keeper.child.wait() => break status,
             _ = ticker.tick() => {
                 let now = mono_ns();
+                keeper.read_reports();
                 let stats = leases.stats();
                 if stats.renewed > renewed {
                     renewed = stats.renewed;
@@ -268,7 +361,50 @@ pub(crate) async fn run(
                 seen_at = now;
                 if lost_reason.is_none() && !lease.is_lost() {
                     let at = held_until(now, floor);
-                    keeper.set_deadline(pinned.map_or(at, |p| p.min(at)));
+                    hold = at;
+                    match pinned {
+                        Some((p, why)) if p <= at => keeper.set_deadline(p, why),
+                        _ => keeper.set_deadline(at, Until::Held),
+                    }
+                }
+                // The keeper enforces the deadline it acknowledged; one
+                // that has not exited well past it (or past `K`) is
+                // stopped or hung: `run` kills it and the tree.
+                let due = keeper
+                    .acked
+                    .min(keeper.deadline)
+                    .min(told_at.unwrap_or(u64::MAX))
+                    .saturating_add(overdue.max(SECOND))
+                    .min(hold + overdue);
+                // A keeper stopped (SIGSTOP, a debugger) for a second
+                // protects nothing: if `run` went too, the tree would run
+                // on. `run` does not wait for its deadline.
+                let state = crate::keeper::state(keeper.pid).unwrap_or('?');
+                let stopped_for = if matches!(state, 'T' | 't') {
+                    now - *stopped_since.get_or_insert(now)
+                } else {
+                    stopped_since = None;
+                    0
+                };
+                let late = now >= due;
+                // (Exited and not reaped yet is done, not hung.)
+                if !took_over
+                    && (late || stopped_for >= SECOND)
+                    && !matches!(keeper.child.try_wait(), Ok(Some(_)))
+                {
+                    took_over = true;
+                    let what = if late {
+                        "did not stop the command in time"
+                    } else {
+                        "is stopped: a stopped keeper cannot stop the command"
+                    };
+                    say!(
+                        "pgwarden: the keeper (pid {}, state {state}) {what}{}: killing it and every process under it (SIGKILL)",
+                        keeper.pid,
+                        keeper.cmd.map(|c| format!(" (pid {c})")).unwrap_or_default(),
+                    );
+                    let n = kill_tree().await;
+                    say!("pgwarden: killed {n} process(es)");
                 }
             }
             sig = signals.next() => {
@@ -277,17 +413,27 @@ pub(crate) async fn run(
                     // An ignored signal is escalated to SIGKILL after the
                     // grace (the keeper's deadline).
                     let at = mono_ns() + ns(args.grace);
-                    pinned = Some(at);
-                    keeper.set_deadline(keeper.deadline.min(at));
+                    pinned = Some((at, Until::Grace));
+                    if at < keeper.deadline {
+                        keeper.set_deadline(at, Until::Grace);
+                    }
                 }
             }
             reason = &mut lost, if lost_reason.is_none() => {
                 lost_reason = Some(reason);
-                if reason == LostReason::Deadline {
+                if matches!(keeper.child.try_wait(), Ok(Some(_))) {
+                    // Its keeper killed it already (`run` was stopped or
+                    // frozen past its deadline).
+                    say!(
+                        "pgwarden: lease {:?} lost ({reason}; token {}): the command was killed already",
+                        term.name,
+                        term.token
+                    );
+                } else if reason == LostReason::Deadline {
                     // Nobody can take it for another margin: SIGTERM, and
                     // SIGKILL half a margin from now at the latest.
                     let grace = args.grace.min(Duration::from_nanos(slack));
-                    eprintln!(
+                    say!(
                         "pgwarden: lease {:?} lost ({reason}; token {}): stopping the command (SIGTERM, SIGKILL after {})",
                         term.name,
                         term.token,
@@ -295,14 +441,19 @@ pub(crate) async fn run(
                     );
                     keeper.signal(libc::SIGTERM);
                     let at = mono_ns() + ns(grace);
-                    pinned = Some(pinned.map_or(at, |p| p.min(at)));
-                    keeper.set_deadline(keeper.deadline.min(at));
+                    if pinned.is_none_or(|(p, _)| at < p) {
+                        pinned = Some((at, Until::Lost));
+                    }
+                    if at < keeper.deadline {
+                        keeper.set_deadline(at, Until::Lost);
+                    }
                 } else {
                     // The term is over in the database: another holder may
                     // run already. Kill first, then find out why.
                     keeper.kill_now();
+                    told_at = Some(mono_ns());
                     let why = lost_why(leases, &term, reason).await;
-                    eprintln!(
+                    say!(
                         "pgwarden: lease {:?} lost ({why}; token {}): killing the command and every process it started (SIGKILL)",
                         term.name,
                         term.token
@@ -315,11 +466,20 @@ pub(crate) async fn run(
         code: 1,
         message: format!("waiting for the command: {e}"),
     })?;
+    keeper.read_reports();
     // The keeper kills the whole tree before it exits; if it was killed
     // itself, what the command started was re-parented here.
-    let orphans = crate::keeper::kill_orphans();
-    if orphans > 0 {
-        eprintln!("pgwarden: the keeper died: killed {orphans} process(es) the command left");
+    let orphans = kill_tree().await;
+    crate::keeper::reap_orphans();
+    let keeper_killed = !took_over && status.signal().is_some();
+    if keeper_killed {
+        say!(
+            "pgwarden: the keeper (pid {}) was killed by signal {}: killed the {orphans} process(es) the command left; the command's exit code is unknown",
+            keeper.pid,
+            status.signal().unwrap_or_default()
+        );
+    } else if orphans > 0 {
+        say!("pgwarden: killed {orphans} process(es) the command left");
     }
     end_sessions(pool, identity.as_deref()).await;
     if lost_reason.is_some() {
@@ -327,27 +487,50 @@ pub(crate) async fn run(
         drop(lease);
         return Ok(EXIT_LOST);
     }
-    if mono_ns() >= keeper.deadline && pinned.is_none() {
-        // The keeper killed it: `run` did not answer in time (frozen). The
-        // lease may still be ours; the command is not running any more.
-        eprintln!(
+    // `h`: the keeper killed the tree because `run` did not confirm the
+    // lease in time (it was stopped or frozen); the lease may still be ours.
+    let answered_late = keeper.why == Some(Until::Held.code());
+    if answered_late {
+        say!(
             "pgwarden: the command was killed: pgwarden run did not confirm lease {:?} in time",
             term.name
         );
-        if let Err(e) = lease.release().await {
-            eprintln!("pgwarden: releasing lease {:?}: {e}", term.name);
-        }
-        return Ok(EXIT_LOST);
     }
-    let code = exit_code(status);
+    let code = if took_over || keeper_killed || answered_late {
+        EXIT_LOST
+    } else {
+        exit_code(status)
+    };
     if let Err(e) = lease.release().await {
-        eprintln!(
+        say!(
             "pgwarden: releasing lease {:?}: {e}; it expires within {}",
             term.name,
             human(args.ttl)
         );
     }
     Ok(code)
+}
+
+/// Kills every live descendant of `run` until none is left, and returns
+/// how many processes it killed. It yields between passes: the lease is
+/// still renewed while a process resists (uninterruptible sleep, another
+/// user's), so nobody else takes it while that process lives.
+async fn kill_tree() -> usize {
+    let started = mono_ns();
+    let mut warned = false;
+    let mut killed = 0;
+    loop {
+        let alive = crate::keeper::kill_pass();
+        if alive.is_empty() {
+            return killed;
+        }
+        killed += alive.len();
+        if !warned && mono_ns() - started > 2 * SECOND {
+            warned = true;
+            crate::keeper::survivors(&alive);
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// Why a term ended, for the message: a row still of this token with no
@@ -492,7 +675,7 @@ async fn end_sessions(pool: &pgwarden::Pool, identity: Option<&str>) {
     match outcome {
         Ok(Ok((0, ..))) => {}
         Ok(Ok((n, cancelled, terminated, refused))) => {
-            eprintln!(
+            say!(
                 "pgwarden: {n} session(s) of the command (application_name {id:?}) were still running a statement: {cancelled} cancelled, {terminated} terminated a second later"
             );
             if !refused.is_empty() {
@@ -500,16 +683,16 @@ async fn end_sessions(pool: &pgwarden::Pool, identity: Option<&str>) {
                     .iter()
                     .map(|(pid, e)| format!("pid {pid}: {e}"))
                     .collect();
-                eprintln!(
+                say!(
                     "pgwarden: could not end {} (another role's sessions need pg_signal_backend): {left_running}",
                     why.join("; ")
                 );
             }
         }
-        Ok(Err(e)) => eprintln!(
+        Ok(Err(e)) => say!(
             "pgwarden: could not look for the command's sessions (application_name {id:?}): {e}; {left_running}"
         ),
-        Err(_) => eprintln!(
+        Err(_) => say!(
             "pgwarden: the database did not answer within 3s: could not end the command's sessions (application_name {id:?}); {left_running}"
         ),
     }

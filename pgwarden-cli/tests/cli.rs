@@ -24,7 +24,12 @@ async fn db() -> TestDb {
 }
 
 fn pgwarden(url: &str) -> Command {
-    let mut c = Command::new(BIN);
+    command(BIN, url)
+}
+
+/// `program` with `DATABASE_URL` set to `url` and libpq's variables unset.
+fn command(program: &str, url: &str) -> Command {
+    let mut c = Command::new(program);
     c.env("DATABASE_URL", url);
     for k in [
         "PGHOST",
@@ -1067,19 +1072,25 @@ i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
 // ---------------------------------------------------------------------
 // Point 1: the command's whole tree is dead before the next holder starts.
 
-/// A command whose shell and a background grandchild each append
-/// `TOKEN c` / `TOKEN g` to `dir/ledger` every 20 ms (unfenced writes) and
-/// ignore SIGTERM; `dir/pids.TOKEN` holds their pids.
+/// A command whose shell (`c`), a background grandchild in its process
+/// group (`g`) and a daemon it starts with a double fork and `setsid` (`d`,
+/// a session of its own) each append `TOKEN TAG` to `dir/ledger` every
+/// 20 ms (unfenced writes). Each logs a SIGTERM into `dir/term.TOKEN` and
+/// writes on; `dir/pids.TOKEN` holds the three pids.
 fn ledger_writer(dir: &Path) -> Vec<String> {
     let d = dir.display();
     vec![
         "sh".into(),
         "-c".into(),
         format!(
-            "trap '' TERM
-( while :; do echo \"$PGWARDEN_TOKEN g\" >> {d}/ledger; sleep 0.02; done ) &
-echo \"$$ $!\" > {d}/pids.tmp.$$ && mv {d}/pids.tmp.$$ {d}/pids.$PGWARDEN_TOKEN
-while :; do echo \"$PGWARDEN_TOKEN c\" >> {d}/ledger; sleep 0.02; done"
+            "T=$PGWARDEN_TOKEN
+trap 'echo c >> {d}/term.$T' TERM
+( trap 'echo g >> {d}/term.$T' TERM; while :; do echo \"$T g\" >> {d}/ledger; sleep 0.02; done ) &
+g=$!
+( setsid sh -c 'trap \"echo d >> {d}/term.$0\" TERM; echo $$ > {d}/dpid.tmp.$$ && mv {d}/dpid.tmp.$$ {d}/dpid.$0; while :; do echo \"$0 d\" >> {d}/ledger; sleep 0.02; done' $T < /dev/null > /dev/null 2>&1 & )
+while [ ! -f {d}/dpid.$T ]; do sleep 0.01; done
+echo \"$$ $g $(cat {d}/dpid.$T)\" > {d}/pids.tmp.$$ && mv {d}/pids.tmp.$$ {d}/pids.$T
+while :; do echo \"$T c\" >> {d}/ledger; sleep 0.02; done"
         ),
     ]
 }
@@ -1107,7 +1118,8 @@ fn alive(pid: i32) -> bool {
     }
 }
 
-/// The old holder's pids (its shell and grandchild), once both write.
+/// The old holder's pids (its shell, grandchild and daemon), once all
+/// three write.
 async fn ledger_pids(dir: &Path) -> (i64, Vec<i32>) {
     let token = until("the old command's pids", || async {
         std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
@@ -1123,10 +1135,12 @@ async fn ledger_pids(dir: &Path) -> (i64, Vec<i32>) {
         .split_whitespace()
         .map(|p| p.parse().unwrap())
         .collect();
-    // Both the child and the grandchild have written.
-    eventually(BOUND, "both writers to write", || async {
+    // The child, the grandchild and the daemon have written.
+    eventually(BOUND, "the three writers to write", || async {
         let l = std::fs::read_to_string(dir.join("ledger")).unwrap_or_default();
-        l.contains(&format!("{token} c")) && l.contains(&format!("{token} g"))
+        ["c", "g", "d"]
+            .iter()
+            .all(|tag| l.contains(&format!("{token} {tag}")))
     })
     .await;
     (token, pids)
@@ -1146,11 +1160,61 @@ fn overlap(ledger: &str, old: i64, new: i64) -> usize {
 }
 
 /// How the old `run` fails.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum Failing {
+    /// `SIGKILL` to `run`'s pid alone.
     Sigkill,
+    /// `SIGSTOP` to `run`'s pid alone.
     Sigstop,
+    /// The database stops answering `run`.
     LostDatabase,
+    /// `SIGKILL` to `run`'s process group (`kill -9 %1`, `kill -9 -- -PGID`).
+    GroupKill,
+    /// `SIGSTOP` to `run`'s process group (`kill -STOP %1`).
+    GroupStop,
+    /// Cron's `timeout -k 1 T pgwarden run …`: SIGTERM to `run` and to
+    /// timeout's process group, then SIGKILL to that group a second later
+    /// (the test sends timeout its SIGTERM when the command runs: `T` is
+    /// not waited out).
+    TimeoutKill,
+    /// The keeper stopped alone (`SIGSTOP`), then the lease revoked.
+    KeeperStoppedRevoked,
+    /// The keeper stopped alone, nothing else: `run` does not wait for
+    /// the keeper's deadline (were `run` killed next, nobody would stop
+    /// the tree).
+    KeeperStopped,
+    /// `run`'s stderr a pipe nobody reads any more (a log reader died),
+    /// then `run` stopped: the keeper's message meets a closed pipe.
+    SigstopStderrClosed,
+}
+
+/// The child of `parent` (the keeper of a `run`), from `/proc`.
+fn child_of(parent: i32) -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: i32 = stat[stat.rfind(')')? + 2..]
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        (ppid == parent).then_some(pid)
+    })
+}
+
+/// SIGKILLs the listed processes when dropped (a failed test's survivors
+/// do not write on into the next one).
+struct Reaper(Vec<i32>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for &p in &self.0 {
+            if alive(p) {
+                // SAFETY: kill(2) has no memory-safety preconditions.
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+        }
+    }
 }
 
 /// `defaults`: `run`'s default TTL (60 s) and grace (10 s); else a 3 s TTL
@@ -1165,22 +1229,83 @@ async fn takeover_leaves_no_overlap(how: Failing, defaults: bool) {
         _ => url.clone(),
     };
     // A grace far longer than the TTL: it is capped.
-    let opts: &[&str] = if defaults {
-        &[]
-    } else {
-        &["--ttl", "3s", "--grace", "60s"]
+    let opts: &[&str] = match (defaults, how) {
+        (true, _) => &[],
+        // The default grace (10 s): longer than timeout's `-k 1`.
+        (false, Failing::TimeoutKill) => &["--ttl", "3s"],
+        (false, _) => &["--ttl", "3s", "--grace", "60s"],
     };
-    let mut old = spawn_run(&old_url, "ledger", opts, &ledger_writer(&dir));
+    let mut old = if how == Failing::TimeoutKill {
+        // timeout puts itself (and so `run`) in a process group of its own.
+        let mut c = command("timeout", &old_url);
+        c.args(["-k", "1", "600", BIN, "run", "ledger"])
+            .args(opts)
+            .arg("--")
+            .args(ledger_writer(&dir))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        c.spawn().expect("spawn timeout pgwarden run")
+    } else {
+        // A process group of its own, as a shell runs a job.
+        let mut c = pgwarden(&old_url);
+        c.arg("run")
+            .arg("ledger")
+            .args(opts)
+            .arg("--")
+            .args(ledger_writer(&dir))
+            .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        c.spawn().expect("spawn pgwarden run")
+    };
     let (old_token, pids) = ledger_pids(&dir).await;
+    let _reaper = Reaper(pids.clone());
     let _frozen = match how {
         Failing::Sigkill => {
             kill(pid(&old), libc::SIGKILL);
             None
         }
         Failing::Sigstop => Some(Stopped::stop([pid(&old)]).unwrap()),
+        Failing::KeeperStopped => {
+            let keeper = until("the keeper's pid", || async { child_of(pid(&old)) }).await;
+            let stopped = Stopped::stop([keeper]).unwrap();
+            // A TTL of 3 s: the keeper's deadline is renewed every 750 ms;
+            // run ends the tree itself while the keeper is still stopped.
+            assert_eq!(exit_code(&mut old, BOUND).await, 76, "{how:?}");
+            Some(stopped)
+        }
+        Failing::SigstopStderrClosed => {
+            drop(old.stderr.take());
+            Some(Stopped::stop([pid(&old)]).unwrap())
+        }
         Failing::LostDatabase => {
             proxy.blackhole();
             None
+        }
+        Failing::GroupKill => {
+            kill(-pid(&old), libc::SIGKILL);
+            None
+        }
+        Failing::GroupStop => Some(Stopped::stop([-pid(&old)]).unwrap()),
+        Failing::TimeoutKill => {
+            kill(pid(&old), libc::SIGTERM);
+            None
+        }
+        Failing::KeeperStoppedRevoked => {
+            let keeper = until("the keeper's pid", || async { child_of(pid(&old)) }).await;
+            let stopped = Stopped::stop([keeper]).unwrap();
+            // run may have killed the tree and released the lease already
+            // (a keeper stopped for a second): then nothing is revoked.
+            let out = cli(&url, &["revoke", "ledger", "--yes"]).await;
+            assert!(
+                out.status.code() == Some(0) || stderr(&out).contains("nothing to revoke"),
+                "{}",
+                stderr(&out)
+            );
+            // run itself stops the tree and exits 76 while its keeper is
+            // still stopped.
+            assert_eq!(exit_code(&mut old, BOUND).await, 76, "{how:?}");
+            Some(stopped)
         }
     };
     let next_opts: &[&str] = if defaults {
@@ -1214,21 +1339,36 @@ async fn takeover_leaves_no_overlap(how: Failing, defaults: bool) {
         assert!(!alive(*p), "{how:?}: process {p} of the old command lives");
     }
     drop(_frozen);
-    if !matches!(how, Failing::Sigkill) {
-        let err = {
-            let code = exit_code(&mut old, BOUND).await;
-            assert_eq!(code, 76, "{how:?}");
-            let mut e = String::new();
-            use tokio::io::AsyncReadExt;
-            old.stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut e)
-                .await
-                .unwrap();
-            e
-        };
-        println!("{how:?}: {err}");
+    if matches!(
+        how,
+        Failing::Sigstop
+            | Failing::GroupStop
+            | Failing::LostDatabase
+            | Failing::SigstopStderrClosed
+    ) {
+        let code = exit_code(&mut old, BOUND).await;
+        assert_eq!(code, 76, "{how:?}");
+    } else {
+        // Killed (run, or timeout with it), or exited already.
+        within(BOUND, "the old run to end", old.wait())
+            .await
+            .unwrap();
+    }
+    let mut err = String::new();
+    use tokio::io::AsyncReadExt;
+    if let Some(mut e) = old.stderr.take() {
+        // Every writer of the pipe (run, its keeper, the command) is gone.
+        within(
+            BOUND,
+            "the old run's stderr to close",
+            e.read_to_string(&mut err),
+        )
+        .await
+        .unwrap();
+    }
+    println!("{how:?}: {err}");
+    if how == Failing::TimeoutKill {
+        assert!(err.contains("`pgwarden run` is gone"), "{err}");
     }
 }
 
@@ -1247,10 +1387,89 @@ async fn run_cut_off_from_the_database_kills_a_tree_that_ignores_sigterm_in_time
     takeover_leaves_no_overlap(Failing::LostDatabase, false).await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sigkill_to_runs_process_group_leaves_nothing_running() {
+    takeover_leaves_no_overlap(Failing::GroupKill, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn timeout_k_killing_runs_group_during_the_grace_leaves_nothing_running() {
+    takeover_leaves_no_overlap(Failing::TimeoutKill, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sigstop_to_runs_process_group_has_its_tree_killed_before_the_takeover() {
+    takeover_leaves_no_overlap(Failing::GroupStop, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopped_keeper_whose_lease_is_revoked_has_its_tree_killed_by_run() {
+    takeover_leaves_no_overlap(Failing::KeeperStoppedRevoked, false).await;
+}
+
+/// A forwarded SIGTERM reaches every process of the command, its `setsid`
+/// daemon included; SIGKILL follows after the grace, and the message says
+/// so (not a lost lease or a frozen `run`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forwarded_sigterm_reaches_the_whole_tree_and_its_grace_is_named() {
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    // The default grace (10 s): the three traps have that long to log the
+    // signal, a generous bound on a loaded machine.
+    let mut run = spawn_run(&url, "graceful", &["--ttl", "60s"], &ledger_writer(&dir));
+    let (token, pids) = ledger_pids(&dir).await;
+    let _reaper = Reaper(pids.clone());
+    kill(pid(&run), libc::SIGTERM);
+    let term = dir.join(format!("term.{token}"));
+    eventually(BOUND, "c, g and d to log SIGTERM", || async {
+        let t = std::fs::read_to_string(&term).unwrap_or_default();
+        ["c", "g", "d"]
+            .iter()
+            .all(|tag| t.lines().any(|l| l == *tag))
+    })
+    .await;
+    // They ignore it: SIGKILL after the grace; run's code is 128 + 9.
+    assert_eq!(exit_code(&mut run, BOUND).await, 137);
+    for p in &pids {
+        assert!(!alive(*p), "process {p} of the command lives");
+    }
+    let t = std::fs::read_to_string(&term).unwrap();
+    assert_eq!(t.lines().filter(|l| *l == "d").count(), 1, "once: {t}");
+    let mut err = String::new();
+    use tokio::io::AsyncReadExt;
+    run.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    assert!(err.contains("--grace"), "{err}");
+    assert!(!err.contains("stopped answering"), "{err}");
+    assert!(!err.contains("lease was lost"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopped_keeper_has_its_tree_killed_by_run() {
+    takeover_leaves_no_overlap(Failing::KeeperStopped, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_closed_stderr_does_not_stop_the_keeper_killing_the_tree() {
+    takeover_leaves_no_overlap(Failing::SigstopStderrClosed, false).await;
+}
+
 /// At the default settings (TTL 60 s, grace 10 s): about a minute each.
 #[tokio::test(flavor = "multi_thread")]
 async fn at_the_default_settings_a_frozen_run_leaves_no_overlap() {
     takeover_leaves_no_overlap(Failing::Sigstop, true).await;
+}
+
+/// Cron's `timeout -k` at `run`'s defaults: the group kill lands during
+/// the 10 s grace of the SIGTERM timeout sent first.
+#[tokio::test(flavor = "multi_thread")]
+async fn at_the_default_settings_timeout_k_leaves_no_overlap() {
+    takeover_leaves_no_overlap(Failing::TimeoutKill, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1291,24 +1510,24 @@ async fn a_revoked_run_and_a_command_that_exits_leave_no_process_behind() {
     let mut run = spawn_run(&url, "keeper", &["--ttl", "60s"], &ledger_writer(&dir3));
     let (_, pids3) = ledger_pids(&dir3).await;
     let run_pid = pid(&run);
-    let keeper = until("the keeper's pid", || async {
-        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let ppid: i32 = stat[stat.rfind(')')? + 2..]
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
-            (ppid == run_pid).then_some(pid)
-        })
-    })
-    .await;
+    let keeper = until("the keeper's pid", || async { child_of(run_pid) }).await;
     kill(keeper, libc::SIGKILL);
-    assert_eq!(exit_code(&mut run, BOUND).await, 137);
+    // Not the command's code (it is unknown): 76, and why.
+    assert_eq!(exit_code(&mut run, BOUND).await, 76);
     for p in &pids3 {
         assert!(!alive(*p), "process {p} outlived its keeper");
     }
+    let mut err = String::new();
+    run.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    assert!(
+        err.contains(&format!("the keeper (pid {keeper}) was killed by signal 9")),
+        "{err}"
+    );
     // A command that exits, leaving a background writer: run's exit code is
     // the command's, and the writer is gone with it. The revoked name is
     // busy until its term's expiry (the revoke keeps it): this run waits.
