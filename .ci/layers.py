@@ -41,11 +41,14 @@ RULES = [
     # The admission core is pure: it imports nothing from the crate.
     ("admission", ["*"]),
     # Plain data the errors carry: leaves.
-    ("status", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "error", "api", "key", "lost"]),
-    ("key", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "error", "api", "status", "lost"]),
-    ("lost", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "error", "api", "status", "key"]),
+    ("status", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "error", "api", "key", "lost", "stmt"]),
+    ("key", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "error", "api", "status", "lost", "stmt"]),
+    ("lost", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "error", "api", "status", "key", "stmt"]),
+    # The statement layer (stmt/): under everything that runs SQL, over
+    # the error type it maps its errors into.
+    ("stmt", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "api", "key", "status", "lost", "admission"]),
     # error is a leaf: it names only the data above and the admission core.
-    ("error", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "api"]),
+    ("error", ["pool", "lock", "lease", "census", "pooler", "http", "metrics", "api", "stmt"]),
     # metrics names are a leaf too.
     ("metrics", ["pool", "lock", "lease", "census", "pooler", "http"]),
     # The pool core knows nothing of locks, leases, the census or poolers.

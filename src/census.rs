@@ -21,8 +21,10 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::admission::Lane;
 use crate::error::{BuildError, Error};
 use crate::key::{LockKey, LockMode};
+use crate::lock::on;
 use crate::pool::{Client, Pool, PoolBuilder, State};
 use crate::pooler::PoolerMode;
+use crate::stmt::{Exec, Row, Sent};
 
 /// One advisory lock in the database, granted or awaited.
 ///
@@ -198,7 +200,7 @@ impl Pool {
         let conn = self
             .checkout(Lane::Control, site, self.shared.opts.wait_timeout)
             .await?;
-        let mut locks = read(&conn).await?;
+        let mut locks = read(on(&conn)).await?;
         if self.pooler() == PoolerMode::Transaction {
             return Ok((Census { locks }, conn, Owners::default()));
         }
@@ -266,8 +268,8 @@ impl Owners {
 }
 
 /// Reads the advisory locks of the current database (owners not yet matched).
-async fn read(conn: &tokio_postgres::Client) -> Result<Vec<AdvisoryLock>, Error> {
-    let rows = conn.query_typed(CENSUS_SQL, &[]).await?;
+async fn read(conn: &impl Exec) -> Result<Vec<AdvisoryLock>, Error> {
+    let rows = conn.query(CENSUS_SQL, &[], Sent::Unnamed).await?;
     let mut locks = Vec::with_capacity(rows.len());
     for (i, r) in rows.into_iter().enumerate() {
         // Tens of thousands of locks take a while to decode: let the other
@@ -275,9 +277,8 @@ async fn read(conn: &tokio_postgres::Client) -> Result<Vec<AdvisoryLock>, Error>
         if i % 1024 == 1023 {
             tokio::task::yield_now().await;
         }
-        let (classid, objid, objsubid): (u32, u32, i16) =
-            (r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
-        let mode: String = r.try_get(4)?;
+        let (classid, objid, objsubid): (u32, u32, i16) = (r.col(1)?, r.col(2)?, r.col(3)?);
+        let mode: String = r.col(4)?;
         let (Some(key), Some(mode)) = (
             LockKey::from_pg_locks(classid, objid, objsubid),
             LockMode::from_pg_mode(&mode),
@@ -292,14 +293,14 @@ async fn read(conn: &tokio_postgres::Client) -> Result<Vec<AdvisoryLock>, Error>
             continue;
         };
         locks.push(AdvisoryLock {
-            pid: r.try_get(0)?,
+            pid: r.col(0)?,
             key,
             mode,
-            granted: r.try_get(5)?,
-            state: r.try_get(6)?,
-            application_name: r.try_get(7)?,
+            granted: r.col(5)?,
+            state: r.col(6)?,
+            application_name: r.col(7)?,
             owner: Owner::Other,
-            state_change: r.try_get(8)?,
+            state_change: r.col(8)?,
         });
     }
     Ok(locks)
@@ -372,7 +373,7 @@ impl Pool {
         let own = conn.pid();
         let others = census.idle().any(|l| l.pid != Some(own));
         let again: HashSet<Seen> = if others {
-            read(&conn).await?.iter().filter_map(seen).collect()
+            read(on(&conn)).await?.iter().filter_map(seen).collect()
         } else {
             HashSet::new()
         };

@@ -3,8 +3,6 @@
 
 use std::fmt;
 
-use tokio_postgres::types::{ToSql, Type};
-
 /// The key of an advisory lock.
 ///
 /// PostgreSQL has two key spaces that never meet: one `bigint`, or a pair of
@@ -63,17 +61,6 @@ impl LockKey {
         match self {
             LockKey::Single(_) => format!("${first}"),
             LockKey::Pair(..) => format!("${first}, ${}", first + 1),
-        }
-    }
-
-    /// The key's parameters for `query_typed`, in placeholder order.
-    pub(crate) fn params(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
-        match self {
-            LockKey::Single(k) => vec![(k as &(dyn ToSql + Sync), Type::INT8)],
-            LockKey::Pair(a, b) => vec![
-                (a as &(dyn ToSql + Sync), Type::INT4),
-                (b as &(dyn ToSql + Sync), Type::INT4),
-            ],
         }
     }
 }
@@ -262,6 +249,5 @@ mod tests {
         assert_eq!(LockKey::Pair(1, 987).to_string(), "1:987");
         assert_eq!(LockKey::Single(5).placeholders(2), "$2");
         assert_eq!(LockKey::Pair(1, 2).placeholders(2), "$2, $3");
-        assert_eq!(LockKey::Pair(1, 2).params().len(), 2);
     }
 }

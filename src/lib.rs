@@ -81,6 +81,7 @@ pub mod metrics;
 mod pool;
 mod pooler;
 mod status;
+mod stmt;
 
 pub use admission::{BudgetPolicy, Lane, LimitsError};
 pub use census::{AdvisoryLock, Census, Owner};

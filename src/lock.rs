@@ -28,6 +28,7 @@ mod xact;
 use std::time::Duration;
 
 use crate::pool::{Pool, PoolBuilder};
+use crate::stmt::{code, Param, SqlError};
 
 pub use crate::key::{LockKey, LockMode, Namespace};
 pub use run_once::Migrated;
@@ -35,6 +36,7 @@ pub(crate) use run_once::{migrate_once, with_xact_lock};
 pub(crate) use session::acquire as session_lock;
 pub use session::SessionLock;
 pub use xact::xact_lock;
+pub(crate) use xact::xact_lock_on;
 
 /// How long a dropped or cancelled session lock may take to confirm its
 /// release: a builder setting, in the pool's extension slot.
@@ -97,16 +99,33 @@ pub(crate) fn lock_timeout_setting(bound: Duration) -> String {
     format!("{ms}ms")
 }
 
+/// A key's parameters, in placeholder order (see
+/// [`LockKey::placeholders`]): the first `n` of the array (`n` is 1 or 2).
+pub(crate) fn key_params(key: LockKey) -> ([Param<'static>; 2], usize) {
+    match key {
+        LockKey::Single(k) => ([Param::Int8(k), Param::Int8(0)], 1),
+        LockKey::Pair(a, b) => ([Param::Int4(a), Param::Int4(b)], 2),
+    }
+}
+
+/// A checked-out connection as the statement layer runs statements on it
+/// (the deadpool backend's client): the one place the layers above the
+/// pool name the driver's connection type.
+pub(crate) fn on(c: &crate::pool::Client) -> &deadpool_postgres::ClientWrapper {
+    c
+}
+
+/// [`on`], for a statement that opens a transaction.
+pub(crate) fn on_mut(c: &mut crate::pool::Client) -> &mut deadpool_postgres::ClientWrapper {
+    c
+}
+
 /// Maps a failed lock statement: 55P03 is a [`LockError::Timeout`](crate::LockError::Timeout).
-pub(crate) fn lock_error(
-    e: tokio_postgres::Error,
-    key: LockKey,
-    timeout: Duration,
-) -> crate::Error {
-    if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+pub(crate) fn lock_error(e: SqlError, key: LockKey, timeout: Duration) -> crate::Error {
+    if e.is(code::LOCK_NOT_AVAILABLE) {
         crate::Error::Lock(crate::LockError::Timeout { key, timeout })
     } else {
-        crate::Error::Db(e)
+        e.into()
     }
 }
 
@@ -124,6 +143,16 @@ mod tests {
             lock_timeout_setting(Duration::MAX),
             format!("{}ms", i32::MAX)
         );
+    }
+
+    #[test]
+    fn key_params_follow_the_placeholders() {
+        let (p, n) = key_params(LockKey::Pair(1, 2));
+        assert_eq!(n, 2);
+        assert!(matches!(p, [Param::Int4(1), Param::Int4(2)]));
+        let (p, n) = key_params(LockKey::Single(-7));
+        assert_eq!(n, 1);
+        assert!(matches!(p[0], Param::Int8(-7)));
     }
 
     #[test]

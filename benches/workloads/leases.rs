@@ -54,7 +54,10 @@ pub fn describe(s: Settings) -> String {
 /// `Statements::new` does.
 pub fn statement(field: &str) -> Result<String, BoxError> {
     let err = || format!("src/lease/table.rs: cannot find the `{field}` statement's text");
+    // A statement that starts or renews a term has two texts (`Stamped`):
+    // the one sent to a table with `renewed_at`, as the bench's is.
     let text = format_body(&format!("{field}: format!("))
+        .or_else(|| format_body(&format!("{field}: Stamped::new(&format!(")))
         .ok_or_else(err)?
         .replace(
             "{probe}",
@@ -71,6 +74,9 @@ pub fn statement(field: &str) -> Result<String, BoxError> {
             "{on_conflict}",
             &format_body("let on_conflict = format!(").ok_or_else(err)?,
         )
+        .replace("{{stamp_col}}", ", renewed_at")
+        .replace("{{stamp_val}}", ", now()")
+        .replace("{{stamp_set}}", ", renewed_at = now()")
         .replace("{wait}", WAIT_BOUND)
         .replace("{tbl}", TABLE)
         .replace("{seq}", SEQUENCE_LITERAL);

@@ -999,6 +999,22 @@ async fn check_flags_a_crashed_long_job_one_ttl_after_its_term_ran_out() {
     assert!(message.contains("guessed as 1s"), "{message}");
     let table = stdout(&cli(&old_url, &["leases"]).await);
     assert!(table.contains("TTL"), "{table}");
+    // Rows edited by hand with infinite times: both commands still answer.
+    admin
+        .batch_execute(
+            "INSERT INTO pgwarden_leases (name, holder, token, taken_at, expires_at)
+             VALUES ('odd-1', 'h:1:aa', nextval('pgwarden_leases_token_seq'), 'infinity', '-infinity'),
+                    ('odd-2', 'h:1:bb', nextval('pgwarden_leases_token_seq'), '-infinity', 'infinity')",
+        )
+        .await
+        .unwrap();
+    let all = findings(&old_url, &old, &[]).await;
+    assert!(
+        all.iter().any(|f| f["subject"]["name"] == "odd-1"),
+        "{all:?}"
+    );
+    let rows = json(&old_url, &["leases", "--json"]).await;
+    assert_eq!(rows.len(), 3, "{rows:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

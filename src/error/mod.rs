@@ -81,6 +81,14 @@ impl From<deadpool_postgres::PoolError> for Error {
 }
 
 impl Error {
+    /// The SQLSTATE of a database error, when the server sent one.
+    pub(crate) fn sqlstate(&self) -> Option<&str> {
+        match self {
+            Error::Db(e) => e.code().map(|c| c.code()),
+            _ => None,
+        }
+    }
+
     /// The session-lock budget (or its hard floor) refused a checkout
     /// ([`CheckoutError::BudgetExhausted`]).
     pub fn is_budget_exhausted(&self) -> bool {

@@ -34,8 +34,7 @@ use crate::error::{Error, LeaseError};
 use crate::key::Namespace;
 use crate::lost::LostReason;
 use crate::pooler::PoolerMode;
-use tokio_postgres::error::SqlState;
-use tokio_postgres::types::Type;
+use crate::stmt::{code, Conn, Exec, Param, Row, Sent, SqlError};
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
 /// a holder may release early. Also the wait after a blocked take-over.
@@ -473,7 +472,7 @@ impl LeaseHandle {
     }
 
     /// The fence check in `tx` (see [`LeaseHandle::fence`]).
-    async fn check_in(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<(), Error> {
+    async fn check_in(&self, tx: &impl Exec) -> Result<(), Error> {
         if let Some(reason) = self.inner.check_lost(&self.state) {
             return Err(self.fence_failed(reason));
         }
@@ -487,10 +486,10 @@ impl LeaseHandle {
             Ok(row) => row,
             // A take-over (or purge) committed after the transaction's
             // snapshot: the term is over.
-            Err(e) if is_serialization_failure(&e) => {
+            Err(e) if e.is(code::SERIALIZATION_FAILURE) => {
                 return Err(self.fence_failed(LostReason::Taken))
             }
-            Err(e) => return Err(Error::Db(e)),
+            Err(e) => return Err(e.into()),
         };
         let reason = match row {
             Some((holder, token, fresh, snapshot, marked))
@@ -542,10 +541,6 @@ impl LeaseHandle {
             reason,
         })
     }
-}
-
-fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
-    e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
 }
 
 impl fmt::Debug for LeaseHandle {
@@ -604,7 +599,7 @@ impl Fenced<'_> {
     pub async fn commit(self) -> Result<(), Error> {
         match self.lease.check_in(&self.tx).await {
             Ok(()) => {}
-            Err(Error::Db(e)) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => {
+            Err(e) if e.sqlstate() == Some(code::IN_FAILED_SQL_TRANSACTION) => {
                 tracing::warn!(
                     pool = %self.lease.inner.pool_name, lease = %self.lease.state.name,
                     token = self.lease.state.token,
@@ -893,12 +888,12 @@ struct FoundFenced {
 impl LeaseStatement for EndFenced<'_> {
     type Out = Vec<FoundFenced>;
     const WHAT: &'static str = "busy check";
-    async fn exec<'a>(
+    async fn exec<'a, C: Conn>(
         &'a self,
         sql: &'a Statements,
-        client: &'a mut deadpool_postgres::ClientWrapper,
+        client: &'a mut C,
         _call: Call,
-    ) -> Result<Vec<FoundFenced>, tokio_postgres::Error> {
+    ) -> Result<Vec<FoundFenced>, SqlError> {
         let text = format!(
             "SELECT a.pid,
        CASE WHEN (pg_has_role(a.usesysid, 'MEMBER') OR pg_has_role('pg_signal_backend', 'MEMBER'))
@@ -920,23 +915,24 @@ impl LeaseStatement for EndFenced<'_> {
         let grace_ms = i64::try_from(self.grace.as_millis()).unwrap_or(i64::MAX);
         let ns = i64::from(Namespace::PGWARDEN.id());
         let rows = client
-            .query_typed(
+            .query(
                 &text,
                 &[
-                    (&self.name, Type::TEXT),
-                    (&self.grace.as_secs_f64(), Type::FLOAT8),
-                    (&grace_ms, Type::INT8),
-                    (&ns, Type::INT8),
+                    Param::Text(self.name),
+                    Param::Float8(self.grace.as_secs_f64()),
+                    Param::Int8(grace_ms),
+                    Param::Int8(ns),
                 ],
+                Sent::Unnamed,
             )
             .await?;
         rows.iter()
             .map(|r| {
                 Ok(FoundFenced {
-                    pid: r.try_get(0)?,
-                    ended: r.try_get::<_, Option<bool>>(1)?.unwrap_or(false),
-                    application_name: r.try_get(2)?,
-                    role: r.try_get(3)?,
+                    pid: r.col(0)?,
+                    ended: r.col::<Option<bool>>(1)?.unwrap_or(false),
+                    application_name: r.col(2)?,
+                    role: r.col(3)?,
                 })
             })
             .collect()

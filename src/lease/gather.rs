@@ -48,6 +48,7 @@ use super::table::{
     Acquire, AcquireBatch, Busy, Call, LeaseStatement, Release, ReleaseBatch, Statements, Taken,
 };
 use crate::error::{Error, LeaseError};
+use crate::stmt::{Conn, SqlError};
 
 /// Acquisition statements one instance sends at a time; acquisitions that
 /// come while this many are out are gathered into the next one.
@@ -592,12 +593,12 @@ struct OwnAcquire {
 impl LeaseStatement for OwnAcquire {
     type Out = Result<Taken, Busy>;
     const WHAT: &'static str = "acquisition";
-    async fn exec<'a>(
+    async fn exec<'a, C: Conn>(
         &'a self,
         sql: &'a Statements,
-        client: &'a mut deadpool_postgres::ClientWrapper,
+        client: &'a mut C,
         call: Call,
-    ) -> Result<Self::Out, tokio_postgres::Error> {
+    ) -> Result<Self::Out, SqlError> {
         let stmt = Acquire {
             name: &self.name,
             holder: &self.holder,

@@ -35,9 +35,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify, OnceCell};
-use tokio_postgres::error::SqlState;
-use tokio_postgres::types::Type;
-use tokio_postgres::Error as PgError;
 
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
@@ -45,9 +42,11 @@ use super::table::{Busy, Call, LeaseStatement, PurgeMark, Release, Statements, T
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};
+use crate::lock::{on, on_mut};
 use crate::lost::LostReason;
 use crate::pool::Client as Checkout;
 use crate::pool::Pool;
+use crate::stmt::{code, Exec, Param, Row, Sent, SqlError};
 
 pub(crate) struct Inner {
     pub(crate) pool: Pool,
@@ -450,7 +449,7 @@ impl Inner {
                 };
                 let conn = flight.conn.insert(conn);
                 let pid = conn.pid();
-                let exec = stmt.exec(&self.sql, conn, call);
+                let exec = stmt.exec(&self.sql, on_mut(conn), call);
                 let Some(abandoned) = abandoned else {
                     return Ok::<_, Error>(exec.await);
                 };
@@ -495,7 +494,7 @@ impl Inner {
                 // statement goes without `renewed_at` from now on.
                 Ok(Ok(Err(e)))
                     if !unstamped_once
-                        && e.code() == Some(&SqlState::UNDEFINED_COLUMN)
+                        && e.is(code::UNDEFINED_COLUMN)
                         && !self.unstamped.load(Ordering::Relaxed) =>
                 {
                     unstamped_once = true;
@@ -514,7 +513,7 @@ impl Inner {
                 // winner's row and answers as it would at read committed
                 // (busy, say).
                 Ok(Ok(Err(e)))
-                    if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+                    if e.is(code::SERIALIZATION_FAILURE)
                         && budget.saturating_sub(began.elapsed()) > SERIALIZATION_PAUSE_MAX =>
                 {
                     flight.conn = None;
@@ -529,7 +528,7 @@ impl Inner {
                 Ok(Ok(Err(e))) => {
                     flight.conn = None;
                     // Its own lock_timeout: the server ended the wait.
-                    if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+                    if e.is(code::LOCK_NOT_AVAILABLE) {
                         if let Some(out) = S::on_lock_timeout() {
                             return Ok(out);
                         }
@@ -539,7 +538,7 @@ impl Inner {
                             waited: began.elapsed(),
                         }));
                     }
-                    return Err(Error::Db(e));
+                    return Err(e.into());
                 }
                 // The checkout ran out of the statement's time: the
                 // statement's timeout, as documented, and counted.
@@ -590,10 +589,17 @@ pub(crate) async fn cancel_backend(pool: &Pool, pid: i32) -> Result<bool, Error>
                 CANCEL_TIMEOUT,
             )
             .await?;
-        let row = conn
-            .query_typed_one("SELECT pg_cancel_backend($1)", &[(&pid, Type::INT4)])
+        let rows = on(&conn)
+            .query(
+                "SELECT pg_cancel_backend($1)",
+                &[Param::Int4(pid)],
+                Sent::Unnamed,
+            )
             .await?;
-        Ok::<bool, Error>(row.try_get(0)?)
+        match rows.first() {
+            Some(r) => Ok::<bool, Error>(r.col(0)?),
+            None => Ok(false),
+        }
     };
     match tokio::time::timeout(CANCEL_TIMEOUT, sent).await {
         Ok(r) => r,
@@ -606,10 +612,8 @@ pub(crate) async fn cancel_backend(pool: &Pool, pid: i32) -> Result<bool, Error>
 
 /// A prepared statement the server (a pooler, really) does not know, or
 /// already knows under that name.
-fn refused_prepared(e: &PgError) -> bool {
-    e.code().is_some_and(|c| {
-        *c == SqlState::INVALID_SQL_STATEMENT_NAME || *c == SqlState::DUPLICATE_PSTATEMENT
-    })
+fn refused_prepared(e: &SqlError) -> bool {
+    e.is(code::INVALID_SQL_STATEMENT_NAME) || e.is(code::DUPLICATE_PSTATEMENT)
 }
 
 /// The connection of a statement in flight. Dropped while it still holds
@@ -673,7 +677,7 @@ impl<F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, F> {
                     ),
                 }
             }
-            match tokio::time::timeout(bound, conn.simple_query("SELECT 1")).await {
+            match tokio::time::timeout(bound, on(&conn).batch("SELECT 1")).await {
                 // It has ended: the connection is clean, back to the pool.
                 Ok(Ok(_)) => drop(conn),
                 Ok(Err(e)) => {

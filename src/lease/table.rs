@@ -108,13 +108,9 @@ use std::fmt;
 use std::future::Future;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use deadpool_postgres::ClientWrapper as Client;
-use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::Error as PgError;
-use tokio_postgres::Row;
-
 use crate::error::{name_error, Error, LeaseError, NameRule};
-use crate::lock::{xact_lock, LockKey, LockMode, Namespace};
+use crate::lock::{xact_lock_on, LockKey, LockMode, Namespace};
+use crate::stmt::{Conn, Exec, Param, Row, Sent, SqlError, Tx};
 
 /// The key of the transaction-scoped advisory lock `install()` holds:
 /// `Namespace::PGWARDEN.named("leases.install")`, that is the pair
@@ -205,36 +201,6 @@ pub(crate) struct Taken {
     /// The database's `now()` at the take, as Unix seconds.
     pub(crate) taken_at: f64,
 }
-
-pub(super) const ACQUIRE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::FLOAT8];
-pub(super) const ACQUIRE_HELD_TYPES: &[Type] = &[
-    Type::TEXT,
-    Type::TEXT,
-    Type::FLOAT8,
-    Type::FLOAT8,
-    Type::FLOAT8,
-];
-pub(super) const ACQUIRE_BATCH_TYPES: &[Type] = &[
-    Type::TEXT_ARRAY,
-    Type::TEXT_ARRAY,
-    Type::FLOAT8_ARRAY,
-    Type::FLOAT8_ARRAY,
-    Type::FLOAT8_ARRAY,
-];
-pub(super) const RELEASE_BATCH_TYPES: &[Type] =
-    &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY];
-pub(super) const NAME_TYPES: &[Type] = &[Type::TEXT];
-pub(super) const RENEW_TYPES: &[Type] = &[
-    Type::TEXT_ARRAY,
-    Type::TEXT_ARRAY,
-    Type::INT8_ARRAY,
-    Type::FLOAT8_ARRAY,
-];
-pub(super) const RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
-pub(super) const FENCE_TYPES: &[Type] = &[Type::TEXT, Type::INT8];
-pub(super) const PURGE_MARK_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
-pub(super) const PURGE_SWEEP_TYPES: &[Type] =
-    &[Type::TEXT_ARRAY, Type::INT8, Type::FLOAT8, Type::INT8];
 
 /// `lock_timeout` for the statement's own transaction, as a constant of
 /// the statement's text (at least 1 ms: 0 would mean no bound).
@@ -481,49 +447,6 @@ SELECT (SELECT drained FROM d), (SELECT count(*) FROM x)"
     }
 }
 
-/// Runs `text` with `params`: prepared and cached on the connection when
-/// `named`, else as an unnamed statement.
-async fn query(
-    client: &Client,
-    named: bool,
-    text: &str,
-    types: &[Type],
-    params: &[&(dyn ToSql + Sync)],
-) -> Result<Vec<Row>, PgError> {
-    if named {
-        let stmt = client.prepare_typed_cached(text, types).await?;
-        client.query(&stmt, params).await
-    } else {
-        client.query_typed(text, &typed(params, types)).await
-    }
-}
-
-fn typed<'a>(
-    params: &[&'a (dyn ToSql + Sync)],
-    types: &[Type],
-) -> Vec<(&'a (dyn ToSql + Sync), Type)> {
-    params
-        .iter()
-        .zip(types)
-        .map(|(p, t)| (*p, t.clone()))
-        .collect()
-}
-
-async fn execute(
-    client: &Client,
-    named: bool,
-    text: &str,
-    types: &[Type],
-    params: &[&(dyn ToSql + Sync)],
-) -> Result<u64, PgError> {
-    if named {
-        let stmt = client.prepare_typed_cached(text, types).await?;
-        client.execute(&stmt, params).await
-    } else {
-        client.execute_typed(text, &typed(params, types)).await
-    }
-}
-
 /// A session holding a lock on a lease row.
 #[derive(Debug, Clone)]
 pub(crate) struct RowLocker {
@@ -540,41 +463,45 @@ impl Statements {
     /// [`LeaseOptions`](super::LeaseOptions)), when either is set.
     pub(crate) async fn acquire(
         &self,
-        client: &Client,
+        client: &impl Exec,
         call: Call,
         name: &str,
         holder: &str,
         ttl: f64,
         hold: Option<(f64, f64)>,
-    ) -> Result<Option<Taken>, PgError> {
+    ) -> Result<Option<Taken>, SqlError> {
         let rows = match hold {
             None => {
-                query(
-                    client,
-                    call.named,
-                    self.acquire.text(call),
-                    ACQUIRE_TYPES,
-                    &[&name, &holder, &ttl],
-                )
-                .await?
+                client
+                    .query(
+                        self.acquire.text(call),
+                        &[Param::Text(name), Param::Text(holder), Param::Float8(ttl)],
+                        call.how(),
+                    )
+                    .await?
             }
             Some((at_least, period)) => {
-                query(
-                    client,
-                    call.named,
-                    self.acquire_held.text(call),
-                    ACQUIRE_HELD_TYPES,
-                    &[&name, &holder, &ttl, &at_least, &period],
-                )
-                .await?
+                client
+                    .query(
+                        self.acquire_held.text(call),
+                        &[
+                            Param::Text(name),
+                            Param::Text(holder),
+                            Param::Float8(ttl),
+                            Param::Float8(at_least),
+                            Param::Float8(period),
+                        ],
+                        call.how(),
+                    )
+                    .await?
             }
         };
         rows.first()
             .map(|r| {
                 Ok(Taken {
-                    token: r.try_get(0)?,
-                    prev_holder: r.try_get(1)?,
-                    taken_at: r.try_get(2)?,
+                    token: r.col(0)?,
+                    prev_holder: r.col(1)?,
+                    taken_at: r.col(2)?,
                 })
             })
             .transpose()
@@ -584,26 +511,31 @@ impl Statements {
     /// name; a name missing from the answer is held.
     pub(crate) async fn acquire_batch(
         &self,
-        client: &Client,
+        client: &impl Exec,
         call: Call,
         b: &AcquireBatch,
-    ) -> Result<Vec<(String, Taken)>, PgError> {
-        let rows = query(
-            client,
-            call.named,
-            self.acquire_batch.text(call),
-            ACQUIRE_BATCH_TYPES,
-            &[&b.names, &b.holders, &b.ttls, &b.leasts, &b.periods],
-        )
-        .await?;
+    ) -> Result<Vec<(String, Taken)>, SqlError> {
+        let rows = client
+            .query(
+                self.acquire_batch.text(call),
+                &[
+                    Param::Strings(&b.names),
+                    Param::Strings(&b.holders),
+                    Param::Float8s(&b.ttls),
+                    Param::Float8s(&b.leasts),
+                    Param::Float8s(&b.periods),
+                ],
+                call.how(),
+            )
+            .await?;
         rows.iter()
             .map(|r| {
                 Ok((
-                    r.try_get(3)?,
+                    r.col(3)?,
                     Taken {
-                        token: r.try_get(0)?,
-                        prev_holder: r.try_get(1)?,
-                        taken_at: r.try_get(2)?,
+                        token: r.col(0)?,
+                        prev_holder: r.col(1)?,
+                        taken_at: r.col(2)?,
                     },
                 ))
             })
@@ -614,53 +546,59 @@ impl Statements {
     /// is no row.
     pub(crate) async fn free_in(
         &self,
-        client: &Client,
-        named: bool,
+        client: &impl Exec,
+        call: Call,
         name: &str,
-    ) -> Result<Option<f64>, PgError> {
-        let rows = query(client, named, &self.free_in, NAME_TYPES, &[&name]).await?;
-        rows.first().map(|r| r.try_get(0)).transpose()
+    ) -> Result<Option<f64>, SqlError> {
+        let rows = client
+            .query(&self.free_in, &[Param::Text(name)], call.how())
+            .await?;
+        rows.first().map(|r| r.col(0)).transpose()
     }
 
     /// Renews a batch; returns the `(name, token)` of the leases renewed.
     pub(crate) async fn renew(
         &self,
-        client: &Client,
+        client: &impl Exec,
         call: Call,
         names: &[&str],
         holders: &[&str],
         tokens: &[i64],
         ttls: &[f64],
-    ) -> Result<Vec<(String, i64)>, PgError> {
-        let rows = query(
-            client,
-            call.named,
-            self.renew.text(call),
-            RENEW_TYPES,
-            &[&names, &holders, &tokens, &ttls],
-        )
-        .await?;
-        rows.iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
-            .collect()
+    ) -> Result<Vec<(String, i64)>, SqlError> {
+        let rows = client
+            .query(
+                self.renew.text(call),
+                &[
+                    Param::Texts(names),
+                    Param::Texts(holders),
+                    Param::Int8s(tokens),
+                    Param::Float8s(ttls),
+                ],
+                call.how(),
+            )
+            .await?;
+        rows.iter().map(|r| Ok((r.col(0)?, r.col(1)?))).collect()
     }
 
     /// Marks a term's row released, keeping the row (and, with
     /// `keep_hold`, its hold); true when the term was this holder's.
     pub(crate) async fn release(
         &self,
-        client: &Client,
-        named: bool,
+        client: &impl Exec,
+        call: Call,
         name: &str,
         holder: &str,
         keep_hold: bool,
-    ) -> Result<bool, PgError> {
+    ) -> Result<bool, SqlError> {
         let text = if keep_hold {
             &self.release
         } else {
             &self.release_unheld
         };
-        let n = execute(client, named, text, RELEASE_TYPES, &[&name, &holder]).await?;
+        let n = client
+            .execute(text, &[Param::Text(name), Param::Text(holder)], call.how())
+            .await?;
         Ok(n > 0)
     }
 
@@ -677,30 +615,31 @@ impl Statements {
     /// held.
     pub(crate) async fn fence(
         &self,
-        tx: &tokio_postgres::Transaction<'_>,
+        tx: &impl Exec,
         name: &str,
         holder: &str,
         token: i64,
-    ) -> Result<Option<(String, i64, bool, bool, bool)>, PgError> {
+    ) -> Result<Option<(String, i64, bool, bool, bool)>, SqlError> {
         let grace = i64::try_from(FENCE_GRACE.as_millis()).unwrap_or(i64::MAX);
         let row = tx
-            .query_typed_opt(
+            .query_opt(
                 &self.fence,
                 &[
-                    (&name, FENCE_TYPES[0].clone()),
-                    (&grace, FENCE_TYPES[1].clone()),
-                    (&holder, Type::TEXT),
-                    (&token, Type::INT8),
+                    Param::Text(name),
+                    Param::Int8(grace),
+                    Param::Text(holder),
+                    Param::Int8(token),
                 ],
+                Sent::Unnamed,
             )
             .await?;
         row.map(|r| {
             Ok((
-                r.try_get(0)?,
-                r.try_get(1)?,
-                r.try_get(2)?,
-                r.try_get(3)?,
-                r.try_get::<_, Option<bool>>(4)?.unwrap_or(false),
+                r.col(0)?,
+                r.col(1)?,
+                r.col(2)?,
+                r.col(3)?,
+                r.col::<Option<bool>>(4)?.unwrap_or(false),
             ))
         })
         .transpose()
@@ -710,18 +649,20 @@ impl Statements {
     /// holds it.
     pub(crate) async fn blocker(
         &self,
-        client: &Client,
-        named: bool,
+        client: &impl Exec,
+        call: Call,
         name: &str,
-    ) -> Result<Option<RowLocker>, PgError> {
-        let rows = query(client, named, &self.blocker, NAME_TYPES, &[&name]).await?;
+    ) -> Result<Option<RowLocker>, SqlError> {
+        let rows = client
+            .query(&self.blocker, &[Param::Text(name)], call.how())
+            .await?;
         rows.first()
             .map(|r| {
                 Ok(RowLocker {
-                    pid: r.try_get(0)?,
-                    application_name: r.try_get(1)?,
-                    state: r.try_get(2)?,
-                    state_for_s: r.try_get(3)?,
+                    pid: r.col(0)?,
+                    application_name: r.col(1)?,
+                    state: r.col(2)?,
+                    state_for_s: r.col(3)?,
                 })
             })
             .transpose()
@@ -741,24 +682,23 @@ impl Statements {
     /// Nothing here locks or waits: the purge takes no table lock of its own.
     pub(crate) async fn purge_mark(
         &self,
-        client: &Client,
-        named: bool,
-    ) -> Result<PurgeMark, PgError> {
-        let rows = query(
-            client,
-            named,
-            &self.purge_mark,
-            PURGE_MARK_TYPES,
-            &[&self.table, &self.sequence],
-        )
-        .await?;
+        client: &impl Exec,
+        call: Call,
+    ) -> Result<PurgeMark, SqlError> {
+        let rows = client
+            .query(
+                &self.purge_mark,
+                &[Param::Text(&self.table), Param::Text(&self.sequence)],
+                call.how(),
+            )
+            .await?;
         let Some(r) = rows.first() else {
             return Ok(PurgeMark::default());
         };
         Ok(PurgeMark {
-            token: r.try_get(0)?,
-            in_flight: r.try_get(1)?,
-            pids: r.try_get(2)?,
+            token: r.col(0)?,
+            in_flight: r.col(1)?,
+            pids: r.col(2)?,
         })
     }
 
@@ -767,29 +707,33 @@ impl Statements {
     /// most `limit`; locked rows are skipped, never waited for).
     pub(crate) async fn purge_sweep(
         &self,
-        client: &Client,
-        named: bool,
+        client: &impl Exec,
+        call: Call,
         mark: &PurgeMark,
         age: Duration,
         limit: i64,
-    ) -> Result<Option<u64>, PgError> {
+    ) -> Result<Option<u64>, SqlError> {
         let Some(token) = mark.token else {
             return Ok(Some(0)); // no token drawn yet: no row to purge
         };
         let age = age.as_secs_f64();
-        let rows = query(
-            client,
-            named,
-            &self.purge_sweep,
-            PURGE_SWEEP_TYPES,
-            &[&mark.in_flight, &token, &age, &limit],
-        )
-        .await?;
+        let rows = client
+            .query(
+                &self.purge_sweep,
+                &[
+                    Param::Strings(&mark.in_flight),
+                    Param::Int8(token),
+                    Param::Float8(age),
+                    Param::Int8(limit),
+                ],
+                call.how(),
+            )
+            .await?;
         let Some(r) = rows.first() else {
             return Ok(None);
         };
-        let drained: bool = r.try_get(0)?;
-        let n: i64 = r.try_get(1)?;
+        let drained: bool = r.col(0)?;
+        let n: i64 = r.col(1)?;
         Ok(drained.then(|| u64::try_from(n).unwrap_or(0)))
     }
 }
@@ -1161,12 +1105,12 @@ impl Statements {
     /// Reads the shape of the table and its sequence from the catalog.
     pub(crate) async fn shape(
         &self,
-        client: &Client,
+        client: &impl Exec,
         bare: Option<&str>,
-    ) -> Result<Shape, tokio_postgres::Error> {
+    ) -> Result<Shape, SqlError> {
         let (t, s) = (&self.table, &self.sequence);
         let rel = client
-            .query_typed(
+            .query(
                 "SELECT (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)),
                         (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($2)),
                         (SELECT format_type(seqtypid, NULL) FROM pg_sequence WHERE seqrelid = to_regclass($2)),
@@ -1184,71 +1128,85 @@ impl Statements {
                         (SELECT format('%I.%I', n.nspname, c.relname)
                            FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                           WHERE c.oid = to_regclass($3) AND c.oid IS DISTINCT FROM to_regclass($1))",
-                &[(t, Type::TEXT), (s, Type::TEXT), (&bare, Type::TEXT)],
+                &[Param::Text(t), Param::Text(s), Param::OptText(bare)],
+                Sent::Unnamed,
             )
             .await?;
         let columns = client
-            .query_typed(
+            .query(
                 "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull, atthasdef
                    FROM pg_attribute
                   WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped
                   ORDER BY attnum",
-                &[(t, Type::TEXT)],
+                &[Param::Text(t)],
+                Sent::Unnamed,
             )
             .await?;
         let mut shape = Shape::default();
         if let Some(r) = rel.first() {
-            shape.table_kind = r.try_get(0)?;
-            shape.sequence_kind = r.try_get(1)?;
-            shape.sequence_type = r.try_get(2)?;
-            shape.sequence_increment = r.try_get(3)?;
-            shape.sequence_cache = r.try_get(4)?;
-            shape.sequence_cycle = r.try_get(5)?;
-            shape.primary_key = r.try_get(6)?;
-            shape.sequence_owned = r.try_get(7)?;
-            shape.shadowed_by = r.try_get(8)?;
+            shape.table_kind = r.col(0)?;
+            shape.sequence_kind = r.col(1)?;
+            shape.sequence_type = r.col(2)?;
+            shape.sequence_increment = r.col(3)?;
+            shape.sequence_cache = r.col(4)?;
+            shape.sequence_cycle = r.col(5)?;
+            shape.primary_key = r.col(6)?;
+            shape.sequence_owned = r.col(7)?;
+            shape.shadowed_by = r.col(8)?;
         }
         for r in &columns {
             shape.columns.push(Column {
-                name: r.try_get(0)?,
-                type_name: r.try_get(1)?,
-                not_null: r.try_get(2)?,
-                has_default: r.try_get(3)?,
+                name: r.col(0)?,
+                type_name: r.col(1)?,
+                not_null: r.col(2)?,
+                has_default: r.col(3)?,
             });
         }
         Ok(shape)
     }
 
     /// The table's largest token and its sequence's last value.
-    async fn tokens(&self, client: &Client) -> Result<(Option<i64>, Option<i64>), PgError> {
-        let row = client
-            .query_typed_one(
-                &format!(
-                    "SELECT (SELECT max(token) FROM {}), pg_sequence_last_value(to_regclass($1))",
-                    self.table
-                ),
-                &[(&self.sequence, Type::TEXT)],
-            )
+    async fn tokens(&self, client: &impl Exec) -> Result<(Option<i64>, Option<i64>), SqlError> {
+        let text = format!(
+            "SELECT (SELECT max(token) FROM {}), pg_sequence_last_value(to_regclass($1))",
+            self.table
+        );
+        let rows = client
+            .query(&text, &[Param::Text(&self.sequence)], Sent::Unnamed)
             .await?;
-        Ok((row.try_get(0)?, row.try_get(1)?))
+        match rows.first() {
+            Some(row) => Ok((row.col(0)?, row.col(1)?)),
+            None => Ok((None, None)),
+        }
+    }
+
+    /// Runs `text` (simple statements) in a transaction holding the
+    /// transaction-scoped advisory lock [`INSTALL_LOCK_KEY`], waiting up to
+    /// `wait` for it.
+    async fn under_install_lock(
+        client: &mut impl Conn,
+        wait: Duration,
+        text: &str,
+    ) -> Result<(), Error> {
+        let tx = client.begin().await?;
+        xact_lock_on(&tx, INSTALL_LOCK_KEY, LockMode::Exclusive, Some(wait)).await?;
+        tx.batch(text).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Adds the [`RENEWED_AT`] column to a table made by an earlier
     /// pgwarden, inside a transaction holding [`INSTALL_LOCK_KEY`] (as the
     /// DDL does), waiting at most [`MIGRATE_LOCK_WAIT`] for the table's lock.
-    async fn add_stamp(&self, client: &mut Client, wait: Duration) -> Result<(), Error> {
-        let tx = client.transaction().await?;
-        xact_lock(&tx, INSTALL_LOCK_KEY, LockMode::Exclusive, Some(wait)).await?;
+    async fn add_stamp(&self, client: &mut impl Conn, wait: Duration) -> Result<(), Error> {
         // `IF NOT EXISTS`: another instance may have added it while this
         // one waited for the install lock.
-        tx.batch_execute(&format!(
+        let text = format!(
             "SET LOCAL lock_timeout = '{}ms'; ALTER TABLE {} ADD COLUMN IF NOT EXISTS {RENEWED_AT} timestamptz",
             lock_ms(MIGRATE_LOCK_WAIT),
             self.table
-        ))
-        .await?;
-        tx.commit().await?;
-        Ok(())
+        );
+        Self::under_install_lock(client, wait, &text).await
     }
 
     /// Creates the table and its sequence when either is missing, inside a
@@ -1259,7 +1217,7 @@ impl Statements {
     /// exists.
     pub(crate) async fn install(
         &self,
-        client: &mut Client,
+        client: &mut impl Conn,
         wait: Duration,
         table_name: &str,
         bare: Option<&str>,
@@ -1267,12 +1225,9 @@ impl Statements {
         let mut ran = false;
         let mut shape = self.shape(client, bare).await?;
         if shape.is_missing() {
-            let tx = client.transaction().await?;
-            xact_lock(&tx, INSTALL_LOCK_KEY, LockMode::Exclusive, Some(wait)).await?;
             // `IF NOT EXISTS`: another instance may have created it while
             // this one waited for the lock.
-            tx.batch_execute(&self.ddl).await?;
-            tx.commit().await?;
+            Self::under_install_lock(client, wait, &self.ddl).await?;
             ran = true;
             shape = self.shape(client, bare).await?;
         }
@@ -1445,18 +1400,18 @@ fn from_epoch(s: f64) -> SystemTime {
 /// NULLs in their place).
 const LEASE_ROW_TTL: usize = 12;
 
-fn lease_row(r: &Row) -> Result<LeaseRow, PgError> {
+fn lease_row<R: Row>(r: &R) -> Result<LeaseRow, SqlError> {
     Ok(LeaseRow {
-        name: r.try_get(0)?,
-        holder: r.try_get(1)?,
-        token: r.try_get(2)?,
-        taken_at: from_epoch(r.try_get(3)?),
-        expires_in_s: r.try_get(4)?,
-        live: r.try_get(5)?,
-        held_until: r.try_get::<_, Option<f64>>(6)?.map(from_epoch),
-        prev_holder: r.try_get(7)?,
+        name: r.col(0)?,
+        holder: r.col(1)?,
+        token: r.col(2)?,
+        taken_at: from_epoch(r.col(3)?),
+        expires_in_s: r.col(4)?,
+        live: r.col(5)?,
+        held_until: r.col::<Option<f64>>(6)?.map(from_epoch),
+        prev_holder: r.col(7)?,
         ttl: r
-            .try_get::<_, Option<f64>>(LEASE_ROW_TTL)?
+            .col::<Option<f64>>(LEASE_ROW_TTL)?
             .and_then(|s| Duration::try_from_secs_f64(s).ok()),
         blocker_pid: None,
         blocker_application_name: None,
@@ -1466,13 +1421,13 @@ fn lease_row(r: &Row) -> Result<LeaseRow, PgError> {
 }
 
 /// A row of [`rows_sql`]: the lease columns, then its blocker's.
-fn lease_row_blocked(r: &Row) -> Result<LeaseRow, PgError> {
+fn lease_row_blocked<R: Row>(r: &R) -> Result<LeaseRow, SqlError> {
     Ok(LeaseRow {
-        blocker_pid: r.try_get(8)?,
-        blocker_application_name: r.try_get(9)?,
-        blocker_state: r.try_get(10)?,
+        blocker_pid: r.col(8)?,
+        blocker_application_name: r.col(9)?,
+        blocker_state: r.col(10)?,
         blocker_state_for: r
-            .try_get::<_, Option<f64>>(11)?
+            .col::<Option<f64>>(11)?
             .map(|s| Duration::try_from_secs_f64(s).unwrap_or_default()),
         ..lease_row(r)?
     })
@@ -1491,14 +1446,14 @@ pub(crate) fn wait_ms(timeout: Duration) -> i32 {
 impl LeaseStatement for ReadRows {
     type Out = Vec<LeaseRow>;
     const WHAT: &'static str = "listing";
-    async fn exec<'a>(
+    async fn exec<'a, C: Conn>(
         &'a self,
         sql: &'a Statements,
-        client: &'a mut Client,
+        client: &'a mut C,
         call: Call,
-    ) -> Result<Self::Out, PgError> {
+    ) -> Result<Self::Out, SqlError> {
         client
-            .query_typed(&rows_sql(&sql.table, call.stamped), &[])
+            .query(&rows_sql(&sql.table, call.stamped), &[], Sent::Unnamed)
             .await?
             .iter()
             .map(lease_row_blocked)
@@ -1542,16 +1497,17 @@ RETURNING o.name, o.holder, o.token, extract(epoch FROM o.taken_at)::float8,
 impl LeaseStatement for Revoke<'_> {
     type Out = Option<LeaseRow>;
     const WHAT: &'static str = "revocation";
-    async fn exec<'a>(
+    async fn exec<'a, C: Conn>(
         &'a self,
         sql: &'a Statements,
-        client: &'a mut Client,
+        client: &'a mut C,
         call: Call,
-    ) -> Result<Self::Out, PgError> {
+    ) -> Result<Self::Out, SqlError> {
         let rows = client
-            .query_typed(
+            .query(
                 &revoke_sql(&sql.table, call.stamped),
-                &[(&self.name, Type::TEXT), (&self.wait_ms, Type::INT4)],
+                &[Param::Text(self.name), Param::Int4(self.wait_ms)],
+                Sent::Unnamed,
             )
             .await?;
         rows.first().map(lease_row).transpose()
@@ -1564,12 +1520,12 @@ pub(crate) trait LeaseStatement: Sync {
     /// What it is, in errors and metrics: `acquisition`, `renewal`…
     const WHAT: &'static str;
     /// Runs it once on `client`, named (prepared, cached) or unnamed.
-    fn exec<'a>(
+    fn exec<'a, C: Conn>(
         &'a self,
         sql: &'a Statements,
-        client: &'a mut Client,
+        client: &'a mut C,
         call: Call,
-    ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a;
+    ) -> impl Future<Output = Result<Self::Out, SqlError>> + Send + 'a;
     /// What the server ending one of its lock waits (`lock_timeout`) means
     /// for it: `None`, a [`LeaseError::Timeout`]; an acquisition's take-over
     /// answers busy instead.
@@ -1587,6 +1543,13 @@ pub(crate) struct Call {
     pub(crate) stamped: bool,
 }
 
+impl Call {
+    /// How the statement layer sends it.
+    pub(crate) fn how(self) -> Sent {
+        Sent::named(self.named)
+    }
+}
+
 /// Implements [`LeaseStatement`] for `$ty`: `$out` from the `Statements`
 /// call `$body` makes with the statement `$s`, the statements `$sql`, the
 /// client `$c` and how it is sent, `$call`.
@@ -1595,12 +1558,12 @@ macro_rules! lease_statement {
         impl LeaseStatement for $ty {
             type Out = $out;
             const WHAT: &'static str = $what;
-            fn exec<'a>(
+            fn exec<'a, C: Conn>(
                 &'a self,
                 $sql: &'a Statements,
-                $c: &'a mut Client,
+                $c: &'a mut C,
                 $call: Call,
-            ) -> impl Future<Output = Result<Self::Out, PgError>> + Send + 'a {
+            ) -> impl Future<Output = Result<Self::Out, SqlError>> + Send + 'a {
                 let $s = self;
                 $body
             }
@@ -1631,12 +1594,12 @@ pub(crate) struct Acquire<'a> {
 impl LeaseStatement for Acquire<'_> {
     type Out = Result<Taken, Busy>;
     const WHAT: &'static str = "acquisition";
-    async fn exec(
+    async fn exec<C: Conn>(
         &self,
         sql: &Statements,
-        c: &mut Client,
+        c: &mut C,
         call: Call,
-    ) -> Result<Result<Taken, Busy>, PgError> {
+    ) -> Result<Result<Taken, Busy>, SqlError> {
         let taken = sql
             .acquire(c, call, self.name, self.holder, self.ttl, self.hold)
             .await?;
@@ -1661,23 +1624,26 @@ impl LeaseStatement for ReleaseBatch {
     /// (`lock_timeout`): nothing was released, each is tried alone.
     type Out = Option<Vec<String>>;
     const WHAT: &'static str = "release";
-    async fn exec(
+    async fn exec<C: Conn>(
         &self,
         sql: &Statements,
-        c: &mut Client,
+        c: &mut C,
         call: Call,
-    ) -> Result<Option<Vec<String>>, PgError> {
-        let rows = query(
-            c,
-            call.named,
-            &sql.release_batch,
-            RELEASE_BATCH_TYPES,
-            &[&self.names, &self.holders, &self.forget_hold],
-        )
-        .await?;
+    ) -> Result<Option<Vec<String>>, SqlError> {
+        let rows = c
+            .query(
+                &sql.release_batch,
+                &[
+                    Param::Strings(&self.names),
+                    Param::Strings(&self.holders),
+                    Param::Strings(&self.forget_hold),
+                ],
+                call.how(),
+            )
+            .await?;
         rows.iter()
-            .map(|r| r.try_get(0))
-            .collect::<Result<_, _>>()
+            .map(|r| r.col(0))
+            .collect::<Result<_, SqlError>>()
             .map(Some)
     }
     fn on_lock_timeout() -> Option<Option<Vec<String>>> {
@@ -1701,12 +1667,12 @@ impl LeaseStatement for AcquireBatch {
     /// (`lock_timeout`): nothing was taken, each acquisition is tried alone.
     type Out = Option<Vec<(String, Taken)>>;
     const WHAT: &'static str = "acquisition";
-    async fn exec(
+    async fn exec<C: Conn>(
         &self,
         sql: &Statements,
-        c: &mut Client,
+        c: &mut C,
         call: Call,
-    ) -> Result<Option<Vec<(String, Taken)>>, PgError> {
+    ) -> Result<Option<Vec<(String, Taken)>>, SqlError> {
         sql.acquire_batch(c, call, self).await.map(Some)
     }
     fn on_lock_timeout() -> Option<Option<Vec<(String, Taken)>>> {
@@ -1720,7 +1686,7 @@ pub(crate) struct FreeIn<'a> {
 }
 
 lease_statement!(FreeIn<'_>, Option<f64>, "busy check", |s, sql, c, call| sql
-    .free_in(c, call.named, s.name));
+    .free_in(c, call, s.name));
 
 /// The session holding a lock on a name's row (a blocked take-over's log).
 pub(crate) struct Blocker<'a> {
@@ -1731,7 +1697,7 @@ lease_statement!(
     Blocker<'_>,
     Option<RowLocker>,
     "busy check",
-    |s, sql, c, call| sql.blocker(c, call.named, s.name)
+    |s, sql, c, call| sql.blocker(c, call, s.name)
 );
 
 /// One batched renewal.
@@ -1759,7 +1725,7 @@ pub(crate) struct Release<'a> {
 
 lease_statement!(Release<'_>, bool, "release", |s, sql, c, call| sql.release(
     c,
-    call.named,
+    call,
     s.name,
     s.holder,
     s.keep_hold
@@ -1775,9 +1741,11 @@ lease_statement!(
     Vec<(String, String, i64)>,
     "renewal",
     |s, sql, c, call| async move {
-        let rows = query(c, call.named, &sql.terms, &[Type::TEXT_ARRAY], &[&s.names]).await?;
+        let rows = c
+            .query(&sql.terms, &[Param::Texts(&s.names)], call.how())
+            .await?;
         rows.iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .map(|r| Ok((r.col(0)?, r.col(1)?, r.col(2)?)))
             .collect()
     }
 );
@@ -1786,7 +1754,7 @@ lease_statement!(
 pub(crate) struct PurgeMarkStmt;
 
 lease_statement!(PurgeMarkStmt, PurgeMark, "purge", |_s, sql, c, call| sql
-    .purge_mark(c, call.named));
+    .purge_mark(c, call));
 
 /// One sweep statement of a purge round.
 pub(crate) struct PurgeSweep<'a> {
@@ -1796,7 +1764,7 @@ pub(crate) struct PurgeSweep<'a> {
 }
 
 lease_statement!(PurgeSweep<'_>, Option<u64>, "purge", |s, sql, c, call| sql
-    .purge_sweep(c, call.named, s.mark, s.age, s.limit));
+    .purge_sweep(c, call, s.mark, s.age, s.limit));
 
 /// What an install did and found.
 #[derive(Clone, Debug)]

@@ -15,13 +15,12 @@
 use std::panic::Location;
 use std::time::{Duration, Instant};
 
-use tokio_postgres::types::{ToSql, Type};
-
-use super::{lock_fn, LockKey, LockMode, Scope};
+use super::{key_params, lock_fn, on, LockKey, LockMode, Scope};
 use crate::admission::Lane;
 use crate::error::{Error, LockError};
 use crate::pool::{Client, Pool};
 use crate::pooler::{backend_pid, Motion, MOTION_STATEMENTS};
+use crate::stmt::{Exec, Param, Row};
 
 /// What a guard's statement does on the lock's backend.
 #[derive(Copy, Clone, Debug)]
@@ -41,7 +40,7 @@ pub(crate) enum Act {
 /// backend it ran on, and PostgreSQL's answer when that was `pid`
 /// (`UnlockAll` answers true).
 pub(crate) async fn on_backend(
-    c: &tokio_postgres::Client,
+    c: &impl Exec,
     pid: i32,
     act: Act,
     key: LockKey,
@@ -72,12 +71,11 @@ pub(crate) async fn on_backend(
         }
     };
     let sql = format!("SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $1 THEN {call} END");
-    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&pid, Type::INT4)];
-    if !matches!(act, Act::UnlockAll) {
-        params.extend(key.params());
-    }
-    let row = c.query_typed_one(&sql, &params).await?;
-    Ok((row.try_get(0)?, row.try_get(1)?))
+    let (k, n) = key_params(key);
+    let params = [Param::Int4(pid), k[0], k[1]];
+    let n = if matches!(act, Act::UnlockAll) { 0 } else { n };
+    let row = c.query_one(&sql, &params[..1 + n]).await?;
+    Ok((row.col(0)?, row.col(1)?))
 }
 
 fn unlock_fn(mode: LockMode) -> &'static str {
@@ -118,7 +116,7 @@ impl Check {
                     0 | 1 => n,
                     _ => usize::from(rand::random::<bool>()),
                 };
-                let pid = backend_pid([&**lock_conn, &*other][i]).await?;
+                let pid = backend_pid([on(lock_conn), on(&other)][i]).await?;
                 if motion.observe(i, pid) {
                     return Ok::<_, Error>(true);
                 }
@@ -158,7 +156,7 @@ impl Check {
         }
         crate::pooler::proven_by_lock(pool);
         let bound = super::unlock_timeout(pool);
-        if reach(&[lock_conn, &self.other], held_on, key, mode, bound).await {
+        if reach(&[on(lock_conn), on(&self.other)], held_on, key, mode, bound).await {
             Err(Error::Lock(LockError::BehindPooler {
                 how: "detected at the lock",
             }))
@@ -172,8 +170,8 @@ impl Check {
 /// Sends, from `conns` in turn, the unlock of every level of `key` that
 /// acts only on backend `held_on`, until one lands there or `bound` passes.
 /// True once released there (or found not held there any more).
-pub(crate) async fn reach(
-    conns: &[&tokio_postgres::Client],
+pub(crate) async fn reach<C: Exec>(
+    conns: &[&C],
     held_on: i32,
     key: LockKey,
     mode: LockMode,
@@ -183,7 +181,7 @@ pub(crate) async fn reach(
     let deadline = crate::pool::deadline(tokio::time::Instant::now(), bound);
     let attempt = async {
         for c in conns.iter().cycle() {
-            match on_backend(c, held_on, Act::UnlockKey, key, mode).await {
+            match on_backend(*c, held_on, Act::UnlockKey, key, mode).await {
                 Ok((_, Some(_))) => return true,
                 Ok((_, None)) => {}
                 Err(e) => {

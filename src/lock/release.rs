@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::pooled::{self, Act};
-use super::{LockKey, LockMode};
+use super::{on, LockKey, LockMode};
 use crate::error::{Error, LockError};
 use crate::pool::{Client, Shared};
+use crate::stmt::Exec;
 
 /// Per-pool tallies of the lock machinery, in the pool's extension slot.
 #[derive(Debug, Default)]
@@ -153,7 +154,7 @@ impl Held {
         // calls this exists.
         let held_on = self.lock_pid.expect("lock pid set at the grant"); // infallible
         let (ran_on, answer) =
-            pooled::on_backend(self.conn(), held_on, act, self.key, self.mode).await?;
+            pooled::on_backend(on(self.conn()), held_on, act, self.key, self.mode).await?;
         if let Some(answer) = answer {
             return Ok(answer);
         }
@@ -167,7 +168,7 @@ impl Held {
             }));
         }
         let released = pooled::reach(
-            &[self.conn()],
+            &[on(self.conn())],
             held_on,
             self.key,
             self.mode,
@@ -261,12 +262,12 @@ async fn unlock_all(
     bound: Duration,
 ) -> Result<(), Error> {
     let Some(held_on) = lock_pid else {
-        conn.simple_query("SELECT pg_advisory_unlock_all()").await?;
+        on(conn).batch("SELECT pg_advisory_unlock_all()").await?;
         return Ok(());
     };
-    let (ran_on, done) = pooled::on_backend(conn, held_on, Act::UnlockAll, key, mode).await?;
+    let (ran_on, done) = pooled::on_backend(on(conn), held_on, Act::UnlockAll, key, mode).await?;
     // Half the bound: the caller's timeout around this must not cut the report off.
-    if done.is_none() && !pooled::reach(&[conn], held_on, key, mode, bound / 2).await {
+    if done.is_none() && !pooled::reach(&[on(conn)], held_on, key, mode, bound / 2).await {
         return Err(pooled::stranded(key, held_on, ran_on));
     }
     Ok(())

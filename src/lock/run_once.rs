@@ -6,13 +6,13 @@ use std::time::{Duration, Instant, SystemTime};
 
 use deadpool_postgres::Transaction;
 use futures_util::future::BoxFuture;
-use tokio_postgres::types::Type;
 use tokio_postgres::IsolationLevel;
 
-use super::{xact_lock, LockKey, LockMode, Namespace};
+use super::{xact_lock_on, LockKey, LockMode, Namespace};
 use crate::admission::Lane;
 use crate::error::{check_text_name, Error, LockError};
 use crate::pool::{Client, Pool};
+use crate::stmt::{Exec, Param, Row, Sent, SqlError};
 
 /// The ledger of [`Pool::migrate_once`]: one row per name that ran.
 pub(crate) const RUN_ONCE_LEDGER: &str = "pgwarden_run_once";
@@ -72,7 +72,7 @@ where
     let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
     conn.set_note(Some(format!("transaction lock {key}")));
     let tx = begin(&mut conn).await?;
-    xact_lock(
+    xact_lock_on(
         &tx,
         key,
         LockMode::Exclusive,
@@ -102,7 +102,7 @@ where
     conn.set_note(Some(format!("migrate_once {name}")));
     ensure_ledger(&mut conn, left()).await?;
     let tx = begin(&mut conn).await?;
-    xact_lock(
+    xact_lock_on(
         &tx,
         Namespace::PGWARDEN.named(name),
         LockMode::Exclusive,
@@ -110,14 +110,15 @@ where
     )
     .await?;
     let done = tx
-        .query_typed_opt(
+        .query_opt(
             "SELECT ran_at FROM pgwarden_run_once WHERE name = $1",
-            &[(&name, Type::TEXT)],
+            &[Param::Text(name)],
+            Sent::Unnamed,
         )
         .await
         .map_err(Error::from)?;
     if let Some(row) = done {
-        let ran_at = row.try_get(0).map_err(Error::from)?;
+        let ran_at = row.col(0).map_err(Error::from)?;
         tx.rollback().await.map_err(Error::from)?;
         return Ok(Migrated::Skipped { ran_at });
     }
@@ -131,12 +132,13 @@ where
                 })
             };
             let record = tx
-                .query_typed(
+                .execute(
                     "INSERT INTO pgwarden_run_once (name) VALUES ($1)",
-                    &[(&name, Type::TEXT)],
+                    &[Param::Text(name)],
+                    Sent::Unnamed,
                 )
                 .await;
-            if let Err(e) = record {
+            if let Err(SqlError::Postgres(e)) = record {
                 // The transaction is aborted: nothing of it can commit.
                 rollback(tx).await;
                 return Err(not_recorded(true, e).into());
@@ -197,21 +199,21 @@ async fn rollback(tx: Transaction<'_>) {
 /// Creates the ledger table once, under its own lock: concurrent
 /// `CREATE TABLE IF NOT EXISTS` would otherwise race on the catalog.
 async fn ensure_ledger(conn: &mut Client, timeout: Duration) -> Result<(), Error> {
-    let exists: bool = conn
-        .query_typed_one("SELECT to_regclass('pgwarden_run_once') IS NOT NULL", &[])
+    let exists: bool = super::on(conn)
+        .query_one("SELECT to_regclass('pgwarden_run_once') IS NOT NULL", &[])
         .await?
-        .try_get(0)?;
+        .col(0)?;
     if exists {
         return Ok(());
     }
     let tx = begin(conn).await?;
-    xact_lock(
+    xact_lock_on(
         &tx,
         Namespace::PGWARDEN.named(RUN_ONCE_LEDGER),
         LockMode::Exclusive,
         Some(timeout),
     )
     .await?;
-    tx.batch_execute(LEDGER_DDL).await?;
+    tx.batch(LEDGER_DDL).await?;
     Ok(tx.commit().await?)
 }

@@ -5,14 +5,13 @@ use std::fmt;
 use std::panic::Location;
 use std::time::{Duration, Instant};
 
-use tokio_postgres::types::Type;
-
 use super::pooled::{self, Act};
 use super::release::{Held, Tally};
-use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
+use super::{key_params, lock_error, lock_fn, lock_timeout_setting, on, LockKey, LockMode, Scope};
 use crate::admission::Lane;
 use crate::error::{Error, LockError};
 use crate::pool::{Client, Pool};
+use crate::stmt::{Exec, Param, Row};
 
 /// A held session advisory lock: owns the connection it was taken on, for as
 /// long as it is held, and unlocks on that same connection.
@@ -225,13 +224,10 @@ pub(crate) async fn acquire(
         Some(timeout) => {
             let setting = lock_timeout_setting(timeout.saturating_sub(start.elapsed()));
             let sql = bounded_session_sql(key, mode);
-            let mut params = vec![(
-                &setting as &(dyn tokio_postgres::types::ToSql + Sync),
-                Type::TEXT,
-            )];
-            params.extend(key.params());
+            let (k, n) = key_params(key);
+            let params = [Param::Text(&setting), k[0], k[1]];
             held.set_dirty();
-            match held.conn().query_typed_one(&sql, &params).await {
+            match on(held.conn()).query_one(&sql, &params[..1 + n]).await {
                 Ok(row) => row,
                 Err(e) => {
                     let e = lock_error(e, key, timeout);
@@ -250,12 +246,13 @@ pub(crate) async fn acquire(
                 key.placeholders(1)
             );
             held.set_dirty();
-            held.conn().query_typed_one(&sql, &key.params()).await?
+            let (k, n) = key_params(key);
+            on(held.conn()).query_one(&sql, &k[..n]).await?
         }
     };
     // The waiting form returns void once granted; the try form, whether.
-    let granted = wait.is_some() || row.try_get::<_, bool>(0)?;
-    let pid: i32 = row.try_get(1)?;
+    let granted = wait.is_some() || row.col::<bool>(0)?;
+    let pid: i32 = row.col(1)?;
     if !granted {
         held.released();
         return Ok(None);

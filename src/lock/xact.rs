@@ -8,11 +8,11 @@
 
 use std::time::Duration;
 
-use tokio_postgres::types::Type;
 use tokio_postgres::Transaction;
 
-use super::{lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
+use super::{key_params, lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
 use crate::error::Error;
+use crate::stmt::{Exec, Param, Row, Sent};
 
 /// Takes the transaction-scoped advisory lock `key` in `mode`: tries once
 /// when `wait` is `None`, or waits up to `wait`.
@@ -51,6 +51,16 @@ pub async fn xact_lock(
     mode: LockMode,
     wait: Option<Duration>,
 ) -> Result<bool, Error> {
+    xact_lock_on(tx, key, mode, wait).await
+}
+
+/// [`xact_lock`] in a transaction of any backend.
+pub(crate) async fn xact_lock_on(
+    tx: &impl Exec,
+    key: LockKey,
+    mode: LockMode,
+    wait: Option<Duration>,
+) -> Result<bool, Error> {
     match wait {
         Some(timeout) => bounded(tx, key, mode, timeout).await.map(|()| true),
         None => attempt(tx, key, mode).await,
@@ -77,32 +87,33 @@ pub(crate) fn bounded_xact_sql(key: LockKey, mode: LockMode) -> String {
 }
 
 async fn bounded(
-    tx: &Transaction<'_>,
+    tx: &impl Exec,
     key: LockKey,
     mode: LockMode,
     timeout: Duration,
 ) -> Result<(), Error> {
     let setting = lock_timeout_setting(timeout);
     let sql = bounded_xact_sql(key, mode);
-    let mut params = vec![(
-        &setting as &(dyn tokio_postgres::types::ToSql + Sync),
-        Type::TEXT,
-    )];
-    params.extend(key.params());
-    tx.query_typed_one(&sql, &params)
+    let (k, n) = key_params(key);
+    let params = [Param::Text(&setting), k[0], k[1]];
+    tx.query(&sql, &params[..1 + n], Sent::Unnamed)
         .await
         .map(drop)
         .map_err(|e| lock_error(e, key, timeout))
 }
 
-async fn attempt(tx: &Transaction<'_>, key: LockKey, mode: LockMode) -> Result<bool, Error> {
+async fn attempt(tx: &impl Exec, key: LockKey, mode: LockMode) -> Result<bool, Error> {
     let sql = format!(
         "SELECT {}({})",
         lock_fn(Scope::Xact, mode, false),
         key.placeholders(1)
     );
-    let row = tx.query_typed_one(&sql, &key.params()).await?;
-    Ok(row.try_get::<_, bool>(0)?)
+    let (k, n) = key_params(key);
+    let row = tx.query(&sql, &k[..n], Sent::Unnamed).await?;
+    match row.first() {
+        Some(r) => Ok(r.col::<bool>(0)?),
+        None => Ok(false),
+    }
 }
 
 #[cfg(test)]

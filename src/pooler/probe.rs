@@ -30,6 +30,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::tls::{ChannelBinding, TlsConnect, TlsStream};
 
 use crate::error::Error;
+use crate::stmt::{Exec, Row};
 
 /// Probe statements after the first one per client, through a proxy, before
 /// the mode is taken to keep sessions. Each is a `SELECT pg_backend_pid()`.
@@ -100,9 +101,9 @@ impl Motion {
 }
 
 /// The backend a statement runs on now.
-pub(crate) async fn backend_pid(c: &tokio_postgres::Client) -> Result<i32, Error> {
-    let row = c.query_typed_one("SELECT pg_backend_pid()", &[]).await?;
-    Ok(row.try_get(0)?)
+pub(crate) async fn backend_pid(c: &impl Exec) -> Result<i32, Error> {
+    let row = c.query_one("SELECT pg_backend_pid()", &[]).await?;
+    Ok(row.col(0)?)
 }
 
 /// The first step, with one client: the backend a statement runs on

@@ -225,3 +225,76 @@ async fn rows_from_an_older_pgwarden_or_edited_by_hand_read_as_no_ttl() {
     let r = rows.iter().find(|r| r.name == "infinite-expiry").unwrap();
     assert_eq!(r.ttl, None, "{r:?}");
 }
+
+/// Hostile: installs on a 0.1 table dropped at random points (before,
+/// during and after the `ALTER TABLE`), while another instance takes and
+/// releases leases and reads the rows. Afterwards no session of the pool is
+/// left in a transaction or holding the install lock, the column is there
+/// once, and leases work.
+#[tokio::test(flavor = "multi_thread")]
+async fn installs_dropped_mid_migration_leave_nothing_behind() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    admin.batch_execute(LEASES_DDL_0_1).await.unwrap();
+    let app = "ttl-dropped";
+    let pool = pool(&db, 8, app);
+    let worker = Leases::builder(&pool).auto_install(false).build().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (worker, stop) = (worker.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut n = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let name = format!("w{}", n % 7);
+                if let Some(l) = worker
+                    .acquire(&name, &LeaseOptions::new(S), None)
+                    .await
+                    .unwrap()
+                {
+                    l.release().await.unwrap();
+                }
+                worker.rows().await.unwrap();
+                n += 1;
+            }
+            n
+        })
+    };
+    for i in 0..40u64 {
+        let l = Leases::new(&pool);
+        // Dropped after 0 to ~8 ms: at any await point of the install.
+        let cut = Duration::from_micros((i * 7919) % 8000);
+        let _ = tokio::time::timeout(cut, l.install()).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(load.await.unwrap() > 0);
+    within(10 * S, "no session left in a transaction or on the install lock", async {
+        loop {
+            let left: i64 = admin
+                .query_one(
+                    "SELECT (SELECT count(*) FROM pg_stat_activity
+                              WHERE application_name = $1 AND state LIKE 'idle in transaction%')
+                          + (SELECT count(*) FROM pg_locks
+                              WHERE locktype = 'advisory' AND classid = 1885828964 AND objid = 594100531)",
+                    &[&app],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if left == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let l = Leases::new(&pool);
+    assert!(!l.install().await.expect("install after the dropped ones"));
+    assert!(has_column(&admin).await);
+    let lease = l
+        .acquire("after", &LeaseOptions::new(2 * S), None)
+        .await
+        .unwrap()
+        .expect("acquired");
+    assert_eq!(ttl_of(&l, "after").await, Some(2 * S));
+    lease.release().await.unwrap();
+}

@@ -1,0 +1,252 @@
+//! The statement layer: how every layer above the pool (leases, the
+//! census, locks, pooler detection) runs SQL, whatever the driver. Each
+//! statement's text, its parameters and the decoding of its rows exist
+//! once, above this layer; a backend implements [`Exec`] (run one
+//! statement, named or unnamed; a batch of simple statements), [`Conn`]
+//! (open a transaction), [`Tx`] (commit), [`Row`] (one typed column), and
+//! one line of the [`Value`] macro per type, and maps its errors to a
+//! [`SqlError`] that carries the SQLSTATE.
+//!
+//! The tokio-postgres / deadpool backend is `stmt/postgres.rs`. What a
+//! second backend (sqlx) must provide is written in ARCHITECTURE.md,
+//! "The statement layer".
+//!
+//! # Why here
+//!
+//! Below the layers that hold statements and above the driver: a statement
+//! binds [`Param`]s (the few types pgwarden's statements use) and reads
+//! columns through [`Row::col`]; nothing above names a driver type. The pool
+//! (checkout, pid, discard) stays the pool's.
+//!
+//! # Costs
+//!
+//! Parameters are a slice of [`Param`] (borrowed, no allocation); a backend
+//! binds them in place (tokio-postgres: `query_raw` / `query_typed_raw`
+//! over an iterator, no `Vec` of `&dyn ToSql`); rows are the driver's own,
+//! read by index. One future per statement.
+
+mod postgres;
+
+use std::fmt;
+use std::future::Future;
+
+/// One bound parameter, by its PostgreSQL type. Durations travel as
+/// `float8` seconds (`make_interval(secs => $n)` in the text); times come
+/// from the database clock, never bound.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Param<'a> {
+    /// `int4`
+    Int4(i32),
+    /// `int8`
+    Int8(i64),
+    /// `float8` (seconds, for intervals)
+    Float8(f64),
+    /// `text`
+    Text(&'a str),
+    /// `text`, NULL when `None`
+    OptText(Option<&'a str>),
+    /// `text[]`, from borrowed strings
+    Texts(&'a [&'a str]),
+    /// `text[]`, from owned strings
+    Strings(&'a [String]),
+    /// `int8[]`
+    Int8s(&'a [i64]),
+    /// `float8[]`
+    Float8s(&'a [f64]),
+}
+
+/// How a statement is sent.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Sent {
+    /// A named prepared statement, cached per connection: parsed and
+    /// planned once per connection (direct connections).
+    Prepared,
+    /// An unnamed statement, parsed and planned on every call: what works
+    /// behind a transaction-mode pooler.
+    Unnamed,
+}
+
+impl Sent {
+    /// Prepared when `named`.
+    pub(crate) fn named(named: bool) -> Sent {
+        if named {
+            Sent::Prepared
+        } else {
+            Sent::Unnamed
+        }
+    }
+}
+
+/// SQLSTATE codes pgwarden's logic branches on.
+pub(crate) mod code {
+    /// `serialization_failure`
+    pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
+    /// `lock_not_available` (a `lock_timeout` ran out)
+    pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
+    /// `in_failed_sql_transaction`
+    pub(crate) const IN_FAILED_SQL_TRANSACTION: &str = "25P02";
+    /// `undefined_column`
+    pub(crate) const UNDEFINED_COLUMN: &str = "42703";
+    /// `invalid_sql_statement_name` (a pooler lost a prepared statement)
+    pub(crate) const INVALID_SQL_STATEMENT_NAME: &str = "26000";
+    /// `duplicate_prepared_statement`
+    pub(crate) const DUPLICATE_PSTATEMENT: &str = "42P05";
+}
+
+/// An error of a statement: the server's (with its SQLSTATE), the
+/// connection's, or a column that did not decode. The backend's own error
+/// is kept whole, so that `crate::Error` hands deadpool users the
+/// `tokio_postgres::Error` they had before.
+pub(crate) enum SqlError {
+    /// tokio-postgres (the deadpool backend).
+    Postgres(tokio_postgres::Error),
+}
+
+impl SqlError {
+    /// The SQLSTATE, when the server sent one.
+    pub(crate) fn code(&self) -> Option<&str> {
+        match self {
+            SqlError::Postgres(e) => e.code().map(|c| c.code()),
+        }
+    }
+
+    /// The SQLSTATE is `code`.
+    pub(crate) fn is(&self, code: &str) -> bool {
+        self.code() == Some(code)
+    }
+}
+
+impl fmt::Debug for SqlError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SqlError::Postgres(e) => fmt::Debug::fmt(e, f),
+        }
+    }
+}
+
+impl fmt::Display for SqlError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SqlError::Postgres(e) => fmt::Display::fmt(e, f),
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for SqlError {
+    fn from(e: tokio_postgres::Error) -> SqlError {
+        SqlError::Postgres(e)
+    }
+}
+
+impl From<SqlError> for crate::error::Error {
+    fn from(e: SqlError) -> crate::error::Error {
+        match e {
+            SqlError::Postgres(e) => crate::error::Error::Db(e),
+        }
+    }
+}
+
+/// A result row, read by column index.
+pub(crate) trait Row: Send + Sync {
+    /// Column `i` as `T`: an error (never a panic) when it is out of range,
+    /// NULL for a `T` that is not an `Option`, or of another type.
+    fn col<T: Value>(&self, i: usize) -> Result<T, SqlError>;
+}
+
+/// A Rust type a column decodes into: each backend reads it its own way
+/// (one method per backend, implemented for every type below by one
+/// macro line).
+pub(crate) trait Value: Sized {
+    /// From a tokio-postgres row.
+    fn from_postgres(row: &tokio_postgres::Row, i: usize) -> Result<Self, SqlError>;
+}
+
+macro_rules! values {
+    ($($t:ty),* $(,)?) => {$(
+        impl Value for $t {
+            fn from_postgres(row: &tokio_postgres::Row, i: usize) -> Result<Self, SqlError> {
+                row.try_get(i).map_err(SqlError::from)
+            }
+        }
+        impl Value for Option<$t> {
+            fn from_postgres(row: &tokio_postgres::Row, i: usize) -> Result<Self, SqlError> {
+                row.try_get(i).map_err(SqlError::from)
+            }
+        }
+    )*};
+}
+
+values!(
+    bool,
+    i16,
+    i32,
+    i64,
+    u32, // oid
+    f64,
+    String,
+    std::time::SystemTime, // timestamptz
+    Vec<String>,
+    Vec<i32>,
+);
+
+/// What runs statements: a connection, or a transaction on one.
+pub(crate) trait Exec: Send + Sync {
+    /// Its rows.
+    type Row: Row;
+
+    /// Runs `text` with `params`, sent as `how`; its rows.
+    fn query<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+        how: Sent,
+    ) -> impl Future<Output = Result<Vec<Self::Row>, SqlError>> + Send + 'a;
+
+    /// Runs `text` with `params`, sent as `how`; the rows it affected.
+    fn execute<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+        how: Sent,
+    ) -> impl Future<Output = Result<u64, SqlError>> + Send + 'a;
+
+    /// Runs `text` with `params`, sent unnamed; its one row (an error, the
+    /// backend's own, when there is none or more than one).
+    fn query_one<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+    ) -> impl Future<Output = Result<Self::Row, SqlError>> + Send + 'a;
+
+    /// Runs `text`, one or more statements separated by `;` and without
+    /// parameters, with the simple-query protocol.
+    fn batch<'a>(&'a self, text: &'a str)
+        -> impl Future<Output = Result<(), SqlError>> + Send + 'a;
+
+    /// The first row, if any.
+    fn query_opt<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+        how: Sent,
+    ) -> impl Future<Output = Result<Option<Self::Row>, SqlError>> + Send + 'a {
+        async move { Ok(self.query(text, params, how).await?.into_iter().next()) }
+    }
+}
+
+/// A connection that can open a transaction.
+pub(crate) trait Conn: Exec {
+    /// Its transaction.
+    type Tx<'t>: Tx
+    where
+        Self: 't;
+
+    /// `BEGIN` (the session's default isolation).
+    fn begin(&mut self) -> impl Future<Output = Result<Self::Tx<'_>, SqlError>> + Send;
+}
+
+/// A transaction: dropped without [`Tx::commit`], it rolls back.
+pub(crate) trait Tx: Exec {
+    /// `COMMIT`.
+    fn commit(self) -> impl Future<Output = Result<(), SqlError>> + Send;
+}
