@@ -289,15 +289,25 @@ async fn a_probe_whose_client_goes_away_leaves_nothing_checked_out() {
     );
     drop(stopped);
 
-    // The next probe, on a new connection: ready.
-    let r = within(
-        LIMIT,
-        "the next probe",
-        request(addr, "GET", "/health/ready", LIMIT),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
+    // The next probes, on a new connection: ready. (The first may not be
+    // when connecting takes longer than the 2 s bound on a loaded machine;
+    // its connect goes on past the bound, and a later probe uses it.)
+    let mut last = String::new();
+    let ready = within(LIMIT, "a probe on a new connection to be ready", async {
+        loop {
+            let r = request(addr, "GET", "/health/ready", LIMIT).await.unwrap();
+            if r.status == 200 {
+                break r;
+            }
+            last = r.body;
+        }
+    })
+    .await;
+    assert!(
+        ready.body.contains("\"ready\":true"),
+        "{} (before: {last})",
+        ready.body
+    );
 
     // A probe future dropped while the probe runs (a server cancelling the
     // request): the same.
