@@ -125,8 +125,10 @@ async fn thirty_thousand_leaked_locks_do_not_stall_checkouts() {
     );
 
     // The leaker was found, logged once with its count, and closed.
+    // Ending a session releases its 30 000 locks: seconds on a loaded
+    // machine. The bound is only against a hang.
     eventually(
-        Duration::from_secs(10),
+        Duration::from_secs(60),
         "the leaking session ends",
         || async { !alive(&raw, leaked_pid).await },
     )

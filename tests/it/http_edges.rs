@@ -81,9 +81,13 @@ async fn nothing_out(pool: &Pool) {
 async fn readiness_answers_json_with_the_lanes_head_and_liveness() {
     let db = db().await;
     let pool = builder(&db, 4).build().unwrap();
+    // A bound of a minute, not the default second: this test is about the
+    // answer's form, and a probe (a first connection of the probe lane) on
+    // a loaded machine can take over a second. Bounds at work: the tests
+    // below and tests/it/slow_link.rs.
     let addr = serve(app(
         &pool,
-        Readiness::new(pool.clone()),
+        Readiness::new(pool.clone()).bound(LIMIT),
         ShedLayer::new(&pool),
     ))
     .await;
@@ -97,10 +101,10 @@ async fn readiness_answers_json_with_the_lanes_head_and_liveness() {
     assert!(
         v["probe_ms"]
             .as_f64()
-            .is_some_and(|ms| ms > 0.0 && ms < 1000.0),
+            .is_some_and(|ms| ms > 0.0 && ms < 60_000.0),
         "{v}"
     );
-    assert_eq!(v["bound_ms"], 1000.0);
+    assert_eq!(v["bound_ms"], 60_000.0);
     assert_eq!(
         v["lanes"]["request"],
         serde_json::json!({"in_use": 2, "pending": 0, "max": 3})
@@ -285,15 +289,25 @@ async fn a_probe_whose_client_goes_away_leaves_nothing_checked_out() {
     );
     drop(stopped);
 
-    // The next probe, on a new connection: ready.
-    let r = within(
-        LIMIT,
-        "the next probe",
-        request(addr, "GET", "/health/ready", LIMIT),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
+    // The next probes, on a new connection: ready. (The first may not be
+    // when connecting takes longer than the 2 s bound on a loaded machine;
+    // its connect goes on past the bound, and a later probe uses it.)
+    let mut last = String::new();
+    let ready = within(LIMIT, "a probe on a new connection to be ready", async {
+        loop {
+            let r = request(addr, "GET", "/health/ready", LIMIT).await.unwrap();
+            if r.status == 200 {
+                break r;
+            }
+            last = r.body;
+        }
+    })
+    .await;
+    assert!(
+        ready.body.contains("\"ready\":true"),
+        "{} (before: {last})",
+        ready.body
+    );
 
     // A probe future dropped while the probe runs (a server cancelling the
     // request): the same.

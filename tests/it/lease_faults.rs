@@ -157,21 +157,24 @@ async fn a_slow_batch_holds_up_no_other_lease() {
         .unwrap();
     let z_expires = expiry(&locker, "z").await;
 
-    // z: lost at its own deadline, not when x's batch gives up.
+    // z: lost at its own deadline, not when x's batch gives up. By the
+    // order of events, not a clock: z is lost before its expiry in the
+    // database (2 s after it was taken) while x, whose batch is stuck, is
+    // not lost yet (x's deadline, when its batch gives up, comes later). The
+    // bound is only against a hang.
     let (x_lost, z_lost) = (x.lost(), z.lost());
-    assert_eq!(within(3 * S, "z lost", z_lost).await, LostReason::Deadline);
+    assert_eq!(within(30 * S, "z lost", z_lost).await, LostReason::Deadline);
     let z_lost_at = SystemTime::now();
+    assert!(!x.is_lost(), "x's deadline is later");
     eprintln!(
         "slow batch: z lost {:?} after it was taken, {:.3} s before its expiry",
         z_start.elapsed(),
         ahead(z_lost_at, z_expires)
     );
-    assert!(z_start.elapsed() < 1900 * MS, "{:?}", z_start.elapsed());
     assert!(ahead(z_lost_at, z_expires) > 0.0);
-    assert!(!x.is_lost(), "x's deadline is later");
 
     // x: lost at its deadline, before its expiry in the database.
-    assert_eq!(within(4 * S, "x lost", x_lost).await, LostReason::Deadline);
+    assert_eq!(within(30 * S, "x lost", x_lost).await, LostReason::Deadline);
     let x_lost_at = SystemTime::now();
     eprintln!(
         "slow batch: x lost {:.3} s before its expiry",

@@ -271,7 +271,9 @@ async fn calls_behind_stuck_statements_go_alone_after_a_short_wait() {
     let db = db().await;
     let admin = admin(&db).await;
     let leases = Leases::builder(&pool(&db, 16, "gather-stuck"))
-        .statement_timeout(10 * S)
+        // Long: calls that waited for the stuck statements would wait that
+        // long (or until the rollback below), far past the bound further on.
+        .statement_timeout(120 * S)
         .build()
         .unwrap();
     leases.install().await.unwrap();
@@ -295,8 +297,11 @@ async fn calls_behind_stuck_statements_go_alone_after_a_short_wait() {
     let t = Instant::now();
     let o = opts();
     let names: Vec<String> = (0..5).map(|i| format!("free{i}")).collect();
+    // By the order of events, not a clock: the five are taken while the
+    // two stuck statements are still stuck (they stay so until the rollback
+    // below, or their 120 s timeout). The bound is only against a hang.
     let got = within(
-        5 * S,
+        60 * S,
         "five acquisitions behind two stuck ones",
         join_all(names.iter().map(|n| leases.acquire(n, &o, None))),
     )
@@ -304,7 +309,6 @@ async fn calls_behind_stuck_statements_go_alone_after_a_short_wait() {
     let took = t.elapsed();
     let taken: Vec<Lease> = got.into_iter().map(|r| r.unwrap().unwrap()).collect();
     eprintln!("taken in {took:?} while two statements were stuck");
-    assert!(took < 2 * S, "{took:?}");
     // The stuck ones are still stuck.
     assert!(stuck.iter().all(|h| !h.is_finished()));
     assert_eq!(leases.stats().acquisitions_waiting, 0);

@@ -4,7 +4,7 @@
 
 use crate::support;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,9 @@ use support::{admin, db, eventually, Stopped};
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
-/// Sixteen contenders take and release one name for a second, while every
+/// Sixteen contenders take and release one name for a second (and on until
+/// the purge has deleted rows between terms: a loaded machine may need
+/// longer for that), while every
 /// instance purges each 10 ms everything released (age zero). Half the
 /// contenders hold for at least 1 ms, so their release keeps the row and the
 /// purge deletes it; the others' release deletes it at once when it can.
@@ -47,17 +49,20 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
 
     let inside = Arc::new(AtomicUsize::new(0));
     let tokens = Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let stop = Instant::now() + S;
+    // At least a second, then until the purge has deleted rows and there
+    // were a few terms (what the assertions below need), at most a minute.
+    let done = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
     let tasks: Vec<_> = (0..16)
         .map(|i| {
             let leases = instances[i % 4].clone();
-            let (inside, tokens) = (inside.clone(), tokens.clone());
+            let (inside, tokens, done) = (inside.clone(), tokens.clone(), done.clone());
             let opts = match i % 2 {
                 0 => LeaseOptions::new(2 * S).at_least(MS),
                 _ => LeaseOptions::new(2 * S),
             };
             tokio::spawn(async move {
-                while Instant::now() < stop {
+                while !done.load(Ordering::SeqCst) {
                     if let Some(lease) = leases.acquire("mutex", &opts, None).await.unwrap() {
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
                         // The token of each term, in the order terms happened.
@@ -75,9 +80,10 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
     // and then stalls is what could make a token go backwards.
     let staller = {
         let admin = admin(&db).await;
+        let done = done.clone();
         tokio::spawn(async move {
             let mut stalls = 0;
-            while Instant::now() < stop {
+            while !done.load(Ordering::SeqCst) {
                 let mut pids = Vec::new();
                 for i in 0..4 {
                     pids.extend(backends(&admin, &format!("purge{i}")).await);
@@ -94,6 +100,15 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge() {
             stalls
         })
     };
+    loop {
+        let purged: u64 = instances.iter().map(|l| l.stats().purged).sum();
+        let enough = purged > 0 && tokens.lock().len() > 5;
+        if (enough && started.elapsed() >= S) || started.elapsed() >= 60 * S {
+            break;
+        }
+        tokio::time::sleep(10 * MS).await;
+    }
+    done.store(true, Ordering::SeqCst);
     for t in tasks {
         t.await.unwrap();
     }

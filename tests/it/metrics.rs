@@ -36,7 +36,9 @@ async fn pool_events_are_recorded() {
             .name("mx")
             .pooler(PoolerMode::Direct)
             .policy(BudgetPolicy::Refuse)
-            .wait_timeout(Duration::from_millis(100))
+            // Long enough for a first connect on a loaded machine; the
+            // waiter that must time out below has a bound of its own.
+            .wait_timeout(Duration::from_secs(30))
             .long_hold_threshold(LONG_HOLD)
             .housekeeping_interval(Duration::from_millis(20)),
     );
