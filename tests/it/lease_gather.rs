@@ -357,14 +357,20 @@ async fn callers_that_give_up_while_gathered_leave_nothing_held() {
     inserter.batch_execute("ROLLBACK").await.unwrap();
     // Nothing of this instance waits on the server, and a new acquisition
     // is taken at once: the two statements out were given back.
-    eventually(5 * S, "no backend of the instance waits", || async {
+    eventually(30 * S, "no backend of the instance waits", || async {
         support::leases::busy_backends(&admin, "gather-give-up").await == (0, 0)
     })
     .await;
-    let lease = within(S, "a new acquisition", leases.acquire("after", &o, None))
-        .await
-        .unwrap()
-        .expect("free");
+    // Half the 10 s statement timeout: an acquisition queued behind a
+    // statement that was not given back would wait for that timeout.
+    let lease = within(
+        5 * S,
+        "a new acquisition",
+        leases.acquire("after", &o, None),
+    )
+    .await
+    .unwrap()
+    .expect("free");
     lease.release().await.unwrap();
     // No statement took the names of the calls given up.
     let rows: i64 = admin
