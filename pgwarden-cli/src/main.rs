@@ -432,8 +432,12 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         }
         _ => {}
     }
-    let target = connect::parse(cli.url.as_deref())?;
-    let (pool, server) = connect::pool(&target).await?;
+    let mut target = connect::parse(cli.url.as_deref())?;
+    if matches!(cli.cmd, Cmd::Run(_) | Cmd::Revoke(_)) {
+        // They write: among several hosts, the one that takes writes.
+        target.need_writes();
+    }
+    let (pool, server) = connect::pool(&mut target).await?;
     let leases = pgwarden::Leases::builder(&pool)
         .table(table.as_str())
         .build()?;
