@@ -1440,9 +1440,10 @@ async fn output_survives_a_closed_pipe_groups_many_locks_filters_and_watches_thr
     .await;
     assert_eq!(one.len(), 1, "{one:?}");
     assert_eq!(one[0]["database"], db.name());
-    assert!(json(&url, &["locks", "--json", "--database", "nosuchdb"])
-        .await
-        .is_empty());
+    // A name that is no database: an error, not an empty list.
+    let out = cli(&url, &["locks", "--json", "--database", "nosuchdb"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(stderr(&out).contains("no database"), "{}", stderr(&out));
     // check: one finding for the session, and the waiter names its blocker.
     let out = cli(
         &url,
