@@ -62,6 +62,7 @@ impl Target {
         let hosts = self.config.get_hosts().len();
         if self.attrs.is_none() && hosts.max(self.config.get_hostaddrs().len()) > 1 {
             self.attrs = Some(Attrs::ReadWrite);
+            self.implied = true;
         }
     }
 }
@@ -143,6 +144,8 @@ pub(crate) struct Target {
     /// The server [`pool`] chose among the hosts: a configuration naming
     /// that host only.
     pub(crate) chosen: Option<tokio_postgres::Config>,
+    /// `attrs` is `read-write` because `run` or `revoke` writes, not given.
+    pub(crate) implied: bool,
 }
 
 impl fmt::Debug for Target {
@@ -380,6 +383,7 @@ pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
         attrs,
         pass_on: tls.pairs,
         chosen: None,
+        implied: false,
     })
 }
 
@@ -1450,7 +1454,8 @@ async fn probe(target: &Target, tls: &Tls) -> Result<(bool, bool), Failure> {
 /// standby, else, in a second round, any); asks it one question (the
 /// reachability check: no answer within the connect timeout, a paused
 /// PgBouncer included, is exit 69), then builds the pool the commands use
-/// on that server alone ([`Target::chosen`]). None kept: exit 69 when one
+/// on that server alone ([`Target::chosen`]); `load_balance_hosts=random`
+/// starts at a random host. None kept: exit 69 when one
 /// could not be reached or was not of the kind asked for, else 1 (each
 /// refused the login), naming each server.
 pub(crate) async fn pool(target: &mut Target) -> Result<(pgwarden::Pool, Server), Failure> {
@@ -1463,8 +1468,20 @@ pub(crate) async fn pool(target: &mut Target) -> Result<(pgwarden::Pool, Server)
         .max(target.config.get_hostaddrs().len());
     let mut failures: Vec<Failure> = Vec::new();
     let mut chosen = None;
+    // load_balance_hosts=random: a random first host, the others in turn.
+    let start = if target.config.get_load_balance_hosts()
+        == tokio_postgres::config::LoadBalanceHosts::Random
+    {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos() as usize);
+        nanos % n.max(1)
+    } else {
+        0
+    };
     'rounds: for round in [attrs, Attrs::Any] {
-        for i in 0..n.max(1) {
+        for k in 0..n.max(1) {
+            let i = (start + k) % n.max(1);
             let mut one = target.clone();
             if n > 1 {
                 one.config = one_host(&target.config, i);
@@ -1511,8 +1528,13 @@ pub(crate) async fn pool(target: &mut Target) -> Result<(pgwarden::Pool, Server)
                 Failure {
                     code,
                     message: format!(
-                        "no server kept of the {n} listed (target_session_attrs={}): {}",
+                        "no server kept of the {n} listed (target_session_attrs={}{}): {}",
                         attrs.as_str(),
+                        if target.implied {
+                            ", as this command writes"
+                        } else {
+                            ""
+                        },
                         each.join("; ")
                     ),
                 }
@@ -1567,6 +1589,42 @@ mod tests {
         assert!(split_tls("host=h dbname='x").is_err());
         assert!(split_tls("host").is_err());
         assert!("verify".parse::<SslMode>().is_err());
+        assert!("primary".parse::<Attrs>().is_ok());
+        assert!("master".parse::<Attrs>().is_err());
         assert_eq!("allow".parse::<SslMode>().unwrap(), SslMode::Prefer);
+    }
+
+    #[test]
+    fn the_commands_url_has_every_setting_but_the_password() {
+        let t = parse(Some(
+            "postgresql://u:secret@h1:5,h2:6/db?password=x&sslmode=disable&keepalives=0&application_name=a&application_name=b&target_session_attrs=primary&options=-c%20a%3Db",
+        ))
+        .unwrap();
+        let url = child_env(&t).remove(0).1;
+        assert!(
+            !url.contains("secret") && !url.contains("password"),
+            "{url}"
+        );
+        assert!(url.starts_with("postgresql://u@h1:5,h2:6/db?"), "{url}");
+        for part in [
+            "sslmode=disable",
+            "keepalives=0",
+            "application_name=b",
+            "target_session_attrs=primary",
+            "options=-c%20a%3Db",
+        ] {
+            assert!(url.contains(part), "{part} in {url}");
+        }
+        assert!(!url.contains("application_name=a"), "{url}");
+        let url = set_param(&url, "application_name", "pgwarden run x");
+        assert!(
+            url.ends_with("&application_name=pgwarden%20run%20x"),
+            "{url}"
+        );
+        assert_eq!(url.matches("application_name").count(), 1, "{url}");
+        let t = parse(Some("host=h1,h2 port=5 user=u password='s p' dbname=d")).unwrap();
+        let url = child_env(&t).remove(0).1;
+        assert!(url.starts_with("postgresql://u@h1:5,h2:5/d?"), "{url}");
+        assert!(!url.contains("s%20p"), "{url}");
     }
 }

@@ -202,7 +202,7 @@ pub(crate) fn state(r: &LeaseRow) -> &'static str {
         // A release ends the term at once; only a revoke keeps the holder's
         // expiry (who revoked it, and when, is not recorded).
         _ if r.holder.is_empty() && r.expires_in_s > 0.0 => "revoked",
-        _ if held => "held",
+        _ if held && r.holder.is_empty() => "held",
         _ if r.holder.is_empty() => "released",
         _ => "expired",
     }
