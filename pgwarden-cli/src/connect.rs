@@ -1480,6 +1480,8 @@ pub(crate) async fn pool(target: &mut Target) -> Result<(pgwarden::Pool, Server)
         0
     };
     'rounds: for round in [attrs, Attrs::Any] {
+        // prefer-standby's second round: what it finds now is what counts.
+        failures.clear();
         for k in 0..n.max(1) {
             let i = (start + k) % n.max(1);
             let mut one = target.clone();
@@ -1491,23 +1493,20 @@ pub(crate) async fn pool(target: &mut Target) -> Result<(pgwarden::Pool, Server)
                     chosen = Some((one.config, standby));
                     break 'rounds;
                 }
-                Ok((standby, _)) => failures.push(Failure {
-                    code: crate::EXIT_UNREACHABLE,
-                    message: format!(
-                        "{}: {} (target_session_attrs={})",
-                        place(&one),
-                        if standby {
-                            "a hot standby"
-                        } else if attrs == Attrs::ReadOnly {
-                            "a read-write server"
-                        } else if attrs == Attrs::Standby {
-                            "not a standby"
-                        } else {
-                            "a read-only session (default_transaction_read_only)"
-                        },
-                        attrs.as_str()
-                    ),
-                }),
+                Ok((standby, _)) => failures.push(Failure::unreachable(format!(
+                    "{}: {} (target_session_attrs={})",
+                    place(&one),
+                    if standby {
+                        "a hot standby"
+                    } else if attrs == Attrs::ReadOnly {
+                        "a read-write server"
+                    } else if attrs == Attrs::Standby {
+                        "not a standby"
+                    } else {
+                        "a read-only session (default_transaction_read_only)"
+                    },
+                    attrs.as_str()
+                ))),
                 Err(f) => failures.push(f),
             }
         }
@@ -1524,19 +1523,31 @@ pub(crate) async fn pool(target: &mut Target) -> Result<(pgwarden::Pool, Server)
                 } else {
                     crate::EXIT_UNREACHABLE
                 };
-                let each: Vec<String> = failures.into_iter().map(|f| f.message).collect();
-                Failure {
-                    code,
-                    message: format!(
-                        "no server kept of the {n} listed (target_session_attrs={}{}): {}",
-                        attrs.as_str(),
-                        if target.implied {
-                            ", as this command writes"
-                        } else {
-                            ""
-                        },
-                        each.join("; ")
+                let each: Vec<String> = failures
+                    .into_iter()
+                    .map(|f| {
+                        let m = f.message;
+                        m.strip_prefix("database unreachable: ")
+                            .map(str::to_owned)
+                            .unwrap_or(m)
+                    })
+                    .collect();
+                let kept = match (attrs, target.implied) {
+                    (Attrs::Any, _) => String::new(),
+                    (a, false) => format!(" (target_session_attrs={})", a.as_str()),
+                    (a, true) => format!(
+                        " (target_session_attrs={}: this command writes)",
+                        a.as_str()
                     ),
+                };
+                let message = format!(
+                    "none of the {n} servers listed was kept{kept}: {}",
+                    each.join("; ")
+                );
+                if code == 1 {
+                    Failure { code, message }
+                } else {
+                    Failure::unreachable(message)
                 }
             }
         });
