@@ -184,7 +184,10 @@ pub(crate) async fn run(
             Err(_) => None,
         };
         if !args.quiet {
-            eprintln!(
+            // Never a panic on a closed stderr (cron's --skip-code 0).
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr(),
                 "pgwarden: {}",
                 crate::inspect::refusal(held.as_ref(), &args.name, args.wait)
             );
