@@ -54,7 +54,79 @@ impl FromStr for SslMode {
     }
 }
 
+impl Target {
+    /// For `run` and `revoke`, which write: with several hosts and no
+    /// `target_session_attrs`, the one that takes writes (`read-write`),
+    /// where libpq would keep the first that answers.
+    pub(crate) fn need_writes(&mut self) {
+        let hosts = self.config.get_hosts().len();
+        if self.attrs.is_none() && hosts.max(self.config.get_hostaddrs().len()) > 1 {
+            self.attrs = Some(Attrs::ReadWrite);
+            self.implied = true;
+        }
+    }
+}
+
+/// libpq's `target_session_attrs`: which of the listed servers to keep.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Attrs {
+    Any,
+    ReadWrite,
+    ReadOnly,
+    Primary,
+    Standby,
+    PreferStandby,
+}
+
+impl FromStr for Attrs {
+    type Err = Failure;
+    fn from_str(s: &str) -> Result<Attrs, Failure> {
+        Ok(match s {
+            "any" => Attrs::Any,
+            "read-write" => Attrs::ReadWrite,
+            "read-only" => Attrs::ReadOnly,
+            "primary" => Attrs::Primary,
+            "standby" => Attrs::Standby,
+            "prefer-standby" => Attrs::PreferStandby,
+            _ => {
+                return Err(Failure::usage(format!(
+                    "invalid target_session_attrs {s:?}: use any, read-write, read-only, primary, standby or prefer-standby"
+                )))
+            }
+        })
+    }
+}
+
+impl Attrs {
+    fn as_str(self) -> &'static str {
+        match self {
+            Attrs::Any => "any",
+            Attrs::ReadWrite => "read-write",
+            Attrs::ReadOnly => "read-only",
+            Attrs::Primary => "primary",
+            Attrs::Standby => "standby",
+            Attrs::PreferStandby => "prefer-standby",
+        }
+    }
+
+    /// Whether a server in this state is kept (libpq's rules: read-write
+    /// is `transaction_read_only` off, which a hot standby and
+    /// `default_transaction_read_only` both turn on; primary is not in
+    /// recovery). `prefer-standby` keeps a standby here; a second pass
+    /// takes any.
+    fn accepts(self, standby: bool, read_only: bool) -> bool {
+        match self {
+            Attrs::Any => true,
+            Attrs::ReadWrite => !read_only,
+            Attrs::ReadOnly => read_only,
+            Attrs::Primary => !standby,
+            Attrs::Standby | Attrs::PreferStandby => standby,
+        }
+    }
+}
+
 /// A database URL taken apart: tokio-postgres's settings, and the TLS ones.
+#[derive(Clone)]
 pub(crate) struct Target {
     pub(crate) config: tokio_postgres::Config,
     pub(crate) ssl: SslMode,
@@ -64,6 +136,16 @@ pub(crate) struct Target {
     /// Where a password was looked for and not found (for the message when
     /// the server asks for one): `None` when there is a password.
     pub(crate) no_password: Option<String>,
+    /// `target_session_attrs` (else `PGTARGETSESSIONATTRS`), when given.
+    pub(crate) attrs: Option<Attrs>,
+    /// Every other setting the URL and the service gave, as given, for the
+    /// command's `DATABASE_URL` (see [`child_env`]).
+    pub(crate) pass_on: Vec<(String, String)>,
+    /// The server [`pool`] chose among the hosts: a configuration naming
+    /// that host only.
+    pub(crate) chosen: Option<tokio_postgres::Config>,
+    /// `attrs` is `read-write` because `run` or `revoke` writes, not given.
+    pub(crate) implied: bool,
 }
 
 impl fmt::Debug for Target {
@@ -111,8 +193,9 @@ fn os_user() -> Option<String> {
 /// Reads a URL (`postgres://…?sslmode=…` or `host=… sslmode=…`), or none,
 /// with libpq's environment for what it does not say: `PGHOST`, `PGPORT`,
 /// `PGUSER`, `PGPASSWORD`, `PGDATABASE`, `PGAPPNAME`, `PGCONNECT_TIMEOUT`,
-/// `PGSSLMODE` (else `prefer`), `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`,
-/// and the password file (`PGPASSFILE`, else `~/.pgpass`).
+/// `PGOPTIONS`, `PGTARGETSESSIONATTRS`, `PGSSLMODE` (else `prefer`),
+/// `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`, and the password file
+/// (`PGPASSFILE`, else `~/.pgpass`).
 pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
     let url = match url {
         Some(u) => u.trim().to_owned(),
@@ -200,6 +283,15 @@ pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
             }
         }
     }
+    if config.get_options().is_none() {
+        if let Some(o) = env("PGOPTIONS") {
+            config.options(&o);
+        }
+    }
+    let attrs = match tls.attrs.take().or_else(|| env("PGTARGETSESSIONATTRS")) {
+        Some(a) => Some(a.parse::<Attrs>()?),
+        None => None,
+    };
     if config.get_connect_timeout().is_none() {
         let t = match env("PGCONNECT_TIMEOUT") {
             // libpq: at least 2 s; 0 or less means none (here: the default).
@@ -288,6 +380,10 @@ pub(crate) fn parse(url: Option<&str>) -> Result<Target, Failure> {
         root_cert,
         client_cert,
         no_password,
+        attrs,
+        pass_on: tls.pairs,
+        chosen: None,
+        implied: false,
     })
 }
 
@@ -378,6 +474,9 @@ fn apply_service(
     }
     let url_form = tls.rest.starts_with("postgres://") || tls.rest.starts_with("postgresql://");
     for s in found.settings {
+        if !tls.pairs.iter().any(|(k, _)| *k == s.key) {
+            tls.pairs.push((s.key.clone(), s.value.clone()));
+        }
         let at = format!(
             "service {name:?} ({}, line {})",
             found.file.display(),
@@ -456,8 +555,15 @@ struct TlsParts {
     service: Option<String>,
     passfile: Option<String>,
     fallback_app: Option<String>,
+    /// `target_session_attrs` (tokio-postgres knows only `any` and
+    /// `read-write`: pgwarden chooses the server itself).
+    attrs: Option<String>,
     /// Every key the URL's query or `key=value` string gave.
     keys: Vec<String>,
+    /// Every `key=value` the URL's query, its `key=value` string or the
+    /// service gave, in order (the command's `DATABASE_URL` is made of
+    /// them).
+    pairs: Vec<(String, String)>,
 }
 
 impl TlsParts {
@@ -477,6 +583,7 @@ impl TlsParts {
             "service" => &mut self.service,
             "passfile" => &mut self.passfile,
             "fallback_application_name" => &mut self.fallback_app,
+            "target_session_attrs" => &mut self.attrs,
             // libpq's old spelling of sslmode=require.
             "requiressl" => {
                 let mode = if value.starts_with('1') {
@@ -517,8 +624,10 @@ fn split_tls(url: &str) -> Result<TlsParts, Failure> {
         for pair in query.split('&') {
             let taken = match pair.split_once('=') {
                 Some((k, v)) => {
+                    let v = percent_decode(v)?;
                     parts.keys.push(k.to_owned());
-                    parts.take(k, percent_decode(v)?)?
+                    parts.pairs.push((k.to_owned(), v.clone()));
+                    parts.take(k, v)?
                 }
                 None => false,
             };
@@ -586,6 +695,7 @@ fn split_tls(url: &str) -> Result<TlsParts, Failure> {
         }
         let end = chars.peek().map_or(url.len(), |&(i, _)| i);
         parts.keys.push(key.clone());
+        parts.pairs.push((key.clone(), value.clone()));
         if !parts.take(&key, value)? {
             kept.push_str(&url[start..end]);
             kept.push(' ');
@@ -885,7 +995,7 @@ impl ServerCertVerifier for Verify {
 
 /// Where `target` points, for headers: `user@host:port/dbname`.
 pub(crate) fn place(target: &Target) -> String {
-    let c = &target.config;
+    let c = target.chosen.as_ref().unwrap_or(&target.config);
     let host = match c.get_hosts().first() {
         Some(Host::Tcp(h)) => h.clone(),
         Some(Host::Unix(p)) => p.display().to_string(),
@@ -912,15 +1022,43 @@ pub(crate) fn url_escape(s: &str) -> String {
     out
 }
 
-/// The environment `run` gives its command: `DATABASE_URL` without the
-/// password (the command finds it as libpq does: `PGPASSWORD`, the
-/// password file).
+/// Settings the command's `DATABASE_URL` spells from the resolved
+/// configuration (or leaves out: the password), not as given.
+const RESOLVED: &[&str] = &[
+    "host",
+    "hostaddr",
+    "port",
+    "user",
+    "dbname",
+    "password",
+    "sslmode",
+    "requiressl",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "service",
+    "options",
+    "target_session_attrs",
+];
+
+/// The environment `run` gives its command: `DATABASE_URL`, the server
+/// as `run` reached it, with every libpq setting given (in the URL, the
+/// service, the environment) but the password, which the command finds as
+/// libpq does (`PGPASSWORD`, the password file, `passfile` kept): every
+/// host and port, `hostaddr`, `sslmode`, `sslrootcert`, `sslcert` and
+/// `sslkey`, `options`, `target_session_attrs` (`read-write` when `run`
+/// chose the primary among several hosts by itself), `application_name`,
+/// `connect_timeout`, keepalives… `service` is resolved into its settings.
 pub(crate) fn child_env(target: &Target) -> Vec<(&'static str, String)> {
     let c = &target.config;
     let hosts: Vec<String> = c
         .get_hosts()
         .iter()
-        .zip(c.get_ports().iter().chain(std::iter::repeat(&5432)))
+        .zip(
+            c.get_ports()
+                .iter()
+                .chain(std::iter::repeat(c.get_ports().last().unwrap_or(&5432))),
+        )
         .map(|(h, p)| match h {
             Host::Tcp(h) if h.contains(':') => format!("[{h}]:{p}"),
             Host::Tcp(h) => format!("{}:{p}", url_escape(h)),
@@ -933,7 +1071,11 @@ pub(crate) fn child_env(target: &Target) -> Vec<(&'static str, String)> {
         hosts.join(","),
         url_escape(c.get_dbname().or(c.get_user()).unwrap_or_default())
     );
-    let mut query = Vec::new();
+    let mut query: Vec<(&str, String)> = Vec::new();
+    let addrs: Vec<String> = c.get_hostaddrs().iter().map(|a| a.to_string()).collect();
+    if !addrs.is_empty() {
+        query.push(("hostaddr", addrs.join(",")));
+    }
     let mode = match target.ssl {
         SslMode::Disable => "disable",
         SslMode::Prefer => "prefer",
@@ -941,13 +1083,46 @@ pub(crate) fn child_env(target: &Target) -> Vec<(&'static str, String)> {
         SslMode::VerifyCa => "verify-ca",
         SslMode::VerifyFull => "verify-full",
     };
-    query.push(format!("sslmode={mode}"));
+    query.push(("sslmode", mode.to_owned()));
     if let Some(r) = &target.root_cert {
-        query.push(format!("sslrootcert={}", url_escape(r)));
+        query.push(("sslrootcert", r.clone()));
     }
+    if let Some((cert, key)) = &target.client_cert {
+        query.push(("sslcert", cert.clone()));
+        query.push(("sslkey", key.clone()));
+    }
+    if let Some(o) = c.get_options() {
+        query.push(("options", o.to_owned()));
+    }
+    if let Some(a) = target.attrs.filter(|a| *a != Attrs::Any) {
+        query.push(("target_session_attrs", a.as_str().to_owned()));
+    }
+    // The rest as given, the last of a repeated key winning (as in libpq).
+    for (i, (k, v)) in target.pass_on.iter().enumerate() {
+        let later = target.pass_on[i + 1..].iter().any(|(l, _)| l == k);
+        if !later && !RESOLVED.contains(&k.as_str()) {
+            query.push((k.as_str(), v.clone()));
+        }
+    }
+    let query: Vec<String> = query
+        .iter()
+        .map(|(k, v)| format!("{}={}", url_escape(k), url_escape(v)))
+        .collect();
     url.push('?');
     url.push_str(&query.join("&"));
     vec![("DATABASE_URL", url)]
+}
+
+/// `url` with its `key` parameter set to `value` (replaced if there).
+pub(crate) fn set_param(url: &str, key: &str, value: &str) -> String {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let mut pairs: Vec<String> = query
+        .split('&')
+        .filter(|p| !p.is_empty() && p.split('=').next() != Some(key))
+        .map(str::to_owned)
+        .collect();
+    pairs.push(format!("{}={}", url_escape(key), url_escape(value)));
+    format!("{base}?{}", pairs.join("&"))
 }
 
 /// One DER element: (tag, contents, rest).
@@ -1174,11 +1349,67 @@ pub(crate) struct Server {
     pub(crate) standby: bool,
 }
 
-/// Connects once and asks one question (the reachability check: no answer
-/// within the connect timeout, a paused PgBouncer included, is exit 69),
-/// then builds the pool the commands use.
-pub(crate) async fn pool(target: &Target) -> Result<(pgwarden::Pool, Server), Failure> {
-    let tls = tls(target)?;
+/// The configuration of host `i` of `c` alone (its `hostaddr` and port),
+/// every other setting kept.
+fn one_host(c: &tokio_postgres::Config, i: usize) -> tokio_postgres::Config {
+    let mut one = tokio_postgres::Config::new();
+    match c.get_hosts().get(i) {
+        Some(Host::Tcp(h)) => {
+            one.host(h);
+        }
+        Some(Host::Unix(p)) => {
+            one.host_path(p);
+        }
+        None => {}
+    }
+    if let Some(a) = c.get_hostaddrs().get(i) {
+        one.hostaddr(*a);
+    }
+    let ports = c.get_ports();
+    if let Some(p) = ports.get(i).or(if ports.len() == 1 {
+        ports.first()
+    } else {
+        None
+    }) {
+        one.port(*p);
+    }
+    if let Some(u) = c.get_user() {
+        one.user(u);
+    }
+    if let Some(p) = c.get_password() {
+        one.password(p);
+    }
+    if let Some(d) = c.get_dbname() {
+        one.dbname(d);
+    }
+    if let Some(o) = c.get_options() {
+        one.options(o);
+    }
+    if let Some(a) = c.get_application_name() {
+        one.application_name(a);
+    }
+    if let Some(t) = c.get_connect_timeout() {
+        one.connect_timeout(*t);
+    }
+    if let Some(t) = c.get_tcp_user_timeout() {
+        one.tcp_user_timeout(*t);
+    }
+    one.ssl_mode(c.get_ssl_mode())
+        .ssl_negotiation(c.get_ssl_negotiation())
+        .keepalives(c.get_keepalives())
+        .keepalives_idle(c.get_keepalives_idle())
+        .channel_binding(c.get_channel_binding());
+    if let Some(i) = c.get_keepalives_interval() {
+        one.keepalives_interval(i);
+    }
+    if let Some(r) = c.get_keepalives_retries() {
+        one.keepalives_retries(r);
+    }
+    one
+}
+
+/// One server reached: its state, or why not.
+async fn probe(target: &Target, tls: &Tls) -> Result<(bool, bool), Failure> {
     let bound = target
         .config
         .get_connect_timeout()
@@ -1188,7 +1419,9 @@ pub(crate) async fn pool(target: &Target) -> Result<(pgwarden::Pool, Server), Fa
         let (client, conn) = target.config.connect(tls.clone()).await?;
         let task = tokio::spawn(conn);
         let rows = client
-            .simple_query("SELECT pg_is_in_recovery()::text")
+            .simple_query(
+                "SELECT pg_is_in_recovery()::text, current_setting('transaction_read_only')",
+            )
             .await;
         drop(client);
         // Ends at once: its client is gone.
@@ -1196,24 +1429,133 @@ pub(crate) async fn pool(target: &Target) -> Result<(pgwarden::Pool, Server), Fa
         rows
     })
     .await;
-    let server = match probe {
-        Ok(Ok(rows)) => Server {
-            standby: rows.iter().any(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("true"),
-                _ => false,
-            }),
-        },
-        Ok(Err(e)) => return Err(connect_failure(target, e)),
-        Err(_) => {
-            return Err(Failure::unreachable(format!(
-                "{}: no answer within {} (PGCONNECT_TIMEOUT or connect_timeout sets the bound)",
-                place(target),
-                crate::format::human(bound)
-            )))
+    match probe {
+        Ok(Ok(rows)) => {
+            let (mut standby, mut read_only) = (false, false);
+            for m in &rows {
+                if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+                    standby = r.get(0) == Some("true");
+                    read_only = r.get(1) == Some("on");
+                }
+            }
+            Ok((standby, read_only))
         }
+        Ok(Err(e)) => Err(connect_failure(target, e)),
+        Err(_) => Err(Failure::unreachable(format!(
+            "{}: no answer within {} (PGCONNECT_TIMEOUT or connect_timeout sets the bound)",
+            place(target),
+            crate::format::human(bound)
+        ))),
+    }
+}
+
+/// Connects to the listed servers in turn, as libpq does, until one
+/// connects and `target_session_attrs` keeps it (`prefer-standby`: a
+/// standby, else, in a second round, any); asks it one question (the
+/// reachability check: no answer within the connect timeout, a paused
+/// PgBouncer included, is exit 69), then builds the pool the commands use
+/// on that server alone ([`Target::chosen`]); `load_balance_hosts=random`
+/// starts at a random host. None kept: exit 69 when one
+/// could not be reached or was not of the kind asked for, else 1 (each
+/// refused the login), naming each server.
+pub(crate) async fn pool(target: &mut Target) -> Result<(pgwarden::Pool, Server), Failure> {
+    let tls = tls(target)?;
+    let attrs = target.attrs.unwrap_or(Attrs::Any);
+    let n = target
+        .config
+        .get_hosts()
+        .len()
+        .max(target.config.get_hostaddrs().len());
+    let mut failures: Vec<Failure> = Vec::new();
+    let mut chosen = None;
+    // load_balance_hosts=random: a random first host, the others in turn.
+    let start = if target.config.get_load_balance_hosts()
+        == tokio_postgres::config::LoadBalanceHosts::Random
+    {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos() as usize);
+        nanos % n.max(1)
+    } else {
+        0
     };
+    'rounds: for round in [attrs, Attrs::Any] {
+        // prefer-standby's second round: what it finds now is what counts.
+        failures.clear();
+        for k in 0..n.max(1) {
+            let i = (start + k) % n.max(1);
+            let mut one = target.clone();
+            if n > 1 {
+                one.config = one_host(&target.config, i);
+            }
+            match probe(&one, &tls).await {
+                Ok((standby, read_only)) if round.accepts(standby, read_only) => {
+                    chosen = Some((one.config, standby));
+                    break 'rounds;
+                }
+                Ok((standby, _)) => failures.push(Failure::unreachable(format!(
+                    "{}: {} (target_session_attrs={})",
+                    place(&one),
+                    if standby {
+                        "a hot standby"
+                    } else if attrs == Attrs::ReadOnly {
+                        "a read-write server"
+                    } else if attrs == Attrs::Standby {
+                        "not a standby"
+                    } else {
+                        "a read-only session (default_transaction_read_only)"
+                    },
+                    attrs.as_str()
+                ))),
+                Err(f) => failures.push(f),
+            }
+        }
+        if attrs != Attrs::PreferStandby {
+            break;
+        }
+    }
+    let Some((config, standby)) = chosen else {
+        return Err(match failures.len() {
+            1 => failures.remove(0),
+            _ => {
+                let code = if failures.iter().all(|f| f.code == 1) {
+                    1
+                } else {
+                    crate::EXIT_UNREACHABLE
+                };
+                let each: Vec<String> = failures
+                    .into_iter()
+                    .map(|f| {
+                        let m = f.message;
+                        m.strip_prefix("database unreachable: ")
+                            .map(str::to_owned)
+                            .unwrap_or(m)
+                    })
+                    .collect();
+                let kept = match (attrs, target.implied) {
+                    (Attrs::Any, _) => String::new(),
+                    (a, false) => format!(" (target_session_attrs={})", a.as_str()),
+                    (a, true) => format!(
+                        " (target_session_attrs={}: this command writes)",
+                        a.as_str()
+                    ),
+                };
+                let message = format!(
+                    "none of the {n} servers listed was kept{kept}: {}",
+                    each.join("; ")
+                );
+                if code == 1 {
+                    Failure { code, message }
+                } else {
+                    Failure::unreachable(message)
+                }
+            }
+        });
+    };
+    let server = Server { standby };
+    target.chosen = Some(config.clone());
     let manager = deadpool_postgres::Manager::from_config(
-        target.config.clone(),
+        config,
         tls,
         deadpool_postgres::ManagerConfig {
             recycling_method: deadpool_postgres::RecyclingMethod::Fast,
@@ -1258,6 +1600,42 @@ mod tests {
         assert!(split_tls("host=h dbname='x").is_err());
         assert!(split_tls("host").is_err());
         assert!("verify".parse::<SslMode>().is_err());
+        assert!("primary".parse::<Attrs>().is_ok());
+        assert!("master".parse::<Attrs>().is_err());
         assert_eq!("allow".parse::<SslMode>().unwrap(), SslMode::Prefer);
+    }
+
+    #[test]
+    fn the_commands_url_has_every_setting_but_the_password() {
+        let t = parse(Some(
+            "postgresql://u:secret@h1:5,h2:6/db?password=x&sslmode=disable&keepalives=0&application_name=a&application_name=b&target_session_attrs=primary&options=-c%20a%3Db",
+        ))
+        .unwrap();
+        let url = child_env(&t).remove(0).1;
+        assert!(
+            !url.contains("secret") && !url.contains("password"),
+            "{url}"
+        );
+        assert!(url.starts_with("postgresql://u@h1:5,h2:6/db?"), "{url}");
+        for part in [
+            "sslmode=disable",
+            "keepalives=0",
+            "application_name=b",
+            "target_session_attrs=primary",
+            "options=-c%20a%3Db",
+        ] {
+            assert!(url.contains(part), "{part} in {url}");
+        }
+        assert!(!url.contains("application_name=a"), "{url}");
+        let url = set_param(&url, "application_name", "pgwarden run x");
+        assert!(
+            url.ends_with("&application_name=pgwarden%20run%20x"),
+            "{url}"
+        );
+        assert_eq!(url.matches("application_name").count(), 1, "{url}");
+        let t = parse(Some("host=h1,h2 port=5 user=u password='s p' dbname=d")).unwrap();
+        let url = child_env(&t).remove(0).1;
+        assert!(url.starts_with("postgresql://u@h1:5,h2:5/d?"), "{url}");
+        assert!(!url.contains("s%20p"), "{url}");
     }
 }

@@ -191,16 +191,93 @@ fn blocked_text(r: &LeaseRow) -> String {
     }
 }
 
+/// A lease row's state: `live` (held), `revoked` (`pgwarden revoke` ended
+/// the term, which still runs out: nobody takes the name before), `held`
+/// (released within its at-least hold), `released`, or `expired` (its
+/// holder neither renewed nor released it).
+pub(crate) fn state(r: &LeaseRow) -> &'static str {
+    let held = r.held_until.is_some_and(|h| h > SystemTime::now());
+    match () {
+        _ if r.live => "live",
+        // A release ends the term at once; only a revoke keeps the holder's
+        // expiry (who revoked it, and when, is not recorded).
+        _ if r.holder.is_empty() && r.expires_in_s > 0.0 => "revoked",
+        _ if held && r.holder.is_empty() => "held",
+        _ if r.holder.is_empty() => "released",
+        _ => "expired",
+    }
+}
+
+/// The EXPIRY column: what the row's expiry means now.
+fn expiry_text(r: &LeaseRow) -> String {
+    let left = human_signed(r.expires_in_s);
+    match state(r) {
+        "live" => format!("live, expires {left}"),
+        "revoked" => format!("revoked; the term ends {left} (busy until then)"),
+        "held" => format!(
+            "released, held until {} (at-least hold)",
+            r.held_until.map(rfc3339).unwrap_or_default()
+        ),
+        "released" => format!("released {left}"),
+        _ => format!("expired {left}"),
+    }
+}
+
+/// What `run` says when it did not get lease `name` within `wait`: who
+/// holds it, a revoke whose term still runs, a row lock, or that it was
+/// busy at the attempt and is free now. `row` is the name's row, read
+/// after the attempt.
+pub(crate) fn refusal(row: Option<&LeaseRow>, name: &str, wait: Duration) -> String {
+    let tried = if wait.is_zero() {
+        "at its one attempt (--wait 0s)".to_owned()
+    } else {
+        format!("within --wait {}", human(wait))
+    };
+    let not = "not running the command";
+    match row {
+        Some(r) if r.live => format!(
+            "lease {name:?} is held by {} (token {}, expires {}); {not}",
+            r.holder,
+            r.token,
+            human_signed(r.expires_in_s)
+        ),
+        Some(r) if r.blocker_pid.is_some() => format!(
+            "lease {name:?} expired {} but its take-over is blocked by a row lock of pid {} ({}, {}); {not}",
+            human_signed(r.expires_in_s),
+            r.blocker_pid.unwrap_or_default(),
+            r.blocker_application_name.as_deref().unwrap_or("-"),
+            r.blocker_state.as_deref().unwrap_or("?"),
+        ),
+        Some(r) if state(r) == "revoked" => format!(
+            "lease {name:?} was revoked (token {}): nobody can take it before its term ends {}, since its holder may run until then; {not} (--wait {} or more waits for it)",
+            r.token,
+            human_signed(r.expires_in_s),
+            human(Duration::from_secs(r.expires_in_s.ceil() as u64 + 1))
+        ),
+        Some(r) if state(r) == "held" => format!(
+            "lease {name:?} was released but is held until {} (its at-least hold); {not}",
+            r.held_until.map(rfc3339).unwrap_or_default()
+        ),
+        Some(r) => format!(
+            "lease {name:?} was busy {tried} and is free now (token {} {}); {not}: try again",
+            r.token,
+            state(r)
+        ),
+        None => format!("lease {name:?} was busy {tried} and is free now; {not}: try again"),
+    }
+}
+
 fn lease_json(r: &LeaseRow) -> Value {
     json!({
         "name": r.name,
+        "state": state(r),
         "holder": r.holder,
         "token": r.token,
         "taken_at": rfc3339(r.taken_at),
         "expires_in_s": r.expires_in_s,
         "live": r.live,
         "held_until": r.held_until.map(rfc3339),
-        "prev_holder": r.prev_holder,
+        "prev_holder": r.prev_holder.as_deref().filter(|p| !p.is_empty()),
         "ttl_s": r.ttl.map(|t| t.as_secs_f64()),
         "blocked_by": blocked_by(r),
     })
@@ -222,18 +299,14 @@ pub(crate) async fn leases(
             .map(|r| {
                 vec![
                     r.name.clone(),
-                    if r.holder.is_empty() {
-                        "(released)".to_owned()
-                    } else {
-                        r.holder.clone()
+                    match state(r) {
+                        "revoked" => "(revoked)".to_owned(),
+                        _ if r.holder.is_empty() => "(released)".to_owned(),
+                        _ => r.holder.clone(),
                     },
                     r.token.to_string(),
                     rfc3339(r.taken_at),
-                    if r.live {
-                        format!("live, expires {}", human_signed(r.expires_in_s))
-                    } else {
-                        format!("expired {}", human_signed(r.expires_in_s))
-                    },
+                    expiry_text(r),
                     r.ttl.map(human).unwrap_or_else(|| "-".to_owned()),
                     r.held_until.map(rfc3339).unwrap_or_default(),
                     r.prev_holder.clone().unwrap_or_default(),
@@ -669,12 +742,67 @@ impl Standby {
     }
 }
 
+/// Why `--database NAME` names no database of the server, with the names
+/// close to it; `None` when it exists.
+async fn unknown_database(pool: &Pool, name: &str) -> Result<Option<String>, Failure> {
+    let client = pool.get().await.map_err(pgwarden::Error::from)?;
+    let rows = client
+        .query(
+            "SELECT datname FROM pg_database WHERE datallowconn OR datname = $1 ORDER BY datname",
+            &[&name],
+        )
+        .await
+        .map_err(pgwarden::Error::from)?;
+    let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    if names.iter().any(|n| n == name) {
+        return Ok(None);
+    }
+    // Close: the same but for case, `_` and `-`, or one containing the other.
+    let fold = |s: &str| s.to_lowercase().replace(['_', '-'], "");
+    let close: Vec<&String> = names
+        .iter()
+        .filter(|n| {
+            let (a, b) = (fold(n), fold(name));
+            a == b || (!b.is_empty() && (a.contains(&b) || b.contains(&a)))
+        })
+        .collect();
+    let hint = match close.as_slice() {
+        [] => format!(
+            "its databases: {}",
+            names
+                .iter()
+                .take(20)
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        c => format!(
+            "did you mean {}?",
+            c.iter()
+                .map(|n| format!("{n:?}"))
+                .collect::<Vec<_>>()
+                .join(" or ")
+        ),
+    };
+    Ok(Some(format!(
+        "no database {name:?} on this server (names are case-sensitive); {hint}"
+    )))
+}
+
 pub(crate) async fn locks(
     pool: &Pool,
     args: &LocksArgs,
     place: &str,
     server: crate::connect::Server,
 ) -> Result<u8, Failure> {
+    if let Some(db) = &args.database {
+        if let Some(why) = unknown_database(pool, db).await? {
+            return Err(Failure {
+                code: 1,
+                message: format!("--database: {why}"),
+            });
+        }
+    }
     show(&args.list, "locks", place, || async {
         let all = read_locks(pool).await?;
         let locks: Vec<&Lock> = all.iter().filter(|l| args.keep(l)).collect();
@@ -897,10 +1025,17 @@ pub(crate) async fn check(
 ) -> Result<u8, Failure> {
     let max = args.max_idle_lock;
     let mut locks = read_locks(pool).await?;
+    let mut unknown = None;
     if let Some(db) = &args.database {
         locks.retain(|l| l.database.as_deref() == Some(db.as_str()));
+        unknown = unknown_database(pool, db).await?.map(|why| Finding {
+            kind: "unknown_database",
+            message: format!("--database: {why}; its advisory locks were not checked"),
+            subject: json!({"database": db}),
+        });
     }
     let mut findings = lock_findings(&locks, max);
+    findings.extend(unknown);
     if let Some(s) = standby(pool, server).await? {
         let note = s.locks_note();
         findings.push(Finding {
@@ -1012,13 +1147,14 @@ pub(crate) async fn revoke(leases: &pgwarden::Leases, args: &RevokeArgs) -> Resu
                 );
                 Ok(0)
             }
-            None => Err(Failure {
-                code: 1,
-                message: format!("lease {:?} has no holder: nothing to revoke", args.name),
-            }),
+            None => Err(nothing_to_revoke(leases, &args.name).await),
         };
     }
-    match leases.revoke(&args.name).await? {
+    let outcome = leases.revoke(&args.name).await?;
+    if outcome.is_none() {
+        return Err(nothing_to_revoke(leases, &args.name).await);
+    }
+    match outcome {
         Some(r) => {
             println!(
                 "revoked lease {:?}: holder {}, token {}; its fence is refused from now on, it learns of the loss at its next renewal, and the name is free once the term expires",
@@ -1026,9 +1162,24 @@ pub(crate) async fn revoke(leases: &pgwarden::Leases, args: &RevokeArgs) -> Resu
             );
             Ok(0)
         }
-        None => Err(Failure {
-            code: 1,
-            message: format!("lease {:?} has no holder: nothing to revoke", args.name),
-        }),
+        None => Ok(1), // returned above
     }
+}
+
+/// Why there is nothing to revoke: no such lease, one revoked already (its
+/// term still running out), or one released.
+async fn nothing_to_revoke(leases: &pgwarden::Leases, name: &str) -> Failure {
+    let row = match leases.rows().await {
+        Ok(rows) => rows.into_iter().find(|r| r.name == name),
+        Err(_) => None,
+    };
+    let message = match row {
+        None => format!("no lease {name:?} in the table: nothing to revoke"),
+        Some(r) => format!(
+            "lease {name:?} has no holder: nothing to revoke (token {}: {})",
+            r.token,
+            expiry_text(&r)
+        ),
+    };
+    Failure { code: 1, message }
 }

@@ -83,9 +83,12 @@ How CMD is kept to the lease:
 Environment given to CMD (besides run's own):
   PGWARDEN_LEASE   the lease name
   PGWARDEN_TOKEN   this term's fencing token (grows with every take-over)
-  DATABASE_URL     the database, without its password (PGPASSWORD and
-                   ~/.pgpass are read by libpq clients as usual), with
-                   application_name=pgwarden run NAME token N
+  DATABASE_URL     the server run reached, with every libpq setting given
+                   (hosts, hostaddr, ssl*, sslcert/sslkey, options,
+                   target_session_attrs, passfile, the rest as given) but
+                   the password (PGPASSWORD and ~/.pgpass are read by libpq
+                   clients as usual), with application_name=pgwarden run
+                   NAME token N
   PGAPPNAME        pgwarden run NAME token N (unless PGAPPNAME is set):
                    how run finds the command's sessions to cancel them
 
@@ -111,9 +114,13 @@ struct Cli {
     /// (`service=NAME`, else PGSERVICE) in pg_service.conf (PGSERVICEFILE,
     /// else ~/.pg_service.conf, then PGSYSCONFDIR/pg_service.conf), then
     /// from PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGAPPNAME,
-    /// PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGSSLCERT, PGSSLKEY and
-    /// the password file (PGPASSFILE, else ~/.pgpass, mode 0600); keep the
-    /// password out of the URL.
+    /// PGCONNECT_TIMEOUT, PGOPTIONS, PGTARGETSESSIONATTRS, PGSSLMODE,
+    /// PGSSLROOTCERT, PGSSLCERT, PGSSLKEY and the password file
+    /// (PGPASSFILE, else ~/.pgpass, mode 0600); keep the password out of
+    /// the URL. Several hosts are tried in order, target_session_attrs
+    /// (any, read-write, read-only, primary, standby, prefer-standby)
+    /// choosing one as libpq does; run and revoke take the read-write one
+    /// when none is given.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     url: Option<String>,
     /// The lease table, `[schema.]table` (schema `public` by default),
@@ -231,7 +238,8 @@ pub(crate) struct CheckArgs {
     #[arg(long)]
     pub(crate) no_leases: bool,
     /// Check only the advisory locks taken in this database (default: every
-    /// database of the server).
+    /// database of the server); a name that is no database of the server
+    /// is a finding.
     #[arg(long)]
     pub(crate) database: Option<String>,
 }
@@ -453,8 +461,12 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         }
         _ => {}
     }
-    let target = connect::parse(cli.url.as_deref())?;
-    let (pool, server) = connect::pool(&target).await?;
+    let mut target = connect::parse(cli.url.as_deref())?;
+    if matches!(cli.cmd, Cmd::Run(_) | Cmd::Revoke(_)) {
+        // They write: among several hosts, the one that takes writes.
+        target.need_writes();
+    }
+    let (pool, server) = connect::pool(&mut target).await?;
     let leases = pgwarden::Leases::builder(&pool)
         .table(table.as_str())
         .build()?;

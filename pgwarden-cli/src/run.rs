@@ -19,7 +19,7 @@ use pgwarden::{LeaseOptions, Leases, LostReason};
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
-use crate::format::{human, human_signed};
+use crate::format::human;
 use crate::keeper::{mono_ns, Until, CONTROL_FD, KEEPER_ARG, REPORT_FD};
 use crate::{Failure, RunArgs, EXIT_LOST};
 
@@ -262,28 +262,10 @@ pub(crate) async fn run(
             Err(_) => None,
         };
         if !args.quiet {
-            match held {
-                Some(r) if r.live => say!(
-                    "pgwarden: lease {:?} is held by {} (token {}, expires {}); not running the command",
-                    args.name,
-                    r.holder,
-                    r.token,
-                    human_signed(r.expires_in_s)
-                ),
-                Some(r) if r.blocker_pid.is_some() => say!(
-                    "pgwarden: lease {:?} expired {} but its take-over is blocked by a row lock of pid {} ({}, {}); not running the command",
-                    args.name,
-                    human_signed(r.expires_in_s),
-                    r.blocker_pid.unwrap_or_default(),
-                    r.blocker_application_name.as_deref().unwrap_or("-"),
-                    r.blocker_state.as_deref().unwrap_or("?"),
-                ),
-                _ => say!(
-                    "pgwarden: lease {:?} not acquired within {}; not running the command",
-                    args.name,
-                    human(args.wait)
-                ),
-            }
+            say!(
+                "pgwarden: {}",
+                crate::inspect::refusal(held.as_ref(), &args.name, args.wait)
+            );
         }
         return Ok(args.skip_code);
     };
@@ -501,12 +483,22 @@ pub(crate) async fn run(
     } else {
         exit_code(status)
     };
-    if let Err(e) = lease.release().await {
-        say!(
-            "pgwarden: releasing lease {:?}: {e}; it expires within {}",
+    match lease.release().await {
+        Ok(()) => {}
+        // The term ended while the command ran (run had not seen it yet):
+        // it is another's, or revoked, and nothing of ours is left.
+        Err(pgwarden::Error::Lease(pgwarden::LeaseError::Lost { reason, .. })) => say!(
+            "pgwarden: lease {:?} was no longer this run's when the command ended ({}; token {}): nothing to release",
             term.name,
+            lost_why(leases, &term, reason).await,
+            term.token
+        ),
+        Err(e) => say!(
+            "pgwarden: releasing lease {:?}: {e}; this run's term (token {}) runs out within {}",
+            term.name,
+            term.token,
             human(args.ttl)
-        );
+        ),
     }
     Ok(code)
 }
@@ -597,11 +589,7 @@ fn session_identity(env: &mut Vec<(&str, String)>, term: &pgwarden::Term) -> Opt
     let id = format!("pgwarden run {name}{tail}");
     for (k, v) in env.iter_mut() {
         if *k == "DATABASE_URL" {
-            v.push(if v.contains('?') { '&' } else { '?' });
-            v.push_str(&format!(
-                "application_name={}",
-                crate::connect::url_escape(&id)
-            ));
+            *v = crate::connect::set_param(v, "application_name", &id);
         }
     }
     env.push(("PGAPPNAME", id.clone()));

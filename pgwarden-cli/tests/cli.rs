@@ -1682,9 +1682,10 @@ async fn output_survives_a_closed_pipe_groups_many_locks_filters_and_watches_thr
     .await;
     assert_eq!(one.len(), 1, "{one:?}");
     assert_eq!(one[0]["database"], db.name());
-    assert!(json(&url, &["locks", "--json", "--database", "nosuchdb"])
-        .await
-        .is_empty());
+    // A name that is no database: an error, not an empty list.
+    let out = cli(&url, &["locks", "--json", "--database", "nosuchdb"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(stderr(&out).contains("no database"), "{}", stderr(&out));
     // check: one finding for the session, and the waiter names its blocker.
     let out = cli(
         &url,
@@ -1951,7 +1952,7 @@ hostssl all all 127.0.0.1/32 scram-sha-256
     admin
         .batch_execute(
             "CREATE ROLE app LOGIN PASSWORD 'sekret'; CREATE ROLE certuser LOGIN;
-             GRANT pg_monitor TO app, certuser; GRANT ALL ON SCHEMA public TO app",
+             GRANT pg_monitor TO app, certuser; GRANT ALL ON SCHEMA public TO app, certuser",
         )
         .await
         .unwrap();
@@ -2114,6 +2115,37 @@ hostssl all all 127.0.0.1/32 scram-sha-256
         Some(1),
         "no certificate: refused: {}",
         stderr(&out)
+    );
+    // 6. The command's DATABASE_URL keeps the client certificate (psql
+    // connects with it, as run did); its application_name is the term's.
+    let job = psql_job(
+        &dir,
+        "select current_user, current_setting('application_name')",
+    );
+    let out = cli(
+        &format!("{cert_url} application_name=myjob"),
+        &[
+            "--table",
+            "cert_leases",
+            "run",
+            "certjob",
+            "--",
+            &job[0],
+            &job[1],
+            &job[2],
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let seen = std::fs::read_to_string(dir.join("out")).unwrap();
+    let child_url = std::fs::read_to_string(dir.join("url")).unwrap();
+    assert!(
+        seen.starts_with("certuser|pgwarden run certjob token"),
+        "{seen} from {child_url}"
+    );
+    assert!(
+        child_url.contains("sslcert=") && child_url.contains("hostaddr=127.0.0.1"),
+        "{child_url}"
     );
 }
 
@@ -2861,4 +2893,197 @@ async fn a_killed_sql_jobs_statement_does_not_outlive_its_term() {
         .unwrap()
         .get(0);
     assert_eq!(n, 0);
+}
+
+// ---------------------------------------------------------------------
+// Issue 31, third round: the command's DATABASE_URL, libpq's server
+// choice, a mistyped --database, a revoked lease.
+
+/// `sh -c` that writes what the command's `psql "$DATABASE_URL"` answers
+/// to `query` into `dir/out` (and the URL into `dir/url`).
+fn psql_job(dir: &Path, query: &str) -> Vec<String> {
+    let d = dir.display();
+    vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "echo \"$DATABASE_URL\" > {d}/url; psql \"$DATABASE_URL\" -XtAc \"{query}\" > {d}/out.tmp 2>&1; mv {d}/out.tmp {d}/out"
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_commands_url_keeps_libpqs_settings_and_the_server_is_chosen_as_libpq_does() {
+    let cluster = pgwarden_testing::Cluster::start().await.expect("a cluster");
+    let db = cluster.create_database().await.unwrap();
+    cluster.wait_replayed().await.unwrap();
+    let (p, s) = (cluster.primary(), cluster.replica());
+    let (pp, sp) = (p.port().to_string(), s.port().to_string());
+    let (_t, dir) = tempdir();
+    let query = "select inet_server_port(), pg_is_in_recovery(), current_setting('search_path'), current_setting('application_name')";
+    // The standby listed first, as HA URLs list hosts.
+    let hosts = format!(
+        "postgres://postgres@{}:{sp},{}:{pp}/{db}",
+        s.host(),
+        p.host()
+    );
+    let url = format!(
+        "{hosts}?target_session_attrs=read-write&options=-c%20search_path%3Dpgw_sp&connect_timeout=5"
+    );
+    let job = psql_job(&dir, query);
+    let out = cli(&url, &["run", "job", "--", &job[0], &job[1], &job[2]]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let seen = std::fs::read_to_string(dir.join("out")).unwrap();
+    let child_url = std::fs::read_to_string(dir.join("url")).unwrap();
+    // The command reached the primary, with the options given.
+    assert!(
+        seen.starts_with(&format!("{pp}|f|pgw_sp|pgwarden run job token")),
+        "{seen} from {child_url}"
+    );
+    assert!(
+        child_url.contains("target_session_attrs=read-write"),
+        "{child_url}"
+    );
+    assert!(child_url.contains("connect_timeout=5"), "{child_url}");
+
+    // libpq 14's values: `primary` (refused as an invalid URL before).
+    let _ = std::fs::remove_file(dir.join("out"));
+    let url = format!("{hosts}?target_session_attrs=primary");
+    let out = cli(&url, &["run", "job", "--", &job[0], &job[1], &job[2]]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let seen = std::fs::read_to_string(dir.join("out")).unwrap();
+    assert!(seen.starts_with(&format!("{pp}|f|")), "{seen}");
+
+    // No target_session_attrs: run, which writes, takes the primary, and
+    // tells the command to.
+    let _ = std::fs::remove_file(dir.join("out"));
+    let out = cli(&hosts, &["run", "job", "--", &job[0], &job[1], &job[2]]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let seen = std::fs::read_to_string(dir.join("out")).unwrap();
+    assert!(seen.starts_with(&format!("{pp}|f|")), "{seen}");
+
+    // The environment: PGTARGETSESSIONATTRS (the primary listed first).
+    let env_run = |attrs: &'static str, options: Option<&'static str>, args: Vec<&'static str>| {
+        let mut c = pgwarden("");
+        c.env_remove("DATABASE_URL")
+            .env("PGHOST", format!("{},{}", p.host(), s.host()))
+            .env("PGPORT", format!("{pp},{sp}"))
+            .env("PGUSER", "postgres")
+            .env("PGDATABASE", &db)
+            .env("PGTARGETSESSIONATTRS", attrs)
+            .args(args);
+        if let Some(o) = options {
+            c.env("PGOPTIONS", o);
+        }
+        async move { within(BOUND, "pgwarden to exit", c.output()).await.unwrap() }
+    };
+    let out = env_run("standby", None, vec!["leases", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stderr(&out).contains("hot standby"), "{}", stderr(&out));
+    // PGOPTIONS makes every session read-only: no server is read-write.
+    let out = env_run(
+        "read-write",
+        Some("-c default_transaction_read_only=on"),
+        vec!["leases", "--json"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(69), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("read-only") && stderr(&out).contains(&sp),
+        "{}",
+        stderr(&out)
+    );
+    let out = env_run(
+        "any",
+        Some("-c default_transaction_read_only=on"),
+        vec!["leases"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mistyped_database_is_a_finding_never_a_silent_ok() {
+    let db = db().await;
+    let url = db.url();
+    let holder = db.connect().await.unwrap();
+    holder
+        .batch_execute("SELECT pg_advisory_lock(78)")
+        .await
+        .unwrap();
+    let name = db.name().to_owned();
+    let out = cli(
+        &url,
+        &[
+            "check",
+            "--no-leases",
+            "--max-idle-lock",
+            "1ms",
+            "--database",
+            &name,
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(stdout(&out).contains("idle_lock"), "{}", stdout(&out));
+    let typo = name.to_uppercase();
+    let out = cli(
+        &url,
+        &[
+            "check",
+            "--no-leases",
+            "--max-idle-lock",
+            "1ms",
+            "--database",
+            &typo,
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let said = stdout(&out);
+    assert!(said.starts_with("unknown_database:"), "{said}");
+    assert!(said.contains(&format!("did you mean {name:?}")), "{said}");
+    let out = cli(&url, &["locks", "--database", "pgw_no_such_db"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(stderr(&out).contains("no database"), "{}", stderr(&out));
+    drop(holder);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_revoked_lease_is_shown_and_refused_as_revoked() {
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    let mut run = spawn_run(&url, "rv", &["--ttl", "60s"], &job(&dir, 0));
+    let token = token_seen(&dir, "rv").await;
+    let out = cli(&url, &["revoke", "rv", "--yes"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // The command ends before run's next renewal (TTL/3) learns of it.
+    std::fs::write(dir.join("go"), "").unwrap();
+    let code = exit_code(&mut run, BOUND).await;
+    let mut said = String::new();
+    use tokio::io::AsyncReadExt as _;
+    run.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("revoked"), "{said}");
+    assert!(!said.contains("expires within"), "{said}");
+    let rows = json(&url, &["leases", "--json"]).await;
+    let row = lease(&rows, "rv").unwrap();
+    assert_eq!(row["state"], "revoked", "{row}");
+    assert_eq!(row["token"], token, "{row}");
+    let text = stdout(&cli(&url, &["leases"]).await);
+    assert!(
+        text.contains("(revoked)") && text.contains("revoked; the term ends in"),
+        "{text}"
+    );
+    assert!(!text.contains("expired in"), "{text}");
+    let out = cli(&url, &["run", "rv", "--", "true"]).await;
+    assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
+    assert!(stderr(&out).contains("was revoked"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("within 0"), "{}", stderr(&out));
 }
