@@ -171,11 +171,19 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
         // Supervisor signals are `run`'s to handle; it forwards them (once)
         // to the command's tree. In a session of its own, the keeper gets
         // no terminal signal anyway.
+        libc::getpid()
+    };
+    // What was ignored already when the keeper started (`nohup`'s SIGHUP,
+    // a background job's SIGINT and SIGQUIT) stays ignored for the
+    // command, as it would be without `run`; the rest goes back to its
+    // default in the command.
+    let inherited = IGNORED.map(crate::run::ignored);
+    // SAFETY: setting a disposition to SIG_IGN, before any thread starts.
+    unsafe {
         for sig in IGNORED {
             libc::signal(sig, libc::SIG_IGN);
         }
-        libc::getpid()
-    };
+    }
     let mut k = Keeper {
         me,
         child: 0,
@@ -202,8 +210,10 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
             if libc::getppid() != me {
                 libc::_exit(1);
             }
-            for sig in IGNORED {
-                libc::signal(sig, libc::SIG_DFL);
+            for (sig, was) in IGNORED.into_iter().zip(inherited) {
+                if !was {
+                    libc::signal(sig, libc::SIG_DFL);
+                }
             }
             Ok(())
         });

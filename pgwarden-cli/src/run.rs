@@ -24,17 +24,45 @@ use crate::keeper::{mono_ns, Until, CONTROL_FD, KEEPER_ARG, REPORT_FD};
 use crate::{Failure, RunArgs, EXIT_LOST};
 
 /// The signals `run` forwards to its command.
+///
+/// A signal that was ignored when `run` started (`nohup` ignores SIGHUP, a
+/// shell's background job SIGINT and SIGQUIT) stays ignored: `run` does not
+/// listen for it, so it neither forwards it nor stops for it, and the
+/// command inherits it ignored, as it would without `run`.
 struct Signals {
-    term: Signal,
-    int: Signal,
-    hup: Signal,
-    quit: Signal,
+    term: Option<Signal>,
+    int: Option<Signal>,
+    hup: Option<Signal>,
+    quit: Option<Signal>,
+}
+
+/// Whether `sig` is ignored (`SIG_IGN`) in this process now.
+pub(crate) fn ignored(sig: i32) -> bool {
+    // SAFETY: a query only (no new action); `old` is a plain C struct that
+    // sigaction fills in.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
+/// The next delivery of `s`, or never when it is not listened for.
+async fn recv(s: &mut Option<Signal>) {
+    match s {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 impl Signals {
     fn new() -> Result<Signals, Failure> {
-        let listen = |kind| {
-            signal(kind).map_err(|e| Failure {
+        let listen = |kind: SignalKind| {
+            if ignored(kind.as_raw_value()) {
+                return Ok(None);
+            }
+            signal(kind).map(Some).map_err(|e| Failure {
                 code: 1,
                 message: format!("cannot listen for signals: {e}"),
             })
@@ -50,10 +78,10 @@ impl Signals {
     /// The next SIGTERM, SIGINT, SIGHUP or SIGQUIT.
     async fn next(&mut self) -> i32 {
         tokio::select! {
-            _ = self.term.recv() => libc::SIGTERM,
-            _ = self.int.recv() => libc::SIGINT,
-            _ = self.hup.recv() => libc::SIGHUP,
-            _ = self.quit.recv() => libc::SIGQUIT,
+            _ = recv(&mut self.term) => libc::SIGTERM,
+            _ = recv(&mut self.int) => libc::SIGINT,
+            _ = recv(&mut self.hup) => libc::SIGHUP,
+            _ = recv(&mut self.quit) => libc::SIGQUIT,
         }
     }
 }

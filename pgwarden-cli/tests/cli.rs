@@ -1472,6 +1472,51 @@ async fn a_forwarded_sigterm_reaches_the_whole_tree_and_its_grace_is_named() {
     assert!(!err.contains("lease was lost"), "{err}");
 }
 
+/// `nohup pgwarden run …`: a SIGHUP that was ignored when `run` started
+/// stays ignored (not forwarded, the command inherits it ignored), as it
+/// would be without `run`; a SIGTERM is still forwarded.
+#[tokio::test(flavor = "multi_thread")]
+async fn under_nohup_a_hangup_neither_reaches_nor_stops_the_command() {
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    let d = dir.display();
+    let script = format!(
+        "trap 'echo hup >> {d}/sig; exit 3' HUP
+trap 'echo term >> {d}/sig; exit 0' TERM
+echo $$ > {d}/started
+while :; do sleep 0.05; done"
+    );
+    let mut c = pgwarden(&url);
+    c.arg("run")
+        .arg("nohup")
+        .args(["--ttl", "60s", "--", "sh", "-c", &script]);
+    c.stdout(Stdio::null()).stderr(Stdio::piped());
+    // SAFETY: only a signal disposition is set between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let mut run = c.spawn().expect("spawn pgwarden run");
+    let sh: i32 = wait_file(&dir.join("started"))
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    kill(pid(&run), libc::SIGHUP);
+    // The command's shell itself, hung up on directly: ignored too.
+    kill(sh, libc::SIGHUP);
+    kill(pid(&run), libc::SIGTERM);
+    // The SIGTERM ends it by its trap (exit 0); a forwarded or inherited
+    // SIGHUP would have ended it by the other (exit 3), whichever came
+    // first: the file would hold `hup`.
+    assert_eq!(exit_code(&mut run, BOUND).await, 0);
+    let sig = std::fs::read_to_string(dir.join("sig")).unwrap();
+    assert_eq!(sig.trim(), "term", "{sig}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stopped_keeper_has_its_tree_killed_by_run() {
     takeover_leaves_no_overlap(Failing::KeeperStopped, false).await;
