@@ -39,15 +39,26 @@ use std::ffi::OsString;
 use std::io;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 /// The hidden first argument that makes `pgwarden` the keeper.
 pub(crate) const KEEPER_ARG: &str = "__pgwarden-keeper";
 
-/// The keeper's end of the control pipe (`run` → keeper).
-pub(crate) const CONTROL_FD: i32 = 3;
+/// The keeper's end of the control pipe (`run` → keeper), and of the
+/// report pipe (keeper → `run`): the numbers the pipes had in `run`, passed
+/// as the keeper's first two arguments. Fixed numbers (3 and 4) would
+/// replace the caller's own descriptors of those numbers, which the command
+/// inherits as it would without `run` (`pgwarden run … 3>file`).
+static CONTROL: AtomicI32 = AtomicI32::new(-1);
+static REPORT: AtomicI32 = AtomicI32::new(-1);
 
-/// The keeper's end of the report pipe (keeper → `run`).
-pub(crate) const REPORT_FD: i32 = 4;
+fn control_fd() -> i32 {
+    CONTROL.load(Ordering::Relaxed)
+}
+
+fn report_fd() -> i32 {
+    REPORT.load(Ordering::Relaxed)
+}
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock both processes read (the one
 /// `std::time::Instant` reads on Linux).
@@ -149,12 +160,27 @@ struct Keeper {
 fn report(line: &str) {
     let b = line.as_bytes();
     // SAFETY: write from a live buffer to our own fd.
-    unsafe { libc::write(REPORT_FD, b.as_ptr().cast(), b.len()) };
+    unsafe { libc::write(report_fd(), b.as_ptr().cast(), b.len()) };
 }
 
 /// The keeper's `main`: `args` is what follows [`KEEPER_ARG`] (`--`, then
 /// the command and its arguments).
 pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
+    let fds: Vec<i32> = args
+        .iter()
+        .take_while(|a| *a != "--")
+        .filter_map(|a| a.to_str()?.parse().ok())
+        .collect();
+    let [ctl, rep] = fds[..] else {
+        say!("pgwarden: keeper: no pipes");
+        return ExitCode::from(2);
+    };
+    CONTROL.store(ctl, Ordering::Relaxed);
+    REPORT.store(rep, Ordering::Relaxed);
+    // The process name `ps` and `top` show (`exe` otherwise: the keeper
+    // is started as /proc/self/exe).
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"pgwarden-keeper".as_ptr(), 0, 0, 0) };
     let cmd: Vec<OsString> = args.into_iter().skip_while(|a| a != "--").skip(1).collect();
     let Some((program, rest)) = cmd.split_first() else {
         say!("pgwarden: keeper: no command");
@@ -162,7 +188,7 @@ pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
     };
     // SAFETY: plain syscalls on this process's own state.
     let me = unsafe {
-        for fd in [CONTROL_FD, REPORT_FD] {
+        for fd in [control_fd(), report_fd()] {
             libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
             let fl = libc::fcntl(fd, libc::F_GETFL);
             libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
@@ -278,7 +304,7 @@ impl Keeper {
             let left_ms = ((self.deadline - now).div_ceil(1_000_000)) as i64;
             let mut fds = [
                 libc::pollfd {
-                    fd: CONTROL_FD,
+                    fd: control_fd(),
                     events: libc::POLLIN,
                     revents: 0,
                 },
@@ -330,7 +356,7 @@ impl Keeper {
         };
         loop {
             // SAFETY: read into a local buffer.
-            let n = unsafe { libc::read(CONTROL_FD, chunk.as_mut_ptr().cast(), chunk.len()) };
+            let n = unsafe { libc::read(control_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
             if n == 0 {
                 return Some(Why::RunGone);
             }

@@ -2,15 +2,18 @@
 //!
 //! See `pgwarden --help` and the README's "On call" section.
 
-/// `eprintln!` that cannot panic: `run` and its keeper write their messages
-/// with it, so that a closed stderr (a log pipe whose reader died) never
-/// stops either of them half-way through stopping a command.
+/// `eprintln!` that can neither panic nor block: `run` and its keeper write
+/// their messages with it, so that a closed stderr (a log pipe whose reader
+/// died) or a stuck one (a reader that stopped reading, a terminal stopped
+/// with Ctrl-S) never holds either of them up half-way through stopping a
+/// command (see [`say::line`]).
 macro_rules! say {
     ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        $crate::say::line(format_args!($($arg)*));
     }};
 }
+
+mod say;
 
 mod connect;
 mod format;
@@ -56,7 +59,7 @@ How CMD is kept to the lease:
   SIGTERM, then SIGKILL within TTL/16: it is dead before anyone else can
   take the lease. A revoked or taken-over lease kills CMD at once.
   CMD's database sessions are named after the term (application_name
-  `pgwarden run NAME token N`, unless PGAPPNAME is set): once CMD's tree is
+  `pgwarden run NAME token N #ID`, unless PGAPPNAME is set): once CMD's tree is
   dead, and before the lease is released, run cancels those still running
   a statement, and terminates them a second later (best effort: it needs
   the database, and pg_signal_backend for another role's sessions).
@@ -68,8 +71,8 @@ How CMD is kept to the lease:
   keeper may not signal (setuid, sudo). And a killed client's statement
   runs on in its backend (the server notices a dead client only when it
   next writes to it, or at client_connection_check_interval) when run
-  cannot reach the database to cancel it, or when the sessions are not
-  named as above. Writes that must never overlap
+  cannot reach the database to cancel it, when run itself is killed (the
+  keeper has no connection), or when the sessions are not named as above. Writes that must never overlap
   carry PGWARDEN_TOKEN: a fenced transaction or a store that rejects a
   token lower than the last it saw.
   Signals: SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to run reach every
@@ -89,7 +92,7 @@ Environment given to CMD (besides run's own):
                    the password (PGPASSWORD and ~/.pgpass are read by libpq
                    clients as usual), with application_name=pgwarden run
                    NAME token N
-  PGAPPNAME        pgwarden run NAME token N (unless PGAPPNAME is set):
+  PGAPPNAME        pgwarden run NAME token N #ID (unless PGAPPNAME is set):
                    how run finds the command's sessions to cancel them
 
 Exit codes:

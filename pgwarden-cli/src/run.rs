@@ -20,7 +20,7 @@ use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::format::human;
-use crate::keeper::{mono_ns, Until, CONTROL_FD, KEEPER_ARG, REPORT_FD};
+use crate::keeper::{mono_ns, Until, KEEPER_ARG};
 use crate::{Failure, RunArgs, EXIT_LOST};
 
 /// The signals `run` forwards to its command.
@@ -158,11 +158,16 @@ impl Keeper {
             std::env::current_exe()?
         };
         let mut c = Command::new(exe);
-        c.arg0("pgwarden").arg(KEEPER_ARG).arg("--").args(cmd);
+        let (rfd, wfd) = (read.as_raw_fd(), report_w.as_raw_fd());
+        c.arg0("pgwarden")
+            .arg(KEEPER_ARG)
+            .arg(rfd.to_string())
+            .arg(wfd.to_string())
+            .arg("--")
+            .args(cmd);
         for (k, v) in env {
             c.env(k, v);
         }
-        let (rfd, wfd) = (read.as_raw_fd(), report_w.as_raw_fd());
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             c.pre_exec(move || {
@@ -171,15 +176,13 @@ impl Keeper {
                 if libc::setsid() < 0 {
                     return Err(io::Error::last_os_error());
                 }
-                // Copies above both targets first, so that neither dup2
-                // closes the other's source.
-                let r = libc::fcntl(rfd, libc::F_DUPFD, 10);
-                let w = libc::fcntl(wfd, libc::F_DUPFD, 10);
-                if r < 0 || w < 0 || libc::dup2(r, CONTROL_FD) < 0 || libc::dup2(w, REPORT_FD) < 0 {
+                // The keeper's two ends, kept open across the exec under
+                // their own numbers (the caller's descriptors are left as
+                // they are: the command inherits them).
+                if libc::fcntl(rfd, libc::F_SETFD, 0) < 0 || libc::fcntl(wfd, libc::F_SETFD, 0) < 0
+                {
                     return Err(io::Error::last_os_error());
                 }
-                libc::close(r);
-                libc::close(w);
                 Ok(())
             });
         }
@@ -590,14 +593,19 @@ const MAX_APP_NAME: usize = 63;
 
 /// Names the command's sessions after its term, unless the user named
 /// them (`PGAPPNAME`): `PGAPPNAME` and `application_name` in
-/// `DATABASE_URL` become `pgwarden run NAME token N` (printable ASCII, the
+/// `DATABASE_URL` become `pgwarden run NAME token N #ID` (printable ASCII, the
 /// name shortened to fit 63 bytes: the token, unique to the term, is kept
 /// whole). Returns that name, to find the sessions by.
 fn session_identity(env: &mut Vec<(&str, String)>, term: &pgwarden::Term) -> Option<String> {
     if std::env::var_os("PGAPPNAME").is_some_and(|v| !v.is_empty()) {
         return None;
     }
-    let tail = format!(" token {}", term.token);
+    // Unique to this run: tokens are per lease table, so two tables in one
+    // cluster (two databases, two schemas) hand out the same token to the
+    // same name, and the lookup spans the cluster; run's pid and clock tell
+    // two such runs apart.
+    let nonce = (std::process::id() as u64) << 16 ^ (mono_ns() & 0xffff);
+    let tail = format!(" token {} #{nonce:x}", term.token);
     let room = MAX_APP_NAME - "pgwarden run ".len() - tail.len();
     let mut name: String = term
         .name

@@ -1209,6 +1209,32 @@ enum Failing {
     /// `run`'s stderr a pipe nobody reads any more (a log reader died),
     /// then `run` stopped: the keeper's message meets a closed pipe.
     SigstopStderrClosed,
+    /// `run`'s stderr a full pipe whose reader stopped reading (a stuck
+    /// log shipper, `| less` left open), then the lease revoked: the
+    /// messages of `run` and the keeper meet a pipe with no room.
+    StuckStderrRevoked,
+}
+
+/// Fills the pipe that is `pid`'s stderr, through an open of its own in
+/// non-blocking mode (the pipe stays blocking for its other writers).
+fn fill_stderr_pipe(pid: i32) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(format!("/proc/{pid}/fd/2"))
+        .unwrap();
+    for chunk in [4096, 1] {
+        let buf = vec![b'x'; chunk];
+        loop {
+            match f.write(&buf) {
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling the pipe: {e}"),
+            }
+        }
+    }
 }
 
 /// The child of `parent` (the keeper of a `run`), from `/proc`.
@@ -1301,6 +1327,12 @@ async fn takeover_leaves_no_overlap(how: Failing, defaults: bool) {
             drop(old.stderr.take());
             Some(Stopped::stop([pid(&old)]).unwrap())
         }
+        Failing::StuckStderrRevoked => {
+            fill_stderr_pipe(pid(&old));
+            let out = cli(&url, &["revoke", "ledger", "--yes"]).await;
+            assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+            None
+        }
         Failing::LostDatabase => {
             proxy.blackhole();
             None
@@ -1368,6 +1400,7 @@ async fn takeover_leaves_no_overlap(how: Failing, defaults: bool) {
             | Failing::GroupStop
             | Failing::LostDatabase
             | Failing::SigstopStderrClosed
+            | Failing::StuckStderrRevoked
     ) {
         let code = exit_code(&mut old, BOUND).await;
         assert_eq!(code, 76, "{how:?}");
@@ -1517,6 +1550,43 @@ while :; do sleep 0.05; done"
     assert_eq!(sig.trim(), "term", "{sig}");
 }
 
+/// `pgwarden run … 3>file`: the caller's descriptors reach the command as
+/// they would without `run` (the keeper's pipes take numbers of their
+/// own), and the keeper is named in `ps`.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_callers_descriptors_reach_the_command_and_the_keeper_has_a_name() {
+    use std::os::fd::AsRawFd;
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    let out = std::fs::File::create(dir.join("fd3")).unwrap();
+    let raw = out.as_raw_fd();
+    let mut c = pgwarden(&url);
+    c.arg("run").arg("fd3").args([
+        "--ttl",
+        "60s",
+        "--",
+        "sh",
+        "-c",
+        "echo hello >&3 && cat /proc/$PPID/comm >&3",
+    ]);
+    c.stdout(Stdio::null()).stderr(Stdio::piped());
+    // SAFETY: only dup2 between fork and exec.
+    unsafe {
+        c.pre_exec(move || {
+            if libc::dup2(raw, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut run = c.spawn().expect("spawn pgwarden run");
+    assert_eq!(exit_code(&mut run, BOUND).await, 0);
+    drop(out);
+    let got = std::fs::read_to_string(dir.join("fd3")).unwrap();
+    assert_eq!(got, "hello\npgwarden-keeper\n", "{got:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stopped_keeper_has_its_tree_killed_by_run() {
     takeover_leaves_no_overlap(Failing::KeeperStopped, false).await;
@@ -1525,6 +1595,11 @@ async fn a_stopped_keeper_has_its_tree_killed_by_run() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_closed_stderr_does_not_stop_the_keeper_killing_the_tree() {
     takeover_leaves_no_overlap(Failing::SigstopStderrClosed, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stuck_stderr_does_not_delay_killing_the_tree() {
+    takeover_leaves_no_overlap(Failing::StuckStderrRevoked, false).await;
 }
 
 /// At the default settings (TTL 60 s, grace 10 s): about a minute each.
