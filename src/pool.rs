@@ -54,6 +54,6 @@ pub(crate) use housekeeping::panic_message;
 pub(crate) use shared::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};
-pub(crate) use shared::{Permit, Shared, State};
+pub(crate) use shared::{Shared, State};
 pub(crate) use source::{Refused, Source, SourceStatus};
 pub(crate) use supervisor::Task;

@@ -145,7 +145,7 @@ impl<B: Source> Shared<B> {
         site: &'static Location<'static>,
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
-        mut permit: Permit<B>,
+        permit: Permit<B>,
         got: Option<Option<Result<B::Object, B::Raw>>>,
     ) -> Result<Client<B>, Error> {
         let shared = &self;
@@ -187,11 +187,11 @@ impl<B: Source> Shared<B> {
                     Some(Ok((id, anchor))) => (id, Some(anchor)),
                     Some(Err(e)) => {
                         lm.fail_backend.increment(1);
-                        B::discard(obj, Some(&mut permit));
+                        finish(B::discard(obj), Some(permit), Duration::ZERO);
                         return Err(e);
                     }
                     None => {
-                        B::discard(obj, Some(&mut permit));
+                        finish(B::discard(obj), Some(permit), Duration::ZERO);
                         let status = shared.status();
                         return Err(shared.timed_out(lane, Stage::BackendPid, start, status));
                     }
@@ -220,7 +220,7 @@ impl<B: Source> Shared<B> {
                 Seen::Known(pid, since) => (pid, since),
                 Seen::Tainted => {
                     tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
-                    B::discard(obj, None);
+                    finish(B::discard(obj), None::<Permit<B>>, Duration::ZERO);
                     continue;
                 }
                 Seen::New => match until(deadline, B::backend_pid(&mut obj)).await {
@@ -233,7 +233,7 @@ impl<B: Source> Shared<B> {
                             Ok(a) => a,
                             Err(e) => {
                                 lm.fail_backend.increment(1);
-                                B::discard(obj, Some(&mut permit));
+                                finish(B::discard(obj), Some(permit), Duration::ZERO);
                                 return Err(e);
                             }
                         };
@@ -259,11 +259,11 @@ impl<B: Source> Shared<B> {
                     }
                     Some(Err(e)) => {
                         lm.fail_backend.increment(1);
-                        B::discard(obj, Some(&mut permit));
+                        finish(B::discard(obj), Some(permit), Duration::ZERO);
                         return Err(e);
                     }
                     None => {
-                        B::discard(obj, Some(&mut permit));
+                        finish(B::discard(obj), Some(permit), Duration::ZERO);
                         let status = shared.status();
                         return Err(shared.timed_out(lane, Stage::BackendPid, start, status));
                     }
@@ -271,6 +271,33 @@ impl<B: Source> Shared<B> {
             };
             return Ok(hand_out(obj, permit, pid, id, site, since, start));
         }
+    }
+}
+
+/// Runs the wrapped pool's return or close `work` to its end in a task of
+/// its own, then releases `permit` (its connection held for `held`): the
+/// capacity is the pool's again only then. Outside a runtime, `work` is
+/// dropped (the connection closed with it) and the permit released at once.
+#[cold]
+fn finish<B: Source>(
+    work: Option<impl Future<Output = ()> + Send + 'static>,
+    permit: Option<Permit<B>>,
+    held: Duration,
+) {
+    let Some(work) = work else {
+        drop(permit);
+        return;
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => {
+            rt.spawn(async move {
+                work.await;
+                if let Some(mut p) = permit {
+                    p.release(held);
+                }
+            });
+        }
+        Err(_) => drop((work, permit)),
     }
 }
 
@@ -754,7 +781,9 @@ impl<B: Source> Client<B> {
     pub fn discard(mut self) {
         if let Some(obj) = self.obj.take() {
             self.permit.shared().state.lock().pids.remove(&self.object);
-            B::discard(obj, Some(&mut self.permit));
+            if let Some(close) = B::discard(obj) {
+                finish(Some(close), Some(self.permit.take()), Duration::ZERO);
+            }
         }
     }
 
@@ -824,8 +853,11 @@ impl<B: Source> Drop for Client<B> {
                 shared.state.lock().pids.remove(&self.object);
             }
             // The connection goes back to the wrapped pool, then the permit
-            // to the budget.
-            B::give_back(obj, held, &mut self.permit);
+            // to the budget: at once, or once the pool's return is done.
+            match B::give_back(obj) {
+                None => self.permit.release(held),
+                back => finish(back, Some(self.permit.take()), held),
+            }
         }
         // After `discard`, the permit is released as it drops.
     }

@@ -252,11 +252,7 @@ impl<B: Source> Checkout<B> {
 /// The right to one connection of a lane: counted in the budget until
 /// released (by [`Permit::release`], or on drop). Small enough to move in
 /// registers: it moves with every checkout.
-///
-/// Public only so that [`Source`] can name it (not reachable from outside
-/// the crate).
-#[allow(unreachable_pub, missing_debug_implementations)]
-pub struct Permit<B: Source = deadpool_postgres::Pool> {
+pub(crate) struct Permit<B: Source = deadpool_postgres::Pool> {
     shared: Arc<Shared<B>>,
     /// Its checkout record (a key of `State::checkouts`, which holds one
     /// record per admitted checkout: far below `u32::MAX`); [`RELEASED`]
@@ -280,7 +276,7 @@ impl<B: Source> Permit<B> {
 
     /// Moves it out, leaving a released one behind (which costs an `Arc`
     /// clone: for a return that finishes in a task of its own).
-    pub(crate) fn take(&mut self) -> Permit<B> {
+    pub(super) fn take(&mut self) -> Permit<B> {
         let slot = std::mem::replace(&mut self.slot, RELEASED);
         Permit {
             shared: self.shared.clone(),
@@ -301,7 +297,7 @@ impl<B: Source> Permit<B> {
 
     /// Releases it now, its connection held for `held` (measured by the
     /// `Client` that held it: one clock read for both records).
-    pub(crate) fn release(&mut self, held: Duration) {
+    pub(super) fn release(&mut self, held: Duration) {
         let slot = std::mem::replace(&mut self.slot, RELEASED);
         if slot != RELEASED {
             self.shared.release(slot as usize, Some(held));

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
-use super::shared::Permit;
 use crate::error::{CheckoutError, Error};
 
 /// The wrapped pool's own view, for [`Status`](crate::Status) and the
@@ -108,14 +107,14 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// The connection inside, mutably.
     fn conn_mut(obj: &mut Self::Object) -> &mut Self::Conn;
 
-    /// Gives the connection back, held for `held`, and then `permit` (the
-    /// budget's): released once the wrapped pool has the connection back
-    /// (has the capacity again), or has closed it.
-    fn give_back(obj: Self::Object, held: Duration, permit: &mut Permit<Self>);
-    /// Closes the physical connection instead; then releases `permit`, if
-    /// given, once its capacity is free again (without one, the checkout
-    /// keeps its admission and asks for another connection).
-    fn discard(obj: Self::Object, permit: Option<&mut Permit<Self>>);
+    /// Gives the connection back: `None` when the wrapped pool has it back
+    /// at once (deadpool), or the return to run to its end, after which
+    /// the pool has its capacity again (sqlx: its `after_release` hook and
+    /// ping). The shell gives the checkout's admission back after it.
+    fn give_back(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static>;
+    /// Closes the physical connection instead: `None` when done at once,
+    /// or the close to run to its end (the capacity is held until then).
+    fn discard(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static>;
 
     /// `SELECT 1` on the connection (the readiness probe's statement).
     fn select_1(conn: &mut Self::Conn) -> impl Future<Output = Result<(), Error>> + Send + '_;
@@ -225,16 +224,14 @@ impl Source for deadpool_postgres::Pool {
 
     /// Dropped in place: deadpool has it back at once.
     #[inline(always)]
-    fn give_back(obj: Object, held: Duration, permit: &mut Permit<Self>) {
+    fn give_back(obj: Object) -> Option<impl Future<Output = ()> + Send + 'static> {
         drop(obj);
-        permit.release(held);
+        None::<std::future::Ready<()>>
     }
 
-    fn discard(obj: Object, permit: Option<&mut Permit<Self>>) {
+    fn discard(obj: Object) -> Option<impl Future<Output = ()> + Send + 'static> {
         drop(Object::take(obj));
-        if let Some(p) = permit {
-            p.release(Duration::ZERO);
-        }
+        None::<std::future::Ready<()>>
     }
 
     async fn select_1(conn: &mut deadpool_postgres::Client) -> Result<(), Error> {

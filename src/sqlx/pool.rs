@@ -47,7 +47,7 @@ use super::dep::{Executor, Statement as _};
 use super::TransactionManager as _;
 use crate::admission::{Lane, Priority};
 use crate::error::{BuildError, CheckoutError, Error};
-use crate::pool::{Permit, PoolBuilder, Refused, Shared, Source, SourceStatus};
+use crate::pool::{PoolBuilder, Refused, Shared, Source, SourceStatus};
 use crate::status::Status;
 
 /// The statement that names a connection and asks its pid.
@@ -149,42 +149,24 @@ impl Source for dep::PgPool {
         obj
     }
 
-    /// sqlx's own return (its `after_release` hook, a ping, then idle),
-    /// run in pgwarden's task; the admission goes back after it.
-    fn give_back(mut obj: Self::Object, held: Duration, permit: &mut Permit<Self>) {
+    /// sqlx's own return (its `after_release` hook, a ping, then idle):
+    /// the future its drop would have spawned, run by pgwarden's shell.
+    fn give_back(mut obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static> {
         let back = obj.return_to_pool();
         // Nothing left in it to return (it only keeps `min_connections`).
         drop(obj);
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                let mut permit = permit.take();
-                rt.spawn(async move {
-                    back.await;
-                    permit.release(held);
-                });
-            }
-            // No runtime: the connection is closed as `back` drops, and
-            // its capacity is free at once.
-            Err(_) => {
-                drop(back);
-                permit.release(held);
-            }
-        }
+        Some(back)
     }
 
-    fn discard(obj: Self::Object, permit: Option<&mut Permit<Self>>) {
-        let permit = permit.map(Permit::take);
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+    /// sqlx keeps the connection's capacity until it is closed.
+    fn discard(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static> {
+        if tokio::runtime::Handle::try_current().is_err() {
             drop(obj.detach());
-            return;
-        };
-        rt.spawn(async move {
-            // sqlx keeps the connection's capacity until it is closed.
+            return None;
+        }
+        Some(async move {
             let _ = obj.close().await;
-            if let Some(mut p) = permit {
-                p.release(Duration::ZERO);
-            }
-        });
+        })
     }
 
     async fn select_1(conn: &mut dep::PgConnection) -> Result<(), Error> {
