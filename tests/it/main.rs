@@ -68,5 +68,6 @@ mod service;
 mod session_lock_wait;
 mod settings;
 mod slow_link;
+mod sqlx_pool;
 mod supervisor;
 mod xact;

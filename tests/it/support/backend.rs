@@ -186,7 +186,7 @@ impl Backend for Deadpool {
 }
 
 /// The sqlx connect options of `db` (a socket directory or a host).
-fn sqlx_target(
+pub fn sqlx_target(
     db: &TestDb,
 ) -> (
     Option<String>,
