@@ -185,15 +185,8 @@ impl<B: Source> Shared<B> {
                 Some(id) => (id, None),
                 None => match until(deadline, B::identify(&mut obj)).await {
                     Some(Ok((id, anchor))) => (id, Some(anchor)),
-                    Some(Err(e)) => {
-                        lm.fail_backend.increment(1);
-                        finish(B::discard(obj), Some(permit), Duration::ZERO);
-                        return Err(e);
-                    }
-                    None => {
-                        finish(B::discard(obj), Some(permit), Duration::ZERO);
-                        let status = shared.status();
-                        return Err(shared.timed_out(lane, Stage::BackendPid, start, status));
+                    r => {
+                        return Err(shared.conn_failed(obj, permit, start, r.and_then(Result::err)))
                     }
                 },
             };
@@ -231,11 +224,7 @@ impl<B: Source> Shared<B> {
                         };
                         let anchor = match anchor {
                             Ok(a) => a,
-                            Err(e) => {
-                                lm.fail_backend.increment(1);
-                                finish(B::discard(obj), Some(permit), Duration::ZERO);
-                                return Err(e);
-                            }
+                            Err(e) => return Err(shared.conn_failed(obj, permit, start, Some(e))),
                         };
                         let created = B::created(&obj);
                         let mut st = shared.state.lock();
@@ -257,15 +246,8 @@ impl<B: Source> Shared<B> {
                         );
                         (pid, st.attach(permit.slot(), pid, id, Instant::now()))
                     }
-                    Some(Err(e)) => {
-                        lm.fail_backend.increment(1);
-                        finish(B::discard(obj), Some(permit), Duration::ZERO);
-                        return Err(e);
-                    }
-                    None => {
-                        finish(B::discard(obj), Some(permit), Duration::ZERO);
-                        let status = shared.status();
-                        return Err(shared.timed_out(lane, Stage::BackendPid, start, status));
+                    r => {
+                        return Err(shared.conn_failed(obj, permit, start, r.and_then(Result::err)))
                     }
                 },
             };
@@ -676,6 +658,27 @@ impl<B: Source> Shared<B> {
         let start = start.unwrap_or_else(tokio::time::Instant::now);
         self.waiting_since(slot, start.into_std());
         start
+    }
+
+    /// A statement on a checkout's connection (its name, its pid) failed
+    /// with `e`, or ran out of the checkout's bound (`None`): the
+    /// connection is closed, the admission given back after it; the error.
+    fn conn_failed(
+        &self,
+        obj: B::Object,
+        permit: Permit<B>,
+        start: tokio::time::Instant,
+        e: Option<Error>,
+    ) -> Error {
+        let lane = permit.lane;
+        finish(B::discard(obj), Some(permit), Duration::ZERO);
+        match e {
+            Some(e) => {
+                self.metrics.lane(lane).fail_backend.increment(1);
+                e
+            }
+            None => self.timed_out(lane, Stage::BackendPid, start, self.status()),
+        }
     }
 
     /// The wrapped pool answered an admitted checkout with `e`. No room

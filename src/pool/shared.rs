@@ -351,9 +351,16 @@ impl Waiter {
 
 impl fmt::Debug for Pool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.shared.fmt(f)
+    }
+}
+
+impl<B: Source> fmt::Debug for Shared<B> {
+    /// A pool, as its `Debug` shows it: its name and status.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Pool")
-            .field("name", &self.shared.name)
-            .field("status", &self.shared.status())
+            .field("name", &self.name)
+            .field("status", &self.status())
             .finish()
     }
 }

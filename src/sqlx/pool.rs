@@ -239,10 +239,7 @@ pub struct Pool {
 
 impl fmt::Debug for Pool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pool")
-            .field("name", &self.shared.name)
-            .field("status", &self.shared.status())
-            .finish()
+        self.shared.fmt(f)
     }
 }
 
@@ -452,6 +449,18 @@ impl<T: Send> futures_util::Stream for Fed<'_, T> {
     }
 }
 
+/// The body of an `Executor` method on `&Pool`: `$call` on a request-lane
+/// connection (the versions' shims differ in signatures only).
+macro_rules! on_conn {
+    ($pool:expr, $c:ident => $call:expr) => {{
+        let pool = $pool.clone();
+        Box::pin(async move {
+            let mut $c = pool.acquire().await?;
+            $call.await
+        })
+    }};
+}
+
 type Step = Result<dep::Either<dep::postgres::PgQueryResult, dep::postgres::PgRow>, dep::Error>;
 
 impl<'p> Executor<'p> for &'_ Pool {
@@ -492,8 +501,7 @@ impl<'p> Executor<'p> for &'_ Pool {
     where
         E: 'q + dep::Execute<'q, dep::Postgres>,
     {
-        let pool = self.clone();
-        Box::pin(async move { pool.acquire().await?.fetch_optional(query).await })
+        on_conn!(self, c => c.fetch_optional(query))
     }
 
     versioned_executor!();

@@ -27,16 +27,14 @@ macro_rules! versioned_executor {
             sql: &'q str,
             parameters: &'e [dep::postgres::PgTypeInfo],
         ) -> BoxFuture<'e, Result<dep::postgres::PgStatement<'q>, dep::Error>> {
-            let pool = self.clone();
-            Box::pin(async move { pool.acquire().await?.prepare_with(sql, parameters).await })
+            on_conn!(self, c => c.prepare_with(sql, parameters))
         }
 
         fn describe<'e, 'q: 'e>(
             self,
             sql: &'q str,
         ) -> BoxFuture<'e, Result<dep::Describe<dep::Postgres>, dep::Error>> {
-            let pool = self.clone();
-            Box::pin(async move { pool.acquire().await?.describe(sql).await })
+            on_conn!(self, c => c.describe(sql))
         }
     };
 }

@@ -31,16 +31,14 @@ macro_rules! versioned_executor {
         where
             'p: 'e,
         {
-            let pool = self.clone();
-            Box::pin(async move { pool.acquire().await?.prepare_with(sql, parameters).await })
+            on_conn!(self, c => c.prepare_with(sql, parameters))
         }
 
         fn describe<'e>(
             self,
             sql: dep::SqlStr,
         ) -> BoxFuture<'e, Result<dep::Describe<dep::Postgres>, dep::Error>> {
-            let pool = self.clone();
-            Box::pin(async move { pool.acquire().await?.describe(sql).await })
+            on_conn!(self, c => c.describe(sql))
         }
     };
 }

@@ -17,12 +17,11 @@ macro_rules! dropin {
             use std::sync::Arc;
             use std::time::Duration;
 
-            use $sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+            use $sqlx::postgres::PgPoolOptions;
             use $sqlx::Row as _;
             use futures_util::TryStreamExt as _;
             use pgwarden::{CheckoutError, Error, Lane, Stage};
             use pgwarden_testing::TestDb;
-            use support::backend::sqlx_target;
             use support::{db, eventually, within};
 
             // The adopter's code: written against sqlx's pool, with only
@@ -31,23 +30,8 @@ macro_rules! dropin {
 
             const GUARD: Duration = Duration::from_secs(60);
 
-            fn options(db: &TestDb) -> PgConnectOptions {
-                let (host, socket, port, user, dbname) = sqlx_target(db);
-                let mut o = PgConnectOptions::new_without_pgpass()
-                    .port(port)
-                    .username(&user)
-                    .database(&dbname);
-                if let Some(h) = host {
-                    o = o.host(&h);
-                }
-                if let Some(s) = socket {
-                    o = o.socket(s);
-                }
-                o
-            }
-
             fn build(db: &TestDb, opts: PgPoolOptions, name: &str) -> Pool {
-                Pool::builder(opts.connect_lazy_with(options(db)))
+                Pool::builder(opts.connect_lazy_with(sqlx_options!($sqlx, db)))
                     .name(format!("{name}-{}", stringify!($version)))
                     .wait_timeout(Duration::from_secs(5))
                     .build()
@@ -100,7 +84,10 @@ macro_rules! dropin {
                     .await
                     .unwrap();
                 assert_eq!(n, 50);
-                // A stream read in part, then dropped: its connection goes back.
+                // A stream read in part, then dropped: its connection goes
+                // back. (The returns above finish first: each is counted
+                // in use until sqlx has its connection back.)
+                settled(&pool).await;
                 {
                     let mut rows = $sqlx::query("SELECT id FROM items ORDER BY id").fetch(&pool);
                     let first = rows.try_next().await.unwrap().unwrap();

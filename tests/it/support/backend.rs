@@ -98,6 +98,58 @@ pub trait Backend: Send + Sync + 'static {
     fn close(pool: &Self::Pool) -> BoxFuture<'_, ()>;
 }
 
+/// What every backend's `Client` answers the same way: its lane, pid,
+/// site, age, discard; the pool's status and readiness.
+macro_rules! common_methods {
+    () => {
+        fn lane(c: &Self::Conn) -> Lane {
+            c.lane()
+        }
+
+        fn pid(c: &Self::Conn) -> i32 {
+            c.pid()
+        }
+
+        fn site(c: &Self::Conn) -> &'static Location<'static> {
+            c.site()
+        }
+
+        fn since(c: &Self::Conn) -> Instant {
+            c.since()
+        }
+
+        fn discard(c: Self::Conn) {
+            c.discard()
+        }
+
+        fn status(pool: &Self::Pool) -> Status {
+            pool.status()
+        }
+
+        fn readiness(pool: &Self::Pool, t: Duration) -> BoxFuture<'_, Result<Duration, Error>> {
+            Box::pin(pool.readiness(t))
+        }
+    };
+}
+
+/// sqlx's connect options for a test database (`$sqlx`: the sqlx crate).
+macro_rules! sqlx_options {
+    ($sqlx:ident, $db:expr) => {{
+        let (host, socket, port, user, dbname) = $crate::support::backend::sqlx_target($db);
+        let mut opts = $sqlx::postgres::PgConnectOptions::new_without_pgpass()
+            .port(port)
+            .username(&user)
+            .database(&dbname);
+        if let Some(h) = host {
+            opts = opts.host(&h);
+        }
+        if let Some(s) = socket {
+            opts = opts.socket(s);
+        }
+        opts
+    }};
+}
+
 /// The deadpool pool.
 pub struct Deadpool;
 
@@ -136,21 +188,7 @@ impl Backend for Deadpool {
         matches!(e, deadpool_postgres::PoolError::Timeout(_))
     }
 
-    fn lane(c: &pgwarden::Client) -> Lane {
-        c.lane()
-    }
-
-    fn pid(c: &pgwarden::Client) -> i32 {
-        c.pid()
-    }
-
-    fn site(c: &pgwarden::Client) -> &'static Location<'static> {
-        c.site()
-    }
-
-    fn since(c: &pgwarden::Client) -> Instant {
-        c.since()
-    }
+    common_methods!();
 
     fn ask_pid(c: &mut pgwarden::Client) -> BoxFuture<'_, i32> {
         Box::pin(async move {
@@ -165,18 +203,6 @@ impl Backend for Deadpool {
         Box::pin(async move {
             c.simple_query("SELECT 1").await.expect("SELECT 1");
         })
-    }
-
-    fn discard(c: pgwarden::Client) {
-        c.discard()
-    }
-
-    fn status(pool: &pgwarden::Pool) -> Status {
-        pool.status()
-    }
-
-    fn readiness(pool: &pgwarden::Pool, t: Duration) -> BoxFuture<'_, Result<Duration, Error>> {
-        Box::pin(pool.readiness(t))
     }
 
     fn close(pool: &pgwarden::Pool) -> BoxFuture<'_, ()> {
@@ -220,17 +246,7 @@ macro_rules! sqlx_backend {
             type DropInError = $sqlx::Error;
 
             fn build(db: &TestDb, s: &Settings) -> Self::Pool {
-                let (host, socket, port, user, dbname) = sqlx_target(db);
-                let mut opts = $sqlx::postgres::PgConnectOptions::new_without_pgpass()
-                    .port(port)
-                    .username(&user)
-                    .database(&dbname);
-                if let Some(h) = host {
-                    opts = opts.host(&h);
-                }
-                if let Some(s) = socket {
-                    opts = opts.socket(s);
-                }
+                let opts = sqlx_options!($sqlx, db);
                 let pg = $sqlx::postgres::PgPoolOptions::new()
                     .max_connections(s.size as u32)
                     .connect_lazy_with(opts);
@@ -260,21 +276,7 @@ macro_rules! sqlx_backend {
                 matches!(e, $sqlx::Error::PoolTimedOut)
             }
 
-            fn lane(c: &Self::Conn) -> Lane {
-                c.lane()
-            }
-
-            fn pid(c: &Self::Conn) -> i32 {
-                c.pid()
-            }
-
-            fn site(c: &Self::Conn) -> &'static Location<'static> {
-                c.site()
-            }
-
-            fn since(c: &Self::Conn) -> Instant {
-                c.since()
-            }
+            common_methods!();
 
             fn ask_pid(c: &mut Self::Conn) -> BoxFuture<'_, i32> {
                 Box::pin(async move {
@@ -292,18 +294,6 @@ macro_rules! sqlx_backend {
                         .await
                         .expect("SELECT 1");
                 })
-            }
-
-            fn discard(c: Self::Conn) {
-                c.discard()
-            }
-
-            fn status(pool: &Self::Pool) -> Status {
-                pool.status()
-            }
-
-            fn readiness(pool: &Self::Pool, t: Duration) -> BoxFuture<'_, Result<Duration, Error>> {
-                Box::pin(pool.readiness(t))
             }
 
             fn close(pool: &Self::Pool) -> BoxFuture<'_, ()> {
