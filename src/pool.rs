@@ -23,6 +23,9 @@
 //! - `supervisor.rs`: the supervisor, which starts the background tasks,
 //!   starts them again on the runtime in use, and stops them at close;
 //! - `probe.rs`: the readiness probe;
+//! - `source.rs`: the seam, [`Source`]: what a backend (the deadpool pool;
+//!   sqlx's `PgPool` in `crate::sqlx`) supplies; everything above is
+//!   generic over it (the deadpool one unless said otherwise);
 //! - `tests.rs`: the shell's timeouts, cancellation and housekeeping on
 //!   tokio's paused clock.
 //!
@@ -30,8 +33,8 @@
 //! `housekeeping`; `probe` calls `checkout`; `builder`, `checkout`,
 //! `housekeeping` and `probe` call `shared`; `checkout`, `housekeeping` and
 //! `probe` call `deadline`; `builder`, `shared`, `checkout` and
-//! `housekeeping` call `supervisor`; `deadline` and `supervisor` call
-//! nothing in the pool.
+//! `housekeeping` call `supervisor`; `deadline`, `source` and `supervisor`
+//! call nothing in the pool.
 
 mod builder;
 mod checkout;
