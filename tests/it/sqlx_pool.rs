@@ -188,6 +188,153 @@ macro_rules! dropin {
                 assert_eq!(pool.size(), 0);
             }
 
+            /// A tiny pool, many tasks: executor calls, acquires, streams
+            /// and transactions, each dropped at a point of its own (a
+            /// timeout racing it, after one poll, mid-stream), while a
+            /// task terminates the pool's backends with
+            /// `pg_terminate_backend`. Afterwards nothing is in use or
+            /// waiting, sqlx has no more connections than its maximum, the
+            /// pids pgwarden reports are the backends', no connection is
+            /// left in a transaction, and the pool serves at once.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cancelled_everywhere_with_backends_killed_leaves_no_trace() {
+                use futures_util::FutureExt as _;
+                const TASKS: u64 = 16;
+                const ROUNDS: u64 = 60;
+                let db = db().await;
+                let pool = build(&db, PgPoolOptions::new().max_connections(3), "hostile");
+                $sqlx::query("CREATE TABLE h (v int8)").execute(&pool).await.unwrap();
+                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let killer = {
+                    let (stop, admin) = (stop.clone(), support::admin(&db).await);
+                    tokio::spawn(async move {
+                        let mut killed = 0u32;
+                        while !stop.load(Ordering::SeqCst) {
+                            killed += admin
+                                .query(
+                                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                                     WHERE datname = current_database() AND pid <> pg_backend_pid() \
+                                     AND application_name = '' LIMIT 1",
+                                    &[],
+                                )
+                                .await
+                                .unwrap()
+                                .len() as u32;
+                            tokio::time::sleep(Duration::from_millis(15)).await;
+                        }
+                        killed
+                    })
+                };
+                let tasks: Vec<_> = (0..TASKS)
+                    .map(|t| {
+                        let pool = pool.clone();
+                        tokio::spawn(async move {
+                            let mut x = t.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                            let mut next = move || {
+                                x ^= x << 13;
+                                x ^= x >> 7;
+                                x ^= x << 17;
+                                x
+                            };
+                            for _ in 0..ROUNDS {
+                                let wait = Duration::from_micros(next() % 3_000);
+                                // Errors are expected here (a backend killed
+                                // under a statement): only hangs and leaks
+                                // are not.
+                                match next() % 5 {
+                                    0 => {
+                                        let q = $sqlx::query("INSERT INTO h VALUES (1)").execute(&pool);
+                                        let _ = tokio::time::timeout(wait, q).await;
+                                    }
+                                    1 => {
+                                        let mut a = Box::pin(pool.acquire());
+                                        if (&mut a).now_or_never().is_none() {
+                                            tokio::task::yield_now().await;
+                                        }
+                                    }
+                                    2 => {
+                                        let mut rows = $sqlx::query("SELECT generate_series(1, 100)").fetch(&pool);
+                                        let _ = tokio::time::timeout(wait, rows.try_next()).await;
+                                    }
+                                    3 => {
+                                        let tx = async {
+                                            let mut tx = pool.begin().await?;
+                                            $sqlx::query("INSERT INTO h VALUES (2)").execute(&mut *tx).await?;
+                                            tokio::task::yield_now().await;
+                                            tx.commit().await
+                                        };
+                                        let _ = tokio::time::timeout(wait, tx).await;
+                                    }
+                                    _ => {
+                                        if let Ok(Ok(mut c)) = tokio::time::timeout(wait, pool.acquire()).await {
+                                            let pid: Result<i32, _> = $sqlx::query_scalar("SELECT pg_backend_pid()")
+                                                .fetch_one(&mut *c)
+                                                .await;
+                                            if let Ok(pid) = pid {
+                                                assert_eq!(pid, c.pid(), "the pid pgwarden knows");
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        })
+                    })
+                    .collect();
+                for t in tasks {
+                    within(GUARD, "a task (a checkout hung)", t).await.unwrap();
+                }
+                stop.store(true, Ordering::SeqCst);
+                let killed = within(GUARD, "the killer", killer).await.unwrap();
+                assert!(killed > 0, "no backend was terminated: nothing was tried");
+                settled(&pool).await;
+                assert!(pool.size() <= 3, "sqlx holds {} connections", pool.size());
+                // Every connection the request lane can hold, together, at
+                // once: none kept by a checkout given up, none in a
+                // transaction, each pid its own backend's.
+                let mut held = Vec::new();
+                for _ in 0..2 {
+                    let mut c = within(Duration::from_secs(10), "a connection", pool.acquire())
+                        .await
+                        .unwrap();
+                    let (pid, in_tx): (i32, bool) = $sqlx::query_as(
+                        "SELECT pg_backend_pid(), state LIKE 'idle in transaction%' \
+                         FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+                    )
+                    .fetch_one(&mut *c)
+                    .await
+                    .unwrap();
+                    assert_eq!(pid, c.pid());
+                    assert!(!in_tx);
+                    held.push(c);
+                }
+                drop(held);
+                settled(&pool).await;
+                // Closed mid-checkout: waiters end, nothing hangs.
+                let hold = pool.acquire().await.unwrap();
+                let hold2 = pool.acquire().await.unwrap();
+                let waiters: Vec<_> = (0..4)
+                    .map(|_| {
+                        let pool = pool.clone();
+                        tokio::spawn(async move { pool.acquire().await.map(drop) })
+                    })
+                    .collect();
+                eventually(GUARD, "the waiters queue", || {
+                    std::future::ready(pool.status().waiting == 4)
+                })
+                .await;
+                let closing = {
+                    let pool = pool.clone();
+                    tokio::spawn(async move { pool.close().await })
+                };
+                for w in waiters {
+                    let e = within(GUARD, "a waiter at close", w).await.unwrap().unwrap_err();
+                    assert!(matches!(e, $sqlx::Error::PoolClosed), "{e:?}");
+                }
+                drop((hold, hold2));
+                within(GUARD, "close", closing).await.unwrap();
+                assert_eq!(pool.size(), 0);
+            }
+
             /// sqlx returns a dropped connection in a task (its
             /// `after_release` hook, a ping). pgwarden counts it in use
             /// until that is done: with the hook held, the next checkout
