@@ -145,7 +145,7 @@ impl<B: Source> Shared<B> {
         site: &'static Location<'static>,
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
-        permit: Permit<B>,
+        mut permit: Permit<B>,
         got: Option<Option<Result<B::Object, B::Raw>>>,
     ) -> Result<Client<B>, Error> {
         let shared = &self;
@@ -165,7 +165,7 @@ impl<B: Source> Shared<B> {
                     Err(shared.timed_out(lane, Stage::Connection, start, status))
                 }
             };
-            let mut obj = match got {
+            let obj = match got {
                 Ok(o) => o,
                 Err(e) => {
                     match &e {
@@ -181,12 +181,23 @@ impl<B: Source> Shared<B> {
                     return Err(e);
                 }
             };
-            let (id, anchor) = match B::quick_id(&obj) {
+            // From here the connection and the admission are held
+            // together: a checkout dropped while it names the connection or
+            // asks its pid gives the connection back first, the admission
+            // after the wrapped pool has it (as a `Client` does).
+            let mut held = Taken(Some((obj, permit)));
+            let (id, anchor) = match B::quick_id(held.obj()) {
                 Some(id) => (id, None),
-                None => match until(deadline, B::identify(&mut obj)).await {
+                None => match until(deadline, B::identify(held.obj())).await {
                     Some(Ok((id, anchor))) => (id, Some(anchor)),
                     r => {
-                        return Err(shared.conn_failed(obj, permit, start, r.and_then(Result::err)))
+                        let (obj, permit) = held.parts();
+                        return Err(shared.conn_failed(
+                            obj,
+                            permit,
+                            start,
+                            r.and_then(Result::err),
+                        ));
                     }
                 },
             };
@@ -203,8 +214,8 @@ impl<B: Source> Shared<B> {
                     st.pids.remove(&id);
                     Seen::Tainted
                 } else if let Some(pid) = st.pids.get(&id).map(|k| k.pid) {
-                    let now = B::handed_out(&obj);
-                    Seen::Known(pid, st.attach(permit.slot(), pid, id, now))
+                    let now = B::handed_out(held.obj());
+                    Seen::Known(pid, st.attach(held.slot(), pid, id, now))
                 } else {
                     Seen::New
                 }
@@ -213,20 +224,25 @@ impl<B: Source> Shared<B> {
                 Seen::Known(pid, since) => (pid, since),
                 Seen::Tainted => {
                     tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
+                    let (obj, p) = held.parts();
                     finish(B::discard(obj), None::<Permit<B>>, Duration::ZERO);
+                    permit = p;
                     continue;
                 }
-                Seen::New => match until(deadline, B::backend_pid(&mut obj)).await {
+                Seen::New => match until(deadline, B::backend_pid(held.obj())).await {
                     Some(Ok(pid)) => {
                         let anchor = match anchor {
                             Some(a) => Ok(a),
-                            None => B::identify(&mut obj).await.map(|(_, a)| a),
+                            None => B::identify(held.obj()).await.map(|(_, a)| a),
                         };
                         let anchor = match anchor {
                             Ok(a) => a,
-                            Err(e) => return Err(shared.conn_failed(obj, permit, start, Some(e))),
+                            Err(e) => {
+                                let (obj, permit) = held.parts();
+                                return Err(shared.conn_failed(obj, permit, start, Some(e)));
+                            }
                         };
-                        let created = B::created(&obj);
+                        let created = B::created(held.obj());
                         let mut st = shared.state.lock();
                         // Connections the wrapped pool dropped on its own
                         // leave stale entries: keep the map bounded (idle
@@ -244,14 +260,54 @@ impl<B: Source> Shared<B> {
                                 _anchor: anchor,
                             },
                         );
-                        (pid, st.attach(permit.slot(), pid, id, Instant::now()))
+                        (pid, st.attach(held.slot(), pid, id, Instant::now()))
                     }
                     r => {
-                        return Err(shared.conn_failed(obj, permit, start, r.and_then(Result::err)))
+                        let (obj, permit) = held.parts();
+                        return Err(shared.conn_failed(
+                            obj,
+                            permit,
+                            start,
+                            r.and_then(Result::err),
+                        ));
                     }
                 },
             };
+            let (obj, permit) = held.parts();
             return Ok(hand_out(obj, permit, pid, id, site, since, start));
+        }
+    }
+}
+
+/// A connection taken for a checkout not handed out yet, with its
+/// admission: dropped (the checkout dropped), the connection goes back and
+/// then the admission, as a `Client`'s drop does.
+struct Taken<B: Source>(Option<(B::Object, Permit<B>)>);
+
+impl<B: Source> Taken<B> {
+    fn obj(&mut self) -> &mut B::Object {
+        // infallible: taken apart only by `parts`, which consumes it.
+        &mut self.0.as_mut().expect("held until taken apart").0 // infallible
+    }
+
+    fn slot(&self) -> usize {
+        // infallible: as above.
+        self.0.as_ref().expect("held until taken apart").1.slot() // infallible
+    }
+
+    fn parts(mut self) -> (B::Object, Permit<B>) {
+        // infallible: as above.
+        self.0.take().expect("held until taken apart") // infallible
+    }
+}
+
+impl<B: Source> Drop for Taken<B> {
+    fn drop(&mut self) {
+        if let Some((obj, permit)) = self.0.take() {
+            match B::give_back(obj) {
+                None => drop(permit),
+                back => finish(back, Some(permit), Duration::ZERO),
+            }
         }
     }
 }

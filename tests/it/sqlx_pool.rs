@@ -209,7 +209,7 @@ macro_rules! dropin {
                     let (stop, admin) = (stop.clone(), support::admin(&db).await);
                     tokio::spawn(async move {
                         let mut killed = 0u32;
-                        while !stop.load(Ordering::SeqCst) {
+                        while !stop.load(Ordering::SeqCst) || killed == 0 {
                             killed += admin
                                 .query(
                                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
@@ -288,6 +288,26 @@ macro_rules! dropin {
                 assert!(killed > 0, "no backend was terminated: nothing was tried");
                 settled(&pool).await;
                 assert!(pool.size() <= 3, "sqlx holds {} connections", pool.size());
+                // A backend terminated while its connection was idle is
+                // found dead at that connection's next use (as with sqlx
+                // alone), then closed: use the lane's two connections
+                // together until both answer.
+                eventually(GUARD, "only live connections left", || async {
+                    // A checkout whose new connection was terminated as it
+                    // was named fails too (sqlx's error, as its statement's
+                    // would have).
+                    let (a, b) = (pool.acquire().await, pool.acquire().await);
+                    let ok = match (a, b) {
+                        (Ok(mut a), Ok(mut b)) => {
+                            let a_ok = $sqlx::query("SELECT 1").execute(&mut *a).await.is_ok();
+                            a_ok && $sqlx::query("SELECT 1").execute(&mut *b).await.is_ok()
+                        }
+                        _ => false,
+                    };
+                    settled(&pool).await;
+                    ok
+                })
+                .await;
                 // Every connection the request lane can hold, together, at
                 // once: none kept by a checkout given up, none in a
                 // transaction, each pid its own backend's.
