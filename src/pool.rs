@@ -58,5 +58,6 @@ pub(crate) use shared::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
 pub(crate) use source::{Refused, Source, SourceStatus};
 pub(crate) use supervisor::Task;

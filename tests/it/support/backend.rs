@@ -133,6 +133,7 @@ macro_rules! common_methods {
 }
 
 /// sqlx's connect options for a test database (`$sqlx`: the sqlx crate).
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
 macro_rules! sqlx_options {
     ($sqlx:ident, $db:expr) => {{
         let (host, socket, port, user, dbname) = $crate::support::backend::sqlx_target($db);
@@ -212,6 +213,7 @@ impl Backend for Deadpool {
 }
 
 /// The sqlx connect options of `db` (a socket directory or a host).
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
 pub fn sqlx_target(
     db: &TestDb,
 ) -> (
@@ -235,6 +237,7 @@ pub fn sqlx_target(
 
 /// The backend of one sqlx version: `$sqlx` the sqlx crate, `$pg` the
 /// pgwarden module over it (one source for both versions).
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
 macro_rules! sqlx_backend {
     ($backend:ident, $sqlx:ident, $($pg:ident)::+) => {
         pub struct $backend;
