@@ -304,7 +304,7 @@ impl<B: Source> Taken<B> {
 impl<B: Source> Drop for Taken<B> {
     fn drop(&mut self) {
         if let Some((obj, permit)) = self.0.take() {
-            match B::give_back(obj) {
+            match B::give_back(&mut Some(obj)) {
                 None => drop(permit),
                 back => finish(back, Some(permit), Duration::ZERO),
             }
@@ -900,7 +900,7 @@ impl AsRef<deadpool_postgres::Client> for Client {
 
 impl<B: Source> Drop for Client<B> {
     fn drop(&mut self) {
-        if let Some(obj) = self.obj.take() {
+        if let Some(obj) = &self.obj {
             let held = self.since.elapsed();
             let shared = self.permit.shared();
             shared
@@ -908,12 +908,13 @@ impl<B: Source> Drop for Client<B> {
                 .lane(self.permit.lane)
                 .hold
                 .record(held.as_secs_f64());
-            if B::is_broken(&obj) {
+            if B::is_broken(obj) {
                 shared.state.lock().pids.remove(&self.object);
             }
-            // The connection goes back to the wrapped pool, then the permit
-            // to the budget: at once, or once the pool's return is done.
-            match B::give_back(obj) {
+            // The connection goes back to the wrapped pool (deadpool's
+            // dropped in place), then the permit to the budget: at once, or
+            // once the pool's return is done.
+            match B::give_back(&mut self.obj) {
                 None => self.permit.release(held),
                 back => finish(back, Some(self.permit.take()), held),
             }

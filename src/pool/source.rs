@@ -111,7 +111,10 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// at once (deadpool), or the return to run to its end, after which
     /// the pool has its capacity again (sqlx: its `after_release` hook and
     /// ping). The shell gives the checkout's admission back after it.
-    fn give_back(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static>;
+    /// (`obj` is taken out of its slot: deadpool's is dropped in place.)
+    fn give_back(
+        obj: &mut Option<Self::Object>,
+    ) -> Option<impl Future<Output = ()> + Send + 'static>;
     /// Closes the physical connection instead: `None` when done at once,
     /// or the close to run to its end (the capacity is held until then).
     fn discard(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static>;
@@ -224,8 +227,8 @@ impl Source for deadpool_postgres::Pool {
 
     /// Dropped in place: deadpool has it back at once.
     #[inline(always)]
-    fn give_back(obj: Object) -> Option<impl Future<Output = ()> + Send + 'static> {
-        drop(obj);
+    fn give_back(obj: &mut Option<Object>) -> Option<impl Future<Output = ()> + Send + 'static> {
+        *obj = None;
         None::<std::future::Ready<()>>
     }
 

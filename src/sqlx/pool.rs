@@ -151,7 +151,10 @@ impl Source for dep::PgPool {
 
     /// sqlx's own return (its `after_release` hook, a ping, then idle):
     /// the future its drop would have spawned, run by pgwarden's shell.
-    fn give_back(mut obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static> {
+    fn give_back(
+        obj: &mut Option<Self::Object>,
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let mut obj = obj.take()?;
         let back = obj.return_to_pool();
         // Nothing left in it to return (it only keeps `min_connections`).
         drop(obj);
