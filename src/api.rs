@@ -246,7 +246,7 @@ impl Pool {
         timeout: Duration,
     ) -> impl Future<Output = Result<Duration, Error>> + Send + '_ {
         let site = Location::caller();
-        self.probe(timeout, site)
+        self.shared.probe(timeout, site)
     }
 
     /// Closes the pool: idle connections are closed, waiters fail, checkouts

@@ -80,6 +80,17 @@ mod lost;
 pub mod metrics;
 mod pool;
 mod pooler;
+#[cfg(feature = "sqlx-0_9")]
+#[path = "sqlx/v09.rs"]
+pub mod sqlx;
+#[cfg(all(feature = "sqlx-0_8", not(feature = "sqlx-0_9")))]
+#[path = "sqlx/v08.rs"]
+pub mod sqlx;
+// With both sqlx features on, `pgwarden::sqlx` is the sqlx 0.9 pool and
+// this module the sqlx 0.8 one (one source: `src/sqlx/pool.rs`).
+#[cfg(all(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+#[path = "sqlx/v08.rs"]
+pub mod sqlx_0_8;
 mod status;
 mod stmt;
 

@@ -23,6 +23,9 @@
 //! - `supervisor.rs`: the supervisor, which starts the background tasks,
 //!   starts them again on the runtime in use, and stops them at close;
 //! - `probe.rs`: the readiness probe;
+//! - `source.rs`: the seam, [`Source`]: what a backend (the deadpool pool;
+//!   sqlx's `PgPool` in `crate::sqlx`) supplies; everything above is
+//!   generic over it (the deadpool one unless said otherwise);
 //! - `tests.rs`: the shell's timeouts, cancellation and housekeeping on
 //!   tokio's paused clock.
 //!
@@ -30,8 +33,8 @@
 //! `housekeeping`; `probe` calls `checkout`; `builder`, `checkout`,
 //! `housekeeping` and `probe` call `shared`; `checkout`, `housekeeping` and
 //! `probe` call `deadline`; `builder`, `shared`, `checkout` and
-//! `housekeeping` call `supervisor`; `deadline` and `supervisor` call
-//! nothing in the pool.
+//! `housekeeping` call `supervisor`; `deadline`, `source` and `supervisor`
+//! call nothing in the pool.
 
 mod builder;
 mod checkout;
@@ -39,6 +42,7 @@ mod deadline;
 mod housekeeping;
 mod probe;
 mod shared;
+mod source;
 mod supervisor;
 #[cfg(test)]
 mod tests;
@@ -54,4 +58,6 @@ pub(crate) use shared::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+pub(crate) use source::{Refused, Source, SourceStatus};
 pub(crate) use supervisor::Task;

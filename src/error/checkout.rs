@@ -35,6 +35,12 @@ pub enum CheckoutError {
     #[error("pool error: {}", super::PoolDisplay(.0))]
     Pool(#[source] deadpool_postgres::PoolError),
 
+    /// The wrapped pool (sqlx) failed to hand out a connection, or to
+    /// answer the statement that names it: its own error, boxed
+    /// (`sqlx::Error` for a sqlx pool: downcast to read it).
+    #[error("pool error: {0}")]
+    Backend(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+
     /// No connection of `lane` came within the caller's bound: the bound
     /// covers admission, deadpool's wait, connecting, recycling and the
     /// backend-pid query.

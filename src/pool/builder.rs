@@ -7,6 +7,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::shared::{Claim, Extensions, Options, Periodic, Pool, Shared, State};
+use super::source::Source;
 use super::supervisor::Supervisor;
 use crate::admission::{BudgetPolicy, Lane, LaneLimits, Limits, LimitsError, MAX_POOL_SIZE};
 use crate::error::BuildError;
@@ -122,6 +123,9 @@ pub(crate) fn url_pool(
     Ok((inner, name))
 }
 
+/// The periodic work of the layers above, one per name.
+type Hooks = Vec<Arc<dyn Periodic>>;
+
 /// Builds a [`Pool`] over a deadpool pool. Every setting has a default.
 ///
 /// ```no_run
@@ -136,10 +140,13 @@ pub(crate) fn url_pool(
 ///     .build()?;
 /// # Ok(()) }
 /// ```
+///
+/// (`B` is the pool it wraps: deadpool's unless said otherwise; the sqlx
+/// pool's builder is `pgwarden::sqlx::Pool::builder`, with the settings
+/// of this one that do not belong to the layers above.)
 #[must_use = "builder does nothing until .build()"]
-#[derive(Debug)]
-pub struct PoolBuilder {
-    inner: deadpool_postgres::Pool,
+pub struct PoolBuilder<B: Source = deadpool_postgres::Pool> {
+    inner: B,
     name: Option<String>,
     lanes: [Option<LaneLimits>; Lane::COUNT],
     policy: BudgetPolicy,
@@ -154,8 +161,19 @@ pub struct PoolBuilder {
     invalid: Vec<(&'static str, BuildError)>,
 }
 
-impl PoolBuilder {
-    pub(crate) fn new(inner: deadpool_postgres::Pool) -> PoolBuilder {
+impl<B: Source> std::fmt::Debug for PoolBuilder<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolBuilder")
+            .field("name", &self.name)
+            .field("lanes", &self.lanes)
+            .field("policy", &self.policy)
+            .field("wait_timeout", &self.wait_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Source> PoolBuilder<B> {
+    pub(crate) fn new(inner: B) -> PoolBuilder<B> {
         PoolBuilder {
             inner,
             name: None,
@@ -270,10 +288,10 @@ impl PoolBuilder {
         self
     }
 
-    /// Validates every setting and builds the pool. Call inside a tokio
-    /// runtime to start the housekeeping task at once (otherwise it starts at
-    /// the first checkout).
-    pub fn build(mut self) -> Result<Pool, BuildError> {
+    /// Validates every setting and builds what a pool shares, its
+    /// housekeeping supervised; returns the periodic work of the layers
+    /// above too.
+    pub(crate) fn build_shared(mut self) -> Result<(Arc<Shared<B>>, Hooks), BuildError> {
         if let Some(name) = &self.name {
             let valid = !name.is_empty()
                 && name.len() <= 64
@@ -303,18 +321,18 @@ impl PoolBuilder {
             return Err(BuildError::DeadpoolClosed);
         }
         let d = self.inner.status();
-        let limits = Limits::derive(d.max_size, self.lanes, self.policy)?;
+        let limits = Limits::derive(d.max, self.lanes, self.policy)?;
         // Objects out, or callers waiting: someone else uses this pool.
-        let in_use = d.size.saturating_sub(d.available) + d.waiting;
+        let in_use = d.size.saturating_sub(d.idle) + d.waiting;
         if in_use > 0 {
             return Err(BuildError::DeadpoolInUse {
                 in_use,
-                max_size: d.max_size,
+                max_size: d.max,
             });
         }
         let wait_timeout = self
             .wait_timeout
-            .or(self.inner.timeouts().wait)
+            .or(self.inner.wait_bound())
             .unwrap_or(Duration::from_secs(30));
         let claim = Claim::new(self.name.as_deref());
         let name = claim.name();
@@ -322,15 +340,12 @@ impl PoolBuilder {
         // named after it from now on.
         let _ = self.ext.get::<AppName>().0.set(name.to_string());
         let metrics = PoolMetrics::register(&name, &limits);
-        let get_timeouts = deadpool_postgres::Timeouts {
-            wait: Some(Duration::ZERO),
-            ..self.inner.timeouts()
-        };
+        let cfg = self.inner.cfg();
         let shared = Arc::new(Shared {
             name,
             _name: claim,
             inner: self.inner,
-            get_timeouts,
+            cfg,
             state: Mutex::new(State::new(limits)),
             opts: Options {
                 wait_timeout,
@@ -345,7 +360,18 @@ impl PoolBuilder {
             #[cfg(test)]
             inject_panic: AtomicBool::new(false),
         });
-        shared.supervise_housekeeping(self.periodic);
+        shared.supervise_housekeeping();
+        Ok((shared, self.periodic))
+    }
+}
+
+impl PoolBuilder {
+    /// Validates every setting and builds the pool. Call inside a tokio
+    /// runtime to start the housekeeping task at once (otherwise it starts at
+    /// the first checkout).
+    pub fn build(self) -> Result<Pool, BuildError> {
+        let (shared, periodic) = self.build_shared()?;
+        shared.supervise_periodic(periodic);
         Ok(Pool { shared })
     }
 }

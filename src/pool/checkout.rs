@@ -9,13 +9,13 @@ use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
 use std::pin::{pin, Pin};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use deadpool_postgres::{Object, PoolError, TimeoutType};
-
 use super::deadline::{bounded, deadline};
-use super::shared::{Entry, IdSet, Known, ObjectId, Permit, Pool, Queued, Shared};
+use super::shared::{Entry, IdSet, Known, Permit, Pool, Queued, Shared};
+use super::source::{Refused, Source};
 use crate::admission::{Lane, Priority};
 use crate::error::{CheckoutError, Error, Stage};
 
@@ -81,8 +81,6 @@ impl Pool {
         )
     }
 
-    /// A checkout's future: [`Getting`], polled by hand (see there). Errors
-    /// go out through `map`.
     fn checkout_inner<E: Send + 'static>(
         &self,
         lane: Lane,
@@ -92,14 +90,41 @@ impl Pool {
         timeout: Duration,
         map: fn(Error) -> E,
     ) -> impl Future<Output = Result<Client, E>> + Send + '_ {
-        let shared = &self.shared;
+        self.shared
+            .checkout_inner(lane, prio, patient, site, timeout, map)
+    }
+}
+
+impl<B: Source> Shared<B> {
+    /// A checkout of `lane`, all of it within `timeout`.
+    pub(crate) fn checkout(
+        self: &Arc<Self>,
+        lane: Lane,
+        site: &'static Location<'static>,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Client<B>, Error>> + Send + '_ {
+        self.checkout_inner(lane, Priority::Normal, false, site, timeout, same)
+    }
+
+    /// A checkout's future: [`Getting`], polled by hand (see there). Errors
+    /// go out through `map`.
+    #[inline(always)]
+    pub(crate) fn checkout_inner<E: Send + 'static>(
+        self: &Arc<Self>,
+        lane: Lane,
+        prio: Priority,
+        patient: bool,
+        site: &'static Location<'static>,
+        timeout: Duration,
+        map: fn(Error) -> E,
+    ) -> impl Future<Output = Result<Client<B>, E>> + Send + '_ {
         Getting {
             // Not polled before admission: an async fn's future does nothing
             // until then (it only holds its arguments).
-            get: shared.inner.timeout_get(&shared.get_timeouts),
+            get: self.inner.take(&self.cfg),
             timer: Timer::Off,
             state: State::Start,
-            pool: self,
+            shared: self,
             lane,
             prio,
             patient,
@@ -110,32 +135,27 @@ impl Pool {
     }
 
     /// The rest of a checkout whose connection was not handed out at
-    /// once: deadpool's answer `got` (`None`: it timed out) was an error,
-    /// a tainted connection (discarded, and another asked for) or a new one
-    /// (its backend pid asked). `start`: when the checkout began.
+    /// once: the wrapped pool's answer `got` (`None`: it timed out; the
+    /// outer `None`: not asked yet) was an error, a tainted connection
+    /// (discarded, and another asked for), one whose name takes a
+    /// statement (sqlx), or a new one (its backend pid asked). `start`:
+    /// when the checkout began.
     async fn checkout_rest(
-        &self,
-        lane: Lane,
+        self: Arc<Self>,
         site: &'static Location<'static>,
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
-        permit: Permit,
-        got: Option<Result<Object, PoolError>>,
-    ) -> Result<Client, Error> {
-        let shared = &self.shared;
+        mut permit: Permit<B>,
+        got: Option<Option<Result<B::Object, B::Raw>>>,
+    ) -> Result<Client<B>, Error> {
+        let shared = &self;
+        let lane = permit.lane;
         let lm = shared.metrics.lane(lane);
-        let mut first = Some(got);
+        let mut first = got;
         loop {
             let got = match first.take() {
                 Some(got) => got,
-                None => {
-                    let get = pin!(shared.inner.timeout_get(&shared.get_timeouts));
-                    let mut get = get;
-                    match std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx))).await {
-                        Poll::Ready(r) => Some(r),
-                        Poll::Pending => tokio::time::timeout_at(deadline, get).await.ok(),
-                    }
-                }
+                None => until(deadline, shared.inner.take(&shared.cfg)).await,
             };
             let got = match got {
                 Some(Ok(o)) => Ok(o),
@@ -149,17 +169,38 @@ impl Pool {
                 Ok(o) => o,
                 Err(e) => {
                     match &e {
-                        Error::Checkout(CheckoutError::Pool(PoolError::Closed)) => {
-                            lm.fail_closed.increment(1)
+                        Error::Checkout(CheckoutError::Pool(
+                            deadpool_postgres::PoolError::Closed,
+                        )) => lm.fail_closed.increment(1),
+                        Error::Checkout(CheckoutError::Pool(_) | CheckoutError::Backend(_)) => {
+                            lm.fail_backend.increment(1)
                         }
-                        Error::Checkout(CheckoutError::Pool(_)) => lm.fail_backend.increment(1),
                         // Counted where they were found.
                         _ => {}
                     }
                     return Err(e);
                 }
             };
-            let id = Object::id(&obj);
+            // From here the connection and the admission are held
+            // together: a checkout dropped while it names the connection or
+            // asks its pid gives the connection back first, the admission
+            // after the wrapped pool has it (as a `Client` does).
+            let mut held = Taken(Some((obj, permit)));
+            let (id, anchor) = match B::quick_id(held.obj()) {
+                Some(id) => (id, None),
+                None => match until(deadline, B::identify(held.obj())).await {
+                    Some(Ok((id, anchor))) => (id, Some(anchor)),
+                    r => {
+                        let (obj, permit) = held.parts();
+                        return Err(shared.conn_failed(
+                            obj,
+                            permit,
+                            start,
+                            r.and_then(Result::err),
+                        ));
+                    }
+                },
+            };
             enum Seen {
                 Tainted,
                 Known(i32, Instant),
@@ -172,9 +213,9 @@ impl Pool {
                 if !st.tainted.is_empty() && st.tainted.remove(&id) {
                     st.pids.remove(&id);
                     Seen::Tainted
-                } else if let Some(k) = st.pids.get(&id).copied() {
-                    let now = recycled_at(&obj);
-                    Seen::Known(k.pid, st.attach(permit.slot(), k.pid, id, now))
+                } else if let Some(pid) = st.pids.get(&id).map(|k| k.pid) {
+                    let now = B::handed_out(held.obj());
+                    Seen::Known(pid, st.attach(held.slot(), pid, id, now))
                 } else {
                     Seen::New
                 }
@@ -183,37 +224,118 @@ impl Pool {
                 Seen::Known(pid, since) => (pid, since),
                 Seen::Tainted => {
                     tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
-                    drop(Object::take(obj));
+                    let (obj, p) = held.parts();
+                    finish(B::discard(obj), None::<Permit<B>>, Duration::ZERO);
+                    permit = p;
                     continue;
                 }
-                Seen::New => match until(deadline, backend_pid(&obj)).await {
+                Seen::New => match until(deadline, B::backend_pid(held.obj())).await {
                     Some(Ok(pid)) => {
-                        let created = Object::metrics(&obj).created;
+                        let anchor = match anchor {
+                            Some(a) => Ok(a),
+                            None => B::identify(held.obj()).await.map(|(_, a)| a),
+                        };
+                        let anchor = match anchor {
+                            Ok(a) => a,
+                            Err(e) => {
+                                let (obj, permit) = held.parts();
+                                return Err(shared.conn_failed(obj, permit, start, Some(e)));
+                            }
+                        };
+                        let created = B::created(held.obj());
                         let mut st = shared.state.lock();
-                        // Connections deadpool dropped on its own leave stale
-                        // entries: keep the map bounded (idle pids are asked again).
+                        // Connections the wrapped pool dropped on its own
+                        // leave stale entries: keep the map bounded (idle
+                        // pids are asked again).
                         if st.pids.len() >= 4 * st.adm.limits().size() {
-                            let out: IdSet =
+                            let out: IdSet<B::Id> =
                                 st.checkouts.iter().filter_map(|(_, c)| c.object).collect();
                             st.pids.retain(|id, _| out.contains(id));
                         }
-                        st.pids.insert(id, Known { pid, created });
-                        (pid, st.attach(permit.slot(), pid, id, Instant::now()))
+                        st.pids.insert(
+                            id,
+                            Known {
+                                pid,
+                                created,
+                                _anchor: anchor,
+                            },
+                        );
+                        (pid, st.attach(held.slot(), pid, id, Instant::now()))
                     }
-                    Some(Err(e)) => {
-                        lm.fail_backend.increment(1);
-                        drop(Object::take(obj));
-                        return Err(e);
-                    }
-                    None => {
-                        drop(Object::take(obj));
-                        let status = shared.status();
-                        return Err(shared.timed_out(lane, Stage::BackendPid, start, status));
+                    r => {
+                        let (obj, permit) = held.parts();
+                        return Err(shared.conn_failed(
+                            obj,
+                            permit,
+                            start,
+                            r.and_then(Result::err),
+                        ));
                     }
                 },
             };
-            return Ok(hand_out(obj, permit, pid, site, since, start));
+            let (obj, permit) = held.parts();
+            return Ok(hand_out(obj, permit, pid, id, site, since, start));
         }
+    }
+}
+
+/// A connection taken for a checkout not handed out yet, with its
+/// admission: dropped (the checkout dropped), the connection goes back and
+/// then the admission, as a `Client`'s drop does.
+struct Taken<B: Source>(Option<(B::Object, Permit<B>)>);
+
+impl<B: Source> Taken<B> {
+    fn obj(&mut self) -> &mut B::Object {
+        // infallible: taken apart only by `parts`, which consumes it.
+        &mut self.0.as_mut().expect("held until taken apart").0 // infallible
+    }
+
+    fn slot(&self) -> usize {
+        // infallible: as above.
+        self.0.as_ref().expect("held until taken apart").1.slot() // infallible
+    }
+
+    fn parts(mut self) -> (B::Object, Permit<B>) {
+        // infallible: as above.
+        self.0.take().expect("held until taken apart") // infallible
+    }
+}
+
+impl<B: Source> Drop for Taken<B> {
+    fn drop(&mut self) {
+        if let Some((obj, permit)) = self.0.take() {
+            match B::give_back(&mut Some(obj)) {
+                None => drop(permit),
+                back => finish(back, Some(permit), Duration::ZERO),
+            }
+        }
+    }
+}
+
+/// Runs the wrapped pool's return or close `work` to its end in a task of
+/// its own, then releases `permit` (its connection held for `held`): the
+/// capacity is the pool's again only then. Outside a runtime, `work` is
+/// dropped (the connection closed with it) and the permit released at once.
+#[cold]
+fn finish<B: Source>(
+    work: Option<impl Future<Output = ()> + Send + 'static>,
+    permit: Option<Permit<B>>,
+    held: Duration,
+) {
+    let Some(work) = work else {
+        drop(permit);
+        return;
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => {
+            rt.spawn(async move {
+                work.await;
+                if let Some(mut p) = permit {
+                    p.release(held);
+                }
+            });
+        }
+        Err(_) => drop((work, permit)),
     }
 }
 
@@ -224,30 +346,31 @@ fn same(e: Error) -> Error {
 
 pin_project_lite::pin_project! {
     /// A checkout in progress, written as a future by hand so that the
-    /// common case (admitted at once, deadpool ready with a known
+    /// common case (admitted at once, the wrapped pool ready with a known
     /// connection) runs in one poll, holds nothing across it, and builds
     /// its `Client` where the caller receives it: an `async fn` kept
     /// deadpool's answer in its state and moved the connection (232 bytes)
     /// three times more on the way out. Everything else (a wait in the
-    /// queue, a deadpool error or wait, a tainted or new connection) runs
-    /// in functions entered only then. A wait in the queue allocates
-    /// nothing: the checkout's answer and waker are kept in its entry in
-    /// the waiters' table, and its timer in the future itself.
+    /// queue, a wait or error of the wrapped pool, a tainted or new
+    /// connection, a connection whose name takes a statement) runs in
+    /// functions entered only then. A wait in the queue allocates nothing:
+    /// the checkout's answer and waker are kept in its entry in the
+    /// waiters' table, and its timer in the future itself.
     ///
-    /// `get` is deadpool's checkout, made with the future and polled only
-    /// after admission (pgwarden owns the capacity: deadpool is asked not
-    /// to wait). It is declared first so that it drops before the permit
-    /// `state` may hold: a connection goes back to deadpool before its
-    /// admission does.
-    struct Getting<'a, F, E> {
+    /// `get` is the wrapped pool's checkout ([`Source::take`]), made with
+    /// the future and polled only after admission (pgwarden owns the
+    /// capacity: the pool is asked not to wait). It is declared first so
+    /// that it drops before the permit `state` may hold: a connection goes
+    /// back before its admission does.
+    struct Getting<'a, B: Source, F, E> {
         #[pin]
         get: F,
         // The checkout's bound, armed once something makes it wait (in the
-        // queue, or for deadpool; the same deadline for both).
+        // queue, or for the wrapped pool; the same deadline for both).
         #[pin]
         timer: Timer,
-        state: State<'a>,
-        pool: &'a Pool,
+        state: State<'a, B>,
+        shared: &'a Arc<Shared<B>>,
         lane: Lane,
         prio: Priority,
         patient: bool,
@@ -304,38 +427,37 @@ impl Timer {
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send + 'a>>;
 
 /// Where a [`Getting`] is.
-enum State<'a> {
+enum State<'a, B: Source> {
     /// Not polled yet.
     Start,
     /// In the admission queue, until its answer or its timer.
-    Queued(Queued<'a>),
-    /// Admitted, waiting for deadpool (connecting, or a return under way)
-    /// since `start`, until its timer fires at `deadline`.
+    Queued(Queued<'a, B>),
+    /// Admitted, waiting for the wrapped pool (connecting, or a return
+    /// under way) since `start`, until its timer fires at `deadline`.
     Waiting {
-        permit: Permit,
+        permit: Permit<B>,
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
     },
     /// Admitted, its connection not handed out at once: see
-    /// [`Pool::checkout_rest`].
-    Rest(Boxed<'a, Client>),
+    /// [`Shared::checkout_rest`].
+    Rest(Boxed<'static, Client<B>>),
     /// Finished (or its state taken for the length of a poll).
     Done,
 }
 
-impl<F, E> Future for Getting<'_, F, E>
+impl<B: Source, F, E> Future for Getting<'_, B, F, E>
 where
-    F: Future<Output = Result<Object, PoolError>>,
+    F: Future<Output = Result<B::Object, B::Raw>>,
 {
-    type Output = Result<Client, E>;
+    type Output = Result<Client<B>, E>;
 
     /// The common case runs here, straight through; the rest in functions
     /// of their own (keeping them out keeps this frame small; the rarest,
-    /// `Pool::checkout_rest`, is a boxed future).
+    /// `Shared::checkout_rest`, is a boxed future).
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        let pool: &Pool = this.pool;
-        let shared = &pool.shared;
+        let shared: &Arc<Shared<B>> = this.shared;
         let (lane, site, timeout, map) = (*this.lane, *this.site, *this.timeout, *this.map);
         loop {
             // Admitted, with when the checkout began (a queued one), or
@@ -361,7 +483,7 @@ where
                         }
                     }
                 }
-                _ => match pool.poll_slow(
+                _ => match shared.poll_slow(
                     this.get.as_mut(),
                     this.timer.as_mut(),
                     this.state,
@@ -374,45 +496,47 @@ where
                     Slow::Admitted(permit, start) => (permit, Some(start)),
                 },
             };
-            // Admitted: deadpool polled in place (after admission it always
-            // has room); a free connection comes back at once, with no timer.
+            // Admitted: the wrapped pool polled in place (after admission
+            // it always has room); a free connection comes back at once,
+            // with no timer.
             let polled = this.get.as_mut().poll(cx);
             if let Poll::Ready(Ok(obj)) = &polled {
-                let id = Object::id(obj);
-                let since = recycled_at(obj);
-                if let Some(pid) = shared.attach_known(permit.slot(), id, since) {
-                    let acquire = start.map_or(0.0, |s: tokio::time::Instant| {
-                        since.saturating_duration_since(s.into_std()).as_secs_f64()
-                    });
-                    shared.metrics.lane(lane).acquire.record(acquire);
-                    *this.state = State::Done;
-                    let Poll::Ready(Ok(obj)) = polled else {
-                        unreachable!("matched just above")
-                    };
-                    return Poll::Ready(Ok(Client {
-                        obj: Some(obj),
-                        permit,
-                        pid,
-                        site,
-                        since,
-                        object: id,
-                    }));
+                if let Some(id) = B::quick_id(obj) {
+                    let since = B::handed_out(obj);
+                    if let Some(pid) = shared.attach_known(permit.slot(), id, since) {
+                        let acquire = start.map_or(0.0, |s: tokio::time::Instant| {
+                            since.saturating_duration_since(s.into_std()).as_secs_f64()
+                        });
+                        shared.metrics.lane(lane).acquire.record(acquire);
+                        *this.state = State::Done;
+                        let Poll::Ready(Ok(obj)) = polled else {
+                            unreachable!("matched just above")
+                        };
+                        return Poll::Ready(Ok(Client {
+                            obj: Some(obj),
+                            permit,
+                            pid,
+                            site,
+                            since,
+                            object: id,
+                        }));
+                    }
                 }
             }
             *this.state =
-                pool.not_at_once(site, timeout, this.timer.as_mut(), permit, start, polled);
+                shared.not_at_once(site, timeout, this.timer.as_mut(), permit, start, polled);
         }
     }
 }
 
-/// What [`Pool::poll_slow`] came to. Returned once per poll of a slow
+/// What [`Shared::poll_slow`] came to. Returned once per poll of a slow
 /// checkout, never stored: its size costs nothing a box would not.
 #[allow(clippy::large_enum_variant)]
-enum Slow {
+enum Slow<B: Source> {
     Pending,
-    Done(Result<Client, Error>),
+    Done(Result<Client<B>, Error>),
     /// Admitted after a wait in the queue that began at the instant given.
-    Admitted(Permit, tokio::time::Instant),
+    Admitted(Permit<B>, tokio::time::Instant),
 }
 
 /// The caller's bound from `start`, tightened by the `Deadline` scope it
@@ -426,11 +550,11 @@ fn bound(start: tokio::time::Instant, timeout: Duration) -> tokio::time::Instant
 /// whether it waits (its deadline not come). (Out of line, not cold: under
 /// saturation most checkouts queue.)
 #[inline(never)]
-fn queued<'a>(
-    q: Queued<'a>,
+fn queued<'a, B: Source>(
+    q: Queued<'a, B>,
     timeout: Duration,
     mut timer: Pin<&mut Timer>,
-    state: &mut State<'a>,
+    state: &mut State<'a, B>,
     cx: &mut Context<'_>,
 ) -> bool {
     let start = q.start;
@@ -439,23 +563,22 @@ fn queued<'a>(
     !timer.poll_fired(cx)
 }
 
-impl Pool {
-    /// An admitted checkout whose connection deadpool did not hand out at
-    /// once as a known one (`polled`): it waits for deadpool with a timer,
-    /// or goes on in [`Pool::checkout_rest`].
+impl<B: Source> Shared<B> {
+    /// An admitted checkout whose connection the wrapped pool did not hand
+    /// out at once as a known one (`polled`): it waits for the pool with a
+    /// timer, or goes on in [`Shared::checkout_rest`].
     #[cold]
     #[inline(never)]
-    fn not_at_once(
-        &self,
+    fn not_at_once<'a>(
+        self: &Arc<Self>,
         site: &'static Location<'static>,
         timeout: Duration,
         mut timer: Pin<&mut Timer>,
-        permit: Permit,
+        permit: Permit<B>,
         start: Option<tokio::time::Instant>,
-        polled: Poll<Result<Object, PoolError>>,
-    ) -> State<'_> {
-        let lane = permit.lane;
-        let start = self.shared.started(permit.slot(), start);
+        polled: Poll<Result<B::Object, B::Raw>>,
+    ) -> State<'a, B> {
+        let start = self.started(permit.slot(), start);
         // Armed already when it queued (the same bound: the same start).
         let deadline = timer.deadline().unwrap_or_else(|| bound(start, timeout));
         match polled {
@@ -467,32 +590,31 @@ impl Pool {
                     deadline,
                 }
             }
-            Poll::Ready(got) => State::Rest(Box::pin(self.checkout_rest(
-                lane,
+            Poll::Ready(got) => State::Rest(Box::pin(self.clone().checkout_rest(
                 site,
                 start,
                 deadline,
                 permit,
-                Some(got),
+                Some(Some(got)),
             ))),
         }
     }
 
-    /// Polls a checkout past its start: queued, waiting for deadpool, or in
-    /// [`Pool::checkout_rest`]. Out of line, not cold (under saturation
-    /// most checkouts queue).
+    /// Polls a checkout past its start: queued, waiting for the wrapped
+    /// pool, or in [`Shared::checkout_rest`]. Out of line, not cold (under
+    /// saturation most checkouts queue).
     #[inline(never)]
     fn poll_slow<'a, F>(
-        &'a self,
+        self: &'a Arc<Self>,
         mut get: Pin<&mut F>,
         mut timer: Pin<&mut Timer>,
-        state: &mut State<'a>,
+        state: &mut State<'a, B>,
         lane: Lane,
         site: &'static Location<'static>,
         cx: &mut Context<'_>,
-    ) -> Slow
+    ) -> Slow<B>
     where
-        F: Future<Output = Result<Object, PoolError>>,
+        F: Future<Output = Result<B::Object, B::Raw>>,
     {
         loop {
             match std::mem::replace(state, State::Done) {
@@ -504,10 +626,9 @@ impl Pool {
                         Poll::Pending if timer.as_mut().poll_fired(cx) => {
                             // The status as this waiter saw it, itself
                             // still counted; then it leaves the queue.
-                            let shared = &self.shared;
-                            let status = shared.status();
+                            let status = self.status();
                             drop(q);
-                            Slow::Done(Err(shared.timed_out(lane, Stage::Admission, start, status)))
+                            Slow::Done(Err(self.timed_out(lane, Stage::Admission, start, status)))
                         }
                         Poll::Pending => {
                             *state = State::Queued(q);
@@ -532,9 +653,13 @@ impl Pool {
                             return Slow::Pending;
                         }
                     };
-                    *state = State::Rest(Box::pin(
-                        self.checkout_rest(lane, site, start, deadline, permit, got),
-                    ));
+                    *state = State::Rest(Box::pin(self.clone().checkout_rest(
+                        site,
+                        start,
+                        deadline,
+                        permit,
+                        Some(got),
+                    )));
                 }
                 State::Rest(mut rest) => {
                     return match rest.as_mut().poll(cx) {
@@ -555,29 +680,22 @@ impl Pool {
     }
 }
 
-/// When deadpool handed `obj` out: it reads the clock as it recycles a
-/// connection, in the call that hands it out (a new one: as it creates it).
-fn recycled_at(obj: &Object) -> Instant {
-    let m = Object::metrics(obj);
-    m.recycled.unwrap_or(m.created)
-}
-
 /// The `Client` of a checkout that began at `start`, handed out at
 /// `since`, its wait recorded.
-fn hand_out(
-    obj: Object,
-    permit: Permit,
+fn hand_out<B: Source>(
+    obj: B::Object,
+    permit: Permit<B>,
     pid: i32,
+    object: B::Id,
     site: &'static Location<'static>,
     since: Instant,
     start: tokio::time::Instant,
-) -> Client {
+) -> Client<B> {
     let acquire = since
         .saturating_duration_since(start.into_std())
         .as_secs_f64();
     let shared = permit.shared();
     shared.metrics.lane(permit.lane).acquire.record(acquire);
-    let object = Object::id(&obj);
     Client {
         obj: Some(obj),
         permit,
@@ -588,47 +706,69 @@ fn hand_out(
     }
 }
 
-impl Shared {
-    /// An admitted checkout (record `slot`) has to wait for deadpool or
-    /// its connection: it began at `start` (a queued one), or now (one
-    /// admitted at once), and its record ages from then.
+impl<B: Source> Shared<B> {
+    /// An admitted checkout (record `slot`) has to wait for the wrapped
+    /// pool or its connection: it began at `start` (a queued one), or now
+    /// (one admitted at once), and its record ages from then.
     fn started(&self, slot: usize, start: Option<tokio::time::Instant>) -> tokio::time::Instant {
         let start = start.unwrap_or_else(tokio::time::Instant::now);
         self.waiting_since(slot, start.into_std());
         start
     }
 
-    /// deadpool answered an admitted checkout with `e`. A wait timeout
-    /// means it had no room: after admission that happens only while a
-    /// return is on its way (resolved at once), or when deadpool's capacity
-    /// was changed or taken outside pgwarden (reported by `deadline`).
+    /// A statement on a checkout's connection (its name, its pid) failed
+    /// with `e`, or ran out of the checkout's bound (`None`): the
+    /// connection is closed, the admission given back after it; the error.
+    fn conn_failed(
+        &self,
+        obj: B::Object,
+        permit: Permit<B>,
+        start: tokio::time::Instant,
+        e: Option<Error>,
+    ) -> Error {
+        let lane = permit.lane;
+        finish(B::discard(obj), Some(permit), Duration::ZERO);
+        match e {
+            Some(e) => {
+                self.metrics.lane(lane).fail_backend.increment(1);
+                e
+            }
+            None => self.timed_out(lane, Stage::BackendPid, start, self.status()),
+        }
+    }
+
+    /// The wrapped pool answered an admitted checkout with `e`. No room
+    /// means: after admission that happens only while a return is on its
+    /// way (resolved at once), or when its capacity was changed or taken
+    /// outside pgwarden (reported by `deadline`).
     async fn no_object(
         &self,
-        e: PoolError,
-        permit: &Permit,
+        e: B::Raw,
+        permit: &Permit<B>,
         start: tokio::time::Instant,
         deadline: tokio::time::Instant,
-    ) -> Result<Object, Error> {
+    ) -> Result<B::Object, Error> {
         let lane = permit.lane;
-        if !matches!(e, PoolError::Timeout(TimeoutType::Wait)) {
-            return Err(Error::Checkout(CheckoutError::Pool(e)));
+        if let Refused::Failed(e) = B::refused(e) {
+            return Err(e);
         }
         let size = self.state.lock().adm.limits().size();
-        let deadpool_max = self.inner.status().max_size;
-        let wait = deadpool_postgres::Timeouts {
-            wait: None,
-            ..self.get_timeouts
-        };
-        if deadpool_max == size {
-            if let Some(r) = until(deadline, self.inner.timeout_get(&wait)).await {
-                return r.map_err(Error::from);
+        let max = self.inner.status().max;
+        if max == size {
+            if let Some(r) = until(deadline, self.inner.take_waiting(&self.cfg)).await {
+                return r.map_err(|e| match B::refused(e) {
+                    Refused::Failed(e) => e,
+                    Refused::NoRoom => Error::Checkout(CheckoutError::Backend(
+                        "the wrapped pool had no connection for an admitted checkout".into(),
+                    )),
+                });
             }
         }
         let in_use = self.state.lock().adm.total();
         let err = Error::Checkout(CheckoutError::DeadpoolMismatch {
             lane,
             size,
-            deadpool_max: self.inner.status().max_size,
+            deadpool_max: self.inner.status().max,
             in_use,
         });
         self.metrics.lane(lane).fail_backend.increment(1);
@@ -637,20 +777,13 @@ impl Shared {
     }
 }
 
-async fn backend_pid(obj: &deadpool_postgres::Client) -> Result<i32, Error> {
-    let msgs = obj.simple_query("SELECT pg_backend_pid()").await?;
-    msgs.iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).and_then(|v| v.parse().ok()),
-            _ => None,
-        })
-        .ok_or(Error::Checkout(CheckoutError::NoBackendPid))
-}
-
 // --- the Client -------------------------------------------------------------
 
 /// A checked-out connection. Derefs to [`deadpool_postgres::Client`], so code
 /// written against deadpool runs unchanged; returns to the pool on drop.
+/// (`B` is the pool it came from: deadpool's unless said otherwise; the
+/// sqlx pool's connection is `pgwarden::sqlx::PoolConnection`, which
+/// derefs to sqlx's `PgConnection`.)
 ///
 /// Knows its lane, its backend pid, where it was checked out and since when.
 ///
@@ -666,20 +799,21 @@ async fn backend_pid(obj: &deadpool_postgres::Client) -> Result<i32, Error> {
 /// # Ok(()) }
 /// ```
 #[repr(C)]
-pub struct Client {
-    // `Drop` gives the connection back to deadpool before the permit to the
-    // budget, so an admitted checkout never waits inside deadpool. In this
-    // order (`repr(C)`) the small fields are built in place as a checkout
-    // hands its `Client` out, the connection after them.
-    pub(super) permit: Permit,
+pub struct Client<B: Source = deadpool_postgres::Pool> {
+    // `Drop` gives the connection back to the wrapped pool before the
+    // permit to the budget (sqlx: once its return is done), so an admitted
+    // checkout never waits inside the pool. In this order (`repr(C)`) the
+    // small fields are built in place as a checkout hands its `Client`
+    // out, the connection after them.
+    pub(super) permit: Permit<B>,
     pub(super) since: Instant,
     pub(super) site: &'static Location<'static>,
-    pub(super) object: ObjectId,
+    pub(super) object: B::Id,
     pub(super) pid: i32,
-    pub(super) obj: Option<deadpool_postgres::Client>,
+    pub(super) obj: Option<B::Object>,
 }
 
-impl Client {
+impl<B: Source> Client<B> {
     /// The lane it was checked out on.
     pub fn lane(&self) -> Lane {
         self.permit.lane
@@ -706,15 +840,15 @@ impl Client {
     pub fn discard(mut self) {
         if let Some(obj) = self.obj.take() {
             self.permit.shared().state.lock().pids.remove(&self.object);
-            drop(Object::take(obj));
+            if let Some(close) = B::discard(obj) {
+                finish(Some(close), Some(self.permit.take()), Duration::ZERO);
+            }
         }
     }
 
-    /// A connection deadpool made for this checkout (never recycled).
+    /// A connection made for this checkout (never used before).
     pub(super) fn is_new(&self) -> bool {
-        self.obj
-            .as_ref()
-            .is_some_and(|o| Object::metrics(o).recycle_count == 0)
+        self.obj.as_ref().is_some_and(B::is_new)
     }
 
     /// Its owner let go and its return is under way (a dropped session-lock
@@ -738,33 +872,33 @@ impl Client {
         }
     }
 
-    fn client(&self) -> &deadpool_postgres::Client {
+    fn object(&self) -> &B::Object {
         // infallible: `obj` is Some until drop or `discard`, which consume self.
         self.obj.as_ref().expect("connection present until drop") // infallible
     }
 }
 
-impl Deref for Client {
-    type Target = deadpool_postgres::Client;
-    fn deref(&self) -> &Self::Target {
-        self.client()
+impl<B: Source> Deref for Client<B> {
+    type Target = B::Conn;
+    fn deref(&self) -> &B::Conn {
+        B::conn(self.object())
     }
 }
 
-impl DerefMut for Client {
-    fn deref_mut(&mut self) -> &mut Self::Target {
+impl<B: Source> DerefMut for Client<B> {
+    fn deref_mut(&mut self) -> &mut B::Conn {
         // infallible: `obj` is Some until drop or `discard`, which consume self.
-        self.obj.as_mut().expect("connection present until drop") // infallible
+        B::conn_mut(self.obj.as_mut().expect("connection present until drop")) // infallible
     }
 }
 
 impl AsRef<deadpool_postgres::Client> for Client {
     fn as_ref(&self) -> &deadpool_postgres::Client {
-        self.client()
+        self
     }
 }
 
-impl Drop for Client {
+impl<B: Source> Drop for Client<B> {
     fn drop(&mut self) {
         if let Some(obj) = &self.obj {
             let held = self.since.elapsed();
@@ -774,19 +908,22 @@ impl Drop for Client {
                 .lane(self.permit.lane)
                 .hold
                 .record(held.as_secs_f64());
-            if obj.is_closed() {
+            if B::is_broken(obj) {
                 shared.state.lock().pids.remove(&self.object);
             }
-            // The connection goes back to deadpool (dropped in place), then
-            // the permit to the budget.
-            self.obj = None;
-            self.permit.release(held);
+            // The connection goes back to the wrapped pool (deadpool's
+            // dropped in place), then the permit to the budget: at once, or
+            // once the pool's return is done.
+            match B::give_back(&mut self.obj) {
+                None => self.permit.release(held),
+                back => finish(back, Some(self.permit.take()), held),
+            }
         }
         // After `discard`, the permit is released as it drops.
     }
 }
 
-impl fmt::Debug for Client {
+impl<B: Source> fmt::Debug for Client<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Client")
             .field("lane", &self.permit.lane)

@@ -16,26 +16,15 @@ use futures_util::FutureExt;
 
 use super::deadline::deadline;
 use super::shared::{Periodic, Pool, Shared};
+use super::source::Source;
 use super::supervisor::Task;
 use crate::admission::Lane;
 
 impl Shared {
-    /// Puts housekeeping and each layer's periodic work under the pool's
-    /// supervisor, and starts them when built inside a runtime.
-    pub(super) fn supervise_housekeeping(self: &Arc<Self>, hooks: Vec<Arc<dyn Periodic>>) {
+    /// Puts each layer's periodic work under the pool's supervisor, and
+    /// starts it (and housekeeping) when built inside a runtime.
+    pub(super) fn supervise_periodic(self: &Arc<Self>, hooks: Vec<Arc<dyn Periodic>>) {
         let weak = Arc::downgrade(self);
-        let every = self.opts.housekeeping;
-        self.supervisor.add(
-            "housekeeping",
-            {
-                let weak = weak.clone();
-                Box::new(move || {
-                    live(&weak)?;
-                    Some(Box::pin(housekeeping(weak.clone(), every)))
-                })
-            },
-            None,
-        );
         for hook in hooks {
             let weak = weak.clone();
             self.supervisor.add(
@@ -47,6 +36,24 @@ impl Shared {
                 None,
             );
         }
+        self.supervisor.revive();
+    }
+}
+
+impl<B: Source> Shared<B> {
+    /// Puts housekeeping under the pool's supervisor, and starts it when
+    /// built inside a runtime (otherwise the first checkout does).
+    pub(super) fn supervise_housekeeping(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let every = self.opts.housekeeping;
+        self.supervisor.add(
+            "housekeeping",
+            Box::new(move || {
+                live(&weak)?;
+                Some(Box::pin(housekeeping(weak.clone(), every)))
+            }),
+            None,
+        );
         self.supervisor.revive();
     }
 
@@ -96,17 +103,17 @@ impl Shared {
             );
         }
         let s = self.inner.status();
-        self.metrics.idle.set(s.available as f64);
+        self.metrics.idle.set(s.idle as f64);
         self.metrics
             .in_use
-            .set(s.size.saturating_sub(s.available) as f64);
-        if s.max_size != size
+            .set(s.size.saturating_sub(s.idle) as f64);
+        if s.max != size
             && !self.inner.is_closed()
             && !self.resize_warned.swap(true, Ordering::AcqRel)
         {
             tracing::warn!(
                 pool = %self.name,
-                deadpool_max_size = s.max_size,
+                deadpool_max_size = s.max,
                 size,
                 "the wrapped deadpool pool was resized outside pgwarden: checkouts past its new size fail"
             );
@@ -128,18 +135,18 @@ impl Shared {
 }
 
 /// The pool, unless it is gone or closed.
-fn live(shared: &Weak<Shared>) -> Option<Arc<Shared>> {
+fn live<B: Source>(shared: &Weak<Shared<B>>) -> Option<Arc<Shared<B>>> {
     shared.upgrade().filter(|s| !s.inner.is_closed())
 }
 
 /// Sleeps `every`, then the pool, unless it is gone or closed: the tasks
 /// hold no strong reference between passes.
-async fn tick(shared: &Weak<Shared>, every: Duration) -> Option<Arc<Shared>> {
+async fn tick<B: Source>(shared: &Weak<Shared<B>>, every: Duration) -> Option<Arc<Shared<B>>> {
     tokio::time::sleep_until(deadline(tokio::time::Instant::now(), every)).await;
     live(shared)
 }
 
-async fn housekeeping(shared: Weak<Shared>, every: Duration) {
+async fn housekeeping<B: Source>(shared: Weak<Shared<B>>, every: Duration) {
     while let Some(shared) = tick(&shared, every).await {
         shared.housekeep_caught();
     }

@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::deadline::{bounded, deadline};
-use super::shared::{Pool, Shared};
+use super::shared::Shared;
+use super::source::Source;
 use crate::admission::Lane;
 use crate::error::{CheckoutError, Error};
 
@@ -34,24 +35,24 @@ pub(crate) const SETUP_BOUND: Duration = Duration::from_secs(10);
 
 /// Clears the pool's "a probe runs in the background" flag when dropped
 /// (it ended, or its runtime went away).
-struct SetupInFlight(Arc<Shared>);
+struct SetupInFlight<B: Source>(Arc<Shared<B>>);
 
-impl Drop for SetupInFlight {
+impl<B: Source> Drop for SetupInFlight<B> {
     fn drop(&mut self) {
         self.0.probe_setup.store(false, Ordering::Release);
     }
 }
 
-impl Pool {
+impl<B: Source> Shared<B> {
     /// `SELECT 1` on the probe lane within `timeout`, checkout included; its
     /// latency ([`Pool::readiness`]).
     pub(crate) async fn probe(
-        &self,
+        self: &Arc<Self>,
         timeout: Duration,
         site: &'static Location<'static>,
     ) -> Result<Duration, Error> {
         let start = tokio::time::Instant::now();
-        let m = &self.shared.metrics;
+        let m = &self.metrics;
         if timeout.is_zero() {
             // No probe can answer within nothing: say so at once, without
             // checking out (and then closing) a healthy connection.
@@ -84,17 +85,17 @@ impl Pool {
     /// The probe within `timeout` from `start`, its work kept going in the
     /// background when it outlives that bound.
     async fn probe_kept(
-        &self,
+        self: &Arc<Self>,
         timeout: Duration,
         site: &'static Location<'static>,
         start: tokio::time::Instant,
     ) -> Result<(), Error> {
         let rt = match tokio::runtime::Handle::try_current() {
-            Ok(rt) if !self.shared.probe_setup.swap(true, Ordering::AcqRel) => rt,
+            Ok(rt) if !self.probe_setup.swap(true, Ordering::AcqRel) => rt,
             // Outside a runtime, or one kept already: in the caller's task.
             _ => return self.probe_once(timeout, timeout, site, start).await,
         };
-        let in_flight = SetupInFlight(self.shared.clone());
+        let in_flight = SetupInFlight(self.clone());
         let pool = self.clone();
         let work = rt.spawn(async move {
             let _in_flight = in_flight;
@@ -117,7 +118,7 @@ impl Pool {
     /// connection (its set-up under way), within `kept` (at least `bound`).
     /// A connection that did not answer in time is closed.
     async fn probe_once(
-        &self,
+        self: &Arc<Self>,
         bound: Duration,
         kept: Duration,
         site: &'static Location<'static>,
@@ -130,8 +131,9 @@ impl Pool {
             // nothing to ask it, it goes back as it came.
             return Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)));
         };
-        match tokio::time::timeout(left, c.simple_query("SELECT 1")).await {
-            Ok(r) => r.map(drop).map_err(Error::from),
+        let mut c = c;
+        match tokio::time::timeout(left, B::select_1(&mut c)).await {
+            Ok(r) => r,
             Err(_) => {
                 // The server did not answer: this connection is in an
                 // unknown state, never reuse it.

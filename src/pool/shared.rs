@@ -27,6 +27,7 @@ use deadpool_postgres::PoolError;
 use parking_lot::Mutex;
 use slab::Slab;
 
+use super::source::Source;
 use super::supervisor::Supervisor;
 use crate::admission::{
     Admission, Answer as Admitted, Effect, Lane, Limits, Priority, Refusal, WaiterKey,
@@ -35,11 +36,9 @@ use crate::error::{BuildError, CheckoutError, Error, LaneHolder, Stage};
 use crate::metrics::PoolMetrics;
 use crate::status::{LaneStatus, Status};
 
-pub(crate) type ObjectId = deadpool_postgres::ObjectId;
-
-/// Hashes deadpool object ids (one `usize` each) with a multiplication: the
-/// pid map is read at every checkout, and SipHash's resistance to chosen
-/// keys buys nothing for ids that deadpool hands out.
+/// Hashes connection ids (deadpool object ids, one `usize` each) with a
+/// multiplication: the pid map is read at every checkout, and SipHash's
+/// resistance to chosen keys buys nothing for ids that the pool hands out.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct IdHasher(u64);
 
@@ -59,9 +58,9 @@ impl std::hash::Hasher for IdHasher {
     }
 }
 
-/// Maps and sets keyed by deadpool object id.
-pub(crate) type IdMap<V> = HashMap<ObjectId, V, std::hash::BuildHasherDefault<IdHasher>>;
-pub(crate) type IdSet = HashSet<ObjectId, std::hash::BuildHasherDefault<IdHasher>>;
+/// Maps and sets keyed by connection id.
+pub(crate) type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+pub(crate) type IdSet<K> = HashSet<K, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// A budgeted pool: a drop-in wrapper over [`deadpool_postgres::Pool`].
 ///
@@ -88,14 +87,15 @@ pub(crate) struct Options {
     pub(crate) housekeeping: Duration,
 }
 
-pub(crate) struct Shared {
+/// What every clone of a pool shares, over the pool `B` it wraps (the
+/// deadpool pool unless said otherwise: the layers above name `Shared`).
+pub(crate) struct Shared<B: Source = deadpool_postgres::Pool> {
     pub(crate) name: Arc<str>,
     pub(super) _name: Claim,
-    pub(crate) inner: deadpool_postgres::Pool,
-    /// deadpool's timeouts with a zero wait: an admitted checkout never
-    /// waits inside deadpool, it finds out at once that it would.
-    pub(super) get_timeouts: deadpool_postgres::Timeouts,
-    pub(crate) state: Mutex<State>,
+    pub(crate) inner: B,
+    /// The wrapped pool's checkout settings ([`Source::cfg`]).
+    pub(super) cfg: B::Cfg,
+    pub(crate) state: Mutex<State<B>>,
     pub(crate) opts: Options,
     pub(crate) metrics: PoolMetrics,
     /// State and settings of the layers above the pool, one value per type:
@@ -114,8 +114,7 @@ pub(crate) struct Shared {
 }
 
 /// One checked-out connection, as the pool sees it.
-#[derive(Debug)]
-pub(crate) struct Checkout {
+pub(crate) struct Checkout<B: Source = deadpool_postgres::Pool> {
     pub(crate) lane: Lane,
     pub(crate) prio: Priority,
     pub(crate) site: &'static Location<'static>,
@@ -126,7 +125,7 @@ pub(crate) struct Checkout {
     /// time is the hand-out time).
     pub(crate) since: Option<Instant>,
     pub(crate) pid: Option<i32>,
-    pub(crate) object: Option<ObjectId>,
+    pub(crate) object: Option<B::Id>,
     pub(crate) long_warned: bool,
     /// Its owner let go and its return is under way.
     pub(crate) releasing: bool,
@@ -134,31 +133,32 @@ pub(crate) struct Checkout {
     pub(crate) note: Option<String>,
 }
 
-/// A physical connection seen by the pool: its backend pid, and when
-/// deadpool created it (the identity `deadpool::Pool::retain` can see).
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Known {
+/// A physical connection seen by the pool: its backend pid, when it was
+/// made (deadpool: the identity `deadpool::Pool::retain` can see), and
+/// what keeps its id its own ([`Source::Anchor`]).
+pub(crate) struct Known<B: Source = deadpool_postgres::Pool> {
     pub(crate) pid: i32,
     pub(crate) created: Instant,
+    pub(super) _anchor: B::Anchor,
 }
 
-pub(crate) struct State {
+pub(crate) struct State<B: Source = deadpool_postgres::Pool> {
     pub(crate) adm: Admission,
     pub(super) waiters: Slab<Waiter>,
     pub(super) next_waiter: u64,
-    pub(crate) checkouts: Slab<Checkout>,
+    pub(crate) checkouts: Slab<Checkout<B>>,
     pub(super) warned_sites: HashSet<usize>,
-    /// Every physical connection seen, by deadpool object id.
-    pub(crate) pids: IdMap<Known>,
+    /// Every physical connection seen, by id.
+    pub(crate) pids: IdMap<B::Id, Known<B>>,
     /// Connections to discard at their next checkout (a leaked lock on them,
     /// found while they were out).
-    pub(crate) tainted: IdSet,
+    pub(crate) tainted: IdSet<B::Id>,
     /// Recent hold times per lane, kept at every return.
     pub(crate) holds: RecentHolds,
 }
 
-impl State {
-    pub(super) fn new(limits: Limits) -> State {
+impl<B: Source> State<B> {
+    pub(super) fn new(limits: Limits) -> State<B> {
         State {
             adm: Admission::new(limits),
             waiters: Slab::new(),
@@ -185,13 +185,7 @@ impl State {
 
     /// Completes a checkout record once its connection is known, handed
     /// out at `now`; returns `now`.
-    pub(super) fn attach(
-        &mut self,
-        slot: usize,
-        pid: i32,
-        object: ObjectId,
-        now: Instant,
-    ) -> Instant {
+    pub(super) fn attach(&mut self, slot: usize, pid: i32, object: B::Id, now: Instant) -> Instant {
         if let Some(c) = self.checkouts.get_mut(slot) {
             c.pid = Some(pid);
             c.object = Some(object);
@@ -212,12 +206,7 @@ impl State {
     /// Completes checkout record `slot` with connection `object`, handed
     /// out at `now`, when its pid is known and it is not tainted; returns
     /// the pid (`None`: the checkout's slow path finds out what it is).
-    pub(super) fn attach_known(
-        &mut self,
-        slot: usize,
-        object: ObjectId,
-        now: Instant,
-    ) -> Option<i32> {
+    pub(super) fn attach_known(&mut self, slot: usize, object: B::Id, now: Instant) -> Option<i32> {
         let pid = match self.pids.get(&object) {
             Some(k) if self.tainted.is_empty() || !self.tainted.contains(&object) => k.pid,
             _ => return None,
@@ -237,8 +226,8 @@ impl State {
     }
 }
 
-impl Checkout {
-    pub(super) fn new(lane: Lane, prio: Priority, site: &'static Location<'static>) -> Checkout {
+impl<B: Source> Checkout<B> {
+    pub(super) fn new(lane: Lane, prio: Priority, site: &'static Location<'static>) -> Checkout<B> {
         Checkout {
             lane,
             prio,
@@ -263,8 +252,8 @@ impl Checkout {
 /// The right to one connection of a lane: counted in the budget until
 /// released (by [`Permit::release`], or on drop). Small enough to move in
 /// registers: it moves with every checkout.
-pub(crate) struct Permit {
-    shared: Arc<Shared>,
+pub(crate) struct Permit<B: Source = deadpool_postgres::Pool> {
+    shared: Arc<Shared<B>>,
     /// Its checkout record (a key of `State::checkouts`, which holds one
     /// record per admitted checkout: far below `u32::MAX`); [`RELEASED`]
     /// once released. 32 bits keep the permit to 16 bytes, two registers.
@@ -275,8 +264,8 @@ pub(crate) struct Permit {
 /// The slot of a permit already released.
 const RELEASED: u32 = u32::MAX;
 
-impl Permit {
-    fn new(shared: Arc<Shared>, slot: usize, lane: Lane) -> Permit {
+impl<B: Source> Permit<B> {
+    fn new(shared: Arc<Shared<B>>, slot: usize, lane: Lane) -> Permit<B> {
         debug_assert!(slot < RELEASED as usize, "checkout record {slot}");
         Permit {
             shared,
@@ -285,8 +274,19 @@ impl Permit {
         }
     }
 
+    /// Moves it out, leaving a released one behind (which costs an `Arc`
+    /// clone: for a return that finishes in a task of its own).
+    pub(super) fn take(&mut self) -> Permit<B> {
+        let slot = std::mem::replace(&mut self.slot, RELEASED);
+        Permit {
+            shared: self.shared.clone(),
+            slot,
+            lane: self.lane,
+        }
+    }
+
     /// Its pool's state.
-    pub(super) fn shared(&self) -> &Arc<Shared> {
+    pub(super) fn shared(&self) -> &Arc<Shared<B>> {
         &self.shared
     }
 
@@ -305,7 +305,7 @@ impl Permit {
     }
 }
 
-impl Drop for Permit {
+impl<B: Source> Drop for Permit<B> {
     fn drop(&mut self) {
         if self.slot != RELEASED {
             self.shared.release(self.slot as usize, None);
@@ -351,9 +351,16 @@ impl Waiter {
 
 impl fmt::Debug for Pool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.shared.fmt(f)
+    }
+}
+
+impl<B: Source> fmt::Debug for Shared<B> {
+    /// A pool, as its `Debug` shows it: its name and status.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Pool")
-            .field("name", &self.shared.name)
-            .field("status", &self.shared.status())
+            .field("name", &self.name)
+            .field("status", &self.status())
             .finish()
     }
 }
@@ -523,19 +530,19 @@ impl RecentHolds {
 // there too, so they always describe the state they were read from.
 
 /// What [`Shared::admit_now`] says when it does not refuse.
-pub(super) enum Entry<'a> {
+pub(super) enum Entry<'a, B: Source> {
     /// Admitted at once.
-    Admitted(Permit),
-    /// Queued: wait with [`Shared::admitted`].
-    Queued(Queued<'a>),
+    Admitted(Permit<B>),
+    /// Queued: wait with [`Queued::poll_admitted`].
+    Queued(Queued<'a, B>),
 }
 
 /// A queued checkout: its entry in the waiters' table (read with
 /// [`Queued::poll_admitted`]), and when it queued. Dropped before its
 /// answer is read, it leaves the queue, or gives back the grant it was
 /// given meanwhile.
-pub(super) struct Queued<'a> {
-    shared: &'a Arc<Shared>,
+pub(super) struct Queued<'a, B: Source> {
+    shared: &'a Arc<Shared<B>>,
     key: WaiterKey,
     id: u64,
     lane: Lane,
@@ -544,11 +551,11 @@ pub(super) struct Queued<'a> {
     pub(super) start: tokio::time::Instant,
 }
 
-impl Queued<'_> {
+impl<B: Source> Queued<'_, B> {
     /// Its answer, once given: a permit, or why none (refused, or the pool
     /// closed). Until then it keeps `cx`'s waker in its entry. Ready only
     /// once: the entry leaves the table then.
-    pub(super) fn poll_admitted(&mut self, cx: &mut Context<'_>) -> Poll<Result<Permit, Error>> {
+    pub(super) fn poll_admitted(&mut self, cx: &mut Context<'_>) -> Poll<Result<Permit<B>, Error>> {
         let shared = self.shared;
         let lane = self.lane;
         let mut st = shared.state.lock();
@@ -589,7 +596,7 @@ impl Queued<'_> {
     }
 }
 
-impl Drop for Queued<'_> {
+impl<B: Source> Drop for Queued<'_, B> {
     /// Leaves the queue (a checkout that gave up or was dropped), or gives
     /// back a grant its checkout did not read.
     fn drop(&mut self) {
@@ -657,7 +664,7 @@ impl Fired {
     }
 
     #[inline]
-    fn send(self, shared: &Arc<Shared>) {
+    fn send<B: Source>(self, shared: &Arc<Shared<B>>) {
         // Nothing fired (most returns): `rest` is empty whenever `first`
         // is, and empty vectors hold no memory, so there is nothing to drop.
         if self.first.is_none() && self.overs.is_empty() {
@@ -667,7 +674,7 @@ impl Fired {
         self.send_all(shared);
     }
 
-    fn send_all(self, shared: &Arc<Shared>) {
+    fn send_all<B: Source>(self, shared: &Arc<Shared<B>>) {
         for (site, first) in self.overs {
             shared.over_budget(site, first);
         }
@@ -679,15 +686,15 @@ impl Fired {
 
 /// The shell's tables, apart from the admission core that is borrowed
 /// while its effects are applied to them.
-struct Tables<'a> {
+struct Tables<'a, B: Source> {
     waiters: &'a mut Slab<Waiter>,
-    checkouts: &'a mut Slab<Checkout>,
+    checkouts: &'a mut Slab<Checkout<B>>,
     warned_sites: &'a mut HashSet<usize>,
 }
 
-impl Shared {
+impl<B: Source> Shared<B> {
     /// Applies one of the core's effects (under the lock).
-    fn apply(&self, t: &mut Tables<'_>, e: Effect, fired: &mut Fired) {
+    fn apply(&self, t: &mut Tables<'_, B>, e: Effect, fired: &mut Fired) {
         match e {
             Effect::Grant {
                 key,
@@ -718,7 +725,7 @@ impl Shared {
 
     /// Sets the in-use and pending gauges of the lanes in `lanes` (a bit per
     /// lane index), under the lock that guards what they describe.
-    pub(super) fn publish(&self, st: &State, lanes: u8) {
+    pub(super) fn publish(&self, st: &State<B>, lanes: u8) {
         let mut bits = lanes & ((1 << Lane::COUNT) - 1);
         while bits != 0 {
             let lane = Lane::ALL[bits.trailing_zeros() as usize];
@@ -729,7 +736,7 @@ impl Shared {
         }
     }
 
-    fn refusal(&self, st: &State, lane: Lane, r: Refusal) -> Error {
+    fn refusal(&self, st: &State<B>, lane: Lane, r: Refusal) -> Error {
         let (limit, hard_floor) = match r {
             Refusal::Budget { limit } => (limit, false),
             Refusal::HardFloor { limit } => (limit, true),
@@ -768,7 +775,7 @@ impl Shared {
         patient: bool,
         site: &'static Location<'static>,
         timeout: Duration,
-    ) -> Result<Permit, Error> {
+    ) -> Result<Permit<B>, Error> {
         let waker = std::future::poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
         match self.admit_now(lane, prio, patient, site, &waker)? {
             Entry::Admitted(permit) => {
@@ -800,7 +807,7 @@ impl Shared {
     }
 
     /// [`State::attach_known`], under the lock.
-    pub(super) fn attach_known(&self, slot: usize, object: ObjectId, now: Instant) -> Option<i32> {
+    pub(super) fn attach_known(&self, slot: usize, object: B::Id, now: Instant) -> Option<i32> {
         self.state.lock().attach_known(slot, object, now)
     }
 
@@ -821,7 +828,7 @@ impl Shared {
         patient: bool,
         site: &'static Location<'static>,
         waker: &Waker,
-    ) -> Result<Entry<'a>, Error> {
+    ) -> Result<Entry<'a, B>, Error> {
         let mut st = self.state.lock();
         let key = st.waiters.vacant_key();
         match st.adm.request_with(lane, prio, key, patient) {
@@ -856,13 +863,13 @@ impl Shared {
     #[inline(never)]
     fn enqueue<'a>(
         self: &'a Arc<Self>,
-        mut st: parking_lot::MutexGuard<'_, State>,
+        mut st: parking_lot::MutexGuard<'_, State<B>>,
         lane: Lane,
         prio: Priority,
         key: WaiterKey,
         site: &'static Location<'static>,
         waker: &Waker,
-    ) -> Entry<'a> {
+    ) -> Entry<'a, B> {
         st.next_waiter += 1;
         let id = st.next_waiter;
         let wait = Wait::Pending(waker.clone());
@@ -1077,7 +1084,7 @@ pub(crate) struct LaneLoad {
     pub(crate) closed: bool,
 }
 
-impl Shared {
+impl<B: Source> Shared<B> {
     /// The pool now, read under the lock in one go.
     pub(crate) fn status(&self) -> Status {
         let d = self.inner.status();
@@ -1095,8 +1102,8 @@ impl Shared {
             max: limits.size(),
             max_size: limits.size(),
             size: d.size,
-            idle: d.available,
-            available: d.available,
+            idle: d.idle,
+            available: d.idle,
             in_use: st.adm.total(),
             waiting: st.adm.waiting(),
             lanes,

@@ -20,10 +20,10 @@
 #[macro_use]
 mod support;
 
+mod backends;
 mod census;
 mod census_load;
 mod dashboards;
-mod deadline;
 mod deadpool_api;
 mod e2e_prometheus;
 mod errors;
@@ -69,5 +69,6 @@ mod service;
 mod session_lock_wait;
 mod settings;
 mod slow_link;
+mod sqlx_pool;
 mod supervisor;
 mod xact;

@@ -16,6 +16,8 @@
 //! * [`http`]: a plain async HTTP/1.1 client, timed.
 #![allow(dead_code, unused_imports)]
 
+#[macro_use]
+pub mod backend;
 pub mod http;
 pub mod leases;
 pub mod pooler;

@@ -1,0 +1,270 @@
+//! The seam between the pool shell and the pool it wraps: [`Source`], what
+//! a backend (deadpool-postgres here; sqlx in `crate::sqlx`) supplies, and
+//! its deadpool implementation.
+//!
+//! Everything the shell does (admission, the checkout records, the pids,
+//! long holds, deadlines, housekeeping, metrics, the readiness probe) is
+//! written once over this trait and compiled for each backend (static
+//! dispatch: the deadpool checkout is the same machine code it was before
+//! the seam). A backend only takes a connection (never waiting for
+//! capacity: pgwarden owns it), names it, learns its backend pid once per
+//! physical connection, gives it back or closes it, and reports and
+//! resizes its pool.
+
+use std::fmt;
+use std::future::Future;
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::{Object, PoolError, TimeoutType};
+
+use crate::error::{CheckoutError, Error};
+
+/// The wrapped pool's own view, for [`Status`](crate::Status) and the
+/// checks at build and in housekeeping.
+#[allow(unreachable_pub)]
+#[derive(Copy, Clone, Debug)]
+pub struct SourceStatus {
+    /// Its maximum size now.
+    pub max: usize,
+    /// Connections open.
+    pub size: usize,
+    /// Open connections idle in it.
+    pub idle: usize,
+    /// Callers waiting inside it (pgwarden's never do).
+    pub waiting: usize,
+}
+
+/// What a backend's own error says to the shell.
+#[allow(unreachable_pub)]
+#[derive(Debug)]
+pub enum Refused {
+    /// It had no room at once (a return still under way, or capacity taken
+    /// outside pgwarden): the shell decides whether to wait for it.
+    NoRoom,
+    /// Anything else, as pgwarden's error.
+    Failed(Error),
+}
+
+/// A pool pgwarden wraps. Public only so that [`Client`](crate::Client)
+/// can name it; it is not reachable from outside the crate (sealed), and
+/// its implementations are deadpool's `Pool` and (features `sqlx-0_8`,
+/// `sqlx-0_9`) sqlx's `PgPool`.
+#[allow(unreachable_pub)]
+pub trait Source: Send + Sync + Sized + 'static {
+    /// A checked-out connection.
+    type Object: Send + 'static;
+    /// What a checked-out [`Client`](crate::Client) derefs to.
+    type Conn;
+    /// A physical connection's name, stable while it lives.
+    type Id: Copy + Eq + Hash + fmt::Debug + Send + Sync + 'static;
+    /// Kept with a known connection's pid for as long as the pool keeps
+    /// the pid: what keeps its [`Source::Id`] from naming another
+    /// connection meanwhile.
+    type Anchor: Send + Sync + 'static;
+    /// Its own error when it hands out no connection.
+    type Raw: Send + 'static;
+    /// Settings its checkouts use, worked out once at build.
+    type Cfg: Send + Sync + 'static;
+
+    /// The settings of [`Source::take`], worked out at build.
+    fn cfg(&self) -> Self::Cfg;
+    /// A connection, without waiting for capacity (pgwarden admitted the
+    /// checkout: the capacity is there). Not polled before admission.
+    fn take<'a>(
+        &'a self,
+        cfg: &'a Self::Cfg,
+    ) -> impl Future<Output = Result<Self::Object, Self::Raw>> + Send + 'a;
+    /// A connection, waiting inside the wrapped pool for a return under
+    /// way (after [`Refused::NoRoom`]; the shell bounds it).
+    fn take_waiting<'a>(
+        &'a self,
+        cfg: &'a Self::Cfg,
+    ) -> impl Future<Output = Result<Self::Object, Self::Raw>> + Send + 'a;
+    /// What its error says.
+    fn refused(e: Self::Raw) -> Refused;
+
+    /// The connection's name when the backend knows it at once (the
+    /// checkout's fast path); `None`: ask [`Source::identify`].
+    fn quick_id(obj: &Self::Object) -> Option<Self::Id>;
+    /// The connection's name, and what keeps it (may talk to the server).
+    fn identify(
+        obj: &mut Self::Object,
+    ) -> impl Future<Output = Result<(Self::Id, Self::Anchor), Error>> + Send + '_;
+    /// Asks the server for the connection's backend pid (once per physical
+    /// connection).
+    fn backend_pid(obj: &mut Self::Object) -> impl Future<Output = Result<i32, Error>> + Send + '_;
+    /// When it was handed out (deadpool read the clock as it recycled it).
+    fn handed_out(obj: &Self::Object) -> Instant;
+    /// When the physical connection was made (or first seen).
+    fn created(obj: &Self::Object) -> Instant;
+    /// Made for this checkout, never used before.
+    fn is_new(obj: &Self::Object) -> bool;
+    /// Its connection is known closed.
+    fn is_broken(obj: &Self::Object) -> bool;
+    /// The connection inside.
+    fn conn(obj: &Self::Object) -> &Self::Conn;
+    /// The connection inside, mutably.
+    fn conn_mut(obj: &mut Self::Object) -> &mut Self::Conn;
+
+    /// Gives the connection back: `None` when the wrapped pool has it back
+    /// at once (deadpool), or the return to run to its end, after which
+    /// the pool has its capacity again (sqlx: its `after_release` hook and
+    /// ping). The shell gives the checkout's admission back after it.
+    /// (`obj` is taken out of its slot: deadpool's is dropped in place.)
+    fn give_back(
+        obj: &mut Option<Self::Object>,
+    ) -> Option<impl Future<Output = ()> + Send + 'static>;
+    /// Closes the physical connection instead: `None` when done at once,
+    /// or the close to run to its end (the capacity is held until then).
+    fn discard(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static>;
+
+    /// `SELECT 1` on the connection (the readiness probe's statement).
+    fn select_1(conn: &mut Self::Conn) -> impl Future<Output = Result<(), Error>> + Send + '_;
+
+    /// The pool's own view.
+    fn status(&self) -> SourceStatus;
+    /// The bound its own configuration puts on a checkout, if any.
+    fn wait_bound(&self) -> Option<Duration>;
+    /// Resizes the wrapped pool (only the deadpool pool can).
+    fn resize(&self, size: usize);
+    /// Closes the wrapped pool: no connection handed out from now on.
+    fn close(&self);
+    /// Whether it is closed.
+    fn is_closed(&self) -> bool;
+}
+
+// --- deadpool-postgres ------------------------------------------------------
+
+impl Source for deadpool_postgres::Pool {
+    type Object = Object;
+    type Conn = deadpool_postgres::Client;
+    type Id = deadpool_postgres::ObjectId;
+    type Anchor = ();
+    type Raw = PoolError;
+    /// deadpool's timeouts with a zero wait: an admitted checkout never
+    /// waits inside deadpool, it finds out at once that it would.
+    type Cfg = deadpool_postgres::Timeouts;
+
+    fn cfg(&self) -> deadpool_postgres::Timeouts {
+        deadpool_postgres::Timeouts {
+            wait: Some(Duration::ZERO),
+            ..self.timeouts()
+        }
+    }
+
+    #[inline(always)]
+    fn take<'a>(
+        &'a self,
+        cfg: &'a deadpool_postgres::Timeouts,
+    ) -> impl Future<Output = Result<Object, PoolError>> + Send + 'a {
+        self.timeout_get(cfg)
+    }
+
+    async fn take_waiting(&self, cfg: &deadpool_postgres::Timeouts) -> Result<Object, PoolError> {
+        let wait = deadpool_postgres::Timeouts { wait: None, ..*cfg };
+        self.timeout_get(&wait).await
+    }
+
+    fn refused(e: PoolError) -> Refused {
+        match e {
+            PoolError::Timeout(TimeoutType::Wait) => Refused::NoRoom,
+            e => Refused::Failed(Error::Checkout(CheckoutError::Pool(e))),
+        }
+    }
+
+    #[inline(always)]
+    fn quick_id(obj: &Object) -> Option<deadpool_postgres::ObjectId> {
+        Some(Object::id(obj))
+    }
+
+    fn identify(
+        obj: &mut Object,
+    ) -> impl Future<Output = Result<(deadpool_postgres::ObjectId, ()), Error>> + Send + '_ {
+        std::future::ready(Ok((Object::id(obj), ())))
+    }
+
+    async fn backend_pid(obj: &mut Object) -> Result<i32, Error> {
+        let msgs = obj.simple_query("SELECT pg_backend_pid()").await?;
+        msgs.iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).and_then(|v| v.parse().ok()),
+                _ => None,
+            })
+            .ok_or(Error::Checkout(CheckoutError::NoBackendPid))
+    }
+
+    /// deadpool reads the clock as it recycles a connection, in the call
+    /// that hands it out (a new one: as it creates it).
+    #[inline(always)]
+    fn handed_out(obj: &Object) -> Instant {
+        let m = Object::metrics(obj);
+        m.recycled.unwrap_or(m.created)
+    }
+
+    fn created(obj: &Object) -> Instant {
+        Object::metrics(obj).created
+    }
+
+    fn is_new(obj: &Object) -> bool {
+        Object::metrics(obj).recycle_count == 0
+    }
+
+    #[inline(always)]
+    fn is_broken(obj: &Object) -> bool {
+        obj.is_closed()
+    }
+
+    #[inline(always)]
+    fn conn(obj: &Object) -> &deadpool_postgres::Client {
+        obj
+    }
+
+    #[inline(always)]
+    fn conn_mut(obj: &mut Object) -> &mut deadpool_postgres::Client {
+        obj
+    }
+
+    /// Dropped in place: deadpool has it back at once.
+    #[inline(always)]
+    fn give_back(obj: &mut Option<Object>) -> Option<impl Future<Output = ()> + Send + 'static> {
+        *obj = None;
+        None::<std::future::Ready<()>>
+    }
+
+    fn discard(obj: Object) -> Option<impl Future<Output = ()> + Send + 'static> {
+        drop(Object::take(obj));
+        None::<std::future::Ready<()>>
+    }
+
+    async fn select_1(conn: &mut deadpool_postgres::Client) -> Result<(), Error> {
+        conn.simple_query("SELECT 1").await?;
+        Ok(())
+    }
+
+    fn status(&self) -> SourceStatus {
+        let d = deadpool_postgres::Pool::status(self);
+        SourceStatus {
+            max: d.max_size,
+            size: d.size,
+            idle: d.available,
+            waiting: d.waiting,
+        }
+    }
+
+    fn wait_bound(&self) -> Option<Duration> {
+        self.timeouts().wait
+    }
+
+    fn resize(&self, size: usize) {
+        deadpool_postgres::Pool::resize(self, size)
+    }
+
+    fn close(&self) {
+        deadpool_postgres::Pool::close(self)
+    }
+
+    fn is_closed(&self) -> bool {
+        deadpool_postgres::Pool::is_closed(self)
+    }
+}

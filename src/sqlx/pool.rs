@@ -1,0 +1,511 @@
+//! The sqlx backend, one source for sqlx 0.8 and 0.9 (`super::dep` is the
+//! sqlx in use; `super` holds the few shims where their APIs differ):
+//! sqlx's `PgPool` as a [`Source`] of the pool shell, and the drop-in
+//! [`Pool`] over it.
+//!
+//! What sqlx gives and how pgwarden uses it:
+//!
+//! - **Capacity.** pgwarden admits a checkout, then asks `PgPool::acquire`,
+//!   which then never waits for capacity: pgwarden owns it. sqlx returns
+//!   a dropped connection in a task of its own (the user's `after_release`
+//!   hook, then a ping, then the connection is idle and its permit free).
+//!   pgwarden does that return itself (`PoolConnection::return_to_pool`,
+//!   the future sqlx's drop would have spawned) in its own task and gives
+//!   the checkout's admission back only once it is done, so an admitted
+//!   checkout never waits inside sqlx for a return pgwarden counted as
+//!   done. The hooks run as before (`before_acquire` inside `acquire`,
+//!   `after_release` in the return).
+//! - **The backend pid.** sqlx exposes none, nor any id of a connection. A
+//!   connection is named by its cached prepared statement
+//!   `SELECT pg_backend_pid()` (the address of that statement's metadata,
+//!   which sqlx keeps in the connection's statement cache and shares with
+//!   every `prepare` of the same text): preparing it again is a cache hit,
+//!   no round trip. A new connection costs one Parse round trip and one
+//!   execution of it; pgwarden keeps a clone of the statement with the
+//!   pid, so that its address names no other connection meanwhile. With
+//!   sqlx's statement cache off (`statement_cache_capacity(0)`) each
+//!   checkout costs those two round trips.
+//! - **Errors.** The drop-in methods answer with `sqlx::Error`: a timeout
+//!   is `PoolTimedOut`, a closed pool `PoolClosed`, sqlx's own error as it
+//!   came.
+
+use std::fmt;
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::panic::Location;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
+use futures_util::StreamExt;
+
+use super::dep;
+use super::dep::{Executor, Statement as _};
+use super::TransactionManager as _;
+use crate::admission::{Lane, Priority};
+use crate::error::{BuildError, CheckoutError, Error};
+use crate::pool::{PoolBuilder, Refused, Shared, Source, SourceStatus};
+use crate::status::Status;
+
+/// The statement that names a connection and asks its pid.
+const MARKER: &str = "SELECT pg_backend_pid()";
+
+/// pgwarden's error as sqlx's, for the drop-in methods.
+fn into_sqlx(e: Error) -> dep::Error {
+    match e {
+        Error::Checkout(CheckoutError::Backend(b)) => match b.downcast::<dep::Error>() {
+            Ok(e) => *e,
+            Err(b) => dep::Error::Configuration(b),
+        },
+        Error::Checkout(CheckoutError::Pool(deadpool_postgres::PoolError::Closed)) => {
+            dep::Error::PoolClosed
+        }
+        e if e.is_timeout() => dep::Error::PoolTimedOut,
+        e => dep::Error::Configuration(Box::new(e)),
+    }
+}
+
+/// sqlx's error as pgwarden's.
+fn from_sqlx(e: dep::Error) -> Error {
+    match e {
+        dep::Error::PoolClosed => {
+            Error::Checkout(CheckoutError::Pool(deadpool_postgres::PoolError::Closed))
+        }
+        e => Error::Checkout(CheckoutError::Backend(Box::new(e))),
+    }
+}
+
+impl Source for dep::PgPool {
+    type Object = dep::pool::PoolConnection<dep::Postgres>;
+    type Conn = dep::PgConnection;
+    type Id = usize;
+    type Anchor = super::Statement;
+    type Raw = dep::Error;
+    type Cfg = ();
+
+    fn cfg(&self) {}
+
+    fn take<'a>(
+        &'a self,
+        _: &'a (),
+    ) -> impl Future<Output = Result<Self::Object, dep::Error>> + Send + 'a {
+        self.acquire()
+    }
+
+    fn take_waiting<'a>(
+        &'a self,
+        _: &'a (),
+    ) -> impl Future<Output = Result<Self::Object, dep::Error>> + Send + 'a {
+        self.acquire()
+    }
+
+    fn refused(e: dep::Error) -> Refused {
+        match e {
+            dep::Error::PoolTimedOut => Refused::NoRoom,
+            e => Refused::Failed(from_sqlx(e)),
+        }
+    }
+
+    fn quick_id(_: &Self::Object) -> Option<usize> {
+        None
+    }
+
+    async fn identify(obj: &mut Self::Object) -> Result<(usize, super::Statement), Error> {
+        let stmt = super::prepare(obj, MARKER).await.map_err(from_sqlx)?;
+        Ok((stmt.columns().as_ptr() as usize, stmt))
+    }
+
+    async fn backend_pid(obj: &mut Self::Object) -> Result<i32, Error> {
+        dep::query_scalar::<_, i32>(MARKER)
+            .fetch_one(&mut **obj)
+            .await
+            .map_err(from_sqlx)
+    }
+
+    fn handed_out(_: &Self::Object) -> Instant {
+        Instant::now()
+    }
+
+    fn created(_: &Self::Object) -> Instant {
+        Instant::now()
+    }
+
+    fn is_new(_: &Self::Object) -> bool {
+        false
+    }
+
+    fn is_broken(_: &Self::Object) -> bool {
+        false
+    }
+
+    fn conn(obj: &Self::Object) -> &dep::PgConnection {
+        obj
+    }
+
+    fn conn_mut(obj: &mut Self::Object) -> &mut dep::PgConnection {
+        obj
+    }
+
+    /// sqlx's own return (its `after_release` hook, a ping, then idle):
+    /// the future its drop would have spawned, run by pgwarden's shell.
+    fn give_back(
+        obj: &mut Option<Self::Object>,
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let mut obj = obj.take()?;
+        let back = obj.return_to_pool();
+        // Nothing left in it to return (it only keeps `min_connections`).
+        drop(obj);
+        Some(back)
+    }
+
+    /// sqlx keeps the connection's capacity until it is closed.
+    fn discard(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            drop(obj.detach());
+            return None;
+        }
+        Some(async move {
+            let _ = obj.close().await;
+        })
+    }
+
+    async fn select_1(conn: &mut dep::PgConnection) -> Result<(), Error> {
+        dep::query("SELECT 1")
+            .execute(conn)
+            .await
+            .map(drop)
+            .map_err(from_sqlx)
+    }
+
+    fn status(&self) -> SourceStatus {
+        SourceStatus {
+            max: self.options().get_max_connections() as usize,
+            size: self.size() as usize,
+            idle: self.num_idle(),
+            waiting: 0,
+        }
+    }
+
+    fn wait_bound(&self) -> Option<Duration> {
+        Some(self.options().get_acquire_timeout())
+    }
+
+    /// A sqlx pool has the size it was built with; pgwarden's sqlx pool
+    /// offers no resize.
+    fn resize(&self, _: usize) {}
+
+    fn close(&self) {
+        // sqlx marks the pool closed as the call is made; its future only
+        // waits for the connections out.
+        drop(dep::PgPool::close(self));
+    }
+
+    fn is_closed(&self) -> bool {
+        dep::PgPool::is_closed(self)
+    }
+}
+
+/// A connection checked out of a pgwarden sqlx [`Pool`]: derefs to sqlx's
+/// `PgConnection` (`&mut *conn` is an executor), knows its lane, backend
+/// pid and call site, and goes back to the pool on drop.
+pub type PoolConnection = crate::Client<dep::PgPool>;
+
+/// A budgeted pool over a `sqlx::PgPool`: the drop-in for it. Code written
+/// against `sqlx::PgPool` compiles with the type changed: `&pool` is an
+/// executor (`sqlx::query(…).fetch_one(&pool)`), and `acquire`, `begin`,
+/// `close`, `size`, `num_idle` and `is_closed` are there. Every checkout
+/// goes through pgwarden's admission on the request lane, bounded by the
+/// pool's wait timeout (and the [`Deadline`](crate::Deadline) scope it
+/// runs in).
+///
+/// pgwarden owns the sqlx pool's capacity: keep no clone of it.
+///
+/// ```no_run
+/// # async fn demo(url: &str) -> Result<(), Box<dyn std::error::Error>> {
+/// # use sqlx09 as sqlx;
+/// use sqlx::postgres::PgPoolOptions;
+/// let pg = PgPoolOptions::new().max_connections(8).connect(url).await?;
+/// let pool = pgwarden::sqlx::Pool::builder(pg).name("api").build()?;
+/// let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&pool).await?;
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("SELECT 2").execute(&mut *tx).await?;
+/// tx.commit().await?;
+/// # let _ = one; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Pool {
+    shared: Arc<Shared<dep::PgPool>>,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.shared.fmt(f)
+    }
+}
+
+impl PoolBuilder<dep::PgPool> {
+    /// Validates every setting and builds the sqlx pool.
+    pub fn build(self) -> Result<Pool, BuildError> {
+        let (shared, _) = self.build_shared()?;
+        Ok(Pool { shared })
+    }
+}
+
+impl Pool {
+    /// Starts a builder over the adopter's `sqlx::PgPool` (the drop-in
+    /// path): lanes, the readiness reserve, the session-lock budget, the
+    /// wait timeout (default: the sqlx pool's acquire timeout), the
+    /// long-hold threshold and the name, as the deadpool builder has them.
+    pub fn builder(pg: dep::PgPool) -> PoolBuilder<dep::PgPool> {
+        PoolBuilder::new(pg)
+    }
+
+    /// The pool's name, as in logs and metric labels.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// A request-lane connection, as `PgPool::acquire`: through pgwarden's
+    /// admission (FIFO), bounded by the pool's wait timeout, with sqlx's
+    /// error (`PoolTimedOut`, `PoolClosed`, or what sqlx said).
+    #[track_caller]
+    pub fn acquire(&self) -> impl Future<Output = Result<PoolConnection, dep::Error>> + Send + '_ {
+        self.shared.checkout_inner(
+            Lane::Request,
+            Priority::Normal,
+            false,
+            Location::caller(),
+            self.shared.opts.wait_timeout,
+            into_sqlx,
+        )
+    }
+
+    /// A request-lane connection within `timeout` (checkout included), with
+    /// pgwarden's error: a timeout carries the pool's status and its stage.
+    #[track_caller]
+    pub fn acquire_within(
+        &self,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<PoolConnection, Error>> + Send + '_ {
+        self.shared
+            .checkout(Lane::Request, Location::caller(), timeout)
+    }
+
+    /// Starts a transaction on a request-lane connection, as
+    /// `PgPool::begin`; rolled back on drop unless committed.
+    #[track_caller]
+    pub fn begin(&self) -> impl Future<Output = Result<Transaction, dep::Error>> + Send + '_ {
+        let conn = self.acquire();
+        async move {
+            let mut conn = conn.await?;
+            dep::postgres::PgTransactionManager::begin(&mut conn, None).await?;
+            Ok(Transaction { conn, open: true })
+        }
+    }
+
+    /// The readiness probe: `SELECT 1` on the probe lane, whose reserve no
+    /// other lane may take, bounded by `timeout` (checkout included);
+    /// returns its latency (see the deadpool pool's `readiness`).
+    #[track_caller]
+    pub fn readiness(
+        &self,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Duration, Error>> + Send + '_ {
+        self.shared.probe(timeout, Location::caller())
+    }
+
+    /// The pool now: per lane in use, waiting and limits; `size` and
+    /// `idle` are sqlx's.
+    pub fn status(&self) -> Status {
+        self.shared.status()
+    }
+
+    /// Closes the pool: waiters and new checkouts fail (`PoolClosed`), and
+    /// sqlx closes its connections, waiting (as `PgPool::close`) for those
+    /// out to come back.
+    pub fn close(&self) -> impl Future<Output = ()> + '_ {
+        self.shared.close();
+        self.shared.inner.close()
+    }
+
+    /// Whether [`Pool::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.shared.is_closed()
+    }
+
+    /// Connections open (sqlx's `size`).
+    pub fn size(&self) -> u32 {
+        self.shared.inner.size()
+    }
+
+    /// Connections idle (sqlx's `num_idle`).
+    pub fn num_idle(&self) -> usize {
+        self.shared.inner.num_idle()
+    }
+}
+
+/// A transaction on a connection of a pgwarden sqlx [`Pool`], as sqlx's
+/// `Transaction`: derefs to `PgConnection` (`&mut *tx` is an executor),
+/// [`commit`](Transaction::commit) or [`rollback`](Transaction::rollback);
+/// dropped open, it is rolled back before its connection is used again
+/// (sqlx queues the `ROLLBACK`; the return to the pool sends it).
+pub struct Transaction {
+    conn: PoolConnection,
+    open: bool,
+}
+
+impl Transaction {
+    /// Commits it.
+    pub async fn commit(mut self) -> Result<(), dep::Error> {
+        dep::postgres::PgTransactionManager::commit(&mut self.conn).await?;
+        self.open = false;
+        Ok(())
+    }
+
+    /// Rolls it back.
+    pub async fn rollback(mut self) -> Result<(), dep::Error> {
+        dep::postgres::PgTransactionManager::rollback(&mut self.conn).await?;
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl Deref for Transaction {
+    type Target = dep::PgConnection;
+    fn deref(&self) -> &dep::PgConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for Transaction {
+    fn deref_mut(&mut self) -> &mut dep::PgConnection {
+        &mut self.conn
+    }
+}
+
+impl Drop for Transaction {
+    fn drop(&mut self) {
+        if self.open {
+            dep::postgres::PgTransactionManager::start_rollback(&mut self.conn);
+        }
+    }
+}
+
+impl fmt::Debug for Transaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Transaction")
+            .field("conn", &self.conn)
+            .field("open", &self.open)
+            .finish()
+    }
+}
+
+/// A stream fed by a future: the future hands each item over in `slot`
+/// and waits until it is taken (what sqlx's own `try_stream!` does, for
+/// a stream that owns the connection its rows come from).
+struct Fed<'e, T> {
+    slot: Arc<parking_lot::Mutex<Option<T>>>,
+    fut: Option<BoxFuture<'e, Result<(), T>>>,
+}
+
+/// What the feeding future hands items over with.
+struct Feeder<T>(Arc<parking_lot::Mutex<Option<T>>>);
+
+impl<T> Feeder<T> {
+    /// Hands `item` over; ready once the stream has taken it.
+    async fn send(&self, item: T) {
+        *self.0.lock() = Some(item);
+        // The stream takes it as soon as this returns pending, and polls
+        // again only after that: no waker is needed.
+        std::future::poll_fn(|_| {
+            if self.0.lock().is_some() {
+                Poll::Pending
+            } else {
+                Poll::Ready(())
+            }
+        })
+        .await
+    }
+}
+
+impl<T: Send> futures_util::Stream for Fed<'_, T> {
+    type Item = T;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        let Some(fut) = self.fut.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let done = fut.as_mut().poll(cx);
+        if let Some(item) = self.slot.lock().take() {
+            return Poll::Ready(Some(item));
+        }
+        match done {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(r) => {
+                self.fut = None;
+                Poll::Ready(r.err())
+            }
+        }
+    }
+}
+
+/// The body of an `Executor` method on `&Pool`: `$call` on a request-lane
+/// connection (the versions' shims differ in signatures only).
+macro_rules! on_conn {
+    ($pool:expr, $c:ident => $call:expr) => {{
+        let pool = $pool.clone();
+        Box::pin(async move {
+            let mut $c = pool.acquire().await?;
+            $call.await
+        })
+    }};
+}
+
+type Step = Result<dep::Either<dep::postgres::PgQueryResult, dep::postgres::PgRow>, dep::Error>;
+
+impl<'p> Executor<'p> for &'_ Pool {
+    type Database = dep::Postgres;
+
+    /// Checks out a request-lane connection, runs `query` on it, and gives
+    /// it back once the stream ends or is dropped.
+    fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Step>
+    where
+        E: 'q + dep::Execute<'q, dep::Postgres>,
+    {
+        let pool = self.clone();
+        let slot = Arc::new(parking_lot::Mutex::new(None));
+        let feeder = Feeder(slot.clone());
+        let fut = async move {
+            let mut conn = pool.acquire().await?;
+            let mut s = conn.fetch_many(query);
+            while let Some(step) = s.next().await {
+                let failed = step.is_err();
+                feeder.send(step).await;
+                if failed {
+                    break;
+                }
+            }
+            Ok(())
+        };
+        let fut: BoxFuture<'e, Result<(), Step>> = Box::pin(async move { fut.await.map_err(Err) });
+        Box::pin(Fed {
+            slot,
+            fut: Some(fut),
+        })
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxFuture<'e, Result<Option<dep::postgres::PgRow>, dep::Error>>
+    where
+        E: 'q + dep::Execute<'q, dep::Postgres>,
+    {
+        on_conn!(self, c => c.fetch_optional(query))
+    }
+
+    versioned_executor!();
+}
