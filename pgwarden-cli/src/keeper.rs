@@ -136,7 +136,7 @@ impl Why {
 }
 
 /// The signals the keeper ignores (and resets for the command).
-const IGNORED: [i32; 7] = [
+const IGNORED: [i32; 8] = [
     libc::SIGINT,
     libc::SIGTERM,
     libc::SIGHUP,
@@ -144,6 +144,10 @@ const IGNORED: [i32; 7] = [
     libc::SIGTSTP,
     libc::SIGTTIN,
     libc::SIGTTOU,
+    // A message to a stderr file at its size limit (`ulimit -f`, systemd's
+    // LimitFSIZE) fails with EFBIG instead of ending the keeper before it
+    // kills the tree.
+    libc::SIGXFSZ,
 ];
 
 struct Keeper {

@@ -34,6 +34,11 @@ struct Signals {
     int: Option<Signal>,
     hup: Option<Signal>,
     quit: Option<Signal>,
+    /// Handled (and never acted on), so that a message to a stderr file at
+    /// its size limit (`ulimit -f`, systemd's LimitFSIZE) fails with EFBIG
+    /// instead of ending `run` with SIGXFSZ. A handler, not SIG_IGN: the
+    /// keeper starts with the default again, and the command with it.
+    _xfsz: Option<Signal>,
 }
 
 /// Whether `sig` is ignored (`SIG_IGN`) in this process now.
@@ -72,6 +77,7 @@ impl Signals {
             int: listen(SignalKind::interrupt())?,
             hup: listen(SignalKind::hangup())?,
             quit: listen(SignalKind::quit())?,
+            _xfsz: listen(SignalKind::from_raw(libc::SIGXFSZ))?,
         })
     }
 

@@ -1587,6 +1587,61 @@ async fn the_callers_descriptors_reach_the_command_and_the_keeper_has_a_name() {
     assert_eq!(got, "hello\npgwarden-keeper\n", "{got:?}");
 }
 
+/// `run`'s stderr a file at its size limit (`ulimit -f`, systemd's
+/// LimitFSIZE): a message fails (EFBIG) instead of ending `run` and the
+/// keeper with SIGXFSZ before they stop the command.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stderr_file_at_its_size_limit_does_not_end_run_or_its_keeper() {
+    let db = db().await;
+    let url = db.url();
+    let (_t, dir) = tempdir();
+    std::fs::File::create(dir.join("err"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    // Appended to (`2>>file`): every message would go past the limit.
+    let err = std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.join("err"))
+        .unwrap();
+    let d = dir.display();
+    let script = format!("(sleep 1000; echo late >> {d}/late) & echo $! > {d}/started; wait");
+    let mut c = pgwarden(&url);
+    c.arg("run")
+        .arg("fsize")
+        .args(["--ttl", "60s", "--", "sh", "-c", &script]);
+    c.stdout(Stdio::null()).stderr(Stdio::from(err));
+    // SAFETY: only setrlimit between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 1 << 20,
+                rlim_max: 1 << 20,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut run = c.spawn().expect("spawn pgwarden run");
+    let bg: i32 = wait_file(&dir.join("started"))
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    let _reaper = Reaper(vec![bg]);
+    let out = cli(&url, &["revoke", "fsize", "--yes"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // Lost (revoked): 76, not 128 + SIGXFSZ (153); the background child
+    // killed with the rest of the tree.
+    assert_eq!(exit_code(&mut run, BOUND).await, 76);
+    eventually(BOUND, "the background child to be gone", || async {
+        !alive(bg)
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stopped_keeper_has_its_tree_killed_by_run() {
     takeover_leaves_no_overlap(Failing::KeeperStopped, false).await;
