@@ -52,6 +52,19 @@ fn command(program: &str, url: &str) -> Command {
         c.env_remove(k);
     }
     c.stdin(Stdio::null()).kill_on_drop(true);
+    // The signals the tests send start at their defaults, whatever the test
+    // runner inherited (`nohup cargo test` ignores SIGHUP, a background
+    // job SIGINT and SIGQUIT): `run` keeps a signal ignored at its start
+    // ignored, which is what a test of forwarding must not meet.
+    // SAFETY: only signal dispositions are set between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
     c
 }
 
