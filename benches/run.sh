@@ -3,10 +3,12 @@
 # quick check that the benches still build and run: target/BENCHMARKS.smoke.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Rows 1s and 2s measure the sqlx 0.8 backend against raw sqlx 0.8.
+FEATURES=(--features sqlx-0_8)
 if [[ "${1:-}" == "--smoke" ]]; then
   rm -rf target/criterion-rounds
-  PGWARDEN_BENCH_SMOKE=1 cargo bench --bench checkout -- --noplot
-  cargo bench --bench workloads -- --smoke
+  PGWARDEN_BENCH_SMOKE=1 cargo bench "${FEATURES[@]}" --bench checkout -- --noplot
+  cargo bench "${FEATURES[@]}" --bench workloads -- --smoke
 else
   # Row 2: criterion run twenty times, each a process of its own, the side
   # measured first alternating (runs differ from each other far more than
@@ -16,13 +18,14 @@ else
   for k in $(seq 1 20); do
     order=raw-first
     if (( k % 2 == 0 )); then order=pgwarden-first; fi
-    PGWARDEN_BENCH_ORDER=$order cargo bench --bench checkout -- --noplot \
+    PGWARDEN_BENCH_ORDER=$order cargo bench "${FEATURES[@]}" --bench checkout -- --noplot \
       --warm-up-time 0.5 --measurement-time 1.5
-    mkdir -p "target/criterion-rounds/$k"
-    for side in raw_deadpool pgwarden; do
-      cp "target/criterion/checkout_return/$side/new/estimates.json" \
+    for side in checkout_return/raw_deadpool checkout_return/pgwarden \
+      checkout_return_sqlx/raw_sqlx checkout_return_sqlx/pgwarden; do
+      mkdir -p "target/criterion-rounds/$k/${side%/*}"
+      cp "target/criterion/$side/new/estimates.json" \
         "target/criterion-rounds/$k/$side.json"
     done
   done
-  cargo bench --bench workloads
+  cargo bench "${FEATURES[@]}" --bench workloads
 fi

@@ -37,6 +37,18 @@ use pgwarden_testing::TestServer;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+// pgwarden's module over sqlx 0.8 (named `sqlx_0_8` when 0.9 is on too).
+#[cfg(all(feature = "sqlx-0_8", not(feature = "sqlx-0_9")))]
+use pgwarden::sqlx as warden_sqlx;
+#[cfg(all(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+use pgwarden::sqlx_0_8 as warden_sqlx;
+
+#[cfg(feature = "sqlx-0_8")]
+#[path = "../sqlx_options.rs"]
+mod sqlx_options;
+#[cfg(feature = "sqlx-0_8")]
+pub use sqlx_options::sqlx_options;
+
 /// One row of BENCHMARKS.md.
 #[derive(Debug, Clone)]
 pub struct Row {
@@ -124,6 +136,17 @@ fn main() -> Result<(), BoxError> {
         }
         if want("2") {
             rows.push(overhead::checkout_from_criterion(settings));
+        }
+        #[cfg(feature = "sqlx-0_8")]
+        {
+            let began = std::time::Instant::now();
+            if want("1s") {
+                rows.push(overhead::sqlx_get_select_1(server, settings).await?);
+                timed("1s", began, &rows);
+            }
+            if want("2s") {
+                rows.push(overhead::from_criterion(settings, &overhead::SQLX));
+            }
         }
         let began = std::time::Instant::now();
         if want("3") {
@@ -270,6 +293,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
             if s.smoke { s.rounds * 2 } else { overhead::PAIRS_1 }, s.round / 2
         ),
         "2: criterion (`benches/checkout.rs`), one task on a current-thread runtime, pool 16, a connection already open: `get` then drop; `benches/run.sh` runs criterion 20 times, each a process of its own (0.5 s warm-up and 1.5 s measured per side: runs differ from each other far more than criterion's interval within one run), the side measured first alternating, and the row takes each run's ratio of the means, judged as the other rows' pair ratios (a single run, as `cargo bench --bench checkout` leaves: judged by the 95 % confidence intervals of its means)".to_owned(),
+        "1s, 2s (feature `sqlx-0_8`, which `benches/run.sh` turns on): rows 1 and 2 on sqlx 0.8, raw `sqlx::PgPool` (`max_connections(16)`, sqlx's defaults otherwise) against `pgwarden::sqlx::Pool` over another such pool on the shipped defaults; 1s: `acquire` + `sqlx::query(\"SELECT 1\").fetch_one(&mut *conn)` (prepared and cached per connection by sqlx), the same pairs as row 1; 2s: both pools with `test_before_acquire(false)` (sqlx's default pings each checkout, a round trip of about 60 µs on both sides that would hide pgwarden's cost), `acquire` then drop (a sqlx return is asynchronous: the iteration is the checkout and the hand-over to the return task, which the current-thread runtime runs between iterations, on both sides), run with row 2's criterion runs".to_owned(),
         incident::describe(s),
         leases::describe(s),
         plain::describe(s),

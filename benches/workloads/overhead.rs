@@ -81,6 +81,29 @@ pub async fn get_select_1(server: &TestServer, s: Settings) -> Result<Row, BoxEr
 /// bench --bench checkout`, or `--smoke`) it reads criterion's last run
 /// alone, judged with the 95 % confidence intervals of its two means.
 pub fn checkout_from_criterion(s: Settings) -> Row {
+    from_criterion(s, &DEADPOOL)
+}
+
+/// One backend's checkout row: its id, criterion group and the raw side's
+/// name (the pgwarden side is `pgwarden` in every group).
+pub struct Side {
+    pub id: &'static str,
+    pub group: &'static str,
+    pub raw: &'static str,
+    pub label: &'static str,
+}
+
+/// Row 2: deadpool.
+pub const DEADPOOL: Side = Side {
+    id: "2",
+    group: "checkout_return",
+    raw: "raw_deadpool",
+    label: "raw deadpool",
+};
+
+/// The checkout row of `side` from criterion's estimates (see
+/// [`checkout_from_criterion`]).
+pub fn from_criterion(s: Settings, side: &Side) -> Row {
     let read = |path: String| -> Option<[f64; 3]> {
         let text = std::fs::read_to_string(path).ok()?;
         let v: serde_json::Value = serde_json::from_str(&text).ok()?;
@@ -94,8 +117,13 @@ pub fn checkout_from_criterion(s: Settings) -> Row {
     };
     let mut rounds = Vec::new();
     for k in 1.. {
-        let side = |name: &str| read(format!("target/criterion-rounds/{k}/{name}.json"));
-        match (side("raw_deadpool"), side("pgwarden")) {
+        let est = |name: &str| {
+            read(format!(
+                "target/criterion-rounds/{k}/{}/{name}.json",
+                side.group
+            ))
+        };
+        match (est(side.raw), est("pgwarden")) {
             (Some([a, ..]), Some([b, ..])) => rounds.push((a, b)),
             _ => break,
         }
@@ -109,10 +137,14 @@ pub fn checkout_from_criterion(s: Settings) -> Row {
             .map(|(a, b)| format!("{a:.0}/{b:.0}"))
             .collect();
         return Row {
-            id: "2",
-            workload: "checkout + return, no query (criterion, 1 task)".into(),
+            id: side.id,
+            workload: format!(
+                "checkout + return, no query (criterion, 1 task), {}",
+                side.label
+            ),
             a: format!(
-                "raw deadpool {:.0} ns (median of {} runs)",
+                "{} {:.0} ns (median of {} runs)",
+                side.label,
                 median(&a),
                 a.len()
             ),
@@ -121,9 +153,10 @@ pub fn checkout_from_criterion(s: Settings) -> Row {
             target: "≤ 1.3",
             met: (!s.smoke).then(|| c.at_most(CHECKOUT_TARGET)).flatten(),
             notes: format!(
-                "{}; means per run, raw/pgwarden ns (the side first alternating): {}; \
+                "{}; means per run, {}/pgwarden ns (the side first alternating): {}; \
                  pgwarden adds {:.0} ns per checkout (medians)",
                 c.spread().replace("pairs)", "runs)"),
+                side.label,
                 runs.join(", "),
                 median(&b) - median(&a)
             ),
@@ -131,10 +164,11 @@ pub fn checkout_from_criterion(s: Settings) -> Row {
     }
     let last = |name: &str| {
         read(format!(
-            "target/criterion/checkout_return/{name}/new/estimates.json"
+            "target/criterion/{}/{name}/new/estimates.json",
+            side.group
         ))
     };
-    match (last("raw_deadpool"), last("pgwarden")) {
+    match (last(side.raw), last("pgwarden")) {
         (Some([a, a_lo, a_hi]), Some([b, b_lo, b_hi])) => {
             let (r, r_lo, r_hi) = (b / a, b_lo / a_hi, b_hi / a_lo);
             let verdict = if r_hi <= CHECKOUT_TARGET {
@@ -145,9 +179,12 @@ pub fn checkout_from_criterion(s: Settings) -> Row {
                 None
             };
             Row {
-                id: "2",
-                workload: "checkout + return, no query (criterion, 1 task)".into(),
-                a: format!("raw deadpool {a:.0} ns (95 % CI {a_lo:.0} to {a_hi:.0})"),
+                id: side.id,
+                workload: format!(
+                    "checkout + return, no query (criterion, 1 task), {}",
+                    side.label
+                ),
+                a: format!("{} {a:.0} ns (95 % CI {a_lo:.0} to {a_hi:.0})", side.label),
                 b: format!("pgwarden {b:.0} ns (95 % CI {b_lo:.0} to {b_hi:.0})"),
                 ratio: format!("{r:.2} (time, ratio of means)"),
                 target: "≤ 1.3",
@@ -161,8 +198,8 @@ pub fn checkout_from_criterion(s: Settings) -> Row {
             }
         }
         _ => Row {
-            id: "2",
-            workload: "checkout + return, no query (criterion)".into(),
+            id: side.id,
+            workload: format!("checkout + return, no query (criterion), {}", side.label),
             a: "-".into(),
             b: "-".into(),
             ratio: "-".into(),
@@ -172,4 +209,79 @@ pub fn checkout_from_criterion(s: Settings) -> Row {
                 .into(),
         },
     }
+}
+
+/// Row 2s: sqlx 0.8 (`benches/checkout.rs`, group `checkout_return_sqlx`).
+#[cfg(feature = "sqlx-0_8")]
+pub const SQLX: Side = Side {
+    id: "2s",
+    group: "checkout_return_sqlx",
+    raw: "raw_sqlx",
+    label: "raw sqlx 0.8",
+};
+
+/// 1s: row 1 on sqlx 0.8: 64 tasks, pool 16, `acquire` + `SELECT 1` (sqlx's
+/// `query`, prepared and cached per connection, as a sqlx user writes it),
+/// raw `sqlx::PgPool` against `pgwarden::sqlx::Pool` over another one.
+#[cfg(feature = "sqlx-0_8")]
+pub async fn sqlx_get_select_1(server: &TestServer, s: Settings) -> Result<Row, BoxError> {
+    use sqlx08::postgres::PgPoolOptions;
+    let db = server.create_database().await?;
+    let pool = || {
+        PgPoolOptions::new()
+            .max_connections(POOL as u32)
+            .connect_lazy_with(crate::sqlx_options(&db))
+    };
+    let raw = pool();
+    let warden = crate::warden_sqlx::Pool::builder(pool())
+        .name("bench-sqlx")
+        .build()?;
+    let dur = s.round / 2;
+    let (a, b) = interleave(
+        if s.smoke { s.rounds * 2 } else { PAIRS_1 },
+        || {
+            let raw = raw.clone();
+            async move {
+                throughput(TASKS, dur, move || {
+                    let raw = raw.clone();
+                    async move {
+                        let mut c = raw.acquire().await.expect("raw sqlx acquire");
+                        sqlx08::query("SELECT 1")
+                            .fetch_one(&mut *c)
+                            .await
+                            .expect("SELECT 1");
+                    }
+                })
+                .await
+            }
+        },
+        || {
+            let warden = warden.clone();
+            async move {
+                throughput(TASKS, dur, move || {
+                    let warden = warden.clone();
+                    async move {
+                        let mut c = warden.acquire().await.expect("pgwarden sqlx acquire");
+                        sqlx08::query("SELECT 1")
+                            .fetch_one(&mut *c)
+                            .await
+                            .expect("SELECT 1");
+                    }
+                })
+                .await
+            }
+        },
+    )
+    .await;
+    let c = Compared::new(&a, &b);
+    Ok(Row {
+        id: "1s",
+        workload: format!("`acquire` + `SELECT 1` on sqlx 0.8, {TASKS} tasks, pool {POOL}"),
+        a: format!("raw sqlx {:.0} ops/s", median(&a)),
+        b: format!("pgwarden {:.0} ops/s", median(&b)),
+        ratio: format!("{:.3}", c.pairs),
+        target: "≥ 0.97",
+        met: (!s.smoke).then(|| c.at_least(TARGET)).flatten(),
+        notes: c.spread(),
+    })
 }
