@@ -858,6 +858,13 @@ impl<B: Source> Client<B> {
         self.permit.shared().mark_releasing(self.permit.slot());
     }
 
+    /// The statement layer's view of the connection: how the layers above
+    /// the pool run statements on a checkout of any backend.
+    #[allow(dead_code)] // until every layer above runs on it
+    pub(crate) fn exec(&mut self) -> B::Exec<'_> {
+        B::exec(self)
+    }
+
     /// Sets what the checkout is for, shown in long-hold warnings.
     pub(crate) fn set_note(&self, note: Option<String>) {
         if let Some(c) = self

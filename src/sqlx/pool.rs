@@ -149,6 +149,17 @@ impl Source for dep::PgPool {
         obj
     }
 
+    type Exec<'c> = super::On<&'c mut dep::PgConnection>;
+
+    fn exec(conn: &mut dep::PgConnection) -> super::On<&'_ mut dep::PgConnection> {
+        super::On::new(conn)
+    }
+
+    /// sqlx sends no cancel request.
+    fn cancel(_: &dep::PgConnection) -> Option<impl Future<Output = ()> + Send + 'static> {
+        None::<std::future::Ready<()>>
+    }
+
     /// sqlx's own return (its `after_release` hook, a ping, then idle):
     /// the future its drop would have spawned, run by pgwarden's shell.
     fn give_back(
