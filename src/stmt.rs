@@ -314,6 +314,10 @@ impl<T: Conn> Conn for &mut T {
     fn begin(&mut self) -> impl Future<Output = Result<T::Tx<'_>, SqlError>> + Send {
         (**self).begin()
     }
+
+    fn begin_read_committed(&mut self) -> impl Future<Output = Result<T::Tx<'_>, SqlError>> + Send {
+        (**self).begin_read_committed()
+    }
 }
 
 /// A connection that can open a transaction.
@@ -325,10 +329,20 @@ pub(crate) trait Conn: Exec {
 
     /// `BEGIN` (the session's default isolation).
     fn begin(&mut self) -> impl Future<Output = Result<Self::Tx<'_>, SqlError>> + Send;
+
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED` (one round trip): where a
+    /// transaction lock is taken before the work it guards (see
+    /// `crate::xact_lock`).
+    fn begin_read_committed(
+        &mut self,
+    ) -> impl Future<Output = Result<Self::Tx<'_>, SqlError>> + Send;
 }
 
 /// A transaction: dropped without [`Tx::commit`], it rolls back.
 pub(crate) trait Tx: Exec {
     /// `COMMIT`.
     fn commit(self) -> impl Future<Output = Result<(), SqlError>> + Send;
+
+    /// `ROLLBACK`, its answer awaited.
+    fn rollback(self) -> impl Future<Output = Result<(), SqlError>> + Send;
 }

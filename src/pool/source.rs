@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
 use crate::error::{CheckoutError, Error};
-use crate::stmt::Conn;
+use crate::stmt::{Conn, Row};
 
 /// The wrapped pool's own view, for [`Status`](crate::Status) and the
 /// checks at build and in housekeeping.
@@ -116,9 +116,12 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// ([`Client::exec`](crate::Client) calls it). Deadpool: the
     /// `ClientWrapper` itself (its statement cache); sqlx: the connection
     /// behind an async mutex (`stmt::sqlx08::On`, `stmt::sqlx09::On`).
-    type Exec<'c>: Conn + 'c
+    type Exec<'c>: Conn<Row = Self::Row> + 'c
     where
         Self: 'c;
+    /// The rows of [`Source::Exec`], whatever the borrow (so a row outlives
+    /// the statement's borrow of the connection).
+    type Row: Row + 'static;
     /// [`Source::Exec`] of `conn`.
     fn exec(conn: &mut Self::Conn) -> Self::Exec<'_>;
     /// Cancels what runs on the connection now without using it, when the
@@ -246,6 +249,7 @@ impl Source for deadpool_postgres::Pool {
     }
 
     type Exec<'c> = &'c mut deadpool_postgres::ClientWrapper;
+    type Row = tokio_postgres::Row;
 
     #[inline(always)]
     fn exec(conn: &mut deadpool_postgres::Client) -> &mut deadpool_postgres::ClientWrapper {

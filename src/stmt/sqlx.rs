@@ -58,7 +58,6 @@ impl<C> std::fmt::Debug for On<C> {
 impl<C> On<C> {
     /// The connection (or transaction) inside, for the caller's own
     /// statements.
-    #[allow(dead_code)] // the sqlx transaction locks' closures
     pub(crate) fn get_mut(&mut self) -> &mut C {
         self.0.get_mut()
     }
@@ -149,11 +148,23 @@ impl Conn for On<&mut PgConnection> {
             dep::Connection::begin(conn).await?,
         )))
     }
+
+    async fn begin_read_committed(&mut self) -> Result<OnTx<'_>, SqlError> {
+        let conn: &mut PgConnection = self.0.get_mut();
+        let begin = "BEGIN ISOLATION LEVEL READ COMMITTED";
+        Ok(On(tokio::sync::Mutex::new(
+            dep::Connection::begin_with(conn, begin).await?,
+        )))
+    }
 }
 
 impl Tx for OnTx<'_> {
     async fn commit(self) -> Result<(), SqlError> {
         Ok(self.0.into_inner().commit().await?)
+    }
+
+    async fn rollback(self) -> Result<(), SqlError> {
+        Ok(self.0.into_inner().rollback().await?)
     }
 }
 

@@ -22,4 +22,4 @@ fn value<T: Value>(row: &dep::postgres::PgRow, i: usize) -> Result<T, SqlError> 
 #[path = "sqlx.rs"]
 mod imp;
 
-pub(crate) use imp::{Col, On};
+pub(crate) use imp::{Col, On, OnTx};
