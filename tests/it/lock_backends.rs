@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use pgwarden::{BudgetPolicy, Error, Lane, LockError, LockKey, LockMode};
+use metrics_util::debugging::{DebuggingRecorder, Snapshotter};
+use pgwarden::{BudgetPolicy, Error, Lane, LockError, LockKey, LockMode, PoolerMode};
 use support::backend::{settled, Backend, Deadpool, Settings};
 use support::{alive, cancel_once_waiting, db, eventually, free, metrics_now, raw_locks, within};
 
@@ -235,6 +236,18 @@ async fn migrate_once_runs_once_across_two_pools<B: Backend>() {
     settled::<B>(&a).await;
 }
 
+/// A pool whose connections are checked for advisory locks as they come
+/// back ([`Backend::build_watched`]), its metrics recorded.
+fn watched<B: Backend>(
+    db: &pgwarden_testing::TestDb,
+    s: &Settings,
+) -> (B::Pool, Snapshotter, Arc<AtomicUsize>) {
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    let (pool, dirty) = metrics::with_local_recorder(&recorder, || B::build_watched(db, s));
+    (pool, snap, dirty)
+}
+
 /// Polls `fut` up to `n` times, yielding between polls (so its I/O goes
 /// on), then drops it: `None` when it did not finish.
 async fn poll_then_drop<F: Future>(fut: F, n: u64) -> Option<F::Output> {
@@ -271,17 +284,24 @@ backends!(
 /// random tiny timeout, or a random number of polls) or run to its end,
 /// and guards dropped or unlocked. Afterwards: nothing in use, no
 /// advisory lock left on any connection (`pg_locks`), the session-lock
-/// gauges at 0, and each key free for the taking.
+/// gauges at 0, and each key free for the taking. Two pools: one left to
+/// detect its pooler mode (a sqlx pool cannot prove it is direct, so each
+/// lock is checked on its own connection first, and cuts land there too),
+/// one configured direct (cuts land on the lock statements themselves).
 async fn session_locks_dropped_at_random_await_points_leave_no_lock<B: Backend>() {
-    const TASKS: u64 = 4;
-    const ROUNDS: u64 = 60;
+    const TASKS: u64 = 6;
+    const ROUNDS: u64 = 80;
     let db = db().await;
     let raw = db.connect().await.unwrap();
     let s = Settings::new("cancel-prop", 8).budget(3, BudgetPolicy::Refuse);
-    let (pool, snap) = B::build_recorded(&db, &s);
+    let (pool, snap, dirty) = watched::<B>(&db, &s);
+    let direct = Settings::new("cancel-prop-direct", 8)
+        .budget(3, BudgetPolicy::Refuse)
+        .pooler(PoolerMode::Direct);
+    let (direct_pool, direct_snap, direct_dirty) = watched::<B>(&db, &direct);
     let tasks: Vec<_> = (0..TASKS)
         .map(|t| {
-            let pool = pool.clone();
+            let pool = if t % 2 == 0 { &pool } else { &direct_pool }.clone();
             tokio::spawn(async move {
                 // A small generator of its own per task: the same run each time.
                 let mut x = (t + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -301,7 +321,10 @@ async fn session_locks_dropped_at_random_await_points_leave_no_lock<B: Backend>(
                     let wait = match next() % 3 {
                         0 => None,
                         1 => Some(Duration::from_millis(next() % 20)),
-                        _ => Some(GUARD),
+                        // Long enough to be granted behind another task's
+                        // lock; short enough that a lock leaked by a bug
+                        // shows in the checks below, not as a hang.
+                        _ => Some(Duration::from_secs(2)),
                     };
                     let got = maybe_cut(B::session_lock(&pool, key, mode, wait), next()).await;
                     let mut lock = match got {
@@ -349,21 +372,28 @@ async fn session_locks_dropped_at_random_await_points_leave_no_lock<B: Backend>(
     // connection closed): once nothing is in use, every connection back
     // in the pool is clean.
     settled::<B>(&pool).await;
+    settled::<B>(&direct_pool).await;
+    // No connection came back (sqlx), or was handed out again (deadpool),
+    // holding an advisory lock: each was asked, by the pool's own hook,
+    // before anything could use or clean it.
+    let dirty = (
+        dirty.load(Ordering::Acquire),
+        direct_dirty.load(Ordering::Acquire),
+    );
+    assert_eq!(dirty, (0, 0), "connections back in the pool holding a lock");
     let left = raw_locks(&raw).await;
     assert!(left.is_empty(), "advisory locks left: {left:?}");
-    assert_eq!(B::status(&pool).lane(Lane::SessionLock).in_use, 0);
-    let m = metrics_now(&snap);
-    let name = s.pool_name::<B>();
-    assert_eq!(
-        m.get(&format!("pgwarden_session_locks_held{{pool={name}}}")),
-        Some(&0.0)
-    );
-    assert_eq!(
-        m.get(&format!("pgwarden_session_lock_connections{{pool={name}}}")),
-        Some(&0.0)
-    );
-    for k in 700..703 {
-        let lock = B::session_lock(&pool, LockKey::Single(k), LockMode::Exclusive, None).await;
-        B::unlock(lock.unwrap().expect("free")).await.unwrap();
+    for (pool, snap, s) in [(&pool, &snap, &s), (&direct_pool, &direct_snap, &direct)] {
+        assert_eq!(B::status(pool).lane(Lane::SessionLock).in_use, 0);
+        let m = metrics_now(snap);
+        let name = s.pool_name::<B>();
+        let held = format!("pgwarden_session_locks_held{{pool={name}}}");
+        assert_eq!(m.get(&held), Some(&0.0));
+        let conns = format!("pgwarden_session_lock_connections{{pool={name}}}");
+        assert_eq!(m.get(&conns), Some(&0.0));
+        for k in 700..703 {
+            let lock = B::session_lock(pool, LockKey::Single(k), LockMode::Exclusive, None).await;
+            B::unlock(lock.unwrap().expect("free")).await.unwrap();
+        }
     }
 }

@@ -94,6 +94,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Builds a pool on `db` (no connection made yet).
     fn build(db: &TestDb, s: &Settings) -> Self::Pool;
 
+    /// [`Backend::build`], with every connection checked for advisory locks
+    /// as it comes back into the wrapped pool (sqlx: its `after_release`
+    /// hook) or is handed out again (deadpool: its `post_recycle` hook),
+    /// before anything else can use or clean it: the count of connections
+    /// found holding one.
+    fn build_watched(db: &TestDb, s: &Settings) -> (Self::Pool, Arc<AtomicUsize>);
+
     /// Builds a pool whose metrics go to a local recorder.
     fn build_recorded(db: &TestDb, s: &Settings) -> (Self::Pool, Snapshotter) {
         let recorder = DebuggingRecorder::new();
@@ -160,6 +167,11 @@ pub trait Backend: Send + Sync + 'static {
         ran: Arc<AtomicUsize>,
     ) -> BoxFuture<'p, Result<bool, Error>>;
 }
+
+/// Advisory locks held by the session that asks (a failed ask counts as
+/// one: nothing may go unchecked).
+const LOCKS_HERE: &str =
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()";
 
 /// The settings of [`Settings`] a pool builder of either backend takes.
 macro_rules! configured {
@@ -275,6 +287,38 @@ impl Backend for Deadpool {
 
     fn build(db: &TestDb, s: &Settings) -> pgwarden::Pool {
         configured!(super::builder(db, s.size), s)
+    }
+
+    fn build_watched(db: &TestDb, s: &Settings) -> (pgwarden::Pool, Arc<AtomicUsize>) {
+        use deadpool_postgres::{Hook, Manager, ManagerConfig, RecyclingMethod, Runtime};
+        let found = Arc::new(AtomicUsize::new(0));
+        let seen = found.clone();
+        let manager = Manager::from_config(
+            db.pg_config(),
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let dp = deadpool_postgres::Pool::builder(manager)
+            .max_size(s.size)
+            .runtime(Runtime::Tokio1)
+            .post_recycle(Hook::async_fn(move |c, _| {
+                let seen = seen.clone();
+                Box::pin(async move {
+                    let row = c.query_one(LOCKS_HERE, &[]).await;
+                    if row.map_or(true, |r| r.get::<_, i64>(0) > 0) {
+                        seen.fetch_add(1, Ordering::AcqRel);
+                    }
+                    Ok(())
+                })
+            }))
+            .build()
+            .expect("deadpool");
+        let b = pgwarden::Pool::builder(dp)
+            .census_interval(None)
+            .wait_timeout(Duration::from_secs(5));
+        (configured!(b, s), found)
     }
 
     #[track_caller]
@@ -405,6 +449,28 @@ macro_rules! sqlx_backend {
                     .max_connections(s.size as u32)
                     .connect_lazy_with(opts);
                 configured!($($pg)::+::Pool::builder(pg), s)
+            }
+
+            fn build_watched(db: &TestDb, s: &Settings) -> (Self::Pool, Arc<AtomicUsize>) {
+                let found = Arc::new(AtomicUsize::new(0));
+                let seen = found.clone();
+                let opts = sqlx_options!($sqlx, db);
+                let pg = $sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(s.size as u32)
+                    .after_release(move |c, _| {
+                        let seen = seen.clone();
+                        Box::pin(async move {
+                            let n = $sqlx::query_scalar::<_, i64>(LOCKS_HERE)
+                                .fetch_one(&mut *c)
+                                .await;
+                            if n.map_or(true, |n| n > 0) {
+                                seen.fetch_add(1, Ordering::AcqRel);
+                            }
+                            Ok(true)
+                        })
+                    })
+                    .connect_lazy_with(opts);
+                (configured!($($pg)::+::Pool::builder(pg), s), found)
             }
 
             #[track_caller]
