@@ -137,7 +137,7 @@ pub enum LockError {
         /// Whether its transaction is known rolled back.
         rolled_back: bool,
         /// The database's error: [`Error::Db`](crate::Error::Db) on the
-        /// deadpool pool, [`Error::Sqlx`](crate::Error::Sqlx) on a sqlx pool.
+        /// deadpool pool, `Error::Sqlx` on a sqlx pool.
         #[source]
         source: Box<crate::Error>,
     },

@@ -76,11 +76,11 @@ pub enum Error {
     /// SQLSTATE.
     ///
     /// ```no_run
-    /// # use sqlx09 as sqlx;
     /// # fn demo(e: pgwarden::Error) {
-    /// if let pgwarden::Error::Sqlx(e) = e {
-    ///     let e: Box<sqlx::Error> = e.downcast().expect("the pool's sqlx");
-    ///     eprintln!("{:?}", e.as_database_error().and_then(|d| d.code()));
+    /// if e.is_lock_timeout() {
+    ///     // SQLSTATE 55P03, whichever backend ran the statement
+    /// } else if let pgwarden::Error::Sqlx(e) = e {
+    ///     eprintln!("{e}"); // `e.downcast::<sqlx::Error>()` for sqlx's own
     /// }
     /// # }
     /// ```

@@ -74,11 +74,10 @@ impl<B: Source> SessionLock<B> {
     /// move the lock's session out of the guard's care).
     ///
     /// ```no_run
-    /// # use sqlx09 as sqlx;
-    /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
     /// use pgwarden::{LockKey, LockMode};
     /// if let Some(mut lock) = pool.session_lock(LockKey::Single(42), LockMode::Exclusive, None).await? {
-    ///     sqlx::query("SELECT 1").execute(lock.conn_mut()).await?; // the lock's own session
+    ///     lock.conn_mut().batch_execute("SELECT 1").await?; // the lock's own session
     ///     lock.unlock().await?;
     /// }
     /// # Ok(()) }
