@@ -238,6 +238,10 @@ AMBIGUOUS = {
     "cancel_token", "cancel_query", "status", "timeouts", "resize", "manager",
     "retain", "is_closed", "create", "recycle", "detach", "try_get", "builder",
     "build", "config", "size", "max_size",
+    # the SQLSTATE of a driver's error (tokio-postgres's `Error::code`,
+    # `SqlState::code`, sqlx's `PgDatabaseError::code`), not the statement
+    # layer's own `SqlError::code`
+    "code",
 }
 
 

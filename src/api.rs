@@ -12,7 +12,7 @@ use crate::admission::Lane;
 use crate::census::Census;
 use crate::error::{BuildError, CheckoutError, Error, Stage};
 use crate::key::{LockKey, LockMode};
-use crate::lock::{Migrated, SessionLock};
+use crate::lock::{DeadpoolWork, Migrated, SessionLock};
 use crate::pool::{Client, Pool, PoolBuilder};
 use crate::pooler::PoolerMode;
 use crate::status::Status;
@@ -288,7 +288,7 @@ impl Pool {
     #[track_caller]
     pub fn detect_pooler(&self) -> impl Future<Output = Result<PoolerMode, Error>> + Send + '_ {
         let site = Location::caller();
-        crate::pooler::detect(self, site)
+        crate::pooler::detect(&self.shared, site)
     }
 
     /// The advisory locks in the database now, each matched to this pool's
@@ -361,7 +361,7 @@ impl Pool {
         wait: Option<Duration>,
     ) -> impl Future<Output = Result<Option<SessionLock>, Error>> + Send + '_ {
         let site = Location::caller();
-        crate::lock::session_lock(self, key, mode, wait, site)
+        crate::lock::session_lock(&self.shared, key, mode, wait, site)
     }
 
     /// Runs `f` in one `READ COMMITTED` transaction, on a request connection,
@@ -400,7 +400,7 @@ impl Pool {
         E: From<Error> + Send + 'p,
     {
         let site = Location::caller();
-        crate::lock::with_xact_lock(self, key, timeout, f, site)
+        crate::lock::with_xact_lock(&self.shared, key, timeout, DeadpoolWork(f), site)
     }
 
     /// Runs `f` once per database, whatever the number of instances starting
@@ -445,7 +445,7 @@ impl Pool {
         E: From<Error> + Send + 'p,
     {
         let site = Location::caller();
-        crate::lock::migrate_once(self, name, timeout, f, site)
+        crate::lock::migrate_once(&self.shared, name, timeout, DeadpoolWork(f), site)
     }
 }
 

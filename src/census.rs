@@ -195,7 +195,7 @@ impl Pool {
         // Owners are matched by backend pid, which means nothing behind a
         // transaction pooler: know which it is first (probed once per pool).
         if self.pooler() == PoolerMode::Auto {
-            crate::pooler::detect(self, site).await?;
+            crate::pooler::detect(&self.shared, site).await?;
         }
         let conn = self
             .checkout(Lane::Control, site, self.shared.opts.wait_timeout)

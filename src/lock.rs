@@ -27,12 +27,14 @@ mod xact;
 
 use std::time::Duration;
 
-use crate::pool::{Pool, PoolBuilder};
+use crate::pool::{PoolBuilder, Shared, Source};
 use crate::stmt::{code, Param, SqlError};
 
 pub use crate::key::{LockKey, LockMode, Namespace};
 pub use run_once::Migrated;
-pub(crate) use run_once::{migrate_once, with_xact_lock};
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+pub(crate) use run_once::Work;
+pub(crate) use run_once::{migrate_once, with_xact_lock, DeadpoolWork};
 pub(crate) use session::acquire as session_lock;
 pub use session::SessionLock;
 pub use xact::xact_lock;
@@ -50,11 +52,11 @@ impl Default for UnlockTimeout {
 }
 
 /// The pool's unlock bound ([`PoolBuilder::unlock_timeout`]).
-pub(crate) fn unlock_timeout(pool: &Pool) -> Duration {
-    pool.shared.ext.get::<UnlockTimeout>().0
+pub(crate) fn unlock_timeout<B: Source>(pool: &Shared<B>) -> Duration {
+    pool.ext.get::<UnlockTimeout>().0
 }
 
-impl PoolBuilder {
+impl<B: Source> PoolBuilder<B> {
     /// How long a session lock dropped without `unlock` (or cancelled while
     /// acquiring) may take to confirm its release before its connection is
     /// closed instead of returned (zero: always closed). Default: 5 s.

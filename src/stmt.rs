@@ -7,9 +7,12 @@
 //! one line of the [`Value`] macro per type, and maps its errors to a
 //! [`SqlError`] that carries the SQLSTATE.
 //!
-//! The tokio-postgres / deadpool backend is `stmt/postgres.rs`. What a
-//! second backend (sqlx) must provide is written in ARCHITECTURE.md,
-//! "The statement layer".
+//! The tokio-postgres / deadpool backend is `stmt/postgres.rs`; the sqlx
+//! one (features `sqlx-0_8`, `sqlx-0_9`) is `stmt/sqlx.rs`, one source
+//! compiled per sqlx version (`stmt/sqlx08.rs`, `stmt/sqlx09.rs`). What a
+//! backend provides is written in ARCHITECTURE.md, "The statement layer".
+//! The layers above get an [`Exec`] from a checked-out connection of any
+//! backend with `Client::exec` (the pool's `Source::exec`).
 //!
 //! # Why here
 //!
@@ -26,6 +29,10 @@
 //! read by index. One future per statement.
 
 mod postgres;
+#[cfg(feature = "sqlx-0_8")]
+pub(crate) mod sqlx08;
+#[cfg(feature = "sqlx-0_9")]
+pub(crate) mod sqlx09;
 
 use std::fmt;
 use std::future::Future;
@@ -96,10 +103,14 @@ pub(crate) mod code {
 /// An error of a statement: the server's (with its SQLSTATE), the
 /// connection's, or a column that did not decode. The backend's own error
 /// is kept whole, so that `crate::Error` hands deadpool users the
-/// `tokio_postgres::Error` they had before.
+/// `tokio_postgres::Error` they had before, and sqlx users their
+/// `sqlx::Error` ([`crate::Error::Sqlx`]).
 pub(crate) enum SqlError {
     /// tokio-postgres (the deadpool backend).
     Postgres(tokio_postgres::Error),
+    /// A `sqlx::Error` (of sqlx 0.8 or 0.9), boxed.
+    #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+    Sqlx(Box<dyn std::error::Error + Send + Sync + 'static>),
 }
 
 impl SqlError {
@@ -107,6 +118,8 @@ impl SqlError {
     pub(crate) fn code(&self) -> Option<&str> {
         match self {
             SqlError::Postgres(e) => e.code().map(|c| c.code()),
+            #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+            SqlError::Sqlx(e) => crate::error::sqlx_sqlstate(&**e),
         }
     }
 
@@ -120,6 +133,8 @@ impl fmt::Debug for SqlError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SqlError::Postgres(e) => fmt::Debug::fmt(e, f),
+            #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+            SqlError::Sqlx(e) => fmt::Debug::fmt(e, f),
         }
     }
 }
@@ -128,6 +143,8 @@ impl fmt::Display for SqlError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SqlError::Postgres(e) => fmt::Display::fmt(e, f),
+            #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+            SqlError::Sqlx(e) => fmt::Display::fmt(e, f),
         }
     }
 }
@@ -142,6 +159,8 @@ impl From<SqlError> for crate::error::Error {
     fn from(e: SqlError) -> crate::error::Error {
         match e {
             SqlError::Postgres(e) => crate::error::Error::Db(e),
+            #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+            SqlError::Sqlx(e) => crate::error::Error::Sqlx(e),
         }
     }
 }
@@ -159,21 +178,34 @@ pub(crate) trait Row: Send + Sync {
 pub(crate) trait Value: Sized {
     /// From a tokio-postgres row.
     fn from_postgres(row: &tokio_postgres::Row, i: usize) -> Result<Self, SqlError>;
+    /// From a sqlx 0.8 row.
+    #[cfg(feature = "sqlx-0_8")]
+    fn from_sqlx08(row: &::sqlx08::postgres::PgRow, i: usize) -> Result<Self, SqlError>;
+    /// From a sqlx 0.9 row.
+    #[cfg(feature = "sqlx-0_9")]
+    fn from_sqlx09(row: &::sqlx09::postgres::PgRow, i: usize) -> Result<Self, SqlError>;
 }
 
 macro_rules! values {
     ($($t:ty),* $(,)?) => {$(
+        values!(@one $t);
+        values!(@one Option<$t>);
+    )*};
+    (@one $t:ty) => {
         impl Value for $t {
             fn from_postgres(row: &tokio_postgres::Row, i: usize) -> Result<Self, SqlError> {
                 row.try_get(i).map_err(SqlError::from)
             }
-        }
-        impl Value for Option<$t> {
-            fn from_postgres(row: &tokio_postgres::Row, i: usize) -> Result<Self, SqlError> {
-                row.try_get(i).map_err(SqlError::from)
+            #[cfg(feature = "sqlx-0_8")]
+            fn from_sqlx08(row: &::sqlx08::postgres::PgRow, i: usize) -> Result<Self, SqlError> {
+                <$t as sqlx08::Col>::col(row, i)
+            }
+            #[cfg(feature = "sqlx-0_9")]
+            fn from_sqlx09(row: &::sqlx09::postgres::PgRow, i: usize) -> Result<Self, SqlError> {
+                <$t as sqlx09::Col>::col(row, i)
             }
         }
-    )*};
+    };
 }
 
 values!(
@@ -234,6 +266,60 @@ pub(crate) trait Exec: Send + Sync {
     }
 }
 
+/// A borrowed [`Exec`] is one: what `Source::exec` hands out for the
+/// deadpool backend (`&mut ClientWrapper`).
+impl<T: Exec> Exec for &mut T {
+    type Row = T::Row;
+
+    fn query<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+        how: Sent,
+    ) -> impl Future<Output = Result<Vec<T::Row>, SqlError>> + Send + 'a {
+        (**self).query(text, params, how)
+    }
+
+    fn execute<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+        how: Sent,
+    ) -> impl Future<Output = Result<u64, SqlError>> + Send + 'a {
+        (**self).execute(text, params, how)
+    }
+
+    fn query_one<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+    ) -> impl Future<Output = Result<T::Row, SqlError>> + Send + 'a {
+        (**self).query_one(text, params)
+    }
+
+    fn batch<'a>(
+        &'a self,
+        text: &'a str,
+    ) -> impl Future<Output = Result<(), SqlError>> + Send + 'a {
+        (**self).batch(text)
+    }
+}
+
+impl<T: Conn> Conn for &mut T {
+    type Tx<'t>
+        = T::Tx<'t>
+    where
+        Self: 't;
+
+    fn begin(&mut self) -> impl Future<Output = Result<T::Tx<'_>, SqlError>> + Send {
+        (**self).begin()
+    }
+
+    fn begin_read_committed(&mut self) -> impl Future<Output = Result<T::Tx<'_>, SqlError>> + Send {
+        (**self).begin_read_committed()
+    }
+}
+
 /// A connection that can open a transaction.
 pub(crate) trait Conn: Exec {
     /// Its transaction.
@@ -243,10 +329,20 @@ pub(crate) trait Conn: Exec {
 
     /// `BEGIN` (the session's default isolation).
     fn begin(&mut self) -> impl Future<Output = Result<Self::Tx<'_>, SqlError>> + Send;
+
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED` (one round trip): where a
+    /// transaction lock is taken before the work it guards (see
+    /// `crate::xact_lock`).
+    fn begin_read_committed(
+        &mut self,
+    ) -> impl Future<Output = Result<Self::Tx<'_>, SqlError>> + Send;
 }
 
 /// A transaction: dropped without [`Tx::commit`], it rolls back.
 pub(crate) trait Tx: Exec {
     /// `COMMIT`.
     fn commit(self) -> impl Future<Output = Result<(), SqlError>> + Send;
+
+    /// `ROLLBACK`, its answer awaited.
+    fn rollback(self) -> impl Future<Output = Result<(), SqlError>> + Send;
 }

@@ -122,7 +122,7 @@ pub enum LockError {
     /// its record committed is unknown (look for the name in the ledger).
     #[error(
         "migrate_once {name:?} ran its work but could not record it in pgwarden_run_once: {db}; {fate}",
-        db = super::DbDisplay(source),
+        db = source,
         fate = if *rolled_back {
             "its transaction was rolled back (its database writes are undone; anything it did outside \
              the database stays done), and the next call runs it again"
@@ -136,8 +136,9 @@ pub enum LockError {
         name: String,
         /// Whether its transaction is known rolled back.
         rolled_back: bool,
-        /// The database's error.
+        /// The database's error: [`Error::Db`](crate::Error::Db) on the
+        /// deadpool pool, `Error::Sqlx` on a sqlx pool.
         #[source]
-        source: tokio_postgres::Error,
+        source: Box<crate::Error>,
     },
 }

@@ -69,6 +69,25 @@ pub enum Error {
     #[error("{}", DbDisplay(.0))]
     Db(#[from] tokio_postgres::Error),
 
+    /// PostgreSQL returned an error, or the connection failed, on a
+    /// statement pgwarden ran on a sqlx pool (features `sqlx-0_8`,
+    /// `sqlx-0_9`): sqlx's own `sqlx::Error`, boxed (`downcast` it).
+    /// Displayed as `database error 55P03: …` when the server sent a
+    /// SQLSTATE.
+    ///
+    /// ```no_run
+    /// # fn demo(e: pgwarden::Error) {
+    /// if e.is_lock_timeout() {
+    ///     // SQLSTATE 55P03, whichever backend ran the statement
+    /// } else if let pgwarden::Error::Sqlx(e) = e {
+    ///     eprintln!("{e}"); // `e.downcast::<sqlx::Error>()` for sqlx's own
+    /// }
+    /// # }
+    /// ```
+    #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+    #[error("{}", SqlxDisplay(&**.0))]
+    Sqlx(Box<dyn std::error::Error + Send + Sync + 'static>),
+
     /// Bad input at the call, refused before anything ran.
     #[error(transparent)]
     Invalid(#[from] InvalidInput),
@@ -85,6 +104,8 @@ impl Error {
     pub(crate) fn sqlstate(&self) -> Option<&str> {
         match self {
             Error::Db(e) => e.code().map(|c| c.code()),
+            #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+            Error::Sqlx(e) => sqlx_sqlstate(&**e),
             _ => None,
         }
     }
@@ -114,6 +135,8 @@ impl Error {
         match self {
             Error::Lock(LockError::Timeout { .. }) => true,
             Error::Db(e) => e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE),
+            #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+            Error::Sqlx(e) => sqlx_sqlstate(&**e) == Some("55P03"),
             _ => false,
         }
     }
@@ -175,6 +198,43 @@ impl fmt::Display for DbDisplay<'_> {
                 }
                 Ok(())
             }
+            None => write!(f, "database error: {}", Chain(self.0)),
+        }
+    }
+}
+
+/// The SQLSTATE of a boxed `sqlx::Error` (of either sqlx version), when
+/// the server sent one.
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+pub(crate) fn sqlx_sqlstate<'e>(e: &'e (dyn std::error::Error + 'static)) -> Option<&'e str> {
+    #[cfg(feature = "sqlx-0_8")]
+    if let Some(e) = e.downcast_ref::<::sqlx08::Error>() {
+        let db = e.as_database_error()?;
+        return Some(
+            db.try_downcast_ref::<::sqlx08::postgres::PgDatabaseError>()?
+                .code(),
+        );
+    }
+    #[cfg(feature = "sqlx-0_9")]
+    if let Some(e) = e.downcast_ref::<::sqlx09::Error>() {
+        let db = e.as_database_error()?;
+        return Some(
+            db.try_downcast_ref::<::sqlx09::postgres::PgDatabaseError>()?
+                .code(),
+        );
+    }
+    None
+}
+
+/// `database error 55P03: <sqlx's message>`, or sqlx's message alone.
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+struct SqlxDisplay<'a>(&'a (dyn std::error::Error + Send + Sync + 'static));
+
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+impl fmt::Display for SqlxDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match sqlx_sqlstate(self.0) {
+            Some(code) => write!(f, "database error {code}: {}", self.0),
             None => write!(f, "database error: {}", Chain(self.0)),
         }
     }

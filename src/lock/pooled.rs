@@ -15,10 +15,12 @@
 use std::panic::Location;
 use std::time::{Duration, Instant};
 
-use super::{key_params, lock_fn, on, LockKey, LockMode, Scope};
+use std::sync::Arc;
+
+use super::{key_params, lock_fn, LockKey, LockMode, Scope};
 use crate::admission::Lane;
 use crate::error::{Error, LockError};
-use crate::pool::{Client, Pool};
+use crate::pool::{Client, Shared, Source};
 use crate::pooler::{backend_pid, Motion, MOTION_STATEMENTS};
 use crate::stmt::{Exec, Param, Row};
 
@@ -92,23 +94,24 @@ fn unlock_fn(mode: LockMode) -> &'static str {
 /// transaction pooler, and the lock is refused before it exists. Then the
 /// backend the lock statement ran on must be the one the lock's connection
 /// showed throughout ([`Check::confirm`]).
-pub(crate) struct Check {
-    other: Client,
+pub(crate) struct Check<B: Source> {
+    other: Client<B>,
     motion: Motion,
 }
 
-impl Check {
+impl<B: Source> Check<B> {
     /// Probes with `lock_conn` and a control connection, within `timeout`.
     pub(crate) async fn run(
-        pool: &Pool,
-        lock_conn: &Client,
+        pool: &Arc<Shared<B>>,
+        lock_conn: &mut Client<B>,
         key: LockKey,
         site: &'static Location<'static>,
         timeout: Duration,
-    ) -> Result<Check, Error> {
+    ) -> Result<Check<B>, Error> {
         let start = Instant::now();
-        let other = pool.checkout(Lane::Control, site, timeout).await?;
+        let mut other = pool.checkout(Lane::Control, site, timeout).await?;
         let mut motion = Motion::new(2);
+        let (a, b) = (lock_conn.exec(), other.exec());
         let probe = async {
             for n in 0..MOTION_STATEMENTS + 2 {
                 // Each connection first, then either at random.
@@ -116,14 +119,19 @@ impl Check {
                     0 | 1 => n,
                     _ => usize::from(rand::random::<bool>()),
                 };
-                let pid = backend_pid([on(lock_conn), on(&other)][i]).await?;
+                let pid = match i {
+                    0 => backend_pid(&a).await?,
+                    _ => backend_pid(&b).await?,
+                };
                 if motion.observe(i, pid) {
                     return Ok::<_, Error>(true);
                 }
             }
             Ok(false)
         };
-        match tokio::time::timeout(timeout.saturating_sub(start.elapsed()), probe).await {
+        let probed = tokio::time::timeout(timeout.saturating_sub(start.elapsed()), probe).await;
+        drop((a, b));
+        match probed {
             Ok(Ok(false)) => Ok(Check { other, motion }),
             Ok(Ok(true)) => {
                 crate::pooler::proven_by_lock(pool);
@@ -145,8 +153,8 @@ impl Check {
     /// lock's is on the session `lock_conn` reaches now.
     pub(crate) async fn confirm(
         mut self,
-        pool: &Pool,
-        lock_conn: &Client,
+        pool: &Shared<B>,
+        lock_conn: &mut Client<B>,
         key: LockKey,
         mode: LockMode,
         held_on: i32,
@@ -156,7 +164,8 @@ impl Check {
         }
         crate::pooler::proven_by_lock(pool);
         let bound = super::unlock_timeout(pool);
-        if reach(&[on(lock_conn), on(&self.other)], held_on, key, mode, bound).await {
+        let (a, b) = (lock_conn.exec(), self.other.exec());
+        if reach(&a, Some(&b), held_on, key, mode, bound).await {
             Err(Error::Lock(LockError::BehindPooler {
                 how: "detected at the lock",
             }))
@@ -167,11 +176,13 @@ impl Check {
     }
 }
 
-/// Sends, from `conns` in turn, the unlock of every level of `key` that
-/// acts only on backend `held_on`, until one lands there or `bound` passes.
-/// True once released there (or found not held there any more).
-pub(crate) async fn reach<C: Exec>(
-    conns: &[&C],
+/// Sends, from `a` and `b` (when given) in turn, the unlock of every level
+/// of `key` that acts only on backend `held_on`, until one lands there or
+/// `bound` passes. True once released there (or found not held there any
+/// more).
+pub(crate) async fn reach<A: Exec, C: Exec>(
+    a: &A,
+    b: Option<&C>,
     held_on: i32,
     key: LockKey,
     mode: LockMode,
@@ -180,8 +191,13 @@ pub(crate) async fn reach<C: Exec>(
     // Saturating: an unlock timeout of `Duration::MAX` is decades away.
     let deadline = crate::pool::deadline(tokio::time::Instant::now(), bound);
     let attempt = async {
-        for c in conns.iter().cycle() {
-            match on_backend(*c, held_on, Act::UnlockKey, key, mode).await {
+        for second in [false, true].into_iter().cycle() {
+            let sent = match (second, b) {
+                (false, _) => on_backend(a, held_on, Act::UnlockKey, key, mode).await,
+                (true, Some(b)) => on_backend(b, held_on, Act::UnlockKey, key, mode).await,
+                (true, None) => continue,
+            };
+            match sent {
                 Ok((_, Some(_))) => return true,
                 Ok((_, None)) => {}
                 Err(e) => {
@@ -190,7 +206,7 @@ pub(crate) async fn reach<C: Exec>(
                 }
             }
         }
-        false // no connection given
+        false
     };
     let found = tokio::time::timeout_at(deadline, attempt)
         .await

@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::pooled::{self, Act};
-use super::{on, LockKey, LockMode};
+use super::{LockKey, LockMode};
+use crate::admission::{Lane, Priority};
 use crate::error::{Error, LockError};
-use crate::pool::{Client, Shared};
-use crate::stmt::Exec;
+use crate::pool::{Client, Shared, Source};
+use crate::stmt::{Exec, Param, Row, Sent};
 
 /// Per-pool tallies of the lock machinery, in the pool's extension slot.
 #[derive(Debug, Default)]
@@ -33,14 +34,14 @@ impl LockState {
 }
 
 /// Counts one pinned connection and its levels in the gauges, until dropped.
-pub(crate) struct Tally {
-    shared: Arc<Shared>,
+pub(crate) struct Tally<B: Source> {
+    shared: Arc<Shared<B>>,
     state: Arc<LockState>,
     levels: usize,
 }
 
-impl Tally {
-    pub(crate) fn pin(shared: &Arc<Shared>) -> Tally {
+impl<B: Source> Tally<B> {
+    pub(crate) fn pin(shared: &Arc<Shared<B>>) -> Tally<B> {
         let state = shared.ext.get::<LockState>();
         state.conns.fetch_add(1, Ordering::AcqRel);
         let mut t = Tally {
@@ -76,7 +77,7 @@ impl Tally {
     }
 }
 
-impl Drop for Tally {
+impl<B: Source> Drop for Tally<B> {
     fn drop(&mut self) {
         self.state.levels.fetch_sub(self.levels, Ordering::AcqRel);
         self.state.conns.fetch_sub(1, Ordering::AcqRel);
@@ -85,8 +86,8 @@ impl Drop for Tally {
 }
 
 /// A session-lock connection and what it may hold.
-pub(crate) struct Held {
-    conn: Option<Client>,
+pub(crate) struct Held<B: Source> {
+    conn: Option<Client<B>>,
     pub(crate) key: LockKey,
     pub(crate) mode: LockMode,
     /// The session may hold an advisory lock not yet confirmed released.
@@ -94,17 +95,17 @@ pub(crate) struct Held {
     /// The backend the lock was granted on, once known: every later
     /// statement of the guard acts only there ([`super::pooled`]).
     lock_pid: Option<i32>,
-    tally: Option<Tally>,
+    tally: Option<Tally<B>>,
     unlock_timeout: Duration,
 }
 
-impl Held {
+impl<B: Source> Held<B> {
     pub(crate) fn new(
-        conn: Client,
+        conn: Client<B>,
         key: LockKey,
         mode: LockMode,
         unlock_timeout: Duration,
-    ) -> Held {
+    ) -> Held<B> {
         Held {
             conn: Some(conn),
             key,
@@ -116,9 +117,15 @@ impl Held {
         }
     }
 
-    pub(crate) fn conn(&self) -> &Client {
+    pub(crate) fn conn(&self) -> &Client<B> {
         // infallible: `conn` is Some until drop.
         self.conn.as_ref().expect("connection present until drop") // infallible
+    }
+
+    /// The connection, for statements (a sqlx connection executes on `&mut`).
+    pub(crate) fn conn_mut(&mut self) -> &mut Client<B> {
+        // infallible: `conn` is Some until drop.
+        self.conn.as_mut().expect("connection present until drop") // infallible
     }
 
     /// A lock statement is about to go out.
@@ -131,11 +138,11 @@ impl Held {
         self.dirty = false;
     }
 
-    pub(crate) fn set_tally(&mut self, tally: Tally) {
+    pub(crate) fn set_tally(&mut self, tally: Tally<B>) {
         self.tally = Some(tally);
     }
 
-    pub(crate) fn tally_mut(&mut self) -> &mut Tally {
+    pub(crate) fn tally_mut(&mut self) -> &mut Tally<B> {
         // infallible: a SessionLock is built with its tally set.
         self.tally.as_mut().expect("tally set at acquisition") // infallible
     }
@@ -153,28 +160,23 @@ impl Held {
         // infallible: set at the grant (`granted_on`), before the guard that
         // calls this exists.
         let held_on = self.lock_pid.expect("lock pid set at the grant"); // infallible
-        let (ran_on, answer) =
-            pooled::on_backend(on(self.conn()), held_on, act, self.key, self.mode).await?;
+        let (key, mode, bound) = (self.key, self.mode, self.unlock_timeout);
+        let conn = self.conn_mut().exec();
+        let (ran_on, answer) = pooled::on_backend(&conn, held_on, act, key, mode).await?;
         if let Some(answer) = answer {
             return Ok(answer);
         }
         if matches!(act, Act::Relock) {
             // Nothing taken anywhere; the lock stays where it was.
             return Err(Error::Lock(LockError::MovedByPooler {
-                key: self.key,
+                key,
                 held_on,
                 ran_on,
                 released: false,
             }));
         }
-        let released = pooled::reach(
-            &[on(self.conn())],
-            held_on,
-            self.key,
-            self.mode,
-            self.unlock_timeout,
-        )
-        .await;
+        let released = pooled::reach(&conn, None::<&B::Exec<'_>>, held_on, key, mode, bound).await;
+        drop(conn);
         // Whatever happened, an unlock on this connection's session now would
         // release other clients' locks, not this guard's.
         self.released();
@@ -198,7 +200,7 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl<B: Source> Drop for Held<B> {
     fn drop(&mut self) {
         let Some(conn) = self.conn.take() else { return };
         let tally = self.tally.take();
@@ -235,15 +237,15 @@ impl Drop for Held {
 /// Closes its connection when dropped, unless [`DiscardOnDrop::keep`] took it
 /// back: a release task dropped unfinished (runtime shutting down) closes the
 /// connection rather than returning it.
-struct DiscardOnDrop(Option<Client>);
+struct DiscardOnDrop<B: Source>(Option<Client<B>>);
 
-impl DiscardOnDrop {
-    fn keep(&mut self) -> Option<Client> {
+impl<B: Source> DiscardOnDrop<B> {
+    fn keep(&mut self) -> Option<Client<B>> {
         self.0.take()
     }
 }
 
-impl Drop for DiscardOnDrop {
+impl<B: Source> Drop for DiscardOnDrop<B> {
     fn drop(&mut self) {
         if let Some(conn) = self.0.take() {
             conn.discard();
@@ -254,20 +256,22 @@ impl Drop for DiscardOnDrop {
 /// `pg_advisory_unlock_all()` on the guard's connection: on the lock's
 /// backend only, once that is known (a lock statement cut off in flight
 /// leaves it unknown: then on whatever session the connection has).
-async fn unlock_all(
-    conn: &Client,
+async fn unlock_all<B: Source>(
+    conn: &mut Client<B>,
     key: LockKey,
     mode: LockMode,
     lock_pid: Option<i32>,
     bound: Duration,
 ) -> Result<(), Error> {
+    let conn = conn.exec();
     let Some(held_on) = lock_pid else {
-        on(conn).batch("SELECT pg_advisory_unlock_all()").await?;
+        conn.batch("SELECT pg_advisory_unlock_all()").await?;
         return Ok(());
     };
-    let (ran_on, done) = pooled::on_backend(on(conn), held_on, Act::UnlockAll, key, mode).await?;
+    let (ran_on, done) = pooled::on_backend(&conn, held_on, Act::UnlockAll, key, mode).await?;
     // Half the bound: the caller's timeout around this must not cut the report off.
-    if done.is_none() && !pooled::reach(&[on(conn)], held_on, key, mode, bound / 2).await {
+    let one = None::<&B::Exec<'_>>;
+    if done.is_none() && !pooled::reach(&conn, one, held_on, key, mode, bound / 2).await {
         return Err(pooled::stranded(key, held_on, ran_on));
     }
     Ok(())
@@ -275,16 +279,17 @@ async fn unlock_all(
 
 /// The drop path: `pg_advisory_unlock_all()` on the guard's connection, then
 /// back to the pool; not confirmed within `bound`, the connection is closed.
-async fn release(
-    guard: &mut DiscardOnDrop,
+async fn release<B: Source>(
+    guard: &mut DiscardOnDrop<B>,
     key: LockKey,
     mode: LockMode,
     lock_pid: Option<i32>,
     bound: Duration,
 ) {
-    let Some(conn) = guard.0.as_ref() else { return };
+    let Some(conn) = guard.0.as_mut() else { return };
     let pid = conn.pid();
-    match tokio::time::timeout(bound, unlock_all(conn, key, mode, lock_pid, bound)).await {
+    let done = tokio::time::timeout(bound, unlock_all(conn, key, mode, lock_pid, bound)).await;
+    match done {
         Ok(Ok(())) => {
             tracing::debug!(%key, pid, "session lock released after its guard was dropped");
             if let Some(conn) = guard.keep() {
@@ -298,13 +303,50 @@ async fn release(
             tracing::warn!(%key, pid, ?bound, "session lock release not confirmed in time: closing its connection");
             // The backend is likely still waiting for the lock: closing the
             // socket does not stop that wait (nor keep it out of the lock's
-            // queue), a cancel request does. Best effort: plain TCP or socket,
-            // bounded; the connection is closed either way.
-            let token = conn.cancel_token();
-            tokio::spawn(async move {
-                let _ =
-                    tokio::time::timeout(bound, token.cancel_query(tokio_postgres::NoTls)).await;
-            });
+            // queue), a cancel does. Best effort, bounded; the connection is
+            // closed either way. Deadpool: a cancel request (plain TCP or
+            // socket). sqlx sends none: `pg_cancel_backend` on another
+            // connection of the pool, on the lock's backend.
+            match B::cancel(&**conn) {
+                Some(cancel) => {
+                    tokio::spawn(tokio::time::timeout(bound, cancel));
+                }
+                None => {
+                    let pool = conn.pool().clone();
+                    let pid = lock_pid.unwrap_or(pid);
+                    tokio::spawn(tokio::time::timeout(
+                        bound,
+                        cancel_backend(pool, pid, bound),
+                    ));
+                }
+            }
         }
     }
+}
+
+/// `pg_cancel_backend(pid)` on a control connection of the pool (urgent:
+/// ahead of the queue), for a backend whose own connection cannot send a
+/// cancel request (sqlx). The same role may cancel its own sessions.
+async fn cancel_backend<B: Source>(pool: Arc<Shared<B>>, pid: i32, bound: Duration) {
+    let site = std::panic::Location::caller();
+    let Ok(mut conn) = pool
+        .checkout_with(Lane::Control, Priority::Urgent, site, bound)
+        .await
+    else {
+        return;
+    };
+    let sent = conn
+        .exec()
+        .query(
+            "SELECT pg_cancel_backend($1)",
+            &[Param::Int4(pid)],
+            Sent::Unnamed,
+        )
+        .await;
+    let cancelled = sent.ok().and_then(|rows| rows.first()?.col::<bool>(0).ok());
+    tracing::debug!(
+        pid,
+        ?cancelled,
+        "lock statement cancelled with pg_cancel_backend"
+    );
 }

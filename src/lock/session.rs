@@ -7,10 +7,13 @@ use std::time::{Duration, Instant};
 
 use super::pooled::{self, Act};
 use super::release::{Held, Tally};
-use super::{key_params, lock_error, lock_fn, lock_timeout_setting, on, LockKey, LockMode, Scope};
+use std::sync::Arc;
+
+use super::{key_params, lock_error, lock_fn, lock_timeout_setting, LockKey, LockMode, Scope};
 use crate::admission::Lane;
 use crate::error::{Error, LockError};
-use crate::pool::{Client, Pool};
+use crate::pool::{Client, Shared, Source};
+use crate::pooler::Announced;
 use crate::stmt::{Exec, Param, Row};
 
 /// A held session advisory lock: owns the connection it was taken on, for as
@@ -44,14 +47,14 @@ use crate::stmt::{Exec, Param, Row};
 /// # Ok(()) }
 /// ```
 #[must_use = "a session lock is released when its guard is dropped"]
-pub struct SessionLock {
-    held: Held,
+pub struct SessionLock<B: Source = deadpool_postgres::Pool> {
+    held: Held<B>,
     depth: u32,
     /// A level statement went out without its answer: the count is unknown.
     uncertain: bool,
 }
 
-impl SessionLock {
+impl<B: Source> SessionLock<B> {
     /// The key held.
     pub fn key(&self) -> LockKey {
         self.held.key
@@ -61,8 +64,26 @@ impl SessionLock {
     /// lock's session go here. Other work belongs on a request connection
     /// (`pool.get()`). Releasing the lock with raw SQL on it makes the next
     /// unlock fail with [`LockError::NotOwned`](crate::LockError::NotOwned).
-    pub fn client(&self) -> &Client {
+    pub fn client(&self) -> &Client<B> {
         self.held.conn()
+    }
+
+    /// The connection the lock lives on, mutably: a sqlx connection runs
+    /// statements on `&mut PgConnection` (`sqlx::query(…).execute(lock.conn_mut())`).
+    /// Run statements on it; do not swap it out (`std::mem::swap` would
+    /// move the lock's session out of the guard's care).
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {
+    /// use pgwarden::{LockKey, LockMode};
+    /// if let Some(mut lock) = pool.session_lock(LockKey::Single(42), LockMode::Exclusive, None).await? {
+    ///     lock.conn_mut().batch_execute("SELECT 1").await?; // the lock's own session
+    ///     lock.unlock().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn conn_mut(&mut self) -> &mut B::Conn {
+        self.held.conn_mut()
     }
 
     /// Takes the same lock once more on the same session (never waits: the
@@ -79,7 +100,7 @@ impl SessionLock {
             Err(e) => {
                 // The server refused it, or a pooler ran it elsewhere: nothing
                 // taken. A lost connection leaves it unknown.
-                let refused = matches!(&e, Error::Db(d) if d.as_db_error().is_some());
+                let refused = e.sqlstate().is_some();
                 self.uncertain = was || !(refused || e.is_behind_pooler());
                 return Err(e);
             }
@@ -152,7 +173,7 @@ impl SessionLock {
     }
 }
 
-impl fmt::Debug for SessionLock {
+impl<B: Source> fmt::Debug for SessionLock<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SessionLock")
             .field("key", &self.held.key)
@@ -180,40 +201,33 @@ pub(crate) fn bounded_session_sql(key: LockKey, mode: LockMode) -> String {
 /// session-lock budget while other locks hold it), or tries once when `wait`
 /// is `None` (refused at once past the budget; the checkout otherwise waits
 /// up to the pool's wait timeout). `Ok(None)`: tried and not granted.
-pub(crate) async fn acquire(
-    pool: &Pool,
+pub(crate) async fn acquire<B: Source>(
+    pool: &Arc<Shared<B>>,
     key: LockKey,
     mode: LockMode,
     wait: Option<Duration>,
     site: &'static Location<'static>,
-) -> Result<Option<SessionLock>, Error> {
+) -> Result<Option<SessionLock<B>>, Error>
+where
+    B::Conn: Announced,
+{
     let start = Instant::now();
     if let Some(how) = crate::pooler::behind_pooler(pool) {
         return Err(Error::Lock(LockError::BehindPooler { how }));
     }
-    let bound = wait.unwrap_or(pool.shared.opts.wait_timeout);
+    let bound = wait.unwrap_or(pool.opts.wait_timeout);
     // A wait covers the budget too: while other locks hold it, wait in
     // FIFO order (holding no connection) for one to come back.
-    let conn = match wait {
+    let mut conn = match wait {
         Some(_) => pool.checkout_waiting_for_budget(site, bound).await?,
         None => pool.checkout(Lane::SessionLock, site, bound).await?,
     };
-    let check =
-        crate::pooler::ensure_direct(pool, &conn, site, bound.saturating_sub(start.elapsed()))
-            .await?;
+    let left = |start: Instant| bound.saturating_sub(start.elapsed());
+    let check = crate::pooler::ensure_direct(pool, &mut conn, site, left(start)).await?;
     let check = match check {
         // Through a proxy whose mode detection could not prove: check on the
         // lock's own connection, before and after the lock statement.
-        true => Some(
-            pooled::Check::run(
-                pool,
-                &conn,
-                key,
-                site,
-                bound.saturating_sub(start.elapsed()),
-            )
-            .await?,
-        ),
+        true => Some(pooled::Check::run(pool, &mut conn, key, site, left(start)).await?),
         false => None,
     };
     conn.set_note(Some(format!("session lock {key}")));
@@ -227,7 +241,12 @@ pub(crate) async fn acquire(
             let (k, n) = key_params(key);
             let params = [Param::Text(&setting), k[0], k[1]];
             held.set_dirty();
-            match on(held.conn()).query_one(&sql, &params[..1 + n]).await {
+            let sent = held
+                .conn_mut()
+                .exec()
+                .query_one(&sql, &params[..1 + n])
+                .await;
+            match sent {
                 Ok(row) => row,
                 Err(e) => {
                     let e = lock_error(e, key, timeout);
@@ -247,7 +266,8 @@ pub(crate) async fn acquire(
             );
             held.set_dirty();
             let (k, n) = key_params(key);
-            on(held.conn()).query_one(&sql, &k[..n]).await?
+            let sent = held.conn_mut().exec().query_one(&sql, &k[..n]).await;
+            sent?
         }
     };
     // The waiting form returns void once granted; the try form, whether.
@@ -259,14 +279,14 @@ pub(crate) async fn acquire(
     }
     held.granted_on(pid);
     if let Some(check) = check {
-        if let Err(e) = check.confirm(pool, held.conn(), key, mode, pid).await {
+        if let Err(e) = check.confirm(pool, held.conn_mut(), key, mode, pid).await {
             // Nothing of this guard's is on the session its connection
             // reaches now: an unlock there would release other clients' locks.
             held.released();
             return Err(e);
         }
     }
-    held.set_tally(Tally::pin(&pool.shared));
+    held.set_tally(Tally::pin(pool));
     Ok(Some(SessionLock {
         held,
         depth: 1,

@@ -66,21 +66,6 @@ impl Pool {
     /// A session-lock checkout that waits for the budget, in FIFO order, up
     /// to `timeout` when other locks hold it now (refused at once only when
     /// it can never be admitted).
-    pub(crate) fn checkout_waiting_for_budget(
-        &self,
-        site: &'static Location<'static>,
-        timeout: Duration,
-    ) -> impl Future<Output = Result<Client, Error>> + Send + '_ {
-        self.checkout_inner(
-            Lane::SessionLock,
-            Priority::Normal,
-            true,
-            site,
-            timeout,
-            same,
-        )
-    }
-
     fn checkout_inner<E: Send + 'static>(
         &self,
         lane: Lane,
@@ -96,6 +81,35 @@ impl Pool {
 }
 
 impl<B: Source> Shared<B> {
+    /// A session-lock checkout that waits for the budget, in FIFO order, up
+    /// to `timeout` when other locks hold it now (refused at once only when
+    /// it can never be admitted).
+    pub(crate) fn checkout_waiting_for_budget(
+        self: &Arc<Self>,
+        site: &'static Location<'static>,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Client<B>, Error>> + Send + '_ {
+        self.checkout_inner(
+            Lane::SessionLock,
+            Priority::Normal,
+            true,
+            site,
+            timeout,
+            same,
+        )
+    }
+
+    /// A checkout of `lane` at `prio`, all of it within `timeout`.
+    pub(crate) fn checkout_with(
+        self: &Arc<Self>,
+        lane: Lane,
+        prio: Priority,
+        site: &'static Location<'static>,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Client<B>, Error>> + Send + '_ {
+        self.checkout_inner(lane, prio, false, site, timeout, same)
+    }
+
     /// A checkout of `lane`, all of it within `timeout`.
     pub(crate) fn checkout(
         self: &Arc<Self>,
@@ -856,6 +870,17 @@ impl<B: Source> Client<B> {
     /// because of it waits for it instead.
     pub(crate) fn mark_releasing(&self) {
         self.permit.shared().mark_releasing(self.permit.slot());
+    }
+
+    /// The statement layer's view of the connection: how the layers above
+    /// the pool run statements on a checkout of any backend.
+    pub(crate) fn exec(&mut self) -> B::Exec<'_> {
+        B::exec(self)
+    }
+
+    /// The pool it was checked out of.
+    pub(crate) fn pool(&self) -> &Arc<Shared<B>> {
+        self.permit.shared()
     }
 
     /// Sets what the checkout is for, shown in long-hold warnings.

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
 use crate::error::{CheckoutError, Error};
+use crate::stmt::{Conn, Row};
 
 /// The wrapped pool's own view, for [`Status`](crate::Status) and the
 /// checks at build and in housekeeping.
@@ -50,7 +51,11 @@ pub enum Refused {
 /// can name it; it is not reachable from outside the crate (sealed), and
 /// its implementations are deadpool's `Pool` and (features `sqlx-0_8`,
 /// `sqlx-0_9`) sqlx's `PgPool`.
-#[allow(unreachable_pub)]
+///
+/// Its [`Source::Exec`] is bound by the crate's statement layer
+/// (`crate::stmt::Conn`): the trait is sealed, so nothing outside the crate
+/// names that bound.
+#[allow(unreachable_pub, private_bounds)]
 pub trait Source: Send + Sync + Sized + 'static {
     /// A checked-out connection.
     type Object: Send + 'static;
@@ -106,6 +111,24 @@ pub trait Source: Send + Sync + Sized + 'static {
     fn conn(obj: &Self::Object) -> &Self::Conn;
     /// The connection inside, mutably.
     fn conn_mut(obj: &mut Self::Object) -> &mut Self::Conn;
+    /// The statement layer's view of a connection: how the layers above
+    /// (locks, leases, the census) run their statements on any backend
+    /// ([`Client::exec`](crate::Client) calls it). Deadpool: the
+    /// `ClientWrapper` itself (its statement cache); sqlx: the connection
+    /// behind an async mutex (`stmt::sqlx08::On`, `stmt::sqlx09::On`).
+    type Exec<'c>: Conn<Row = Self::Row> + 'c
+    where
+        Self: 'c;
+    /// The rows of [`Source::Exec`], whatever the borrow (so a row outlives
+    /// the statement's borrow of the connection).
+    type Row: Row + 'static;
+    /// [`Source::Exec`] of `conn`.
+    fn exec(conn: &mut Self::Conn) -> Self::Exec<'_>;
+    /// Cancels what runs on the connection now without using it, when the
+    /// backend can (deadpool: a cancel request with the connection's
+    /// cancel token, plain TCP or socket); `None`: it cannot (sqlx), the
+    /// caller cancels with `pg_cancel_backend` on another connection.
+    fn cancel(conn: &Self::Conn) -> Option<impl Future<Output = ()> + Send + 'static>;
 
     /// Gives the connection back: `None` when the wrapped pool has it back
     /// at once (deadpool), or the return to run to its end, after which
@@ -223,6 +246,24 @@ impl Source for deadpool_postgres::Pool {
     #[inline(always)]
     fn conn_mut(obj: &mut Object) -> &mut deadpool_postgres::Client {
         obj
+    }
+
+    type Exec<'c> = &'c mut deadpool_postgres::ClientWrapper;
+    type Row = tokio_postgres::Row;
+
+    #[inline(always)]
+    fn exec(conn: &mut deadpool_postgres::Client) -> &mut deadpool_postgres::ClientWrapper {
+        conn
+    }
+
+    /// A cancel request (no TLS: best effort), with the connection's key.
+    fn cancel(
+        conn: &deadpool_postgres::Client,
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let token = conn.cancel_token();
+        Some(async move {
+            let _ = token.cancel_query(tokio_postgres::NoTls).await;
+        })
     }
 
     /// Dropped in place: deadpool has it back at once.

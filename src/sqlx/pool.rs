@@ -47,6 +47,8 @@ use super::dep::{Executor, Statement as _};
 use super::TransactionManager as _;
 use crate::admission::{Lane, Priority};
 use crate::error::{BuildError, CheckoutError, Error};
+use crate::key::{LockKey, LockMode};
+use crate::lock::{Migrated, SessionLock, Work};
 use crate::pool::{PoolBuilder, Refused, Shared, Source, SourceStatus};
 use crate::status::Status;
 
@@ -147,6 +149,18 @@ impl Source for dep::PgPool {
 
     fn conn_mut(obj: &mut Self::Object) -> &mut dep::PgConnection {
         obj
+    }
+
+    type Exec<'c> = super::On<&'c mut dep::PgConnection>;
+    type Row = dep::postgres::PgRow;
+
+    fn exec(conn: &mut dep::PgConnection) -> super::On<&'_ mut dep::PgConnection> {
+        super::On::new(conn)
+    }
+
+    /// sqlx sends no cancel request.
+    fn cancel(_: &dep::PgConnection) -> Option<impl Future<Output = ()> + Send + 'static> {
+        None::<std::future::Ready<()>>
     }
 
     /// sqlx's own return (its `after_release` hook, a ping, then idle):
@@ -344,6 +358,129 @@ impl Pool {
     /// Connections idle (sqlx's `num_idle`).
     pub fn num_idle(&self) -> usize {
         self.shared.inner.num_idle()
+    }
+
+    /// Takes a session advisory lock on a connection of the session-lock
+    /// lane, as the deadpool pool's
+    /// [`session_lock`](crate::Pool::session_lock) does (the budget, typed
+    /// keys, the guard that owns its connection and unlocks on it, never
+    /// returning it to the pool still holding a lock, cancel-safe at every
+    /// await): the replacement for `sqlx::postgres::PgAdvisoryLock`. Run the
+    /// lock's own statements on [`SessionLock::conn_mut`]. A dropped guard
+    /// whose unlock is not confirmed within the unlock timeout has its
+    /// statement cancelled with `pg_cancel_backend` on another connection
+    /// (sqlx sends no cancel request) and its connection closed.
+    ///
+    /// sqlx does not expose the pid the server announced, so a pool left at
+    /// [`PoolerMode::Auto`](crate::PoolerMode::Auto) cannot prove it talks
+    /// to PostgreSQL directly: each lock is then checked on its own
+    /// connection (some 40 `SELECT pg_backend_pid()`). Configure
+    /// [`PoolerMode::Direct`](crate::PoolerMode::Direct) on a pool that
+    /// does.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {
+    /// use pgwarden::{LockKey, LockMode};
+    /// let wait = Some(std::time::Duration::from_secs(5));
+    /// if let Some(lock) = pool.session_lock(LockKey::Single(42), LockMode::Exclusive, wait).await? {
+    ///     // … the work only one instance does …
+    ///     lock.unlock().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn session_lock(
+        &self,
+        key: LockKey,
+        mode: LockMode,
+        wait: Option<Duration>,
+    ) -> impl Future<Output = Result<Option<SessionLock<dep::PgPool>>, Error>> + Send + '_ {
+        let site = Location::caller();
+        crate::lock::session_lock(&self.shared, key, mode, wait, site)
+    }
+
+    /// Runs `f` in one `READ COMMITTED` transaction under the exclusive
+    /// transaction-scoped lock `key`, as the deadpool pool's
+    /// [`with_xact_lock`](crate::Pool::with_xact_lock): `f` gets the
+    /// transaction's `&mut PgConnection` (an executor).
+    ///
+    /// ```no_run
+    /// # use sqlx09 as sqlx;
+    /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {
+    /// const ACCOUNTS: pgwarden::Namespace = pgwarden::Namespace::new(2);
+    /// let timeout = std::time::Duration::from_secs(5);
+    /// let n = pool
+    ///     .with_xact_lock(ACCOUNTS.key(42), timeout, |tx| {
+    ///         Box::pin(async move {
+    ///             let done = sqlx::query("UPDATE accounts SET n = n + 1").execute(tx).await;
+    ///             Ok::<_, pgwarden::Error>(done.map_or(0, |d| d.rows_affected()))
+    ///         })
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn with_xact_lock<'p, T, E, F>(
+        &'p self,
+        key: LockKey,
+        timeout: Duration,
+        f: F,
+    ) -> impl Future<Output = Result<T, E>> + Send + 'p
+    where
+        F: for<'a> FnOnce(&'a mut dep::PgConnection) -> BoxFuture<'a, Result<T, E>> + Send + 'p,
+        T: Send + 'p,
+        E: From<Error> + Send + 'p,
+    {
+        let site = Location::caller();
+        crate::lock::with_xact_lock(&self.shared, key, timeout, SqlxWork(f), site)
+    }
+
+    /// Runs `f` once per database, as the deadpool pool's
+    /// [`migrate_once`](crate::Pool::migrate_once) (the same ledger table
+    /// and lock: a deadpool instance and a sqlx instance run it once
+    /// between them); `f` gets the transaction's `&mut PgConnection`.
+    ///
+    /// ```no_run
+    /// # use sqlx09 as sqlx;
+    /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {
+    /// let timeout = std::time::Duration::from_secs(30);
+    /// pool.migrate_once("app/0001_schema", timeout, |tx| {
+    ///     Box::pin(async move {
+    ///         sqlx::raw_sql("CREATE SCHEMA IF NOT EXISTS app").execute(tx).await.ok();
+    ///         Ok::<_, pgwarden::Error>(())
+    ///     })
+    /// })
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn migrate_once<'p, T, E, F>(
+        &'p self,
+        name: &'p str,
+        timeout: Duration,
+        f: F,
+    ) -> impl Future<Output = Result<Migrated<T>, E>> + Send + 'p
+    where
+        F: for<'a> FnOnce(&'a mut dep::PgConnection) -> BoxFuture<'a, Result<T, E>> + Send + 'p,
+        T: Send + 'p,
+        E: From<Error> + Send + 'p,
+    {
+        let site = Location::caller();
+        crate::lock::migrate_once(&self.shared, name, timeout, SqlxWork(f), site)
+    }
+}
+
+/// The sqlx pool's transaction-lock closures: they get the transaction's
+/// `&mut PgConnection`.
+struct SqlxWork<F>(F);
+
+impl<F, T, E> Work<dep::PgPool, T, E> for SqlxWork<F>
+where
+    F: for<'a> FnOnce(&'a mut dep::PgConnection) -> BoxFuture<'a, Result<T, E>>,
+{
+    fn run<'a, 'c, 't>(self, tx: &'a mut super::OnTx<'t>) -> BoxFuture<'a, Result<T, E>> {
+        let conn: &'a mut dep::PgConnection = tx.get_mut();
+        (self.0)(conn)
     }
 }
 

@@ -179,16 +179,34 @@ impl Conn for deadpool_postgres::ClientWrapper {
     async fn begin(&mut self) -> Result<deadpool_postgres::Transaction<'_>, SqlError> {
         Ok(self.transaction().await?)
     }
+
+    async fn begin_read_committed(
+        &mut self,
+    ) -> Result<deadpool_postgres::Transaction<'_>, SqlError> {
+        Ok(self
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+            .start()
+            .await?)
+    }
 }
 
 impl Tx for deadpool_postgres::Transaction<'_> {
     async fn commit(self) -> Result<(), SqlError> {
         Ok(deadpool_postgres::Transaction::commit(self).await?)
     }
+
+    async fn rollback(self) -> Result<(), SqlError> {
+        Ok(deadpool_postgres::Transaction::rollback(self).await?)
+    }
 }
 
 impl Tx for tokio_postgres::Transaction<'_> {
     async fn commit(self) -> Result<(), SqlError> {
         Ok(tokio_postgres::Transaction::commit(self).await?)
+    }
+
+    async fn rollback(self) -> Result<(), SqlError> {
+        Ok(tokio_postgres::Transaction::rollback(self).await?)
     }
 }

@@ -14,38 +14,6 @@ const T: Duration = Duration::from_secs(5);
 const HOUR: Duration = Duration::from_secs(3600);
 const GUARD: Duration = Duration::from_secs(60);
 
-/// The backend that waits on the server for advisory lock `objid`, if any.
-async fn lock_waiter(raw: &tokio_postgres::Client, objid: i64) -> Option<i32> {
-    raw.query_opt(
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = $1::bigint::oid AND NOT granted",
-        &[&objid],
-    )
-    .await
-    .unwrap()
-    .map(|r| r.get(0))
-}
-
-/// Drives `fut` until its lock statement waits on the server for `objid`,
-/// then drops it (cancelled while waiting: an event, not a clock), and
-/// returns the waiting backend's pid; `None` when `fut` finished first.
-async fn cancel_once_waiting<F: std::future::Future>(
-    raw: &tokio_postgres::Client,
-    objid: i64,
-    fut: F,
-) -> Option<i32> {
-    tokio::select! {
-        _ = fut => None,
-        pid = async {
-            loop {
-                if let Some(pid) = lock_waiter(raw, objid).await {
-                    break pid;
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        } => Some(pid),
-    }
-}
-
 #[tokio::test]
 async fn single_and_pair_are_distinct_key_spaces() {
     let db = db().await;

@@ -52,6 +52,7 @@ mod lease_renewer;
 mod lease_run;
 mod lease_ttl;
 mod leases;
+mod lock_backends;
 mod locks;
 mod metrics;
 mod migrate_name;

@@ -143,6 +143,9 @@ async fn a_migration_that_ran_but_was_not_recorded_says_so() {
         };
         assert_eq!(name, "app/0002");
         assert!(rolled_back);
+        let Error::Db(source) = &**source else {
+            panic!("{source:?}")
+        };
         assert_eq!(
             source.code(),
             Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)

@@ -7,11 +7,13 @@
 
 use std::fmt;
 use std::panic::Location;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use metrics_util::debugging::{DebuggingRecorder, Snapshotter};
-use pgwarden::{Error, Lane, Status};
+use pgwarden::{BudgetPolicy, Error, Lane, LockKey, LockMode, Migrated, PoolerMode, Status};
 use pgwarden_testing::TestDb;
 
 /// A pool's settings, as a test gives them to any backend.
@@ -22,6 +24,11 @@ pub struct Settings {
     pub wait: Duration,
     pub long_hold: Duration,
     pub housekeeping: Duration,
+    /// The session-lock lane's max (the budget), when set.
+    pub budget: Option<usize>,
+    pub policy: BudgetPolicy,
+    pub unlock_timeout: Duration,
+    pub pooler: PoolerMode,
 }
 
 impl Settings {
@@ -33,7 +40,28 @@ impl Settings {
             wait: Duration::from_secs(5),
             long_hold: Duration::from_secs(30),
             housekeeping: Duration::from_secs(3600),
+            budget: None,
+            policy: BudgetPolicy::Refuse,
+            unlock_timeout: Duration::from_secs(5),
+            pooler: PoolerMode::Auto,
         }
+    }
+
+    /// A session-lock budget of `max` connections, and its policy.
+    pub fn budget(mut self, max: usize, policy: BudgetPolicy) -> Settings {
+        self.budget = Some(max);
+        self.policy = policy;
+        self
+    }
+
+    pub fn unlock_timeout(mut self, bound: Duration) -> Settings {
+        self.unlock_timeout = bound;
+        self
+    }
+
+    pub fn pooler(mut self, mode: PoolerMode) -> Settings {
+        self.pooler = mode;
+        self
     }
 
     /// The pool's name on backend `B`.
@@ -66,6 +94,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Builds a pool on `db` (no connection made yet).
     fn build(db: &TestDb, s: &Settings) -> Self::Pool;
 
+    /// [`Backend::build`], with every connection checked for advisory locks
+    /// as it comes back into the wrapped pool (sqlx: its `after_release`
+    /// hook) or is handed out again (deadpool: its `post_recycle` hook),
+    /// before anything else can use or clean it: the count of connections
+    /// found holding one.
+    fn build_watched(db: &TestDb, s: &Settings) -> (Self::Pool, Arc<AtomicUsize>);
+
     /// Builds a pool whose metrics go to a local recorder.
     fn build_recorded(db: &TestDb, s: &Settings) -> (Self::Pool, Snapshotter) {
         let recorder = DebuggingRecorder::new();
@@ -96,6 +131,96 @@ pub trait Backend: Send + Sync + 'static {
     fn status(pool: &Self::Pool) -> Status;
     fn readiness(pool: &Self::Pool, t: Duration) -> BoxFuture<'_, Result<Duration, Error>>;
     fn close(pool: &Self::Pool) -> BoxFuture<'_, ()>;
+
+    /// A session lock's guard (`SessionLock` of the backend).
+    type Lock: Send + fmt::Debug + 'static;
+    #[track_caller]
+    fn session_lock(
+        pool: &Self::Pool,
+        key: LockKey,
+        mode: LockMode,
+        wait: Option<Duration>,
+    ) -> BoxFuture<'_, Result<Option<Self::Lock>, Error>>;
+    /// The backend pid of the lock's connection, as the pool knows it.
+    fn lock_pid(l: &Self::Lock) -> i32;
+    /// `pg_backend_pid()` asked on the lock's own connection.
+    fn ask_lock_pid(l: &mut Self::Lock) -> BoxFuture<'_, i32>;
+    fn lock_again(l: &mut Self::Lock) -> BoxFuture<'_, Result<u32, Error>>;
+    fn unlock_one(l: &mut Self::Lock) -> BoxFuture<'_, Result<u32, Error>>;
+    fn unlock(l: Self::Lock) -> BoxFuture<'static, Result<(), Error>>;
+    /// `with_xact_lock(key, timeout)` whose work returns the backend pid of
+    /// its transaction (and counts its runs in `ran`).
+    #[track_caller]
+    fn xact_pid(
+        pool: &Self::Pool,
+        key: LockKey,
+        timeout: Duration,
+        ran: Arc<AtomicUsize>,
+    ) -> BoxFuture<'_, Result<i32, Error>>;
+    /// `migrate_once(name, timeout)` whose work counts its runs in `ran`
+    /// and creates table `made`: whether this call ran it.
+    #[track_caller]
+    fn migrate<'p>(
+        pool: &'p Self::Pool,
+        name: &'static str,
+        timeout: Duration,
+        ran: Arc<AtomicUsize>,
+    ) -> BoxFuture<'p, Result<bool, Error>>;
+}
+
+/// Advisory locks held by the session that asks (a failed ask counts as
+/// one: nothing may go unchecked).
+const LOCKS_HERE: &str =
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()";
+
+/// The settings of [`Settings`] a pool builder of either backend takes.
+macro_rules! configured {
+    ($b:expr, $s:expr) => {{
+        let s: &Settings = $s;
+        let mut b = $b
+            .name(s.pool_name::<Self>())
+            .wait_timeout(s.wait)
+            .long_hold_threshold(s.long_hold)
+            .housekeeping_interval(s.housekeeping)
+            .policy(s.policy)
+            .unlock_timeout(s.unlock_timeout)
+            .pooler(s.pooler);
+        if let Some(max) = s.budget {
+            b = b.lane(Lane::SessionLock, 0, max);
+        }
+        b.build().expect("pool")
+    }};
+}
+
+/// The lock methods every backend's pool and guard spell the same.
+macro_rules! lock_methods {
+    () => {
+        #[track_caller]
+        fn session_lock(
+            pool: &Self::Pool,
+            key: LockKey,
+            mode: LockMode,
+            wait: Option<Duration>,
+        ) -> BoxFuture<'_, Result<Option<Self::Lock>, Error>> {
+            Box::pin(pool.session_lock(key, mode, wait))
+        }
+
+        fn lock_pid(l: &Self::Lock) -> i32 {
+            l.client().pid()
+        }
+
+        fn lock_again(l: &mut Self::Lock) -> BoxFuture<'_, Result<u32, Error>> {
+            Box::pin(l.lock_again())
+        }
+
+        fn unlock_one(l: &mut Self::Lock) -> BoxFuture<'_, Result<u32, Error>> {
+            Box::pin(l.unlock_one())
+        }
+
+        fn unlock(l: Self::Lock) -> BoxFuture<'static, Result<(), Error>> {
+            Box::pin(l.unlock())
+        }
+    };
 }
 
 /// What every backend's `Client` answers the same way: its lane, pid,
@@ -161,13 +286,39 @@ impl Backend for Deadpool {
     type DropInError = deadpool_postgres::PoolError;
 
     fn build(db: &TestDb, s: &Settings) -> pgwarden::Pool {
-        super::builder(db, s.size)
-            .name(s.pool_name::<Self>())
-            .wait_timeout(s.wait)
-            .long_hold_threshold(s.long_hold)
-            .housekeeping_interval(s.housekeeping)
+        configured!(super::builder(db, s.size), s)
+    }
+
+    fn build_watched(db: &TestDb, s: &Settings) -> (pgwarden::Pool, Arc<AtomicUsize>) {
+        use deadpool_postgres::{Hook, Manager, ManagerConfig, RecyclingMethod, Runtime};
+        let found = Arc::new(AtomicUsize::new(0));
+        let seen = found.clone();
+        let manager = Manager::from_config(
+            db.pg_config(),
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let dp = deadpool_postgres::Pool::builder(manager)
+            .max_size(s.size)
+            .runtime(Runtime::Tokio1)
+            .post_recycle(Hook::async_fn(move |c, _| {
+                let seen = seen.clone();
+                Box::pin(async move {
+                    let row = c.query_one(LOCKS_HERE, &[]).await;
+                    if row.map_or(true, |r| r.get::<_, i64>(0) > 0) {
+                        seen.fetch_add(1, Ordering::AcqRel);
+                    }
+                    Ok(())
+                })
+            }))
             .build()
-            .expect("pool")
+            .expect("deadpool");
+        let b = pgwarden::Pool::builder(dp)
+            .census_interval(None)
+            .wait_timeout(Duration::from_secs(5));
+        (configured!(b, s), found)
     }
 
     #[track_caller]
@@ -209,6 +360,50 @@ impl Backend for Deadpool {
     fn close(pool: &pgwarden::Pool) -> BoxFuture<'_, ()> {
         pool.close();
         Box::pin(std::future::ready(()))
+    }
+
+    type Lock = pgwarden::SessionLock;
+
+    lock_methods!();
+
+    fn ask_lock_pid(l: &mut pgwarden::SessionLock) -> BoxFuture<'_, i32> {
+        Box::pin(async move {
+            let row = l.client().query_one("SELECT pg_backend_pid()", &[]).await;
+            row.expect("pid").get(0)
+        })
+    }
+
+    #[track_caller]
+    fn xact_pid(
+        pool: &pgwarden::Pool,
+        key: LockKey,
+        timeout: Duration,
+        ran: Arc<AtomicUsize>,
+    ) -> BoxFuture<'_, Result<i32, Error>> {
+        Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
+            Box::pin(async move {
+                ran.fetch_add(1, Ordering::AcqRel);
+                let row = tx.query_one("SELECT pg_backend_pid()", &[]).await?;
+                Ok::<_, Error>(row.get(0))
+            })
+        }))
+    }
+
+    #[track_caller]
+    fn migrate<'p>(
+        pool: &'p pgwarden::Pool,
+        name: &'static str,
+        timeout: Duration,
+        ran: Arc<AtomicUsize>,
+    ) -> BoxFuture<'p, Result<bool, Error>> {
+        let done = pool.migrate_once(name, timeout, move |tx| {
+            Box::pin(async move {
+                ran.fetch_add(1, Ordering::AcqRel);
+                tx.batch_execute("CREATE TABLE made (x int)").await?;
+                Ok::<_, Error>(())
+            })
+        });
+        Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
     }
 }
 
@@ -253,13 +448,29 @@ macro_rules! sqlx_backend {
                 let pg = $sqlx::postgres::PgPoolOptions::new()
                     .max_connections(s.size as u32)
                     .connect_lazy_with(opts);
-                $($pg)::+::Pool::builder(pg)
-                    .name(s.pool_name::<Self>())
-                    .wait_timeout(s.wait)
-                    .long_hold_threshold(s.long_hold)
-                    .housekeeping_interval(s.housekeeping)
-                    .build()
-                    .expect("pool")
+                configured!($($pg)::+::Pool::builder(pg), s)
+            }
+
+            fn build_watched(db: &TestDb, s: &Settings) -> (Self::Pool, Arc<AtomicUsize>) {
+                let found = Arc::new(AtomicUsize::new(0));
+                let seen = found.clone();
+                let opts = sqlx_options!($sqlx, db);
+                let pg = $sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(s.size as u32)
+                    .after_release(move |c, _| {
+                        let seen = seen.clone();
+                        Box::pin(async move {
+                            let n = $sqlx::query_scalar::<_, i64>(LOCKS_HERE)
+                                .fetch_one(&mut *c)
+                                .await;
+                            if n.map_or(true, |n| n > 0) {
+                                seen.fetch_add(1, Ordering::AcqRel);
+                            }
+                            Ok(true)
+                        })
+                    })
+                    .connect_lazy_with(opts);
+                (configured!($($pg)::+::Pool::builder(pg), s), found)
             }
 
             #[track_caller]
@@ -301,6 +512,58 @@ macro_rules! sqlx_backend {
 
             fn close(pool: &Self::Pool) -> BoxFuture<'_, ()> {
                 Box::pin(pool.close())
+            }
+
+            type Lock = pgwarden::SessionLock<$sqlx::PgPool>;
+
+            lock_methods!();
+
+            fn ask_lock_pid(l: &mut Self::Lock) -> BoxFuture<'_, i32> {
+                Box::pin(async move {
+                    $sqlx::query_scalar("SELECT pg_backend_pid()")
+                        .fetch_one(l.conn_mut())
+                        .await
+                        .expect("pid")
+                })
+            }
+
+            #[track_caller]
+            fn xact_pid(
+                pool: &Self::Pool,
+                key: LockKey,
+                timeout: Duration,
+                ran: Arc<AtomicUsize>,
+            ) -> BoxFuture<'_, Result<i32, Error>> {
+                Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
+                    Box::pin(async move {
+                        ran.fetch_add(1, Ordering::AcqRel);
+                        let pid = $sqlx::query_scalar("SELECT pg_backend_pid()")
+                            .fetch_one(tx)
+                            .await
+                            .map_err(|e| Error::Sqlx(Box::new(e)))?;
+                        Ok::<_, Error>(pid)
+                    })
+                }))
+            }
+
+            #[track_caller]
+            fn migrate<'p>(
+                pool: &'p Self::Pool,
+                name: &'static str,
+                timeout: Duration,
+                ran: Arc<AtomicUsize>,
+            ) -> BoxFuture<'p, Result<bool, Error>> {
+                let done = pool.migrate_once(name, timeout, move |tx| {
+                    Box::pin(async move {
+                        ran.fetch_add(1, Ordering::AcqRel);
+                        $sqlx::query("CREATE TABLE made (x int)")
+                            .execute(tx)
+                            .await
+                            .map_err(|e| Error::Sqlx(Box::new(e)))?;
+                        Ok::<_, Error>(())
+                    })
+                });
+                Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
             }
         }
     };

@@ -183,3 +183,35 @@ pub fn lanes(pool: &Pool) -> HashMap<String, usize> {
         .map(|l| (l.lane.to_string(), l.in_use))
         .collect()
 }
+
+/// The backend that waits on the server for advisory lock `objid`, if any.
+pub async fn lock_waiter(raw: &Client, objid: i64) -> Option<i32> {
+    raw.query_opt(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = $1::bigint::oid AND NOT granted",
+        &[&objid],
+    )
+    .await
+    .unwrap()
+    .map(|r| r.get(0))
+}
+
+/// Drives `fut` until its lock statement waits on the server for `objid`,
+/// then drops it (cancelled while waiting: an event, not a clock), and
+/// returns the waiting backend's pid; `None` when `fut` finished first.
+pub async fn cancel_once_waiting<F: std::future::Future>(
+    raw: &Client,
+    objid: i64,
+    fut: F,
+) -> Option<i32> {
+    tokio::select! {
+        _ = fut => None,
+        pid = async {
+            loop {
+                if let Some(pid) = lock_waiter(raw, objid).await {
+                    break pid;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        } => Some(pid),
+    }
+}

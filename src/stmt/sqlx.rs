@@ -1,0 +1,545 @@
+//! The statement layer on sqlx, one source for sqlx 0.8 and 0.9
+//! (`super::dep` is the sqlx in use; `super` holds the shims where their
+//! APIs differ: how a statement's text is handed over, which method of
+//! [`Value`] reads a column).
+//!
+//! sqlx runs a statement on `&mut PgConnection`; [`Exec`] takes `&self`
+//! (the layers above hand one connection to several statements of one
+//! task, and read several connections at once). [`On`] holds the
+//! connection (or the transaction) in an async mutex: a statement locks it
+//! for its own round trip, and a statement's future dropped half-way lets
+//! it go with it (no std lock is held across an await). The mutex is never
+//! contended in pgwarden's use, so its cost is an atomic pair per
+//! statement.
+//!
+//! - `Sent::Prepared` is sqlx's persistent statement (cached per
+//!   connection by sqlx), `Sent::Unnamed` a non-persistent one (parsed
+//!   every time: what works behind a transaction pooler).
+//! - `batch` is the simple-query protocol (`raw_sql`).
+//! - Columns decode through sqlx's own `Decode`, but for `oid` (sqlx's
+//!   `Oid`) and `timestamptz` (sqlx has no `SystemTime`; the binary value,
+//!   microseconds since 2000-01-01 UTC, is read here: no chrono or time
+//!   feature forced on the adopter).
+//! - An error keeps sqlx's own `Error` (boxed in `SqlError::Sqlx`), whose
+//!   SQLSTATE `SqlError::code` reads.
+
+use std::ops::DerefMut;
+use std::time::{Duration, SystemTime};
+
+use super::dep;
+use super::dep::postgres::{PgArguments, PgConnection, PgRow, PgValueFormat};
+use super::dep::{Row as _, TypeInfo as _, ValueRef as _};
+use crate::stmt::{Conn, Exec, Param, Row, Sent, SqlError, Tx, Value};
+
+/// A sqlx connection (`&mut PgConnection`) or transaction
+/// (`sqlx::Transaction`), as the statement layer runs statements on it.
+/// `pub` only because the sqlx `Source` names it; not reachable from
+/// outside the crate.
+#[allow(unreachable_pub)]
+pub struct On<C>(tokio::sync::Mutex<C>);
+
+impl<'c> On<&'c mut PgConnection> {
+    /// Statements on `conn`.
+    pub(crate) fn new(conn: &'c mut PgConnection) -> Self {
+        On(tokio::sync::Mutex::new(conn))
+    }
+}
+
+/// A transaction of [`On`]: dropped without [`Tx::commit`], sqlx rolls it
+/// back before the connection's next statement.
+pub(crate) type OnTx<'c> = On<dep::Transaction<'c, dep::Postgres>>;
+
+impl<C> std::fmt::Debug for On<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("On(sqlx connection)")
+    }
+}
+
+impl<C> On<C> {
+    /// The connection (or transaction) inside, for the caller's own
+    /// statements.
+    pub(crate) fn get_mut(&mut self) -> &mut C {
+        self.0.get_mut()
+    }
+}
+
+impl From<dep::Error> for SqlError {
+    fn from(e: dep::Error) -> SqlError {
+        SqlError::Sqlx(Box::new(e))
+    }
+}
+
+type Query<'q> = dep::query::Query<'q, dep::Postgres, PgArguments>;
+
+/// `text` with `params` bound, persistent (a named prepared statement,
+/// cached by sqlx per connection) when `how` is [`Sent::Prepared`].
+fn statement<'q>(text: &'q str, params: &'q [Param<'q>], how: Sent) -> Query<'q> {
+    let q = dep::query(super::text(text)).persistent(how == Sent::Prepared);
+    params.iter().fold(q, |q, p| match *p {
+        Param::Int4(v) => q.bind(v),
+        Param::Int8(v) => q.bind(v),
+        Param::Float8(v) => q.bind(v),
+        Param::Text(v) => q.bind(v),
+        Param::OptText(v) => q.bind(v),
+        Param::Texts(v) => q.bind(v),
+        Param::Strings(v) => q.bind(v),
+        Param::Int8s(v) => q.bind(v),
+        Param::Float8s(v) => q.bind(v),
+    })
+}
+
+impl<C> Exec for On<C>
+where
+    C: DerefMut<Target = PgConnection> + Send + Sync,
+{
+    type Row = PgRow;
+
+    async fn query<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+        how: Sent,
+    ) -> Result<Vec<PgRow>, SqlError> {
+        let mut c = self.0.lock().await;
+        Ok(statement(text, params, how).fetch_all(&mut **c).await?)
+    }
+
+    async fn execute<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+        how: Sent,
+    ) -> Result<u64, SqlError> {
+        let mut c = self.0.lock().await;
+        let done = statement(text, params, how).execute(&mut **c).await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn query_one<'a>(
+        &'a self,
+        text: &'a str,
+        params: &'a [Param<'a>],
+    ) -> Result<PgRow, SqlError> {
+        let mut c = self.0.lock().await;
+        Ok(statement(text, params, Sent::Unnamed)
+            .fetch_one(&mut **c)
+            .await?)
+    }
+
+    async fn batch<'a>(&'a self, text: &'a str) -> Result<(), SqlError> {
+        let mut c = self.0.lock().await;
+        // Through `Executor` (a boxed future): `RawSql::execute`'s own
+        // future is not provably `Send` in an async trait method.
+        let c: &mut PgConnection = &mut c;
+        dep::Executor::execute(c, dep::raw_sql(super::text(text))).await?;
+        Ok(())
+    }
+}
+
+impl Conn for On<&mut PgConnection> {
+    type Tx<'t>
+        = OnTx<'t>
+    where
+        Self: 't;
+
+    async fn begin(&mut self) -> Result<OnTx<'_>, SqlError> {
+        let conn: &mut PgConnection = self.0.get_mut();
+        Ok(On(tokio::sync::Mutex::new(
+            dep::Connection::begin(conn).await?,
+        )))
+    }
+
+    async fn begin_read_committed(&mut self) -> Result<OnTx<'_>, SqlError> {
+        let conn: &mut PgConnection = self.0.get_mut();
+        let begin = "BEGIN ISOLATION LEVEL READ COMMITTED";
+        Ok(On(tokio::sync::Mutex::new(
+            dep::Connection::begin_with(conn, begin).await?,
+        )))
+    }
+}
+
+impl Tx for OnTx<'_> {
+    async fn commit(self) -> Result<(), SqlError> {
+        Ok(self.0.into_inner().commit().await?)
+    }
+
+    async fn rollback(self) -> Result<(), SqlError> {
+        Ok(self.0.into_inner().rollback().await?)
+    }
+}
+
+impl Row for PgRow {
+    fn col<T: Value>(&self, i: usize) -> Result<T, SqlError> {
+        super::value(self, i)
+    }
+}
+
+/// A column's value as sqlx reads it: what [`Value`]'s sqlx method calls.
+pub(crate) trait Col: Sized {
+    /// Column `i` of `row`.
+    fn col(row: &PgRow, i: usize) -> Result<Self, SqlError>;
+}
+
+/// [`Col`] through sqlx's own `Decode`, for `T` and `Option<T>`.
+macro_rules! decoded {
+    ($($t:ty),* $(,)?) => {$(
+        impl Col for $t {
+            fn col(row: &PgRow, i: usize) -> Result<Self, SqlError> {
+                Ok(row.try_get(i)?)
+            }
+        }
+        impl Col for Option<$t> {
+            fn col(row: &PgRow, i: usize) -> Result<Self, SqlError> {
+                Ok(row.try_get(i)?)
+            }
+        }
+    )*};
+}
+
+decoded!(bool, i16, i32, i64, f64, String, Vec<String>, Vec<i32>);
+
+impl Col for Option<u32> {
+    fn col(row: &PgRow, i: usize) -> Result<Self, SqlError> {
+        let oid: Option<dep::postgres::types::Oid> = row.try_get(i)?;
+        Ok(oid.map(|o| o.0))
+    }
+}
+
+impl Col for u32 {
+    fn col(row: &PgRow, i: usize) -> Result<Self, SqlError> {
+        Option::<u32>::col(row, i)?.ok_or_else(|| undecodable(i, "NULL where an oid is expected"))
+    }
+}
+
+/// 2000-01-01 00:00:00 UTC, PostgreSQL's epoch, in Unix seconds.
+const PG_EPOCH: u64 = 946_684_800;
+
+impl Col for Option<SystemTime> {
+    /// The binary `timestamptz`: microseconds since 2000-01-01 UTC (an
+    /// `int8`, big-endian); `infinity` and `-infinity` do not decode.
+    fn col(row: &PgRow, i: usize) -> Result<Self, SqlError> {
+        let v = row.try_get_raw(i)?;
+        if v.is_null() {
+            return Ok(None);
+        }
+        if v.type_info().name() != "TIMESTAMPTZ" || v.format() != PgValueFormat::Binary {
+            return Err(undecodable(i, "not a binary timestamptz"));
+        }
+        let bytes: [u8; 8] = v
+            .as_bytes()
+            .ok()
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| undecodable(i, "a timestamptz of other than 8 bytes"))?;
+        let micros = i64::from_be_bytes(bytes);
+        let epoch = SystemTime::UNIX_EPOCH + Duration::from_secs(PG_EPOCH);
+        let off = Duration::from_micros(micros.unsigned_abs());
+        let t = match micros {
+            i64::MAX | i64::MIN => None,
+            m if m >= 0 => epoch.checked_add(off),
+            _ => epoch.checked_sub(off),
+        };
+        t.map(Some)
+            .ok_or_else(|| undecodable(i, "an infinite or out-of-range timestamptz"))
+    }
+}
+
+impl Col for SystemTime {
+    fn col(row: &PgRow, i: usize) -> Result<Self, SqlError> {
+        Option::<SystemTime>::col(row, i)?
+            .ok_or_else(|| undecodable(i, "NULL where a timestamptz is expected"))
+    }
+}
+
+/// sqlx's own error for a column that does not decode.
+fn undecodable(i: usize, why: &'static str) -> SqlError {
+    SqlError::from(dep::Error::ColumnDecode {
+        index: i.to_string(),
+        source: why.into(),
+    })
+}
+
+/// The sqlx statement backend against a real PostgreSQL (compiled once per
+/// sqlx version): every parameter type bound, every column type read
+/// (NULLs, wrong types and out-of-range columns are errors, never
+/// panics), prepared against unnamed statements as the server lists them,
+/// the SQLSTATE kept through `crate::Error`, transactions committed or
+/// rolled back on drop, the simple-query batch, and a checkout of a
+/// pgwarden sqlx pool reached through `Client::exec`.
+#[cfg(test)]
+mod tests {
+    use std::panic::Location;
+    use std::time::{Duration, SystemTime};
+
+    use pgwarden_testing::{TestDb, TestServer};
+
+    use super::{dep, On};
+    use crate::admission::Lane;
+    use crate::stmt::{Conn, Exec, Param, Row, Sent, SqlError, Tx};
+
+    async fn db() -> TestDb {
+        TestServer::shared()
+            .unwrap()
+            .create_database()
+            .await
+            .unwrap()
+    }
+
+    fn options(db: &TestDb) -> dep::postgres::PgConnectOptions {
+        let cfg = db.pg_config();
+        let mut o = dep::postgres::PgConnectOptions::new_without_pgpass()
+            .port(cfg.get_ports().first().copied().unwrap_or(5432))
+            .username(cfg.get_user().unwrap_or("postgres"))
+            .database(cfg.get_dbname().unwrap_or("postgres"));
+        match cfg.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Unix(p)) => o = o.socket(p),
+            Some(tokio_postgres::config::Host::Tcp(h)) => o = o.host(h),
+            None => {}
+        }
+        o
+    }
+
+    async fn connect(db: &TestDb) -> dep::PgConnection {
+        <dep::PgConnection as dep::Connection>::connect_with(&options(db))
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn every_param_binds_and_every_value_reads() {
+        let db = db().await;
+        let mut conn = connect(&db).await;
+        let c = On::new(&mut conn);
+        let texts = ["a", "b"];
+        let strings = vec!["c".to_owned()];
+        let params = [
+            Param::Int4(-7),
+            Param::Int8(1 << 40),
+            Param::Float8(1.5),
+            Param::Text("x"),
+            Param::OptText(None),
+            Param::Texts(&texts),
+            Param::Strings(&strings),
+            Param::Int8s(&[1, 2]),
+            Param::Float8s(&[0.5]),
+        ];
+        for how in [Sent::Prepared, Sent::Unnamed] {
+            let rows = c
+            .query(
+                "SELECT $1::int4, $2::int8, $3::float8, $4::text, $5::text, $6::text[], \
+                        $7::text[], $8::int8[] = ARRAY[1, 2]::int8[], $9::float8[] = ARRAY[0.5]::float8[], \
+                        2::int2, 'pg_class'::regclass::oid, ARRAY[3, 4]::int4[], NULL::int4",
+                &params,
+                how,
+            )
+            .await
+            .unwrap();
+            let r = &rows[0];
+            assert_eq!(r.col::<i32>(0).unwrap(), -7);
+            assert_eq!(r.col::<i64>(1).unwrap(), 1 << 40);
+            assert_eq!(r.col::<f64>(2).unwrap(), 1.5);
+            assert_eq!(r.col::<String>(3).unwrap(), "x");
+            assert_eq!(r.col::<Option<String>>(4).unwrap(), None);
+            assert_eq!(r.col::<Vec<String>>(5).unwrap(), ["a", "b"]);
+            assert_eq!(r.col::<Vec<String>>(6).unwrap(), ["c"]);
+            assert!(r.col::<bool>(7).unwrap());
+            assert!(r.col::<bool>(8).unwrap());
+            assert_eq!(r.col::<i16>(9).unwrap(), 2);
+            assert_eq!(r.col::<u32>(10).unwrap(), 1259, "pg_class's oid");
+            assert_eq!(r.col::<Vec<i32>>(11).unwrap(), [3, 4]);
+            assert_eq!(r.col::<Option<i32>>(12).unwrap(), None);
+            // Errors, never panics: NULL into a plain type, another type, a
+            // column that is not there.
+            assert!(r.col::<i32>(12).is_err());
+            assert!(r.col::<u32>(12).is_err());
+            assert!(r.col::<i32>(3).is_err());
+            assert!(r.col::<SystemTime>(0).is_err());
+            assert!(r.col::<i32>(99).is_err());
+        }
+    }
+
+    #[tokio::test]
+    async fn timestamptz_decodes_from_its_binary_value() {
+        let db = db().await;
+        let mut conn = connect(&db).await;
+        let c = On::new(&mut conn);
+        let r = c
+            .query_one(
+                "SELECT '2024-01-02 03:04:05.123456+00'::timestamptz, \
+                    '1969-12-31 23:59:59.5+00'::timestamptz, \
+                    '2000-01-01 00:00:00+00'::timestamptz, NULL::timestamptz, \
+                    'infinity'::timestamptz, '-infinity'::timestamptz, now(), \
+                    extract(epoch FROM now())::float8",
+                &[],
+            )
+            .await
+            .unwrap();
+        let at = |secs: u64, micros: u64| {
+            SystemTime::UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_micros(micros)
+        };
+        assert_eq!(r.col::<SystemTime>(0).unwrap(), at(1_704_164_645, 123_456));
+        assert_eq!(
+            r.col::<SystemTime>(1).unwrap(),
+            SystemTime::UNIX_EPOCH - Duration::from_millis(500)
+        );
+        assert_eq!(r.col::<SystemTime>(2).unwrap(), at(946_684_800, 0));
+        assert_eq!(r.col::<Option<SystemTime>>(3).unwrap(), None);
+        assert!(r.col::<SystemTime>(3).is_err());
+        assert!(r.col::<SystemTime>(4).is_err(), "infinity");
+        assert!(r.col::<SystemTime>(5).is_err(), "-infinity");
+        let now = r.col::<SystemTime>(6).unwrap();
+        let epoch = r.col::<f64>(7).unwrap();
+        let secs = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        assert!((secs - epoch).abs() < 1e-5, "{secs} against {epoch}");
+    }
+
+    #[tokio::test]
+    async fn prepared_statements_are_kept_unnamed_ones_are_not() {
+        let db = db().await;
+        let mut conn = connect(&db).await;
+        let c = On::new(&mut conn);
+        let listed = |text: &'static str| {
+            let c = &c;
+            async move {
+                c.query_one(
+                    "SELECT count(*) FROM pg_prepared_statements WHERE statement = $1",
+                    &[Param::Text(text)],
+                )
+                .await
+                .unwrap()
+                .col::<i64>(0)
+                .unwrap()
+            }
+        };
+        const PREPARED: &str = "SELECT 1 + $1::int4";
+        const UNNAMED: &str = "SELECT 2 + $1::int4";
+        for _ in 0..2 {
+            c.query(PREPARED, &[Param::Int4(1)], Sent::Prepared)
+                .await
+                .unwrap();
+            c.execute(UNNAMED, &[Param::Int4(1)], Sent::Unnamed)
+                .await
+                .unwrap();
+        }
+        assert_eq!(listed(PREPARED).await, 1, "prepared once, kept");
+        assert_eq!(listed(UNNAMED).await, 0);
+    }
+
+    #[tokio::test]
+    async fn errors_keep_their_sqlstate_through_the_crate_error() {
+        let db = db().await;
+        let mut conn = connect(&db).await;
+        let c = On::new(&mut conn);
+        let e = c.query_one("SELECT 1 / $1::int4", &[Param::Int4(0)]).await;
+        let e = e.err().unwrap();
+        assert_eq!(e.code(), Some("22012"));
+        let e = crate::Error::from(e);
+        assert_eq!(e.sqlstate(), Some("22012"));
+        assert!(e.to_string().starts_with("database error 22012: "), "{e}");
+        // sqlx's own error inside.
+        let crate::Error::Sqlx(inner) = e else {
+            panic!("a sqlx error")
+        };
+        assert!(inner.downcast::<dep::Error>().is_ok());
+        // query_one on no row: sqlx's error, no SQLSTATE.
+        let e = c
+            .query_one("SELECT 1 WHERE false", &[])
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(e.code(), None);
+        // 55P03 is a lock timeout for the crate's error too.
+        c.batch("SET lock_timeout = '1ms'").await.unwrap();
+        let e = c
+            .batch("DO $$ BEGIN RAISE EXCEPTION 'x' USING ERRCODE = '55P03'; END $$")
+            .await
+            .err()
+            .unwrap();
+        assert!(e.is(crate::stmt::code::LOCK_NOT_AVAILABLE));
+        assert!(crate::Error::from(e).is_lock_timeout());
+    }
+
+    #[tokio::test]
+    async fn transactions_commit_or_roll_back_on_drop_and_batches_run() {
+        let db = db().await;
+        let mut conn = connect(&db).await;
+        let mut c = On::new(&mut conn);
+        c.batch("CREATE TABLE t (x int); INSERT INTO t VALUES (1)")
+            .await
+            .unwrap();
+        {
+            let tx = c.begin().await.unwrap();
+            let n = tx
+                .execute(
+                    "INSERT INTO t VALUES ($1), ($1)",
+                    &[Param::Int4(2)],
+                    Sent::Unnamed,
+                )
+                .await
+                .unwrap();
+            assert_eq!(n, 2);
+            // Dropped: rolled back.
+        }
+        assert_eq!(count(&c).await, 1);
+        let tx = c.begin().await.unwrap();
+        tx.execute("UPDATE t SET x = $1", &[Param::Int4(5)], Sent::Prepared)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(count(&c).await, 1);
+        let r = c
+            .query_one("SELECT x FROM t", &[])
+            .await
+            .unwrap()
+            .col::<i32>(0)
+            .unwrap();
+        assert_eq!(r, 5);
+        // A statement's future dropped half-way: the connection goes on (sqlx
+        // drains the answer first), the mutex is free.
+        let slow = c.query("SELECT pg_sleep(5)", &[], Sent::Unnamed);
+        assert!(tokio::time::timeout(Duration::from_millis(50), slow)
+            .await
+            .is_err());
+        let e: Result<Vec<dep::postgres::PgRow>, SqlError> = tokio::time::timeout(
+            Duration::from_secs(30),
+            c.query("SELECT 1", &[], Sent::Unnamed),
+        )
+        .await
+        .unwrap();
+        assert!(e.is_ok());
+    }
+
+    async fn count(c: &impl Exec) -> i64 {
+        c.query_one("SELECT count(*) FROM t", &[])
+            .await
+            .unwrap()
+            .col::<i64>(0)
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_pool_checkout_runs_statements_through_client_exec() {
+        let db = db().await;
+        let pg = dep::postgres::PgPoolOptions::new()
+            .max_connections(3)
+            .connect_lazy_with(options(&db));
+        let (shared, _) = crate::pool::PoolBuilder::new(pg)
+            .name("stmt-sqlx")
+            .build_shared()
+            .unwrap();
+        let mut client = shared
+            .checkout(Lane::Request, Location::caller(), Duration::from_secs(30))
+            .await
+            .unwrap();
+        let pid = client.pid();
+        let on = client.exec();
+        let r = on.query_one("SELECT pg_backend_pid()", &[]).await.unwrap();
+        assert_eq!(r.col::<i32>(0).unwrap(), pid);
+        let mut on = client.exec();
+        let tx = on.begin().await.unwrap();
+        tx.batch("SELECT 1").await.unwrap();
+        tx.commit().await.unwrap();
+    }
+}
