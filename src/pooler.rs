@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub(crate) use probe::{backend_pid, Detection, Motion, MOTION_STATEMENTS};
+pub(crate) use probe::{backend_pid, Announced, Detection, Motion, MOTION_STATEMENTS};
 
 use crate::admission::Lane;
 use crate::error::{Error, LockError};
-use crate::pool::{Pool, PoolBuilder};
+use crate::pool::{Client, Pool, PoolBuilder, Shared, Source};
 use tokio::sync::OnceCell;
 
 /// How the pool reaches PostgreSQL.
@@ -60,15 +60,15 @@ struct Found {
     moved: AtomicBool,
 }
 
-fn configured(pool: &Pool) -> PoolerMode {
-    pool.shared.ext.get::<Configured>().0
+fn configured<B: Source>(pool: &Shared<B>) -> PoolerMode {
+    pool.ext.get::<Configured>().0
 }
 
-fn found(pool: &Pool) -> Arc<Found> {
-    pool.shared.ext.get::<Found>()
+fn found<B: Source>(pool: &Shared<B>) -> Arc<Found> {
+    pool.ext.get::<Found>()
 }
 
-impl PoolBuilder {
+impl<B: Source> PoolBuilder<B> {
     /// Whether the pool talks through a transaction-mode pooler: behind one
     /// ([`PoolerMode::Transaction`]) session locks are refused. Default:
     /// [`PoolerMode::Auto`], detected at the first session lock or by
@@ -89,13 +89,13 @@ impl PoolBuilder {
 impl Pool {
     /// What the pool knows now ([`mode`]).
     pub(crate) fn pooler(&self) -> PoolerMode {
-        mode(self)
+        mode(&self.shared)
     }
 }
 
 /// What the pool knows: the configured mode, or the detected one once
 /// detection ran; [`PoolerMode::Auto`] before that.
-pub(crate) fn mode(pool: &Pool) -> PoolerMode {
+pub(crate) fn mode<B: Source>(pool: &Shared<B>) -> PoolerMode {
     match configured(pool) {
         PoolerMode::Auto => detected(pool).map_or(PoolerMode::Auto, Detection::pooler),
         p => p,
@@ -104,22 +104,25 @@ pub(crate) fn mode(pool: &Pool) -> PoolerMode {
 
 /// Detects, once per pool, whether it talks through a transaction pooler
 /// ([`Pool::detect_pooler`]).
-pub(crate) async fn detect(
-    pool: &Pool,
+pub(crate) async fn detect<B: Source>(
+    pool: &Arc<Shared<B>>,
     site: &'static Location<'static>,
-) -> Result<PoolerMode, Error> {
+) -> Result<PoolerMode, Error>
+where
+    B::Conn: Announced,
+{
     let configured = configured(pool);
     if configured != PoolerMode::Auto {
         return Ok(configured);
     }
-    let timeout = pool.shared.opts.wait_timeout;
+    let timeout = pool.opts.wait_timeout;
     found(pool)
         .detection
         .get_or_try_init(|| async {
             let start = Instant::now();
-            let a = pool.checkout(Lane::Control, site, timeout).await?;
+            let mut a = pool.checkout(Lane::Control, site, timeout).await?;
             let left = timeout.saturating_sub(start.elapsed());
-            run(pool, &a, Lane::Request, site, left)
+            run(pool, &mut a, Lane::Request, site, left)
                 .await
                 .map(|d| remember(pool, d))
         })
@@ -127,9 +130,9 @@ pub(crate) async fn detect(
     Ok(mode(pool))
 }
 
-fn remember(pool: &Pool, found: Detection) -> Detection {
+fn remember<B: Source>(pool: &Shared<B>, found: Detection) -> Detection {
     tracing::info!(
-        pool = %pool.shared.name,
+        pool = %pool.name,
         pooler = ?found.pooler(),
         proxied = found.proxied,
         statements = found.statements,
@@ -140,7 +143,7 @@ fn remember(pool: &Pool, found: Detection) -> Detection {
 
 /// What detection found, once it ran; a transaction pooler once a session
 /// lock's own check proved one.
-fn detected(pool: &Pool) -> Option<Detection> {
+fn detected<B: Source>(pool: &Shared<B>) -> Option<Detection> {
     let f = found(pool);
     let found = f.detection.get().copied()?;
     let moved = f.moved.load(Ordering::Acquire);
@@ -164,7 +167,7 @@ impl Detection {
 /// [`PoolerMode::Direct`], or detected straight to PostgreSQL (the announced pid
 /// matched). Through a proxy whose mode is unproven, false: named prepared
 /// statements, which a transaction pooler breaks, are not to be used.
-pub(crate) fn keeps_sessions(pool: &Pool) -> bool {
+pub(crate) fn keeps_sessions<B: Source>(pool: &Shared<B>) -> bool {
     match configured(pool) {
         PoolerMode::Direct => true,
         PoolerMode::Transaction => false,
@@ -174,10 +177,10 @@ pub(crate) fn keeps_sessions(pool: &Pool) -> bool {
 
 /// A session lock's check found that the pool's connections move between
 /// server sessions: a transaction pooler, from now on.
-pub(crate) fn proven_by_lock(pool: &Pool) {
+pub(crate) fn proven_by_lock<B: Source>(pool: &Shared<B>) {
     if !found(pool).moved.swap(true, Ordering::AcqRel) {
         tracing::warn!(
-            pool = %pool.shared.name,
+            pool = %pool.name,
             "a session lock's own check found a transaction pooler that detection missed: \
              session locks are refused from now on"
         );
@@ -186,7 +189,7 @@ pub(crate) fn proven_by_lock(pool: &Pool) {
 
 /// Why session locks are refused, when the pool is configured behind a
 /// transaction pooler, or was detected so: `"configured"` or `"detected"`.
-pub(crate) fn behind_pooler(pool: &Pool) -> Option<&'static str> {
+pub(crate) fn behind_pooler<B: Source>(pool: &Shared<B>) -> Option<&'static str> {
     match (configured(pool), detected(pool)) {
         (PoolerMode::Transaction, _) => Some("configured"),
         (PoolerMode::Auto, Some(d)) if d.transaction => Some("detected"),
@@ -199,12 +202,15 @@ pub(crate) fn behind_pooler(pool: &Pool) -> Option<&'static str> {
 /// behind a transaction pooler. `Ok(true)`: allowed, through a proxy whose
 /// mode is unproven, so the lock must be checked on its own connection once
 /// taken.
-pub(crate) async fn ensure_direct(
-    pool: &Pool,
-    lock_conn: &tokio_postgres::Client,
+pub(crate) async fn ensure_direct<B: Source>(
+    pool: &Arc<Shared<B>>,
+    lock_conn: &mut Client<B>,
     site: &'static Location<'static>,
     timeout: Duration,
-) -> Result<bool, Error> {
+) -> Result<bool, Error>
+where
+    B::Conn: Announced,
+{
     if let Some(how) = behind_pooler(pool) {
         return Err(Error::Lock(LockError::BehindPooler { how }));
     }
@@ -230,14 +236,19 @@ pub(crate) async fn ensure_direct(
 /// connection of `lane`, held at the same time, when the pool can hold two
 /// outside the probe reserve (a pool of 2 cannot: the mode stays unproven,
 /// and nothing waits for a connection that cannot come).
-async fn run(
-    pool: &Pool,
-    a: &tokio_postgres::Client,
+async fn run<B: Source>(
+    pool: &Arc<Shared<B>>,
+    a: &mut Client<B>,
     lane: Lane,
     site: &'static Location<'static>,
     timeout: Duration,
-) -> Result<Detection, Error> {
-    let a_pid = match probe::direct(a).await? {
+) -> Result<Detection, Error>
+where
+    B::Conn: Announced,
+{
+    let announced = a.announced_pid();
+    let a = a.exec();
+    let a_pid = match probe::direct(&a, announced).await? {
         Ok(direct) => return Ok(direct),
         Err(pid) => pid,
     };
@@ -245,6 +256,7 @@ async fn run(
     if status.max.saturating_sub(status.lane(Lane::Probe).reserved) < 2 {
         return Ok(probe::unproven());
     }
-    let b = pool.checkout(lane, site, timeout).await?;
-    probe::motion(a, a_pid, &b).await
+    let mut b = pool.checkout(lane, site, timeout).await?;
+    let b = b.exec();
+    probe::motion(&a, a_pid, &b).await
 }

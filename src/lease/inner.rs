@@ -381,7 +381,8 @@ impl Inner {
     /// Named prepared statements only on a connection known to be direct,
     /// and never again after the server refused one.
     pub(crate) fn named(&self) -> bool {
-        !self.unnamed_only.load(Ordering::Relaxed) && crate::pooler::keeps_sessions(&self.pool)
+        !self.unnamed_only.load(Ordering::Relaxed)
+            && crate::pooler::keeps_sessions(&self.pool.shared)
     }
 
     /// Runs `stmt` within `budget`, checkout included. See the module docs.

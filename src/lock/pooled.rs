@@ -126,7 +126,7 @@ impl Check {
         match tokio::time::timeout(timeout.saturating_sub(start.elapsed()), probe).await {
             Ok(Ok(false)) => Ok(Check { other, motion }),
             Ok(Ok(true)) => {
-                crate::pooler::proven_by_lock(pool);
+                crate::pooler::proven_by_lock(&pool.shared);
                 Err(Error::Lock(LockError::BehindPooler {
                     how: "detected at the lock",
                 }))
@@ -154,7 +154,7 @@ impl Check {
         if !self.motion.observe(0, held_on) {
             return Ok(());
         }
-        crate::pooler::proven_by_lock(pool);
+        crate::pooler::proven_by_lock(&pool.shared);
         let bound = super::unlock_timeout(pool);
         if reach(&[on(lock_conn), on(&self.other)], held_on, key, mode, bound).await {
             Err(Error::Lock(LockError::BehindPooler {

@@ -188,19 +188,23 @@ pub(crate) async fn acquire(
     site: &'static Location<'static>,
 ) -> Result<Option<SessionLock>, Error> {
     let start = Instant::now();
-    if let Some(how) = crate::pooler::behind_pooler(pool) {
+    if let Some(how) = crate::pooler::behind_pooler(&pool.shared) {
         return Err(Error::Lock(LockError::BehindPooler { how }));
     }
     let bound = wait.unwrap_or(pool.shared.opts.wait_timeout);
     // A wait covers the budget too: while other locks hold it, wait in
     // FIFO order (holding no connection) for one to come back.
-    let conn = match wait {
+    let mut conn = match wait {
         Some(_) => pool.checkout_waiting_for_budget(site, bound).await?,
         None => pool.checkout(Lane::SessionLock, site, bound).await?,
     };
-    let check =
-        crate::pooler::ensure_direct(pool, &conn, site, bound.saturating_sub(start.elapsed()))
-            .await?;
+    let check = crate::pooler::ensure_direct(
+        &pool.shared,
+        &mut conn,
+        site,
+        bound.saturating_sub(start.elapsed()),
+    )
+    .await?;
     let check = match check {
         // Through a proxy whose mode detection could not prove: check on the
         // lock's own connection, before and after the lock statement.

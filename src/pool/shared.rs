@@ -372,13 +372,15 @@ pub(crate) type Pass = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
 /// task, every [`Periodic::every`], each pass bounded by the pool's wait
 /// timeout plus `min(every, 30 s)`, a panic caught, logged and counted like a
 /// housekeeping panic.
-pub(crate) trait Periodic: fmt::Debug + Send + Sync + 'static {
+pub(crate) trait Periodic<B: Source = deadpool_postgres::Pool>:
+    fmt::Debug + Send + Sync + 'static
+{
     /// Its name in logs (`"census"`); one hook per name.
     fn name(&self) -> &'static str;
     /// How often it runs.
     fn every(&self) -> Duration;
-    /// One pass.
-    fn pass(&self, pool: Pool) -> Pass;
+    /// One pass, on the pool's shared state.
+    fn pass(&self, pool: Arc<Shared<B>>) -> Pass;
 }
 
 // --- the pool's name -------------------------------------------------------

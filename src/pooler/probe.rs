@@ -110,9 +110,12 @@ pub(crate) async fn backend_pid(c: &impl Exec) -> Result<i32, Error> {
 /// against the pid announced at connection start. `Ok(Ok(detection))`:
 /// straight to PostgreSQL, proven; `Ok(Err(pid))`: a proxy is in between,
 /// the client was on backend `pid` (the motion probe goes on from there).
-pub(crate) async fn direct(a: &tokio_postgres::Client) -> Result<Result<Detection, i32>, Error> {
+pub(crate) async fn direct(
+    a: &impl Exec,
+    announced: Option<i32>,
+) -> Result<Result<Detection, i32>, Error> {
     let pid = backend_pid(a).await?;
-    Ok(if announced_pid(a) == Some(pid) {
+    Ok(if announced == Some(pid) {
         Ok(found(false, false, 1))
     } else {
         Err(pid)
@@ -122,12 +125,7 @@ pub(crate) async fn direct(a: &tokio_postgres::Client) -> Result<Result<Detectio
 /// The motion probe, behind a proxy, with two live clients of the pool:
 /// `a` already ran the first step and was on backend `a_pid`. The clients
 /// are left as they were: nothing is set, only `pg_backend_pid()` is asked.
-pub(crate) async fn motion(
-    a: &tokio_postgres::Client,
-    a_pid: i32,
-    b: &tokio_postgres::Client,
-) -> Result<Detection, Error> {
-    let clients = [a, b];
+pub(crate) async fn motion(a: &impl Exec, a_pid: i32, b: &impl Exec) -> Result<Detection, Error> {
     let mut motion = Motion::new(2);
     motion.observe(0, a_pid);
     let mut statements = 1;
@@ -141,7 +139,10 @@ pub(crate) async fn motion(
         // free up in a rhythm (a few busy clients on a small pool) could
         // match a fixed alternation statement for statement.
         let i = usize::from(rand::random::<bool>());
-        let pid = backend_pid(clients[i]).await?;
+        let pid = match i {
+            0 => backend_pid(a).await?,
+            _ => backend_pid(b).await?,
+        };
         statements += 1;
         if motion.observe(i, pid) {
             return Ok(found(true, true, statements));
@@ -162,6 +163,36 @@ fn found(transaction: bool, proxied: bool, statements: usize) -> Detection {
         transaction,
         proxied,
         statements,
+    }
+}
+
+/// A connection that can tell the process id the server announced at its
+/// start (the first signal of detection). sqlx keeps it to itself: its
+/// connections answer `None`, so detection there starts with the motion
+/// probe (and a pool straight to PostgreSQL stays unproven unless
+/// configured `PoolerMode::Direct`).
+pub(crate) trait Announced {
+    /// The pid announced at connection start, when known.
+    fn announced_pid(&self) -> Option<i32>;
+}
+
+impl Announced for deadpool_postgres::Client {
+    fn announced_pid(&self) -> Option<i32> {
+        announced_pid(self)
+    }
+}
+
+#[cfg(feature = "sqlx-0_8")]
+impl Announced for ::sqlx08::PgConnection {
+    fn announced_pid(&self) -> Option<i32> {
+        None
+    }
+}
+
+#[cfg(feature = "sqlx-0_9")]
+impl Announced for ::sqlx09::PgConnection {
+    fn announced_pid(&self) -> Option<i32> {
+        None
     }
 }
 
