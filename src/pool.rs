@@ -54,10 +54,13 @@ pub(crate) use deadline::deadline;
 pub use deadline::Deadline;
 pub(crate) use housekeeping::panic_message;
 #[cfg(feature = "http")]
+pub(crate) use shared::AnyPool;
+#[cfg(feature = "http")]
 pub(crate) use shared::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};
+pub(crate) use source::Source;
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
-pub(crate) use source::{Refused, Source, SourceStatus};
+pub(crate) use source::{Refused, SourceStatus};
 pub(crate) use supervisor::Task;

@@ -81,6 +81,28 @@ pub struct Pool {
     pub(crate) shared: Arc<Shared>,
 }
 
+/// A pgwarden pool of any backend (the deadpool [`Pool`], and with its
+/// features `pgwarden::sqlx::Pool`): what the HTTP services take. Sealed:
+/// not reachable from outside the crate, like [`Source`].
+#[cfg(feature = "http")]
+#[allow(unreachable_pub, private_interfaces)]
+pub trait AnyPool: Clone + Send + Sync + 'static {
+    /// The pool it wraps.
+    type Source: Source;
+    /// Its shared state.
+    fn shared(&self) -> &Arc<Shared<Self::Source>>;
+}
+
+#[cfg(feature = "http")]
+impl AnyPool for Pool {
+    type Source = deadpool_postgres::Pool;
+
+    #[allow(private_interfaces)]
+    fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+}
+
 pub(crate) struct Options {
     pub(crate) wait_timeout: Duration,
     pub(crate) long_hold: Duration,

@@ -286,7 +286,7 @@ impl Source for deadpool_postgres::Pool {
     /// deadpool's `retain`, which sees each idle connection's creation
     /// instant (the identity pgwarden kept with its pid).
     fn close_idle(&self, _: deadpool_postgres::ObjectId, created: Instant) -> Option<bool> {
-        Some(self.retain(|_, m| m.created != created).removed.len() > 0)
+        Some(!self.retain(|_, m| m.created != created).removed.is_empty())
     }
 
     async fn select_1(conn: &mut deadpool_postgres::Client) -> Result<(), Error> {

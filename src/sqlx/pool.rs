@@ -265,6 +265,16 @@ impl fmt::Debug for Pool {
     }
 }
 
+#[cfg(feature = "http")]
+impl crate::pool::AnyPool for Pool {
+    type Source = dep::PgPool;
+
+    #[allow(private_interfaces)]
+    fn shared(&self) -> &Arc<Shared<dep::PgPool>> {
+        &self.shared
+    }
+}
+
 impl PoolBuilder<dep::PgPool> {
     /// Validates every setting and builds the sqlx pool.
     pub fn build(self) -> Result<Pool, BuildError> {
