@@ -31,7 +31,7 @@ macro_rules! dropin {
             const GUARD: Duration = Duration::from_secs(60);
 
             fn build(db: &TestDb, opts: PgPoolOptions, name: &str) -> Pool {
-                Pool::builder(opts.connect_lazy_with(sqlx_options!($sqlx, db)))
+                Pool::builder(opts.connect_lazy_with(sqlx_options!($sqlx, db.pg_config())))
                     .name(format!("{name}-{}", stringify!($version)))
                     .wait_timeout(Duration::from_secs(5))
                     .build()
