@@ -108,6 +108,7 @@ async fn census_sweep_closes_an_idle_connection_holding_a_leaked_lock<B: Backend
     let db = db().await;
     let s = Settings::new("census-sweep", 4).census(Duration::from_millis(50));
     let name = s.pool_name::<B>();
+    let logs = support::logs();
     let (pool, snap) = B::build_recorded(&db, &s);
     let raw = db.connect().await.unwrap();
     let mut a = B::get(&pool).await.unwrap();
@@ -133,6 +134,25 @@ async fn census_sweep_closes_an_idle_connection_holding_a_leaked_lock<B: Backend
     .await;
     for key in [42, 43] {
         assert!(free(&raw, LockKey::Single(key)).await, "lock {key}");
+    }
+    // Each closed in the pass that confirmed it: none left for a later
+    // checkout to find (sqlx: at least one was not the census's own
+    // connection, and was ended on the server).
+    let text = logs.text();
+    let lines: Vec<_> = text
+        .lines()
+        .filter(|l| l.contains(&format!("pool={name} ")) && l.contains("idle in the pool"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    assert!(
+        lines.iter().all(|l| !l.contains("next checkout")),
+        "{lines:#?}"
+    );
+    if B::NAME.starts_with("sqlx") {
+        assert!(
+            lines.iter().any(|l| l.contains("ended on the server")),
+            "{lines:#?}"
+        );
     }
 
     // Three more passes: counted once.
