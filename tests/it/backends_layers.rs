@@ -16,37 +16,18 @@ use metrics_util::debugging::{DebuggingRecorder, Snapshotter};
 use pgwarden::{Lane, LockKey, LockMode, Owner, PoolerMode};
 use pgwarden_testing::{PoolMode, TestServer};
 use support::backend::{settled, Backend, Settings};
-use support::{alive, db, eventually, free, metrics_now};
+use support::{alive, db, eventually, free, metric as get, metrics_now};
 
 /// The guard against a hang: only a wrong behaviour waits it out.
 const GUARD: Duration = Duration::from_secs(60);
 
-/// Adds up what the readings of a debugging recorder show (a reading resets
-/// what it reads) until `done` holds: counters and histogram counts add
-/// up, gauges keep their largest value.
+/// [`support::watch`] within [`GUARD`].
 async fn watch(
     snap: &Snapshotter,
     what: &str,
-    mut done: impl FnMut(&HashMap<String, f64>) -> bool,
+    done: impl FnMut(&HashMap<String, f64>) -> bool,
 ) -> HashMap<String, f64> {
-    let mut seen: HashMap<String, f64> = HashMap::new();
-    eventually(GUARD, what, || {
-        for (k, v) in metrics_now(snap) {
-            let e = seen.entry(k.clone()).or_insert(0.0);
-            if k.contains("_total") || k.contains("_seconds{") {
-                *e += v;
-            } else {
-                *e = e.max(v);
-            }
-        }
-        std::future::ready(done(&seen))
-    })
-    .await;
-    seen
-}
-
-fn get(m: &HashMap<String, f64>, k: &str) -> f64 {
-    m.get(k).copied().unwrap_or(0.0)
+    support::watch(snap, GUARD, what, done).await
 }
 
 backends!(census_lists_a_lock_held_on_a_pooled_connection);

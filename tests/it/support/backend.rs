@@ -286,17 +286,24 @@ impl Backend for Deadpool {
     }
 }
 
+/// A test's [`Settings`] on any backend's builder `$b`, built.
+macro_rules! with_settings {
+    ($b:expr, $s:expr) => {
+        $b.name($s.pool_name::<Self>())
+            .pooler($s.pooler)
+            .census_interval($s.census)
+            .wait_timeout($s.wait)
+            .long_hold_threshold($s.long_hold)
+            .housekeeping_interval($s.housekeeping)
+            .build()
+            .expect("pool")
+    };
+}
+
 impl Deadpool {
     /// The settings on a deadpool builder.
     fn with(b: pgwarden::PoolBuilder, s: &Settings) -> pgwarden::Pool {
-        b.name(s.pool_name::<Self>())
-            .pooler(s.pooler)
-            .census_interval(s.census)
-            .wait_timeout(s.wait)
-            .long_hold_threshold(s.long_hold)
-            .housekeeping_interval(s.housekeeping)
-            .build()
-            .expect("pool")
+        with_settings!(b, s)
     }
 }
 
@@ -404,15 +411,7 @@ macro_rules! sqlx_backend {
                 let pg = $sqlx::postgres::PgPoolOptions::new()
                     .max_connections(s.size as u32)
                     .connect_lazy_with(opts);
-                $($pg)::+::Pool::builder(pg)
-                    .name(s.pool_name::<Self>())
-                    .pooler(s.pooler)
-                    .census_interval(s.census)
-                    .wait_timeout(s.wait)
-                    .long_hold_threshold(s.long_hold)
-                    .housekeeping_interval(s.housekeeping)
-                    .build()
-                    .expect("pool")
+                with_settings!($($pg)::+::Pool::builder(pg), s)
             }
         }
     };
