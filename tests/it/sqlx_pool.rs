@@ -416,6 +416,56 @@ macro_rules! dropin {
                 gate.add_permits(1);
                 settled(&pool).await;
             }
+
+            /// The leak sweep where sqlx hands out idle connections without
+            /// a ping (`test_before_acquire(false)`): the leakers' sessions
+            /// are ended on the server, and the dead connection sqlx keeps
+            /// idle is discarded by pgwarden's checkout (it was marked),
+            /// never handed to the caller: every checkout answers.
+            #[tokio::test]
+            async fn census_sweep_without_test_before_acquire_hands_out_no_dead_connection() {
+                let db = db().await;
+                let logs = support::logs();
+                let name = format!("census-noping-{}", stringify!($version));
+                let opts = PgPoolOptions::new().max_connections(4).test_before_acquire(false);
+                let pool = Pool::builder(opts.connect_lazy_with(sqlx_options!($sqlx, db.pg_config())))
+                    .name(name.clone())
+                    .pooler(pgwarden::PoolerMode::Direct)
+                    .census_interval(Some(Duration::from_millis(50)))
+                    .build()
+                    .unwrap();
+                let raw = db.connect().await.unwrap();
+                let mut a = pool.acquire().await.unwrap();
+                let mut b = pool.acquire().await.unwrap();
+                $sqlx::query("SELECT pg_advisory_lock(52)").execute(&mut *a).await.unwrap();
+                $sqlx::query("SELECT pg_advisory_lock(53)").execute(&mut *b).await.unwrap();
+                let leaked = [a.pid(), b.pid()];
+                drop((a, b));
+                eventually(GUARD, "both leaking sessions ended", || async {
+                    !support::alive(&raw, leaked[0]).await && !support::alive(&raw, leaked[1]).await
+                })
+                .await;
+                // The census's own checkouts cycle through sqlx's idle
+                // queue: the marked dead connection is found and discarded.
+                let field = format!("pool={name}");
+                eventually(GUARD, "the marked connection discarded", || {
+                    std::future::ready(logs.text().lines().any(|l| {
+                        l.split_whitespace().any(|w| w == field)
+                            && l.contains("discarding a pooled connection that held a leaked")
+                    }))
+                })
+                .await;
+                let mut held = Vec::new();
+                for _ in 0..3 {
+                    let mut c = pool.acquire().await.unwrap();
+                    assert!(!leaked.contains(&c.pid()));
+                    let one: i32 = $sqlx::query_scalar("SELECT 1").fetch_one(&mut *c).await.unwrap();
+                    assert_eq!(one, 1);
+                    held.push(c);
+                }
+                drop(held);
+                settled(&pool).await;
+            }
         }
     };
 }
