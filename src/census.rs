@@ -21,7 +21,9 @@
 //!   connection before anyone sees it: every sqlx checkout names its
 //!   connection under that lock), then, if no checkout record holds it,
 //!   ends its session on the server (`pg_terminate_backend`, only while
-//!   that backend is still idle and holds an advisory lock): its locks are
+//!   that backend is still idle, holds an advisory lock, and started
+//!   before the pool first saw the connection, so that a pid the server
+//!   gave to another session since is left alone): its locks are
 //!   gone at once, and sqlx drops the dead connection at its next
 //!   acquire (its ping fails) or pgwarden discards it (marked). A
 //!   connection checked out in the meantime is discarded at its next
@@ -209,12 +211,17 @@ SELECT l.pid, l.classid, l.objid, l.objsubid, l.mode, l.granted, \
    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
  ORDER BY l.pid, l.classid, l.objid, l.objsubid";
 
-/// Ends the session of backend `$1` when it is still idle and holds an
-/// advisory lock (the sqlx sweep: see the module docs).
+/// Ends the session of backend `$1` when it is still idle, holds an
+/// advisory lock, and started at least `$2` seconds ago (before the pool
+/// first saw the connection: a pid the server gave since to another
+/// session, after the pool's connection ended unseen, is left alone). The
+/// sqlx sweep: see the module docs.
 const END_IDLE_SQL: &str = "\
 SELECT pg_terminate_backend(a.pid) \
   FROM pg_stat_activity a \
  WHERE a.pid = $1 AND a.state = 'idle' \
+   AND a.datname = current_database() \
+   AND a.backend_start <= now() - make_interval(secs => $2) \
    AND EXISTS (SELECT 1 FROM pg_locks l \
                 WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted)";
 
@@ -471,7 +478,7 @@ where
                     self.state.lock().tainted.insert(id);
                     "to be discarded at its next checkout"
                 }
-                None => self.end_idle(&mut conn, id, leak.pid).await?,
+                None => self.end_idle(&mut conn, id, created, leak.pid).await?,
             };
             reported.push((leak, how));
         }
@@ -502,12 +509,14 @@ where
 impl<B: Source> Shared<B> {
     /// A leaker the backend cannot close from outside (sqlx): marked never
     /// to be handed out again, then, when no checkout holds it, its session
-    /// ended on the server from the census's own connection `conn` (see
-    /// the module docs). How it was dealt with, for the log line.
+    /// (backend `pid`, first seen by the pool at `seen`) ended on the
+    /// server from the census's own connection `conn` (see the module
+    /// docs). How it was dealt with, for the log line.
     async fn end_idle(
         &self,
         conn: &mut Client<B>,
         id: B::Id,
+        seen: Instant,
         pid: i32,
     ) -> Result<&'static str, Error> {
         let idle = {
@@ -520,7 +529,14 @@ impl<B: Source> Shared<B> {
         }
         let ended = match conn
             .exec()
-            .query(END_IDLE_SQL, &[Param::Int4(pid)], Sent::Unnamed)
+            .query(
+                END_IDLE_SQL,
+                &[
+                    Param::Int4(pid),
+                    Param::Float8(seen.elapsed().as_secs_f64()),
+                ],
+                Sent::Unnamed,
+            )
             .await
         {
             Ok(rows) => rows.first().map(|r| r.col::<bool>(0)).transpose()?,
@@ -536,5 +552,62 @@ impl<B: Source> Shared<B> {
         } else {
             "to be discarded at its next checkout"
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pgwarden_testing::TestServer;
+
+    use super::END_IDLE_SQL;
+    use crate::stmt::{Exec, Param, Row, Sent};
+
+    /// The sqlx sweep's statement ends an idle session holding an advisory
+    /// lock only when that backend started before the pool first saw its
+    /// connection: a session younger than that (a pid given again) is left
+    /// alone, and so is one holding no advisory lock.
+    #[tokio::test]
+    async fn end_idle_spares_a_session_younger_than_the_pools_connection() {
+        let db = TestServer::shared()
+            .unwrap()
+            .create_database()
+            .await
+            .unwrap();
+        let census = db.connect().await.unwrap();
+        let victim = db.connect().await.unwrap();
+        let pid: i32 = victim
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let end = |seen_secs_ago: f64| {
+            let census = &census;
+            async move {
+                let params = [Param::Int4(pid), Param::Float8(seen_secs_ago)];
+                let rows = Exec::query(census, END_IDLE_SQL, &params, Sent::Unnamed)
+                    .await
+                    .unwrap();
+                rows.first().map(|r| r.col::<bool>(0).unwrap())
+            }
+        };
+        // No advisory lock: spared.
+        assert_eq!(end(0.0).await, None);
+        victim
+            .batch_execute("SELECT pg_advisory_lock(61)")
+            .await
+            .unwrap();
+        // The pool saw its connection an hour ago: this session, younger,
+        // is another one on a pid given again: spared.
+        assert_eq!(end(3600.0).await, None);
+        assert!(victim.simple_query("SELECT 1").await.is_ok());
+        // Seen after the session started: ended.
+        assert_eq!(end(0.0).await, Some(true));
+        tokio::time::timeout(std::time::Duration::from_secs(60), async {
+            while victim.simple_query("SELECT 1").await.is_ok() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the session ends");
     }
 }
