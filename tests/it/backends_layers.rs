@@ -87,7 +87,7 @@ backends!(census_sweep_closes_an_idle_connection_holding_a_leaked_lock);
 /// checkout gets a dead connection.
 async fn census_sweep_closes_an_idle_connection_holding_a_leaked_lock<B: Backend>() {
     let db = db().await;
-    let s = Settings::new("census-sweep", 4).census(Duration::from_millis(50));
+    let s = Settings::new("census-sweep", 4).census(Duration::from_millis(200));
     let name = s.pool_name::<B>();
     let logs = support::logs();
     let (pool, snap) = B::build_recorded(&db, &s);
@@ -102,13 +102,12 @@ async fn census_sweep_closes_an_idle_connection_holding_a_leaked_lock<B: Backend
     let leaks = format!("pgwarden_census_leaks_total{{pool={name}}}");
     let m = watch(&snap, "the leaks counted", |m| get(m, &leaks) >= 2.0).await;
     assert_eq!(get(&m, &leaks), 2.0);
-    assert_eq!(
-        get(
-            &m,
-            &format!("pgwarden_census_idle_advisory_locks{{pool={name}}}")
-        ),
-        2.0
-    );
+    // Both in one pass, unless a pass came while one was still on its way
+    // back into the pool (sqlx returns in a task of its own): then it was
+    // checked out, not a leak yet, and the next pass found it.
+    let idle = format!("pgwarden_census_idle_advisory_locks{{pool={name}}}");
+    let one_pass = get(&m, &idle) == 2.0;
+    assert!(get(&m, &idle) >= 1.0);
     eventually(GUARD, "the leaking sessions ended", || async {
         !alive(&raw, leaked[0]).await && !alive(&raw, leaked[1]).await
     })
@@ -117,8 +116,8 @@ async fn census_sweep_closes_an_idle_connection_holding_a_leaked_lock<B: Backend
         assert!(free(&raw, LockKey::Single(key)).await, "lock {key}");
     }
     // Each closed in the pass that confirmed it: none left for a later
-    // checkout to find (sqlx: at least one was not the census's own
-    // connection, and was ended on the server).
+    // checkout to find. Found in one pass, at least one was not the
+    // census's own connection (sqlx: it was ended on the server).
     let text = logs.text();
     let lines: Vec<_> = text
         .lines()
@@ -129,7 +128,7 @@ async fn census_sweep_closes_an_idle_connection_holding_a_leaked_lock<B: Backend
         lines.iter().all(|l| !l.contains("next checkout")),
         "{lines:#?}"
     );
-    if B::NAME.starts_with("sqlx") {
+    if one_pass && B::NAME.starts_with("sqlx") {
         assert!(
             lines.iter().any(|l| l.contains("ended on the server")),
             "{lines:#?}"
@@ -235,6 +234,18 @@ async fn http_readiness_answers_200_then_503_when_the_probe_cannot_connect<B: Ba
     )
     .await
     .unwrap();
+    eventually(GUARD, "the pool's sessions gone", || async {
+        let n: i64 = raw
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1",
+                &[&db.name()],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        n == 0
+    })
+    .await;
     let (status, body) = support::backend::call(&app, "/ready").await;
     assert_eq!(status, 503, "{body}");
     assert!(
