@@ -312,7 +312,7 @@ impl Pool {
     #[track_caller]
     pub fn census(&self) -> impl Future<Output = Result<Census, Error>> + Send + '_ {
         let site = Location::caller();
-        async move { self.census_at(site).await.map(|(census, ..)| census) }
+        async move { self.shared.census_at(site).await.map(|(census, ..)| census) }
     }
 
     /// Takes the session advisory lock `key` in `mode` on a connection of

@@ -9,6 +9,27 @@
 //! connection at once (or, if it was checked out in the meantime, at its
 //! next checkout) instead of letting it be reused.
 //!
+//! Written once over the pool's backend ([`Source`]); the two differ in how
+//! an idle connection is closed ([`Source::close_idle`]):
+//!
+//! - **deadpool**: its `retain` closes the idle connection made at the
+//!   instant pgwarden kept with its pid (none: it was checked out since,
+//!   and is discarded at its next checkout).
+//! - **sqlx**: its pool keeps its idle connections to itself (no `retain`,
+//!   no id). The sweep first marks the connection, under the pool's lock,
+//!   never to be handed out again (pgwarden's checkout discards a marked
+//!   connection before anyone sees it: every sqlx checkout names its
+//!   connection under that lock), then, if no checkout record holds it,
+//!   ends its session on the server (`pg_terminate_backend`, only while
+//!   that backend is still idle, holds an advisory lock, and started
+//!   before the pool first saw the connection, so that a pid the server
+//!   gave to another session since is left alone): its locks are
+//!   gone at once, and sqlx drops the dead connection at its next
+//!   acquire (its ping fails) or pgwarden discards it (marked). A
+//!   connection checked out in the meantime is discarded at its next
+//!   checkout, as on deadpool; a session the pool's role may not end is
+//!   left to that discard too.
+//!
 //! The pool's mutex is held only to copy who holds which backend pid (one
 //! entry per connection); the locks are matched outside it, in time linear
 //! in their number.
@@ -21,10 +42,9 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::admission::Lane;
 use crate::error::{BuildError, Error};
 use crate::key::{LockKey, LockMode};
-use crate::lock::on;
-use crate::pool::{Client, Pool, PoolBuilder, State};
-use crate::pooler::PoolerMode;
-use crate::stmt::{Exec, Row, Sent};
+use crate::pool::{Client, PoolBuilder, Shared, Source, State};
+use crate::pooler::{Announced, PoolerMode};
+use crate::stmt::{Exec, Param, Row, Sent};
 
 /// One advisory lock in the database, granted or awaited.
 ///
@@ -133,7 +153,10 @@ pub(crate) const DEFAULT_INTERVAL: Duration = Duration::from_secs(60);
 #[derive(Debug)]
 struct Periodic(Duration);
 
-impl crate::pool::Periodic for Periodic {
+impl<B: Source> crate::pool::Periodic<B> for Periodic
+where
+    B::Conn: Announced,
+{
     fn name(&self) -> &'static str {
         "census"
     }
@@ -142,12 +165,17 @@ impl crate::pool::Periodic for Periodic {
         self.0
     }
 
-    fn pass(&self, pool: Pool) -> crate::pool::Pass {
+    fn pass(&self, pool: Arc<Shared<B>>) -> crate::pool::Pass {
         Box::pin(async move { pool.census_sweep().await.map(drop) })
     }
 }
 
-impl PoolBuilder {
+// `Announced` is the crate's; every backend's connection has it.
+#[allow(private_bounds)]
+impl<B: Source> PoolBuilder<B>
+where
+    B::Conn: Announced,
+{
     /// How often the periodic census of `pg_locks` runs (in its own task):
     /// it sets the census gauges and closes idle pooled connections found
     /// holding a leaked advisory lock. `None` turns it off; above zero.
@@ -168,7 +196,7 @@ impl PoolBuilder {
                 value,
                 why: "must be above zero",
             });
-        let hook = every.map(|e| Arc::new(Periodic(e)) as Arc<dyn crate::pool::Periodic>);
+        let hook = every.map(|e| Arc::new(Periodic(e)) as Arc<dyn crate::pool::Periodic<B>>);
         self.invalid("census_interval", invalid)
             .periodic("census", hook)
     }
@@ -183,28 +211,45 @@ SELECT l.pid, l.classid, l.objid, l.objsubid, l.mode, l.granted, \
    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
  ORDER BY l.pid, l.classid, l.objid, l.objsubid";
 
-impl Pool {
+/// Ends the session of backend `$1` when it is still idle, holds an
+/// advisory lock, and started at least `$2` seconds ago (before the pool
+/// first saw the connection: a pid the server gave since to another
+/// session, after the pool's connection ended unseen, is left alone). The
+/// sqlx sweep: see the module docs.
+const END_IDLE_SQL: &str = "\
+SELECT pg_terminate_backend(a.pid) \
+  FROM pg_stat_activity a \
+ WHERE a.pid = $1 AND a.state = 'idle' \
+   AND a.datname = current_database() \
+   AND a.backend_start <= now() - make_interval(secs => $2) \
+   AND EXISTS (SELECT 1 FROM pg_locks l \
+                WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted)";
+
+impl<B: Source> Shared<B>
+where
+    B::Conn: Announced,
+{
     /// Reads the census on a control connection, and returns it, that
     /// connection, and the pool's connections as they were. The connection
     /// was idle in the pool a moment ago and runs nothing but the census: a
     /// lock on it is a lock on an idle connection.
     pub(crate) async fn census_at(
-        &self,
+        self: &Arc<Self>,
         site: &'static Location<'static>,
-    ) -> Result<(Census, Client, Owners), Error> {
+    ) -> Result<(Census, Client<B>, Owners<B>), Error> {
         // Owners are matched by backend pid, which means nothing behind a
         // transaction pooler: know which it is first (probed once per pool).
-        if self.pooler() == PoolerMode::Auto {
-            crate::pooler::detect(&self.shared, site).await?;
+        if crate::pooler::mode(self) == PoolerMode::Auto {
+            crate::pooler::detect(self, site).await?;
         }
-        let conn = self
-            .checkout(Lane::Control, site, self.shared.opts.wait_timeout)
+        let mut conn = self
+            .checkout(Lane::Control, site, self.opts.wait_timeout)
             .await?;
-        let mut locks = read(on(&conn)).await?;
-        if self.pooler() == PoolerMode::Transaction {
+        let mut locks = read(&conn.exec()).await?;
+        if crate::pooler::mode(self) == PoolerMode::Transaction {
             return Ok((Census { locks }, conn, Owners::default()));
         }
-        let owners = Owners::snapshot(&self.shared.state.lock());
+        let owners = Owners::snapshot(&self.state.lock());
         for (i, l) in locks.iter_mut().enumerate() {
             if i % 4096 == 4095 {
                 tokio::task::yield_now().await;
@@ -220,15 +265,23 @@ impl Pool {
 
 /// The pool's connections at one moment, by backend pid: copied under the
 /// pool's mutex (one entry per connection), read without it.
-#[derive(Default)]
-pub(crate) struct Owners {
+pub(crate) struct Owners<B: Source> {
     out: HashMap<i32, Owner>,
-    /// Idle connections: deadpool object id and creation instant.
-    idle: HashMap<i32, (deadpool_postgres::ObjectId, Instant)>,
+    /// Idle connections: their id in the pool and creation instant.
+    idle: HashMap<i32, (B::Id, Instant)>,
 }
 
-impl Owners {
-    fn snapshot(st: &State) -> Owners {
+impl<B: Source> Default for Owners<B> {
+    fn default() -> Self {
+        Owners {
+            out: HashMap::new(),
+            idle: HashMap::new(),
+        }
+    }
+}
+
+impl<B: Source> Owners<B> {
+    fn snapshot(st: &State<B>) -> Owners<B> {
         let now = Instant::now();
         let mut out = HashMap::with_capacity(st.checkouts.len());
         for (_, c) in st.checkouts.iter() {
@@ -327,7 +380,10 @@ struct Leak {
     application_name: Option<String>,
 }
 
-impl Pool {
+impl<B: Source> Shared<B>
+where
+    B::Conn: Announced,
+{
     /// One census pass, as the census task runs every census interval: sets
     /// the census gauges, and closes connections idle in the pool that hold
     /// advisory locks (logged once per connection with the count of locks,
@@ -342,23 +398,25 @@ impl Pool {
     /// connections: the gauges are set, nothing is flagged.
     #[track_caller]
     pub(crate) fn census_sweep(
-        &self,
+        self: &Arc<Self>,
     ) -> impl std::future::Future<Output = Result<CensusSummary, Error>> + Send + '_ {
         let site = Location::caller();
         async move {
             let began = Instant::now();
             let r = self.sweep(site).await;
-            self.shared
-                .metrics
+            self.metrics
                 .census_duration
                 .record(began.elapsed().as_secs_f64());
             r
         }
     }
 
-    async fn sweep(&self, site: &'static Location<'static>) -> Result<CensusSummary, Error> {
-        let (census, conn, owners) = self.census_at(site).await?;
-        let m = &self.shared.metrics;
+    async fn sweep(
+        self: &Arc<Self>,
+        site: &'static Location<'static>,
+    ) -> Result<CensusSummary, Error> {
+        let (census, mut conn, owners) = self.census_at(site).await?;
+        let m = &self.metrics;
         let mut summary = CensusSummary {
             locks: census.locks.len(),
             ours: census.ours().count(),
@@ -367,13 +425,13 @@ impl Pool {
         };
         m.census_locks.set(summary.ours as f64);
         m.census_idle_locks.set(summary.idle as f64);
-        if summary.idle == 0 || self.pooler() == PoolerMode::Transaction {
+        if summary.idle == 0 || crate::pooler::mode(self) == PoolerMode::Transaction {
             return Ok(summary);
         }
         let own = conn.pid();
         let others = census.idle().any(|l| l.pid != Some(own));
         let again: HashSet<Seen> = if others {
-            read(on(&conn)).await?.iter().filter_map(seen).collect()
+            read(&conn.exec()).await?.iter().filter_map(seen).collect()
         } else {
             HashSet::new()
         };
@@ -408,24 +466,20 @@ impl Pool {
             let Some(&(id, created)) = owners.idle.get(&leak.pid) else {
                 continue;
             };
-            if self.shared.state.lock().tainted.contains(&id) {
+            if self.state.lock().tainted.contains(&id) {
                 continue;
             }
-            let removed = self
-                .shared
-                .inner
-                .retain(|_, m| m.created != created)
-                .removed
-                .len();
-            let mut st = self.shared.state.lock();
-            let how = if removed > 0 {
-                st.pids.remove(&id);
-                "closed"
-            } else {
-                st.tainted.insert(id);
-                "to be discarded at its next checkout"
+            let how = match self.inner.close_idle(id, created) {
+                Some(true) => {
+                    self.state.lock().pids.remove(&id);
+                    "closed"
+                }
+                Some(false) => {
+                    self.state.lock().tainted.insert(id);
+                    "to be discarded at its next checkout"
+                }
+                None => self.end_idle(&mut conn, id, created, leak.pid).await?,
             };
-            drop(st);
             reported.push((leak, how));
         }
         if reported.iter().any(|(l, _)| l.pid == own) {
@@ -438,7 +492,7 @@ impl Pool {
             m.census_leaks.increment(leak.locks as u64);
             let keys: Vec<String> = leak.keys.iter().map(ToString::to_string).collect();
             tracing::warn!(
-                pool = %self.shared.name,
+                pool = %self.name,
                 pid = leak.pid,
                 locks = leak.locks,
                 keys = %keys.join(", "),
@@ -449,5 +503,111 @@ impl Pool {
             );
         }
         Ok(summary)
+    }
+}
+
+impl<B: Source> Shared<B> {
+    /// A leaker the backend cannot close from outside (sqlx): marked never
+    /// to be handed out again, then, when no checkout holds it, its session
+    /// (backend `pid`, first seen by the pool at `seen`) ended on the
+    /// server from the census's own connection `conn` (see the module
+    /// docs). How it was dealt with, for the log line.
+    async fn end_idle(
+        &self,
+        conn: &mut Client<B>,
+        id: B::Id,
+        seen: Instant,
+        pid: i32,
+    ) -> Result<&'static str, Error> {
+        let idle = {
+            let mut st = self.state.lock();
+            st.tainted.insert(id);
+            !st.checkouts.iter().any(|(_, c)| c.object == Some(id))
+        };
+        if !idle {
+            return Ok("to be discarded at its next checkout");
+        }
+        let ended = match conn
+            .exec()
+            .query(
+                END_IDLE_SQL,
+                &[
+                    Param::Int4(pid),
+                    Param::Float8(seen.elapsed().as_secs_f64()),
+                ],
+                Sent::Unnamed,
+            )
+            .await
+        {
+            Ok(rows) => rows.first().map(|r| r.col::<bool>(0)).transpose()?,
+            // Not allowed to (another role's session): the mark stays.
+            Err(e) => {
+                tracing::debug!(pool = %self.name, pid, error = %e, "could not end a leaking session");
+                None
+            }
+        };
+        let ended = ended == Some(true);
+        Ok(if ended {
+            "closed (its session ended on the server)"
+        } else {
+            "to be discarded at its next checkout"
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pgwarden_testing::TestServer;
+
+    use super::END_IDLE_SQL;
+    use crate::stmt::{Exec, Param, Row, Sent};
+
+    /// The sqlx sweep's statement ends an idle session holding an advisory
+    /// lock only when that backend started before the pool first saw its
+    /// connection: a session younger than that (a pid given again) is left
+    /// alone, and so is one holding no advisory lock.
+    #[tokio::test]
+    async fn end_idle_spares_a_session_younger_than_the_pools_connection() {
+        let db = TestServer::shared()
+            .unwrap()
+            .create_database()
+            .await
+            .unwrap();
+        let census = db.connect().await.unwrap();
+        let victim = db.connect().await.unwrap();
+        let pid: i32 = victim
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let end = |seen_secs_ago: f64| {
+            let census = &census;
+            async move {
+                let params = [Param::Int4(pid), Param::Float8(seen_secs_ago)];
+                let rows = Exec::query(census, END_IDLE_SQL, &params, Sent::Unnamed)
+                    .await
+                    .unwrap();
+                rows.first().map(|r| r.col::<bool>(0).unwrap())
+            }
+        };
+        // No advisory lock: spared.
+        assert_eq!(end(0.0).await, None);
+        victim
+            .batch_execute("SELECT pg_advisory_lock(61)")
+            .await
+            .unwrap();
+        // The pool saw its connection an hour ago: this session, younger,
+        // is another one on a pid given again: spared.
+        assert_eq!(end(3600.0).await, None);
+        assert!(victim.simple_query("SELECT 1").await.is_ok());
+        // Seen after the session started: ended.
+        assert_eq!(end(0.0).await, Some(true));
+        tokio::time::timeout(std::time::Duration::from_secs(60), async {
+            while victim.simple_query("SELECT 1").await.is_ok() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the session ends");
     }
 }

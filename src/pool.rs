@@ -54,6 +54,8 @@ pub(crate) use deadline::deadline;
 pub use deadline::Deadline;
 pub(crate) use housekeeping::panic_message;
 #[cfg(feature = "http")]
+pub(crate) use shared::AnyPool;
+#[cfg(feature = "http")]
 pub(crate) use shared::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};

@@ -2,6 +2,8 @@
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
+use std::panic::Location;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -10,7 +12,7 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 
 use super::body::{json_ms, json_str, Body};
 use crate::admission::Lane;
-use crate::pool::Pool;
+use crate::pool::{AnyPool, Shared, Source};
 
 /// The readiness service for `/health/ready`: `SELECT 1` on the pool's probe
 /// lane (whose reserve no other lane may take), answered within a bound.
@@ -47,21 +49,52 @@ use crate::pool::Pool;
 /// axum::serve(listener, app).await
 /// # }
 /// ```
-#[derive(Clone, Debug)]
-pub struct Readiness {
-    pool: Pool,
+///
+/// The same for a `pgwarden::sqlx::Pool` (`B` is the pool it wraps:
+/// deadpool's unless said otherwise):
+///
+/// ```no_run
+/// # async fn demo(pool: pgwarden::sqlx::Pool) {
+/// let app: axum::Router = axum::Router::new()
+///     .route_service("/health/ready", pgwarden::http::Readiness::new(pool));
+/// # }
+/// ```
+pub struct Readiness<B: Source = deadpool_postgres::Pool> {
+    pool: Arc<Shared<B>>,
     bound: Duration,
 }
 
-impl Readiness {
-    /// The default bound: 1 s.
-    pub const DEFAULT_BOUND: Duration = Duration::from_secs(1);
-
-    /// Readiness of `pool`, answered within [`Readiness::DEFAULT_BOUND`].
-    pub fn new(pool: Pool) -> Readiness {
+impl<B: Source> Clone for Readiness<B> {
+    fn clone(&self) -> Self {
         Readiness {
-            pool,
-            bound: Self::DEFAULT_BOUND,
+            pool: self.pool.clone(),
+            bound: self.bound,
+        }
+    }
+}
+
+impl<B: Source> std::fmt::Debug for Readiness<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Readiness")
+            .field("pool", &self.pool)
+            .field("bound", &self.bound)
+            .finish()
+    }
+}
+
+impl Readiness {
+    /// The default bound: 1 s (for every backend).
+    pub const DEFAULT_BOUND: Duration = Duration::from_secs(1);
+}
+
+impl<B: Source> Readiness<B> {
+    /// Readiness of `pool` (a `pgwarden::Pool` or a `pgwarden::sqlx::Pool`),
+    /// answered within [`Readiness::DEFAULT_BOUND`].
+    #[allow(private_bounds)]
+    pub fn new(pool: impl AnyPool<Source = B>) -> Readiness<B> {
+        Readiness {
+            pool: pool.shared().clone(),
+            bound: Readiness::DEFAULT_BOUND,
         }
     }
 
@@ -71,7 +104,7 @@ impl Readiness {
     /// of timing out. A bound of zero makes every answer a 503 that says so,
     /// without touching the database. Default: 1 s.
     #[must_use]
-    pub fn bound(mut self, bound: Duration) -> Readiness {
+    pub fn bound(mut self, bound: Duration) -> Readiness<B> {
         self.bound = bound;
         self
     }
@@ -136,11 +169,17 @@ impl Readiness {
         let pool = self.pool.clone();
         let bound = self.bound;
         let result = match tokio::runtime::Handle::try_current() {
-            Ok(rt) => match rt.spawn(async move { pool.readiness(bound).await }).await {
+            Ok(rt) => match rt
+                .spawn(async move { pool.probe(bound, Location::caller()).await })
+                .await
+            {
                 Ok(r) => r.map_err(|e| e.to_string()),
                 Err(e) => Err(format!("the readiness probe task failed: {e}")),
             },
-            Err(_) => pool.readiness(bound).await.map_err(|e| e.to_string()),
+            Err(_) => pool
+                .probe(bound, Location::caller())
+                .await
+                .map_err(|e| e.to_string()),
         };
         match result {
             Ok(took) => (took, Ok(())),
@@ -149,7 +188,7 @@ impl Readiness {
     }
 }
 
-impl<B> tower_service::Service<Request<B>> for Readiness {
+impl<B: Source, R> tower_service::Service<Request<R>> for Readiness<B> {
     type Response = Response<Body>;
     type Error = Infallible;
     type Future = BoxFuture<'static, Result<Response<Body>, Infallible>>;
@@ -158,7 +197,7 @@ impl<B> tower_service::Service<Request<B>> for Readiness {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<B>) -> Self::Future {
+    fn call(&mut self, req: Request<R>) -> Self::Future {
         let this = self.clone();
         let method = req.method().clone();
         Box::pin(async move { Ok(this.respond(&method).await) })

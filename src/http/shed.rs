@@ -13,7 +13,7 @@ use metrics::Counter;
 use super::body::{json_ms, json_str};
 use super::verdict::{decide, retry_after, ShedReason, Verdict};
 use crate::admission::Lane;
-use crate::pool::{Deadline, LaneLoad, Pool};
+use crate::pool::{AnyPool, Deadline, LaneLoad, Shared, Source};
 
 /// A [`tower_layer::Layer`] that sheds requests the pool's request lane
 /// cannot serve within a bound, before the inner service runs.
@@ -73,14 +73,39 @@ use crate::pool::{Deadline, LaneLoad, Pool};
 /// axum::serve(listener, app).await
 /// # }
 /// ```
-#[derive(Clone, Debug)]
-pub struct ShedLayer {
-    config: Arc<Config>,
+///
+/// The same for a `pgwarden::sqlx::Pool` (`B` is the pool it wraps:
+/// deadpool's unless said otherwise):
+///
+/// ```no_run
+/// # fn demo(pool: pgwarden::sqlx::Pool) {
+/// let app: axum::Router = axum::Router::new()
+///     .route("/work", axum::routing::get(|| async { "done" }))
+///     .layer(pgwarden::http::ShedLayer::new(&pool));
+/// # }
+/// ```
+pub struct ShedLayer<B: Source = deadpool_postgres::Pool> {
+    config: Arc<Config<B>>,
 }
 
-#[derive(Clone, Debug)]
-struct Config {
-    pool: Pool,
+impl<B: Source> Clone for ShedLayer<B> {
+    fn clone(&self) -> Self {
+        ShedLayer {
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<B: Source> std::fmt::Debug for ShedLayer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShedLayer")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+struct Config<B: Source> {
+    pool: Arc<Shared<B>>,
     max_wait: Duration,
     timeout: Duration,
     shed_busy: Counter,
@@ -88,23 +113,53 @@ struct Config {
     admitted: Counter,
 }
 
-impl ShedLayer {
-    /// The default bound on a request's wait for a connection: 250 ms.
-    pub const DEFAULT_MAX_WAIT: Duration = Duration::from_millis(250);
-    /// The default request deadline: 30 s (the pool's default wait timeout).
-    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+impl<B: Source> Clone for Config<B> {
+    fn clone(&self) -> Self {
+        Config {
+            pool: self.pool.clone(),
+            max_wait: self.max_wait,
+            timeout: self.timeout,
+            shed_busy: self.shed_busy.clone(),
+            shed_closed: self.shed_closed.clone(),
+            admitted: self.admitted.clone(),
+        }
+    }
+}
 
-    /// Sheds by `pool`'s request lane, with the default bound and deadline.
+impl<B: Source> std::fmt::Debug for Config<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("pool", &self.pool.name)
+            .field("max_wait", &self.max_wait)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShedLayer {
+    /// The default bound on a request's wait for a connection: 250 ms (for
+    /// every backend).
+    pub const DEFAULT_MAX_WAIT: Duration = Duration::from_millis(250);
+    /// The default request deadline: 30 s (the pool's default wait
+    /// timeout; for every backend).
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+}
+
+impl<B: Source> ShedLayer<B> {
+    /// Sheds by `pool`'s request lane (a `pgwarden::Pool` or a
+    /// `pgwarden::sqlx::Pool`), with the default bound and deadline.
     /// Registers its counters under the pool's name.
-    pub fn new(pool: &Pool) -> ShedLayer {
+    #[allow(private_bounds)]
+    pub fn new(pool: &impl AnyPool<Source = B>) -> ShedLayer<B> {
         crate::metrics::describe();
-        let p = pool.name().to_owned();
+        let pool = pool.shared();
+        let p = pool.name.to_string();
         let shed = |reason: ShedReason| metrics::counter!(crate::metrics::REQUESTS_SHED, "pool" => p.clone(), "reason" => reason.as_str());
         ShedLayer {
             config: Arc::new(Config {
                 pool: pool.clone(),
-                max_wait: Self::DEFAULT_MAX_WAIT,
-                timeout: Self::DEFAULT_TIMEOUT,
+                max_wait: ShedLayer::DEFAULT_MAX_WAIT,
+                timeout: ShedLayer::DEFAULT_TIMEOUT,
                 shed_busy: shed(ShedReason::Busy),
                 shed_closed: shed(ShedReason::Closed),
                 admitted: metrics::counter!(crate::metrics::REQUESTS_ADMITTED, "pool" => p.clone()),
@@ -117,7 +172,7 @@ impl ShedLayer {
     /// request let through waits. Zero: only requests for which a
     /// connection is free at once go through. Default: 250 ms.
     #[must_use]
-    pub fn max_wait(self, max_wait: Duration) -> ShedLayer {
+    pub fn max_wait(self, max_wait: Duration) -> ShedLayer<B> {
         self.with(|c| c.max_wait = max_wait)
     }
 
@@ -125,11 +180,11 @@ impl ShedLayer {
     /// end by then, and a request whose deadline leaves less than the
     /// expected wait is shed. Default: 30 s.
     #[must_use]
-    pub fn timeout(self, timeout: Duration) -> ShedLayer {
+    pub fn timeout(self, timeout: Duration) -> ShedLayer<B> {
         self.with(|c| c.timeout = timeout)
     }
 
-    fn with(self, f: impl FnOnce(&mut Config)) -> ShedLayer {
+    fn with(self, f: impl FnOnce(&mut Config<B>)) -> ShedLayer<B> {
         let mut config = Arc::unwrap_or_clone(self.config);
         f(&mut config);
         ShedLayer {
@@ -138,10 +193,10 @@ impl ShedLayer {
     }
 }
 
-impl<S> tower_layer::Layer<S> for ShedLayer {
-    type Service = Shed<S>;
+impl<S, B: Source> tower_layer::Layer<S> for ShedLayer<B> {
+    type Service = Shed<S, B>;
 
-    fn layer(&self, inner: S) -> Shed<S> {
+    fn layer(&self, inner: S) -> Shed<S, B> {
         Shed {
             inner,
             config: self.config.clone(),
@@ -160,13 +215,30 @@ impl<S> tower_layer::Layer<S> for ShedLayer {
 ///     .layer(ShedLayer::new(&pool));
 /// # }
 /// ```
-#[derive(Clone, Debug)]
-pub struct Shed<S> {
+pub struct Shed<S, B: Source = deadpool_postgres::Pool> {
     inner: S,
-    config: Arc<Config>,
+    config: Arc<Config<B>>,
 }
 
-impl<S, ReqBody, ResBody> tower_service::Service<Request<ReqBody>> for Shed<S>
+impl<S: Clone, B: Source> Clone for Shed<S, B> {
+    fn clone(&self) -> Self {
+        Shed {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, B: Source> std::fmt::Debug for Shed<S, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shed")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, B: Source, ReqBody, ResBody> tower_service::Service<Request<ReqBody>> for Shed<S, B>
 where
     S: tower_service::Service<Request<ReqBody>, Response = Response<ResBody>>,
     S::Future: Send + 'static,
@@ -191,7 +263,7 @@ where
             deadline = scope.min(deadline);
         }
         let bound = deadline.checkout_bound();
-        let load = c.pool.shared.lane_load(Lane::Request);
+        let load = c.pool.lane_load(Lane::Request);
         match decide(&load, bound) {
             Verdict::Admit { .. } => {
                 c.admitted.increment(1);
@@ -204,7 +276,7 @@ where
                     ShedReason::Busy => c.shed_busy.increment(1),
                     ShedReason::Closed => c.shed_closed.increment(1),
                 }
-                let resp = shed_response(&c.pool, reason, expected, bound, &load);
+                let resp = shed_response(&c.pool.name, reason, expected, bound, &load);
                 Box::pin(std::future::ready(Ok(resp)))
             }
         }
@@ -212,7 +284,7 @@ where
 }
 
 fn shed_response<B: From<String>>(
-    pool: &Pool,
+    pool: &str,
     reason: ShedReason,
     expected: Duration,
     bound: Duration,
@@ -221,12 +293,9 @@ fn shed_response<B: From<String>>(
     let why = match reason {
         ShedReason::Busy => format!(
             "the request lane of pool {} cannot admit within {:?}: {} waiting, {} in use",
-            pool.name(),
-            bound,
-            load.pending,
-            load.in_use
+            pool, bound, load.pending, load.in_use
         ),
-        ShedReason::Closed => format!("pool {} is closed", pool.name()),
+        ShedReason::Closed => format!("pool {pool} is closed"),
     };
     let body = format!(
         "{{\"shed\":true,\"reason\":{},\"message\":{},\"lane\":\"request\",\"in_use\":{},\"pending\":{},\"expected_wait_ms\":{},\"bound_ms\":{}}}\n",

@@ -124,7 +124,7 @@ pub(crate) fn url_pool(
 }
 
 /// The periodic work of the layers above, one per name.
-type Hooks = Vec<Arc<dyn Periodic>>;
+type Hooks<B> = Vec<Arc<dyn Periodic<B>>>;
 
 /// Builds a [`Pool`] over a deadpool pool. Every setting has a default.
 ///
@@ -156,7 +156,7 @@ pub struct PoolBuilder<B: Source = deadpool_postgres::Pool> {
     /// Settings of the layers above (pooler mode, unlock bound…), by type.
     ext: Extensions,
     /// Periodic work of the layers above (the census), one per name.
-    periodic: Vec<Arc<dyn Periodic>>,
+    periodic: Hooks<B>,
     /// A setting of a layer above that cannot work, reported by `build`.
     invalid: Vec<(&'static str, BuildError)>,
 }
@@ -196,7 +196,7 @@ impl<B: Source> PoolBuilder<B> {
 
     /// A layer above plugs in (`Some`) or removes (`None`) its periodic
     /// work, by name.
-    pub(crate) fn periodic(mut self, name: &str, hook: Option<Arc<dyn Periodic>>) -> Self {
+    pub(crate) fn periodic(mut self, name: &str, hook: Option<Arc<dyn Periodic<B>>>) -> Self {
         self.periodic.retain(|h| h.name() != name);
         self.periodic.extend(hook);
         self
@@ -291,7 +291,7 @@ impl<B: Source> PoolBuilder<B> {
     /// Validates every setting and builds what a pool shares, its
     /// housekeeping supervised; returns the periodic work of the layers
     /// above too.
-    pub(crate) fn build_shared(mut self) -> Result<(Arc<Shared<B>>, Hooks), BuildError> {
+    pub(crate) fn build_shared(mut self) -> Result<(Arc<Shared<B>>, Hooks<B>), BuildError> {
         if let Some(name) = &self.name {
             let valid = !name.is_empty()
                 && name.len() <= 64

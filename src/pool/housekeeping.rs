@@ -20,10 +20,10 @@ use super::source::Source;
 use super::supervisor::Task;
 use crate::admission::Lane;
 
-impl Shared {
+impl<B: Source> Shared<B> {
     /// Puts each layer's periodic work under the pool's supervisor, and
     /// starts it (and housekeeping) when built inside a runtime.
-    pub(super) fn supervise_periodic(self: &Arc<Self>, hooks: Vec<Arc<dyn Periodic>>) {
+    pub(crate) fn supervise_periodic(self: &Arc<Self>, hooks: Vec<Arc<dyn Periodic<B>>>) {
         let weak = Arc::downgrade(self);
         for hook in hooks {
             let weak = weak.clone();
@@ -154,7 +154,7 @@ async fn housekeeping<B: Source>(shared: Weak<Shared<B>>, every: Duration) {
 
 /// A layer's periodic work (the census), in its own task: a slow pass never
 /// delays the housekeeping pass, and each pass is bounded.
-async fn periodic(weak: Weak<Shared>, hook: Arc<dyn Periodic>) {
+async fn periodic<B: Source>(weak: Weak<Shared<B>>, hook: Arc<dyn Periodic<B>>) {
     let every = hook.every();
     let name = hook.name();
     while let Some(shared) = tick(&weak, every).await {
@@ -162,10 +162,7 @@ async fn periodic(weak: Weak<Shared>, hook: Arc<dyn Periodic>) {
             .opts
             .wait_timeout
             .saturating_add(every.min(Duration::from_secs(30)));
-        let pool = Pool {
-            shared: shared.clone(),
-        };
-        let pass = tokio::time::timeout(bound, hook.pass(pool));
+        let pass = tokio::time::timeout(bound, hook.pass(shared.clone()));
         match AssertUnwindSafe(pass).catch_unwind().await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(e))) => tracing::warn!(pool = %shared.name, error = %e, "{name} failed"),

@@ -81,6 +81,28 @@ pub struct Pool {
     pub(crate) shared: Arc<Shared>,
 }
 
+/// A pgwarden pool of any backend (the deadpool [`Pool`], and with its
+/// features `pgwarden::sqlx::Pool`): what the HTTP services take. Sealed:
+/// not reachable from outside the crate, like [`Source`].
+#[cfg(feature = "http")]
+#[allow(unreachable_pub, private_interfaces)]
+pub trait AnyPool: Clone + Send + Sync + 'static {
+    /// The pool it wraps.
+    type Source: Source;
+    /// Its shared state.
+    fn shared(&self) -> &Arc<Shared<Self::Source>>;
+}
+
+#[cfg(feature = "http")]
+impl AnyPool for Pool {
+    type Source = deadpool_postgres::Pool;
+
+    #[allow(private_interfaces)]
+    fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+}
+
 pub(crate) struct Options {
     pub(crate) wait_timeout: Duration,
     pub(crate) long_hold: Duration,
@@ -372,13 +394,15 @@ pub(crate) type Pass = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
 /// task, every [`Periodic::every`], each pass bounded by the pool's wait
 /// timeout plus `min(every, 30 s)`, a panic caught, logged and counted like a
 /// housekeeping panic.
-pub(crate) trait Periodic: fmt::Debug + Send + Sync + 'static {
+pub(crate) trait Periodic<B: Source = deadpool_postgres::Pool>:
+    fmt::Debug + Send + Sync + 'static
+{
     /// Its name in logs (`"census"`); one hook per name.
     fn name(&self) -> &'static str;
     /// How often it runs.
     fn every(&self) -> Duration;
-    /// One pass.
-    fn pass(&self, pool: Pool) -> Pass;
+    /// One pass, on the pool's shared state.
+    fn pass(&self, pool: Arc<Shared<B>>) -> Pass;
 }
 
 // --- the pool's name -------------------------------------------------------

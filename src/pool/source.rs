@@ -142,6 +142,15 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// or the close to run to its end (the capacity is held until then).
     fn discard(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static>;
 
+    /// Closes the connection `id`, made at `created`, if it is idle in the
+    /// wrapped pool (the census's leak sweep, for a connection found
+    /// holding a leaked advisory lock): `Some(true)` closed; `Some(false)`
+    /// not idle there (checked out in the meantime); `None` when the
+    /// backend cannot reach its idle connections (sqlx): the sweep then
+    /// marks the connection never to be handed out again and ends its
+    /// session on the server (`crate::census`).
+    fn close_idle(&self, id: Self::Id, created: Instant) -> Option<bool>;
+
     /// `SELECT 1` on the connection (the readiness probe's statement).
     fn select_1(conn: &mut Self::Conn) -> impl Future<Output = Result<(), Error>> + Send + '_;
 
@@ -276,6 +285,12 @@ impl Source for deadpool_postgres::Pool {
     fn discard(obj: Object) -> Option<impl Future<Output = ()> + Send + 'static> {
         drop(Object::take(obj));
         None::<std::future::Ready<()>>
+    }
+
+    /// deadpool's `retain`, which sees each idle connection's creation
+    /// instant (the identity pgwarden kept with its pid).
+    fn close_idle(&self, _: deadpool_postgres::ObjectId, created: Instant) -> Option<bool> {
+        Some(!self.retain(|_, m| m.created != created).removed.is_empty())
     }
 
     async fn select_1(conn: &mut deadpool_postgres::Client) -> Result<(), Error> {

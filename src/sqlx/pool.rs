@@ -46,10 +46,12 @@ use super::dep;
 use super::dep::{Executor, Statement as _};
 use super::TransactionManager as _;
 use crate::admission::{Lane, Priority};
+use crate::census::Census;
 use crate::error::{BuildError, CheckoutError, Error};
 use crate::key::{LockKey, LockMode};
 use crate::lock::{Migrated, SessionLock, Work};
 use crate::pool::{PoolBuilder, Refused, Shared, Source, SourceStatus};
+use crate::pooler::PoolerMode;
 use crate::status::Status;
 
 /// The statement that names a connection and asks its pid.
@@ -186,6 +188,12 @@ impl Source for dep::PgPool {
         })
     }
 
+    /// sqlx keeps its idle connections to itself: none can be closed from
+    /// outside (see `crate::census` for what the sweep does instead).
+    fn close_idle(&self, _: usize, _: Instant) -> Option<bool> {
+        None
+    }
+
     async fn select_1(conn: &mut dep::PgConnection) -> Result<(), Error> {
         dep::query("SELECT 1")
             .execute(conn)
@@ -260,10 +268,21 @@ impl fmt::Debug for Pool {
     }
 }
 
+#[cfg(feature = "http")]
+impl crate::pool::AnyPool for Pool {
+    type Source = dep::PgPool;
+
+    #[allow(private_interfaces)]
+    fn shared(&self) -> &Arc<Shared<dep::PgPool>> {
+        &self.shared
+    }
+}
+
 impl PoolBuilder<dep::PgPool> {
     /// Validates every setting and builds the sqlx pool.
     pub fn build(self) -> Result<Pool, BuildError> {
-        let (shared, _) = self.build_shared()?;
+        let (shared, periodic) = self.build_shared()?;
+        shared.supervise_periodic(periodic);
         Ok(Pool { shared })
     }
 }
@@ -272,9 +291,10 @@ impl Pool {
     /// Starts a builder over the adopter's `sqlx::PgPool` (the drop-in
     /// path): lanes, the readiness reserve, the session-lock budget, the
     /// wait timeout (default: the sqlx pool's acquire timeout), the
-    /// long-hold threshold and the name, as the deadpool builder has them.
+    /// long-hold threshold, the name, the pooler mode and the census
+    /// interval (default 60 s), as the deadpool builder has them.
     pub fn builder(pg: dep::PgPool) -> PoolBuilder<dep::PgPool> {
-        PoolBuilder::new(pg)
+        PoolBuilder::new(pg).census_interval(Some(crate::census::DEFAULT_INTERVAL))
     }
 
     /// The pool's name, as in logs and metric labels.
@@ -329,6 +349,47 @@ impl Pool {
         timeout: Duration,
     ) -> impl Future<Output = Result<Duration, Error>> + Send + '_ {
         self.shared.probe(timeout, Location::caller())
+    }
+
+    /// Detects, once per pool, whether it talks through a transaction
+    /// pooler, and remembers it (a configured mode is returned as is); see
+    /// the deadpool pool's `detect_pooler`. sqlx does not expose the pid a
+    /// server announced at connection start, so detection here is the
+    /// motion probe alone: straight to PostgreSQL it answers
+    /// [`PoolerMode::Direct`] after its statements, and session locks are
+    /// then checked on their own connection (configure
+    /// [`PoolerMode::Direct`] with `PoolBuilder::pooler` to skip both).
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {
+    /// if pool.detect_pooler().await? == pgwarden::PoolerMode::Transaction {
+    ///     // session locks will be refused: use transaction locks or leases
+    /// }
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn detect_pooler(&self) -> impl Future<Output = Result<PoolerMode, Error>> + Send + '_ {
+        crate::pooler::detect(&self.shared, Location::caller())
+    }
+
+    /// The advisory locks in the database now, each matched to this pool's
+    /// connections (see the deadpool pool's `census`). Runs on a control
+    /// connection; a periodic census (`PoolBuilder::census_interval`)
+    /// also ends the sessions of idle connections found holding a leaked
+    /// lock (sqlx gives no way to close an idle connection: see the
+    /// README's sqlx section).
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {
+    /// for lock in pool.census().await?.ours() {
+    ///     println!("{:?} holds {} ({}): {:?}", lock.pid, lock.key, lock.mode, lock.owner);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    #[track_caller]
+    pub fn census(&self) -> impl Future<Output = Result<Census, Error>> + Send + '_ {
+        let site = Location::caller();
+        async move { self.shared.census_at(site).await.map(|(census, ..)| census) }
     }
 
     /// The pool now: per lane in use, waiting and limits; `size` and

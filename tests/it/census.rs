@@ -90,33 +90,16 @@ async fn census_decodes_keys_and_owners() {
     lock.unlock().await.unwrap();
 }
 
-/// Sums what the readings of a debugging recorder show (a reading resets
-/// what it reads) until `done` holds: counters and histogram counts add up,
-/// gauges keep their largest value.
+/// [`support::watch`] within [`T`].
 async fn watch(
     snap: &metrics_util::debugging::Snapshotter,
     what: &str,
-    mut done: impl FnMut(&HashMap<String, f64>) -> bool,
+    done: impl FnMut(&HashMap<String, f64>) -> bool,
 ) -> HashMap<String, f64> {
-    let mut seen: HashMap<String, f64> = HashMap::new();
-    eventually(T, what, || {
-        for (k, v) in metrics_now(snap) {
-            let e = seen.entry(k.clone()).or_insert(0.0);
-            if k.contains("_total") || k.contains("_seconds{") && k.contains("duration") {
-                *e += v;
-            } else {
-                *e = e.max(v);
-            }
-        }
-        std::future::ready(done(&seen))
-    })
-    .await;
-    seen
+    support::watch(snap, T, what, done).await
 }
 
-fn get(m: &HashMap<String, f64>, k: &str) -> f64 {
-    m.get(k).copied().unwrap_or(0.0)
-}
+use support::metric as get;
 
 /// The periodic census confirms a leak on a connection idle in the pool,
 /// closes it (deadpool's `retain`), and counts it once.

@@ -293,7 +293,9 @@ async fn session_locks_dropped_at_random_await_points_leave_no_lock<B: Backend>(
     const ROUNDS: u64 = 80;
     let db = db().await;
     let raw = db.connect().await.unwrap();
-    let s = Settings::new("cancel-prop", 8).budget(3, BudgetPolicy::Refuse);
+    let s = Settings::new("cancel-prop", 8)
+        .budget(3, BudgetPolicy::Refuse)
+        .pooler(PoolerMode::Auto);
     let (pool, snap, dirty) = watched::<B>(&db, &s);
     let direct = Settings::new("cancel-prop-direct", 8)
         .budget(3, BudgetPolicy::Refuse)

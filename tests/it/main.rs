@@ -21,6 +21,7 @@
 mod support;
 
 mod backends;
+mod backends_layers;
 mod census;
 mod census_load;
 mod dashboards;

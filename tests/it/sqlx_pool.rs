@@ -31,7 +31,7 @@ macro_rules! dropin {
             const GUARD: Duration = Duration::from_secs(60);
 
             fn build(db: &TestDb, opts: PgPoolOptions, name: &str) -> Pool {
-                Pool::builder(opts.connect_lazy_with(sqlx_options!($sqlx, db)))
+                Pool::builder(opts.connect_lazy_with(sqlx_options!($sqlx, db.pg_config())))
                     .name(format!("{name}-{}", stringify!($version)))
                     .wait_timeout(Duration::from_secs(5))
                     .build()
@@ -414,6 +414,64 @@ macro_rules! dropin {
                 assert_eq!(acquired.load(Ordering::SeqCst), 1, "before_acquire ran on the idle one");
                 drop(b);
                 gate.add_permits(1);
+                settled(&pool).await;
+            }
+
+            /// The leak sweep where sqlx hands out idle connections without
+            /// a ping (`test_before_acquire(false)`): the leakers' sessions
+            /// are ended on the server, and the dead connection sqlx keeps
+            /// idle is discarded by pgwarden's checkout (it was marked),
+            /// never handed to the caller: every checkout answers.
+            #[tokio::test]
+            async fn census_sweep_without_test_before_acquire_hands_out_no_dead_connection() {
+                let db = db().await;
+                let logs = support::logs();
+                let name = format!("census-noping-{}", stringify!($version));
+                let opts = PgPoolOptions::new().max_connections(4).test_before_acquire(false);
+                let pool = Pool::builder(opts.connect_lazy_with(sqlx_options!($sqlx, db.pg_config())))
+                    .name(name.clone())
+                    .pooler(pgwarden::PoolerMode::Direct)
+                    .census_interval(Some(Duration::from_millis(200)))
+                    .build()
+                    .unwrap();
+                let raw = db.connect().await.unwrap();
+                let mut a = pool.acquire().await.unwrap();
+                let mut b = pool.acquire().await.unwrap();
+                $sqlx::query("SELECT pg_advisory_lock(52)").execute(&mut *a).await.unwrap();
+                $sqlx::query("SELECT pg_advisory_lock(53)").execute(&mut *b).await.unwrap();
+                let leaked = [a.pid(), b.pid()];
+                drop((a, b));
+                eventually(GUARD, "both leaking sessions ended", || async {
+                    !support::alive(&raw, leaked[0]).await && !support::alive(&raw, leaked[1]).await
+                })
+                .await;
+                // A leaker that was not the census's own connection was
+                // ended on the server and marked (when a pass came while
+                // the other was still on its way back, each may have been
+                // the census's own: closed outright). The census's own
+                // checkouts cycle through sqlx's idle queue: the marked
+                // dead connection is found and discarded.
+                let field = format!("pool={name}");
+                let ours = |l: &&str| l.split_whitespace().any(|w| w == field);
+                if logs.text().lines().filter(ours).any(|l| l.contains("ended on the server")) {
+                    eventually(GUARD, "the marked connection discarded", || {
+                        std::future::ready(logs.text().lines().filter(ours).any(|l| {
+                            l.contains("discarding a pooled connection that held a leaked")
+                        }))
+                    })
+                    .await;
+                } else {
+                    eprintln!("{name}: both leakers were the census's own connection");
+                }
+                let mut held = Vec::new();
+                for _ in 0..3 {
+                    let mut c = pool.acquire().await.unwrap();
+                    assert!(!leaked.contains(&c.pid()));
+                    let one: i32 = $sqlx::query_scalar("SELECT 1").fetch_one(&mut *c).await.unwrap();
+                    assert_eq!(one, 1);
+                    held.push(c);
+                }
+                drop(held);
                 settled(&pool).await;
             }
         }

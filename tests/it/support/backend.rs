@@ -13,8 +13,10 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use metrics_util::debugging::{DebuggingRecorder, Snapshotter};
-use pgwarden::{BudgetPolicy, Error, Lane, LockKey, LockMode, Migrated, PoolerMode, Status};
-use pgwarden_testing::TestDb;
+use pgwarden::{
+    BudgetPolicy, Census, Error, Lane, LockKey, LockMode, Migrated, PoolerMode, Status,
+};
+use pgwarden_testing::{PgBouncer, TestDb};
 
 /// A pool's settings, as a test gives them to any backend.
 #[derive(Clone, Debug)]
@@ -28,7 +30,10 @@ pub struct Settings {
     pub budget: Option<usize>,
     pub policy: BudgetPolicy,
     pub unlock_timeout: Duration,
+    /// The configured pooler mode (default `Direct`, as `support::builder`).
     pub pooler: PoolerMode,
+    /// The periodic census (default off).
+    pub census: Option<Duration>,
 }
 
 impl Settings {
@@ -43,7 +48,8 @@ impl Settings {
             budget: None,
             policy: BudgetPolicy::Refuse,
             unlock_timeout: Duration::from_secs(5),
-            pooler: PoolerMode::Auto,
+            pooler: PoolerMode::Direct,
+            census: None,
         }
     }
 
@@ -61,6 +67,11 @@ impl Settings {
 
     pub fn pooler(mut self, mode: PoolerMode) -> Settings {
         self.pooler = mode;
+        self
+    }
+
+    pub fn census(mut self, every: Duration) -> Settings {
+        self.census = Some(every);
         self
     }
 
@@ -93,6 +104,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Builds a pool on `db` (no connection made yet).
     fn build(db: &TestDb, s: &Settings) -> Self::Pool;
+    /// Builds a pool through PgBouncer (sqlx: its statement cache off, as
+    /// behind any transaction pooler).
+    fn build_through(b: &PgBouncer, s: &Settings) -> Self::Pool;
 
     /// [`Backend::build`], with every connection checked for advisory locks
     /// as it comes back into the wrapped pool (sqlx: its `after_release`
@@ -128,7 +142,17 @@ pub trait Backend: Send + Sync + 'static {
     fn select_1(c: &mut Self::Conn) -> BoxFuture<'_, ()>;
     fn discard(c: Self::Conn);
 
+    /// `sql` (simple or unnamed), run by user code on the connection.
+    fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()>;
+
     fn status(pool: &Self::Pool) -> Status;
+    #[track_caller]
+    fn census(pool: &Self::Pool) -> BoxFuture<'_, Result<Census, Error>>;
+    fn detect_pooler(pool: &Self::Pool) -> BoxFuture<'_, Result<PoolerMode, Error>>;
+    /// An app: `GET /work` ("done") under `ShedLayer::new(pool).max_wait(max_wait)`,
+    /// `GET /ready` the readiness service with `bound`.
+    #[cfg(feature = "http")]
+    fn app(pool: &Self::Pool, max_wait: Duration, bound: Duration) -> axum::Router;
     fn readiness(pool: &Self::Pool, t: Duration) -> BoxFuture<'_, Result<Duration, Error>>;
     fn close(pool: &Self::Pool) -> BoxFuture<'_, ()>;
 
@@ -184,7 +208,8 @@ macro_rules! configured {
             .housekeeping_interval(s.housekeeping)
             .policy(s.policy)
             .unlock_timeout(s.unlock_timeout)
-            .pooler(s.pooler);
+            .pooler(s.pooler)
+            .census_interval(s.census);
         if let Some(max) = s.budget {
             b = b.lane(Lane::SessionLock, 0, max);
         }
@@ -254,14 +279,49 @@ macro_rules! common_methods {
         fn readiness(pool: &Self::Pool, t: Duration) -> BoxFuture<'_, Result<Duration, Error>> {
             Box::pin(pool.readiness(t))
         }
+
+        #[track_caller]
+        fn census(pool: &Self::Pool) -> BoxFuture<'_, Result<pgwarden::Census, Error>> {
+            Box::pin(pool.census())
+        }
+
+        fn detect_pooler(pool: &Self::Pool) -> BoxFuture<'_, Result<PoolerMode, Error>> {
+            Box::pin(pool.detect_pooler())
+        }
+
+        #[cfg(feature = "http")]
+        fn app(pool: &Self::Pool, max_wait: Duration, bound: Duration) -> axum::Router {
+            axum::Router::new()
+                .route("/work", axum::routing::get(|| async { "done" }))
+                .layer(pgwarden::http::ShedLayer::new(pool).max_wait(max_wait))
+                .route_service(
+                    "/ready",
+                    pgwarden::http::Readiness::new(pool.clone()).bound(bound),
+                )
+        }
     };
+}
+
+/// `GET path` on `app`, in process: its status and body.
+#[cfg(feature = "http")]
+pub async fn call(app: &axum::Router, path: &str) -> (u16, String) {
+    use tower_service::Service as _;
+    let req = axum::http::Request::get(path)
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let resp = app.clone().call(req).await.expect("infallible");
+    let status = resp.status().as_u16();
+    let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    (status, String::from_utf8_lossy(&body).into_owned())
 }
 
 /// sqlx's connect options for a test database (`$sqlx`: the sqlx crate).
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
 macro_rules! sqlx_options {
     ($sqlx:ident, $db:expr) => {{
-        let (host, socket, port, user, dbname) = $crate::support::backend::sqlx_target($db);
+        let (host, socket, port, user, dbname) = $crate::support::backend::sqlx_target(&$db);
         let mut opts = $sqlx::postgres::PgConnectOptions::new_without_pgpass()
             .port(port)
             .username(&user)
@@ -286,7 +346,17 @@ impl Backend for Deadpool {
     type DropInError = deadpool_postgres::PoolError;
 
     fn build(db: &TestDb, s: &Settings) -> pgwarden::Pool {
-        configured!(super::builder(db, s.size), s)
+        Self::with(
+            pgwarden::Pool::builder(db.deadpool(s.size).expect("deadpool")),
+            s,
+        )
+    }
+
+    fn build_through(b: &PgBouncer, s: &Settings) -> pgwarden::Pool {
+        Self::with(
+            pgwarden::Pool::builder(b.deadpool(s.size).expect("deadpool")),
+            s,
+        )
     }
 
     fn build_watched(db: &TestDb, s: &Settings) -> (pgwarden::Pool, Arc<AtomicUsize>) {
@@ -357,6 +427,12 @@ impl Backend for Deadpool {
         })
     }
 
+    fn run<'a>(c: &'a mut pgwarden::Client, sql: &'static str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            c.simple_query(sql).await.expect(sql);
+        })
+    }
+
     fn close(pool: &pgwarden::Pool) -> BoxFuture<'_, ()> {
         pool.close();
         Box::pin(std::future::ready(()))
@@ -407,10 +483,17 @@ impl Backend for Deadpool {
     }
 }
 
-/// The sqlx connect options of `db` (a socket directory or a host).
+impl Deadpool {
+    /// The settings on a deadpool builder.
+    fn with(b: pgwarden::PoolBuilder, s: &Settings) -> pgwarden::Pool {
+        configured!(b, s)
+    }
+}
+
+/// The sqlx connect options of `cfg` (a socket directory or a host).
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
 pub fn sqlx_target(
-    db: &TestDb,
+    cfg: &tokio_postgres::Config,
 ) -> (
     Option<String>,
     Option<std::path::PathBuf>,
@@ -418,7 +501,6 @@ pub fn sqlx_target(
     String,
     String,
 ) {
-    let cfg = db.pg_config();
     let (host, socket) = match cfg.get_hosts().first() {
         Some(tokio_postgres::config::Host::Unix(p)) => (None, Some(p.clone())),
         Some(tokio_postgres::config::Host::Tcp(h)) => (Some(h.clone()), None),
@@ -444,17 +526,20 @@ macro_rules! sqlx_backend {
             type DropInError = $sqlx::Error;
 
             fn build(db: &TestDb, s: &Settings) -> Self::Pool {
-                let opts = sqlx_options!($sqlx, db);
-                let pg = $sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(s.size as u32)
-                    .connect_lazy_with(opts);
-                configured!($($pg)::+::Pool::builder(pg), s)
+                Self::with(sqlx_options!($sqlx, db.pg_config()), s)
+            }
+
+            fn build_through(b: &PgBouncer, s: &Settings) -> Self::Pool {
+                let opts = sqlx_options!($sqlx, b.pg_config())
+                    .ssl_mode($sqlx::postgres::PgSslMode::Disable)
+                    .statement_cache_capacity(0);
+                Self::with(opts, s)
             }
 
             fn build_watched(db: &TestDb, s: &Settings) -> (Self::Pool, Arc<AtomicUsize>) {
                 let found = Arc::new(AtomicUsize::new(0));
                 let seen = found.clone();
-                let opts = sqlx_options!($sqlx, db);
+                let opts = sqlx_options!($sqlx, db.pg_config());
                 let pg = $sqlx::postgres::PgPoolOptions::new()
                     .max_connections(s.size as u32)
                     .after_release(move |c, _| {
@@ -507,6 +592,16 @@ macro_rules! sqlx_backend {
                         .execute(&mut **c)
                         .await
                         .expect("SELECT 1");
+                })
+            }
+
+            fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()> {
+                Box::pin(async move {
+                    $sqlx::query(sql)
+                        .persistent(false)
+                        .execute(&mut **c)
+                        .await
+                        .expect(sql);
                 })
             }
 
@@ -564,6 +659,16 @@ macro_rules! sqlx_backend {
                     })
                 });
                 Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
+            }
+        }
+
+        impl $backend {
+            /// The settings on a sqlx pool over `opts`.
+            fn with(opts: $sqlx::postgres::PgConnectOptions, s: &Settings) -> $($pg)::+::Pool {
+                let pg = $sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(s.size as u32)
+                    .connect_lazy_with(opts);
+                configured!($($pg)::+::Pool::builder(pg), s)
             }
         }
     };

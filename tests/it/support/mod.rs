@@ -36,7 +36,9 @@ use pgwarden_testing::{TestDb, TestServer};
 use tokio_postgres::Client;
 
 pub use pgwarden_testing::{eventually, within, Stopped};
-pub use recorder::{counter, gauge, histogram, metrics_now, snapshot, with_recorder};
+pub use recorder::{
+    counter, gauge, histogram, metric, metrics_now, snapshot, watch, with_recorder,
+};
 
 /// A fresh database on the shared throwaway server (or `DATABASE_URL`'s).
 pub async fn db() -> TestDb {

@@ -52,6 +52,36 @@ pub fn metrics_now(s: &Snapshotter) -> HashMap<String, f64> {
         .collect()
 }
 
+/// Adds up what the readings of `snap` show (a reading resets what it
+/// reads) until `done` holds, within `limit`: counters and duration
+/// histograms' counts add up, gauges keep their largest value.
+pub async fn watch(
+    snap: &Snapshotter,
+    limit: std::time::Duration,
+    what: &str,
+    mut done: impl FnMut(&HashMap<String, f64>) -> bool,
+) -> HashMap<String, f64> {
+    let mut seen: HashMap<String, f64> = HashMap::new();
+    pgwarden_testing::eventually(limit, what, || {
+        for (k, v) in metrics_now(snap) {
+            let e = seen.entry(k.clone()).or_insert(0.0);
+            if k.contains("_total") || k.contains("_seconds{") && k.contains("duration") {
+                *e += v;
+            } else {
+                *e = e.max(v);
+            }
+        }
+        std::future::ready(done(&seen))
+    })
+    .await;
+    seen
+}
+
+/// The value of `k` in a [`watch`] or [`metrics_now`] reading (0 if absent).
+pub fn metric(m: &HashMap<String, f64>, k: &str) -> f64 {
+    m.get(k).copied().unwrap_or(0.0)
+}
+
 /// The counter `k` of a [`snapshot`]; panics when it is missing or not a counter.
 pub fn counter(s: &HashMap<String, DebugValue>, k: &str) -> u64 {
     match s.get(k) {
