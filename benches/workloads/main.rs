@@ -29,6 +29,7 @@ mod plain;
 mod profile;
 mod profile_leases;
 mod renewal;
+mod single;
 mod takeover;
 
 use std::fmt::Write as _;
@@ -71,6 +72,9 @@ fn main() -> Result<(), BoxError> {
     }
     if let Some(i) = args.iter().position(|a| a == "--profile-leases") {
         return profile_leases::profile_main(&args[i + 1..]);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--profile-single") {
+        return single::profile_main(&args[i + 1..]);
     }
     if let Some(i) = args.iter().position(|a| a == "--profile") {
         return profile::profile_main(&args[i + 1..]);
@@ -159,6 +163,16 @@ fn main() -> Result<(), BoxError> {
         if want("6") {
             rows.push(takeover::takeover(server, settings).await?);
             timed("6", began, &rows);
+        }
+        let began = std::time::Instant::now();
+        if want("6a") {
+            rows.push(single::single(server, settings, false).await?);
+            timed("6a", began, &rows);
+        }
+        let began = std::time::Instant::now();
+        if want("6b") {
+            rows.push(single::single(server, settings, true).await?);
+            timed("6b", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("7") {
@@ -276,6 +290,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
         long_run::describe(s),
         renewal::describe(s),
         takeover::describe(s),
+        single::describe(s),
         paused::describe(s),
         http::describe(s),
     ] {
