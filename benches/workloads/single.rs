@@ -16,9 +16,10 @@
 //! statements it sent; client CPU per pair is this process's CPU while the
 //! side ran, over its pairs.
 //!
-//! `--profile-single plain|pgwarden PAIRS` runs one instance of one side
-//! for a fixed number of pairs (for `perf stat` or callgrind) and prints
-//! the server's WAL bytes per pair.
+//! `--profile-single plain|pgwarden PAIRS [INSTANCES]` runs one side (one
+//! instance, or as many as asked, a task each) for a fixed number of pairs
+//! (for `perf stat` or callgrind) and prints the server's WAL bytes per
+//! pair.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -249,13 +250,18 @@ pub async fn single(server: &TestServer, s: Settings, fleet: bool) -> Result<Row
     })
 }
 
-/// `--profile-single plain|pgwarden PAIRS`: one instance of one side, a
+/// `--profile-single plain|pgwarden PAIRS [INSTANCES]`: one side, a
 /// fixed number of pairs; prints the WAL bytes per pair (the server's
 /// `pg_current_wal_lsn()` before and after).
 pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
-    let (which, pairs) = match args {
-        [which, pairs, ..] => (which.to_owned(), pairs.parse::<u64>()?),
-        _ => return Err("usage: --profile-single plain|pgwarden PAIRS".into()),
+    let usage = "usage: --profile-single plain|pgwarden PAIRS [INSTANCES]";
+    let (which, pairs, instances) = match args {
+        [which, pairs, rest @ ..] => (
+            which.to_owned(),
+            pairs.parse::<u64>()?,
+            rest.first().map_or(Ok(1), |n| n.parse::<usize>())?,
+        ),
+        _ => return Err(usage.into()),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -263,16 +269,33 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
     rt.block_on(async {
         let server = TestServer::shared()?;
         let side = match which.as_str() {
-            "plain" => plain_side(server, 1).await?,
-            "pgwarden" => warden_side(server, 1).await?,
-            _ => return Err("usage: --profile-single plain|pgwarden PAIRS".into()),
+            "plain" => plain_side(server, instances).await?,
+            "pgwarden" => warden_side(server, instances).await?,
+            _ => return Err(usage.into()),
         };
         let monitor = server.create_database().await?.connect().await?;
-        let op = side.ops[0].clone();
         let wal0 = wal_bytes(&monitor).await?;
         let t0 = std::time::Instant::now();
-        for _ in 0..pairs {
-            op().await;
+        // Each instance's task on the runtime's workers, as in rows 6a and
+        // 6b; `pairs` in all.
+        let left = Arc::new(AtomicU64::new(pairs));
+        let tasks: Vec<_> = side
+            .ops
+            .iter()
+            .map(|op| {
+                let (op, left) = (op.clone(), left.clone());
+                tokio::spawn(async move {
+                    while left
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                        .is_ok()
+                    {
+                        op().await;
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await?;
         }
         let took = t0.elapsed();
         let wal = wal_bytes(&monitor).await? - wal0;
