@@ -110,7 +110,7 @@ async fn warden_side(server: &TestServer, instances: usize) -> Result<Side, BoxE
     let mut all = Vec::new();
     for i in 0..instances {
         let pool = Pool::builder(db.deadpool(POOL)?)
-            .name(&format!("bench-single-{i}"))
+            .name(format!("bench-single-{i}"))
             .build()?;
         let found = pool.detect_pooler().await?;
         if found != PoolerMode::Direct {
@@ -162,7 +162,9 @@ async fn each(ops: &[Op], dur: Duration) -> f64 {
         .collect();
     let mut total = 0;
     for t in tasks {
-        total += t.await.expect("a benchmark task failed: its operation panicked");
+        total += t
+            .await
+            .expect("a benchmark task failed: its operation panicked");
     }
     total as f64 / start.elapsed().as_secs_f64()
 }
@@ -311,10 +313,7 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
 /// The server's WAL position in bytes.
 async fn wal_bytes(monitor: &tokio_postgres::Client) -> Result<i64, BoxError> {
     let r = monitor
-        .query_one(
-            "SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8",
-            &[],
-        )
+        .query_one("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8", &[])
         .await?;
     Ok(r.get(0))
 }

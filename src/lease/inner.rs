@@ -404,8 +404,7 @@ impl Inner {
         budget: Duration,
         stmt: &S,
     ) -> Result<S::Out, Error> {
-        self.run_then(urgency, began, budget, stmt, || None)
-            .await
+        self.run_then(urgency, began, budget, stmt, || None).await
     }
 
     /// [`Inner::run`] from `began`, with `follow_up` run once a statement
