@@ -556,6 +556,8 @@ other helpers' builds and tests, load average in brackets):
 | 5ff12b2 | 6a (load 24) | 1,795; server 82, client 56 | 2,111; server 52, client 46 | 1.282 | 0.676 to 1.933 | unresolved |
 | 5ff12b2 | 6a (load 17.8) | 1,698; server 65, client 41 | 2,300; server 47, client 45 | 0.983 | 0.704 to 1.469 | unresolved |
 | 5ff12b2 | 6b (load 14.5) | 2,986; server 77, client 30 | 2,071; server 95, client 43 | 0.615 | 0.479 to 0.908 | unresolved |
+| 81a437a | 6a (load 11.8) | 1,692; server 85, client 53 | 1,699; server 66, client 55 | 0.867 | 0.730 to 1.177 | unresolved |
+| 81a437a | 6b (load 14.5) | 9,577; server 62, client 25 | 6,564; server 70, client 33 | 0.710 | 0.590 to 0.758 | no |
 
 Server and client figures are CPU per pair (`/proc/<pid>/stat` of the
 side's backends, and of this process while the side ran). At load averages
@@ -623,8 +625,8 @@ spent per pair (pgwarden 123 µs against 95 at 5ff12b2, 0.77): the release
 keeps every row until the purge (issue 30, point 1), so the table and its
 index grow through the run (WAL 461 bytes a pair against 379), and every
 acquisition's `nextval` takes the sequence's one buffer exclusively. Row 6a
-measured 0.92, 0.98 and 1.28 after the change, each unresolved on this
-machine's load (never yes); row 6b 0.61 to 0.64 throughout, short of the
+measured 0.92, 0.98, 1.28 and 0.87 after the change, each unresolved on
+this machine's load (never yes); row 6b 0.61 to 0.71 throughout, short of the
 target with every guarantee kept: the server's share alone (16.5 µs of
 guarantees, 4 µs of the term's columns) is about a fifth of a pair that
 costs the seed's SQL 95 to 111 µs of CPU in that row.
