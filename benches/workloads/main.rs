@@ -29,6 +29,7 @@ mod plain;
 mod profile;
 mod profile_leases;
 mod renewal;
+mod single;
 mod takeover;
 
 use std::fmt::Write as _;
@@ -83,6 +84,9 @@ fn main() -> Result<(), BoxError> {
     }
     if let Some(i) = args.iter().position(|a| a == "--profile-leases") {
         return profile_leases::profile_main(&args[i + 1..]);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--profile-single") {
+        return single::profile_main(&args[i + 1..]);
     }
     if let Some(i) = args.iter().position(|a| a == "--profile") {
         return profile::profile_main(&args[i + 1..]);
@@ -182,6 +186,16 @@ fn main() -> Result<(), BoxError> {
         if want("6") {
             rows.push(takeover::takeover(server, settings).await?);
             timed("6", began, &rows);
+        }
+        let began = std::time::Instant::now();
+        if want("6a") {
+            rows.push(single::single(server, settings, false).await?);
+            timed("6a", began, &rows);
+        }
+        let began = std::time::Instant::now();
+        if want("6b") {
+            rows.push(single::single(server, settings, true).await?);
+            timed("6b", began, &rows);
         }
         let began = std::time::Instant::now();
         if want("7") {
@@ -300,6 +314,7 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
         long_run::describe(s),
         renewal::describe(s),
         takeover::describe(s),
+        single::describe(s),
         paused::describe(s),
         http::describe(s),
     ] {
@@ -547,4 +562,96 @@ number of pairs fixed before the first (96 for row 1, 20 criterion runs
 for row 2, 28 rounds per side for rows 4b and 4c, 12 trial pairs for
 row 6); the quartiles and the range are printed beside it. Row 1 alone on the new rule: 1.009, interval 0.990
 to 1.023, quartiles 0.974 to 1.052.
+
+Rows 6a and 6b (issue 30, point 6): where gathering cannot help. One task
+per instance acquires and releases a new name, so every acquisition and
+every release is a statement of its own. Issue 30 measured 0.84 (6a) and
+0.73 (6b) of the seed's SQL prepared. Every run of the rows, `--only 6a` or
+`--only 6b` (28 interleaved pairs of 1 s; the machine shared with three
+other helpers' builds and tests, load average in brackets):
+
+| build | row | seed's SQL prepared | pgwarden | B/A (median pair ratio) | 96 % CI | verdict |
+|---|---|---|---|---|---|---|
+| b50c82a (before) | 6a (load 7.7) | 6,304 pairs/s; server 52 µs/pair, client 30 µs/pair | 2,869 pairs/s; server 63, client 55 | 0.492 | 0.289 to 0.630 | no |
+| b50c82a (before) | 6b (load 10.5) | 8,576; server 72, client 28 | 5,302; server 89, client 41 | 0.609 | 0.565 to 0.708 | no |
+| 48a99c9 | 6a (load 4.5) | 8,275; server 56, client 36 | 7,020; server 51, client 39 | 0.920 | 0.686 to 1.085 | unresolved |
+| 48a99c9 | 6b (load 6.0) | 8,281; server 82, client 29 | 5,164; server 99, client 43 | 0.631 | 0.593 to 0.690 | no |
+| 5ff12b2 | 6b (load 11.2) | 10,164; server 69, client 26 | 5,948; server 87, client 36 | 0.640 | 0.536 to 0.763 | no |
+| 5ff12b2 | 6a (load 24) | 1,795; server 82, client 56 | 2,111; server 52, client 46 | 1.282 | 0.676 to 1.933 | unresolved |
+| 5ff12b2 | 6a (load 17.8) | 1,698; server 65, client 41 | 2,300; server 47, client 45 | 0.983 | 0.704 to 1.469 | unresolved |
+| 5ff12b2 | 6b (load 14.5) | 2,986; server 77, client 30 | 2,071; server 95, client 43 | 0.615 | 0.479 to 0.908 | unresolved |
+| 81a437a | 6a (load 11.8) | 1,692; server 85, client 53 | 1,699; server 66, client 55 | 0.867 | 0.730 to 1.177 | unresolved |
+| 81a437a | 6b (load 14.5) | 9,577; server 62, client 25 | 6,564; server 70, client 33 | 0.710 | 0.590 to 0.758 | no |
+
+Server and client figures are CPU per pair (`/proc/<pid>/stat` of the
+side's backends, and of this process while the side ran). At load averages
+above 10 the pair ratios of one run spread from 0.2 to 10: those runs say
+little either way; the CPU per pair is the steadier figure.
+
+Client side. `valgrind --tool=callgrind` on `workloads --profile-single
+plain|pgwarden 10000` (one instance, one task, 10,000 pairs, against a
+server outside the process): the seed's SQL 39.9k instructions per pair,
+pgwarden 60.8k before. The largest part was the task each lone acquisition
+ran in (its spawn moved the whole statement future into the task: 3.5k
+instructions of `memcpy` a pair, plus the task's bookkeeping, a channel and
+the term's hand-over), and on two busy cores a wake-up of the other worker
+thread that the instruction count does not show: client CPU 55 µs per pair
+against the seed's 30 in row 6a. The lone acquisition now runs in its
+caller's future (48a99c9); a caller that gives up or runs out of time
+leaves the statement to end on the server exactly as before (cancelled on
+a direct connection, its connection waiting for its end, then the release
+by holder; the gather slot held until then), which `lease_gather_faults`
+checks: 52.3k instructions per pair, row 6a 0.49 → 0.92. What remains of
+the 12.4k over the seed's SQL, by function (self cost, pgwarden minus the
+seed's run):
+
+| instructions per pair | what | buys |
+|---|---|---|
+| 2.3k | deadpool's statement cache hashes the statement's text (SipHash) at every call: pgwarden's two texts are 1,100 bytes, the seed's 380 | nothing: a statement cache keyed by an id in the statement layer (`src/stmt*`, not changed here) would take it |
+| 2.1k | the client-side bound of every statement (`tokio::time::timeout`: a timer in the wheel, clock reads for the budget left) | bounded statements: a statement that does not answer in time is cancelled and its caller told |
+| 2.2k | the checkout through admission (lease lane, priorities) and deadpool's `timeout_get`, and the pooler lookup that picks named or unnamed statements | lanes (acquisitions never take the last lease slot, releases and renewals first); prepared only where sessions are kept |
+| 2.5k | the lease's own bookkeeping: options and name checked, the holder id, the term's local deadline and lost signal (`watch`), the renewer's registry, the gather queues' accounting | the lost signal, renewal, validation |
+| 0.9k | more futures moved (`memcpy`): an acquisition's future is larger than the seed's | nothing (cold paths are boxed: the blocked take-over's) |
+| 2.4k | the rest: three parameters and three columns decoded instead of one, the release's statement layer, allocations | — |
+
+Server side. callgrind on a single-user PostgreSQL 15 backend (fsync off)
+running 2,000 prepared pairs of each variant, a new name each, the lease
+table holding 20,000 released rows (`VACUUM ANALYZE`d), minus 2,000 pairs
+of `EXECUTE` of `SELECT $1`; single-user mode prints the returned rows
+(pgwarden's three columns, the seed's one). Each guarantee's cost is the
+shipped pair minus the pair without it; the microseconds split the server
+CPU per pair that row 6b measured above the seed's (17 µs, b50c82a: 89
+against 72) in proportion to the instructions (0.15 µs per 1,000), so they
+are estimates; the instructions are the measurement:
+
+| statements | instructions per pair | ≈ µs per pair | buys |
+|---|---|---|---|
+| the seed's SQL (`INSERT … ON CONFLICT … DO UPDATE … WHERE expires_at < now()` / `DELETE`) | 107.6k | | |
+| pgwarden's, before | 219.9k | +17 | |
+| pgwarden's, as shipped now (`date_part` instead of `extract`: PostgreSQL 14+ computes `extract` in numeric, then it was cast to float8) | 216.8k | +16.5 | |
+| … the live-term probe (its index scan set up and run at every acquisition) | 36.9k | 5.6 | an attempt on a held name takes no row lock and never waits on a holder, not even one inside a fenced transaction (readers never block writers), and picks the lock bound: 20 ms for a take-over, the statement timeout for a new row |
+| … the release keeps the row (`UPDATE` instead of `DELETE`) | 19.3k | 2.9 | tokens strictly increasing per name: the next term takes the row over and draws its token with the row locked |
+| … the server-side lock bound (`set_config('lock_timeout', …, true)` in both statements; at commit PostgreSQL 15 walks every setting to undo it: 3.4k a statement) | 17.6k | 2.7 | bounded statements on the server, even when the client is gone and no cancel can come |
+| … the token from the sequence (`nextval`) | 13.3k | 2.0 | fencing tokens |
+| … the rest (eight columns against four, `renewed_at`, the take-over's `SET` list, three returned columns and their printing) | 26.2k | 4.0 | the term's start, previous holder and TTL for readers (`pgwarden check`), holds |
+
+Tried and not kept: the probe as one initplan inside the bound
+(`set_config('lock_timeout', coalesce((SELECT CASE WHEN live THEN '0' ELSE
+'20' END …), '10000'), true) <> '0'`): 2.1k instructions less per pair, a
+statement much harder to read. pgbench against a running server (fsync
+off, one client, prepared) measured the same differences, but its server
+CPU per pair moved from 54 to 145 µs for the same statements with the
+machine's load: not used.
+
+What the rows measure beyond these: in row 6b (16 sessions on one table at
+once, two cores) the throughput ratio stays below the ratio of the CPU
+spent per pair (pgwarden 123 µs against 95 at 5ff12b2, 0.77): the release
+keeps every row until the purge (issue 30, point 1), so the table and its
+index grow through the run (WAL 461 bytes a pair against 379), and every
+acquisition's `nextval` takes the sequence's one buffer exclusively. Row 6a
+measured 0.92, 0.98, 1.28 and 0.87 after the change, each unresolved on
+this machine's load (never yes); row 6b 0.61 to 0.71 throughout, short of the
+target with every guarantee kept: the server's share alone (16.5 µs of
+guarantees, 4 µs of the term's columns) is about a fifth of a pair that
+costs the seed's SQL 95 to 111 µs of CPU in that row.
 ";

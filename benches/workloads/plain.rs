@@ -70,19 +70,19 @@ pub fn describe(s: Settings) -> String {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Mode {
+pub(crate) enum Mode {
     Prepared,
     Unnamed,
 }
 
 /// The plain lease SQL on a raw deadpool pool.
-struct Plain {
-    pool: deadpool_postgres::Pool,
-    mode: Mode,
+pub(crate) struct Plain {
+    pub(crate) pool: deadpool_postgres::Pool,
+    pub(crate) mode: Mode,
 }
 
 impl Plain {
-    async fn acquire(&self, name: &str, holder: &str) -> Result<bool, BoxError> {
+    pub(crate) async fn acquire(&self, name: &str, holder: &str) -> Result<bool, BoxError> {
         let conn = self.pool.get().await?;
         let ttl = TTL.as_secs_f64();
         let row = match self.mode {
@@ -105,7 +105,7 @@ impl Plain {
         Ok(row.is_some())
     }
 
-    async fn release(&self, name: &str, holder: &str) -> Result<bool, BoxError> {
+    pub(crate) async fn release(&self, name: &str, holder: &str) -> Result<bool, BoxError> {
         let conn = self.pool.get().await?;
         let n = match self.mode {
             Mode::Prepared => {
@@ -121,7 +121,7 @@ impl Plain {
     }
 }
 
-fn holder() -> String {
+pub(crate) fn holder() -> String {
     format!(
         "bench:{}:{:016x}",
         std::process::id(),
@@ -196,7 +196,7 @@ async fn measure(sides: &[Side], s: Settings) -> Result<Vec<Measured>, BoxError>
 
 /// CPU seconds (user + system) this process has used: the client side of
 /// the side that runs alone in a round.
-fn own_cpu() -> f64 {
+pub(crate) fn own_cpu() -> f64 {
     crate::renewal::cpu_ticks("/proc/self/stat").unwrap_or(0) as f64
         / crate::renewal::clock_ticks() as f64
 }

@@ -174,7 +174,10 @@ impl Inner {
             match self.acquire_gathered(&stmt).await? {
                 Ok(taken) => break taken,
                 Err(Busy::Blocked) => {
-                    let ended = self.takeover_blocked(name).await;
+                    // A cold path, boxed: its future stays out of every
+                    // acquisition's (moved whole at each of its awaits'
+                    // first polls).
+                    let ended = Box::pin(self.takeover_blocked(name)).await;
                     if ended && !tried_again {
                         tried_again = true;
                         continue;

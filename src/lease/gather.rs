@@ -25,9 +25,12 @@
 //! runs. Callers waiting for the same name share one attempt: the batch
 //! tries the name once, the first caller gets the term if it was taken,
 //! the others the busy answer their own statements would have given then.
-//! A statement sent alone runs in a task of its own: a caller that gives up
-//! leaves it running to its end (cancelled on a direct connection), and
-//! what it took is released then, never before the statement has ended. A
+//! A statement sent alone runs in its caller's future (no task of its own:
+//! where nothing is gathered, a lease pair costs what its two statements
+//! cost): a caller that gives up leaves it to end on the server (cancelled
+//! on a direct connection), and what it took is released by holder once it
+//! has ended, never before (`InFlight`, in `inner.rs`), its slot held until
+//! then. A
 //! call still waiting after [`PATIENCE`] (100 ms, or
 //! twice the statements' recent time on a slow link, up to 1 s: the
 //! statements out are stuck on a lock or a slow server) leaves the queue
@@ -44,11 +47,8 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use super::inner::{Acquiring, FollowUp, Gather, Inner, Joined, Releasing, Urgency, Won};
-use super::table::{
-    Acquire, AcquireBatch, Busy, Call, LeaseStatement, Release, ReleaseBatch, Statements, Taken,
-};
+use super::table::{Acquire, AcquireBatch, Busy, Release, ReleaseBatch, Taken};
 use crate::error::{Error, LeaseError};
-use crate::stmt::{Conn, SqlError};
 
 /// Acquisition statements one instance sends at a time; acquisitions that
 /// come while this many are out are gathered into the next one.
@@ -296,75 +296,45 @@ impl Inner {
         }
     }
 
-    /// One acquisition in its own statement, run in a task of its own (with
-    /// `slot`, when it holds one): a caller that gives up (drops this
-    /// future) leaves the statement running to its end (cancelled on the
-    /// server where a cancel can reach it), and whatever it took is released
-    /// then, by its `Won`. Bounded by the statement timeout from `began`.
+    /// One acquisition in its own statement (with `slot`, when it holds
+    /// one), in its caller's future: no task, no channel. Cut short (out of
+    /// time, or this future dropped while the statement is out), the
+    /// statement is cancelled on the server where a cancel can reach it and
+    /// left to end there; whatever it took is released by holder once it
+    /// has ended, seen on its own connection (`InFlight`, in `inner.rs`),
+    /// and the slot is held until then, so that no more than [`IN_FLIGHT`]
+    /// acquisition statements are ever out. Bounded by the statement
+    /// timeout from `began`.
     async fn acquire_alone(
         self: &Arc<Self>,
         stmt: &Acquire<'_>,
         began: Instant,
         slot: Option<Slot<Acquiring>>,
     ) -> Result<Result<Taken, Busy>, Error> {
-        let own = OwnAcquire {
-            name: stmt.name.to_owned(),
-            holder: stmt.holder.to_owned(),
-            ttl: stmt.ttl,
-            hold: stmt.hold,
+        let had_slot = slot.is_some();
+        let (name, holder) = (stmt.name, stmt.holder);
+        let follow_up = move || -> Option<FollowUp> {
+            let (inner, name, holder) = (self.clone(), name.to_owned(), holder.to_owned());
+            Some(Box::pin(async move {
+                inner.release_cancelled(&name, &holder).await;
+                drop(slot); // the next batch may go
+            }))
         };
-        let (tx, rx) = oneshot::channel();
-        let inner = self.clone();
-        let task = async move {
-            let mut tx = tx;
-            let answer = {
-                let gone = std::pin::pin!(tx.closed());
-                let gone: std::pin::Pin<&mut (dyn Future<Output = ()> + Send)> = gone;
-                // Cut short by its timeout, the statement may have taken
-                // the lease: released by holder once it has ended.
-                let follow_up = || -> Option<FollowUp> {
-                    let (inner, name, holder) =
-                        (inner.clone(), own.name.clone(), own.holder.clone());
-                    Some(Box::pin(async move {
-                        inner.release_cancelled(&name, &holder).await;
-                    }))
-                };
-                inner
-                    .run_then(
-                        Urgency::Normal,
-                        began,
-                        inner.statement_timeout,
-                        &own,
-                        follow_up,
-                        Some(gone),
-                    )
-                    .await
-            };
-            if slot.is_some() {
-                inner.acquiring.lock().observe(began.elapsed());
-            }
-            drop(slot); // the next batch may go
-            let answer = answer.map(|r| r.map(|t| Won::new(&inner, &own.name, &own.holder, t)));
-            // Its caller gone: the term (if any) is released as the
-            // answer drops.
-            let _ = tx.send(answer);
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(task);
-            }
-            // No runtime to run it on (a caller polling this future with
-            // another executor): run it here.
-            Err(_) => task.await,
+        let answer = self
+            .run_then(
+                Urgency::Normal,
+                began,
+                self.statement_timeout,
+                stmt,
+                follow_up,
+            )
+            .await;
+        // Ended (its slot, if any, dropped with the follow-up it was not
+        // needed for): its time is the statements' recent time.
+        if had_slot {
+            self.acquiring.lock().observe(began.elapsed());
         }
-        match rx.await {
-            Ok(answer) => answer.map(|r| r.map(Won::take)),
-            // The task is gone (its runtime shut down).
-            Err(_) => Err(Error::Lease(LeaseError::Timeout {
-                what: "acquisition",
-                waited: began.elapsed(),
-            })),
-        }
+        answer
     }
 
     /// One release statement within `budget`, alone or gathered with others:
@@ -499,7 +469,6 @@ impl Inner {
                 self.statement_timeout,
                 &stmt,
                 follow_up,
-                None,
             )
             .await;
         match answer {
@@ -579,36 +548,6 @@ impl Inner {
                 batch.into_iter().for_each(Gathered::alone)
             }
         }
-    }
-}
-
-/// An acquisition statement that owns its parameters, for a task of its own.
-struct OwnAcquire {
-    name: String,
-    holder: String,
-    ttl: f64,
-    hold: Option<(f64, f64)>,
-}
-
-impl LeaseStatement for OwnAcquire {
-    type Out = Result<Taken, Busy>;
-    const WHAT: &'static str = "acquisition";
-    async fn exec<'a, C: Conn>(
-        &'a self,
-        sql: &'a Statements,
-        client: &'a mut C,
-        call: Call,
-    ) -> Result<Self::Out, SqlError> {
-        let stmt = Acquire {
-            name: &self.name,
-            holder: &self.holder,
-            ttl: self.ttl,
-            hold: self.hold,
-        };
-        stmt.exec(sql, client, call).await
-    }
-    fn on_lock_timeout() -> Option<Self::Out> {
-        Acquire::on_lock_timeout()
     }
 }
 

@@ -392,7 +392,7 @@ impl Inner {
         budget: Duration,
         stmt: &S,
     ) -> Result<S::Out, Error> {
-        self.run_then(urgency, Instant::now(), budget, stmt, || None, None)
+        self.run_then(urgency, Instant::now(), budget, stmt, || None)
             .await
     }
 
@@ -405,16 +405,13 @@ impl Inner {
         budget: Duration,
         stmt: &S,
     ) -> Result<S::Out, Error> {
-        self.run_then(urgency, began, budget, stmt, || None, None)
-            .await
+        self.run_then(urgency, began, budget, stmt, || None).await
     }
 
     /// [`Inner::run`] from `began`, with `follow_up` run once a statement
-    /// cut short (timed out, or its future dropped) has ended on the server
-    /// (see [`InFlight`]). When `abandoned` completes while the statement is
-    /// out (its caller gave up), the statement is cancelled on the server
-    /// (on a connection known to be direct) and still driven to its end, so
-    /// that its caller's task learns what it did.
+    /// cut short (timed out, or its future dropped: its caller gave up) has
+    /// ended on the server (see [`InFlight`]: cancelled first on a
+    /// connection known to be direct).
     pub(crate) async fn run_then<S, F>(
         &self,
         urgency: Urgency,
@@ -422,7 +419,6 @@ impl Inner {
         budget: Duration,
         stmt: &S,
         follow_up: F,
-        mut abandoned: Option<Pin<&mut (dyn Future<Output = ()> + Send)>>,
     ) -> Result<S::Out, Error>
     where
         S: LeaseStatement,
@@ -440,7 +436,6 @@ impl Inner {
         let mut serialization_retries = 0u32;
         loop {
             let left = budget.saturating_sub(began.elapsed());
-            let abandoned = abandoned.as_mut();
             let outcome = tokio::time::timeout(left, async {
                 let conn = self.checkout(urgency, left).await?;
                 self.count_statement();
@@ -449,25 +444,7 @@ impl Inner {
                     stamped: !self.unstamped.load(Ordering::Relaxed),
                 };
                 let conn = flight.conn.insert(conn);
-                let pid = conn.pid();
-                let exec = stmt.exec(&self.sql, on_mut(conn), call);
-                let Some(abandoned) = abandoned else {
-                    return Ok::<_, Error>(exec.await);
-                };
-                let mut exec = std::pin::pin!(exec);
-                tokio::select! {
-                    out = &mut exec => return Ok(out),
-                    () = abandoned.as_mut() => {}
-                }
-                // Its caller gave up: cancelled on the server where a
-                // cancel can reach it, driven to its end either way.
-                if self.named() {
-                    let pool = self.pool();
-                    tokio::spawn(async move {
-                        let _ = cancel_backend(&pool, pid).await;
-                    });
-                }
-                Ok(exec.await)
+                Ok::<_, Error>(stmt.exec(&self.sql, on_mut(conn), call).await)
             })
             .await;
             match outcome {

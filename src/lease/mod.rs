@@ -286,13 +286,13 @@ impl Leases {
     /// ([`LeaseError::Timeout`](crate::LeaseError::Timeout)), a table of another shape
     /// ([`LeaseError::TableMismatch`](crate::LeaseError::TableMismatch)) or the database's.
     ///
-    /// Cancellation: the statement runs in a task of its own. A future
-    /// dropped after its statement went out leaves that task running: the
-    /// statement is cancelled on the server where a cancel can reach it (a
-    /// connection known to be direct: `pg_cancel_backend`, sent on another
-    /// connection of the pool, so with the pool's own TLS), and driven to
-    /// its end either way; if it took the lease, the lease is released
-    /// then, in the background, never before the statement has ended. The
+    /// Cancellation: a future dropped after its statement went out leaves
+    /// the statement to end on the server: it is cancelled there where a
+    /// cancel can reach it (a connection known to be direct:
+    /// `pg_cancel_backend`, sent on another connection of the pool, so with
+    /// the pool's own TLS), its connection waits for its end, and if it
+    /// took the lease, the lease is released then, in the background, never
+    /// before the statement has ended. The
     /// same holds for an acquisition answered by a batch while its future
     /// was not polled, then dropped. A statement that runs out of time is
     /// cancelled the same way, and its connection waits for its end (up to

@@ -247,13 +247,16 @@ impl Statements {
             lock_ms(timeout),
             lock_ms(TAKEOVER_WAIT.min(timeout))
         );
+        // The term's start as float8 seconds straight from `date_part`
+        // (PostgreSQL 14 and later compute `extract` in numeric: 3k
+        // server instructions more per acquisition for the same float8).
         let on_conflict = format!(
             "ON CONFLICT (name) DO UPDATE
    SET name = excluded.name, holder = excluded.holder, token = nextval({seq}),
        taken_at = excluded.taken_at, expires_at = excluded.expires_at,
        held_until = excluded.held_until, prev_holder = l.holder{{stamp_set}}
  WHERE l.expires_at < now() AND l.held_until <= now()
-RETURNING l.token, l.prev_holder, extract(epoch FROM l.taken_at)::float8"
+RETURNING l.token, l.prev_holder, date_part('epoch', l.taken_at)"
         );
         Statements {
             // Without a hold, `held_until` keeps its default ('-infinity'):
@@ -302,7 +305,7 @@ SELECT r.name, r.holder, nextval({seq}), now(), now() + make_interval(secs => r.
                 lock_ms(TAKEOVER_WAIT.min(timeout))
             )),
             free_in: format!(
-                "SELECT extract(epoch FROM greatest(expires_at, held_until) - now())::float8 FROM {tbl} WHERE name = $1"
+                "SELECT date_part('epoch', greatest(expires_at, held_until) - now()) FROM {tbl} WHERE name = $1"
             ),
             // One statement renews every lease of the batch, each within its
             // own term only.

@@ -367,3 +367,46 @@ async fn a_timed_out_acquisition_is_released_after_its_statement_ends() {
     )
     .await;
 }
+
+/// On a connection known to be direct, an acquisition dropped while its
+/// statement waits on the server (on another session's uncommitted insert
+/// of the same name): the statement is cancelled there while the insert is
+/// still open, and nothing is left held; once the insert rolls back, the
+/// name is free. A lone acquisition runs in its caller's future (no task of
+/// its own, so that a pair where nothing is gathered costs what its two
+/// statements cost): this is its path when the caller is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_acquisition_on_a_direct_connection_is_cancelled_on_the_server() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = pool_behind(db.pg_config(), 4, "dropped-direct", PoolerMode::Direct);
+    let leases = Leases::builder(&pool)
+        .statement_timeout(10 * S)
+        .build()
+        .unwrap();
+    leases.install().await.unwrap();
+    let inserter = insert_uncommitted(&db).await;
+    let caller = tokio::spawn({
+        let leases = leases.clone();
+        async move { leases.acquire("first", &opts(), None).await }
+    });
+    eventually(5 * S, "the statement waits on the insert", || async {
+        busy_backends(&admin, "dropped-direct").await.0 == 1
+    })
+    .await;
+    caller.abort(); // its future dropped while the statement waits
+    eventually(
+        5 * S,
+        "the statement cancelled on the server, the insert still open",
+        || async { busy_backends(&admin, "dropped-direct").await.0 == 0 },
+    )
+    .await;
+    assert!(!held(&admin, "first").await, "nothing took `first`");
+    inserter.batch_execute("ROLLBACK").await.unwrap();
+    let lease = leases
+        .acquire("first", &opts(), None)
+        .await
+        .unwrap()
+        .expect("free once the insert rolled back");
+    lease.release().await.unwrap();
+}
