@@ -12,6 +12,12 @@ use pgwarden_testing::{eventually, within, Stopped, TestDb, TestServer};
 use serde_json::Value;
 use tokio::process::{Child, Command};
 
+/// The TLS-only pool's cancel (a library test that needs this crate's TLS
+/// stack): a module of this binary, not a binary of its own to link and
+/// run after this one.
+#[path = "cli/lease_tls_cancel.rs"]
+mod lease_tls_cancel;
+
 const BIN: &str = env!("CARGO_BIN_EXE_pgwarden");
 const BOUND: Duration = Duration::from_secs(20);
 
@@ -108,7 +114,7 @@ fn job(dir: &Path, term_code: i32) -> Vec<String> {
         "sh".into(),
         "-c".into(),
         format!(
-            "trap 'echo term > {d}/term; exit {term_code}' TERM
+            "trap 'echo term > {d}/term.tmp && mv {d}/term.tmp {d}/term; exit {term_code}' TERM
 echo \"$PGWARDEN_LEASE $PGWARDEN_TOKEN\" > {d}/token.tmp && mv {d}/token.tmp {d}/token
 i=0; while [ ! -f {d}/go ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done
 echo done >> {d}/ran"
@@ -123,6 +129,10 @@ fn spawn_run(url: &str, name: &str, opts: &[&str], cmd: &[String]) -> Child {
     c.spawn().expect("spawn pgwarden run")
 }
 
+/// The file at `path` once it exists, read whole. Its writer writes a
+/// temporary file and renames it (`echo … > f.tmp && mv f.tmp f`): a file
+/// seen is complete (`echo … > f` is not: the shell creates `f` empty
+/// before it writes, and a read in between got "").
 async fn wait_file(path: &Path) -> String {
     eventually(
         BOUND,
@@ -1091,7 +1101,7 @@ i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
             "sh".to_owned(),
             "-c".to_owned(),
             format!(
-                "trap 'echo {name} > {d}/got; exit 5' {name}; touch {d}/up
+                "trap 'echo {name} > {d}/got.tmp && mv {d}/got.tmp {d}/got; exit 5' {name}; touch {d}/up
 i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
             ),
         ];
@@ -1530,7 +1540,7 @@ async fn under_nohup_a_hangup_neither_reaches_nor_stops_the_command() {
     let script = format!(
         "trap 'echo hup >> {d}/sig; exit 3' HUP
 trap 'echo term >> {d}/sig; exit 0' TERM
-echo $$ > {d}/started
+echo $$ > {d}/started.tmp && mv {d}/started.tmp {d}/started
 while :; do sleep 0.05; done"
     );
     let mut c = pgwarden(&url);
@@ -1618,7 +1628,7 @@ async fn a_stderr_file_at_its_size_limit_does_not_end_run_or_its_keeper() {
         .open(dir.join("err"))
         .unwrap();
     let d = dir.display();
-    let script = format!("(sleep 1000; echo late >> {d}/late) & echo $! > {d}/started; wait");
+    let script = format!("(sleep 1000; echo late >> {d}/late) & echo $! > {d}/started.tmp && mv {d}/started.tmp {d}/started; wait");
     let mut c = pgwarden(&url);
     c.arg("run")
         .arg("fsize")
@@ -1670,22 +1680,43 @@ async fn a_stuck_stderr_does_not_delay_killing_the_tree() {
     takeover_leaves_no_overlap(Failing::StuckStderrRevoked, false).await;
 }
 
-/// At the default settings (TTL 60 s, grace 10 s): about a minute each.
+/// At `run`'s default settings (TTL 60 s, grace 10 s), three ways the old
+/// `run` fails, each waited out to the take-over (about a minute): frozen
+/// (`SIGSTOP`); cron's `timeout -k`, whose group kill lands during the 10 s
+/// grace of the SIGTERM timeout sent first; cut off from the database.
+///
+/// One test running the three at once (each with its database, directory
+/// and proxy of its own, as three tests did), every one run to its end and
+/// every failure named: the minute is waited once, on one test thread, not
+/// three. Its name sorts near the top: libtest starts tests in name order,
+/// and the binary's longest test starting first lets the other 40-odd run
+/// on the other threads meanwhile instead of after it.
 #[tokio::test(flavor = "multi_thread")]
-async fn at_the_default_settings_a_frozen_run_leaves_no_overlap() {
-    takeover_leaves_no_overlap(Failing::Sigstop, true).await;
-}
-
-/// Cron's `timeout -k` at `run`'s defaults: the group kill lands during
-/// the 10 s grace of the SIGTERM timeout sent first.
-#[tokio::test(flavor = "multi_thread")]
-async fn at_the_default_settings_timeout_k_leaves_no_overlap() {
-    takeover_leaves_no_overlap(Failing::TimeoutKill, true).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn at_the_default_settings_a_run_cut_off_from_the_database_leaves_no_overlap() {
-    takeover_leaves_no_overlap(Failing::LostDatabase, true).await;
+async fn a_default_ttl_takeover_leaves_no_overlap_frozen_timed_out_or_cut_off() {
+    let cases = [
+        Failing::Sigstop,
+        Failing::TimeoutKill,
+        Failing::LostDatabase,
+    ];
+    let tasks: Vec<_> = cases
+        .into_iter()
+        .map(|how| (how, tokio::spawn(takeover_leaves_no_overlap(how, true))))
+        .collect();
+    let mut failed = Vec::new();
+    for (how, task) in tasks {
+        if let Err(e) = task.await {
+            let msg = match e.try_into_panic() {
+                Ok(p) => p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default(),
+                Err(e) => e.to_string(),
+            };
+            failed.push(format!("{how:?}: {msg}"));
+        }
+    }
+    assert!(failed.is_empty(), "at the defaults:\n{}", failed.join("\n"));
 }
 
 #[tokio::test(flavor = "multi_thread")]

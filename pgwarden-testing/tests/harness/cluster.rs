@@ -272,7 +272,11 @@ fn cluster_watchdog_child_helper() {
 #[tokio::test]
 async fn watchdogs_stop_both_servers_when_the_process_aborts() -> Result {
     let out = Command::new(std::env::current_exe()?)
-        .args(["cluster_watchdog_child_helper", "--exact", "--nocapture"])
+        .args([
+            "cluster::cluster_watchdog_child_helper",
+            "--exact",
+            "--nocapture",
+        ])
         .args(["--test-threads", "1"])
         .env(CHILD_ENV, "1")
         .output()?;

@@ -199,7 +199,7 @@ fn watchdog_child_helper() {
 
 async fn watchdog_case(how: &str) -> Result {
     let out = Command::new(std::env::current_exe()?)
-        .args(["watchdog_child_helper", "--exact", "--nocapture"])
+        .args(["server::watchdog_child_helper", "--exact", "--nocapture"])
         .args(["--test-threads", "1"])
         .env(CHILD_ENV, how)
         .env_remove("DATABASE_URL")
