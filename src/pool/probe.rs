@@ -65,9 +65,18 @@ impl<B: Source> Shared<B> {
             }
             r => r,
         };
+        let took = start.elapsed();
+        let result = match result {
+            // Answered, but after the bound (the answer and the timer came
+            // in one wake-up, the answer polled first; a busy machine wakes
+            // late): not ready within it, whatever the order of the polls.
+            Ok(()) if took > timeout => {
+                Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout)))
+            }
+            r => r,
+        };
         match result {
             Ok(()) => {
-                let took = start.elapsed();
                 m.readiness.record(took.as_secs_f64());
                 Ok(took)
             }

@@ -200,10 +200,27 @@ fn dashboards_and_alerts_against_a_real_prometheus() -> Result {
         );
     }
     assert!(ok > 0, "no request succeeded");
+    // On a loaded machine (load 13-20 with builds beside the test) either
+    // instance may also shed a request whose expected wait is over the
+    // shed layer's bound: a 503 that says so (`"shed":true,"reason":"busy"`)
+    // is the layer doing its job, not a failure. Counted, and printed.
+    let shed =
+        |what: &str| what.starts_with("503") && what.contains("\"shed\":true,\"reason\":\"busy\"");
+    say!(
+        "shed as busy: {} on a, {} on b",
+        failures
+            .iter()
+            .filter(|(ad, w)| *ad == a.addr && shed(w))
+            .count(),
+        failures
+            .iter()
+            .filter(|(ad, w)| *ad == b.addr && shed(w))
+            .count()
+    );
     assert!(
         failures
             .iter()
-            .all(|(addr, what)| *addr == b.addr && what.starts_with("503")),
+            .all(|(addr, what)| (*addr == b.addr && what.starts_with("503")) || shed(what)),
         "request load failed beyond b's freeze: {failures:?}"
     );
     assert!(lock_refused > 0, "the budget never refused a session lock");

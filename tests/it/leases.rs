@@ -319,7 +319,15 @@ async fn one_statement_renews_a_thousand_leases() {
         renewed / renewal_statements,
         after.last_renewal
     );
-    assert_eq!(statements, renewal_statements, "nothing but renewals");
+    // The purge's interval (10 s) comes round during the test on a slow
+    // machine (1,000 acquisitions took 7.3 s at load 20): its statement is
+    // the only other one allowed.
+    let purges = after.purge_statements - before.purge_statements;
+    assert_eq!(
+        statements,
+        renewal_statements + purges,
+        "nothing but renewals (and the purge's statements)"
+    );
     assert_eq!(
         renewed,
         1000 * renewal_statements,

@@ -383,8 +383,14 @@ async fn session_locks_dropped_at_random_await_points_leave_no_lock<B: Backend>(
         direct_dirty.load(Ordering::Acquire),
     );
     assert_eq!(dirty, (0, 0), "connections back in the pool holding a lock");
-    let left = raw_locks(&raw).await;
-    assert!(left.is_empty(), "advisory locks left: {left:?}");
+    // A connection the release closed (its unlock unconfirmed) has its
+    // backend end a moment after its client: its locks go with it, but a
+    // loaded machine can show them in between. A leak on a pooled
+    // connection never goes: the guard fails.
+    eventually(GUARD, "no advisory lock left", || async {
+        raw_locks(&raw).await.is_empty()
+    })
+    .await;
     for (pool, snap, s) in [(&pool, &snap, &s), (&direct_pool, &direct_snap, &direct)] {
         assert_eq!(B::status(pool).lane(Lane::SessionLock).in_use, 0);
         let m = metrics_now(snap);
