@@ -58,6 +58,7 @@ pub(crate) use shared::LaneLoad;
 pub use shared::Pool;
 pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};
+pub(crate) use source::Source;
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
-pub(crate) use source::{Refused, Source, SourceStatus};
+pub(crate) use source::{Refused, SourceStatus};
 pub(crate) use supervisor::Task;
