@@ -25,7 +25,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::backend::{Backend, FenceTx};
+use super::backend::Backend;
 use super::inner::{Inner, Owner, Urgency};
 use super::options::{check_name, new_holder, LeaseOptions};
 use super::table::{
@@ -436,6 +436,14 @@ impl LeaseHandle {
     /// its term's time left (renewals extend the term meanwhile) calls
     /// [`Fenced::check`] to extend the bound. Keep fenced transactions
     /// short.
+    ///
+    /// `tx` is the transaction of the pool's own driver: a
+    /// `deadpool_postgres::Transaction`, or (features `sqlx-0_8`,
+    /// `sqlx-0_9`) the `Transaction` of `pgwarden::sqlx::Pool::begin`,
+    /// whose guard dereferences to its `PgConnection`
+    /// (`sqlx::query(…).execute(&mut *tx)`). Any pool of the database
+    /// will do: the fence is the row lock and the term check, not the
+    /// connection.
     ///
     /// Fails with [`LeaseError::Lost`](crate::LeaseError::Lost) when the term is over: `Taken` (the
     /// row is another term's, or gone), `Expired` (still this term, expired
@@ -946,5 +954,53 @@ impl LeaseStatement for EndFenced<'_> {
                 })
             })
             .collect()
+    }
+}
+
+/// A transaction [`LeaseHandle::fence`] takes: `deadpool_postgres::Transaction`,
+/// and (features `sqlx-0_8`, `sqlx-0_9`) pgwarden's sqlx `Transaction`
+/// (`crate::sqlx`). Public only because `fence` and [`Fenced`] name it as a
+/// bound; not reachable from outside the crate (sealed).
+#[allow(unreachable_pub)]
+pub trait FenceTx: Send {
+    /// What a [`Fenced`] guard dereferences to: the transaction itself
+    /// (deadpool), or its `PgConnection` (sqlx: `&mut *tx` is an executor).
+    type Target: ?Sized;
+    /// [`FenceTx::Target`] of it.
+    fn target(&self) -> &Self::Target;
+    /// [`FenceTx::Target`] of it, mutably.
+    fn target_mut(&mut self) -> &mut Self::Target;
+    /// The fence check of `lease` inside it ([`LeaseHandle::check_in`] on
+    /// its statement-layer view).
+    fn check_in<'t>(
+        &'t mut self,
+        lease: &'t LeaseHandle,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 't;
+    /// `COMMIT`.
+    fn commit(self) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+impl<'a> FenceTx for deadpool_postgres::Transaction<'a> {
+    type Target = deadpool_postgres::Transaction<'a>;
+
+    fn target(&self) -> &Self::Target {
+        self
+    }
+
+    fn target_mut(&mut self) -> &mut Self::Target {
+        self
+    }
+
+    fn check_in<'t>(
+        &'t mut self,
+        lease: &'t LeaseHandle,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 't {
+        lease.check_in(&*self)
+    }
+
+    async fn commit(self) -> Result<(), Error> {
+        deadpool_postgres::Transaction::commit(self)
+            .await
+            .map_err(Error::Db)
     }
 }

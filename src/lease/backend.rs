@@ -12,8 +12,8 @@
 //!   (lease statements are then prepared, and cancelled by pid), and the
 //!   pooler detection that finds out;
 //! - the transaction [`LeaseHandle::fence`](super::LeaseHandle::fence)
-//!   takes ([`FenceTx`]: how the fence check runs in it, what the guard
-//!   dereferences to, how it commits);
+//!   takes (`acquire::FenceTx`, next to the fence: how the fence check runs
+//!   in it, what the guard dereferences to, how it commits);
 //! - nothing else: checkouts, statements and cancellation go through the
 //!   pool shell (`Shared<B>`) and the statement layer (`Client::exec`).
 //!
@@ -23,7 +23,6 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use super::acquire::LeaseHandle;
 use crate::error::Error;
 use crate::pool::{Shared, Source};
 use crate::pooler::PoolerMode;
@@ -63,28 +62,6 @@ pub trait LeasePool {
     fn pool(&self) -> <Self::Backend as Backend>::Pool;
 }
 
-/// A transaction [`LeaseHandle::fence`](super::LeaseHandle::fence) takes:
-/// `deadpool_postgres::Transaction`, and (features `sqlx-0_8`, `sqlx-0_9`)
-/// pgwarden's sqlx `Transaction`. Sealed, as [`Backend`].
-#[allow(unreachable_pub, private_bounds)]
-pub trait FenceTx: Send {
-    /// What a [`Fenced`](super::Fenced) guard dereferences to: the
-    /// transaction itself (deadpool), or its `PgConnection` (sqlx: `&mut
-    /// *tx` is an executor).
-    type Target: ?Sized;
-    /// [`FenceTx::Target`] of it.
-    fn target(&self) -> &Self::Target;
-    /// [`FenceTx::Target`] of it, mutably.
-    fn target_mut(&mut self) -> &mut Self::Target;
-    /// The fence check of `lease` inside it.
-    fn check_in<'t>(
-        &'t mut self,
-        lease: &'t LeaseHandle,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 't;
-    /// `COMMIT`.
-    fn commit(self) -> impl Future<Output = Result<(), Error>> + Send;
-}
-
 // --- deadpool-postgres ------------------------------------------------------
 
 impl LeasePool for crate::Pool {
@@ -116,30 +93,5 @@ impl Backend for deadpool_postgres::Pool {
         }
         let pool = pool.clone();
         Some(async move { pool.detect_pooler().await })
-    }
-}
-
-impl<'a> FenceTx for deadpool_postgres::Transaction<'a> {
-    type Target = deadpool_postgres::Transaction<'a>;
-
-    fn target(&self) -> &Self::Target {
-        self
-    }
-
-    fn target_mut(&mut self) -> &mut Self::Target {
-        self
-    }
-
-    fn check_in<'t>(
-        &'t mut self,
-        lease: &'t LeaseHandle,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 't {
-        lease.check_in(&*self)
-    }
-
-    async fn commit(self) -> Result<(), Error> {
-        deadpool_postgres::Transaction::commit(self)
-            .await
-            .map_err(Error::Db)
     }
 }

@@ -119,7 +119,8 @@
 //! - `mod.rs`: this front, [`Leases`] (the lease table of one pool) and
 //!   [`LeasesBuilder`] (its settings, and their defaults).
 //! - `acquire.rs`: acquire and release: one attempt, the guard it returns
-//!   ([`Lease`], [`LeaseHandle`]: term, lost signal, fence), the releases.
+//!   ([`Lease`], [`LeaseHandle`]: term, lost signal, fence), the releases;
+//!   `FenceTx`, the transaction a fence takes (per backend).
 //! - `gather.rs`: overlapping acquisitions and releases gathered into
 //!   shared statements, and each one's answer.
 //! - `renewer.rs`: the renewer task, its batches and its purge rounds.
@@ -134,6 +135,22 @@
 //! - `term.rs`: one term: [`Term`], its shared state and lost signal, its
 //!   timing (renewal, local deadline, back-off).
 //! - `metrics.rs`: the metrics and [`LeaseStats`] of an instance.
+//! - `backend.rs`: the layer's seam, under everything else of it: what a
+//!   backend supplies (`Backend`: whether its connections are known direct,
+//!   its pooler detection), the pools a [`Leases`] is made from (`LeasePool`), and the
+//!   deadpool side's (sqlx's is in `crate::sqlx`). The rest of the layer is
+//!   written once over `B: Backend` (default: the deadpool pool).
+//!
+//! # On sqlx
+//!
+//! With feature `sqlx-0_8` or `sqlx-0_9`, [`Leases::new`] and
+//! [`Leases::builder`] take a `pgwarden::sqlx::Pool` too (a
+//! `Leases<sqlx::PgPool>`): the same statements, renewals, lost signal,
+//! scheduler and metrics, and one table a deadpool fleet may share.
+//! [`LeaseHandle::fence`] takes the sqlx pool's `Transaction` and the
+//! guard dereferences to its `PgConnection` (`&mut *tx` is an executor).
+//! The sqlx pool has no pooler detection yet: its connections are taken as
+//! direct.
 
 mod acquire;
 mod backend;
@@ -147,9 +164,9 @@ mod table;
 mod term;
 
 pub use crate::lost::LostReason;
-pub use acquire::{Fenced, Lease, LeaseHandle};
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
-pub(crate) use backend::FenceTx;
+pub(crate) use acquire::FenceTx;
+pub use acquire::{Fenced, Lease, LeaseHandle};
 pub(crate) use backend::{Backend, LeasePool};
 pub use metrics::LeaseStats;
 pub use options::{LeaseOptions, OnLost};
@@ -208,7 +225,8 @@ impl<B: Backend> Clone for Leases<B> {
 impl<B: Backend> Leases<B> {
     /// The default lease table of `pool`, `public.pgwarden_leases` (created
     /// at first use), with every setting at its
-    /// default (see [`LeasesBuilder`]).
+    /// default (see [`LeasesBuilder`]). `pool` is a [`Pool`](crate::Pool),
+    /// or (features `sqlx-0_8`, `sqlx-0_9`) a `pgwarden::sqlx::Pool`.
     ///
     /// ```no_run
     /// # fn demo(pool: pgwarden::Pool) {
@@ -509,6 +527,7 @@ pub(crate) const MIN_PURGE_INTERVAL: Duration = Duration::from_millis(10);
 /// # Ok(()) }
 /// ```
 #[must_use = "builder does nothing until .build()"]
+#[derive(Debug)]
 pub struct LeasesBuilder<B: Backend = deadpool_postgres::Pool> {
     pool: B::Pool,
     table: String,
@@ -631,19 +650,6 @@ impl<B: Backend> LeasesBuilder<B> {
             declared: self.declared,
         };
         Ok(Leases::from_parts(self.pool, settings))
-    }
-}
-
-impl<B: Backend> fmt::Debug for LeasesBuilder<B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LeasesBuilder")
-            .field("pool", &self.pool.shared().name)
-            .field("table", &self.table)
-            .field("statement_timeout", &self.statement_timeout)
-            .field("auto_install", &self.auto_install)
-            .field("purge", &self.purge)
-            .field("declared", &self.declared)
-            .finish()
     }
 }
 

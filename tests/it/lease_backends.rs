@@ -52,11 +52,21 @@ async fn take_over<B: Backend>(
     let began = std::time::Instant::now();
     loop {
         expire(admin, name).await;
-        if let Some(lease) = B::acquire(l, name, opts, None).await.unwrap() {
+        if let Some(lease) = get::<B>(l, name, opts, None).await {
             return lease;
         }
         assert!(began.elapsed() < GUARD, "{name} never taken over");
     }
+}
+
+/// `Leases::acquire` on `l`, which must not fail.
+async fn get<B: Backend>(
+    l: &B::Leases,
+    name: &str,
+    opts: &LeaseOptions,
+    wait: Option<Duration>,
+) -> Option<B::Lease> {
+    B::acquire(l, name, opts, wait).await.unwrap()
 }
 
 /// Terms of 60 s (renewed every 15 s): a test expires them by hand.
@@ -94,9 +104,8 @@ async fn lease_acquire_renew_release<B: Backend>() {
     let pool = B::build(&db, &Settings::new("lease-arr", 4));
     let leases = B::leases(&pool);
     assert!(B::install(&leases).await.unwrap(), "a fresh database");
-    let lease = B::acquire(&leases, "arr", &short(), None)
+    let lease = get::<B>(&leases, "arr", &short(), None)
         .await
-        .unwrap()
         .expect("a free name");
     let first = lease.term().token;
     // Renewed in the background (every 1 s): one renewal at least.
@@ -107,16 +116,10 @@ async fn lease_acquire_renew_release<B: Backend>() {
     assert!(!lease.is_lost());
     B::release(lease).await.unwrap();
     let a = admin(&db).await;
-    let holder: String = a
-        .query_one("SELECT holder FROM pgwarden_leases WHERE name = 'arr'", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(holder, "", "released");
+    assert_eq!(support::leases::row(&a, "arr").await, None, "released");
     // Free again at once, under a larger token.
-    let again = B::acquire(&leases, "arr", &short(), None)
+    let again = get::<B>(&leases, "arr", &short(), None)
         .await
-        .unwrap()
         .expect("free after its release");
     assert!(again.term().token > first);
     assert!(again.term().took_over_from.is_none());
@@ -129,24 +132,14 @@ async fn lease_held_name_is_refused<B: Backend>() {
     let db = db().await;
     let pool = B::build(&db, &Settings::new("lease-held", 4));
     let (a, b) = (B::leases(&pool), B::leases(&pool));
-    let held = B::acquire(&a, "held", &short(), None)
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(B::acquire(&b, "held", &short(), None)
-        .await
-        .unwrap()
-        .is_none());
+    let held = get::<B>(&a, "held", &short(), None).await.unwrap();
+    assert!(get::<B>(&b, "held", &short(), None).await.is_none());
     // A wait shorter than the term: still refused, the holder untouched.
-    assert!(B::acquire(&b, "held", &short(), Some(S / 2))
-        .await
-        .unwrap()
-        .is_none());
+    assert!(get::<B>(&b, "held", &short(), Some(S / 2)).await.is_none());
     assert!(!held.is_lost());
     B::release(held).await.unwrap();
-    let next = B::acquire(&b, "held", &short(), None)
+    let next = get::<B>(&b, "held", &short(), None)
         .await
-        .unwrap()
         .expect("free once released");
     B::release(next).await.unwrap();
 }
@@ -160,20 +153,13 @@ async fn lease_taken_over_after_its_ttl_and_its_holder_told<B: Backend>() {
     let pool_a = B::build(&db, &Settings::new("lease-ttl-a", 3));
     let pool_b = B::build(&db, &Settings::new("lease-ttl-b", 3));
     let (a, b) = (B::leases(&pool_a), B::leases(&pool_b));
-    let crashed = B::acquire(&a, "ttl", &short(), None)
-        .await
-        .unwrap()
-        .unwrap();
+    let crashed = get::<B>(&a, "ttl", &short(), None).await.unwrap();
     B::close(&pool_a).await;
-    let taken = B::acquire(&b, "ttl", &short(), Some(GUARD))
-        .await
-        .unwrap()
-        .expect("taken over within the wait");
-    assert_eq!(
-        taken.term().took_over_from.as_deref(),
-        Some(crashed.term().holder.as_str())
-    );
-    assert!(taken.term().token > crashed.term().token);
+    let taken = get::<B>(&b, "ttl", &short(), Some(GUARD)).await;
+    let taken = taken.expect("taken over within the wait");
+    let (old, new) = (crashed.term(), taken.term());
+    assert!(new.token > old.token, "{old:?} then {new:?}");
+    assert_eq!(new.took_over_from.as_ref(), Some(&old.holder));
     assert_eq!(
         within(GUARD, "A's lost signal", crashed.lost()).await,
         LostReason::Deadline
@@ -191,10 +177,7 @@ async fn lease_fence_lands_while_held_and_refuses_after_loss<B: Backend>() {
     a_db.batch_execute(LEDGER).await.unwrap();
     let pool = B::build(&db, &Settings::new("lease-fence", 4));
     let (a, b) = (B::leases(&pool), B::leases(&pool));
-    let old = B::acquire(&a, "fence", &long(), None)
-        .await
-        .unwrap()
-        .unwrap();
+    let old = get::<B>(&a, "fence", &long(), None).await.unwrap();
     B::fenced_write(&pool, &old).await.unwrap();
     assert_eq!(ledger(&a_db).await, [(old.term().token, None)], "landed");
 
@@ -282,6 +265,52 @@ enum End {
     Expire,
 }
 
+/// Takes "mixed" on `l` (waiting for it) and writes its token through a
+/// fenced transaction on `pool`.
+async fn take_and_write<B: Backend>(
+    l: &B::Leases,
+    pool: &B::Pool,
+    opts: &LeaseOptions,
+) -> B::Lease {
+    let lease = get::<B>(l, "mixed", opts, Some(GUARD))
+        .await
+        .expect("the name within the wait");
+    B::fenced_write(pool, &lease).await.unwrap();
+    lease
+}
+
+/// Takes over the expired term of "mixed" on `l`, writes, releases: the
+/// handle of its term.
+async fn take_over_and_write<B: Backend>(
+    admin: &Client,
+    l: &B::Leases,
+    pool: &B::Pool,
+    opts: &LeaseOptions,
+) -> LeaseHandle {
+    let lease = take_over::<B>(admin, l, "mixed", opts).await;
+    B::fenced_write(pool, &lease).await.unwrap();
+    let handle = (*lease).clone();
+    B::release(lease).await.unwrap();
+    handle
+}
+
+/// `n` terms of "mixed" on `l`, one after the other, each written and
+/// released: their tokens.
+async fn contend<B: Backend>(
+    l: B::Leases,
+    pool: B::Pool,
+    opts: LeaseOptions,
+    n: usize,
+) -> Vec<i64> {
+    let mut got = Vec::new();
+    for _ in 0..n {
+        let lease = take_and_write::<B>(&l, &pool, &opts).await;
+        got.push(lease.term().token);
+        B::release(lease).await.unwrap();
+    }
+    got
+}
+
 /// A deadpool instance (`X`) and a sqlx one (`Y`) on one table: rounds of
 /// hand-overs and take-overs in both directions, then the two contending
 /// at once. Every term writes its token through a fenced transaction.
@@ -301,44 +330,26 @@ async fn mixed_fleet<X: Backend, Y: Backend>() {
     for round in 0..16 {
         let end = ends[round % ends.len()];
         let x_turn = round % 2 == 0;
-        let (lease, stale) = if x_turn {
-            let l = X::acquire(&lx, "mixed", &opts, Some(GUARD))
-                .await
-                .unwrap()
-                .expect("X gets the name");
-            X::fenced_write(&px, &l).await.unwrap();
-            ((*l).clone(), Stale::<X, Y>::X(l))
+        let stale = if x_turn {
+            Stale::<X, Y>::X(take_and_write::<X>(&lx, &px, &opts).await)
         } else {
-            let l = Y::acquire(&ly, "mixed", &opts, Some(GUARD))
-                .await
-                .unwrap()
-                .expect("Y gets the name");
-            Y::fenced_write(&py, &l).await.unwrap();
-            ((*l).clone(), Stale::<X, Y>::Y(l))
+            Stale::<X, Y>::Y(take_and_write::<Y>(&ly, &py, &opts).await)
         };
-        let prev_holder = lease.term().holder.clone();
-        tokens.push(lease.term().token);
-        match end {
-            End::Release => match stale {
-                Stale::X(l) => X::release(l).await.unwrap(),
-                Stale::Y(l) => Y::release(l).await.unwrap(),
-            },
-            End::Expire => {
+        let term = match &stale {
+            Stale::X(l) => l.term().clone(),
+            Stale::Y(l) => l.term().clone(),
+        };
+        tokens.push(term.token);
+        match (end, stale) {
+            (End::Release, Stale::X(l)) => X::release(l).await.unwrap(),
+            (End::Release, Stale::Y(l)) => Y::release(l).await.unwrap(),
+            (End::Expire, stale) => {
                 // The other side takes it over at once, and writes.
-                let took = if x_turn {
-                    let l = take_over::<Y>(&a_db, &ly, "mixed", &opts).await;
-                    Y::fenced_write(&py, &l).await.unwrap();
-                    let h = (*l).clone();
-                    Y::release(l).await.unwrap();
-                    h
-                } else {
-                    let l = take_over::<X>(&a_db, &lx, "mixed", &opts).await;
-                    X::fenced_write(&px, &l).await.unwrap();
-                    let h = (*l).clone();
-                    X::release(l).await.unwrap();
-                    h
+                let took = match &stale {
+                    Stale::X(_) => take_over_and_write::<Y>(&a_db, &ly, &py, &opts).await,
+                    Stale::Y(_) => take_over_and_write::<X>(&a_db, &lx, &px, &opts).await,
                 };
-                assert_eq!(took.term().took_over_from.as_deref(), Some(&*prev_holder));
+                assert_eq!(took.term().took_over_from.as_deref(), Some(&*term.holder));
                 tokens.push(took.term().token);
                 // The cut-off holder's fenced write is refused.
                 let stale_write = match &stale {
@@ -355,7 +366,6 @@ async fn mixed_fleet<X: Backend, Y: Backend>() {
                     ),
                     "round {round}: {stale_write:?}"
                 );
-                drop(stale);
             }
         }
     }
@@ -363,38 +373,8 @@ async fn mixed_fleet<X: Backend, Y: Backend>() {
 
     // Contention: both sides at once, each term written and released.
     let per_side = 12;
-    let x = tokio::spawn({
-        let (lx, px, opts) = (lx.clone(), px.clone(), opts.clone());
-        async move {
-            let mut got = Vec::new();
-            for _ in 0..per_side {
-                let l = X::acquire(&lx, "mixed", &opts, Some(GUARD))
-                    .await
-                    .unwrap()
-                    .expect("X's turn within the wait");
-                X::fenced_write(&px, &l).await.unwrap();
-                got.push(l.term().token);
-                X::release(l).await.unwrap();
-            }
-            got
-        }
-    });
-    let y = tokio::spawn({
-        let (ly, py, opts) = (ly.clone(), py.clone(), opts.clone());
-        async move {
-            let mut got = Vec::new();
-            for _ in 0..per_side {
-                let l = Y::acquire(&ly, "mixed", &opts, Some(GUARD))
-                    .await
-                    .unwrap()
-                    .expect("Y's turn within the wait");
-                Y::fenced_write(&py, &l).await.unwrap();
-                got.push(l.term().token);
-                Y::release(l).await.unwrap();
-            }
-            got
-        }
-    });
+    let x = tokio::spawn(contend::<X>(lx.clone(), px.clone(), opts.clone(), per_side));
+    let y = tokio::spawn(contend::<Y>(ly.clone(), py.clone(), opts.clone(), per_side));
     let (gx, gy) = (x.await.unwrap(), y.await.unwrap());
     assert!(gx.windows(2).all(|w| w[0] < w[1]), "X: {gx:?}");
     assert!(gy.windows(2).all(|w| w[0] < w[1]), "Y: {gy:?}");
