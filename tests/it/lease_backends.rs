@@ -114,6 +114,23 @@ async fn lease_acquire_renew_release<B: Backend>() {
     })
     .await;
     assert!(!lease.is_lost());
+    // The operator's listing reads it back, every column decoded.
+    let rows = B::rows(&leases).await.unwrap();
+    let [row] = &rows[..] else {
+        panic!("one row: {rows:?}")
+    };
+    let term = lease.term();
+    assert_eq!(
+        (&*row.name, &*row.holder, row.token),
+        ("arr", &*term.holder, first)
+    );
+    // Times travel as float8 seconds one way, timestamptz the other.
+    let close = |a: Duration, b: Duration| a.abs_diff(b) < Duration::from_millis(1);
+    let at = |t: std::time::SystemTime| t.duration_since(UNIX_EPOCH).unwrap();
+    assert!(close(at(row.taken_at), at(term.taken_at)), "{row:?}");
+    assert!(row.live && row.expires_in_s > 0.0, "{row:?}");
+    assert!(row.ttl.is_some_and(|t| close(t, 3 * S)), "{row:?}");
+    assert_eq!((row.held_until, row.blocker_pid), (None, None), "{row:?}");
     B::release(lease).await.unwrap();
     let a = admin(&db).await;
     assert_eq!(support::leases::row(&a, "arr").await, None, "released");

@@ -19,6 +19,7 @@ use std::ops::Deref;
 
 use futures_util::future::BoxFuture;
 use metrics_util::debugging::{DebuggingRecorder, Snapshotter};
+use pgwarden::lease::LeaseRow;
 use pgwarden::{Error, Job, Lane, LeaseHandle, LeaseOptions, LeaseStats, Scheduler, Status};
 use pgwarden_testing::TestDb;
 
@@ -124,6 +125,8 @@ pub trait Backend: Send + Sync + 'static {
     fn release(lease: Self::Lease) -> BoxFuture<'static, Result<(), Error>>;
     /// `Leases::stats`.
     fn lease_stats(l: &Self::Leases) -> LeaseStats;
+    /// `Leases::rows`.
+    fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>>;
     /// `Scheduler::builder(&leases)` with `jobs`, started.
     fn schedule(l: &Self::Leases, jobs: Vec<Job>) -> Result<Scheduler, Error>;
     /// In a transaction of its own on `pool`, fenced by `lease`:
@@ -176,6 +179,10 @@ macro_rules! lease_methods {
 
         fn lease_stats(l: &Self::Leases) -> LeaseStats {
             l.stats()
+        }
+
+        fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>> {
+            Box::pin(l.rows())
         }
 
         fn schedule(l: &Self::Leases, jobs: Vec<Job>) -> Result<Scheduler, Error> {
