@@ -311,8 +311,9 @@ async fn take_over_and_write<B: Backend>(
     handle
 }
 
-/// `n` terms of "mixed" on `l`, one after the other, each written and
-/// released: their tokens.
+/// `n` terms of "mixed" on `l`, each written and released, trying again
+/// at once whenever the other side holds it (both sides at the row all the
+/// time): their tokens.
 async fn contend<B: Backend>(
     l: B::Leases,
     pool: B::Pool,
@@ -320,8 +321,12 @@ async fn contend<B: Backend>(
     n: usize,
 ) -> Vec<i64> {
     let mut got = Vec::new();
-    for _ in 0..n {
-        let lease = take_and_write::<B>(&l, &pool, &opts).await;
+    while got.len() < n {
+        let Some(lease) = get::<B>(&l, "mixed", &opts, None).await else {
+            tokio::task::yield_now().await;
+            continue;
+        };
+        B::fenced_write(&pool, &lease).await.unwrap();
         got.push(lease.term().token);
         B::release(lease).await.unwrap();
     }
@@ -392,7 +397,10 @@ async fn mixed_fleet<X: Backend, Y: Backend>() {
     let per_side = 12;
     let x = tokio::spawn(contend::<X>(lx.clone(), px.clone(), opts.clone(), per_side));
     let y = tokio::spawn(contend::<Y>(ly.clone(), py.clone(), opts.clone(), per_side));
-    let (gx, gy) = (x.await.unwrap(), y.await.unwrap());
+    let (gx, gy) = within(GUARD, "both sides' terms", async {
+        (x.await.unwrap(), y.await.unwrap())
+    })
+    .await;
     assert!(gx.windows(2).all(|w| w[0] < w[1]), "X: {gx:?}");
     assert!(gy.windows(2).all(|w| w[0] < w[1]), "Y: {gy:?}");
     let last = *tokens.last().unwrap();
@@ -401,11 +409,16 @@ async fn mixed_fleet<X: Backend, Y: Backend>() {
     let rows = ledger(&a_db).await;
     assert_eq!(rows.len(), tokens.len() + 2 * per_side, "{rows:?}");
     assert_chained(&rows);
+    let mut both: Vec<(i64, char)> = gx.iter().map(|t| (*t, 'X')).collect();
+    both.extend(gy.iter().map(|t| (*t, 'Y')));
+    both.sort();
+    let turns = both.windows(2).filter(|w| w[0].1 != w[1].1).count();
     eprintln!(
-        "mixed fleet: {} terms, tokens {}..={}; contention: X {gx:?}, Y {gy:?}",
+        "mixed fleet: {} terms, tokens {}..={}; contention: {} hand-overs between the sides: {both:?}",
         rows.len(),
         rows[0].0,
-        rows[rows.len() - 1].0
+        rows[rows.len() - 1].0,
+        turns
     );
 }
 
