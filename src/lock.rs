@@ -117,11 +117,6 @@ pub(crate) fn on(c: &crate::pool::Client) -> &deadpool_postgres::ClientWrapper {
     c
 }
 
-/// [`on`], for a statement that opens a transaction.
-pub(crate) fn on_mut(c: &mut crate::pool::Client) -> &mut deadpool_postgres::ClientWrapper {
-    c
-}
-
 /// Maps a failed lock statement: 55P03 is a [`LockError::Timeout`](crate::LockError::Timeout).
 pub(crate) fn lock_error(e: SqlError, key: LockKey, timeout: Duration) -> crate::Error {
     if e.is(code::LOCK_NOT_AVAILABLE) {

@@ -20,11 +20,13 @@
 
 use std::fmt;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::inner::{Inner, Urgency};
+use super::backend::Backend;
+use super::inner::{Inner, Owner, Urgency};
 use super::options::{check_name, new_holder, LeaseOptions};
 use super::table::{
     Acquire, Blocker, Busy, Call, FreeIn, Install, LeaseStatement, Release, Statements, FENCE_GRACE,
@@ -33,7 +35,6 @@ use super::term::{LeaseState, Term, TermInfo};
 use crate::error::{Error, LeaseError};
 use crate::key::Namespace;
 use crate::lost::LostReason;
-use crate::pooler::PoolerMode;
 use crate::stmt::{code, Conn, Exec, Param, Row, Sent, SqlError};
 
 /// The longest wait between two attempts of [`Leases::acquire`](super::Leases::acquire):
@@ -44,7 +45,7 @@ pub(crate) const MAX_POLL: Duration = Duration::from_millis(500);
 /// take-overs (each is counted).
 const BLOCKED_LOG_EVERY: Duration = Duration::from_secs(10);
 
-impl Inner {
+impl<B: Backend> Inner<B> {
     /// Before the first statement: find out, in the background, whether the
     /// pool talks to PostgreSQL directly (statements are sent unnamed until
     /// it is known), and install the table (with its shape check) when
@@ -73,25 +74,25 @@ impl Inner {
         {
             return;
         }
-        let pool = self.pool();
-        if pool.pooler() != PoolerMode::Auto {
+        let Some(detect) = B::detect_pooler(&self.pool) else {
             return;
-        }
+        };
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let bound = self.statement_timeout;
+        let pool = self.pool_name.clone();
         rt.spawn(async move {
-            match tokio::time::timeout(bound, pool.detect_pooler()).await {
+            match tokio::time::timeout(bound, detect).await {
                 Ok(Ok(found)) => {
-                    tracing::debug!(pool = %pool.name(), pooler = ?found, "lease statements: pooler known")
+                    tracing::debug!(pool = %pool, pooler = ?found, "lease statements: pooler known")
                 }
                 Ok(Err(e)) => tracing::warn!(
-                    pool = %pool.name(), error = %e,
+                    pool = %pool, error = %e,
                     "pooler detection failed: lease statements stay unnamed (parsed on every call)"
                 ),
                 Err(_) => tracing::warn!(
-                    pool = %pool.name(),
+                    pool = %pool,
                     "pooler detection did not finish within {bound:?}: lease statements stay unnamed"
                 ),
             }
@@ -136,7 +137,7 @@ impl Inner {
         self: &Arc<Self>,
         name: &str,
         opts: &LeaseOptions,
-    ) -> Result<Result<Lease, Busy>, Error> {
+    ) -> Result<Result<Lease<B>, Busy>, Error> {
         self.attempt_as(name, opts, new_holder()).await
     }
 
@@ -148,7 +149,7 @@ impl Inner {
         name: &str,
         opts: &LeaseOptions,
         holder: String,
-    ) -> Result<Result<Lease, Busy>, Error> {
+    ) -> Result<Result<Lease<B>, Busy>, Error> {
         check_name(name)?;
         let timing = opts.validate()?;
         self.ensure_renewer();
@@ -216,6 +217,7 @@ impl Inner {
                 state,
                 inner: self.clone(),
             },
+            inner: self.clone(),
             id,
             done: false,
         }))
@@ -346,7 +348,10 @@ impl Inner {
 #[derive(Clone)]
 pub struct LeaseHandle {
     pub(crate) state: Arc<LeaseState>,
-    pub(crate) inner: Arc<Inner>,
+    /// Its instance, whatever the backend (what a handle needs of it does
+    /// not depend on the pool: one `LeaseHandle` type, and one [`Job`](crate::Job)
+    /// type, for every backend).
+    pub(crate) inner: Arc<dyn Owner>,
 }
 
 impl LeaseHandle {
@@ -435,6 +440,14 @@ impl LeaseHandle {
     /// [`Fenced::check`] to extend the bound. Keep fenced transactions
     /// short.
     ///
+    /// `tx` is the transaction of the pool's own driver: a
+    /// `deadpool_postgres::Transaction`, or (features `sqlx-0_8`,
+    /// `sqlx-0_9`) the `Transaction` of `pgwarden::sqlx::Pool::begin`,
+    /// whose guard dereferences to its `PgConnection`
+    /// (`sqlx::query(…).execute(&mut *tx)`). Any pool of the database
+    /// will do: the fence is the row lock and the term check, not the
+    /// connection.
+    ///
     /// Fails with [`LeaseError::Lost`](crate::LeaseError::Lost) when the term is over: `Taken` (the
     /// row is another term's, or gone), `Expired` (still this term, expired
     /// in the database) or `Deadline`. The transaction is then rolled back
@@ -463,26 +476,26 @@ impl LeaseHandle {
     /// tx.commit().await?; // Ok only when it landed
     /// # Ok(()) }
     /// ```
-    pub async fn fence<'a>(
-        &self,
-        tx: deadpool_postgres::Transaction<'a>,
-    ) -> Result<Fenced<'a>, Error> {
-        self.check_in(&tx).await?;
+    pub async fn fence<'a, T: FenceTx + 'a>(&self, tx: T) -> Result<Fenced<'a, T>, Error> {
+        let mut tx = tx;
+        tx.check_in(self).await?;
         Ok(Fenced {
             tx,
             lease: self.clone(),
+            life: PhantomData,
         })
     }
 
-    /// The fence check in `tx` (see [`LeaseHandle::fence`]).
-    async fn check_in(&self, tx: &impl Exec) -> Result<(), Error> {
+    /// The fence check in `tx` (see [`LeaseHandle::fence`]), on any
+    /// backend's transaction ([`FenceTx::check_in`] gives it its own).
+    pub(crate) async fn check_in(&self, tx: &impl Exec) -> Result<(), Error> {
         if let Some(reason) = self.inner.check_lost(&self.state) {
             return Err(self.fence_failed(reason));
         }
         self.inner.count_statement();
         let row = match self
             .inner
-            .sql
+            .sql()
             .fence(tx, &self.state.name, &self.state.holder, self.state.token)
             .await
         {
@@ -503,7 +516,7 @@ impl LeaseHandle {
                     // key exclusively (a token whose low 32 bits are one of
                     // pgwarden's own keys): the per-statement bounds stand.
                     tracing::debug!(
-                        pool = %self.inner.pool_name, lease = %self.state.name,
+                        pool = %self.inner.pool_name(), lease = %self.state.name,
                         token = self.state.token,
                         "fence mark not taken: its key is held exclusively elsewhere"
                     );
@@ -533,7 +546,7 @@ impl LeaseHandle {
         // The term is over: the lost signal says so too (once).
         self.inner.mark_lost(&self.state, reason);
         tracing::warn!(
-            pool = %self.inner.pool_name,
+            pool = %self.inner.pool_name(),
             lease = %self.state.name,
             token = self.state.token,
             %reason,
@@ -570,9 +583,10 @@ impl fmt::Debug for LeaseHandle {
 /// tx.commit().await?; // Ok: it landed, under this term
 /// # Ok(()) }
 /// ```
-pub struct Fenced<'a> {
-    tx: deadpool_postgres::Transaction<'a>,
-    lease: LeaseHandle,
+pub struct Fenced<'a, T: FenceTx + 'a = deadpool_postgres::Transaction<'a>> {
+    pub(crate) tx: T,
+    pub(crate) lease: LeaseHandle,
+    life: PhantomData<&'a ()>,
 }
 
 impl Fenced<'_> {
@@ -585,7 +599,9 @@ impl Fenced<'_> {
     pub async fn check(&self) -> Result<(), Error> {
         self.lease.check_in(&self.tx).await
     }
+}
 
+impl<T: FenceTx> Fenced<'_, T> {
     /// Commits, after checking the term once more inside the transaction:
     /// `Ok` only when the transaction committed, under this term.
     ///
@@ -599,12 +615,12 @@ impl Fenced<'_> {
     /// lands. A term over by then reports [`LeaseError::Lost`](crate::LeaseError::Lost) and rolls back;
     /// any other failure (of the check or of `COMMIT` itself, a
     /// serialization failure say) is the database's error.
-    pub async fn commit(self) -> Result<(), Error> {
-        match self.lease.check_in(&self.tx).await {
+    pub async fn commit(mut self) -> Result<(), Error> {
+        match self.tx.check_in(&self.lease).await {
             Ok(()) => {}
             Err(e) if e.sqlstate() == Some(code::IN_FAILED_SQL_TRANSACTION) => {
                 tracing::warn!(
-                    pool = %self.lease.inner.pool_name, lease = %self.lease.state.name,
+                    pool = %self.lease.inner.pool_name(), lease = %self.lease.state.name,
                     token = self.lease.state.token,
                     "fenced commit refused: the transaction had already failed; nothing was committed"
                 );
@@ -614,25 +630,27 @@ impl Fenced<'_> {
             }
             Err(e) => return Err(e),
         }
-        self.tx.commit().await.map_err(Error::Db)
+        self.tx.commit().await
     }
 }
 
-impl<'a> Deref for Fenced<'a> {
-    type Target = deadpool_postgres::Transaction<'a>;
+/// Deadpool: the `deadpool_postgres::Transaction`; sqlx: the
+/// `PgConnection` (`&mut *tx` is an executor).
+impl<T: FenceTx> Deref for Fenced<'_, T> {
+    type Target = T::Target;
 
-    fn deref(&self) -> &deadpool_postgres::Transaction<'a> {
-        &self.tx
+    fn deref(&self) -> &T::Target {
+        self.tx.target()
     }
 }
 
-impl<'a> DerefMut for Fenced<'a> {
-    fn deref_mut(&mut self) -> &mut deadpool_postgres::Transaction<'a> {
-        &mut self.tx
+impl<T: FenceTx> DerefMut for Fenced<'_, T> {
+    fn deref_mut(&mut self) -> &mut T::Target {
+        self.tx.target_mut()
     }
 }
 
-impl fmt::Debug for Fenced<'_> {
+impl<T: FenceTx> fmt::Debug for Fenced<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Fenced")
             .field("name", &self.lease.state.name)
@@ -663,13 +681,14 @@ impl fmt::Debug for Fenced<'_> {
 /// }
 /// # Ok(()) }
 /// ```
-pub struct Lease {
+pub struct Lease<B: Backend = deadpool_postgres::Pool> {
     pub(crate) handle: LeaseHandle,
+    pub(crate) inner: Arc<Inner<B>>,
     pub(crate) id: u64,
     pub(crate) done: bool,
 }
 
-impl Lease {
+impl<B: Backend> Lease<B> {
     /// Releases the lease, this term's only (its holder id is new on every
     /// acquisition), so a late release never touches a later holder's
     /// lease. The row is marked released and kept (until the purge), with
@@ -684,22 +703,22 @@ impl Lease {
     /// Cancellation-safe: dropped before it completes, the guard releases in
     /// the background as on drop.
     pub async fn release(mut self) -> Result<(), Error> {
-        let h = self.handle.clone();
-        let r = h.inner.release(self.id, &h.state, false).await;
+        let (inner, state) = (self.inner.clone(), self.handle.state.clone());
+        let r = inner.release(self.id, &state, false).await;
         self.done = true;
         r
     }
 
     /// Releases, forgetting any hold: the lease is free at once.
     pub(crate) async fn release_now(mut self) -> Result<(), Error> {
-        let h = self.handle.clone();
-        let r = h.inner.release(self.id, &h.state, true).await;
+        let (inner, state) = (self.inner.clone(), self.handle.state.clone());
+        let r = inner.release(self.id, &state, true).await;
         self.done = true;
         r
     }
 }
 
-impl Deref for Lease {
+impl<B: Backend> Deref for Lease<B> {
     type Target = LeaseHandle;
 
     fn deref(&self) -> &LeaseHandle {
@@ -707,17 +726,16 @@ impl Deref for Lease {
     }
 }
 
-impl Drop for Lease {
+impl<B: Backend> Drop for Lease<B> {
     fn drop(&mut self) {
         if !self.done {
-            self.handle
-                .inner
+            self.inner
                 .release_in_background(self.id, self.handle.state.clone());
         }
     }
 }
 
-impl fmt::Debug for Lease {
+impl<B: Backend> fmt::Debug for Lease<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lease")
             .field("name", &self.handle.state.name)
@@ -740,7 +758,7 @@ fn retryable(e: &Error) -> bool {
     )
 }
 
-impl Inner {
+impl<B: Backend> Inner<B> {
     /// Releases one term for its guard or runner: stops renewing it, then
     /// releases its row.
     pub(crate) async fn release(
@@ -939,5 +957,53 @@ impl LeaseStatement for EndFenced<'_> {
                 })
             })
             .collect()
+    }
+}
+
+/// A transaction [`LeaseHandle::fence`] takes: `deadpool_postgres::Transaction`,
+/// and (features `sqlx-0_8`, `sqlx-0_9`) pgwarden's sqlx `Transaction`
+/// (`crate::sqlx`). Public only because `fence` and [`Fenced`] name it as a
+/// bound; not reachable from outside the crate (sealed).
+#[allow(unreachable_pub)]
+pub trait FenceTx: Send {
+    /// What a [`Fenced`] guard dereferences to: the transaction itself
+    /// (deadpool), or its `PgConnection` (sqlx: `&mut *tx` is an executor).
+    type Target: ?Sized;
+    /// [`FenceTx::Target`] of it.
+    fn target(&self) -> &Self::Target;
+    /// [`FenceTx::Target`] of it, mutably.
+    fn target_mut(&mut self) -> &mut Self::Target;
+    /// The fence check of `lease` inside it ([`LeaseHandle::check_in`] on
+    /// its statement-layer view).
+    fn check_in<'t>(
+        &'t mut self,
+        lease: &'t LeaseHandle,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 't;
+    /// `COMMIT`.
+    fn commit(self) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+impl<'a> FenceTx for deadpool_postgres::Transaction<'a> {
+    type Target = deadpool_postgres::Transaction<'a>;
+
+    fn target(&self) -> &Self::Target {
+        self
+    }
+
+    fn target_mut(&mut self) -> &mut Self::Target {
+        self
+    }
+
+    fn check_in<'t>(
+        &'t mut self,
+        lease: &'t LeaseHandle,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 't {
+        lease.check_in(&*self)
+    }
+
+    async fn commit(self) -> Result<(), Error> {
+        deadpool_postgres::Transaction::commit(self)
+            .await
+            .map_err(Error::Db)
     }
 }

@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
+use super::backend::Backend;
 use super::inner::{Acquiring, FollowUp, Gather, Inner, Joined, Releasing, Urgency, Won};
 use super::table::{Acquire, AcquireBatch, Busy, Release, ReleaseBatch, Taken};
 use crate::error::{Error, LeaseError};
@@ -79,7 +80,7 @@ pub(crate) const MAX_PATIENCE: Duration = Duration::from_secs(1);
 /// The most acquisitions in one statement.
 pub(crate) const MAX_BATCH: usize = 64;
 
-impl Gathered for Acquiring {
+impl<B: Backend> Gathered<B> for Acquiring<B> {
     fn name(&self) -> &str {
         &self.name
     }
@@ -89,10 +90,10 @@ impl Gathered for Acquiring {
     fn gave_up(&self) -> bool {
         self.tx.is_closed()
     }
-    fn gather(inner: &Inner) -> &Mutex<Gather<Self>> {
+    fn gather(inner: &Inner<B>) -> &Mutex<Gather<Self>> {
         &inner.acquiring
     }
-    async fn send(inner: Arc<Inner>, batch: Vec<Self>) {
+    async fn send(inner: Arc<Inner<B>>, batch: Vec<Self>) {
         inner.send_acquisitions(batch).await
     }
     fn alone(self) {
@@ -109,7 +110,7 @@ impl Gathered for Acquiring {
     }
 }
 
-impl Gathered for Releasing {
+impl<B: Backend> Gathered<B> for Releasing {
     fn name(&self) -> &str {
         &self.name
     }
@@ -120,10 +121,10 @@ impl Gathered for Releasing {
     fn gave_up(&self) -> bool {
         false
     }
-    fn gather(inner: &Inner) -> &Mutex<Gather<Self>> {
+    fn gather(inner: &Inner<B>) -> &Mutex<Gather<Self>> {
         &inner.releasing
     }
-    async fn send(inner: Arc<Inner>, batch: Vec<Self>) {
+    async fn send(inner: Arc<Inner<B>>, batch: Vec<Self>) {
         inner.send_releases(batch).await
     }
     fn alone(self) {
@@ -134,14 +135,14 @@ impl Gathered for Releasing {
 /// What waits for a batch: its name (distinct within a batch), whether its
 /// caller gave up, which gathering it belongs to, and how a batch of its
 /// kind is sent and answered.
-pub(crate) trait Gathered: Sized + Send + 'static {
+pub(crate) trait Gathered<B: Backend>: Sized + Send + 'static {
     fn name(&self) -> &str;
     /// Its term's holder id: new on every acquisition, so it tells one call
     /// from every other.
     fn holder(&self) -> &str;
     fn gave_up(&self) -> bool;
-    fn gather(inner: &Inner) -> &Mutex<Gather<Self>>;
-    fn send(inner: Arc<Inner>, batch: Vec<Self>) -> impl Future<Output = ()> + Send;
+    fn gather(inner: &Inner<B>) -> &Mutex<Gather<Self>>;
+    fn send(inner: Arc<Inner<B>>, batch: Vec<Self>) -> impl Future<Output = ()> + Send;
     /// Tells it to send its own statement.
     fn alone(self);
     /// Joins `other`, which waits for the same name, to this one's
@@ -154,8 +155,8 @@ pub(crate) trait Gathered: Sized + Send + 'static {
 
 /// One of the [`IN_FLIGHT`] statements of a kind; dropped (ended,
 /// cancelled or panicked), it goes to those waiting, if any.
-struct Slot<W: Gathered> {
-    inner: Arc<Inner>,
+struct Slot<B: Backend, W: Gathered<B>> {
+    inner: Arc<Inner<B>>,
     /// Whether its drop may hand it to a new task: false for a slot on its
     /// way into a task not yet polled (a runtime shutting down drops such a
     /// task at once; then its drop hands over without spawning again).
@@ -163,8 +164,8 @@ struct Slot<W: Gathered> {
     kind: PhantomData<fn() -> W>,
 }
 
-impl<W: Gathered> Slot<W> {
-    fn new(inner: Arc<Inner>) -> Slot<W> {
+impl<B: Backend, W: Gathered<B>> Slot<B, W> {
+    fn new(inner: Arc<Inner<B>>) -> Slot<B, W> {
         Slot {
             inner,
             may_spawn: true,
@@ -175,7 +176,7 @@ impl<W: Gathered> Slot<W> {
     async fn run_batches(mut self) {
         self.may_spawn = true;
         loop {
-            let batch = take_batch(&mut W::gather(&self.inner).lock().waiting);
+            let batch = take_batch::<B, W>(&mut W::gather(&self.inner).lock().waiting);
             if batch.is_empty() {
                 return; // the slot's drop looks once more, under the lock
             }
@@ -186,7 +187,7 @@ impl<W: Gathered> Slot<W> {
     }
 }
 
-impl<W: Gathered> Drop for Slot<W> {
+impl<B: Backend, W: Gathered<B>> Drop for Slot<B, W> {
     fn drop(&mut self) {
         let inner = self.inner.clone();
         let mut g = W::gather(&inner).lock();
@@ -198,7 +199,7 @@ impl<W: Gathered> Drop for Slot<W> {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 drop(g);
                 // The slot goes on in the task: `in_flight` is unchanged.
-                let next = Slot::<W> {
+                let next = Slot::<B, W> {
                     inner: inner.clone(),
                     may_spawn: false,
                     kind: PhantomData,
@@ -223,7 +224,7 @@ impl<W: Gathered> Drop for Slot<W> {
 /// gave up are left out. A call for a name already in the batch joins that
 /// name's attempt when its kind shares ([`Gathered::follow`]), else waits
 /// for the next batch.
-fn take_batch<W: Gathered>(waiting: &mut Vec<W>) -> Vec<W> {
+fn take_batch<B: Backend, W: Gathered<B>>(waiting: &mut Vec<W>) -> Vec<W> {
     waiting.retain(|w| !w.gave_up());
     let mut at: HashMap<String, usize> = HashMap::new();
     let mut batch: Vec<W> = Vec::new();
@@ -247,10 +248,10 @@ fn take_batch<W: Gathered>(waiting: &mut Vec<W>) -> Vec<W> {
 
 /// Takes one of the [`IN_FLIGHT`] slots, or else a place among those
 /// waiting (`waiting` makes it, with the receiver its caller awaits).
-fn enter<W: Gathered, A>(
-    inner: &Arc<Inner>,
+fn enter<B: Backend, W: Gathered<B>, A>(
+    inner: &Arc<Inner<B>>,
     waiting: impl FnOnce(oneshot::Sender<A>) -> W,
-) -> Result<Slot<W>, oneshot::Receiver<A>> {
+) -> Result<Slot<B, W>, oneshot::Receiver<A>> {
     let mut g = W::gather(inner).lock();
     if g.in_flight < IN_FLIGHT {
         g.in_flight += 1;
@@ -261,7 +262,7 @@ fn enter<W: Gathered, A>(
     Err(rx)
 }
 
-impl Inner {
+impl<B: Backend> Inner<B> {
     /// One acquisition statement, alone or gathered with others (see the
     /// module docs), bounded by the statement timeout.
     pub(crate) async fn acquire_gathered(
@@ -282,7 +283,7 @@ impl Inner {
             Err(rx) => rx,
         };
         match self
-            .joined::<Acquiring, _>(
+            .joined::<Acquiring<B>, _>(
                 rx,
                 stmt.holder,
                 began,
@@ -309,7 +310,7 @@ impl Inner {
         self: &Arc<Self>,
         stmt: &Acquire<'_>,
         began: Instant,
-        slot: Option<Slot<Acquiring>>,
+        slot: Option<Slot<B, Acquiring<B>>>,
     ) -> Result<Result<Taken, Busy>, Error> {
         let had_slot = slot.is_some();
         let (name, holder) = (stmt.name, stmt.holder);
@@ -375,7 +376,7 @@ impl Inner {
     /// waiting on a lock, a slow server), it leaves the queue and sends its
     /// own, as it would without gathering; if a batch has it already, it
     /// waits for that batch.
-    async fn joined<W: Gathered, T>(
+    async fn joined<W: Gathered<B>, T>(
         &self,
         mut rx: oneshot::Receiver<Joined<T>>,
         holder: &str,
@@ -438,7 +439,7 @@ impl Inner {
     }
 
     /// Sends one batch of acquisitions and answers each.
-    async fn send_acquisitions(self: &Arc<Self>, batch: Vec<Acquiring>) {
+    async fn send_acquisitions(self: &Arc<Self>, batch: Vec<Acquiring<B>>) {
         let mut stmt = AcquireBatch::default();
         for w in &batch {
             let (least, period) = w.hold.unwrap_or((0.0, 0.0));
@@ -506,11 +507,11 @@ impl Inner {
             // acquisition); each tries alone.
             Ok(None) => {
                 tracing::debug!(pool = %self.pool_name, "a batch of acquisitions met a lock wait past its bound: each is sent alone");
-                batch.into_iter().for_each(Gathered::alone)
+                batch.into_iter().for_each(Gathered::<B>::alone)
             }
             Err(e) => {
                 tracing::debug!(pool = %self.pool_name, error = %e, "a batch of acquisitions failed: each is sent alone");
-                batch.into_iter().for_each(Gathered::alone)
+                batch.into_iter().for_each(Gathered::<B>::alone)
             }
         }
     }
@@ -542,10 +543,10 @@ impl Inner {
                     let _ = w.tx.send(Joined::TimedOut);
                 }
             }
-            Ok(None) => batch.into_iter().for_each(Gathered::alone),
+            Ok(None) => batch.into_iter().for_each(Gathered::<B>::alone),
             Err(e) => {
                 tracing::debug!(pool = %self.pool_name, error = %e, "a batch of releases failed: each is sent alone");
-                batch.into_iter().for_each(Gathered::alone)
+                batch.into_iter().for_each(Gathered::<B>::alone)
             }
         }
     }

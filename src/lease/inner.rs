@@ -36,20 +36,19 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify, OnceCell};
 
+use super::backend::{Backend, LeasePool};
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
 use super::table::{Busy, Call, LeaseStatement, PurgeMark, Release, Statements, TableName, Taken};
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};
-use crate::lock::{on, on_mut};
 use crate::lost::LostReason;
 use crate::pool::Client as Checkout;
-use crate::pool::Pool;
 use crate::stmt::{code, Exec, Param, Row, Sent, SqlError};
 
-pub(crate) struct Inner {
-    pub(crate) pool: Pool,
+pub(crate) struct Inner<B: Backend = deadpool_postgres::Pool> {
+    pub(crate) pool: B::Pool,
     pub(crate) pool_name: Arc<str>,
     pub(crate) table: TableName,
     pub(crate) sql: Statements,
@@ -60,7 +59,7 @@ pub(crate) struct Inner {
     pub(crate) registry: Mutex<Registry>,
     /// Acquisition statements in flight, and acquisitions gathered for the
     /// next one.
-    pub(crate) acquiring: Mutex<Gather<Acquiring>>,
+    pub(crate) acquiring: Mutex<Gather<Acquiring<B>>>,
     /// The same for releases.
     pub(crate) releasing: Mutex<Gather<Releasing>>,
     pub(crate) wake: Arc<Notify>,
@@ -86,15 +85,15 @@ pub(crate) struct Inner {
     pub(crate) purge_wait_logged: Mutex<Option<Duration>>,
 }
 
-impl Drop for Inner {
+impl<B: Backend> Drop for Inner<B> {
     fn drop(&mut self) {
         // Lets the renewer task see that its instance is gone, and end.
         self.wake.notify_one();
     }
 }
 
-impl Inner {
-    pub(crate) fn new(pool: Pool, pool_name: &str, s: Settings) -> Inner {
+impl<B: Backend> Inner<B> {
+    pub(crate) fn new(pool: B::Pool, pool_name: &str, s: Settings) -> Inner<B> {
         let metrics = LeaseMetrics::register(pool_name);
         for name in &s.declared {
             metrics.declare(name, name);
@@ -125,7 +124,7 @@ impl Inner {
         }
     }
 
-    pub(crate) fn pool(&self) -> Pool {
+    pub(crate) fn pool(&self) -> B::Pool {
         self.pool.clone()
     }
 
@@ -157,6 +156,40 @@ impl Inner {
             self.mark_lost(state, LostReason::Deadline);
         }
         state.lost_reason()
+    }
+}
+
+/// What a [`LeaseHandle`](super::LeaseHandle) needs of its instance,
+/// whatever the backend: the lost signal, the statements' texts (the fence
+/// check), the pool's name for logs.
+pub(crate) trait Owner: Send + Sync + 'static {
+    /// [`Inner::check_lost`].
+    fn check_lost(&self, state: &LeaseState) -> Option<LostReason>;
+    /// [`Inner::mark_lost`].
+    fn mark_lost(&self, state: &LeaseState, reason: LostReason);
+    /// [`Inner::count_statement`].
+    fn count_statement(&self);
+    /// The statements' texts.
+    fn sql(&self) -> &Statements;
+    /// The pool's name.
+    fn pool_name(&self) -> &str;
+}
+
+impl<B: Backend> Owner for Inner<B> {
+    fn check_lost(&self, state: &LeaseState) -> Option<LostReason> {
+        Inner::check_lost(self, state)
+    }
+    fn mark_lost(&self, state: &LeaseState, reason: LostReason) {
+        Inner::mark_lost(self, state, reason)
+    }
+    fn count_statement(&self) {
+        Inner::count_statement(self)
+    }
+    fn sql(&self) -> &Statements {
+        &self.sql
+    }
+    fn pool_name(&self) -> &str {
+        &self.pool_name
     }
 }
 
@@ -232,16 +265,19 @@ impl<W> Gather<W> {
 }
 
 /// An acquisition waiting for the next batch.
-pub(crate) struct Acquiring {
+pub(crate) struct Acquiring<B: Backend> {
     pub(super) name: String,
     pub(super) holder: String,
     pub(super) ttl: f64,
     pub(super) hold: Option<(f64, f64)>,
-    pub(super) tx: oneshot::Sender<Joined<Result<Won, Busy>>>,
+    pub(super) tx: Answer<B>,
     /// Callers of the same name that share this one's attempt (see
     /// `gather.rs`).
-    pub(super) followers: Vec<oneshot::Sender<Joined<Result<Won, Busy>>>>,
+    pub(super) followers: Vec<Answer<B>>,
 }
+
+/// Where an acquisition's answer goes.
+pub(super) type Answer<B> = oneshot::Sender<Joined<Result<Won<B>, Busy>>>;
 
 /// A release waiting for the next batch.
 pub(crate) struct Releasing {
@@ -255,15 +291,15 @@ pub(crate) struct Releasing {
 /// took it ([`Won::take`]): the caller was gone when it was answered, or
 /// stopped polling after; the term is then released by holder, in the
 /// background (its release never holds up the answers of others).
-pub(crate) struct Won {
+pub(crate) struct Won<B: Backend> {
     taken: Option<Taken>,
-    inner: Arc<Inner>,
+    inner: Arc<Inner<B>>,
     name: String,
     holder: String,
 }
 
-impl Won {
-    pub(super) fn new(inner: &Arc<Inner>, name: &str, holder: &str, taken: Taken) -> Won {
+impl<B: Backend> Won<B> {
+    pub(super) fn new(inner: &Arc<Inner<B>>, name: &str, holder: &str, taken: Taken) -> Won<B> {
         Won {
             taken: Some(taken),
             inner: inner.clone(),
@@ -282,7 +318,7 @@ impl Won {
     }
 }
 
-impl Drop for Won {
+impl<B: Backend> Drop for Won<B> {
     fn drop(&mut self) {
         if self.taken.take().is_none() {
             return;
@@ -336,7 +372,7 @@ pub(crate) enum Urgency {
 /// acquisition, a release by holder in case it committed first.
 pub(crate) type FollowUp = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
-impl Inner {
+impl<B: Backend> Inner<B> {
     /// The checkout of every lease statement: one call site, on the pool's
     /// lease lane, where renewals and releases go before acquisitions (and
     /// acquisitions never hold the lane's last slot).
@@ -344,13 +380,21 @@ impl Inner {
         &self,
         urgency: Urgency,
         timeout: Duration,
-    ) -> Result<Checkout, Error> {
+    ) -> Result<Checkout<B>, Error> {
         let priority = match urgency {
             Urgency::Urgent => Priority::Urgent,
             Urgency::Normal => Priority::Normal,
         };
         self.pool
-            .checkout_with(Lane::Lease, priority, Location::caller(), timeout)
+            .shared()
+            .checkout_inner(
+                Lane::Lease,
+                priority,
+                false,
+                Location::caller(),
+                timeout,
+                std::convert::identity,
+            )
             .await
     }
 
@@ -381,8 +425,7 @@ impl Inner {
     /// Named prepared statements only on a connection known to be direct,
     /// and never again after the server refused one.
     pub(crate) fn named(&self) -> bool {
-        !self.unnamed_only.load(Ordering::Relaxed)
-            && crate::pooler::keeps_sessions(&self.pool.shared)
+        !self.unnamed_only.load(Ordering::Relaxed) && B::keeps_sessions(&self.pool)
     }
 
     /// Runs `stmt` within `budget`, checkout included. See the module docs.
@@ -444,7 +487,8 @@ impl Inner {
                     stamped: !self.unstamped.load(Ordering::Relaxed),
                 };
                 let conn = flight.conn.insert(conn);
-                Ok::<_, Error>(stmt.exec(&self.sql, on_mut(conn), call).await)
+                let mut on = conn.exec();
+                Ok::<_, Error>(stmt.exec(&self.sql, &mut on, call).await)
             })
             .await;
             match outcome {
@@ -557,17 +601,21 @@ const SERIALIZATION_PAUSE_MAX: Duration = Duration::from_millis(5);
 /// [`CANCEL_TIMEOUT`]; true when the server signalled the backend. Only for
 /// a connection known to be direct (behind a pooler the pid is not the
 /// backend's).
-pub(crate) async fn cancel_backend(pool: &Pool, pid: i32) -> Result<bool, Error> {
+pub(crate) async fn cancel_backend<B: Backend>(pool: &B::Pool, pid: i32) -> Result<bool, Error> {
     let sent = async {
-        let conn = pool
-            .checkout_with(
+        let mut conn = pool
+            .shared()
+            .checkout_inner(
                 Lane::Control,
                 Priority::Urgent,
+                false,
                 Location::caller(),
                 CANCEL_TIMEOUT,
+                std::convert::identity,
             )
             .await?;
-        let rows = on(&conn)
+        let rows = conn
+            .exec()
             .query(
                 "SELECT pg_cancel_backend($1)",
                 &[Param::Int4(pid)],
@@ -612,10 +660,10 @@ fn refused_prepared(e: &SqlError) -> bool {
 /// `lock_timeout` ends its wait on the server, and the `SELECT 1` behind it
 /// (kept on the same server connection while the statement's transaction
 /// lasts) answers once it has.
-struct InFlight<'i, F: FnOnce() -> Option<FollowUp>> {
-    inner: &'i Inner,
+struct InFlight<'i, B: Backend, F: FnOnce() -> Option<FollowUp>> {
+    inner: &'i Inner<B>,
     what: &'static str,
-    conn: Option<Checkout>,
+    conn: Option<Checkout<B>>,
     follow_up: Option<F>,
 }
 
@@ -623,9 +671,9 @@ struct InFlight<'i, F: FnOnce() -> Option<FollowUp>> {
 /// take to end on the server before its connection is closed anyway.
 const END_MARGIN: Duration = Duration::from_secs(1);
 
-impl<F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, F> {
+impl<B: Backend, F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, B, F> {
     fn drop(&mut self) {
-        let Some(conn) = self.conn.take() else {
+        let Some(mut conn) = self.conn.take() else {
             return;
         };
         let pool_name = self.inner.pool_name.clone();
@@ -646,7 +694,7 @@ impl<F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, F> {
         let bound = self.inner.statement_timeout + END_MARGIN;
         rt.spawn(async move {
             if direct {
-                match cancel_backend(&pool, pid).await {
+                match cancel_backend::<B>(&pool, pid).await {
                     Ok(true) => tracing::debug!(pool = %pool_name, statement = what, pid, "lease statement cancelled on the server"),
                     Ok(false) => tracing::debug!(pool = %pool_name, statement = what, pid, "lease statement to cancel had ended"),
                     Err(e) => tracing::warn!(
@@ -655,7 +703,12 @@ impl<F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, F> {
                     ),
                 }
             }
-            match tokio::time::timeout(bound, on(&conn).batch("SELECT 1")).await {
+            let ended = tokio::time::timeout(bound, async {
+                let on = conn.exec();
+                on.batch("SELECT 1").await
+            })
+            .await;
+            match ended {
                 // It has ended: the connection is clean, back to the pool.
                 Ok(Ok(_)) => drop(conn),
                 Ok(Err(e)) => {

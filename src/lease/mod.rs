@@ -119,7 +119,8 @@
 //! - `mod.rs`: this front, [`Leases`] (the lease table of one pool) and
 //!   [`LeasesBuilder`] (its settings, and their defaults).
 //! - `acquire.rs`: acquire and release: one attempt, the guard it returns
-//!   ([`Lease`], [`LeaseHandle`]: term, lost signal, fence), the releases.
+//!   ([`Lease`], [`LeaseHandle`]: term, lost signal, fence), the releases;
+//!   `FenceTx`, the transaction a fence takes (per backend).
 //! - `gather.rs`: overlapping acquisitions and releases gathered into
 //!   shared statements, and each one's answer.
 //! - `renewer.rs`: the renewer task, its batches and its purge rounds.
@@ -134,8 +135,25 @@
 //! - `term.rs`: one term: [`Term`], its shared state and lost signal, its
 //!   timing (renewal, local deadline, back-off).
 //! - `metrics.rs`: the metrics and [`LeaseStats`] of an instance.
+//! - `backend.rs`: the layer's seam, under everything else of it: what a
+//!   backend supplies (`Backend`: whether its connections are known direct,
+//!   its pooler detection), the pools a [`Leases`] is made from (`LeasePool`), and the
+//!   deadpool side's (sqlx's is in `crate::sqlx`). The rest of the layer is
+//!   written once over `B: Backend` (default: the deadpool pool).
+//!
+//! # On sqlx
+//!
+//! With feature `sqlx-0_8` or `sqlx-0_9`, [`Leases::new`] and
+//! [`Leases::builder`] take a `pgwarden::sqlx::Pool` too (a
+//! `Leases<sqlx::PgPool>`): the same statements, renewals, lost signal,
+//! scheduler and metrics, and one table a deadpool fleet may share.
+//! [`LeaseHandle::fence`] takes the sqlx pool's `Transaction` and the
+//! guard dereferences to its `PgConnection` (`&mut *tx` is an executor).
+//! The sqlx pool has no pooler detection yet: its connections are taken as
+//! direct.
 
 mod acquire;
+mod backend;
 mod gather;
 mod inner;
 mod metrics;
@@ -146,7 +164,10 @@ mod table;
 mod term;
 
 pub use crate::lost::LostReason;
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+pub(crate) use acquire::FenceTx;
 pub use acquire::{Fenced, Lease, LeaseHandle};
+pub(crate) use backend::{Backend, LeasePool};
 pub use metrics::LeaseStats;
 pub use options::{LeaseOptions, OnLost};
 pub use scheduler::{Job, JobOutcome, Scheduler, SchedulerBuilder};
@@ -163,7 +184,6 @@ use self::inner::{Inner, Urgency};
 use self::options::{check_name, default_settings, PurgeSettings, Settings};
 use self::table::{wait_ms, Busy, ReadRows, Revoke, TableName, DEFAULT_TABLE};
 use crate::error::{at_most, in_range, within, Error};
-use crate::pool::Pool;
 
 /// The lease table of one pool: acquire, renew (batched, in the background),
 /// release, run jobs exclusively.
@@ -190,15 +210,23 @@ use crate::pool::Pool;
 /// }
 /// # Ok(()) }
 /// ```
-#[derive(Clone)]
-pub struct Leases {
-    pub(crate) inner: Arc<Inner>,
+pub struct Leases<B: Backend = deadpool_postgres::Pool> {
+    pub(crate) inner: Arc<Inner<B>>,
 }
 
-impl Leases {
+impl<B: Backend> Clone for Leases<B> {
+    fn clone(&self) -> Self {
+        Leases {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<B: Backend> Leases<B> {
     /// The default lease table of `pool`, `public.pgwarden_leases` (created
     /// at first use), with every setting at its
-    /// default (see [`LeasesBuilder`]).
+    /// default (see [`LeasesBuilder`]). `pool` is a [`Pool`](crate::Pool),
+    /// or (features `sqlx-0_8`, `sqlx-0_9`) a `pgwarden::sqlx::Pool`.
     ///
     /// ```no_run
     /// # fn demo(pool: pgwarden::Pool) {
@@ -206,12 +234,13 @@ impl Leases {
     /// # let _ = leases;
     /// # }
     /// ```
-    pub fn new(pool: &Pool) -> Leases {
-        Leases::from_parts(pool, default_settings())
+    pub fn new<P: LeasePool<Backend = B>>(pool: &P) -> Leases<B> {
+        Leases::from_parts(pool.pool(), default_settings())
     }
 
-    fn from_parts(pool: &Pool, settings: Settings) -> Leases {
-        let inner = Arc::new(Inner::new(pool.clone(), pool.name(), settings));
+    fn from_parts(pool: B::Pool, settings: Settings) -> Leases<B> {
+        let name = pool.shared().name.clone();
+        let inner = Arc::new(Inner::new(pool, &name, settings));
         inner.supervise_renewer();
         Leases { inner }
     }
@@ -345,7 +374,7 @@ impl Leases {
         name: &str,
         opts: &LeaseOptions,
         wait: Option<Duration>,
-    ) -> Result<Option<Lease>, Error> {
+    ) -> Result<Option<Lease<B>>, Error> {
         let start = Instant::now();
         let wait = wait.unwrap_or(Duration::ZERO);
         loop {
@@ -470,7 +499,7 @@ impl Leases {
     }
 }
 
-impl fmt::Debug for Leases {
+impl<B: Backend> fmt::Debug for Leases<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Leases")
             .field("pool", &self.inner.pool_name)
@@ -499,8 +528,8 @@ pub(crate) const MIN_PURGE_INTERVAL: Duration = Duration::from_millis(10);
 /// ```
 #[must_use = "builder does nothing until .build()"]
 #[derive(Debug)]
-pub struct LeasesBuilder {
-    pool: Pool,
+pub struct LeasesBuilder<B: Backend = deadpool_postgres::Pool> {
+    pool: B::Pool,
     table: String,
     statement_timeout: Duration,
     auto_install: bool,
@@ -508,7 +537,7 @@ pub struct LeasesBuilder {
     declared: Vec<String>,
 }
 
-impl LeasesBuilder {
+impl<B: Backend> LeasesBuilder<B> {
     /// The lease table: `table` or `schema.table`, each part of
     /// `[A-Za-z0-9_]` not starting with a digit, the table part at most 53
     /// bytes (its sequence adds `_token_seq`; PostgreSQL's identifiers stop
@@ -592,7 +621,7 @@ impl LeasesBuilder {
     }
 
     /// Validates the settings.
-    pub fn build(self) -> Result<Leases, Error> {
+    pub fn build(self) -> Result<Leases<B>, Error> {
         let table = TableName::parse(&self.table)?;
         let p = self.purge;
         {
@@ -620,17 +649,17 @@ impl LeasesBuilder {
             purge: self.purge,
             declared: self.declared,
         };
-        Ok(Leases::from_parts(&self.pool, settings))
+        Ok(Leases::from_parts(self.pool, settings))
     }
 }
 
-impl Leases {
+impl<B: Backend> Leases<B> {
     /// Starts a builder: table name, statement timeout, auto-install,
     /// purge, declared names. See [`LeasesBuilder`].
-    pub fn builder(pool: &Pool) -> LeasesBuilder {
+    pub fn builder<P: LeasePool<Backend = B>>(pool: &P) -> LeasesBuilder<B> {
         let d = default_settings();
         LeasesBuilder {
-            pool: pool.clone(),
+            pool: pool.pool(),
             table: DEFAULT_TABLE.to_owned(),
             statement_timeout: d.statement_timeout,
             auto_install: d.auto_install,

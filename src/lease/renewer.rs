@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 use tokio::sync::Notify;
 
+use super::backend::{Backend, LeasePool};
 use super::inner::{Entry, Inner, Item, Registry, Urgency};
 use super::table::{PurgeMark, PurgeMarkStmt, PurgeSweep, Renew, Terms};
 use super::term::{self, LeaseState, Timing};
@@ -62,7 +63,7 @@ impl Drop for Alive {
     }
 }
 
-impl Inner {
+impl<B: Backend> Inner<B> {
     /// Starts renewing a lease taken by a statement sent at `start`.
     pub(crate) fn register(
         self: &Arc<Self>,
@@ -143,13 +144,15 @@ impl Inner {
             let task = run(weak.clone(), wake.clone(), Alive(alive.clone()));
             Some(Box::pin(task) as crate::pool::Task)
         };
-        self.pool.supervise("lease renewer", start, Some(wind_down));
+        self.pool
+            .shared()
+            .supervise("lease renewer", start, Some(wind_down));
     }
 
     /// Starts the renewer again in the current runtime if its task is gone.
     pub(crate) fn ensure_renewer(self: &Arc<Self>) {
         if !self.renewer_alive.load(Ordering::Acquire) {
-            self.pool.revive_background();
+            self.pool.shared().revive_background();
         }
     }
 
@@ -238,8 +241,18 @@ impl Inner {
     }
 }
 
+/// A statement error from a sqlx pool's connection: the statement went out.
+fn sent_on_sqlx(e: &Error) -> bool {
+    #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+    if let Error::Sqlx(_) = e {
+        return true;
+    }
+    let _ = e;
+    false
+}
+
 /// The renewer task: runs while its [`Inner`] lives.
-async fn run(inner: Weak<Inner>, wake: Arc<Notify>, _alive: Alive) {
+async fn run<B: Backend>(inner: Weak<Inner<B>>, wake: Arc<Notify>, _alive: Alive) {
     loop {
         let next = {
             let Some(inner) = inner.upgrade() else { return };
@@ -251,7 +264,7 @@ async fn run(inner: Weak<Inner>, wake: Arc<Notify>, _alive: Alive) {
                 }
             };
             // Closed: done once every lease was reported lost and dropped.
-            if inner.pool.is_closed() && inner.registry.lock().entries.is_empty() {
+            if inner.pool.shared().is_closed() && inner.registry.lock().entries.is_empty() {
                 return;
             }
             next
@@ -282,13 +295,13 @@ const PURGE_WAIT_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// Clears the in-flight mark of a batch's leases however the batch ends; a
 /// batch that did not complete (it panicked) retries with back-off.
-struct BatchGuard<'a> {
-    inner: &'a Inner,
+struct BatchGuard<'a, B: Backend> {
+    inner: &'a Inner<B>,
     ids: Vec<u64>,
     completed: bool,
 }
 
-impl Drop for BatchGuard<'_> {
+impl<B: Backend> Drop for BatchGuard<'_, B> {
     fn drop(&mut self) {
         let now = Instant::now();
         {
@@ -307,7 +320,7 @@ impl Drop for BatchGuard<'_> {
     }
 }
 
-impl Inner {
+impl<B: Backend> Inner<B> {
     /// One renewal statement for `items`, and its outcome applied. It may
     /// run until the earliest local deadline of its leases: past that, its
     /// statement is cancelled, and their deadlines fire on time anyway.
@@ -381,7 +394,8 @@ impl Inner {
             if matches!(
                 result,
                 Ok(_) | Err(Error::Db(_) | Error::Lease(LeaseError::Timeout { .. }))
-            ) {
+            ) || result.as_ref().is_err_and(sent_on_sqlx)
+            {
                 s.renewal_statements += 1;
             }
             match &result {

@@ -69,6 +69,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::acquire::{Lease, LeaseHandle, MAX_POLL};
+use super::backend::{Backend, LeasePool};
 use super::options::{check_name, check_part, hostname, new_holder, LeaseOptions, OnLost};
 use super::table::Busy;
 use super::term::check_period;
@@ -96,14 +97,14 @@ pub(crate) const DEFAULT_POLL_JITTER: Duration = Duration::from_millis(100);
 /// ```
 #[must_use = "builder does nothing until .start()"]
 #[derive(Debug)]
-pub struct SchedulerBuilder {
-    leases: Leases,
+pub struct SchedulerBuilder<B: Backend = deadpool_postgres::Pool> {
+    leases: Leases<B>,
     node: Option<String>,
     jobs: Vec<Job>,
     jitter: Duration,
 }
 
-impl SchedulerBuilder {
+impl<B: Backend> SchedulerBuilder<B> {
     /// This instance's node, for per-node jobs: two instances with the same
     /// node share each per-node job. Default: the host name (in a container
     /// that is often the container's own name: set the node's name here).
@@ -207,7 +208,7 @@ pub struct Scheduler {
 
 impl Scheduler {
     /// Starts a builder over a lease table.
-    pub fn builder(leases: &Leases) -> SchedulerBuilder {
+    pub fn builder<B: Backend>(leases: &Leases<B>) -> SchedulerBuilder<B> {
         SchedulerBuilder {
             leases: leases.clone(),
             node: None,
@@ -390,8 +391,8 @@ enum Outcome {
     Dropped,
 }
 
-pub(crate) struct Runner {
-    pub(crate) leases: Leases,
+pub(crate) struct Runner<B: Backend> {
+    pub(crate) leases: Leases<B>,
     pub(crate) lease: String,
     pub(crate) job: Job,
     /// `Some(grace)` once the scheduler stops: how long a running job may
@@ -401,7 +402,7 @@ pub(crate) struct Runner {
     pub(crate) panics: Counter,
 }
 
-impl Runner {
+impl<B: Backend> Runner<B> {
     pub(crate) async fn run(mut self) {
         let inner = self.leases.inner.clone();
         loop {
@@ -440,7 +441,7 @@ impl Runner {
                     }
                 }
                 // Closed under it: the scheduler has nothing left to do.
-                Err(_) if inner.pool.is_closed() => {
+                Err(_) if inner.pool.shared().is_closed() => {
                     tracing::debug!(job = %self.job.name, "scheduler job stops: its pool is closed");
                     return;
                 }
@@ -457,7 +458,7 @@ impl Runner {
         }
     }
 
-    async fn run_once(&mut self, lease: Lease) {
+    async fn run_once(&mut self, lease: Lease<B>) {
         let outcome = self.run_job(&lease).await;
         let name = &self.job.name;
         match outcome {
@@ -493,7 +494,7 @@ impl Runner {
 
     /// Runs the job to its end, its panic, its lost lease (with
     /// [`OnLost::Cancel`](super::OnLost::Cancel)), or shutdown past the grace.
-    async fn run_job(&mut self, lease: &Lease) -> Outcome {
+    async fn run_job(&mut self, lease: &Lease<B>) -> Outcome {
         let on_lost = self.job.opts.on_lost_policy();
         let run = &self.job.run;
         // Making the job's future is the job's code too.
@@ -526,7 +527,7 @@ impl Runner {
         self.stop.borrow().unwrap_or_default()
     }
 
-    async fn release(&self, lease: Lease) {
+    async fn release(&self, lease: Lease<B>) {
         if let Err(e) = lease.release().await {
             if !e.is_lease_lost() {
                 tracing::warn!(job = %self.job.name, error = %e, "job lease release failed; it expires after its TTL");
@@ -540,7 +541,7 @@ pub(crate) async fn stopped(stop: &mut watch::Receiver<Option<Duration>>) {
     let _ = stop.wait_for(Option::is_some).await;
 }
 
-impl Leases {
+impl<B: Backend> Leases<B> {
     /// Runs `job` if this call takes `name` (one attempt), renewing the
     /// lease while it runs and releasing it after; `Ok(None)` when another
     /// holder has it (skip this round).
@@ -600,8 +601,8 @@ impl Leases {
 
 /// Runs `job` under `lease`: to completion, or until the lease is lost when
 /// `on_lost` is [`OnLost::Cancel`].
-pub(crate) async fn run_under<T>(
-    lease: &Lease,
+pub(crate) async fn run_under<B: Backend, T>(
+    lease: &Lease<B>,
     on_lost: OnLost,
     job: impl Future<Output = T>,
 ) -> Result<T, LostReason> {
@@ -620,7 +621,10 @@ pub(crate) async fn run_under<T>(
 /// Releases after a run: the job's output, or `LeaseError::Lost` if it was cancelled.
 /// A failed release after a completed job is logged, not returned: the job
 /// ran, and the lease expires after its TTL.
-pub(crate) async fn finish<T>(lease: Lease, out: Result<T, LostReason>) -> Result<T, Error> {
+pub(crate) async fn finish<B: Backend, T>(
+    lease: Lease<B>,
+    out: Result<T, LostReason>,
+) -> Result<T, Error> {
     let name = lease.term().name.clone();
     match out {
         Ok(v) => {

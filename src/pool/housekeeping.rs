@@ -174,11 +174,11 @@ async fn periodic<B: Source>(weak: Weak<Shared<B>>, hook: Arc<dyn Periodic<B>>) 
     }
 }
 
-impl Pool {
+impl<B: Source> Shared<B> {
     /// Puts background work of a layer above under the pool's supervisor:
     /// `start` makes the task's future, or `None` once the work's owner is
     /// gone (the supervisor then forgets it). Started by the next checkout
-    /// (or [`Pool::revive_background`]) on the runtime it runs on, started
+    /// (or `revive_background`) on the runtime it runs on, started
     /// again on the runtime in use when its task is gone, never started again
     /// once the pool is closed. At [`Pool::close`](crate::Pool::close) the
     /// task is aborted, or, given `wind_down`, told to end on its own (it
@@ -190,13 +190,13 @@ impl Pool {
         start: impl Fn() -> Option<Task> + Send + Sync + 'static,
         wind_down: Option<Box<dyn Fn() + Send + Sync>>,
     ) {
-        self.shared.supervisor.add(name, Box::new(start), wind_down);
+        self.supervisor.add(name, Box::new(start), wind_down);
     }
 
     /// Starts again, in the current runtime, the supervised tasks whose
     /// runtime is gone (each checkout does it too).
     pub(crate) fn revive_background(&self) {
-        self.shared.supervisor.revive();
+        self.supervisor.revive();
     }
 }
 

@@ -370,7 +370,7 @@ fn background_work_is_supervised_across_runtimes_and_stopped_by_close() {
     let a = runtime();
     a.block_on(async {
         let n = started.clone();
-        pool.supervise(
+        pool.shared.supervise(
             "layer task",
             move || {
                 // The first one panics: the supervisor starts it again.
@@ -387,7 +387,7 @@ fn background_work_is_supervised_across_runtimes_and_stopped_by_close() {
         );
         // Started by the next checkout (here: by hand).
         assert!(pool.shared.supervisor.running().is_empty());
-        pool.revive_background();
+        pool.shared.revive_background();
         let mut running = pool.shared.supervisor.running();
         running.sort();
         assert_eq!(running, ["housekeeping", "layer task"]);
@@ -395,7 +395,7 @@ fn background_work_is_supervised_across_runtimes_and_stopped_by_close() {
         while pool.shared.supervisor.running().len() == 2 {
             tokio::task::yield_now().await;
         }
-        pool.revive_background();
+        pool.shared.revive_background();
         assert_eq!(pool.shared.supervisor.running().len(), 2);
         assert_eq!(started.load(Ordering::Acquire), 2);
     });
@@ -416,8 +416,8 @@ fn background_work_is_supervised_across_runtimes_and_stopped_by_close() {
         pool.close();
         assert!(pool.is_closed());
         assert!(pool.shared.supervisor.running().is_empty());
-        pool.revive_background();
-        pool.supervise(
+        pool.shared.revive_background();
+        pool.shared.supervise(
             "after close",
             || Some(Box::pin(std::future::pending::<()>()) as super::Task),
             None,

@@ -259,7 +259,7 @@ pub type PoolConnection = crate::Client<dep::PgPool>;
 /// ```
 #[derive(Clone)]
 pub struct Pool {
-    shared: Arc<Shared<dep::PgPool>>,
+    pub(super) shared: Arc<Shared<dep::PgPool>>,
 }
 
 impl fmt::Debug for Pool {

@@ -49,4 +49,9 @@ macro_rules! versioned_executor {
 #[path = "pool.rs"]
 mod pool;
 
+// Leases on this sqlx (one source for both versions).
+#[allow(clippy::duplicate_mod)]
+#[path = "leases.rs"]
+mod leases;
+
 pub use pool::{Pool, PoolConnection, Transaction};

@@ -35,6 +35,7 @@ mod http_edges;
 mod http_flood;
 mod hung_server;
 mod incident;
+mod lease_backends;
 mod lease_contention;
 mod lease_environments;
 mod lease_faults;

@@ -4,6 +4,12 @@
 //! statement), implemented for the deadpool pool and, with their features,
 //! for pgwarden's sqlx pool on sqlx 0.8 and 0.9. [`backends!`] makes one
 //! `#[tokio::test]` per backend from one generic `async fn`.
+//!
+//! Leases: `pgwarden::Leases<B>` is generic over the wrapped pool, whose
+//! bound the crate keeps to itself, so a generic test reaches it through
+//! [`Backend::Leases`] and the methods below (each the same call on every
+//! backend, written once in `lease_methods!`); a fenced write is the one
+//! call whose code differs (the backend's own transaction).
 
 use std::fmt;
 use std::panic::Location;
@@ -11,10 +17,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::ops::Deref;
+
 use futures_util::future::BoxFuture;
 use metrics_util::debugging::{DebuggingRecorder, Snapshotter};
+use pgwarden::lease::LeaseRow;
 use pgwarden::{
-    BudgetPolicy, Census, Error, Lane, LockKey, LockMode, Migrated, PoolerMode, Status,
+    BudgetPolicy, Census, Error, Job, Lane, LeaseHandle, LeaseOptions, LeaseStats, LockKey,
+    LockMode, Migrated, PoolerMode, Scheduler, Status,
 };
 use pgwarden_testing::{PgBouncer, TestDb};
 
@@ -190,6 +200,38 @@ pub trait Backend: Send + Sync + 'static {
         timeout: Duration,
         ran: Arc<AtomicUsize>,
     ) -> BoxFuture<'p, Result<bool, Error>>;
+    /// `pgwarden::Leases` on this backend.
+    type Leases: Clone + Send + Sync + fmt::Debug + 'static;
+    /// `pgwarden::Lease` on this backend: derefs to the one `LeaseHandle`.
+    type Lease: Deref<Target = LeaseHandle> + Send + fmt::Debug + 'static;
+    /// `Leases::new(&pool)`: the default table.
+    fn leases(pool: &Self::Pool) -> Self::Leases;
+    /// `Leases::install`.
+    fn install(l: &Self::Leases) -> BoxFuture<'_, Result<bool, Error>>;
+    /// `Leases::acquire`.
+    fn acquire<'a>(
+        l: &'a Self::Leases,
+        name: &'a str,
+        opts: &'a LeaseOptions,
+        wait: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Option<Self::Lease>, Error>>;
+    /// `Lease::release`.
+    fn release(lease: Self::Lease) -> BoxFuture<'static, Result<(), Error>>;
+    /// `Leases::stats`.
+    fn lease_stats(l: &Self::Leases) -> LeaseStats;
+    /// `Leases::rows`.
+    fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>>;
+    /// `Scheduler::builder(&leases)` with `jobs`, started.
+    fn schedule(l: &Self::Leases, jobs: Vec<Job>) -> Result<Scheduler, Error>;
+    /// In a transaction of its own on `pool`, fenced by `lease`:
+    /// `INSERT INTO ledger (name, token, prev) VALUES ($1, $2, the
+    /// greatest token of the name in the ledger as the transaction sees
+    /// it)`, then the fenced commit. The fence's, the write's or the
+    /// commit's error.
+    fn fenced_write<'a>(
+        pool: &'a Self::Pool,
+        lease: &'a LeaseHandle,
+    ) -> BoxFuture<'a, Result<(), Error>>;
 }
 
 /// Advisory locks held by the session that asks (a failed ask counts as
@@ -244,6 +286,60 @@ macro_rules! lock_methods {
 
         fn unlock(l: Self::Lock) -> BoxFuture<'static, Result<(), Error>> {
             Box::pin(l.unlock())
+        }
+    };
+}
+
+
+/// The ledger a fenced write goes to (see [`Backend::fenced_write`]): one
+/// row per write, with the greatest token its transaction saw before it.
+pub const LEDGER: &str =
+    "CREATE TABLE ledger (name text NOT NULL, token int8 PRIMARY KEY, prev int8)";
+
+/// The fenced write's statement.
+const LEDGER_WRITE: &str = "INSERT INTO ledger (name, token, prev) \
+     SELECT $1, $2, max(token) FROM ledger WHERE name = $1";
+
+/// The lease calls, the same on every backend (`pgwarden::Leases<B>`'s
+/// methods, resolved for each concrete `B`).
+macro_rules! lease_methods {
+    ($src:ty) => {
+        type Leases = pgwarden::Leases<$src>;
+        type Lease = pgwarden::Lease<$src>;
+
+        fn leases(pool: &Self::Pool) -> Self::Leases {
+            pgwarden::Leases::new(pool)
+        }
+
+        fn install(l: &Self::Leases) -> BoxFuture<'_, Result<bool, Error>> {
+            Box::pin(l.install())
+        }
+
+        fn acquire<'a>(
+            l: &'a Self::Leases,
+            name: &'a str,
+            opts: &'a LeaseOptions,
+            wait: Option<Duration>,
+        ) -> BoxFuture<'a, Result<Option<Self::Lease>, Error>> {
+            Box::pin(l.acquire(name, opts, wait))
+        }
+
+        fn release(lease: Self::Lease) -> BoxFuture<'static, Result<(), Error>> {
+            Box::pin(lease.release())
+        }
+
+        fn lease_stats(l: &Self::Leases) -> LeaseStats {
+            l.stats()
+        }
+
+        fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>> {
+            Box::pin(l.rows())
+        }
+
+        fn schedule(l: &Self::Leases, jobs: Vec<Job>) -> Result<Scheduler, Error> {
+            jobs.into_iter()
+                .fold(Scheduler::builder(l), |b, j| b.job(j))
+                .start()
         }
     };
 }
@@ -481,6 +577,22 @@ impl Backend for Deadpool {
         });
         Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
     }
+
+    lease_methods!(deadpool_postgres::Pool);
+
+    fn fenced_write<'a>(
+        pool: &'a pgwarden::Pool,
+        lease: &'a LeaseHandle,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            let mut c = pool.get_within(Duration::from_secs(10)).await?;
+            let tx = lease.fence(c.transaction().await?).await?;
+            let name: &str = &lease.term().name;
+            tx.execute(LEDGER_WRITE, &[&name, &lease.term().token])
+                .await?;
+            tx.commit().await
+        })
+    }
 }
 
 impl Deadpool {
@@ -659,6 +771,26 @@ macro_rules! sqlx_backend {
                     })
                 });
                 Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
+            }
+
+            lease_methods!($sqlx::PgPool);
+
+            fn fenced_write<'a>(
+                pool: &'a Self::Pool,
+                lease: &'a LeaseHandle,
+            ) -> BoxFuture<'a, Result<(), Error>> {
+                Box::pin(async move {
+                    let tx = pool.begin().await.expect("begin");
+                    let mut tx = lease.fence(tx).await?;
+                    let name: &str = &lease.term().name;
+                    $sqlx::query(LEDGER_WRITE)
+                        .bind(name)
+                        .bind(lease.term().token)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| Error::Sqlx(Box::new(e)))?;
+                    tx.commit().await
+                })
             }
         }
 
