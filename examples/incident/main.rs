@@ -5,6 +5,7 @@
 //!
 //! ```sh
 //! cargo run --example incident
+//! cargo run --example incident --features sqlx-0_8   # and on sqlx 0.8
 //! ```
 //!
 //! Uses `DATABASE_URL` when set, otherwise a throwaway PostgreSQL. Prints a
@@ -46,19 +47,39 @@ async fn run() -> Result<bool, scenarios::BoxError> {
     let refuse = scenarios::pgwarden_session_locks(&db, BudgetPolicy::Refuse).await?;
     let warn = scenarios::pgwarden_session_locks(&db, BudgetPolicy::Warn).await?;
     let leases = scenarios::pgwarden_leases(&db).await?;
-    let rows = [raw.clone(), refuse.clone(), warn.clone(), leases.clone()];
-    println!("{}", Table(&rows));
-    let mut bad = check(&refuse, 1);
-    bad.extend(check(&warn, 2));
-    bad.extend(check(&leases, scenarios::JOBS.len()));
-    if leases.held_between_statements != 0 {
-        bad.push(format!(
-            "{}: connections held between statements",
-            leases.scenario
-        ));
+    #[allow(unused_mut)]
+    let mut sides = vec![[raw, refuse, warn, leases]];
+    // With a sqlx feature on (`--features sqlx-0_8`), the same incident on
+    // sqlx: raw `PgAdvisoryLock`, then pgwarden's sqlx pool.
+    #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+    {
+        use scenarios::on_sqlx;
+        sides.push([
+            on_sqlx::raw_sqlx(&db).await?,
+            on_sqlx::pgwarden_session_locks(&db, BudgetPolicy::Refuse).await?,
+            on_sqlx::pgwarden_session_locks(&db, BudgetPolicy::Warn).await?,
+            on_sqlx::pgwarden_leases(&db).await?,
+        ]);
     }
-    if raw.probes_ok != 0 {
-        println!("note: raw deadpool's readiness probe answered; the incident did not reproduce");
+    let rows: Vec<_> = sides.iter().flatten().cloned().collect();
+    println!("{}", Table(&rows));
+    let mut bad = Vec::new();
+    for [raw, refuse, warn, leases] in &sides {
+        bad.extend(check(refuse, 1));
+        bad.extend(check(warn, 2));
+        bad.extend(check(leases, scenarios::JOBS.len()));
+        if leases.held_between_statements != 0 {
+            bad.push(format!(
+                "{}: connections held between statements",
+                leases.scenario
+            ));
+        }
+        if raw.probes_ok != 0 {
+            println!(
+                "note: {}: the readiness probe answered; the incident did not reproduce",
+                raw.scenario
+            );
+        }
     }
     for b in &bad {
         println!("NOT AS CLAIMED: {b}");

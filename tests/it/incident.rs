@@ -57,3 +57,39 @@ async fn pgwarden_leases_run_all_four_jobs_holding_no_connection() {
     assert_eq!(o.held_between_statements, 0);
     assert_eq!(o.refused, 0);
 }
+
+/// The same incident on sqlx, from the same scenarios: raw `sqlx::PgPool`
+/// with sqlx's own `PgAdvisoryLock` loses readiness and its jobs' work;
+/// pgwarden's sqlx pool grants the budget (refuse: 1, warn: 2) and stays
+/// ready; leases run all four jobs holding no connection.
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+#[tokio::test]
+async fn the_incident_on_sqlx_both_ways() {
+    use scenarios::on_sqlx;
+    let db = db().await;
+    let raw = on_sqlx::raw_sqlx(&db).await.unwrap();
+    assert_eq!(raw.granted, JOBS.len(), "{raw:?}");
+    assert_eq!(
+        raw.probes_ok, 0,
+        "the readiness probe got no connection: {raw:?}"
+    );
+    assert_eq!(raw.work_done, 0, "no job got a work connection: {raw:?}");
+    assert_eq!(raw.held_between_statements, JOBS.len());
+    let refuse = on_sqlx::pgwarden_session_locks(&db, BudgetPolicy::Refuse)
+        .await
+        .unwrap();
+    assert_eq!(check(&refuse, 1), Vec::<String>::new(), "{refuse:?}");
+    assert_eq!(refuse.refused, 3);
+    let warn = on_sqlx::pgwarden_session_locks(&db, BudgetPolicy::Warn)
+        .await
+        .unwrap();
+    assert_eq!(check(&warn, 2), Vec::<String>::new(), "{warn:?}");
+    assert_eq!(warn.refused, 2);
+    let leases = on_sqlx::pgwarden_leases(&db).await.unwrap();
+    assert_eq!(
+        check(&leases, JOBS.len()),
+        Vec::<String>::new(),
+        "{leases:?}"
+    );
+    assert_eq!(leases.held_between_statements, 0);
+}

@@ -290,7 +290,6 @@ macro_rules! lock_methods {
     };
 }
 
-
 /// The ledger a fenced write goes to (see [`Backend::fenced_write`]): one
 /// row per write, with the greatest token its transaction saw before it.
 pub const LEDGER: &str =
