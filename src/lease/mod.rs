@@ -149,8 +149,9 @@
 //! scheduler and metrics, and one table a deadpool fleet may share.
 //! [`LeaseHandle::fence`] takes the sqlx pool's `Transaction` and the
 //! guard dereferences to its `PgConnection` (`&mut *tx` is an executor).
-//! The sqlx pool has no pooler detection yet: its connections are taken as
-//! direct.
+//! Pooler detection is the pool's on either backend: statements are
+//! prepared, and a statement cut short cancelled by pid, only on a pool
+//! configured or detected direct.
 
 mod acquire;
 mod backend;
