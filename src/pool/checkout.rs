@@ -770,7 +770,15 @@ impl<B: Source> Shared<B> {
             return Err(e);
         }
         let size = self.state.lock().adm.limits().size();
-        let max = self.inner.status().max;
+        let inner = self.inner.status();
+        if inner.size < inner.max {
+            // It had room to open one: it could not connect in time (sqlx
+            // answers a server that refuses connections, or an
+            // `after_connect` hook that fails, with `PoolTimedOut` once its
+            // acquire timeout passes), not a capacity taken outside pgwarden.
+            return Err(self.timed_out(lane, Stage::Connection, start, self.status()));
+        }
+        let max = inner.max;
         if max == size {
             if let Some(r) = until(deadline, self.inner.take_waiting(&self.cfg)).await {
                 return r.map_err(|e| match B::refused(e) {
