@@ -110,13 +110,6 @@ pub(crate) fn key_params(key: LockKey) -> ([Param<'static>; 2], usize) {
     }
 }
 
-/// A checked-out connection as the statement layer runs statements on it
-/// (the deadpool backend's client): the one place the layers above the
-/// pool name the driver's connection type.
-pub(crate) fn on(c: &crate::pool::Client) -> &deadpool_postgres::ClientWrapper {
-    c
-}
-
 /// Maps a failed lock statement: 55P03 is a [`LockError::Timeout`](crate::LockError::Timeout).
 pub(crate) fn lock_error(e: SqlError, key: LockKey, timeout: Duration) -> crate::Error {
     if e.is(code::LOCK_NOT_AVAILABLE) {

@@ -320,7 +320,10 @@ impl<B: Source> Drop for Taken<B> {
         if let Some((obj, permit)) = self.0.take() {
             match B::give_back(&mut Some(obj)) {
                 None => drop(permit),
-                back => finish(back, Some(permit), Duration::ZERO),
+                back => {
+                    permit.shared().mark_releasing(permit.slot());
+                    finish(back, Some(permit), Duration::ZERO)
+                }
             }
         }
     }
@@ -767,7 +770,15 @@ impl<B: Source> Shared<B> {
             return Err(e);
         }
         let size = self.state.lock().adm.limits().size();
-        let max = self.inner.status().max;
+        let inner = self.inner.status();
+        if inner.size < inner.max {
+            // It had room to open one: it could not connect in time (sqlx
+            // answers a server that refuses connections, or an
+            // `after_connect` hook that fails, with `PoolTimedOut` once its
+            // acquire timeout passes), not a capacity taken outside pgwarden.
+            return Err(self.timed_out(lane, Stage::Connection, start, self.status()));
+        }
+        let max = inner.max;
         if max == size {
             if let Some(r) = until(deadline, self.inner.take_waiting(&self.cfg)).await {
                 return r.map_err(|e| match B::refused(e) {
@@ -855,6 +866,7 @@ impl<B: Source> Client<B> {
         if let Some(obj) = self.obj.take() {
             self.permit.shared().state.lock().pids.remove(&self.object);
             if let Some(close) = B::discard(obj) {
+                self.mark_releasing();
                 finish(Some(close), Some(self.permit.take()), Duration::ZERO);
             }
         }
@@ -938,10 +950,15 @@ impl<B: Source> Drop for Client<B> {
             }
             // The connection goes back to the wrapped pool (deadpool's
             // dropped in place), then the permit to the budget: at once, or
-            // once the pool's return is done.
+            // once the pool's return is done (sqlx's), meanwhile marked
+            // releasing: a session lock asked for meanwhile waits for that
+            // return instead of being refused because of it.
             match B::give_back(&mut self.obj) {
                 None => self.permit.release(held),
-                back => finish(back, Some(self.permit.take()), held),
+                back => {
+                    self.mark_releasing();
+                    finish(back, Some(self.permit.take()), held)
+                }
             }
         }
         // After `discard`, the permit is released as it drops.

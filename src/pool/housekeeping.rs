@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 
 use super::deadline::deadline;
-use super::shared::{Periodic, Pool, Shared};
+use super::shared::{Periodic, Shared};
 use super::source::Source;
 use super::supervisor::Task;
 use crate::admission::Lane;

@@ -173,14 +173,15 @@ impl Source for dep::PgPool {
         let mut obj = obj.take()?;
         let back = obj.return_to_pool();
         // Nothing left in it to return (it only keeps `min_connections`).
-        drop(obj);
+        in_a_runtime(|| drop(obj));
         Some(back)
     }
 
     /// sqlx keeps the connection's capacity until it is closed.
     fn discard(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static> {
         if tokio::runtime::Handle::try_current().is_err() {
-            drop(obj.detach());
+            // Closed here: its session ends, and every lock with it.
+            in_a_runtime(|| drop(obj.detach()));
             return None;
         }
         Some(async move {
@@ -227,6 +228,30 @@ impl Source for dep::PgPool {
 
     fn is_closed(&self) -> bool {
         dep::PgPool::is_closed(self)
+    }
+}
+
+/// Runs `f`, which drops (what is left of) a sqlx `PoolConnection`, in a
+/// tokio runtime's context. sqlx's drop of one spawns a task whenever the
+/// pool keeps `min_connections` (its live connection taken out or not), and
+/// panics outside a runtime: a guard or connection dropped after its
+/// runtime is gone. There the task goes to a throwaway runtime, dropped
+/// unpolled with it (nothing is lost: the pool's idle-connection upkeep).
+fn in_a_runtime(f: impl FnOnce()) {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return f();
+    }
+    match tokio::runtime::Builder::new_current_thread().build() {
+        Ok(rt) => {
+            let _in = rt.enter();
+            f();
+        }
+        // No runtime of its own (out of threads or memory): sqlx would
+        // panic, which would drop whatever it was dropping.
+        Err(e) => {
+            tracing::error!(error = %e, "no runtime to drop a sqlx connection in: it may panic");
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        }
     }
 }
 

@@ -2,7 +2,8 @@
 //! generic `async fn` over [`Backend`], run by [`backends!`] on the
 //! deadpool pool and on pgwarden's sqlx pool over sqlx 0.8 and 0.9. The
 //! session-lock budget (refuse, warn, wait in FIFO order), a lock that
-//! lives and ends on its own connection, a dropped guard that leaves no
+//! lives and ends on its own connection, a lock taken again right after
+//! its unlock (not refused), a dropped guard that leaves no
 //! lock in the pool, a guard cancelled while waiting past its unlock bound
 //! (closed, its wait cancelled on the server), the transaction lock's
 //! bounded wait, `migrate_once` across a deadpool and a sqlx instance, and
@@ -146,6 +147,43 @@ async fn a_dropped_guard_leaves_no_lock_in_the_pool<B: Backend>() {
     B::unlock(again.unwrap().expect("free again"))
         .await
         .unwrap();
+}
+
+backends!(a_lock_taken_again_right_after_its_unlock_is_not_refused);
+/// Budget 1, try-once locks: unlocked (or dropped, or not granted), the
+/// same lock tried again at once is taken, never refused by the budget
+/// because the previous connection's return is still under way (sqlx
+/// returns a connection in a task of its own: a checkout that comes back
+/// is marked releasing, so a session lock asked for meanwhile waits for
+/// it). Failed on sqlx (every try refused) before that mark.
+async fn a_lock_taken_again_right_after_its_unlock_is_not_refused<B: Backend>() {
+    let db = db().await;
+    let raw = db.connect().await.unwrap();
+    let pool = B::build(&db, &Settings::new("again", 4));
+    let key = LockKey::Single(311);
+    for round in 0..20 {
+        let lock = B::session_lock(&pool, key, LockMode::Exclusive, None).await;
+        let lock = lock.unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let lock = lock.expect("a free key");
+        if round % 2 == 0 {
+            B::unlock(lock).await.unwrap();
+        } else {
+            drop(lock);
+        }
+    }
+    raw.execute("SELECT pg_advisory_lock(311)", &[])
+        .await
+        .unwrap();
+    for round in 0..20 {
+        let lock = B::session_lock(&pool, key, LockMode::Exclusive, None).await;
+        let lock = lock.unwrap_or_else(|e| panic!("held elsewhere, round {round}: {e}"));
+        assert!(lock.is_none(), "held by the raw session");
+    }
+    raw.execute("SELECT pg_advisory_unlock_all()", &[])
+        .await
+        .unwrap();
+    settled::<B>(&pool).await;
+    assert!(raw_locks(&raw).await.is_empty());
 }
 
 backends!(a_guard_cancelled_while_waiting_past_its_unlock_bound_is_closed);

@@ -72,6 +72,7 @@ mod service;
 mod session_lock_wait;
 mod settings;
 mod slow_link;
+mod sqlx_no_runtime;
 mod sqlx_pool;
 mod supervisor;
 mod xact;

@@ -474,6 +474,45 @@ macro_rules! dropin {
                 drop(held);
                 settled(&pool).await;
             }
+
+            /// A server that refuses connections (down, restarting): sqlx
+            /// retries until its acquire timeout and answers `PoolTimedOut`.
+            /// The drop-in `acquire` says `PoolTimedOut` too, and
+            /// `acquire_within` a timeout while connecting; the admission
+            /// comes back. Before, both said pgwarden's capacity had been
+            /// taken outside it (`DeadpoolMismatch`, "a clone of the wrapped
+            /// deadpool pool"), the second after a second acquire timeout.
+            #[tokio::test]
+            async fn a_server_refusing_connections_is_a_connect_timeout() {
+                // A port nothing listens on.
+                let port = std::net::TcpListener::bind("127.0.0.1:0")
+                    .and_then(|l| l.local_addr())
+                    .unwrap()
+                    .port();
+                let opts = $sqlx::postgres::PgConnectOptions::new_without_pgpass()
+                    .host("127.0.0.1")
+                    .port(port)
+                    .username("postgres");
+                let pg = PgPoolOptions::new()
+                    .max_connections(4)
+                    .acquire_timeout(Duration::from_millis(300))
+                    .connect_lazy_with(opts);
+                let pool = Pool::builder(pg).build().unwrap();
+                let e = within(GUARD, "acquire", pool.acquire()).await.map(drop).unwrap_err();
+                assert!(matches!(e, $sqlx::Error::PoolTimedOut), "{e:?}");
+                let e = within(GUARD, "acquire_within", pool.acquire_within(GUARD))
+                    .await
+                    .map(drop)
+                    .unwrap_err();
+                match &e {
+                    Error::Checkout(CheckoutError::Timeout { stage, .. }) => {
+                        assert_eq!(*stage, Stage::Connection, "{e}")
+                    }
+                    other => panic!("{other:?}"),
+                }
+                assert!(e.is_timeout());
+                settled(&pool).await;
+            }
         }
     };
 }
