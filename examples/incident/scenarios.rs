@@ -245,7 +245,13 @@ macro_rules! pgwarden_scenarios {
                     None => out.refused += 1,
                 }
             }
-            // Between statements: leases pin nothing.
+            // Between statements: leases pin nothing. (A sqlx return runs in
+            // a task of its own: the last statement's connection may still
+            // be on its way back for a moment; at most 2 s.)
+            let until = Instant::now() + 2 * PROBE_BOUND;
+            while pool.status().in_use > 0 && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             out.held_between_statements = pool.status().in_use;
             probe_and_work(&pool, held.len(), &mut out).await;
             for lease in held {
