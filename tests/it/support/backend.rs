@@ -472,6 +472,10 @@ impl Backend for Deadpool {
                 let seen = seen.clone();
                 Box::pin(async move {
                     let row = c.query_one(LOCKS_HERE, &[]).await;
+                    // Printed: a failed ask counts as dirty, and says why.
+                    if !matches!(&row, Ok(r) if r.get::<_, i64>(0) == 0) {
+                        eprintln!("post_recycle: advisory locks here: {row:?}");
+                    }
                     if row.map_or(true, |r| r.get::<_, i64>(0) > 0) {
                         seen.fetch_add(1, Ordering::AcqRel);
                     }
@@ -659,6 +663,10 @@ macro_rules! sqlx_backend {
                             let n = $sqlx::query_scalar::<_, i64>(LOCKS_HERE)
                                 .fetch_one(&mut *c)
                                 .await;
+                            // Printed: a failed ask counts as dirty, and says why.
+                            if !matches!(n, Ok(0)) {
+                                eprintln!("after_release: advisory locks here: {n:?}");
+                            }
                             if n.map_or(true, |n| n > 0) {
                                 seen.fetch_add(1, Ordering::AcqRel);
                             }
