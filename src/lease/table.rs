@@ -1797,6 +1797,10 @@ impl LeaseStatement for Install<'_> {
     type Out = Result<Installed, crate::error::Error>;
     const WHAT: &'static str = "install";
     const TRANSACTIONAL: bool = true;
+    // Not `async fn`: the future's `Send` must be stated here (proven from
+    // the bounds, not inferred through higher-ranked lifetimes, which
+    // the compiler cannot for the service example's handler).
+    #[allow(clippy::manual_async_fn)]
     fn exec<'a, C: Conn>(
         &'a self,
         sql: &'a Statements,
