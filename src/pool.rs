@@ -49,6 +49,7 @@ mod tests;
 
 pub use builder::PoolBuilder;
 pub(crate) use builder::{config_pool, url_pool};
+pub(crate) use checkout::Beginning;
 pub use checkout::Client;
 pub(crate) use deadline::deadline;
 pub use deadline::Deadline;

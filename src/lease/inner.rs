@@ -471,6 +471,7 @@ impl<B: Backend> Inner<B> {
         let mut flight = InFlight {
             inner: self,
             what: S::WHAT,
+            transactional: S::TRANSACTIONAL,
             conn: None,
             follow_up: Some(follow_up),
         };
@@ -663,6 +664,10 @@ fn refused_prepared(e: &SqlError) -> bool {
 struct InFlight<'i, B: Backend, F: FnOnce() -> Option<FollowUp>> {
     inner: &'i Inner<B>,
     what: &'static str,
+    /// The statement runs a transaction of its own
+    /// ([`LeaseStatement::TRANSACTIONAL`]): its connection is closed once
+    /// the statement has ended, never returned.
+    transactional: bool,
     conn: Option<Checkout<B>>,
     follow_up: Option<F>,
 }
@@ -678,6 +683,7 @@ impl<B: Backend, F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, B, F> {
         };
         let pool_name = self.inner.pool_name.clone();
         let what = self.what;
+        let transactional = self.transactional;
         let pid = conn.pid();
         let follow_up = self.follow_up.take().and_then(|f| f());
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -710,7 +716,9 @@ impl<B: Backend, F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, B, F> {
             .await;
             match ended {
                 // It has ended: the connection is clean, back to the pool.
-                Ok(Ok(_)) => drop(conn),
+                Ok(Ok(_)) if !transactional => drop(conn),
+                // Its transaction may still be open (a `BEGIN` cut short).
+                Ok(Ok(_)) => conn.discard(),
                 Ok(Err(e)) => {
                     tracing::debug!(pool = %pool_name, statement = what, pid, error = %e, "connection of a cut-short lease statement failed: closed");
                     conn.discard();

@@ -1535,6 +1535,11 @@ pub(crate) trait LeaseStatement: Sync {
     fn on_lock_timeout() -> Option<Self::Out> {
         None
     }
+    /// It runs a transaction of its own: cut short, its connection is
+    /// closed rather than returned (sqlx 0.8 leaves the server inside a
+    /// transaction when its `begin` is cut short: see
+    /// `crate::pool::Beginning`).
+    const TRANSACTIONAL: bool = false;
 }
 
 /// How one statement is sent.
@@ -1788,12 +1793,23 @@ pub(crate) struct Install<'a> {
     pub(crate) bare: Option<&'a str>,
 }
 
-lease_statement!(
-    Install<'_>,
-    Result<Installed, crate::error::Error>,
-    "install",
-    |s, sql, c, _call| async move { Ok(sql.install(c, s.wait, s.table, s.bare).await) }
-);
+impl LeaseStatement for Install<'_> {
+    type Out = Result<Installed, crate::error::Error>;
+    const WHAT: &'static str = "install";
+    const TRANSACTIONAL: bool = true;
+    // Not `async fn`: the future's `Send` must be stated here (proven from
+    // the bounds, not inferred through higher-ranked lifetimes, which
+    // the compiler cannot for the service example's handler).
+    #[allow(clippy::manual_async_fn)]
+    fn exec<'a, C: Conn>(
+        &'a self,
+        sql: &'a Statements,
+        c: &'a mut C,
+        _call: Call,
+    ) -> impl Future<Output = Result<Self::Out, SqlError>> + Send + 'a {
+        async move { Ok(sql.install(c, self.wait, self.table, self.bare).await) }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -12,7 +12,7 @@ use futures_util::future::BoxFuture;
 use super::{xact_lock_on, LockKey, LockMode, Namespace};
 use crate::admission::Lane;
 use crate::error::{check_text_name, Error, LockError};
-use crate::pool::{Shared, Source};
+use crate::pool::{Beginning, Shared, Source};
 use crate::stmt::{Conn, Exec, Param, Row, Sent, SqlError, Tx};
 
 /// The ledger of [`Pool::migrate_once`](crate::Pool::migrate_once): one row per name that ran.
@@ -105,8 +105,11 @@ where
         let start = Instant::now();
         let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
         conn.set_note(Some(format!("transaction lock {key}")));
+        let mut beginning = Beginning::new(&mut conn);
+        let (conn, flag) = beginning.parts();
         let mut ex = conn.exec();
         let mut tx = ex.begin_read_committed().await.map_err(Error::from)?;
+        Beginning::<B>::begun(flag);
         xact_lock_on(
             &tx,
             key,
@@ -148,9 +151,12 @@ where
         let left = || timeout.saturating_sub(start.elapsed());
         let mut conn = pool.checkout(Lane::Request, site, timeout).await?;
         conn.set_note(Some(format!("migrate_once {name}")));
+        let mut beginning = Beginning::new(&mut conn);
+        let (conn, flag) = beginning.parts();
         let mut ex = conn.exec();
         ensure_ledger(&mut ex, left()).await?;
         let mut tx = ex.begin_read_committed().await.map_err(Error::from)?;
+        Beginning::<B>::begun(flag);
         xact_lock_on(
             &tx,
             Namespace::PGWARDEN.named(name),

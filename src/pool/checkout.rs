@@ -863,6 +863,12 @@ impl<B: Source> Client<B> {
     /// Closes the physical connection instead of returning it to the pool:
     /// PostgreSQL ends the session, and every session lock with it.
     pub fn discard(mut self) {
+        self.close_in_place();
+    }
+
+    /// [`Client::discard`] through `&mut`: the connection is closed now,
+    /// the permit released as the client drops.
+    pub(crate) fn close_in_place(&mut self) {
         if let Some(obj) = self.obj.take() {
             self.permit.shared().state.lock().pids.remove(&self.object);
             if let Some(close) = B::discard(obj) {
@@ -912,6 +918,50 @@ impl<B: Source> Client<B> {
     fn object(&self) -> &B::Object {
         // infallible: `obj` is Some until drop or `discard`, which consume self.
         self.obj.as_ref().expect("connection present until drop") // infallible
+    }
+}
+
+/// A checkout whose transaction is being begun: dropped before
+/// [`Beginning::begun`] (its caller's future dropped during the `BEGIN`,
+/// or the `BEGIN` failed), the connection is closed, not returned.
+///
+/// sqlx 0.8's `begin` counts the transaction only once the server has
+/// answered, so its rollback guard queues nothing when cut short: returned
+/// to the pool, the connection would still be inside the transaction, and
+/// the next borrower's statements would run in it, never committed.
+/// Closing it ends the transaction on the server, on every backend.
+pub(crate) struct Beginning<'c, B: Source> {
+    client: &'c mut Client<B>,
+    begun: std::sync::atomic::AtomicBool,
+}
+
+impl<'c, B: Source> Beginning<'c, B> {
+    /// Guards `client` until its transaction has begun.
+    pub(crate) fn new(client: &'c mut Client<B>) -> Self {
+        Beginning {
+            client,
+            begun: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The client, and the flag to set (with [`Beginning::begun`]) once
+    /// the `BEGIN` is done: borrowed apart, so that the flag is set while
+    /// the transaction still borrows the client.
+    pub(crate) fn parts(&mut self) -> (&mut Client<B>, &std::sync::atomic::AtomicBool) {
+        (self.client, &self.begun)
+    }
+
+    /// Marks `flag` (of [`Beginning::parts`]): the transaction has begun.
+    pub(crate) fn begun(flag: &std::sync::atomic::AtomicBool) {
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl<B: Source> Drop for Beginning<'_, B> {
+    fn drop(&mut self) {
+        if !self.begun.load(std::sync::atomic::Ordering::Relaxed) {
+            self.client.close_in_place();
+        }
     }
 }
 

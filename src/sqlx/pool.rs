@@ -354,14 +354,24 @@ impl Pool {
     }
 
     /// Starts a transaction on a request-lane connection, as
-    /// `PgPool::begin`; rolled back on drop unless committed.
+    /// `PgPool::begin`; rolled back on drop unless committed. Cancel-safe:
+    /// dropped before the server has answered its `BEGIN`, its connection
+    /// is closed (the server rolls the transaction back), never returned
+    /// to the pool inside a transaction (what sqlx 0.8's own `begin` does:
+    /// see [`Beginning`]).
     #[track_caller]
     pub fn begin(&self) -> impl Future<Output = Result<Transaction, dep::Error>> + Send + '_ {
         let conn = self.acquire();
         async move {
-            let mut conn = conn.await?;
-            dep::postgres::PgTransactionManager::begin(&mut conn, None).await?;
-            Ok(Transaction { conn, open: true })
+            let mut beginning = Beginning(Some(conn.await?));
+            if let Some(conn) = beginning.0.as_mut() {
+                dep::postgres::PgTransactionManager::begin(conn, None).await?;
+            }
+            match beginning.0.take() {
+                Some(conn) => Ok(Transaction { conn, open: true }),
+                // Taken only just above.
+                None => Err(dep::Error::PoolClosed),
+            }
         }
     }
 
@@ -606,6 +616,23 @@ impl Deref for Transaction {
 impl DerefMut for Transaction {
     fn deref_mut(&mut self) -> &mut dep::PgConnection {
         &mut self.conn
+    }
+}
+
+/// A connection whose `BEGIN` is under way: dropped before it is done (the
+/// caller's future dropped half-way, or the `BEGIN` failed), the connection
+/// is closed, not returned. sqlx 0.8's `begin` counts the transaction only
+/// once the server has answered, so its own rollback guard queues nothing
+/// when cut short: the server would be left inside a transaction that the
+/// pool's next borrower's statements run in, never committed (sqlx 0.9
+/// counts it first and queues the `ROLLBACK`; closing is right on both).
+struct Beginning(Option<PoolConnection>);
+
+impl Drop for Beginning {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            conn.discard();
+        }
     }
 }
 

@@ -513,6 +513,79 @@ macro_rules! dropin {
                 assert!(e.is_timeout());
                 settled(&pool).await;
             }
+
+            /// A `begin` cut short during its `BEGIN` round trip (a caller's
+            /// timeout) leaves no open transaction on a pooled connection:
+            /// sqlx 0.8's own `begin` counts the transaction only once the
+            /// server has answered, so its rollback guard queues nothing and
+            /// the connection went back to the pool inside a transaction
+            /// (the next borrower's statements ran in it, never committed).
+            #[tokio::test]
+            async fn a_begin_cut_short_leaves_no_open_transaction() {
+                cut_during_begin("begin-cut", |pool| Box::pin(async move {
+                    let _ = pool.begin().await;
+                }))
+                .await;
+            }
+
+            /// The same for `with_xact_lock` (its own `BEGIN`).
+            #[tokio::test]
+            async fn a_transaction_lock_cut_short_leaves_no_open_transaction() {
+                cut_during_begin("xact-cut", |pool| Box::pin(async move {
+                    let _ = pool
+                        .with_xact_lock(pgwarden::LockKey::Single(7), GUARD, |_tx| {
+                            Box::pin(async { Ok::<_, Error>(()) })
+                        })
+                        .await;
+                }))
+                .await;
+            }
+
+            /// `cut` dropped while its `BEGIN` waits for an answer: the
+            /// backend is stopped (`SIGSTOP`) so that the answer cannot come
+            /// before the timeout (sqlx's test before acquire off, so that
+            /// the checkout itself does not wait on it). Then the next
+            /// borrower's write commits on its own, and no session is left
+            /// idle in a transaction.
+            async fn cut_during_begin(
+                name: &str,
+                cut: impl for<'p> FnOnce(&'p Pool) -> futures_util::future::BoxFuture<'p, ()>,
+            ) {
+                let db = db().await;
+                let raw = support::admin(&db).await;
+                let opts = PgPoolOptions::new().max_connections(4).test_before_acquire(false);
+                let pool = build(&db, opts, name);
+                let pid = {
+                    let mut c = pool.acquire().await.unwrap();
+                    $sqlx::query("SELECT 1").execute(&mut *c).await.unwrap();
+                    c.pid()
+                };
+                settled(&pool).await;
+                let stopped = support::Stopped::stop([pid]).unwrap();
+                let cut = tokio::time::timeout(Duration::from_millis(200), cut(&pool)).await;
+                assert!(cut.is_err(), "BEGIN answered by a stopped backend");
+                drop(stopped);
+                settled(&pool).await;
+                let mut c = pool.acquire().await.unwrap();
+                $sqlx::query("CREATE TABLE after_cut (x int)").execute(&mut *c).await.unwrap();
+                drop(c);
+                settled(&pool).await;
+                let seen = raw
+                    .query_one("SELECT count(*) FROM pg_tables WHERE tablename = 'after_cut'", &[])
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0);
+                let open = raw
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                         AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0);
+                assert_eq!((open, seen), (0, 1), "the next borrower ran inside the cut-short transaction");
+            }
         }
     };
 }
