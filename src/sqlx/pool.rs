@@ -358,7 +358,7 @@ impl Pool {
     /// dropped before the server has answered its `BEGIN`, its connection
     /// is closed (the server rolls the transaction back), never returned
     /// to the pool inside a transaction (what sqlx 0.8's own `begin` does:
-    /// see [`Beginning`]).
+    /// see `pool::Beginning`).
     #[track_caller]
     pub fn begin(&self) -> impl Future<Output = Result<Transaction, dep::Error>> + Send + '_ {
         let conn = self.acquire();
