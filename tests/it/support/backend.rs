@@ -834,8 +834,8 @@ pub async fn settled<B: Backend>(pool: &B::Pool) {
 /// `$name::deadpool`, and with their features `$name::sqlx_0_8` and
 /// `$name::sqlx_0_9`.
 macro_rules! backends {
-    // The sqlx 0.9 variant ignored, with the open bug that makes it fail.
-    (ignore_sqlx_0_9 = $why:literal, $name:ident $(, $($flavor:tt)*)?) => {
+    // The sqlx variants ignored, with the open bug that makes them fail.
+    (ignore_sqlx = $why:literal, $name:ident $(, $($flavor:tt)*)?) => {
         mod $name {
             #[tokio::test $( ( $($flavor)* ) )?]
             async fn deadpool() {
@@ -843,6 +843,7 @@ macro_rules! backends {
             }
 
             #[cfg(feature = "sqlx-0_8")]
+            #[ignore = $why]
             #[tokio::test $( ( $($flavor)* ) )?]
             async fn sqlx_0_8() {
                 super::$name::<crate::support::backend::Sqlx08>().await
