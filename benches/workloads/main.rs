@@ -30,6 +30,8 @@ mod profile;
 mod profile_leases;
 mod renewal;
 mod single;
+#[cfg(feature = "sqlx-0_8")]
+mod sqlx_leases;
 mod takeover;
 
 use std::fmt::Write as _;
@@ -172,6 +174,14 @@ fn main() -> Result<(), BoxError> {
             rows.push(plain::against_plain(server, settings, true).await?);
             timed("4c", began, &rows);
         }
+        #[cfg(feature = "sqlx-0_8")]
+        {
+            let began = std::time::Instant::now();
+            if want("4s") {
+                rows.push(sqlx_leases::leases(server, settings).await?);
+                timed("4s", began, &rows);
+            }
+        }
         let began = std::time::Instant::now();
         if want("4d") {
             rows.push(long_run::long_run(server, settings).await?);
@@ -311,6 +321,8 @@ fn render(rows: &[Row], s: Settings, load: (Option<f64>, Option<f64>)) -> String
         incident::describe(s),
         leases::describe(s),
         plain::describe(s),
+        #[cfg(feature = "sqlx-0_8")]
+        sqlx_leases::describe(s),
         long_run::describe(s),
         renewal::describe(s),
         takeover::describe(s),
