@@ -69,7 +69,10 @@ pub fn describe(s: Settings) -> String {
          {round:?} per side, interleaved raw, session locks, leases, the order rotating; pgwarden \
          pools with default limits (request max 7, session-lock budget 2, probe reserve 1); \
          jobs completed = runs that finished their work within the round; ratios over rounds \
-         paired by index (each side's n-th round with raw's n-th)"
+         paired by index (each side's n-th round with raw's n-th); 3as, 3bs (feature `sqlx-0_8`, \
+         `--only 3s`): the same on sqlx 0.8, raw `sqlx::PgPool` (`max_connections({POOL})`) with \
+         the job's `pg_try_advisory_lock` on a pooled connection against `pgwarden::sqlx::Pool` \
+         over another such pool, statements as `sqlx::query(…).execute(&pool)`"
     )
 }
 
@@ -79,6 +82,49 @@ enum Side {
     Locks(Pool),
     /// The pool, and its one lease table.
     Leases(Pool, pgwarden::Leases),
+    /// Rows 3as and 3bs: the same three sides on sqlx 0.8.
+    #[cfg(feature = "sqlx-0_8")]
+    SqlxRaw(sqlx08::PgPool),
+    #[cfg(feature = "sqlx-0_8")]
+    SqlxLocks(crate::warden_sqlx::Pool),
+    #[cfg(feature = "sqlx-0_8")]
+    SqlxLeases(crate::warden_sqlx::Pool, pgwarden::Leases<sqlx08::PgPool>),
+}
+
+/// One run of a job under a table lease, on either pool's leases.
+macro_rules! lease_run {
+    ($side:expr, $leases:expr, $job:expr) => {
+        match $leases
+            .acquire($job, &pgwarden::LeaseOptions::default(), None)
+            .await?
+        {
+            Some(lease) => {
+                let worked = $side.work().await;
+                lease.release().await?;
+                worked.map(|()| true)
+            }
+            None => Ok(false),
+        }
+    };
+}
+
+/// One run of a job on pgwarden's budgeted session locks, on either pool.
+macro_rules! session_lock_run {
+    ($side:expr, $pool:expr, $job:expr) => {
+        match $pool
+            .session_lock(JOBS_NS.named($job), pgwarden::LockMode::Exclusive, None)
+            .await
+        {
+            Ok(Some(lock)) => {
+                let worked = $side.work().await;
+                lock.unlock().await?;
+                worked.map(|()| true)
+            }
+            Ok(None) => Ok(false),
+            Err(e) if e.is_budget_exhausted() => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    };
 }
 
 #[derive(Default)]
@@ -97,6 +143,14 @@ impl Side {
             }
             Side::Locks(p) | Side::Leases(p, _) => {
                 p.get().await?.simple_query(sql).await?;
+            }
+            #[cfg(feature = "sqlx-0_8")]
+            Side::SqlxRaw(p) => {
+                sqlx08::query(sql).execute(p).await?;
+            }
+            #[cfg(feature = "sqlx-0_8")]
+            Side::SqlxLocks(p) | Side::SqlxLeases(p, _) => {
+                sqlx08::query(sql).execute(p).await?;
             }
         }
         Ok(())
@@ -127,30 +181,31 @@ impl Side {
                     .await?;
                 worked.map(|()| true)
             }
-            Side::Locks(p) => match p
-                .session_lock(JOBS_NS.named(job), pgwarden::LockMode::Exclusive, None)
-                .await
-            {
-                Ok(Some(lock)) => {
-                    let worked = self.work().await;
-                    lock.unlock().await?;
-                    worked.map(|()| true)
+            Side::Locks(p) => session_lock_run!(self, p, job),
+            Side::Leases(_, leases) => lease_run!(self, leases, job),
+            #[cfg(feature = "sqlx-0_8")]
+            Side::SqlxRaw(p) => {
+                // The incident's code on sqlx: the lock on a pooled
+                // connection kept while the work asks for others.
+                let mut conn = p.acquire().await?;
+                let got: bool = sqlx08::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
+                    .bind(job)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                if !got {
+                    return Ok(false);
                 }
-                Ok(None) => Ok(false),
-                Err(e) if e.is_budget_exhausted() => Ok(false),
-                Err(e) => Err(e.into()),
-            },
-            Side::Leases(_, leases) => match leases
-                .acquire(job, &pgwarden::LeaseOptions::default(), None)
-                .await?
-            {
-                Some(lease) => {
-                    let worked = self.work().await;
-                    lease.release().await?;
-                    worked.map(|()| true)
-                }
-                None => Ok(false),
-            },
+                let worked = self.work().await;
+                sqlx08::query("SELECT pg_advisory_unlock(hashtext($1))")
+                    .bind(job)
+                    .execute(&mut *conn)
+                    .await?;
+                worked.map(|()| true)
+            }
+            #[cfg(feature = "sqlx-0_8")]
+            Side::SqlxLocks(p) => session_lock_run!(self, p, job),
+            #[cfg(feature = "sqlx-0_8")]
+            Side::SqlxLeases(_, leases) => lease_run!(self, leases, job),
         }
     }
 
@@ -166,6 +221,16 @@ impl Side {
             .await
             .is_ok_and(|r| r.is_ok()),
             Side::Locks(p) | Side::Leases(p, _) => p.readiness(PROBE_BOUND).await.is_ok(),
+            #[cfg(feature = "sqlx-0_8")]
+            Side::SqlxRaw(p) => tokio::time::timeout(PROBE_BOUND, async {
+                let mut c = p.acquire().await?;
+                sqlx08::query("SELECT 1").execute(&mut *c).await?;
+                Ok::<_, BoxError>(())
+            })
+            .await
+            .is_ok_and(|r| r.is_ok()),
+            #[cfg(feature = "sqlx-0_8")]
+            Side::SqlxLocks(p) | Side::SqlxLeases(p, _) => p.readiness(PROBE_BOUND).await.is_ok(),
         };
         let took = start.elapsed();
         (ok && took <= PROBE_BOUND).then_some(took)
@@ -320,8 +385,44 @@ pub async fn incident(server: &TestServer, s: Settings) -> Result<Vec<Row>, BoxE
     if let Side::Leases(_, leases) = &sides[2] {
         leases.install().await?;
     }
+    compare(&sides, s, "raw deadpool", "", ["3a", "3b"]).await
+}
+
+/// Rows 3as and 3bs: the incident on sqlx 0.8, raw `sqlx::PgPool` with
+/// the lock held on a pooled connection (A) against `pgwarden::sqlx::Pool`
+/// with budgeted session locks and with table leases, each over a raw pool
+/// of the same size.
+#[cfg(feature = "sqlx-0_8")]
+pub async fn incident_sqlx(server: &TestServer, s: Settings) -> Result<Vec<Row>, BoxError> {
+    let db = server.create_database().await?;
+    let raw = || {
+        sqlx08::postgres::PgPoolOptions::new()
+            .max_connections(POOL as u32)
+            .connect_lazy_with(crate::sqlx_options(&db))
+    };
+    let warden = |name: &str| crate::warden_sqlx::Pool::builder(raw()).name(name).build();
+    let leases_pool = warden("bench-incident-sqlx-leases")?;
+    let leases = pgwarden::Leases::new(&leases_pool);
+    leases.install().await?;
+    let sides = [
+        Side::SqlxRaw(raw()),
+        Side::SqlxLocks(warden("bench-incident-sqlx-locks")?),
+        Side::SqlxLeases(leases_pool, leases),
+    ];
+    compare(&sides, s, "raw sqlx", " on sqlx 0.8", ["3as", "3bs"]).await
+}
+
+/// Runs the three sides (raw first) interleaved and compares each
+/// pgwarden side with the raw one.
+async fn compare(
+    sides: &[Side; 3],
+    s: Settings,
+    raw_label: &str,
+    on: &str,
+    ids: [&'static str; 2],
+) -> Result<Vec<Row>, BoxError> {
     // Warm-up, not recorded: every side opens its connections.
-    for side in &sides {
+    for side in sides {
         round(side, Duration::from_millis(300), &mut SideOut::default()).await;
     }
     let (rounds, dur) = plan(s);
@@ -347,9 +448,9 @@ pub async fn incident(server: &TestServer, s: Settings) -> Result<Vec<Row>, BoxE
         Row {
             id,
             workload: format!(
-                "incident under load, pool {POOL}: raw session advisory locks vs pgwarden {label}"
+                "incident under load{on}, pool {POOL}: raw session advisory locks vs pgwarden {label}"
             ),
-            a: raw.cell("raw deadpool"),
+            a: raw.cell(raw_label),
             b: b.cell(&format!("pgwarden {label}")),
             ratio: format!(
                 "readiness {:.3}; p99 {:.3}; requests {:.3}; jobs completed {:.3}",
@@ -369,7 +470,7 @@ pub async fn incident(server: &TestServer, s: Settings) -> Result<Vec<Row>, BoxE
         }
     };
     Ok(vec![
-        row("3a", "budgeted session locks", locks),
-        row("3b", "table leases", leases),
+        row(ids[0], "budgeted session locks", locks),
+        row(ids[1], "table leases", leases),
     ])
 }

@@ -159,6 +159,14 @@ fn main() -> Result<(), BoxError> {
             rows.extend(incident::incident(server, settings).await?);
             timed("3", began, &rows);
         }
+        #[cfg(feature = "sqlx-0_8")]
+        {
+            let began = std::time::Instant::now();
+            if want("3s") {
+                rows.extend(incident::incident_sqlx(server, settings).await?);
+                timed("3s", began, &rows);
+            }
+        }
         let began = std::time::Instant::now();
         if want("4") {
             rows.push(leases::acquire_release(server, settings).await?);
