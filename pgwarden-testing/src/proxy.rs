@@ -112,7 +112,6 @@ pub enum Upstream {
 #[derive(Debug)]
 pub struct Proxy {
     addr: SocketAddr,
-    upstream: Upstream,
     shared: Arc<Shared>,
     state: watch::Sender<State>,
     stop: Option<oneshot::Sender<()>>,
@@ -127,13 +126,15 @@ struct State {
 }
 
 /// What the proxy and its connections share.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
     open: AtomicUsize,
     accepted: AtomicU64,
     /// Open connections by id; sending one an acknowledgement sender resets
     /// it, and it drops that sender once its sockets are closed.
     resets: Mutex<HashMap<u64, oneshot::Sender<mpsc::Sender<()>>>>,
+    /// Where new connections go ([`Proxy::set_upstream`]).
+    upstream: Mutex<Upstream>,
 }
 
 impl Proxy {
@@ -182,12 +183,16 @@ impl Proxy {
             .enable_all()
             .build()
             .map_err(io_err("building the proxy's Tokio runtime".to_owned()))?;
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            open: AtomicUsize::new(0),
+            accepted: AtomicU64::new(0),
+            resets: Mutex::default(),
+            upstream: Mutex::new(upstream),
+        });
         let (state, state_rx) = watch::channel(State::default());
         let (stop, stop_rx) = oneshot::channel();
         let thread = {
             let shared = Arc::clone(&shared);
-            let upstream = upstream.clone();
             std::thread::Builder::new()
                 .name(format!("pgwarden-proxy-{}", addr.port()))
                 .spawn(move || {
@@ -200,7 +205,7 @@ impl Proxy {
                             }
                         };
                         tokio::select! {
-                            () = accept_loop(listener, upstream, shared, state_rx) => {}
+                            () = accept_loop(listener, shared, state_rx) => {}
                             _ = stop_rx => {}
                         }
                     });
@@ -212,7 +217,6 @@ impl Proxy {
         };
         Ok(Proxy {
             addr,
-            upstream,
             shared,
             state,
             stop: Some(stop),
@@ -225,9 +229,29 @@ impl Proxy {
         self.addr
     }
 
-    /// Where the proxy forwards to.
-    pub fn upstream(&self) -> &Upstream {
-        &self.upstream
+    /// Where the proxy forwards new connections to.
+    pub fn upstream(&self) -> Upstream {
+        let up = self.shared.upstream.lock();
+        up.unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Forwards connections accepted from now on to `upstream`, as a virtual
+    /// IP or a DNS name moved to a promoted server does; the open ones keep
+    /// theirs.
+    ///
+    /// ```no_run
+    /// # async fn t(mut cluster: pgwarden_testing::Cluster) -> Result<(), pgwarden_testing::TestingError> {
+    /// use pgwarden_testing::{Proxy, Upstream};
+    /// let at = |port| Upstream::Tcp(([127, 0, 0, 1], port).into());
+    /// let front = Proxy::start_to(at(cluster.primary().port()))?;
+    /// cluster.stop_primary_immediate().await?;
+    /// cluster.promote_replica().await?;
+    /// front.set_upstream(at(cluster.primary().port())); // the "VIP" follows
+    /// # Ok(()) }
+    /// ```
+    pub fn set_upstream(&self, upstream: Upstream) {
+        let up = self.shared.upstream.lock();
+        *up.unwrap_or_else(PoisonError::into_inner) = upstream;
     }
 
     /// Connection settings for `db` through the proxy: `db`'s user, password,
@@ -373,12 +397,7 @@ fn io_err(context: String) -> impl FnOnce(std::io::Error) -> TestingError {
     }
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    upstream: Upstream,
-    shared: Arc<Shared>,
-    state: watch::Receiver<State>,
-) {
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, state: watch::Receiver<State>) {
     let mut next_id = 0u64;
     loop {
         let client = match listener.accept().await {
@@ -403,13 +422,12 @@ async fn accept_loop(
             shared: Arc::clone(&shared),
             id: next_id,
         };
-        tokio::spawn(connection(
-            client,
-            upstream.clone(),
-            state.clone(),
-            reset_rx,
-            guard,
-        ));
+        let upstream = shared
+            .upstream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        tokio::spawn(connection(client, upstream, state.clone(), reset_rx, guard));
     }
 }
 

@@ -1,12 +1,18 @@
-//! A real primary failover under a pgwarden service.
+//! A real primary failover under a pgwarden service, on every backend
+//! (`backends!`: one source, a variant per backend).
 //!
-//! The first group of tests observes one run of a scenario
+//! The first group of tests observes one run per backend of a scenario
 //! (`failover/scenario.rs`): a primary and a synchronous streaming replica,
-//! two service instances on the multi-host connection string
-//! (`target_session_attrs=read-write`) under request traffic, fenced
-//! writers contending for one lease and a scheduled job; the primary is
-//! stopped with `pg_ctl stop -m immediate` and the replica promoted. Each
-//! test asserts one promise about what the service sees.
+//! two service instances under request traffic, fenced writers contending
+//! for one lease and a scheduled job; the primary is stopped with
+//! `pg_ctl stop -m immediate` and the replica promoted. Each test asserts
+//! one promise about what the service sees.
+//!
+//! How the service reaches the promoted server (`failover/common.rs`,
+//! `Front`): deadpool through the multi-host connection string
+//! (`target_session_attrs=read-write`), finding it by itself; sqlx, which
+//! connects to one host, through a fixed address moved to the promoted
+//! server, as a virtual IP or DNS name is (a proxy here).
 //!
 //! The replication is synchronous there so that "every token handed out
 //! before the crash" is well defined: an asynchronous primary that crashes
@@ -34,15 +40,17 @@ use std::time::Duration;
 use outcome::outcome;
 use pgwarden::LostReason;
 
+use crate::support::backend::Backend;
+
 /// "Within a few seconds of promotion": a bound for a loaded 2-core machine.
 /// The pool needs no action: a request fails on a dead connection, the next
 /// checkout connects anew and `target_session_attrs=read-write` skips the old
 /// primary; measured at 45-150 ms on a busy 2-core machine.
 const SERVE_WITHIN: Duration = Duration::from_secs(5);
 
-#[test]
-fn pool_serves_the_promoted_replica_within_seconds() {
-    let o = outcome();
+backends!(pool_serves_the_promoted_replica_within_seconds);
+async fn pool_serves_the_promoted_replica_within_seconds<B: Backend>() {
+    let o = outcome::<B>();
     eprintln!(
         "crash to promotion {:?} (pg_promote returned after {:?}); first request served {:?} \
          after the promotion call; {} requests served, {} failed",
@@ -61,9 +69,9 @@ fn pool_serves_the_promoted_replica_within_seconds() {
     assert!(o.requests_failed > 0, "the outage was seen by requests");
 }
 
-#[test]
-fn lease_rows_survive_the_failover() {
-    let o = outcome();
+backends!(lease_rows_survive_the_failover);
+async fn lease_rows_survive_the_failover<B: Backend>() {
+    let o = outcome::<B>();
     let at_promotion: BTreeMap<&str, (&str, i64)> = o
         .rows_at_promotion
         .iter()
@@ -93,9 +101,9 @@ fn lease_rows_survive_the_failover() {
     );
 }
 
-#[test]
-fn renewals_resume_on_the_new_primary_while_the_deadline_holds() {
-    let o = outcome();
+backends!(renewals_resume_on_the_new_primary_while_the_deadline_holds);
+async fn renewals_resume_on_the_new_primary_while_the_deadline_holds<B: Backend>() {
+    let o = outcome::<B>();
     eprintln!(
         "long lease (TTL 60 s): renewed {:?} after promotion; outage {:?}",
         o.long_renewed_after_promotion, o.outage
@@ -113,9 +121,9 @@ fn renewals_resume_on_the_new_primary_while_the_deadline_holds() {
     assert_eq!(o.long_release, Ok(()));
 }
 
-#[test]
-fn lost_fires_when_the_deadline_passes_during_the_outage() {
-    let o = outcome();
+backends!(lost_fires_when_the_deadline_passes_during_the_outage);
+async fn lost_fires_when_the_deadline_passes_during_the_outage<B: Backend>() {
+    let o = outcome::<B>();
     eprintln!(
         "short lease (TTL 2 s, deadline 1.75 s after its last renewal): lost {:?} after the crash; \
          taken over on the new primary: {:?}",
@@ -134,9 +142,9 @@ fn lost_fires_when_the_deadline_passes_during_the_outage() {
     assert!(token > o.short.1);
 }
 
-#[test]
-fn tokens_after_promotion_exceed_every_token_before() {
-    let o = outcome();
+backends!(tokens_after_promotion_exceed_every_token_before);
+async fn tokens_after_promotion_exceed_every_token_before<B: Backend>() {
+    let o = outcome::<B>();
     let max_before = *o.tokens_before.iter().max().expect("tokens before");
     let min_after = *o.tokens_after.iter().min().expect("tokens after");
     let (replica_logged, _) = o.seq_replica_before_promotion;
@@ -160,9 +168,9 @@ fn tokens_after_promotion_exceed_every_token_before() {
     assert!(min_after > max_before);
 }
 
-#[test]
-fn fenced_writes_never_interleave_across_the_failover() {
-    let o = outcome();
+backends!(fenced_writes_never_interleave_across_the_failover);
+async fn fenced_writes_never_interleave_across_the_failover<B: Backend>() {
+    let o = outcome::<B>();
     let mut by_lease: BTreeMap<&str, Vec<&common::Row>> = BTreeMap::new();
     for r in &o.fenced {
         by_lease.entry(r.lease.as_str()).or_default().push(r);
@@ -215,18 +223,18 @@ fn fenced_writes_never_interleave_across_the_failover() {
     assert!(!o.acked_after_promotion.is_empty());
 }
 
-#[test]
-fn scheduled_job_runs_again_after_promotion() {
-    let o = outcome();
+backends!(scheduled_job_runs_again_after_promotion);
+async fn scheduled_job_runs_again_after_promotion<B: Backend>() {
+    let o = outcome::<B>();
     assert!(
         o.job_runs_after >= 1,
         "the job did not run on the new primary"
     );
 }
 
-#[test]
-fn session_locks_are_gone_and_their_guards_say_so() {
-    let o = outcome();
+backends!(session_locks_are_gone_and_their_guards_say_so);
+async fn session_locks_are_gone_and_their_guards_say_so<B: Backend>() {
+    let o = outcome::<B>();
     eprintln!("unlock() after the failover: {:?}", o.unlock);
     assert_eq!(o.lock_rows_on_new_primary, 0);
     assert!(o.lock_free_on_new_primary);

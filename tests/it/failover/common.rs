@@ -1,30 +1,71 @@
-//! What the failover tests share: service pools on the cluster's multi-host
-//! connection string, the fenced-write table and its writes, a log of the
-//! fencing tokens drawn, and a few bounded reads.
+//! What the failover tests share: the service's way to the primary and
+//! its pools, the fenced-write table and its writes, a log of the fencing
+//! tokens drawn, and a few bounded reads.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, LeaseError, LeaseHandle, LostReason, Pool, PoolerMode};
-use pgwarden_testing::{Cluster, Replication};
-use tokio_postgres::Client;
+use pgwarden::{Error, LeaseError, LeaseHandle, LostReason};
+use pgwarden_testing::{Cluster, Proxy, Replication, Upstream};
+use tokio_postgres::{Client, Config};
+
+use crate::support::backend::{Backend, Settings};
 
 /// The bound of every single step of the tests (a statement, a checkout).
 pub const STEP: Duration = Duration::from_secs(5);
 
-/// A service instance's pool on the cluster's multi-host connection string
-/// (`target_session_attrs=read-write`), its backends named `app`.
-pub fn service_pool(cluster: &Cluster, db: &str, app: &str, size: usize) -> Pool {
-    let mut config = cluster.multi_host_config(db);
+/// The service's way to the primary. A backend that follows a multi-host
+/// connection string ([`Backend::MULTI_HOST`], deadpool) gets the cluster's
+/// (`target_session_attrs=read-write`) and finds the promoted server by
+/// itself. One that connects to one host (sqlx) gets a fixed address that
+/// the operator's tooling moves to the promoted server, as a virtual IP or
+/// a DNS name is: a proxy here, moved by [`Front::follow`].
+pub struct Front {
+    proxy: Proxy,
+}
+
+fn at(cluster: &Cluster) -> Upstream {
+    let p = cluster.primary();
+    Upstream::Tcp(
+        format!("{}:{}", p.host(), p.port())
+            .parse()
+            .expect("address"),
+    )
+}
+
+impl Front {
+    pub fn new(cluster: &Cluster) -> Front {
+        let proxy = Proxy::start_to(at(cluster)).expect("proxy");
+        Front { proxy }
+    }
+
+    /// The connection settings of a service instance on backend `B`.
+    pub fn config<B: Backend>(&self, cluster: &Cluster, db: &str) -> Config {
+        if B::MULTI_HOST {
+            cluster.multi_host_config(db)
+        } else {
+            self.proxy.retarget(&cluster.primary().pg_config(db))
+        }
+    }
+
+    /// The fixed address moves to the cluster's primary (after a promotion).
+    pub fn follow(&self, cluster: &Cluster) {
+        self.proxy.set_upstream(at(cluster));
+    }
+}
+
+/// A service instance's pool of `size` on backend `B`, its backends named
+/// `app`.
+pub fn service_pool<B: Backend>(
+    front: &Front,
+    cluster: &Cluster,
+    db: &str,
+    app: &'static str,
+    size: usize,
+) -> B::Pool {
+    let mut config = front.config::<B>(cluster, db);
     config.application_name(app);
-    let inner = pgwarden_testing::deadpool(config, size).expect("deadpool");
-    Pool::builder(inner)
-        .name(app)
-        .pooler(PoolerMode::Direct)
-        .wait_timeout(STEP)
-        .census_interval(None)
-        .build()
-        .expect("pgwarden pool")
+    B::build_on(&config, &Settings::new(app, size).wait(STEP))
 }
 
 /// The fenced writes' table, and a one-row clock that orders them by
@@ -77,42 +118,28 @@ pub enum WriteError {
     Failed(String),
 }
 
+/// A fenced write: the next commit number, and `(lease, token, seq,
+/// holder)` under it (the clock's row lock is held until commit).
+const WRITE: &str = "WITH c AS (UPDATE fence_clock SET n = n + 1 WHERE id = 1 RETURNING n) \
+     INSERT INTO fenced (n, lease, token, seq, holder) \
+     SELECT n, $1::text, $2::int8, $3::int4, $4::text FROM c RETURNING n";
+
 /// A fenced write under `lease`: checks the term in the transaction
 /// (`lease.fence`), takes the next commit number, writes `(token, seq)`,
 /// commits. Bounded by [`STEP`] in all.
-pub async fn fenced_write(pool: &Pool, lease: &LeaseHandle, seq: i32) -> Result<Row, WriteError> {
-    let write = async {
-        let mut conn = pool.get_within(STEP).await?;
-        let tx = lease.fence(conn.transaction().await?).await?;
-        let n: i64 = tx
-            .query_one(
-                "UPDATE fence_clock SET n = n + 1 WHERE id = 1 RETURNING n",
-                &[],
-            )
-            .await?
-            .get(0);
-        tx.execute(
-            "INSERT INTO fenced (n, lease, token, seq, holder) VALUES ($1, $2, $3, $4, $5)",
-            &[
-                &n,
-                &lease.term().name.as_str(),
-                &lease.term().token,
-                &seq,
-                &lease.term().holder.as_str(),
-            ],
-        )
-        .await?;
-        tx.commit().await?;
-        Ok::<_, Error>(Row {
+pub async fn fenced_write<B: Backend>(
+    pool: &B::Pool,
+    lease: &LeaseHandle,
+    seq: i32,
+) -> Result<Row, WriteError> {
+    match tokio::time::timeout(STEP, B::fenced_scalar(pool, lease, WRITE, seq)).await {
+        Ok(Ok(n)) => Ok(Row {
             n,
             lease: lease.term().name.clone(),
             token: lease.term().token,
             seq,
             holder: lease.term().holder.clone(),
-        })
-    };
-    match tokio::time::timeout(STEP, write).await {
-        Ok(Ok(row)) => Ok(row),
+        }),
         Ok(Err(Error::Lease(LeaseError::Lost { reason, .. }))) => Err(WriteError::Rejected(reason)),
         Ok(Err(e)) => Err(WriteError::Failed(e.to_string())),
         Err(_) => Err(WriteError::Failed(format!("not done within {STEP:?}"))),

@@ -1,13 +1,14 @@
 //! What the failover scenario ([`super::scenario`]) saw, and its one run
 //! per test binary.
 
-use std::collections::BTreeSet;
-use std::sync::OnceLock;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use pgwarden::LostReason;
 
 use super::common::{Row, WriteError};
+use crate::support::backend::Backend;
 
 /// What the scenario saw. Instants are turned into durations from the crash
 /// or the promotion.
@@ -74,18 +75,28 @@ pub struct Outcome {
     pub session_lane_emptied: bool,
 }
 
-/// The outcome of the one run of the scenario (started by the first test
-/// that asks, on a runtime of its own; the others wait for it).
-pub fn outcome() -> &'static Outcome {
-    static RUN: OnceLock<Result<Outcome, String>> = OnceLock::new();
-    let run = RUN.get_or_init(|| {
+/// One run of the scenario, or why it failed.
+type Run = OnceLock<Result<Outcome, String>>;
+
+/// The outcome of the one run of the scenario on backend `B` (started by
+/// the first test that asks, on a runtime of its own; the others wait).
+pub fn outcome<B: Backend>() -> &'static Outcome {
+    // One run per backend: a `static` in a generic function is one for all.
+    static RUNS: Mutex<BTreeMap<&str, &'static Run>> = Mutex::new(BTreeMap::new());
+    let run: &'static Run = {
+        let mut runs = RUNS.lock().unwrap_or_else(PoisonError::into_inner);
+        runs.entry(B::NAME)
+            .or_insert_with(|| Box::leak(Box::default()));
+        runs[B::NAME]
+    };
+    let run = run.get_or_init(|| {
         std::thread::spawn(|| {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()
                 .expect("runtime");
-            rt.block_on(super::scenario::run())
+            rt.block_on(super::scenario::run::<B>())
         })
         .join()
         .map_err(|panic| {
@@ -98,6 +109,6 @@ pub fn outcome() -> &'static Outcome {
     });
     match run {
         Ok(outcome) => outcome,
-        Err(e) => panic!("the failover scenario failed: {e}"),
+        Err(e) => panic!("the failover scenario on {} failed: {e}", B::NAME),
     }
 }

@@ -12,29 +12,31 @@
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{LeaseHandle, LeaseOptions, Leases, LostReason, Pool, PoolerMode};
+use pgwarden::{LeaseHandle, LeaseOptions, LostReason};
 use pgwarden_testing::{within, Replication};
 
-use super::common::{cluster, fenced_write, lease_row, service_pool, until, WriteError, STEP};
+use super::common::{
+    cluster, fenced_write, lease_row, service_pool, until, Front, WriteError, STEP,
+};
+use crate::support::backend::{Backend, Settings};
 
 const LEASE: &str = "overlap";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline() {
+backends!(
+    an_unshipped_renewal_lets_a_takeover_in_before_the_deadline,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline<B: Backend>() {
     let (mut cluster, db, old) = cluster(Replication::Asynchronous).await;
+    let front = Front::new(&cluster);
     // A knows the first server only: it cannot follow the failover.
-    let inner = pgwarden_testing::deadpool(cluster.primary().pg_config(&db), 3).unwrap();
-    let pool_a = Pool::builder(inner)
-        .name("holder-a")
-        .pooler(PoolerMode::Direct)
-        .wait_timeout(STEP)
-        .build()
-        .unwrap();
-    let la = Leases::new(&pool_a);
-    la.install().await.unwrap();
+    let first = cluster.primary().pg_config(&db);
+    let pool_a = B::build_on(&first, &Settings::new("holder-a", 3).wait(STEP));
+    let la = B::leases(&pool_a);
+    B::install(&la).await.unwrap();
     let opts = LeaseOptions::new(Duration::from_secs(4)).renew_every(Duration::from_millis(250));
-    let a = la
-        .acquire(LEASE, &opts, None)
+    let a = B::acquire(&la, LEASE, &opts, None)
         .await
         .unwrap()
         .expect("A takes the lease");
@@ -64,15 +66,12 @@ async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline() {
 
     cluster.stop_primary_immediate().await.unwrap();
     cluster.promote_replica().await.unwrap();
+    front.follow(&cluster);
 
     // C takes the lease over on the new primary while A still trusts it.
-    let pool_c = service_pool(&cluster, &db, "holder-c", 3);
-    let c = Leases::new(&pool_c)
-        .acquire(
-            LEASE,
-            &LeaseOptions::new(Duration::from_secs(4)),
-            Some(STEP),
-        )
+    let pool_c = service_pool::<B>(&front, &cluster, &db, "holder-c", 3);
+    let c_opts = LeaseOptions::new(Duration::from_secs(4));
+    let c = B::acquire(&B::leases(&pool_c), LEASE, &c_opts, Some(STEP))
         .await
         .expect("C's attempt")
         .expect("C takes over on the new primary");
@@ -96,10 +95,10 @@ async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline() {
 
     // The database is not fooled: A's fenced writes are rejected there, and
     // the rejected fence fires A's lost signal at once (before its deadline).
-    let a_write = fenced_write(&pool_c, &a_handle, 0).await;
+    let a_write = fenced_write::<B>(&pool_c, &a_handle, 0).await;
     assert_eq!(a_write, Err(WriteError::Rejected(LostReason::Taken)));
     // Taken, not Deadline: learnt from the fence, before the deadline.
     let reason = within(STEP, "A's lost signal", a.lost()).await;
     assert_eq!(reason, LostReason::Taken);
-    fenced_write(&pool_c, &c, 0).await.expect("C writes");
+    fenced_write::<B>(&pool_c, &c, 0).await.expect("C writes");
 }

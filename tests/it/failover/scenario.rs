@@ -13,15 +13,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, Lane, LeaseOptions, Leases, LockKey};
+use pgwarden::{Lane, LeaseOptions, LockKey};
 use pgwarden_testing::{within, Replication};
 use tokio_postgres::Client;
 
 use super::common::{
-    cluster, fenced_rows, fenced_write, sequence, service_pool, until, Row, Tokens, STEP,
+    cluster, fenced_rows, fenced_write, sequence, service_pool, until, Front, Row, Tokens, STEP,
 };
 use super::outcome::Outcome;
 use super::traffic::{self, Acked, Request};
+use crate::support::backend::Backend;
 
 /// The key of the session lock held across the failover.
 const KEY: i64 = 0x5EED_F00D;
@@ -50,23 +51,24 @@ async fn expiry(c: &Client, name: &str) -> f64 {
     .get(0)
 }
 
-pub async fn run() -> Outcome {
+pub async fn run<B: Backend>() -> Outcome {
     let (mut cluster, db, old) = cluster(Replication::Synchronous).await;
 
-    // Two service instances, each on the multi-host connection string.
-    let svc = service_pool(&cluster, &db, "svc-a", 8);
-    let other = service_pool(&cluster, &db, "svc-b", 4);
-    let leases = Leases::new(&svc);
-    let other_leases = Leases::new(&other);
-    leases.install().await.expect("lease table");
+    // Two service instances, each on the service's way to the primary.
+    let front = Front::new(&cluster);
+    let svc = service_pool::<B>(&front, &cluster, &db, "svc-a", 8);
+    let other = service_pool::<B>(&front, &cluster, &db, "svc-b", 4);
+    let leases = B::leases(&svc);
+    let other_leases = B::leases(&other);
+    B::install(&leases).await.expect("lease table");
 
     let stop = Arc::new(AtomicBool::new(false));
     let tokens = Tokens::default();
     let acked: Acked = Arc::default();
     let requests: Arc<Mutex<Vec<Request>>> = Arc::default();
-    let mut tasks = traffic::requests(&svc, 4, &stop, &requests);
+    let mut tasks = traffic::requests::<B>(&svc, 4, &stop, &requests);
     for (l, p) in [(&leases, &svc), (&other_leases, &other)] {
-        let w = traffic::writer(
+        let w = traffic::writer::<B>(
             l.clone(),
             p.clone(),
             stop.clone(),
@@ -76,20 +78,19 @@ pub async fn run() -> Outcome {
         tasks.push(w);
     }
     let schedulers = [
-        traffic::scheduler(&leases, "node-a", &svc, &tokens, &acked),
-        traffic::scheduler(&other_leases, "node-b", &other, &tokens, &acked),
+        traffic::scheduler::<B>(&leases, &svc, &tokens, &acked),
+        traffic::scheduler::<B>(&other_leases, &other, &tokens, &acked),
     ];
 
     // The long lease outlives the outage; the short one does not.
     let long_opts =
         LeaseOptions::new(Duration::from_secs(60)).renew_every(Duration::from_millis(250));
-    let long = leases
-        .acquire("long", &long_opts, None)
+    let long = B::acquire(&leases, "long", &long_opts, None)
         .await
         .unwrap()
         .expect("long lease");
-    let short = leases
-        .acquire("short", &LeaseOptions::new(Duration::from_secs(2)), None)
+    let short_opts = LeaseOptions::new(Duration::from_secs(2));
+    let short = B::acquire(&leases, "short", &short_opts, None)
         .await
         .unwrap()
         .expect("short lease");
@@ -97,11 +98,15 @@ pub async fn run() -> Outcome {
     tokens.record(short.term().token, "short");
     let long_id = (long.term().holder.clone(), long.term().token);
     let short_id = (short.term().holder.clone(), short.term().token);
-    let lock = svc
-        .session_lock(LockKey::Single(KEY), pgwarden::LockMode::Exclusive, None)
-        .await
-        .unwrap()
-        .expect("session lock");
+    let lock = B::session_lock(
+        &svc,
+        LockKey::Single(KEY),
+        pgwarden::LockMode::Exclusive,
+        None,
+    )
+    .await
+    .unwrap()
+    .expect("session lock");
 
     // Warm-up: the job ran, writers wrote under several terms, requests flow.
     let warm = until(Duration::from_secs(30), || async {
@@ -156,6 +161,7 @@ pub async fn run() -> Outcome {
         .await
         .expect("promotion");
     let promoted = Instant::now();
+    front.follow(&cluster);
     let (old_port, new_port) = (cluster.replica().port(), cluster.primary().port());
     let new = cluster.primary().connect(&db).await.expect("new primary");
     let rows_at_promotion = lease_rows(&new).await;
@@ -174,7 +180,7 @@ pub async fn run() -> Outcome {
         expiry(&new, "long").await > long_expiry_at_promotion
     })
     .await;
-    let long_fenced_write_after = fenced_write(&svc, &long, 0).await;
+    let long_fenced_write_after = fenced_write::<B>(&svc, &long, 0).await;
     until(RECOVERY, || async {
         tokens.count_since("job", promoted) >= 1
     })
@@ -189,15 +195,12 @@ pub async fn run() -> Outcome {
             >= 5
     })
     .await;
-    let short_opts = LeaseOptions::new(Duration::from_secs(2));
-    let short_takeover = match other_leases
-        .acquire("short", &short_opts, Some(STEP * 2))
-        .await
+    let short_takeover = match B::acquire(&other_leases, "short", &short_opts, Some(STEP * 2)).await
     {
         Ok(Some(l)) => {
             tokens.record(l.term().token, "takeover");
             let t = (l.term().token, l.term().took_over_from.clone());
-            let _ = l.release().await;
+            let _ = B::release(l).await;
             Some(t)
         }
         Ok(None) | Err(_) => None,
@@ -223,10 +226,10 @@ pub async fn run() -> Outcome {
     new.query_one("SELECT pg_advisory_unlock_all()", &[])
         .await
         .unwrap();
-    let unlock = within(STEP, "unlock", lock.unlock()).await;
-    let unlock_was_closed_connection = matches!(&unlock, Err(Error::Db(e)) if e.is_closed());
+    let unlock = within(STEP, "unlock", B::unlock(lock)).await;
+    let unlock_was_closed_connection = matches!(&unlock, Err(e) if B::is_connection_lost(e));
     let session_lane_emptied = until(STEP, || async {
-        svc.status().lane(Lane::SessionLock).in_use == 0
+        B::status(&svc).lane(Lane::SessionLock).in_use == 0
     })
     .await
     .is_some();
@@ -242,7 +245,7 @@ pub async fn run() -> Outcome {
         within(STEP * 3, "scheduler shutdown", s.shutdown(STEP)).await;
     }
     let long_lost = futures_util::FutureExt::now_or_never(long.lost());
-    let long_release = long.release().await.map_err(|e| e.to_string());
+    let long_release = B::release(long).await.map_err(|e| e.to_string());
     drop(short);
     let seq_cache: i64 = new
         .query_one(

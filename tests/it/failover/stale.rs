@@ -12,13 +12,15 @@
 
 use std::time::Duration;
 
-use pgwarden::{Lease, LeaseHandle, LeaseOptions, Leases, LostReason, Pool};
+use pgwarden::{LeaseHandle, LeaseOptions, LostReason};
 use pgwarden_testing::{within, Cluster, Replication};
 use tokio_postgres::Client;
 
 use super::common::{
-    cluster, fenced_rows, fenced_write, lease_row, sequence, service_pool, until, WriteError, STEP,
+    cluster, fenced_rows, fenced_write, lease_row, sequence, service_pool, until, Front,
+    WriteError, STEP,
 };
+use crate::support::backend::Backend;
 
 const LEASE: &str = "stale";
 
@@ -38,37 +40,42 @@ async fn expired(server: &Client) {
 }
 
 /// C, a third instance, takes the lease over on the new primary.
-async fn take_over(cluster: &Cluster, db: &str) -> (Pool, Lease) {
-    let pool_c = service_pool(cluster, db, "holder-c", 3);
-    let c = Leases::new(&pool_c)
-        .acquire(LEASE, &opts(), None)
+async fn take_over<B: Backend>(front: &Front, cluster: &Cluster, db: &str) -> (B::Pool, B::Lease) {
+    let pool_c = service_pool::<B>(front, cluster, db, "holder-c", 3);
+    let c = B::acquire(&B::leases(&pool_c), LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("C takes over on the new primary");
     (pool_c, c)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_takeover_cannot_write_on_the_new_primary() {
+backends!(
+    a_lost_takeover_cannot_write_on_the_new_primary,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn a_lost_takeover_cannot_write_on_the_new_primary<B: Backend>() {
     let (mut cluster, db, old) = cluster(Replication::Asynchronous).await;
-    let pool_a = service_pool(&cluster, &db, "holder-a", 3);
-    let pool_b = service_pool(&cluster, &db, "holder-b", 3);
-    let (la, lb) = (Leases::new(&pool_a), Leases::new(&pool_b));
-    la.install().await.unwrap();
+    let front = Front::new(&cluster);
+    let pool_a = service_pool::<B>(&front, &cluster, &db, "holder-a", 3);
+    let pool_b = service_pool::<B>(&front, &cluster, &db, "holder-b", 3);
+    let (la, lb) = (B::leases(&pool_a), B::leases(&pool_b));
+    B::install(&la).await.unwrap();
 
     // A's term and write reach the replica.
-    let a = la
-        .acquire(LEASE, &opts(), None)
+    let a = B::acquire(&la, LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("A takes the lease");
     let a_handle = LeaseHandle::clone(&a);
-    let row_a = fenced_write(&pool_a, &a_handle, 0).await.expect("A writes");
+    let row_a = fenced_write::<B>(&pool_a, &a_handle, 0)
+        .await
+        .expect("A writes");
     cluster.wait_replayed().await.unwrap();
 
     // From here on, nothing reaches the replica.
     cluster.pause_streaming().await.unwrap();
-    pool_a.close();
+    B::close(&pool_a).await;
     let reason = within(STEP, "A's lost signal", a.lost()).await;
     assert_eq!(reason, LostReason::Deadline);
     expired(&old).await;
@@ -81,23 +88,18 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
             break;
         }
         assert!(i < 100, "the sequence does not reach {covered}");
-        let burn = lb
-            .acquire(
-                &format!("burn-{i}"),
-                &LeaseOptions::new(Duration::from_secs(60)),
-                None,
-            )
+        let burn_opts = LeaseOptions::new(Duration::from_secs(60));
+        let burn = B::acquire(&lb, &format!("burn-{i}"), &burn_opts, None)
             .await
             .unwrap();
-        burn.expect("a fresh lease").release().await.unwrap();
+        B::release(burn.expect("a fresh lease")).await.unwrap();
     }
 
     // B's take-over and write: acknowledged by the primary, never shipped.
     // B's deadline outlives the outage (TTL 10 s), so what it learns after
     // the promotion comes from the new primary, not from its clock.
     let b_opts = LeaseOptions::new(Duration::from_secs(10)).renew_every(Duration::from_millis(250));
-    let b = lb
-        .acquire(LEASE, &b_opts, None)
+    let b = B::acquire(&lb, LEASE, &b_opts, None)
         .await
         .unwrap()
         .expect("B takes over");
@@ -106,12 +108,15 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
         b.term().took_over_from.as_deref(),
         Some(a.term().holder.as_str())
     );
-    let row_b = fenced_write(&pool_b, &b_handle, 0).await.expect("B writes");
+    let row_b = fenced_write::<B>(&pool_b, &b_handle, 0)
+        .await
+        .expect("B writes");
     assert!(b.term().token > covered);
 
     // The crash, and the stale replica promoted.
     cluster.stop_primary_immediate().await.unwrap();
     cluster.promote_replica().await.unwrap();
+    front.follow(&cluster);
     let new = cluster.primary().connect(&db).await.unwrap();
 
     // Not guaranteed without synchronous replication: B's take-over and its
@@ -132,15 +137,15 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     // ...and neither stale term can write on the new primary: B's term is
     // unknown there; A's is expired there, and A had stopped trusting it at
     // its own deadline already (the fence reports the lease's first reason).
-    let b_write = fenced_write(&pool_b, &b_handle, 1).await;
+    let b_write = fenced_write::<B>(&pool_b, &b_handle, 1).await;
     assert_eq!(b_write, Err(WriteError::Rejected(LostReason::Taken)));
-    let a_write = fenced_write(&pool_b, &a_handle, 1).await;
+    let a_write = fenced_write::<B>(&pool_b, &a_handle, 1).await;
     assert_eq!(a_write, Err(WriteError::Rejected(LostReason::Deadline)));
 
     // A new take-over: its token is above every token the new primary knows,
     // but it is B's token again (the sequence's WAL for it was lost too):
     // tokens are unique only among terms that reached the replica.
-    let (pool_c, c) = take_over(&cluster, &db).await;
+    let (pool_c, c) = take_over::<B>(&front, &cluster, &db).await;
     eprintln!(
         "async lost tail: A's token {}, the replica's sequence covered up to {covered}, B's \
          token {} (lost), C's token on the new primary {}",
@@ -162,9 +167,9 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
         b.term().token,
         "the lost term's token is drawn again"
     );
-    fenced_write(&pool_c, &c, 0).await.expect("C writes");
+    fenced_write::<B>(&pool_c, &c, 0).await.expect("C writes");
     // Same token, other holder: the fence checks both, B is still rejected.
-    let b_write = fenced_write(&pool_b, &b_handle, 2).await;
+    let b_write = fenced_write::<B>(&pool_b, &b_handle, 2).await;
     assert_eq!(b_write, Err(WriteError::Rejected(LostReason::Taken)));
     let stale: Vec<(i64, String)> = fenced_rows(&new)
         .await
@@ -181,25 +186,26 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
+backends!(
+    synchronous_replication_never_acknowledges_an_unshipped_takeover,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn synchronous_replication_never_acknowledges_an_unshipped_takeover<B: Backend>() {
     let (mut cluster, db, old) = cluster(Replication::Synchronous).await;
-    let pool_a = service_pool(&cluster, &db, "holder-a", 3);
-    let pool_b = service_pool(&cluster, &db, "holder-b", 3);
-    let la = Leases::new(&pool_a);
-    la.install().await.unwrap();
-    let lb = Leases::builder(&pool_b)
-        .statement_timeout(Duration::from_secs(1))
-        .build()
-        .unwrap();
+    let front = Front::new(&cluster);
+    let pool_a = service_pool::<B>(&front, &cluster, &db, "holder-a", 3);
+    let pool_b = service_pool::<B>(&front, &cluster, &db, "holder-b", 3);
+    let la = B::leases(&pool_a);
+    B::install(&la).await.unwrap();
+    let lb = B::leases_bounded(&pool_b, Duration::from_secs(1));
 
-    let a = la
-        .acquire(LEASE, &opts(), None)
+    let a = B::acquire(&la, LEASE, &opts(), None)
         .await
         .unwrap()
         .expect("A takes the lease");
     cluster.pause_streaming().await.unwrap();
-    pool_a.close();
+    B::close(&pool_a).await;
     assert_eq!(
         within(STEP, "A's lost signal", a.lost()).await,
         LostReason::Deadline
@@ -208,7 +214,7 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
 
     // The take-over cannot commit without the standby: B is never told it
     // holds the lease, and gets no token.
-    let b = lb.acquire(LEASE, &opts(), None).await;
+    let b = B::acquire(&lb, LEASE, &opts(), None).await;
     assert!(
         matches!(
             &b,
@@ -219,13 +225,14 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover() {
 
     cluster.stop_primary_immediate().await.unwrap();
     cluster.promote_replica().await.unwrap();
+    front.follow(&cluster);
     let new = cluster.primary().connect(&db).await.unwrap();
     let (holder, token, _) = lease_row(&new, LEASE).await.expect("lease row");
     assert_eq!(
         (holder.as_str(), token),
         (a.term().holder.as_str(), a.term().token)
     );
-    let (_pool_c, c) = take_over(&cluster, &db).await;
+    let (_pool_c, c) = take_over::<B>(&front, &cluster, &db).await;
     assert_eq!(
         c.term().took_over_from.as_deref(),
         Some(a.term().holder.as_str())

@@ -5,10 +5,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgwarden::{Job, LeaseHandle, LeaseOptions, Leases, Pool, Scheduler};
+use pgwarden::{Job, LeaseHandle, LeaseOptions, Scheduler};
 use tokio::task::JoinHandle;
 
 use super::common::{fenced_write, Row, Tokens, WriteError, STEP};
+use crate::support::backend::Backend;
 
 /// What one request saw: when it ended, and the port of the server that
 /// answered (or the error).
@@ -17,8 +18,8 @@ pub type Request = (Instant, Result<u16, String>);
 /// Request traffic: `tasks` tasks, each checking out a request connection,
 /// asking which server answers, and going again (10 ms after a success,
 /// 25 ms after a failure) until `stop`.
-pub fn requests(
-    pool: &Pool,
+pub fn requests<B: Backend>(
+    pool: &B::Pool,
     tasks: usize,
     stop: &Arc<AtomicBool>,
     log: &Arc<Mutex<Vec<Request>>>,
@@ -29,15 +30,10 @@ pub fn requests(
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let r = tokio::time::timeout(STEP, async {
-                        let c = pool.get().await.map_err(|e| e.to_string())?;
-                        let row = c
-                            .query_one(
-                                "SELECT inet_server_port() WHERE NOT pg_is_in_recovery()",
-                                &[],
-                            )
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        u16::try_from(row.get::<_, i32>(0)).map_err(|e| e.to_string())
+                        let mut c = B::get(&pool).await.map_err(|e| e.to_string())?;
+                        let sql = "SELECT inet_server_port()::int8 WHERE NOT pg_is_in_recovery()";
+                        let port = B::scalar(&mut c, sql).await?;
+                        u16::try_from(port).map_err(|e| e.to_string())
                     })
                     .await
                     .unwrap_or_else(|_| Err(format!("not done within {STEP:?}")));
@@ -60,9 +56,9 @@ pub const WRITER_LEASE: &str = "writer";
 /// to 5 fenced rows under it, releases it, and goes again until `stop`.
 /// While the database is away it retries under the same term, until the
 /// term is lost.
-pub fn writer(
-    leases: Leases,
-    pool: Pool,
+pub fn writer<B: Backend>(
+    leases: B::Leases,
+    pool: B::Pool,
     stop: Arc<AtomicBool>,
     tokens: Tokens,
     acked: Acked,
@@ -70,7 +66,7 @@ pub fn writer(
     tokio::spawn(async move {
         let opts = LeaseOptions::new(Duration::from_secs(3));
         while !stop.load(Ordering::Relaxed) {
-            let lease = match leases.acquire(WRITER_LEASE, &opts, None).await {
+            let lease = match B::acquire(&leases, WRITER_LEASE, &opts, None).await {
                 Ok(Some(lease)) => lease,
                 Ok(None) => {
                     tokio::time::sleep(Duration::from_millis(15)).await;
@@ -82,10 +78,10 @@ pub fn writer(
                 }
             };
             tokens.record(lease.term().token, "writer");
-            let handle = LeaseHandle::clone(&lease);
+            let handle = LeaseHandle::clone(&*lease);
             let mut seq = 0;
             while seq < 5 && !handle.is_lost() && !stop.load(Ordering::Relaxed) {
-                match fenced_write(&pool, &handle, seq).await {
+                match fenced_write::<B>(&pool, &handle, seq).await {
                     Ok(row) => {
                         acked.lock().unwrap().push((Instant::now(), row));
                         seq += 1;
@@ -98,7 +94,7 @@ pub fn writer(
                 }
             }
             // Taken over, expired or lost: an error here is expected.
-            let _ = tokio::time::timeout(STEP, lease.release()).await;
+            let _ = tokio::time::timeout(STEP, B::release(lease)).await;
             let pause = rand::random::<u64>() % 20;
             tokio::time::sleep(Duration::from_millis(pause)).await;
         }
@@ -109,11 +105,10 @@ pub fn writer(
 /// fenced row under the job's lease (TTL 3 s).
 pub const JOB: &str = "tick";
 
-/// A scheduler on `leases` (node `node`) running [`JOB`] on `pool`.
-pub fn scheduler(
-    leases: &Leases,
-    node: &str,
-    pool: &Pool,
+/// A scheduler on `leases` running [`JOB`] on `pool`.
+pub fn scheduler<B: Backend>(
+    leases: &B::Leases,
+    pool: &B::Pool,
     tokens: &Tokens,
     acked: &Acked,
 ) -> Scheduler {
@@ -122,7 +117,7 @@ pub fn scheduler(
         let (pool, tokens, acked) = (pool.clone(), tokens.clone(), acked.clone());
         async move {
             tokens.record(lease.term().token, "job");
-            let row = fenced_write(&pool, &lease, 0)
+            let row = fenced_write::<B>(&pool, &lease, 0)
                 .await
                 .map_err(|e| format!("{e:?}"))?;
             acked.lock().unwrap().push((Instant::now(), row));
@@ -130,9 +125,5 @@ pub fn scheduler(
         }
     })
     .options(LeaseOptions::new(Duration::from_secs(3)));
-    Scheduler::builder(leases)
-        .node(node)
-        .job(job)
-        .start()
-        .expect("scheduler")
+    B::schedule(leases, vec![job]).expect("scheduler")
 }

@@ -232,6 +232,33 @@ pub trait Backend: Send + Sync + 'static {
         pool: &'a Self::Pool,
         lease: &'a LeaseHandle,
     ) -> BoxFuture<'a, Result<(), Error>>;
+
+    /// Whether it follows a multi-host connection string to the server
+    /// that takes writes (`target_session_attrs=read-write`) by itself:
+    /// deadpool (tokio-postgres) does; sqlx connects to one host, so a sqlx
+    /// service follows a failover through an address that moves with the
+    /// primary (a virtual IP, a DNS name, a proxy).
+    const MULTI_HOST: bool;
+    /// Builds a pool on `config` (hosts, ports, user, database,
+    /// `application_name`); several hosts only when [`Backend::MULTI_HOST`].
+    fn build_on(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool;
+    /// `sql` (one row, one `int8`) on the connection, or its error as text:
+    /// for a statement that may fail (a server going away).
+    fn scalar<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, Result<i64, String>>;
+    /// In a transaction of its own on `pool`, fenced by `lease`: `sql` with
+    /// `$1` the lease's name, `$2` its token, `$3` `seq`, `$4` its holder,
+    /// returning one `int8`; then the fenced commit. The value, or the
+    /// checkout's, fence's, statement's or commit's error.
+    fn fenced_scalar<'a>(
+        pool: &'a Self::Pool,
+        lease: &'a LeaseHandle,
+        sql: &'static str,
+        seq: i32,
+    ) -> BoxFuture<'a, Result<i64, Error>>;
+    /// Whether `e` says the connection itself is gone (closed, I/O).
+    fn is_connection_lost(e: &Error) -> bool;
+    /// `Leases::builder(pool).statement_timeout(t).build()`.
+    fn leases_bounded(pool: &Self::Pool, statement_timeout: Duration) -> Self::Leases;
 }
 
 /// Advisory locks held by the session that asks (a failed ask counts as
@@ -339,6 +366,18 @@ macro_rules! lease_methods {
             jobs.into_iter()
                 .fold(Scheduler::builder(l), |b, j| b.job(j))
                 .start()
+        }
+    };
+}
+
+/// `Leases::builder(pool).statement_timeout(t)`, the same on every backend.
+macro_rules! bounded_leases {
+    () => {
+        fn leases_bounded(pool: &Self::Pool, statement_timeout: Duration) -> Self::Leases {
+            pgwarden::Leases::builder(pool)
+                .statement_timeout(statement_timeout)
+                .build()
+                .expect("leases")
         }
     };
 }
@@ -596,6 +635,47 @@ impl Backend for Deadpool {
             tx.commit().await
         })
     }
+    const MULTI_HOST: bool = true;
+
+    fn build_on(config: &tokio_postgres::Config, s: &Settings) -> pgwarden::Pool {
+        let dp = pgwarden_testing::deadpool(config.clone(), s.size).expect("deadpool");
+        Self::with(pgwarden::Pool::builder(dp), s)
+    }
+
+    fn scalar<'a>(
+        c: &'a mut pgwarden::Client,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<i64, String>> {
+        Box::pin(async move {
+            let text = |e| Error::Db(e).to_string();
+            let row = c.query_one(sql, &[]).await.map_err(text)?;
+            row.try_get(0).map_err(text)
+        })
+    }
+
+    fn fenced_scalar<'a>(
+        pool: &'a pgwarden::Pool,
+        lease: &'a LeaseHandle,
+        sql: &'static str,
+        seq: i32,
+    ) -> BoxFuture<'a, Result<i64, Error>> {
+        Box::pin(async move {
+            let mut c = pool.get().await?;
+            let tx = lease.fence(c.transaction().await?).await?;
+            let t = lease.term();
+            let row = tx
+                .query_one(sql, &[&t.name.as_str(), &t.token, &seq, &t.holder.as_str()])
+                .await?;
+            tx.commit().await?;
+            Ok(row.try_get(0)?)
+        })
+    }
+
+    fn is_connection_lost(e: &Error) -> bool {
+        matches!(e, Error::Db(e) if e.is_closed())
+    }
+
+    bounded_leases!();
 }
 
 impl Deadpool {
@@ -799,6 +879,61 @@ macro_rules! sqlx_backend {
                     tx.commit().await
                 })
             }
+            const MULTI_HOST: bool = false;
+
+            fn build_on(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool {
+                assert_eq!(config.get_hosts().len(), 1, "sqlx connects to one host");
+                let mut opts = sqlx_options!($sqlx, config);
+                if let Some(app) = config.get_application_name() {
+                    opts = opts.application_name(app);
+                }
+                Self::with(opts, s)
+            }
+
+            fn scalar<'a>(
+                c: &'a mut Self::Conn,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<i64, String>> {
+                Box::pin(async move {
+                    $sqlx::query_scalar(sql)
+                        .fetch_one(&mut **c)
+                        .await
+                        .map_err(|e| e.to_string())
+                })
+            }
+
+            fn fenced_scalar<'a>(
+                pool: &'a Self::Pool,
+                lease: &'a LeaseHandle,
+                sql: &'static str,
+                seq: i32,
+            ) -> BoxFuture<'a, Result<i64, Error>> {
+                let sqlx_err = |e: $sqlx::Error| Error::Sqlx(Box::new(e));
+                Box::pin(async move {
+                    let tx = pool.begin().await.map_err(sqlx_err)?;
+                    let mut tx = lease.fence(tx).await?;
+                    let t = lease.term();
+                    let n = $sqlx::query_scalar(sql)
+                        .bind(t.name.as_str())
+                        .bind(t.token)
+                        .bind(seq)
+                        .bind(t.holder.as_str())
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(sqlx_err)?;
+                    tx.commit().await?;
+                    Ok(n)
+                })
+            }
+
+            fn is_connection_lost(e: &Error) -> bool {
+                matches!(e, Error::Sqlx(e) if matches!(
+                    e.downcast_ref::<$sqlx::Error>(),
+                    Some($sqlx::Error::Io(_) | $sqlx::Error::WorkerCrashed)
+                ))
+            }
+
+            bounded_leases!();
         }
 
         impl $backend {

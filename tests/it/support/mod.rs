@@ -186,10 +186,13 @@ pub fn lanes(pool: &Pool) -> HashMap<String, usize> {
         .collect()
 }
 
-/// The backend that waits on the server for advisory lock `objid`, if any.
+/// The backend that waits on the server for advisory lock `objid` in this
+/// database (the variants of a test run at once, each in its own), if any.
 pub async fn lock_waiter(raw: &Client, objid: i64) -> Option<i32> {
     raw.query_opt(
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = $1::bigint::oid AND NOT granted",
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = $1::bigint::oid \
+           AND NOT granted \
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         &[&objid],
     )
     .await
