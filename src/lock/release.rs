@@ -175,7 +175,10 @@ impl<B: Source> Held<B> {
                 released: false,
             }));
         }
-        let released = pooled::reach(&conn, None::<&B::Exec<'_>>, held_on, key, mode, bound).await;
+        // Half the bound, as on the drop path: `unlock()`'s timeout around
+        // this (the whole bound) must not cut the report off.
+        let released =
+            pooled::reach(&conn, None::<&B::Exec<'_>>, held_on, key, mode, bound / 2).await;
         drop(conn);
         // Whatever happened, an unlock on this connection's session now would
         // release other clients' locks, not this guard's.

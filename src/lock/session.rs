@@ -148,10 +148,11 @@ impl<B: Source> SessionLock<B> {
     ///
     /// Bounded by the pool's unlock timeout
     /// ([`PoolBuilder::unlock_timeout`](crate::PoolBuilder::unlock_timeout)),
-    /// as the drop path is: when the server has not confirmed the unlock by
-    /// then (a backend frozen, a link cut off), its statement is cancelled
-    /// and the connection closed, never returned to the pool, and the
-    /// unlock fails with
+    /// as the drop path is (the search for a lock's backend that a pooler
+    /// moved, above, gets half of it): when the server has not confirmed
+    /// the unlock by then (a backend frozen, a link cut off), its statement
+    /// is cancelled and the connection closed, never returned to the pool,
+    /// and the unlock fails with
     /// [`LockError::UnlockNotConfirmed`](crate::LockError::UnlockNotConfirmed):
     /// the lock goes with its session, as soon as the backend notices.
     pub async fn unlock(mut self) -> Result<(), Error> {
