@@ -8,7 +8,9 @@ use crate::lost::LostReason;
 /// A table lease was lost, a lease statement timed out, or the lease table
 /// has another shape. Recover from [`LeaseError::Lost`] by stopping the
 /// work that must not come from a stale holder (and acquiring again later);
-/// from [`LeaseError::Timeout`] by retrying; [`LeaseError::TableMismatch`]
+/// from [`LeaseError::Timeout`] and [`LeaseError::FenceBlocked`] by retrying
+/// (the latter once the session holding the lease row lets go of it);
+/// [`LeaseError::TableMismatch`]
 /// needs the table fixed.
 ///
 /// Another holder having the lease is not an error: `acquire` returns
@@ -53,6 +55,35 @@ pub enum LeaseError {
     Aborted {
         /// The lease.
         name: String,
+    },
+
+    /// [`LeaseHandle::fence`](crate::LeaseHandle::fence) (or a fenced
+    /// transaction's [`Fenced::check`](crate::Fenced::check) or
+    /// [`Fenced::commit`](crate::Fenced::commit)) waited for the lease
+    /// row's lock, which another session held (a `SELECT … FOR UPDATE` or
+    /// a `DELETE` of the row, or a session frozen holding it), until its
+    /// bound ran out: the term's end + 1 s as the fence read it, or the
+    /// transaction's own `lock_timeout` when tighter. The term was still
+    /// this holder's by the local deadline then (past it, the fence
+    /// reports [`LeaseError::Lost`] instead). Nothing was written: the
+    /// transaction failed, and is rolled back. Retry in a new transaction;
+    /// end the session that holds the row (`blocking_pid`, or `pgwarden
+    /// leases`), and keep statements that lock rows off the lease table.
+    #[error(
+        "fence of lease {name:?} waited {waited:?} for the lease row's lock, held by {}, and gave up \
+         (its bound: the term's end + 1 s, or the transaction's tighter lock_timeout); nothing was written \
+         and the transaction is rolled back: retry in a new transaction, and end that session's transaction \
+         (keep statements that lock rows, such as SELECT … FOR UPDATE, off the lease table)",
+        match blocking_pid { Some(pid) => format!("pid {pid}"), None => "another session".to_owned() }
+    )]
+    FenceBlocked {
+        /// The lease.
+        name: String,
+        /// How long the fence's statement ran.
+        waited: Duration,
+        /// The session holding the row's lock when the fence gave up, when
+        /// the server could tell.
+        blocking_pid: Option<i32>,
     },
 
     /// A lease statement did not complete in time; its connection was closed

@@ -113,6 +113,27 @@ pub enum LockError {
         released: bool,
     },
 
+    /// [`SessionLock::unlock`](crate::SessionLock::unlock) got no answer
+    /// from the server within the pool's unlock timeout
+    /// ([`PoolBuilder::unlock_timeout`](crate::PoolBuilder::unlock_timeout)):
+    /// a backend frozen or a link cut off. As for a dropped guard, the lock's
+    /// statement in flight was cancelled and its connection closed (never
+    /// returned to the pool): PostgreSQL ends the session, and releases
+    /// the lock with it, as soon as the backend runs again or notices the
+    /// closed connection. The pool's slot is free again. Nothing to undo;
+    /// another session may have to wait until that session has ended.
+    #[error(
+        "advisory lock {key}: unlock not confirmed within {timeout:?} (the server did not answer); \
+         its connection was closed and its statement cancelled: the lock goes with its session, \
+         as soon as the backend notices"
+    )]
+    UnlockNotConfirmed {
+        /// The key.
+        key: LockKey,
+        /// The unlock timeout that passed.
+        timeout: Duration,
+    },
+
     /// [`Pool::migrate_once`](crate::Pool::migrate_once)'s work ran (its
     /// closure returned `Ok`) but recording it in the ledger
     /// (`pgwarden_run_once`) failed. With `rolled_back`, its transaction was

@@ -417,11 +417,21 @@ impl LeaseHandle {
     /// answers busy meanwhile), so the transaction is bounded on the server,
     /// as a whole, to the term's time left + 1 s:
     ///
-    /// - `statement_timeout` and `idle_in_transaction_session_timeout` are
-    ///   set for this transaction to that bound, or kept when the role's,
-    ///   the session's or the transaction's own is tighter (0 counts as
-    ///   none); on PostgreSQL 17 and later `transaction_timeout` too, which
-    ///   bounds the transaction as a whole;
+    /// - `statement_timeout`, `idle_in_transaction_session_timeout` and
+    ///   `lock_timeout` are set for this transaction to that bound, or kept
+    ///   when the role's, the session's or the transaction's own is tighter
+    ///   (0 counts as none); on PostgreSQL 17 and later `transaction_timeout`
+    ///   too, which bounds the transaction as a whole;
+    /// - the fence's own statement is bounded too, in the same round trip:
+    ///   its `lock_timeout` is set before it locks the row, so a row held by
+    ///   another session (a `SELECT … FOR UPDATE` or a `DELETE` on the lease
+    ///   table, or a session frozen holding it) makes the fence give up at
+    ///   the term's end + 1 s, with
+    ///   [`LeaseError::Lost`](crate::LeaseError::Lost) (the term is over by
+    ///   then: renewals wait behind the same lock), or earlier at the
+    ///   transaction's tighter `lock_timeout` with
+    ///   [`LeaseError::FenceBlocked`](crate::LeaseError::FenceBlocked),
+    ///   which names the blocking session's pid;
     /// - these bound one statement or one idle spell each, not the
     ///   transaction: the transaction also takes pgwarden's *fence mark*,
     ///   the shared advisory lock `(1885828964, the token's low 32 bits)`
@@ -451,7 +461,10 @@ impl LeaseHandle {
     /// Fails with [`LeaseError::Lost`](crate::LeaseError::Lost) when the term is over: `Taken` (the
     /// row is another term's, or gone), `Expired` (still this term, expired
     /// in the database) or `Deadline`. The transaction is then rolled back
-    /// (dropped): the writes would come from a stale holder.
+    /// (dropped): the writes would come from a stale holder. Fails with
+    /// [`LeaseError::FenceBlocked`](crate::LeaseError::FenceBlocked) when
+    /// another session kept the row locked past the fence's bound while
+    /// the term was still this holder's (rolled back too: retry).
     ///
     /// # Isolation levels
     ///
@@ -478,7 +491,12 @@ impl LeaseHandle {
     /// ```
     pub async fn fence<'a, T: FenceTx + 'a>(&self, tx: T) -> Result<Fenced<'a, T>, Error> {
         let mut tx = tx;
-        tx.check_in(self).await?;
+        if let Err(e) = tx.check_in(self).await {
+            // Rolled back first: nothing waits on this transaction while
+            // the blocker is looked up.
+            drop(tx);
+            return Err(self.name_blocker(e).await);
+        }
         Ok(Fenced {
             tx,
             lease: self.clone(),
@@ -493,6 +511,7 @@ impl LeaseHandle {
             return Err(self.fence_failed(reason));
         }
         self.inner.count_statement();
+        let began = Instant::now();
         let row = match self
             .inner
             .sql()
@@ -504,6 +523,12 @@ impl LeaseHandle {
             // snapshot: the term is over.
             Err(e) if e.is(code::SERIALIZATION_FAILURE) => {
                 return Err(self.fence_failed(LostReason::Taken))
+            }
+            // The row's lock was not granted within the fence's bound (the
+            // term's end + 1 s, or the transaction's tighter lock_timeout):
+            // another session holds the row.
+            Err(e) if e.is(code::LOCK_NOT_AVAILABLE) => {
+                return Err(self.fence_blocked(began.elapsed()))
             }
             Err(e) => return Err(e.into()),
         };
@@ -540,6 +565,52 @@ impl LeaseHandle {
             _ => LostReason::Taken,
         };
         Err(self.fence_failed(reason))
+    }
+
+    /// The fence's wait for the lease row's lock ran out after `waited`:
+    /// [`LeaseError::Lost`] when the term is over by now (the bound is the
+    /// term's end + 1 s, so it usually is: renewals wait behind the same
+    /// lock), else [`LeaseError::FenceBlocked`] (a tighter `lock_timeout`
+    /// of the transaction's, or a renewal the fence's read did not see),
+    /// its blocker to be named by [`LeaseHandle::name_blocker`].
+    fn fence_blocked(&self, waited: Duration) -> Error {
+        tracing::warn!(
+            pool = %self.inner.pool_name(),
+            lease = %self.state.name,
+            token = self.state.token,
+            ?waited,
+            "fence gave up waiting for the lease row's lock, held by another session \
+             (a SELECT … FOR UPDATE or DELETE on the lease table, or a frozen session)"
+        );
+        if let Some(reason) = self.inner.check_lost(&self.state) {
+            return self.fence_failed(reason);
+        }
+        Error::Lease(LeaseError::FenceBlocked {
+            name: self.state.name.to_string(),
+            waited,
+            blocking_pid: None,
+        })
+    }
+
+    /// `e` with the session holding the lease row named, when it is
+    /// [`LeaseError::FenceBlocked`]: looked up once the fenced transaction
+    /// is gone (its caller dropped it), so that the lookup holds nothing.
+    async fn name_blocker(&self, e: Error) -> Error {
+        match e {
+            Error::Lease(LeaseError::FenceBlocked {
+                name,
+                waited,
+                blocking_pid: None,
+            }) => {
+                let blocking_pid = self.inner.row_locker(&name).await;
+                Error::Lease(LeaseError::FenceBlocked {
+                    name,
+                    waited,
+                    blocking_pid,
+                })
+            }
+            e => e,
+        }
     }
 
     fn fence_failed(&self, reason: LostReason) -> Error {
@@ -594,8 +665,10 @@ impl Fenced<'_> {
     /// [`LeaseHandle::fence`] did, and moves the transaction's server-side
     /// bound to the term's time left now + 1 s (renewals since the fence
     /// extended the term): for a transaction that must outlive the bound
-    /// its fence set. Fails as `fence` does; drop the guard then (it rolls
-    /// back).
+    /// its fence set. Fails as `fence` does (a
+    /// [`LeaseError::FenceBlocked`](crate::LeaseError::FenceBlocked) here
+    /// names no pid: the transaction is still open); drop the guard then
+    /// (it rolls back).
     pub async fn check(&self) -> Result<(), Error> {
         self.lease.check_in(&self.tx).await
     }
@@ -613,11 +686,18 @@ impl<T: FenceTx> Fenced<'_, T> {
     /// transaction: the commit then reports
     /// [`LeaseError::Aborted`](crate::LeaseError::Aborted) and nothing
     /// lands. A term over by then reports [`LeaseError::Lost`](crate::LeaseError::Lost) and rolls back;
+    /// a check blocked by another session's lock on the lease row past the
+    /// fence's bound, [`LeaseError::FenceBlocked`](crate::LeaseError::FenceBlocked) (rolled back too);
     /// any other failure (of the check or of `COMMIT` itself, a
     /// serialization failure say) is the database's error.
     pub async fn commit(mut self) -> Result<(), Error> {
         match self.tx.check_in(&self.lease).await {
             Ok(()) => {}
+            Err(e @ Error::Lease(LeaseError::FenceBlocked { .. })) => {
+                let Fenced { tx, lease, .. } = self;
+                drop(tx); // rolled back before the blocker is looked up
+                return Err(lease.name_blocker(e).await);
+            }
             Err(e) if e.sqlstate() == Some(code::IN_FAILED_SQL_TRANSACTION) => {
                 tracing::warn!(
                     pool = %self.lease.inner.pool_name(), lease = %self.lease.state.name,

@@ -39,7 +39,9 @@ use tokio::sync::{oneshot, Notify, OnceCell};
 use super::backend::{Backend, LeasePool};
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
-use super::table::{Busy, Call, LeaseStatement, PurgeMark, Release, Statements, TableName, Taken};
+use super::table::{
+    Blocker, Busy, Call, LeaseStatement, PurgeMark, Release, Statements, TableName, Taken,
+};
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};
@@ -173,6 +175,13 @@ pub(crate) trait Owner: Send + Sync + 'static {
     fn sql(&self) -> &Statements;
     /// The pool's name.
     fn pool_name(&self) -> &str;
+    /// The session holding a lock on `name`'s row, when the server can tell
+    /// (a lease statement of its own, bounded as every other: the fence
+    /// blocked by that row asks, after its transaction is gone).
+    fn row_locker<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> Pin<Box<dyn Future<Output = Option<i32>> + Send + 'a>>;
 }
 
 impl<B: Backend> Owner for Inner<B> {
@@ -190,6 +199,17 @@ impl<B: Backend> Owner for Inner<B> {
     }
     fn pool_name(&self) -> &str {
         &self.pool_name
+    }
+    fn row_locker<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> Pin<Box<dyn Future<Output = Option<i32>> + Send + 'a>> {
+        Box::pin(async move {
+            let found = self
+                .run(Urgency::Normal, self.statement_timeout, &Blocker { name })
+                .await;
+            found.ok().flatten().map(|b| b.pid)
+        })
     }
 }
 

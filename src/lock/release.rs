@@ -175,7 +175,10 @@ impl<B: Source> Held<B> {
                 released: false,
             }));
         }
-        let released = pooled::reach(&conn, None::<&B::Exec<'_>>, held_on, key, mode, bound).await;
+        // Half the bound, as on the drop path: `unlock()`'s timeout around
+        // this (the whole bound) must not cut the report off.
+        let released =
+            pooled::reach(&conn, None::<&B::Exec<'_>>, held_on, key, mode, bound / 2).await;
         drop(conn);
         // Whatever happened, an unlock on this connection's session now would
         // release other clients' locks, not this guard's.
@@ -189,6 +192,31 @@ impl<B: Source> Held<B> {
             })
         } else {
             pooled::stranded(self.key, held_on, ran_on)
+        })
+    }
+
+    /// The bound of a release: the pool's unlock timeout.
+    pub(crate) fn unlock_timeout(&self) -> Duration {
+        self.unlock_timeout
+    }
+
+    /// An unlock that got no answer within the unlock timeout: now, what
+    /// the drop path does then (its statement cancelled, the connection
+    /// closed, never returned to the pool, its slot and budget freed), and
+    /// the error that says so. The guard holds nothing afterwards.
+    pub(crate) fn abandon(&mut self) -> Error {
+        let (key, bound) = (self.key, self.unlock_timeout);
+        if let Some(conn) = self.conn.take() {
+            let pid = conn.pid();
+            tracing::warn!(%key, pid, ?bound, "session lock unlock not confirmed in time: closing its connection");
+            cancel_in_flight(&conn, self.lock_pid.unwrap_or(pid), bound);
+            conn.discard();
+        }
+        self.tally = None;
+        self.dirty = false;
+        Error::Lock(LockError::UnlockNotConfirmed {
+            key,
+            timeout: bound,
         })
     }
 
@@ -301,25 +329,30 @@ async fn release<B: Source>(
         }
         Err(_) => {
             tracing::warn!(%key, pid, ?bound, "session lock release not confirmed in time: closing its connection");
-            // The backend is likely still waiting for the lock: closing the
-            // socket does not stop that wait (nor keep it out of the lock's
-            // queue), a cancel does. Best effort, bounded; the connection is
-            // closed either way. Deadpool: a cancel request (plain TCP or
-            // socket). sqlx sends none: `pg_cancel_backend` on another
-            // connection of the pool, on the lock's backend.
-            match B::cancel(&**conn) {
-                Some(cancel) => {
-                    tokio::spawn(tokio::time::timeout(bound, cancel));
-                }
-                None => {
-                    let pool = conn.pool().clone();
-                    let pid = lock_pid.unwrap_or(pid);
-                    tokio::spawn(tokio::time::timeout(
-                        bound,
-                        cancel_backend(pool, pid, bound),
-                    ));
-                }
-            }
+            cancel_in_flight(conn, lock_pid.unwrap_or(pid), bound);
+        }
+    }
+}
+
+/// Cancels the statement in flight on `conn`, whose backend is `pid`,
+/// before its connection is closed. The backend is likely still waiting
+/// for the lock: closing the socket does not stop that wait (nor keep it
+/// out of the lock's queue), a cancel does. Best effort, bounded, in a
+/// task of its own; the connection is closed either way. Deadpool: a
+/// cancel request (plain TCP or socket). sqlx sends none:
+/// `pg_cancel_backend` on another connection of the pool, on the lock's
+/// backend.
+fn cancel_in_flight<B: Source>(conn: &Client<B>, pid: i32, bound: Duration) {
+    match B::cancel(&**conn) {
+        Some(cancel) => {
+            tokio::spawn(tokio::time::timeout(bound, cancel));
+        }
+        None => {
+            let pool = conn.pool().clone();
+            tokio::spawn(tokio::time::timeout(
+                bound,
+                cancel_backend(pool, pid, bound),
+            ));
         }
     }
 }

@@ -145,7 +145,26 @@ impl<B: Source> SessionLock<B> {
     /// the lock's (and whether the lock could be released there after all),
     /// a database error otherwise; either way the connection is then cleaned
     /// up (or closed) as on drop.
+    ///
+    /// Bounded by the pool's unlock timeout
+    /// ([`PoolBuilder::unlock_timeout`](crate::PoolBuilder::unlock_timeout)),
+    /// as the drop path is (the search for a lock's backend that a pooler
+    /// moved, above, gets half of it): when the server has not confirmed
+    /// the unlock by then (a backend frozen, a link cut off), its statement
+    /// is cancelled and the connection closed, never returned to the pool,
+    /// and the unlock fails with
+    /// [`LockError::UnlockNotConfirmed`](crate::LockError::UnlockNotConfirmed):
+    /// the lock goes with its session, as soon as the backend notices.
     pub async fn unlock(mut self) -> Result<(), Error> {
+        let bound = self.held.unlock_timeout();
+        match tokio::time::timeout(bound, self.unlock_levels()).await {
+            Ok(done) => done,
+            Err(_) => Err(self.held.abandon()),
+        }
+    }
+
+    /// [`SessionLock::unlock`]'s statements, unbounded.
+    async fn unlock_levels(&mut self) -> Result<(), Error> {
         if self.uncertain {
             // A level statement was cut off: the count is unknown, and this
             // guard owns the session, so release everything it holds.

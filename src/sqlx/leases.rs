@@ -83,8 +83,9 @@ impl Fenced<'_, Transaction> {
     /// [`LeaseHandle::fence`](crate::LeaseHandle::fence) did, and moves the
     /// transaction's server-side bound to the term's time left now + 1 s
     /// (the deadpool guard's `check`, taking `&mut self`: sqlx runs a
-    /// statement on `&mut PgConnection`). Fails as `fence` does; drop the
-    /// guard then (it rolls back).
+    /// statement on `&mut PgConnection`). Fails as `fence` does (a
+    /// `LeaseError::FenceBlocked` here names no pid: the transaction is
+    /// still open); drop the guard then (it rolls back).
     ///
     /// ```no_run
     /// # use sqlx09 as sqlx;
