@@ -443,14 +443,11 @@ async fn maybe_cut<F: Future>(fut: F, r: u64) -> Option<F::Output> {
     }
 }
 
-// Open bug (issue 32): on sqlx (0.9 in about one full-suite run of three
-// under load, 0.8 once with both cores busy), one connection came back to
-// the pool (its `after_release` hook) holding one advisory lock
-// ("after_release: advisory locks here: Ok(1)", the direct pool): a lock
-// statement's outcome lost somewhere on the sqlx path. Not yet found; run
-// them with `--ignored` (they pass alone). The deadpool variant stays on.
+// Failed on sqlx in about one full-suite run of three under load (issue
+// 32): a wait whose lock timeout fired as the lock was granted came back
+// with the lock (forced above, on every backend, by
+// `a_lock_granted_as_its_wait_times_out_is_not_left_in_the_pool`).
 backends!(
-    ignore_sqlx = "open bug: a sqlx connection came back holding a lock in about 1 full run of 3 under load (README, known limits)",
     session_locks_dropped_at_random_await_points_leave_no_lock,
     flavor = "multi_thread",
     worker_threads = 2
