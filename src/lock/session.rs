@@ -98,10 +98,12 @@ impl<B: Source> SessionLock<B> {
         let granted = match self.held.on_lock_backend(Act::Relock).await {
             Ok(granted) => granted,
             Err(e) => {
-                // The server refused it, or a pooler ran it elsewhere: nothing
-                // taken. A lost connection leaves it unknown.
-                let refused = e.sqlstate().is_some();
-                self.uncertain = was || !(refused || e.is_behind_pooler());
+                // A pooler ran it elsewhere: nothing taken. Any other error
+                // leaves it unknown: a lost connection, and a database error
+                // too (a session lock outlives its statement's error: a
+                // cancel or statement timeout that lands once the lock
+                // function has run leaves the level taken).
+                self.uncertain = was || !e.is_behind_pooler();
                 return Err(e);
             }
         };
@@ -267,14 +269,12 @@ where
                 .await;
             match sent {
                 Ok(row) => row,
-                Err(e) => {
-                    let e = lock_error(e, key, timeout);
-                    if e.is_lock_timeout() {
-                        // The wait was cancelled by lock_timeout: nothing taken.
-                        held.released();
-                    }
-                    return Err(e);
-                }
+                // Even a lock timeout leaves the guard dirty: PostgreSQL
+                // reports it also when the lock was granted as the timeout
+                // fired (the grant is kept, and a session lock outlives its
+                // statement's error). The guard, dropped here, unlocks on
+                // the connection before it goes back, or closes it.
+                Err(e) => return Err(lock_error(e, key, timeout)),
             }
         }
         None => {

@@ -221,7 +221,13 @@ async fn lock_timeout_is_typed_and_leaves_the_connection_clean<B: Backend>() {
     let took = start.elapsed();
     assert!(e.is_lock_timeout(), "{e}");
     assert!(took >= Duration::from_millis(150), "{took:?}");
+    // Settled once its unlock is confirmed: a lock timeout does not prove
+    // nothing was taken (`a_lock_granted_as_its_wait_times_out_is_not_left_in_the_pool`).
     settled::<B>(&pool).await;
+    // The raw session's lock alone: no wait left, nothing on the pool's side
+    // (an exclusive lock has one holder).
+    let locks: Vec<_> = raw_locks(&raw).await.iter().map(|l| (l.2, l.4)).collect();
+    assert_eq!(locks, [(77, true)]);
     // The bound was statement-local: no pooled session keeps it.
     let mut c = B::get(&pool).await.unwrap();
     let sql = "SELECT (current_setting('lock_timeout') = '0')::int::int8";
