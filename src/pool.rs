@@ -12,11 +12,13 @@
 //! One concept per file:
 //! - `shared.rs`: what every clone of a `Pool` shares, and everything done
 //!   under its state lock: the admission shell (admit, release, resize,
-//!   close), the pool's name, the extension slot, recent hold times, and
+//!   close), the pool's name, recent hold times, and
 //!   the reads (`Status`, a lane's load);
 //! - `checkout.rs`: a checkout bounded end to end by one deadline, and the
 //!   `Client` it hands out;
 //! - `deadline.rs`: [`Deadline`], the bound on every checkout in a scope;
+//! - `ext.rs`: the extension slot the layers above keep per-pool state in
+//!   (handed to a backend as the pool is built);
 //! - `builder.rs`: [`PoolBuilder`], and the deadpool pools pgwarden builds;
 //! - `housekeeping.rs`: the background passes (housekeeping, the layers'
 //!   periodic work) and how a layer puts a task under the supervisor;
@@ -32,13 +34,15 @@
 //! Calls go one way (`.ci/layers.py` checks it): `builder` calls
 //! `housekeeping`; `probe` calls `checkout`; `builder`, `checkout`,
 //! `housekeeping` and `probe` call `shared`; `checkout`, `housekeeping` and
-//! `probe` call `deadline`; `builder`, `shared`, `checkout` and
-//! `housekeeping` call `supervisor`; `deadline`, `source` and `supervisor`
-//! call nothing in the pool.
+//! `probe` call `deadline`; `builder` and `shared` use `ext`; `builder`,
+//! `shared`, `checkout` and `housekeeping` call `supervisor`; `deadline`,
+//! `source` and `supervisor` call nothing in the pool (`source` names
+//! `ext`).
 
 mod builder;
 mod checkout;
 mod deadline;
+mod ext;
 mod housekeeping;
 mod probe;
 mod shared;
@@ -53,6 +57,7 @@ pub(crate) use checkout::Beginning;
 pub use checkout::Client;
 pub(crate) use deadline::deadline;
 pub use deadline::Deadline;
+pub(crate) use ext::Extensions;
 pub(crate) use housekeeping::panic_message;
 #[cfg(feature = "http")]
 pub(crate) use shared::AnyPool;
@@ -63,5 +68,5 @@ pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};
 pub(crate) use source::Source;
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
-pub(crate) use source::{Refused, SourceStatus};
+pub(crate) use source::{Identified, Refused, SourceStatus};
 pub(crate) use supervisor::Task;

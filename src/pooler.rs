@@ -20,7 +20,7 @@ pub(crate) use probe::{backend_pid, Announced, Detection, Motion, MOTION_STATEME
 
 use crate::admission::Lane;
 use crate::error::{Error, LockError};
-use crate::pool::{Client, Pool, PoolBuilder, Shared, Source};
+use crate::pool::{Client, Extensions, Pool, PoolBuilder, Shared, Source};
 use tokio::sync::OnceCell;
 
 /// How the pool reaches PostgreSQL.
@@ -66,6 +66,59 @@ fn configured<B: Source>(pool: &Shared<B>) -> PoolerMode {
 
 fn found<B: Source>(pool: &Shared<B>) -> Arc<Found> {
     pool.ext.get::<Found>()
+}
+
+/// What a pool knows of its pooler, kept by a backend from the pool's
+/// build (`Source::cfg`) and read at each checkout without the extension
+/// slot's lock: the sqlx backend names its connections with a prepared
+/// statement only while the pool is not known to be behind a transaction
+/// pooler.
+#[derive(Debug)]
+pub(crate) struct Watch {
+    configured: PoolerMode,
+    found: Arc<Found>,
+}
+
+impl Watch {
+    /// The pool's, from its extension slot `ext` (its pooler mode is
+    /// configured before it is built).
+    pub(crate) fn of(ext: &Extensions) -> Watch {
+        Watch {
+            configured: ext.get::<Configured>().0,
+            found: ext.get::<Found>(),
+        }
+    }
+
+    /// What detection found, once it ran; a transaction pooler once a
+    /// session lock's own check proved one.
+    fn detected(&self) -> Option<Detection> {
+        let found = self.found.detection.get().copied()?;
+        let moved = self.found.moved.load(Ordering::Acquire);
+        Some(Detection {
+            transaction: found.transaction || moved,
+            ..found
+        })
+    }
+
+    /// See [`keeps_sessions`].
+    pub(crate) fn keeps_sessions(&self) -> bool {
+        match self.configured {
+            PoolerMode::Direct => true,
+            PoolerMode::Transaction => false,
+            PoolerMode::Auto => self
+                .detected()
+                .is_some_and(|d| !d.transaction && !d.proxied),
+        }
+    }
+
+    /// See [`behind_pooler`].
+    pub(crate) fn behind_pooler(&self) -> Option<&'static str> {
+        match (self.configured, self.detected()) {
+            (PoolerMode::Transaction, _) => Some("configured"),
+            (PoolerMode::Auto, Some(d)) if d.transaction => Some("detected"),
+            _ => None,
+        }
+    }
 }
 
 impl<B: Source> PoolBuilder<B> {
@@ -144,13 +197,7 @@ fn remember<B: Source>(pool: &Shared<B>, found: Detection) -> Detection {
 /// What detection found, once it ran; a transaction pooler once a session
 /// lock's own check proved one.
 fn detected<B: Source>(pool: &Shared<B>) -> Option<Detection> {
-    let f = found(pool);
-    let found = f.detection.get().copied()?;
-    let moved = f.moved.load(Ordering::Acquire);
-    Some(Detection {
-        transaction: found.transaction || moved,
-        ..found
-    })
+    Watch::of(&pool.ext).detected()
 }
 
 impl Detection {
@@ -168,11 +215,7 @@ impl Detection {
 /// matched). Through a proxy whose mode is unproven, false: named prepared
 /// statements, which a transaction pooler breaks, are not to be used.
 pub(crate) fn keeps_sessions<B: Source>(pool: &Shared<B>) -> bool {
-    match configured(pool) {
-        PoolerMode::Direct => true,
-        PoolerMode::Transaction => false,
-        PoolerMode::Auto => detected(pool).is_some_and(|d| !d.transaction && !d.proxied),
-    }
+    Watch::of(&pool.ext).keeps_sessions()
 }
 
 /// A session lock's check found that the pool's connections move between
@@ -190,11 +233,7 @@ pub(crate) fn proven_by_lock<B: Source>(pool: &Shared<B>) {
 /// Why session locks are refused, when the pool is configured behind a
 /// transaction pooler, or was detected so: `"configured"` or `"detected"`.
 pub(crate) fn behind_pooler<B: Source>(pool: &Shared<B>) -> Option<&'static str> {
-    match (configured(pool), detected(pool)) {
-        (PoolerMode::Transaction, _) => Some("configured"),
-        (PoolerMode::Auto, Some(d)) if d.transaction => Some("detected"),
-        _ => None,
-    }
+    Watch::of(&pool.ext).behind_pooler()
 }
 
 /// Before the first session lock of an `Auto` pool: detects the pooler with

@@ -127,6 +127,13 @@ impl SqlError {
     pub(crate) fn is(&self, code: &str) -> bool {
         self.code() == Some(code)
     }
+
+    /// The server refused a named prepared statement: one of that name is
+    /// not there, or another is (a transaction pooler moved the client
+    /// between server sessions).
+    pub(crate) fn refused_prepared(&self) -> bool {
+        self.is(code::INVALID_SQL_STATEMENT_NAME) || self.is(code::DUPLICATE_PSTATEMENT)
+    }
 }
 
 impl fmt::Debug for SqlError {

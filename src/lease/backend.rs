@@ -41,6 +41,12 @@ pub trait Backend: Source {
     /// cut short is cancelled by its backend pid.
     fn keeps_sessions(pool: &Self::Pool) -> bool;
 
+    /// The backend keeps a named prepared statement it sends (sqlx 0.8
+    /// with its statement cache off names every persistent statement and
+    /// never closes it): lease statements are prepared only then (and
+    /// where [`Backend::keeps_sessions`]).
+    fn names_statements(pool: &Self::Pool) -> bool;
+
     /// The pooler detection to run in the background before the first
     /// lease statement, when the pool does not know its mode yet; `None`
     /// when it does.
@@ -83,6 +89,12 @@ impl Backend for deadpool_postgres::Pool {
     #[inline]
     fn keeps_sessions(pool: &crate::Pool) -> bool {
         crate::pooler::keeps_sessions(&pool.shared)
+    }
+
+    /// tokio-postgres keeps them in deadpool's statement cache.
+    #[inline]
+    fn names_statements(_: &crate::Pool) -> bool {
+        true
     }
 
     fn detect_pooler(

@@ -47,7 +47,7 @@ use crate::admission::{Lane, Priority};
 use crate::error::{Error, LeaseError};
 use crate::lost::LostReason;
 use crate::pool::Client as Checkout;
-use crate::stmt::{code, Exec, Param, Row, Sent, SqlError};
+use crate::stmt::{code, Exec, Param, Row, Sent};
 
 pub(crate) struct Inner<B: Backend = deadpool_postgres::Pool> {
     pub(crate) pool: B::Pool,
@@ -443,8 +443,17 @@ impl<B: Backend> Inner<B> {
     }
 
     /// Named prepared statements only on a connection known to be direct,
-    /// and never again after the server refused one.
+    /// never again after the server refused one, and only where the
+    /// backend keeps them (not on sqlx with its statement cache off).
     pub(crate) fn named(&self) -> bool {
+        self.direct() && B::names_statements(&self.pool)
+    }
+
+    /// The pool's connections are known to keep their server session, and
+    /// the server never refused a named statement (a pooler behind a
+    /// direct-looking connection): a statement cut short is cancelled by
+    /// its backend pid.
+    pub(crate) fn direct(&self) -> bool {
         !self.unnamed_only.load(Ordering::Relaxed) && B::keeps_sessions(&self.pool)
     }
 
@@ -504,7 +513,9 @@ impl<B: Backend> Inner<B> {
                 let conn = self.checkout(urgency, left).await?;
                 self.count_statement();
                 let call = Call {
-                    named,
+                    // What the checkout taught the pool counts (sqlx: its
+                    // statement cache found off).
+                    named: named && self.named(),
                     stamped: !self.unstamped.load(Ordering::Relaxed),
                 };
                 let conn = flight.conn.insert(conn);
@@ -517,7 +528,7 @@ impl<B: Backend> Inner<B> {
                     flight.conn = None; // back to the pool
                     return Ok(out);
                 }
-                Ok(Ok(Err(e))) if !refused_once && named && refused_prepared(&e) => {
+                Ok(Ok(Err(e))) if !refused_once && named && e.refused_prepared() => {
                     refused_once = true;
                     // A pooler behind a direct-looking connection: never
                     // name a statement again, retry this one unnamed.
@@ -657,12 +668,6 @@ pub(crate) async fn cancel_backend<B: Backend>(pool: &B::Pool, pid: i32) -> Resu
     }
 }
 
-/// A prepared statement the server (a pooler, really) does not know, or
-/// already knows under that name.
-fn refused_prepared(e: &SqlError) -> bool {
-    e.is(code::INVALID_SQL_STATEMENT_NAME) || e.is(code::DUPLICATE_PSTATEMENT)
-}
-
 /// The connection of a statement in flight. Dropped while it still holds
 /// one (a timeout, a dropped future), it cancels the statement on the server
 /// (on a connection known to be direct: [`cancel_backend`]), then waits for
@@ -715,7 +720,7 @@ impl<B: Backend, F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, B, F> {
             return;
         };
         // Known direct by now (detection may have finished meanwhile).
-        let direct = self.inner.named();
+        let direct = self.inner.direct();
         let pool = self.inner.pool();
         let bound = self.inner.statement_timeout + END_MARGIN;
         rt.spawn(async move {

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::shared::{Claim, Extensions, Options, Periodic, Pool, Shared, State};
+use super::ext::Extensions;
+use super::shared::{Claim, Options, Periodic, Pool, Shared, State};
 use super::source::Source;
 use super::supervisor::Supervisor;
 use crate::admission::{BudgetPolicy, Lane, LaneLimits, Limits, LimitsError, MAX_POOL_SIZE};
@@ -340,7 +341,7 @@ impl<B: Source> PoolBuilder<B> {
         // named after it from now on.
         let _ = self.ext.get::<AppName>().0.set(name.to_string());
         let metrics = PoolMetrics::register(&name, &limits);
-        let cfg = self.inner.cfg();
+        let cfg = self.inner.cfg(&name, &self.ext);
         let shared = Arc::new(Shared {
             name,
             _name: claim,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::deadline::{bounded, deadline};
 use super::shared::{Entry, IdSet, Known, Permit, Pool, Queued, Shared};
-use super::source::{Refused, Source};
+use super::source::{Identified, Refused, Source};
 use crate::admission::{Lane, Priority};
 use crate::error::{CheckoutError, Error, Stage};
 
@@ -27,6 +27,21 @@ async fn until<F: Future>(deadline: tokio::time::Instant, fut: F) -> Option<F::O
     match first {
         Poll::Ready(v) => Some(v),
         Poll::Pending => tokio::time::timeout_at(deadline, fut).await.ok(),
+    }
+}
+
+/// A new connection's pid: `asked` when naming it asked it already, else
+/// what `ask` answers (`Err(None)`: not within the checkout's deadline).
+async fn pid_of(
+    asked: Option<i32>,
+    ask: impl Future<Output = Option<Result<i32, Error>>>,
+) -> Result<i32, Option<Error>> {
+    match asked {
+        Some(pid) => Ok(pid),
+        None => match ask.await {
+            Some(r) => r.map_err(Some),
+            None => Err(None),
+        },
     }
 }
 
@@ -200,10 +215,10 @@ impl<B: Source> Shared<B> {
             // asks its pid gives the connection back first, the admission
             // after the wrapped pool has it (as a `Client` does).
             let mut held = Taken(Some((obj, permit)));
-            let (id, anchor) = match B::quick_id(held.obj()) {
-                Some(id) => (id, None),
-                None => match until(deadline, B::identify(held.obj())).await {
-                    Some(Ok((id, anchor))) => (id, Some(anchor)),
+            let (id, anchor, asked) = match B::quick_id(held.obj()) {
+                Some(id) => (id, None, None),
+                None => match until(deadline, B::identify(held.obj(), &shared.cfg)).await {
+                    Some(Ok(Identified { id, anchor, pid })) => (id, Some(anchor), pid),
                     r => {
                         let (obj, permit) = held.parts();
                         return Err(shared.conn_failed(
@@ -243,11 +258,12 @@ impl<B: Source> Shared<B> {
                     permit = p;
                     continue;
                 }
-                Seen::New => match until(deadline, B::backend_pid(held.obj())).await {
-                    Some(Ok(pid)) => {
+                Seen::New => match pid_of(asked, until(deadline, B::backend_pid(held.obj()))).await
+                {
+                    Ok(pid) => {
                         let anchor = match anchor {
                             Some(a) => Ok(a),
-                            None => B::identify(held.obj()).await.map(|(_, a)| a),
+                            None => B::identify(held.obj(), &shared.cfg).await.map(|i| i.anchor),
                         };
                         let anchor = match anchor {
                             Ok(a) => a,
@@ -276,14 +292,9 @@ impl<B: Source> Shared<B> {
                         );
                         (pid, st.attach(held.slot(), pid, id, Instant::now()))
                     }
-                    r => {
+                    Err(e) => {
                         let (obj, permit) = held.parts();
-                        return Err(shared.conn_failed(
-                            obj,
-                            permit,
-                            start,
-                            r.and_then(Result::err),
-                        ));
+                        return Err(shared.conn_failed(obj, permit, start, e));
                     }
                 },
             };

@@ -7,12 +7,10 @@
 //! happens under the state lock, and the lane gauges it moves are set there
 //! too, so they always describe the state they were read from.
 //!
-//! Its parts, in order: the types; the pool's name; the extension slot of
-//! the layers above; recent hold times; the admission shell; reading the
+//! Its parts, in order: the types; the pool's name; recent hold times; the admission shell; reading the
 //! state. It calls no other file of the pool but the supervisor (at close):
 //! checkouts, housekeeping, the builder and the probe call into it.
 
-use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
@@ -27,6 +25,7 @@ use deadpool_postgres::PoolError;
 use parking_lot::Mutex;
 use slab::Slab;
 
+use super::ext::Extensions;
 use super::source::Source;
 use super::supervisor::Supervisor;
 use crate::admission::{
@@ -468,43 +467,6 @@ impl Drop for Claim {
                 live.remove(&self.0);
             }
         }
-    }
-}
-
-// --- the extension slot ----------------------------------------------------
-
-// How the layers above the pool (locks, pooler detection, the census) keep
-// per-pool state and settings without the pool knowing them: an extension
-// slot keyed by type.
-
-/// One value per type, stored as `dyn Any`: the pool does not know what it
-/// holds. A handful of entries at most, so a vector beats a map.
-#[derive(Default)]
-pub(crate) struct Extensions(Mutex<Vec<Arc<dyn Any + Send + Sync>>>);
-
-impl Extensions {
-    /// The value of type `T`, inserted as `T::default()` on first use.
-    pub(crate) fn get<T: Any + Send + Sync + Default>(&self) -> Arc<T> {
-        let mut v = self.0.lock();
-        if let Some(t) = v.iter().find_map(|e| e.clone().downcast::<T>().ok()) {
-            return t;
-        }
-        let t = Arc::new(T::default());
-        v.push(t.clone());
-        t
-    }
-
-    /// Sets the value of type `T`, replacing any earlier one.
-    pub(crate) fn set<T: Any + Send + Sync>(&mut self, value: T) {
-        let v = self.0.get_mut();
-        v.retain(|e| !e.is::<T>());
-        v.push(Arc::new(value));
-    }
-}
-
-impl fmt::Debug for Extensions {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Extensions({})", self.0.lock().len())
     }
 }
 
@@ -1166,20 +1128,6 @@ impl<B: Source> Shared<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[derive(Default, Debug, PartialEq)]
-    struct A(u32);
-
-    #[test]
-    fn one_value_per_type() {
-        let mut e = Extensions::default();
-        assert_eq!(*e.get::<A>(), A(0));
-        e.set(A(3));
-        assert_eq!(*e.get::<A>(), A(3));
-        assert!(Arc::ptr_eq(&e.get::<A>(), &e.get::<A>()));
-        assert_eq!(*e.get::<u8>(), 0);
-        assert_eq!(e.0.lock().len(), 2);
-    }
 
     #[test]
     fn recent_holds_rise_fast_and_fall_slowly() {

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
+use super::ext::Extensions;
 use crate::error::{CheckoutError, Error};
 use crate::stmt::{Conn, Row};
 
@@ -34,6 +35,26 @@ pub struct SourceStatus {
     pub idle: usize,
     /// Callers waiting inside it (pgwarden's never do).
     pub waiting: usize,
+}
+
+/// What [`Source::identify`] found: the connection's name, what keeps it
+/// its own, and its backend pid when that was asked on the way (then
+/// [`Source::backend_pid`] is not). Public only because [`Source`] names
+/// it; not reachable from outside the crate.
+#[allow(unreachable_pub)]
+pub struct Identified<B: Source> {
+    pub id: B::Id,
+    pub anchor: B::Anchor,
+    pub pid: Option<i32>,
+}
+
+impl<B: Source> fmt::Debug for Identified<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Identified")
+            .field("id", &self.id)
+            .field("pid", &self.pid)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What a backend's own error says to the shell.
@@ -55,7 +76,7 @@ pub enum Refused {
 /// Its [`Source::Exec`] is bound by the crate's statement layer
 /// (`crate::stmt::Conn`): the trait is sealed, so nothing outside the crate
 /// names that bound.
-#[allow(unreachable_pub, private_bounds)]
+#[allow(unreachable_pub, private_bounds, private_interfaces)]
 pub trait Source: Send + Sync + Sized + 'static {
     /// A checked-out connection.
     type Object: Send + 'static;
@@ -69,11 +90,14 @@ pub trait Source: Send + Sync + Sized + 'static {
     type Anchor: Send + Sync + 'static;
     /// Its own error when it hands out no connection.
     type Raw: Send + 'static;
-    /// Settings its checkouts use, worked out once at build.
+    /// Settings its checkouts use, worked out once at build (and what a
+    /// backend learns about the pool as it goes: sqlx's statement naming).
     type Cfg: Send + Sync + 'static;
 
-    /// The settings of [`Source::take`], worked out at build.
-    fn cfg(&self) -> Self::Cfg;
+    /// The settings of [`Source::take`] and [`Source::identify`], worked
+    /// out at build for the pool `name`; `ext` is its extension slot, where
+    /// the layers above keep what they learn of it (the pooler mode).
+    fn cfg(&self, name: &str, ext: &Extensions) -> Self::Cfg;
     /// A connection, without waiting for capacity (pgwarden admitted the
     /// checkout: the capacity is there). Not polled before admission.
     fn take<'a>(
@@ -92,10 +116,12 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// The connection's name when the backend knows it at once (the
     /// checkout's fast path); `None`: ask [`Source::identify`].
     fn quick_id(obj: &Self::Object) -> Option<Self::Id>;
-    /// The connection's name, and what keeps it (may talk to the server).
-    fn identify(
-        obj: &mut Self::Object,
-    ) -> impl Future<Output = Result<(Self::Id, Self::Anchor), Error>> + Send + '_;
+    /// The connection's name, what keeps it, and its backend pid when
+    /// finding the name asked it (may talk to the server).
+    fn identify<'a>(
+        obj: &'a mut Self::Object,
+        cfg: &'a Self::Cfg,
+    ) -> impl Future<Output = Result<Identified<Self>, Error>> + Send + 'a;
     /// Asks the server for the connection's backend pid (once per physical
     /// connection).
     fn backend_pid(obj: &mut Self::Object) -> impl Future<Output = Result<i32, Error>> + Send + '_;
@@ -178,7 +204,7 @@ impl Source for deadpool_postgres::Pool {
     /// waits inside deadpool, it finds out at once that it would.
     type Cfg = deadpool_postgres::Timeouts;
 
-    fn cfg(&self) -> deadpool_postgres::Timeouts {
+    fn cfg(&self, _: &str, _: &Extensions) -> deadpool_postgres::Timeouts {
         deadpool_postgres::Timeouts {
             wait: Some(Duration::ZERO),
             ..self.timeouts()
@@ -210,10 +236,15 @@ impl Source for deadpool_postgres::Pool {
         Some(Object::id(obj))
     }
 
-    fn identify(
-        obj: &mut Object,
-    ) -> impl Future<Output = Result<(deadpool_postgres::ObjectId, ()), Error>> + Send + '_ {
-        std::future::ready(Ok((Object::id(obj), ())))
+    fn identify<'a>(
+        obj: &'a mut Object,
+        _: &'a deadpool_postgres::Timeouts,
+    ) -> impl Future<Output = Result<Identified<Self>, Error>> + Send + 'a {
+        std::future::ready(Ok(Identified {
+            id: Object::id(obj),
+            anchor: (),
+            pid: None,
+        }))
     }
 
     async fn backend_pid(obj: &mut Object) -> Result<i32, Error> {

@@ -9,8 +9,10 @@
 //!
 //! Pooler detection is the pool's (`crate::pooler`, on either backend):
 //! lease statements are prepared (sqlx's persistent statements) only on a
-//! pool configured or detected direct, as on deadpool, and a statement cut
-//! short is cancelled by its backend pid (`pg_cancel_backend`) only there.
+//! pool configured or detected direct, as on deadpool, and with sqlx's
+//! statement cache on (`pool::names_statements`), and a statement cut
+//! short is cancelled by its backend pid (`pg_cancel_backend`) only on a
+//! direct pool.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -41,6 +43,10 @@ impl Backend for dep::PgPool {
 
     fn keeps_sessions(pool: &Pool) -> bool {
         crate::pooler::keeps_sessions(&pool.shared)
+    }
+
+    fn names_statements(pool: &Pool) -> bool {
+        super::pool::names_statements(&pool.shared)
     }
 
     fn detect_pooler(

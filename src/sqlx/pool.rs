@@ -22,18 +22,32 @@
 //!   every `prepare` of the same text): preparing it again is a cache hit,
 //!   no round trip. A new connection costs one Parse round trip and one
 //!   execution of it; pgwarden keeps a clone of the statement with the
-//!   pid, so that its address names no other connection meanwhile. With
-//!   sqlx's statement cache off (`statement_cache_capacity(0)`) each
-//!   checkout costs those two round trips.
+//!   pid, so that its address names no other connection meanwhile.
+//! - **Where no statement may be named** ([`Naming`]): behind a
+//!   transaction pooler (configured or detected: a server session holds
+//!   whatever any client named on it, `42P05` when two clients name
+//!   `sqlx_s_1`), after the server refused the naming statement (`42P05`,
+//!   `26000`: a pooler the pool was not told of), and with sqlx's
+//!   statement cache off (sqlx 0.8 names a persistent statement even then
+//!   and never closes it; 0.9 sends it unnamed, and the address names
+//!   nothing for long), every statement pgwarden sends on the pool is
+//!   unnamed (sqlx's `persistent(false)`). Each checkout then asks
+//!   `pg_backend_pid()` unnamed (one round trip), and the connection is
+//!   named by that pid where the pool is known to keep its sessions (a pid
+//!   names one live session of the server), or by a number of its own per
+//!   checkout elsewhere (behind a pooler the pid names no client
+//!   connection: two may see the same one).
 //! - **Errors.** The drop-in methods answer with `sqlx::Error`: a timeout
 //!   is `PoolTimedOut`, a closed pool `PoolClosed`, sqlx's own error as it
 //!   came.
 
 use std::fmt;
 use std::future::Future;
+use std::hash::{Hash, Hasher};
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -50,9 +64,10 @@ use crate::census::Census;
 use crate::error::{BuildError, CheckoutError, Error};
 use crate::key::{LockKey, LockMode};
 use crate::lock::{Migrated, SessionLock, Work};
-use crate::pool::{PoolBuilder, Refused, Shared, Source, SourceStatus};
-use crate::pooler::PoolerMode;
+use crate::pool::{Extensions, Identified, PoolBuilder, Refused, Shared, Source, SourceStatus};
+use crate::pooler::{PoolerMode, Watch};
 use crate::status::Status;
+use crate::stmt::SqlError;
 
 /// The statement that names a connection and asks its pid.
 const MARKER: &str = "SELECT pg_backend_pid()";
@@ -82,26 +97,119 @@ fn from_sqlx(e: dep::Error) -> Error {
     }
 }
 
+/// The name of a sqlx connection (see the module docs).
+#[allow(unreachable_pub)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ConnId {
+    /// The address of its cached naming statement's metadata.
+    Named(usize),
+    /// Its backend pid, on a pool known to keep its sessions.
+    Pid(i32),
+    /// A number of its own, per checkout.
+    Fresh(usize),
+}
+
+/// One `usize` per name, its kind in the two low bits (a metadata address
+/// is 8-aligned): the checkout's id hasher takes one word.
+impl Hash for ConnId {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        h.write_usize(match *self {
+            ConnId::Named(addr) => addr,
+            ConnId::Pid(pid) => (pid as u32 as usize) << 2 | 1,
+            ConnId::Fresh(n) => n << 2 | 2,
+        })
+    }
+}
+
+/// What the pool learned about naming its own statements, once and for
+/// good: kept in its extension slot, where the lease layer reads it too
+/// ([`names_statements`]).
+#[derive(Debug, Default)]
+struct Learned {
+    /// sqlx's statement cache is off: the naming statement was not cached.
+    cache_off: AtomicBool,
+    /// The server refused the naming statement (`42P05`, `26000`).
+    refused: AtomicBool,
+}
+
+/// How the pool names its connections: the sqlx pool's
+/// [`Source::Cfg`], made at build.
+#[allow(unreachable_pub)]
+#[derive(Debug)]
+pub struct Naming {
+    pool: String,
+    pooler: Watch,
+    learned: Arc<Learned>,
+    fresh: AtomicUsize,
+}
+
+impl Naming {
+    /// pgwarden may send a named (persistent) statement on the pool now.
+    fn named(&self) -> bool {
+        self.pooler.behind_pooler().is_none() && self.learned.names()
+    }
+
+    /// Learned: `flag` set, logged once.
+    fn learn(&self, flag: &AtomicBool, why: &dyn fmt::Display) {
+        if !flag.swap(true, Ordering::AcqRel) {
+            tracing::info!(
+                pool = %self.pool,
+                why = %why,
+                "pgwarden's own statements go unnamed on this sqlx pool from now on"
+            );
+        }
+    }
+}
+
+impl Learned {
+    fn names(&self) -> bool {
+        !self.cache_off.load(Ordering::Acquire) && !self.refused.load(Ordering::Acquire)
+    }
+}
+
+/// Whether pgwarden may name its statements on `pool` as far as sqlx goes
+/// (its statement cache on, no naming statement refused); the pooler mode
+/// is the caller's to check.
+pub(super) fn names_statements(pool: &Shared<dep::PgPool>) -> bool {
+    pool.ext.get::<Learned>().names()
+}
+
+/// `SELECT pg_backend_pid()`, unnamed.
+async fn ask_pid(conn: &mut dep::PgConnection) -> Result<i32, Error> {
+    dep::query_scalar::<_, i32>(MARKER)
+        .persistent(false)
+        .fetch_one(conn)
+        .await
+        .map_err(from_sqlx)
+}
+
 impl Source for dep::PgPool {
     type Object = dep::pool::PoolConnection<dep::Postgres>;
     type Conn = dep::PgConnection;
-    type Id = usize;
-    type Anchor = super::Statement;
+    type Id = ConnId;
+    type Anchor = Option<super::Statement>;
     type Raw = dep::Error;
-    type Cfg = ();
+    type Cfg = Naming;
 
-    fn cfg(&self) {}
+    fn cfg(&self, name: &str, ext: &Extensions) -> Naming {
+        Naming {
+            pool: name.to_owned(),
+            pooler: Watch::of(ext),
+            learned: ext.get::<Learned>(),
+            fresh: AtomicUsize::new(0),
+        }
+    }
 
     fn take<'a>(
         &'a self,
-        _: &'a (),
+        _: &'a Naming,
     ) -> impl Future<Output = Result<Self::Object, dep::Error>> + Send + 'a {
         self.acquire()
     }
 
     fn take_waiting<'a>(
         &'a self,
-        _: &'a (),
+        _: &'a Naming,
     ) -> impl Future<Output = Result<Self::Object, dep::Error>> + Send + 'a {
         self.acquire()
     }
@@ -113,20 +221,49 @@ impl Source for dep::PgPool {
         }
     }
 
-    fn quick_id(_: &Self::Object) -> Option<usize> {
+    fn quick_id(_: &Self::Object) -> Option<ConnId> {
         None
     }
 
-    async fn identify(obj: &mut Self::Object) -> Result<(usize, super::Statement), Error> {
-        let stmt = super::prepare(obj, MARKER).await.map_err(from_sqlx)?;
-        Ok((stmt.columns().as_ptr() as usize, stmt))
+    /// By its cached naming statement where one may be named (no round
+    /// trip but a new connection's Parse), else by its pid asked unnamed
+    /// (see the module docs).
+    async fn identify(obj: &mut Self::Object, cfg: &Naming) -> Result<Identified<Self>, Error> {
+        if cfg.named() {
+            match super::prepare(obj, MARKER).await {
+                // Cached: its metadata lives as long as the pool keeps it.
+                Ok(stmt) if dep::Connection::cached_statements_size(&**obj) > 0 => {
+                    return Ok(Identified {
+                        id: ConnId::Named(stmt.columns().as_ptr() as usize),
+                        anchor: Some(stmt),
+                        pid: None,
+                    })
+                }
+                Ok(_) => cfg.learn(&cfg.learned.cache_off, &"sqlx's statement cache is off"),
+                Err(e) => {
+                    let e = SqlError::from(e);
+                    if !e.refused_prepared() {
+                        return Err(e.into());
+                    }
+                    cfg.learn(&cfg.learned.refused, &e);
+                }
+            }
+        }
+        let pid = ask_pid(obj).await?;
+        let id = if cfg.pooler.keeps_sessions() && !cfg.learned.refused.load(Ordering::Acquire) {
+            ConnId::Pid(pid)
+        } else {
+            ConnId::Fresh(cfg.fresh.fetch_add(1, Ordering::Relaxed))
+        };
+        Ok(Identified {
+            id,
+            anchor: None,
+            pid: Some(pid),
+        })
     }
 
     async fn backend_pid(obj: &mut Self::Object) -> Result<i32, Error> {
-        dep::query_scalar::<_, i32>(MARKER)
-            .fetch_one(&mut **obj)
-            .await
-            .map_err(from_sqlx)
+        ask_pid(obj).await
     }
 
     fn handed_out(_: &Self::Object) -> Instant {
@@ -191,12 +328,13 @@ impl Source for dep::PgPool {
 
     /// sqlx keeps its idle connections to itself: none can be closed from
     /// outside (see `crate::census` for what the sweep does instead).
-    fn close_idle(&self, _: usize, _: Instant) -> Option<bool> {
+    fn close_idle(&self, _: ConnId, _: Instant) -> Option<bool> {
         None
     }
 
     async fn select_1(conn: &mut dep::PgConnection) -> Result<(), Error> {
         dep::query("SELECT 1")
+            .persistent(false)
             .execute(conn)
             .await
             .map(drop)

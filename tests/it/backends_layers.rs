@@ -170,15 +170,6 @@ async fn pooler_detection_direct_and_behind_pgbouncer<B: Backend>() {
     let Some(bouncer) = support::pooler::bouncer(&db, 10, PoolMode::Transaction) else {
         return;
     };
-    if B::NAME == "sqlx08" {
-        // sqlx 0.8 sends every persistent statement named, its cache on or
-        // off, and pgwarden's sqlx backend names a connection by a prepared
-        // statement: behind PgBouncer 1.18 in transaction mode (no
-        // prepared-statement support) checkouts fail with 42P05. Open in
-        // src/sqlx/pool.rs (see the README's sqlx section).
-        eprintln!("sqlx 0.8 behind a transaction PgBouncer: not supported yet");
-        return;
-    }
     let pool = B::build_through(&bouncer, &s);
     assert_eq!(
         B::detect_pooler(&pool).await.unwrap(),

@@ -65,6 +65,7 @@ mod pool_application_name;
 mod pooler;
 mod pooler_load;
 mod pooler_session;
+mod pooler_statements;
 mod readiness_reserve;
 mod relock;
 mod scheduler;

@@ -44,6 +44,10 @@ pub struct Settings {
     pub pooler: PoolerMode,
     /// The periodic census (default off).
     pub census: Option<Duration>,
+    /// sqlx's statement cache on (`true`) or off (`statement_cache_capacity(0)`);
+    /// `None`: on straight to PostgreSQL, off through PgBouncer. Deadpool
+    /// has no such setting.
+    pub statement_cache: Option<bool>,
 }
 
 impl Settings {
@@ -60,6 +64,7 @@ impl Settings {
             unlock_timeout: Duration::from_secs(5),
             pooler: PoolerMode::Direct,
             census: None,
+            statement_cache: None,
         }
     }
 
@@ -77,6 +82,12 @@ impl Settings {
 
     pub fn pooler(mut self, mode: PoolerMode) -> Settings {
         self.pooler = mode;
+        self
+    }
+
+    /// sqlx's statement cache on or off (see [`Settings::statement_cache`]).
+    pub fn statement_cache(mut self, on: bool) -> Settings {
+        self.statement_cache = Some(on);
         self
     }
 
@@ -154,6 +165,8 @@ pub trait Backend: Send + Sync + 'static {
 
     /// `sql` (simple or unnamed), run by user code on the connection.
     fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()>;
+    /// `sql`'s one `int8` (unnamed), run by user code on the connection.
+    fn count<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, i64>;
 
     fn status(pool: &Self::Pool) -> Status;
     #[track_caller]
@@ -571,6 +584,10 @@ impl Backend for Deadpool {
         })
     }
 
+    fn count<'a>(c: &'a mut pgwarden::Client, sql: &'static str) -> BoxFuture<'a, i64> {
+        Box::pin(async move { c.query_typed(sql, &[]).await.expect(sql)[0].get(0) })
+    }
+
     fn close(pool: &pgwarden::Pool) -> BoxFuture<'_, ()> {
         pool.close();
         Box::pin(std::future::ready(()))
@@ -721,14 +738,14 @@ macro_rules! sqlx_backend {
             type DropInError = $sqlx::Error;
 
             fn build(db: &TestDb, s: &Settings) -> Self::Pool {
-                Self::with(sqlx_options!($sqlx, db.pg_config()), s)
+                let opts = sqlx_options!($sqlx, db.pg_config());
+                Self::with(Self::cache(opts, s.statement_cache.unwrap_or(true)), s)
             }
 
             fn build_through(b: &PgBouncer, s: &Settings) -> Self::Pool {
                 let opts = sqlx_options!($sqlx, b.pg_config())
-                    .ssl_mode($sqlx::postgres::PgSslMode::Disable)
-                    .statement_cache_capacity(0);
-                Self::with(opts, s)
+                    .ssl_mode($sqlx::postgres::PgSslMode::Disable);
+                Self::with(Self::cache(opts, s.statement_cache.unwrap_or(false)), s)
             }
 
             fn build_watched(db: &TestDb, s: &Settings) -> (Self::Pool, Arc<AtomicUsize>) {
@@ -804,6 +821,16 @@ macro_rules! sqlx_backend {
                 })
             }
 
+            fn count<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, i64> {
+                Box::pin(async move {
+                    $sqlx::query_scalar(sql)
+                        .persistent(false)
+                        .fetch_one(&mut **c)
+                        .await
+                        .expect(sql)
+                })
+            }
+
             fn close(pool: &Self::Pool) -> BoxFuture<'_, ()> {
                 Box::pin(pool.close())
             }
@@ -831,7 +858,9 @@ macro_rules! sqlx_backend {
                 Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
                     Box::pin(async move {
                         ran.fetch_add(1, Ordering::AcqRel);
+                        // Unnamed: it runs behind PgBouncer too.
                         let pid = $sqlx::query_scalar("SELECT pg_backend_pid()")
+                            .persistent(false)
                             .fetch_one(tx)
                             .await
                             .map_err(|e| Error::Sqlx(Box::new(e)))?;
@@ -937,6 +966,18 @@ macro_rules! sqlx_backend {
         }
 
         impl $backend {
+            /// `opts` with sqlx's statement cache off unless `on`.
+            fn cache(
+                opts: $sqlx::postgres::PgConnectOptions,
+                on: bool,
+            ) -> $sqlx::postgres::PgConnectOptions {
+                if on {
+                    opts
+                } else {
+                    opts.statement_cache_capacity(0)
+                }
+            }
+
             /// The settings on a sqlx pool over `opts`.
             fn with(opts: $sqlx::postgres::PgConnectOptions, s: &Settings) -> $($pg)::+::Pool {
                 let pg = $sqlx::postgres::PgPoolOptions::new()

@@ -1,0 +1,152 @@
+//! The statements pgwarden sends itself, on every backend: behind
+//! PgBouncer 1.18 in transaction mode (which keeps no named prepared
+//! statement to its client: a server connection holds whatever any client
+//! named on it) they are all unnamed, sqlx's statement cache on or off;
+//! and with sqlx's statement cache off (sqlx 0.8 names a persistent
+//! statement even then, and never closes it) they do not pile up on the
+//! server.
+
+use crate::support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwarden::{Error, LeaseOptions, LockError, LockKey, LockMode, PoolerMode};
+use pgwarden_testing::PoolMode;
+use support::backend::{settled, Backend, Settings};
+use support::{db, eventually};
+
+const T: Duration = Duration::from_secs(10);
+
+backends!(checkouts_leases_and_locks_work_behind_a_transaction_pgbouncer);
+/// Through PgBouncer in transaction mode with one server connection for
+/// every client (a statement one client connection names is there for the
+/// next: `42P05 prepared statement "sqlx_s_1" already exists` when two
+/// name one), with the pooler configured or detected and sqlx's statement
+/// cache on or off: checkouts (three held at once, then twenty more),
+/// readiness, the census, a transaction lock, a lease acquired, renewed
+/// and released; a session lock is refused with the typed error.
+async fn checkouts_leases_and_locks_work_behind_a_transaction_pgbouncer<B: Backend>() {
+    let db = db().await;
+    let Some(bouncer) = support::pooler::bouncer(&db, 1, PoolMode::Transaction) else {
+        return;
+    };
+    for (mode, cache) in [
+        (PoolerMode::Transaction, false),
+        (PoolerMode::Transaction, true),
+        (PoolerMode::Auto, true),
+        (PoolerMode::Auto, false),
+    ] {
+        let what = format!("{mode:?}, statement cache {cache}");
+        let s = Settings::new("behind-bouncer", 4)
+            .pooler(mode)
+            .statement_cache(cache);
+        let pool = B::build_through(&bouncer, &s);
+        if mode == PoolerMode::Auto {
+            let found = B::detect_pooler(&pool).await;
+            assert_eq!(found.unwrap(), PoolerMode::Transaction, "{what}");
+        }
+
+        // Three client connections out at once, each named and asked its
+        // pid, then twenty checkouts one after another.
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let mut c = B::get_within(&pool, T)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            B::run(&mut c, "SELECT 1").await;
+            held.push(c);
+        }
+        drop(held);
+        for _ in 0..20 {
+            let mut c = B::get_within(&pool, T)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            B::run(&mut c, "SELECT 1").await;
+        }
+        settled::<B>(&pool).await;
+
+        B::readiness(&pool, T)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: readiness: {e}"));
+        let census = B::census(&pool)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: census: {e}"));
+        assert_eq!(census.ours().count(), 0, "{what}: {census:?}");
+
+        let ran = Arc::new(AtomicUsize::new(0));
+        B::xact_pid(&pool, LockKey::Single(7), T, ran.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{what}: with_xact_lock: {e}"));
+        assert_eq!(ran.load(Ordering::Acquire), 1, "{what}");
+
+        let leases = B::leases(&pool);
+        B::install(&leases)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: install: {e}"));
+        let opts = LeaseOptions::new(Duration::from_secs(1));
+        let lease = B::acquire(&leases, "behind-bouncer", &opts, None)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: acquire: {e}"))
+            .expect("free: the last one was released");
+        let before = B::lease_stats(&leases).renewed;
+        eventually(T, "renewals through the bouncer", || async {
+            B::lease_stats(&leases).renewed >= before + 2
+        })
+        .await;
+        assert_eq!(B::lease_stats(&leases).renewal_failures, 0, "{what}");
+        assert!(!lease.is_lost(), "{what}");
+        B::release(lease)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: release: {e}"));
+
+        let refused = B::session_lock(&pool, LockKey::Single(8), LockMode::Exclusive, None).await;
+        assert!(
+            matches!(refused, Err(Error::Lock(LockError::BehindPooler { .. }))),
+            "{what}: {refused:?}"
+        );
+        settled::<B>(&pool).await;
+        B::close(&pool).await;
+    }
+}
+
+backends!(pgwardens_statements_do_not_pile_up_with_the_statement_cache_off);
+/// sqlx's statement cache off, straight to PostgreSQL: after 200
+/// checkouts and 50 lease pairs, the one connection that served them
+/// (a pool of 2: the probe's reserve and one shared connection) holds
+/// at most the prepared statements bounded below, counted on the server.
+async fn pgwardens_statements_do_not_pile_up_with_the_statement_cache_off<B: Backend>() {
+    let db = db().await;
+    let s = Settings::new("cache-off", 2).statement_cache(false);
+    let pool = B::build(&db, &s);
+    for _ in 0..200 {
+        let mut c = B::get_within(&pool, T).await.unwrap();
+        B::run(&mut c, "SELECT 1").await;
+    }
+    let leases = B::leases(&pool);
+    B::install(&leases).await.unwrap();
+    let opts = LeaseOptions::new(Duration::from_secs(30));
+    for _ in 0..50 {
+        let lease = B::acquire(&leases, "cache-off", &opts, None)
+            .await
+            .unwrap()
+            .expect("free: the last one was released");
+        B::release(lease).await.unwrap();
+    }
+    settled::<B>(&pool).await;
+    assert_eq!(B::status(&pool).size, 1, "one connection served them all");
+    let mut c = B::get_within(&pool, T).await.unwrap();
+    let prepared = B::count(&mut c, "SELECT count(*) FROM pg_prepared_statements").await;
+    // sqlx: at most the statement that names a connection, sent once
+    // before the pool learned its cache is off (sqlx 0.8 names it; 0.9
+    // does not). Deadpool keeps pgwarden's lease statements in its own
+    // statement cache, one each: a fixed set (2 here).
+    let bound = if B::NAME == "deadpool" { 16 } else { 1 };
+    assert!(
+        prepared <= bound,
+        "{prepared} prepared statements on the connection (at most {bound})"
+    );
+    drop(c);
+    settled::<B>(&pool).await;
+}
