@@ -31,6 +31,7 @@ mod errors;
 mod failover;
 mod fifo;
 mod gauges;
+mod hostile_fence;
 mod http_edges;
 mod http_flood;
 mod hung_server;
