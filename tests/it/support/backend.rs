@@ -44,6 +44,8 @@ pub struct Settings {
     pub pooler: PoolerMode,
     /// The periodic census (default off).
     pub census: Option<Duration>,
+    /// The request lane's (reserved, max), when set.
+    pub request: Option<(usize, usize)>,
 }
 
 impl Settings {
@@ -60,7 +62,14 @@ impl Settings {
             unlock_timeout: Duration::from_secs(5),
             pooler: PoolerMode::Direct,
             census: None,
+            request: None,
         }
+    }
+
+    /// The request lane's reserve and max.
+    pub fn request(mut self, reserved: usize, max: usize) -> Settings {
+        self.request = Some((reserved, max));
+        self
     }
 
     /// A session-lock budget of `max` connections, and its policy.
@@ -281,6 +290,9 @@ macro_rules! configured {
             .census_interval(s.census);
         if let Some(max) = s.budget {
             b = b.lane(Lane::SessionLock, 0, max);
+        }
+        if let Some((reserved, max)) = s.request {
+            b = b.lane(Lane::Request, reserved, max);
         }
         b.build().expect("pool")
     }};
