@@ -268,7 +268,42 @@ pub trait Backend: Send + Sync + 'static {
     fn is_connection_lost(e: &Error) -> bool;
     /// `Leases::builder(pool).statement_timeout(t).build()`.
     fn leases_bounded(pool: &Self::Pool, statement_timeout: Duration) -> Self::Leases;
+
+    /// `with_xact_lock(key, timeout, work)`: the work reads `n` from table
+    /// `counter`, leaves a window of 5 ms (other tasks run), writes `n + 1`
+    /// back; with `fail` it then fails with [`work_failed`].
+    #[track_caller]
+    fn xact_count(
+        pool: &Self::Pool,
+        key: LockKey,
+        timeout: Duration,
+        fail: bool,
+    ) -> BoxFuture<'_, Result<(), Error>>;
+    /// `migrate_once(name, timeout, work)` whose work creates table `made`,
+    /// then runs a statement the server refuses: the call's error.
+    #[track_caller]
+    fn migrate_failing<'p>(
+        pool: &'p Self::Pool,
+        name: &'static str,
+        timeout: Duration,
+    ) -> BoxFuture<'p, Result<bool, Error>>;
+    /// `sql` (simple or unnamed) on the lock's own connection: its error, if any.
+    fn lock_sql<'a>(l: &'a mut Self::Lock, sql: &'static str) -> BoxFuture<'a, Result<(), Error>>;
 }
+
+/// The error of a transaction's work that fails on purpose
+/// ([`Backend::xact_count`]): a lock timeout of zero, which no real wait
+/// gives.
+pub fn work_failed(key: LockKey) -> Error {
+    Error::Lock(pgwarden::LockError::Timeout {
+        key,
+        timeout: Duration::ZERO,
+    })
+}
+
+/// The work of [`Backend::xact_count`]'s window: wide enough that
+/// unserialised read-modify-writes would lose updates.
+pub const WINDOW: Duration = Duration::from_millis(5);
 
 /// Advisory locks held by the session that asks (a failed ask counts as
 /// one: nothing may go unchecked).
@@ -688,6 +723,49 @@ impl Backend for Deadpool {
     }
 
     bounded_leases!();
+
+    #[track_caller]
+    fn xact_count(
+        pool: &pgwarden::Pool,
+        key: LockKey,
+        timeout: Duration,
+        fail: bool,
+    ) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
+            Box::pin(async move {
+                let n: i32 = tx.query_one("SELECT n FROM counter", &[]).await?.get(0);
+                tokio::time::sleep(WINDOW).await;
+                tx.execute("UPDATE counter SET n = $1", &[&(n + 1)]).await?;
+                if fail {
+                    return Err(work_failed(key));
+                }
+                Ok(())
+            })
+        }))
+    }
+
+    #[track_caller]
+    fn migrate_failing<'p>(
+        pool: &'p pgwarden::Pool,
+        name: &'static str,
+        timeout: Duration,
+    ) -> BoxFuture<'p, Result<bool, Error>> {
+        let done = pool.migrate_once(name, timeout, |tx| {
+            Box::pin(async move {
+                tx.batch_execute("CREATE TABLE made (x int)").await?;
+                tx.batch_execute("SELECT no_such_column FROM made").await?;
+                Ok::<_, Error>(())
+            })
+        });
+        Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
+    }
+
+    fn lock_sql<'a>(
+        l: &'a mut pgwarden::SessionLock,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move { Ok(l.client().batch_execute(sql).await?) })
+    }
 }
 
 impl Deadpool {
@@ -946,6 +1024,71 @@ macro_rules! sqlx_backend {
             }
 
             bounded_leases!();
+
+            #[track_caller]
+            fn xact_count(
+                pool: &Self::Pool,
+                key: LockKey,
+                timeout: Duration,
+                fail: bool,
+            ) -> BoxFuture<'_, Result<(), Error>> {
+                let sqlx_err = |e: $sqlx::Error| Error::Sqlx(Box::new(e));
+                Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
+                    Box::pin(async move {
+                        let n: i32 = $sqlx::query_scalar("SELECT n FROM counter")
+                            .fetch_one(&mut *tx)
+                            .await
+                            .map_err(sqlx_err)?;
+                        tokio::time::sleep(WINDOW).await;
+                        $sqlx::query("UPDATE counter SET n = $1")
+                            .bind(n + 1)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(sqlx_err)?;
+                        if fail {
+                            return Err(work_failed(key));
+                        }
+                        Ok(())
+                    })
+                }))
+            }
+
+            #[track_caller]
+            fn migrate_failing<'p>(
+                pool: &'p Self::Pool,
+                name: &'static str,
+                timeout: Duration,
+            ) -> BoxFuture<'p, Result<bool, Error>> {
+                let sqlx_err = |e: $sqlx::Error| Error::Sqlx(Box::new(e));
+                let done = pool.migrate_once(name, timeout, move |tx| {
+                    Box::pin(async move {
+                        $sqlx::query("CREATE TABLE made (x int)")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(sqlx_err)?;
+                        $sqlx::query("SELECT no_such_column FROM made")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(sqlx_err)?;
+                        Ok::<_, Error>(())
+                    })
+                });
+                Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
+            }
+
+            fn lock_sql<'a>(
+                l: &'a mut Self::Lock,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<(), Error>> {
+                Box::pin(async move {
+                    $sqlx::query(sql)
+                        .persistent(false)
+                        .execute(l.conn_mut())
+                        .await
+                        .map(drop)
+                        .map_err(|e| Error::Sqlx(Box::new(e)))
+                })
+            }
         }
 
         impl $backend {
