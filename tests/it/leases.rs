@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pgwarden::{LeaseOptions, Leases, LostReason};
-use support::backend::{settled, Backend, Settings};
+use support::backend::{named, settled, Backend, Settings};
 use support::leases::{backends, pool, row, short, TwoHolders};
 use support::{admin, db, eventually, within, Stopped};
 use tokio_postgres::types::Type;
@@ -258,10 +258,8 @@ async fn late_release_never_deletes_a_lease_taken_since<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     // A's backends named, to stop them; B installs the table.
-    let app = format!("late-a-{}", B::NAME);
-    let mut config = db.pg_config();
-    config.application_name(&app);
-    let a = B::leases(&B::build_on(&config, &Settings::new("late-a", 2)));
+    let (pool_a, app) = named::<B>(&db, "late-a", &Settings::new("late-a", 2));
+    let a = B::leases(&pool_a);
     let b = B::leases(&B::build(&db, &Settings::new("late-b", 2)));
     B::install(&b).await.unwrap();
     let old = B::acquire(&a, "report", &short(), None)

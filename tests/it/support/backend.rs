@@ -1110,6 +1110,16 @@ sqlx_backend!(Sqlx08, sqlx08, pgwarden::sqlx);
 #[cfg(feature = "sqlx-0_9")]
 sqlx_backend!(Sqlx09, sqlx09, pgwarden::sqlx);
 
+/// A pool of backend `B` on `db` whose backends are named
+/// `<app>-<backend>` in `pg_stat_activity.application_name` (the variants
+/// of a test run at once on one server): the pool and that name.
+pub fn named<B: Backend>(db: &TestDb, app: &str, s: &Settings) -> (B::Pool, String) {
+    let app = format!("{app}-{}", B::NAME);
+    let mut config = db.pg_config();
+    config.application_name(&app);
+    (B::build_on(&config, s), app)
+}
+
 /// Waits (on the pool's state, not a clock) until nothing is in use or
 /// waiting: a sqlx connection's return finishes in a task of its own.
 pub async fn settled<B: Backend>(pool: &B::Pool) {
