@@ -3,23 +3,39 @@
 //! before any other instance can take it. A hung server (postmaster and
 //! backends stopped), the holder's backend stopped or terminated, a slow
 //! renewal batch, the renewer's runtime dropped, and the renewer panicking.
+//! On every backend, from one source.
 
 use crate::support;
 
 use std::time::{Duration, Instant, SystemTime};
 
-use pgwarden::{LeaseOptions, Leases, LostReason};
-use pgwarden_testing::TestServer;
-use support::leases::{
-    ahead, backends, busy_backends, expiry, lock_rows, pool, pool_with, row, short, TwoHolders,
-};
+use pgwarden::{LeaseOptions, LostReason};
+use pgwarden_testing::{TestDb, TestServer};
+use support::backend::{named, Backend, Settings};
+use support::leases::{ahead, backends, busy_backends, expiry, lock_rows, row, short};
 use support::{admin, db, eventually, within, Stopped};
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lost_fires_before_expiry_when_the_server_hangs() {
+/// Two holders on `db`, as two service instances: A (its backends named
+/// `<name>-a-<backend>`, that name) and B, the lease table installed by B.
+async fn two_holders<B: Backend>(
+    db: &TestDb,
+    name: &'static str,
+) -> (B::Leases, String, B::Leases) {
+    let (pool_a, app_a) = named::<B>(db, &format!("{name}-a"), &Settings::new(name, 2));
+    let b = B::leases(&B::build(db, &Settings::new(name, 2)));
+    B::install(&b).await.expect("install the lease table");
+    (B::leases(&pool_a), app_a, b)
+}
+
+backends!(
+    lost_fires_before_expiry_when_the_server_hangs,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn lost_fires_before_expiry_when_the_server_hangs<B: Backend>() {
     // A server of its own: every process of it is stopped.
     let server = tokio::task::spawn_blocking(TestServer::start_local)
         .await
@@ -27,15 +43,19 @@ async fn lost_fires_before_expiry_when_the_server_hangs() {
         .expect("a dedicated throwaway PostgreSQL");
     let db = server.create_database().await.unwrap();
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 3, "hung"));
+    let (pool, app) = named::<B>(&db, "hung", &Settings::new("hung", 3));
+    let leases = B::leases(&pool);
     let opts = LeaseOptions::new(2 * S)
         .renew_every(500 * MS)
         .safety_margin(500 * MS);
-    let lease = leases.acquire("job", &opts, None).await.unwrap().unwrap();
+    let lease = B::acquire(&leases, "job", &opts, None)
+        .await
+        .unwrap()
+        .unwrap();
     // Right after a renewal: the expiry the database holds until it hangs.
-    let renewed = leases.stats().renewed;
-    eventually(3 * S, "a renewal", || async {
-        leases.stats().renewed > renewed
+    let renewed = B::lease_stats(&leases).renewed;
+    eventually(3 * S, "a renewal", || {
+        std::future::ready(B::lease_stats(&leases).renewed > renewed)
     })
     .await;
     let expires = expiry(&admin, "job").await;
@@ -53,25 +73,30 @@ async fn lost_fires_before_expiry_when_the_server_hangs() {
     );
     assert!(margin > 0.0, "lost after the expiry: {margin} s");
     // Renewals were tried and bounded, not stuck.
-    eventually(3 * S, "a failed renewal", || async {
-        leases.stats().renewal_failures >= 1
+    eventually(3 * S, "a failed renewal", || {
+        std::future::ready(B::lease_stats(&leases).renewal_failures >= 1)
     })
     .await;
     drop(frozen);
     // Back: nothing of the holder's is left waiting on the server.
     eventually(5 * S, "no statement of the holder left running", || async {
-        busy_backends(&admin, "hung").await == (0, 0)
+        busy_backends(&admin, &app).await == (0, 0)
     })
     .await;
 }
 
-#[tokio::test]
-async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
-    let TwoHolders { admin, a, b, .. } = TwoHolders::installed("stop").await;
-    let lease = a.acquire("alerts", &short(), None).await.unwrap().unwrap();
+backends!(lost_fires_before_takeover_when_the_backend_is_stopped);
+async fn lost_fires_before_takeover_when_the_backend_is_stopped<B: Backend>() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let (a, app_a, b) = two_holders::<B>(&db, "stop").await;
+    let lease = B::acquire(&a, "alerts", &short(), None)
+        .await
+        .unwrap()
+        .unwrap();
     let lost = lease.lost();
-    let stopped = Stopped::stop(backends(&admin, "stop-a").await).expect("SIGSTOP");
-    let (taken, ahead_by) = lost_then_taken_over(b, lost).await;
+    let stopped = Stopped::stop(backends(&admin, &app_a).await).expect("SIGSTOP");
+    let (taken, ahead_by) = lost_then_taken_over::<B>(b, lost).await;
     eprintln!("SIGSTOP: lost signal {ahead_by:?} before the take-over");
     assert!(taken.term().token > lease.term().token);
     assert_eq!(
@@ -81,12 +106,12 @@ async fn lost_fires_before_takeover_when_the_backend_is_stopped() {
     drop(stopped);
 }
 
-#[tokio::test]
-async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
+backends!(lost_fires_before_takeover_when_the_backend_is_terminated);
+async fn lost_fires_before_takeover_when_the_backend_is_terminated<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let b = Leases::new(&pool(&db, 2, "term-b"));
-    b.install().await.unwrap();
+    let b = B::leases(&B::build(&db, &Settings::new("term-b", 2)));
+    B::install(&b).await.unwrap();
     // A connects as its own role, so that it cannot come back once cut off.
     let role = format!("{}_a", db.name());
     admin
@@ -99,8 +124,11 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
         .unwrap();
     let mut cfg = db.pg_config();
     cfg.user(&role);
-    let a = Leases::new(&pool_with(cfg, 2, "term-a"));
-    let lease = a.acquire("alerts", &short(), None).await.unwrap().unwrap();
+    let a = B::leases(&B::build_on(&cfg, &Settings::new("term-a", 2)));
+    let lease = B::acquire(&a, "alerts", &short(), None)
+        .await
+        .unwrap()
+        .unwrap();
     let lost = lease.lost();
     admin
         .batch_execute(&format!(
@@ -109,48 +137,50 @@ async fn lost_fires_before_takeover_when_the_backend_is_terminated() {
         ))
         .await
         .unwrap();
-    let (taken, ahead_by) = lost_then_taken_over(b, lost).await;
+    let (taken, ahead_by) = lost_then_taken_over::<B>(b, lost).await;
     eprintln!("terminated: lost signal {ahead_by:?} before the take-over");
     // The failed renewals were retried, not given up at the first error.
-    assert!(a.stats().renewal_failures >= 2, "{:?}", a.stats());
+    let stats = B::lease_stats(&a);
+    assert!(stats.renewal_failures >= 2, "{stats:?}");
     // Back in: A's late release leaves B's term alone.
     admin
         .batch_execute(&format!("ALTER ROLE \"{role}\" LOGIN"))
         .await
         .unwrap();
-    assert!(lease.release().await.unwrap_err().is_lease_lost());
+    assert!(B::release(lease).await.unwrap_err().is_lease_lost());
     assert_eq!(
         row(&admin, "alerts").await,
         Some((taken.term().holder.clone(), taken.term().token))
     );
 }
 
-#[tokio::test]
-async fn a_slow_batch_holds_up_no_other_lease() {
+backends!(a_slow_batch_holds_up_no_other_lease);
+async fn a_slow_batch_holds_up_no_other_lease<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let a = Leases::new(&pool(&db, 5, "slow-a"));
-    let b = Leases::new(&pool(&db, 2, "slow-b"));
-    b.install().await.unwrap();
+    let (pool_a, app_a) = named::<B>(&db, "slow-a", &Settings::new("slow-a", 5));
+    let a = B::leases(&pool_a);
+    let b = B::leases(&B::build(&db, &Settings::new("slow-b", 2)));
+    B::install(&b).await.unwrap();
     // x: deadline 3 s after each renewal starts, expiry 4 s after.
     let x_opts = LeaseOptions::new(4 * S).renew_every(S).safety_margin(S);
-    let x = a.acquire("x", &x_opts, None).await.unwrap().unwrap();
+    let x = B::acquire(&a, "x", &x_opts, None).await.unwrap().unwrap();
     // Another session locks x's row: x's renewal batch waits on it.
     let locker = lock_rows(&db, "pgwarden_leases", &["x"], "FOR UPDATE").await;
     let x_expires = expiry(&locker, "x").await;
     eventually(3 * S, "x's renewal waits on the row lock", || async {
-        busy_backends(&admin, "slow-a").await.0 >= 1
+        busy_backends(&admin, &app_a).await.0 >= 1
     })
     .await;
 
     // Registered during the slow batch: y, healthy, and z, whose row gets
     // locked too and whose deadline (1.5 s) comes before x's.
-    let y = a.acquire("y", &short(), None).await.unwrap().unwrap();
+    let y = B::acquire(&a, "y", &short(), None).await.unwrap().unwrap();
     let z_opts = LeaseOptions::new(2 * S)
         .renew_every(500 * MS)
         .safety_margin(500 * MS);
     let z_start = Instant::now();
-    let z = a.acquire("z", &z_opts, None).await.unwrap().unwrap();
+    let z = B::acquire(&a, "z", &z_opts, None).await.unwrap().unwrap();
     locker
         .batch_execute("SELECT 1 FROM pgwarden_leases WHERE name = 'z' FOR UPDATE")
         .await
@@ -186,12 +216,11 @@ async fn a_slow_batch_holds_up_no_other_lease() {
     // The stuck renewals were cancelled on the server: once the lock goes,
     // nothing renews x behind its holder's back, and B takes it over.
     eventually(3 * S, "x's renewal cancelled", || async {
-        busy_backends(&admin, "slow-a").await.0 == 0
+        busy_backends(&admin, &app_a).await.0 == 0
     })
     .await;
     drop(locker);
-    let taken = b
-        .acquire("x", &x_opts, Some(10 * S))
+    let taken = B::acquire(&b, "x", &x_opts, Some(10 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
@@ -201,18 +230,18 @@ async fn a_slow_batch_holds_up_no_other_lease() {
         Some(x.term().holder.as_str())
     );
     assert!(!y.is_lost());
-    y.release().await.unwrap();
+    B::release(y).await.unwrap();
 }
 
 /// B waits up to 10 s to take "alerts" over while A's `lost` signal is
 /// awaited: `lost` must fire (at A's deadline) before B's take-over. Returns
 /// B's lease and how long before the take-over the signal came.
-async fn lost_then_taken_over(
-    b: Leases,
+async fn lost_then_taken_over<B: Backend>(
+    b: B::Leases,
     lost: impl std::future::Future<Output = LostReason>,
-) -> (pgwarden::Lease, Duration) {
+) -> (B::Lease, Duration) {
     let taker = tokio::spawn(async move {
-        let l = b.acquire("alerts", &short(), Some(10 * S)).await;
+        let l = B::acquire(&b, "alerts", &short(), Some(10 * S)).await;
         (Instant::now(), l)
     });
     let reason = within(5 * S, "lost signal", lost).await;

@@ -4,7 +4,8 @@
 //! its statement's end (also where no cancel can reach it); a batch answers
 //! every caller before it releases those that gave up; callers of one name
 //! share one attempt; a caller that falls back to its own statement reports
-//! its whole wait.
+//! its whole wait. The tests of a statement cut off on the server (a
+//! dropped or timed-out acquisition) run on every backend.
 
 use crate::support;
 
@@ -13,7 +14,8 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use futures_util::poll;
 use pgwarden::{Error, LeaseError, LeaseOptions, Leases, PoolerMode};
-use support::leases::{busy_backends, pool, pool_behind};
+use support::backend::{named, Backend, Settings};
+use support::leases::{busy_backends, pool};
 use support::{admin, db, eventually, within};
 
 const S: Duration = Duration::from_secs(1);
@@ -120,6 +122,11 @@ async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
     }
 }
 
+backends!(
+    a_dropped_acquisition_is_released_after_its_statement_ends,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 /// Where no cancel request goes (a transaction pooler, or a direct
 /// connection before detection ends: here a direct connection configured
 /// as behind a pooler), an acquisition dropped while its statement waits
@@ -127,22 +134,19 @@ async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
 /// it waits on rolls back, and the lease is released after that. Before:
 /// the release ran at once, before the statement's commit, and the lease
 /// stayed held until its TTL.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dropped_acquisition_is_released_after_its_statement_ends() {
+async fn a_dropped_acquisition_is_released_after_its_statement_ends<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let pool = pool_behind(db.pg_config(), 4, "undetected", PoolerMode::Transaction);
-    let leases = Leases::builder(&pool)
-        .statement_timeout(10 * S)
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let s = Settings::new("undetected", 4).pooler(PoolerMode::Transaction);
+    let (pool, app) = named::<B>(&db, "undetected", &s);
+    let leases = B::leases_bounded(&pool, 10 * S);
+    B::install(&leases).await.unwrap();
     let inserter = insert_uncommitted(&db).await;
-    let gave_up = tokio::time::timeout(200 * MS, leases.acquire("first", &opts(), None)).await;
+    let gave_up = tokio::time::timeout(200 * MS, B::acquire(&leases, "first", &opts(), None)).await;
     assert!(gave_up.is_err(), "the acquisition waits on the insert");
     // Its statement still waits on the server.
     eventually(5 * S, "the statement waits on the insert", || async {
-        busy_backends(&admin, "undetected").await.0 == 1
+        busy_backends(&admin, &app).await.0 == 1
     })
     .await;
     inserter.batch_execute("ROLLBACK").await.unwrap();
@@ -326,6 +330,11 @@ async fn a_fallback_timeout_reports_the_whole_wait() {
     }
 }
 
+backends!(
+    a_timed_out_acquisition_is_released_after_its_statement_ends,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 /// Where no cancel goes (a direct connection configured as behind a
 /// pooler), an acquisition that runs out of time while its statement is
 /// still busy on the server (a trigger sleeps 2 s, past the 1 s statement
@@ -333,13 +342,13 @@ async fn a_fallback_timeout_reports_the_whole_wait() {
 /// release that follows waits for the statement's end, and the lease the
 /// statement took is released. Before: the release ran at once, the
 /// statement committed after it, and the lease stayed held until its TTL.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_timed_out_acquisition_is_released_after_its_statement_ends() {
+async fn a_timed_out_acquisition_is_released_after_its_statement_ends<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let pool = pool_behind(db.pg_config(), 4, "timed-out", PoolerMode::Transaction);
-    let leases = Leases::builder(&pool).statement_timeout(S).build().unwrap();
-    leases.install().await.unwrap();
+    let s = Settings::new("timed-out", 4).pooler(PoolerMode::Transaction);
+    let pool = B::build(&db, &s);
+    let leases = B::leases_bounded(&pool, S);
+    B::install(&leases).await.unwrap();
     admin
         .batch_execute(
             "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -352,8 +361,7 @@ async fn a_timed_out_acquisition_is_released_after_its_statement_ends() {
         )
         .await
         .unwrap();
-    let err = leases
-        .acquire("slow-insert", &opts(), None)
+    let err = B::acquire(&leases, "slow-insert", &opts(), None)
         .await
         .unwrap_err();
     assert!(
@@ -368,6 +376,11 @@ async fn a_timed_out_acquisition_is_released_after_its_statement_ends() {
     .await;
 }
 
+backends!(
+    a_dropped_acquisition_on_a_direct_connection_is_cancelled_on_the_server,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 /// On a connection known to be direct, an acquisition dropped while its
 /// statement waits on the server (on another session's uncommitted insert
 /// of the same name): the statement is cancelled there while the insert is
@@ -375,38 +388,34 @@ async fn a_timed_out_acquisition_is_released_after_its_statement_ends() {
 /// name is free. A lone acquisition runs in its caller's future (no task of
 /// its own, so that a pair where nothing is gathered costs what its two
 /// statements cost): this is its path when the caller is dropped.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dropped_acquisition_on_a_direct_connection_is_cancelled_on_the_server() {
+async fn a_dropped_acquisition_on_a_direct_connection_is_cancelled_on_the_server<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let pool = pool_behind(db.pg_config(), 4, "dropped-direct", PoolerMode::Direct);
-    let leases = Leases::builder(&pool)
-        .statement_timeout(10 * S)
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let s = Settings::new("dropped-direct", 4).pooler(PoolerMode::Direct);
+    let (pool, app) = named::<B>(&db, "dropped-direct", &s);
+    let leases = B::leases_bounded(&pool, 10 * S);
+    B::install(&leases).await.unwrap();
     let inserter = insert_uncommitted(&db).await;
     let caller = tokio::spawn({
         let leases = leases.clone();
-        async move { leases.acquire("first", &opts(), None).await }
+        async move { B::acquire(&leases, "first", &opts(), None).await.map(drop) }
     });
     eventually(5 * S, "the statement waits on the insert", || async {
-        busy_backends(&admin, "dropped-direct").await.0 == 1
+        busy_backends(&admin, &app).await.0 == 1
     })
     .await;
     caller.abort(); // its future dropped while the statement waits
     eventually(
         5 * S,
         "the statement cancelled on the server, the insert still open",
-        || async { busy_backends(&admin, "dropped-direct").await.0 == 0 },
+        || async { busy_backends(&admin, &app).await.0 == 0 },
     )
     .await;
     assert!(!held(&admin, "first").await, "nothing took `first`");
     inserter.batch_execute("ROLLBACK").await.unwrap();
-    let lease = leases
-        .acquire("first", &opts(), None)
+    let lease = B::acquire(&leases, "first", &opts(), None)
         .await
         .unwrap()
         .expect("free once the insert rolled back");
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
 }

@@ -1,6 +1,6 @@
 //! Running under leases against a real PostgreSQL: Leases::run (skip,
 //! renewal, release, cancel on loss), the at-least hold, bad input refused
-//! at the call, and futures dropped mid-flight.
+//! at the call, and futures dropped mid-flight (on every backend).
 
 use crate::support;
 
@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use pgwarden::{
     Error, InvalidInput, LeaseError, LeaseOptions, Leases, LostReason, NameRule, OnLost,
 };
+use support::backend::{Backend, Settings};
 use support::leases::{pool, row};
 use support::{admin, db, eventually, within};
 
@@ -282,18 +283,18 @@ async fn bad_input_is_a_typed_error_at_the_call() {
 
 // ---- cancellation ----
 
-#[tokio::test]
-async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
+backends!(dropped_futures_leave_no_connection_and_no_stray_lease);
+async fn dropped_futures_leave_no_connection_and_no_stray_lease<B: Backend>() {
     let db = db().await;
-    let pool = pool(&db, 2, "cancel");
-    let leases = Leases::new(&pool);
-    leases.install().await.unwrap();
+    let pool = B::build(&db, &Settings::new("cancel", 2));
+    let leases = B::leases(&pool);
+    B::install(&leases).await.unwrap();
     // Drop acquisitions and releases after every number of polls.
     for polls in 0..12 {
         // Polled `polls` times (or until it completes: a completed future
         // must not be polled again), then dropped.
         let opts = LeaseOptions::new(S);
-        let mut fut = Box::pin(leases.acquire("c", &opts, None));
+        let mut fut = B::acquire(&leases, "c", &opts, None);
         for _ in 0..polls {
             if futures_util::poll!(&mut fut).is_ready() {
                 break;
@@ -301,12 +302,11 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
             tokio::task::yield_now().await;
         }
         drop(fut);
-        if let Some(lease) = leases
-            .acquire("r", &LeaseOptions::new(S), None)
+        if let Some(lease) = B::acquire(&leases, "r", &LeaseOptions::new(S), None)
             .await
             .unwrap()
         {
-            let mut fut = Box::pin(lease.release());
+            let mut fut = B::release(lease);
             for _ in 0..polls {
                 if futures_util::poll!(&mut fut).is_ready() {
                     break;
@@ -318,18 +318,16 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease() {
     }
     // No connection stays out; a dropped acquisition registers nothing, and
     // whatever it took in the database expires after its TTL.
-    eventually(3 * S, "connections back", || async {
-        pool.status().in_use == 0
+    eventually(3 * S, "connections back", || {
+        std::future::ready(B::status(&pool).in_use == 0)
     })
     .await;
-    assert_eq!(leases.stats().held, 0);
-    let c = leases
-        .acquire("c", &LeaseOptions::new(S), Some(3 * S))
+    assert_eq!(B::lease_stats(&leases).held, 0);
+    let c = B::acquire(&leases, "c", &LeaseOptions::new(S), Some(3 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
-    let r = leases
-        .acquire("r", &LeaseOptions::new(S), Some(3 * S))
+    let r = B::acquire(&leases, "r", &LeaseOptions::new(S), Some(3 * S))
         .await
         .unwrap()
         .expect("taken within the wait");

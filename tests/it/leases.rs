@@ -1,6 +1,7 @@
 //! Table leases against a real PostgreSQL: four jobs on a pool of two, one holder,
 //! take-over, late release, the lost signal, fencing, batched renewal,
-//! Leases::run, holds, bad input.
+//! Leases::run, holds, bad input. The tests under `backends!` run on every
+//! backend from one source.
 
 use crate::support;
 
@@ -8,8 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::{LeaseOptions, Leases, LostReason, PoolerMode};
-use support::leases::{backends, pool, pool_behind, row, short, TwoHolders};
+use pgwarden::{LeaseOptions, Leases, LostReason};
+use support::backend::{named, settled, Backend, Settings};
+use support::leases::{backends, pool, row, short, TwoHolders};
 use support::{admin, db, eventually, within, Stopped};
 use tokio_postgres::types::Type;
 
@@ -20,8 +22,8 @@ const MS: Duration = Duration::from_millis(1);
 
 const JOBS: [&str; 4] = ["cleanup", "alerts", "mail-checks", "uptime@node-a"];
 
-#[tokio::test]
-async fn leases_hold_no_connection() {
+backends!(leases_hold_no_connection);
+async fn leases_hold_no_connection<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     admin
@@ -34,29 +36,27 @@ async fn leases_hold_no_connection() {
     // connection. Known direct before counting connections (configured:
     // detection takes two connections outside the probe reserve, more than
     // a pool of 2 has).
-    let pool = pool_behind(db.pg_config(), 2, "four-jobs", PoolerMode::Direct);
-    let leases = Leases::new(&pool);
+    let pool = B::build(&db, &Settings::new("four-jobs", 2));
+    let leases = B::leases(&pool);
     let mut held = Vec::new();
     for job in JOBS {
-        let lease = leases
-            .acquire(job, &LeaseOptions::default(), None)
+        let lease = B::acquire(&leases, job, &LeaseOptions::default(), None)
             .await
             .unwrap();
         held.push(lease.unwrap_or_else(|| panic!("{job} is free")));
     }
-    let status = pool.status();
+    settled::<B>(&pool).await;
+    let status = B::status(&pool);
     assert_eq!(status.in_use, 0, "four leases hold no connection: {status}");
 
     // The readiness-style write commits within 3 s, and the probe passes.
     let start = Instant::now();
     within(3 * S, "readiness write", async {
-        let conn = pool.get().await.unwrap();
-        conn.query_typed("INSERT INTO readiness DEFAULT VALUES", &[])
-            .await
-            .unwrap();
+        let mut conn = B::get(&pool).await.unwrap();
+        B::run(&mut conn, "INSERT INTO readiness DEFAULT VALUES").await;
     })
     .await;
-    pool.readiness(S).await.expect("readiness probe");
+    B::readiness(&pool, S).await.expect("readiness probe");
     eprintln!("readiness write with 4 leases held: {:?}", start.elapsed());
 
     // Every lease is a row of its own term; none is lost.
@@ -69,9 +69,9 @@ async fn leases_hold_no_connection() {
         assert!(!lease.is_lost());
     }
     for lease in held {
-        lease.release().await.unwrap();
+        B::release(lease).await.unwrap();
     }
-    assert_eq!(pool.status().in_use, 0);
+    settled::<B>(&pool).await;
 }
 
 /// "Run on one instance only" with a session advisory lock: a pooled connection holding a session
@@ -132,14 +132,14 @@ async fn old_try_exclusive_never_gets_there() {
 
 // ---- one holder ----
 
-#[tokio::test]
-async fn one_holder_under_16_concurrent_contenders() {
+backends!(one_holder_under_16_concurrent_contenders);
+async fn one_holder_under_16_concurrent_contenders<B: Backend>() {
     let db = db().await;
     // Four instances, four contenders each.
-    let instances: Vec<Leases> = (0..4)
-        .map(|i| Leases::new(&pool(&db, 5, &format!("c{i}"))))
+    let instances: Vec<B::Leases> = (0..4)
+        .map(|_| B::leases(&B::build(&db, &Settings::new("contenders", 5))))
         .collect();
-    instances[0].install().await.unwrap();
+    B::install(&instances[0]).await.unwrap();
 
     // All at once: exactly one wins, each round.
     for round in 0..5 {
@@ -151,8 +151,7 @@ async fn one_holder_under_16_concurrent_contenders() {
                 let (barrier, name) = (barrier.clone(), name.clone());
                 tokio::spawn(async move {
                     barrier.wait().await;
-                    leases
-                        .acquire(&name, &LeaseOptions::new(2 * S), None)
+                    B::acquire(&leases, &name, &LeaseOptions::new(2 * S), None)
                         .await
                         .unwrap()
                 })
@@ -175,17 +174,14 @@ async fn one_holder_under_16_concurrent_contenders() {
             let leases = instances[i % 4].clone();
             let (inside, tokens) = (inside.clone(), tokens.clone());
             tokio::spawn(async move {
+                let opts = LeaseOptions::new(2 * S);
                 while Instant::now() < stop {
-                    if let Some(lease) = leases
-                        .acquire("mutex", &LeaseOptions::new(2 * S), None)
-                        .await
-                        .unwrap()
-                    {
+                    if let Some(lease) = B::acquire(&leases, "mutex", &opts, None).await.unwrap() {
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
                         tokens.lock().push(lease.term().token);
                         tokio::time::sleep(2 * MS).await;
                         inside.fetch_sub(1, Ordering::SeqCst);
-                        lease.release().await.unwrap();
+                        B::release(lease).await.unwrap();
                     }
                 }
             })
@@ -201,7 +197,8 @@ async fn one_holder_under_16_concurrent_contenders() {
         "tokens grow: {tokens:?}"
     );
     eprintln!(
-        "16 contenders: {} successive holds, tokens increasing",
+        "16 contenders on {}: {} successive holds, tokens increasing",
+        B::NAME,
         tokens.len()
     );
 }
@@ -256,30 +253,41 @@ async fn unrenewed_lease_is_taken_over_and_a_renewed_one_is_not() {
     taken.release().await.unwrap();
 }
 
-#[tokio::test]
-async fn late_release_never_deletes_a_lease_taken_since() {
-    let TwoHolders { admin, a, b, .. } = TwoHolders::installed("late").await;
-    let old = a.acquire("report", &short(), None).await.unwrap().unwrap();
+backends!(late_release_never_deletes_a_lease_taken_since);
+async fn late_release_never_deletes_a_lease_taken_since<B: Backend>() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    // A's backends named, to stop them; B installs the table.
+    let (pool_a, app) = named::<B>(&db, "late-a", &Settings::new("late-a", 2));
+    let a = B::leases(&pool_a);
+    let b = B::leases(&B::build(&db, &Settings::new("late-b", 2)));
+    B::install(&b).await.unwrap();
+    let old = B::acquire(&a, "report", &short(), None)
+        .await
+        .unwrap()
+        .unwrap();
     // A's backend stops: its renewals hang, B takes the lease after its TTL.
-    let stopped = Stopped::stop(backends(&admin, "late-a").await).expect("SIGSTOP");
-    let new = b
-        .acquire("report", &short(), Some(10 * S))
+    let stopped = Stopped::stop(backends(&admin, &app).await).expect("SIGSTOP");
+    let new = B::acquire(&b, "report", &short(), Some(10 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
     drop(stopped);
     // A, late, releases its old term: nothing of B's is touched.
-    let err = old.release().await.unwrap_err();
+    let err = B::release(old).await.unwrap_err();
     assert!(err.is_lease_lost(), "{err}");
     assert_eq!(
         row(&admin, "report").await,
         Some((new.term().holder.clone(), new.term().token))
     );
     // B still renews and releases it.
-    let renewed = b.stats().renewed;
-    eventually(3 * S, "B renews", || async { b.stats().renewed > renewed }).await;
+    let renewed = B::lease_stats(&b).renewed;
+    eventually(3 * S, "B renews", || {
+        std::future::ready(B::lease_stats(&b).renewed > renewed)
+    })
+    .await;
     assert!(!new.is_lost());
-    new.release().await.unwrap();
+    B::release(new).await.unwrap();
     assert_eq!(row(&admin, "report").await, None);
 }
 

@@ -1,7 +1,7 @@
 //! Session advisory locks against a real PostgreSQL: key spaces, budget,
 //! re-entry, errors, and the drop, panic and cancellation paths. A test
-//! under `backends!` runs on every backend from one source; the others use
-//! deadpool's client API on the lock's connection.
+//! under `backends!` runs on every backend from one source (SQL of the
+//! test's own on the lock's connection through `Backend::lock_sql`).
 
 use crate::support;
 
@@ -112,25 +112,24 @@ async fn reentry_is_counted_and_gauged<B: Backend>() {
     settled::<B>(&pool).await;
 }
 
+backends!(an_unlock_one_cut_off_then_a_refused_lock_again_still_unlocks);
 /// A level statement cut off in flight leaves the count unknown, and a
 /// `lock_again` the server refuses after it does not make it known again:
 /// `unlock()` releases what the session holds instead of answering
 /// `NotOwned` for a lock it still holds (issue 16, point 12).
-#[tokio::test]
-async fn an_unlock_one_cut_off_then_a_refused_lock_again_still_unlocks() {
+async fn an_unlock_one_cut_off_then_a_refused_lock_again_still_unlocks<B: Backend>() {
     let db = db().await;
-    let pool = builder(&db, 3).build().unwrap();
+    let pool = B::build(&db, &Settings::new("cut-off-unlock", 3));
     let raw = db.connect().await.unwrap();
     let key = LockKey::Pair(3, 5);
-    let mut lock = pool
-        .session_lock(key, LockMode::Exclusive, Some(T))
+    let mut lock = B::session_lock(&pool, key, LockMode::Exclusive, Some(T))
         .await
         .unwrap()
         .expect("a wait grants the lock or fails");
-    assert_eq!(lock.lock_again().await.unwrap(), 2);
-    let pid = lock.client().pid();
+    assert_eq!(B::lock_again(&mut lock).await.unwrap(), 2);
+    let pid = B::lock_pid(&lock);
     // unlock_one polled once (its statement goes out) and dropped.
-    assert!(futures_util::FutureExt::now_or_never(lock.unlock_one()).is_none());
+    assert!(futures_util::FutureExt::now_or_never(B::unlock_one(&mut lock)).is_none());
     eventually(T, "the cut-off unlock ran", || async {
         let row = raw
             .query_one(
@@ -145,21 +144,17 @@ async fn an_unlock_one_cut_off_then_a_refused_lock_again_still_unlocks() {
     .await;
     assert!(!free(&raw, key).await, "one level left");
     // The session in a failed transaction: the server refuses lock_again.
-    lock.client().batch_execute("BEGIN").await.unwrap();
-    assert!(lock.client().batch_execute("SELECT 1/0").await.is_err());
-    let e = lock.lock_again().await.unwrap_err();
-    let pgwarden::Error::Db(db_err) = &e else {
-        panic!("{e:?}")
-    };
-    assert_eq!(
-        db_err.code(),
-        Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION)
-    );
-    lock.client().batch_execute("ROLLBACK").await.unwrap();
+    B::lock_sql(&mut lock, "BEGIN").await.unwrap();
+    assert!(B::lock_sql(&mut lock, "SELECT 1/0").await.is_err());
+    let e = B::lock_again(&mut lock).await.unwrap_err();
+    // 25P02: in_failed_sql_transaction (the display of either backend's
+    // database error).
+    assert!(e.to_string().starts_with("database error 25P02"), "{e:?}");
+    B::lock_sql(&mut lock, "ROLLBACK").await.unwrap();
     assert!(!free(&raw, key).await, "the session still holds it");
-    lock.unlock().await.unwrap();
+    B::unlock(lock).await.unwrap();
     assert!(free(&raw, key).await);
-    eventually(T, "connection back", || async { pool.status().in_use == 0 }).await;
+    settled::<B>(&pool).await;
 }
 
 backends!(shared_and_try_variants);
@@ -234,24 +229,22 @@ async fn lock_timeout_is_typed_and_leaves_the_connection_clean<B: Backend>() {
     assert_eq!(B::scalar(&mut c, sql).await, Ok(1), "lock_timeout is 0");
 }
 
-#[tokio::test]
-async fn unlock_that_postgres_refuses_is_an_error() {
+backends!(unlock_that_postgres_refuses_is_an_error);
+async fn unlock_that_postgres_refuses_is_an_error<B: Backend>() {
     let db = db().await;
-    let pool = builder(&db, 3).build().unwrap();
+    let pool = B::build(&db, &Settings::new("refused-unlock", 3));
     let raw = db.connect().await.unwrap();
-    let lock = pool
-        .session_lock(LockKey::Single(8), pgwarden::LockMode::Exclusive, Some(T))
+    let mut lock = B::session_lock(&pool, LockKey::Single(8), LockMode::Exclusive, Some(T))
         .await
         .unwrap()
         .expect("a wait grants the lock or fails");
     // Released behind the guard's back, on its own connection.
-    lock.client()
-        .batch_execute("SELECT pg_advisory_unlock_all()")
+    B::lock_sql(&mut lock, "SELECT pg_advisory_unlock_all()")
         .await
         .unwrap();
-    let e = lock.unlock().await.unwrap_err();
+    let e = B::unlock(lock).await.unwrap_err();
     assert!(e.is_not_owned(), "{e}");
-    eventually(T, "connection back", || async { pool.status().in_use == 0 }).await;
+    settled::<B>(&pool).await;
     assert!(free(&raw, LockKey::Single(8)).await);
 }
 

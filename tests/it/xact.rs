@@ -1,5 +1,8 @@
 //! Transaction-scoped advisory locks, `with_xact_lock` and `migrate_once`
-//! against a real PostgreSQL.
+//! against a real PostgreSQL. `with_xact_lock` and `migrate_once` run on
+//! every backend; `xact_lock` on a transaction of the caller's own is
+//! deadpool's only (it takes a `tokio_postgres::Transaction`: sqlx has no
+//! counterpart yet).
 
 use crate::support;
 
@@ -8,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pgwarden::{xact_lock, Error, LockError, LockKey, Migrated};
+use support::backend::{settled, work_failed, Backend, Settings};
 use support::*;
 use tokio_postgres::error::SqlState;
 
@@ -94,64 +98,39 @@ async fn try_and_shared_forms() {
     assert!(free(&raw, key).await);
 }
 
-#[tokio::test]
-async fn with_xact_lock_commits_rolls_back_and_serialises() {
+backends!(with_xact_lock_commits_rolls_back_and_serialises);
+async fn with_xact_lock_commits_rolls_back_and_serialises<B: Backend>() {
     let db = db().await;
-    let pool = builder(&db, 6).build().unwrap();
+    let pool = B::build(&db, &Settings::new("xact-serialises", 6));
     let c = db.connect().await.unwrap();
     c.batch_execute("CREATE TABLE counter (n int NOT NULL); INSERT INTO counter VALUES (0)")
         .await
         .unwrap();
     let key = LockKey::Pair(2, 42);
+    let count = || async {
+        let row = c.query_one("SELECT n FROM counter", &[]).await.unwrap();
+        row.get::<_, i32>(0)
+    };
 
     // Read-modify-write under the lock, ten at once: no lost update.
     let tasks: Vec<_> = (0..10)
         .map(|_| {
             let pool = pool.clone();
-            tokio::spawn(async move {
-                pool.with_xact_lock(key, T, |tx| {
-                    Box::pin(async move {
-                        let n: i32 = tx.query_one("SELECT n FROM counter", &[]).await?.get(0);
-                        // The scenario: a wide read-modify-write window.
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                        tx.execute("UPDATE counter SET n = $1", &[&(n + 1)]).await?;
-                        Ok::<_, Error>(())
-                    })
-                })
-                .await
-            })
+            tokio::spawn(async move { B::xact_count(&pool, key, T, false).await })
         })
         .collect();
     for t in tasks {
         t.await.unwrap().unwrap();
     }
-    let n: i32 = c
-        .query_one("SELECT n FROM counter", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(n, 10);
+    assert_eq!(count().await, 10);
 
-    let r: Result<(), Error> = pool
-        .with_xact_lock(key, T, |tx| {
-            Box::pin(async move {
-                tx.execute("UPDATE counter SET n = 0", &[]).await?;
-                Err(Error::Lock(LockError::Timeout {
-                    key,
-                    timeout: Duration::ZERO,
-                })) // any error
-            })
-        })
-        .await;
-    assert!(r.is_err());
-    let n: i32 = c
-        .query_one("SELECT n FROM counter", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(n, 10, "rolled back");
+    // The work fails after its write: its error comes back, the write is
+    // rolled back.
+    let e = B::xact_count(&pool, key, T, true).await.unwrap_err();
+    assert_eq!(e.to_string(), work_failed(key).to_string());
+    assert_eq!(count().await, 10, "rolled back");
     assert!(free(&c, key).await, "released with the transaction");
-    assert_eq!(pool.status().in_use, 0);
+    settled::<B>(&pool).await;
 }
 
 #[tokio::test]
@@ -207,37 +186,19 @@ async fn run_once_five_starters_run_the_ddl_once() {
         .unwrap();
 }
 
-#[tokio::test]
-async fn run_once_records_nothing_when_the_work_fails() {
+backends!(run_once_records_nothing_when_the_work_fails);
+async fn run_once_records_nothing_when_the_work_fails<B: Backend>() {
     let db = db().await;
-    let pool = builder(&db, 3).build().unwrap();
-    let fail: Result<Migrated<()>, Error> = pool
-        .migrate_once("m2", T, |tx| {
-            Box::pin(async move {
-                tx.batch_execute("CREATE TABLE half_done (id int)").await?;
-                tx.batch_execute("SELECT no_such_column FROM half_done")
-                    .await?;
-                Ok(())
-            })
-        })
-        .await;
-    assert!(fail.is_err());
-    let again = pool
-        .migrate_once("m2", T, |tx| {
-            Box::pin(async move {
-                tx.batch_execute("CREATE TABLE half_done (id int)").await?;
-                Ok::<_, Error>(())
-            })
-        })
-        .await
-        .unwrap();
-    assert!(
-        matches!(again, Migrated::Ran(_)),
-        "the failed attempt left no ledger row and no table"
-    );
-    let third = pool
-        .migrate_once("m2", T, |_| Box::pin(async { Ok::<_, Error>(()) }))
-        .await
-        .unwrap();
-    assert!(matches!(third, Migrated::Skipped { .. }));
+    let pool = B::build(&db, &Settings::new("run-once-fails", 3));
+    let e = B::migrate_failing(&pool, "m2", T).await.unwrap_err();
+    assert!(e.to_string().contains("42703"), "the server's error: {e}");
+    // The work creates table `made` again: it would fail had the failed
+    // attempt left it.
+    let ran = Arc::new(AtomicUsize::new(0));
+    let again = B::migrate(&pool, "m2", T, ran.clone()).await.unwrap();
+    assert!(again, "the failed attempt left no ledger row and no table");
+    let third = B::migrate(&pool, "m2", T, ran.clone()).await.unwrap();
+    assert!(!third, "skipped once recorded");
+    assert_eq!(ran.load(Ordering::Acquire), 1);
+    settled::<B>(&pool).await;
 }

@@ -48,6 +48,8 @@ pub struct Settings {
     /// `None`: on straight to PostgreSQL, off through PgBouncer. Deadpool
     /// has no such setting.
     pub statement_cache: Option<bool>,
+    /// The request lane's (reserved, max), when set.
+    pub request: Option<(usize, usize)>,
 }
 
 impl Settings {
@@ -65,7 +67,14 @@ impl Settings {
             pooler: PoolerMode::Direct,
             census: None,
             statement_cache: None,
+            request: None,
         }
+    }
+
+    /// The request lane's reserve and max.
+    pub fn request(mut self, reserved: usize, max: usize) -> Settings {
+        self.request = Some((reserved, max));
+        self
     }
 
     /// A session-lock budget of `max` connections, and its policy.
@@ -272,7 +281,42 @@ pub trait Backend: Send + Sync + 'static {
     fn is_connection_lost(e: &Error) -> bool;
     /// `Leases::builder(pool).statement_timeout(t).build()`.
     fn leases_bounded(pool: &Self::Pool, statement_timeout: Duration) -> Self::Leases;
+
+    /// `with_xact_lock(key, timeout, work)`: the work reads `n` from table
+    /// `counter`, leaves a window of 5 ms (other tasks run), writes `n + 1`
+    /// back; with `fail` it then fails with [`work_failed`].
+    #[track_caller]
+    fn xact_count(
+        pool: &Self::Pool,
+        key: LockKey,
+        timeout: Duration,
+        fail: bool,
+    ) -> BoxFuture<'_, Result<(), Error>>;
+    /// `migrate_once(name, timeout, work)` whose work creates table `made`,
+    /// then runs a statement the server refuses: the call's error.
+    #[track_caller]
+    fn migrate_failing<'p>(
+        pool: &'p Self::Pool,
+        name: &'static str,
+        timeout: Duration,
+    ) -> BoxFuture<'p, Result<bool, Error>>;
+    /// `sql` (simple or unnamed) on the lock's own connection: its error, if any.
+    fn lock_sql<'a>(l: &'a mut Self::Lock, sql: &'static str) -> BoxFuture<'a, Result<(), Error>>;
 }
+
+/// The error of a transaction's work that fails on purpose
+/// ([`Backend::xact_count`]): a lock timeout of zero, which no real wait
+/// gives.
+pub fn work_failed(key: LockKey) -> Error {
+    Error::Lock(pgwarden::LockError::Timeout {
+        key,
+        timeout: Duration::ZERO,
+    })
+}
+
+/// The work of [`Backend::xact_count`]'s window: wide enough that
+/// unserialised read-modify-writes would lose updates.
+pub const WINDOW: Duration = Duration::from_millis(5);
 
 /// Advisory locks held by the session that asks (a failed ask counts as
 /// one: nothing may go unchecked).
@@ -294,6 +338,9 @@ macro_rules! configured {
             .census_interval(s.census);
         if let Some(max) = s.budget {
             b = b.lane(Lane::SessionLock, 0, max);
+        }
+        if let Some((reserved, max)) = s.request {
+            b = b.lane(Lane::Request, reserved, max);
         }
         b.build().expect("pool")
     }};
@@ -693,6 +740,49 @@ impl Backend for Deadpool {
     }
 
     bounded_leases!();
+
+    #[track_caller]
+    fn xact_count(
+        pool: &pgwarden::Pool,
+        key: LockKey,
+        timeout: Duration,
+        fail: bool,
+    ) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
+            Box::pin(async move {
+                let n: i32 = tx.query_one("SELECT n FROM counter", &[]).await?.get(0);
+                tokio::time::sleep(WINDOW).await;
+                tx.execute("UPDATE counter SET n = $1", &[&(n + 1)]).await?;
+                if fail {
+                    return Err(work_failed(key));
+                }
+                Ok(())
+            })
+        }))
+    }
+
+    #[track_caller]
+    fn migrate_failing<'p>(
+        pool: &'p pgwarden::Pool,
+        name: &'static str,
+        timeout: Duration,
+    ) -> BoxFuture<'p, Result<bool, Error>> {
+        let done = pool.migrate_once(name, timeout, |tx| {
+            Box::pin(async move {
+                tx.batch_execute("CREATE TABLE made (x int)").await?;
+                tx.batch_execute("SELECT no_such_column FROM made").await?;
+                Ok::<_, Error>(())
+            })
+        });
+        Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
+    }
+
+    fn lock_sql<'a>(
+        l: &'a mut pgwarden::SessionLock,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move { Ok(l.client().batch_execute(sql).await?) })
+    }
 }
 
 impl Deadpool {
@@ -963,6 +1053,71 @@ macro_rules! sqlx_backend {
             }
 
             bounded_leases!();
+
+            #[track_caller]
+            fn xact_count(
+                pool: &Self::Pool,
+                key: LockKey,
+                timeout: Duration,
+                fail: bool,
+            ) -> BoxFuture<'_, Result<(), Error>> {
+                let sqlx_err = |e: $sqlx::Error| Error::Sqlx(Box::new(e));
+                Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
+                    Box::pin(async move {
+                        let n: i32 = $sqlx::query_scalar("SELECT n FROM counter")
+                            .fetch_one(&mut *tx)
+                            .await
+                            .map_err(sqlx_err)?;
+                        tokio::time::sleep(WINDOW).await;
+                        $sqlx::query("UPDATE counter SET n = $1")
+                            .bind(n + 1)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(sqlx_err)?;
+                        if fail {
+                            return Err(work_failed(key));
+                        }
+                        Ok(())
+                    })
+                }))
+            }
+
+            #[track_caller]
+            fn migrate_failing<'p>(
+                pool: &'p Self::Pool,
+                name: &'static str,
+                timeout: Duration,
+            ) -> BoxFuture<'p, Result<bool, Error>> {
+                let sqlx_err = |e: $sqlx::Error| Error::Sqlx(Box::new(e));
+                let done = pool.migrate_once(name, timeout, move |tx| {
+                    Box::pin(async move {
+                        $sqlx::query("CREATE TABLE made (x int)")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(sqlx_err)?;
+                        $sqlx::query("SELECT no_such_column FROM made")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(sqlx_err)?;
+                        Ok::<_, Error>(())
+                    })
+                });
+                Box::pin(async move { Ok(matches!(done.await?, Migrated::Ran(()))) })
+            }
+
+            fn lock_sql<'a>(
+                l: &'a mut Self::Lock,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<(), Error>> {
+                Box::pin(async move {
+                    $sqlx::query(sql)
+                        .persistent(false)
+                        .execute(l.conn_mut())
+                        .await
+                        .map(drop)
+                        .map_err(|e| Error::Sqlx(Box::new(e)))
+                })
+            }
         }
 
         impl $backend {
@@ -995,6 +1150,16 @@ sqlx_backend!(Sqlx08, sqlx08, pgwarden::sqlx_0_8);
 sqlx_backend!(Sqlx08, sqlx08, pgwarden::sqlx);
 #[cfg(feature = "sqlx-0_9")]
 sqlx_backend!(Sqlx09, sqlx09, pgwarden::sqlx);
+
+/// A pool of backend `B` on `db` whose backends are named
+/// `<app>-<backend>` in `pg_stat_activity.application_name` (the variants
+/// of a test run at once on one server): the pool and that name.
+pub fn named<B: Backend>(db: &TestDb, app: &str, s: &Settings) -> (B::Pool, String) {
+    let app = format!("{app}-{}", B::NAME);
+    let mut config = db.pg_config();
+    config.application_name(&app);
+    (B::build_on(&config, s), app)
+}
 
 /// Waits (on the pool's state, not a clock) until nothing is in use or
 /// waiting: a sqlx connection's return finishes in a task of its own.

@@ -140,24 +140,6 @@ pub async fn insert_expired(admin: &Client, name: &str, holder: &str) {
         .expect("an expired term");
 }
 
-/// Tries `name` (TTL 30 s) and asserts the attempt failed with the lease
-/// statement timeout ([`LeaseError::Timeout`](pgwarden::LeaseError::Timeout)); returns how long it took.
-pub async fn acquire_times_out(leases: &Leases, name: &str) -> Duration {
-    let t = Instant::now();
-    let err = leases
-        .acquire(name, &LeaseOptions::new(Duration::from_secs(30)), None)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })
-        ),
-        "{err}"
-    );
-    t.elapsed()
-}
-
 /// Two lease holders on one fresh database, as two service instances: A on
 /// `pool_a` (its backends named `{name}-a`), B on a pool of 2 (`{name}-b`).
 pub struct TwoHolders {
