@@ -238,7 +238,7 @@ async fn a_checkout_after_the_sweep_ended_a_leaker_succeeds() {
 /// idle connection's (the sweep would end the server connection, another
 /// application's lock with it).
 #[tokio::test]
-#[ignore = "finding: an Auto sqlx pool of 2 behind PgBouncer is detected Direct (unproven), the census matches the shared server pid to its own idle connection, and the sweep terminates PgBouncer's server connection and another client's lock"]
+#[ignore = "finding: an Auto sqlx pool of 2 behind PgBouncer is detected Direct (unproven), the census calls another client's lock on the shared server connection the pool's own idle connection's (Owner::Idle); in the runs the sweep did not end that server connection within 3 s (not explained)"]
 async fn the_sweep_leaves_a_pgbouncer_server_connection_alone() {
     let db = db().await;
     let Some(bouncer) = support::pooler::bouncer(&db, 1, PoolMode::Transaction) else {
