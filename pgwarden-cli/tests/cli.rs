@@ -466,10 +466,12 @@ async fn a_frozen_run_is_taken_over_after_the_ttl_and_stops_its_command_when_it_
         }
         a_expires = now;
     }
+    // B's own TTL is not under test: 60 s (see `takeover_leaves_no_overlap`
+    // for why not A's 2 s).
     let mut b = spawn_run(
         &url,
         "rollup",
-        &["--ttl", "2s", "--wait", "15s"],
+        &["--ttl", "60s", "--wait", "15s"],
         &job(&dir_b, 0),
     );
     let token_b = token_seen(&dir_b, "rollup").await;
@@ -1394,11 +1396,17 @@ async fn takeover_leaves_no_overlap(how: Failing) {
             Some(stopped)
         }
     };
+    // The next holder's own TTL is not under test: 60 s. `run` counts its
+    // term's deadline from when it began to wait, so with a 3 s TTL and a
+    // wait of about 3 s its keeper's deadline was only its slack (187 ms)
+    // ahead until its first renewal, and a loaded machine that held `run`
+    // off the CPU that long had its keeper kill the command (exit 76; once
+    // in three runs with both cores busy).
     let next = within(
         Duration::from_secs(60),
         "the next holder to run",
         pgwarden(&url)
-            .args(["run", "ledger", "--ttl", "3s", "--wait", "30s", "--"])
+            .args(["run", "ledger", "--ttl", "60s", "--wait", "30s", "--"])
             .args(ledger_next(&dir))
             .output(),
     )
