@@ -312,7 +312,17 @@ pub(crate) async fn run(
     // before that deadline + margin: the keeper may let the command run
     // until half a margin after it.
     let to_deadline = ns(args.ttl - margin);
-    let mut floor = sought + to_deadline;
+    // The library's own local deadline counts from the statement that took
+    // the lease; `sought` (the start of the whole wait) alone put it up to
+    // `--wait` too early: after a wait of about a TTL, the command was
+    // protected by the slack alone until the first renewal, and a loaded
+    // machine that held `run` off the CPU that long had it killed.
+    let lease_floor = || {
+        mono_ns().saturating_add(ns(lease
+            .deadline()
+            .saturating_duration_since(std::time::Instant::now())))
+    };
+    let mut floor = (sought + to_deadline).max(lease_floor());
     let held_until = |now: u64, floor: u64| now.max(floor) + slack;
     // Renewals move the deadline to (their start + TTL - margin). The
     // renewer runs on this thread (a current-thread runtime) and counts a
@@ -377,6 +387,7 @@ pub(crate) async fn run(
                     let start = seen_at.saturating_sub(ns(stats.last_renewal));
                     floor = floor.max(start + to_deadline);
                 }
+                floor = floor.max(lease_floor());
                 seen_at = now;
                 if lost_reason.is_none() && !lease.is_lost() {
                     let at = held_until(now, floor);

@@ -499,6 +499,48 @@ async fn a_frozen_run_is_taken_over_after_the_ttl_and_stops_its_command_when_it_
     println!("take-over of a frozen run after {waited:?} (TTL 2 s)");
 }
 
+/// `run --wait` counts its lease's deadline from the statement that took
+/// the lease, not from the start of its wait: a run that waited longer than
+/// its TTL and is then stopped (a loaded machine, SIGSTOP) for part of its
+/// term keeps its command. It counted from the start of the wait: its
+/// command was protected by the slack alone (TTL/16) until the first
+/// renewal, and a stop that long had its keeper kill the command (exit 76;
+/// seen under load, and here every time).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_that_waited_longer_than_its_ttl_keeps_its_command_through_a_stop() {
+    let db = db().await;
+    let url = db.url();
+    let (_ta, dir_a) = tempdir();
+    let (_tb, dir_b) = tempdir();
+    let mut a = spawn_run(&url, "nightly", &["--ttl", "60s"], &job(&dir_a, 0));
+    token_seen(&dir_a, "nightly").await;
+    // B waits for A's release: 8 s, longer than its own 6 s TTL (its
+    // margin 750 ms, its slack 375 ms).
+    let mut b = spawn_run(
+        &url,
+        "nightly",
+        &["--ttl", "6s", "--wait", "60s"],
+        &job(&dir_b, 0),
+    );
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    std::fs::write(dir_a.join("go"), "").unwrap();
+    assert_eq!(exit_code(&mut a, BOUND).await, 0);
+    token_seen(&dir_b, "nightly").await;
+    // B's command runs: stop B's `run` (its keeper goes on) for 2 s, well
+    // inside the 5.25 s its lease is trusted from the statement that took
+    // it, and far past the slack.
+    let frozen = Stopped::stop([pid(&b)]).expect("SIGSTOP pgwarden run");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    drop(frozen);
+    std::fs::write(dir_b.join("go"), "").unwrap();
+    assert_eq!(
+        exit_code(&mut b, BOUND).await,
+        0,
+        "B's command ran to its end (76: its keeper killed it)"
+    );
+    assert!(dir_b.join("ran").exists(), "B's command finished");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn locks_lists_an_idle_sessions_advisory_lock_and_check_names_it_until_released() {
     let db = db().await;

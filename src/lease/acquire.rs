@@ -361,6 +361,34 @@ impl LeaseHandle {
         &self.state.term
     }
 
+    /// The local deadline: the instant this process stops trusting the
+    /// lease unless a renewal succeeds first. It is the start of the
+    /// statement that took the lease, or of the last successful renewal,
+    /// plus the TTL less the safety margin (so a safety margin before the
+    /// database could let anyone else in), and moves later with every
+    /// renewal. [`LeaseHandle::lost`] fires at it.
+    ///
+    /// It counts from the statement that took the lease, not from the call:
+    /// an [`acquire`](crate::Leases::acquire) that waited for most of a TTL
+    /// still has the whole term ahead. Use it to bound work that cannot
+    /// check [`is_lost`](LeaseHandle::is_lost) itself (`pgwarden run`'s
+    /// keeper kills its command at this deadline unless it moves).
+    ///
+    /// ```rust,no_run
+    /// # async fn demo(leases: pgwarden::Leases) -> Result<(), pgwarden::Error> {
+    /// let ttl = std::time::Duration::from_secs(30);
+    /// let opts = pgwarden::LeaseOptions::new(ttl);
+    /// if let Some(lease) = leases.acquire("report", &opts, None).await? {
+    ///     let left = lease.deadline().saturating_duration_since(std::time::Instant::now());
+    ///     assert!(left < ttl);
+    ///     lease.release().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn deadline(&self) -> std::time::Instant {
+        self.state.deadline()
+    }
+
     /// Has the lease been lost? True once the signal fired, and as soon as
     /// the local deadline has passed (it fires the signal then), whatever
     /// the renewer is doing. [`LeaseHandle::lost`] tells why (at once, when
