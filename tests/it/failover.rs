@@ -130,10 +130,16 @@ async fn lost_fires_when_the_deadline_passes_during_the_outage<B: Backend>() {
         o.short_lost_after_crash, o.short_takeover
     );
     assert_eq!(o.short_lost, Some(LostReason::Deadline));
-    let after = o.short_lost_after_crash.expect("lost() did not fire");
-    // The deadline is at most 1.75 s after the crash (it counts from the last
-    // renewal before it); 0.75 s of slack for a loaded machine.
-    assert!(after <= Duration::from_millis(2500), "{after:?}");
+    o.short_lost_after_crash.expect("lost() did not fire");
+    // Where it fired: the deadline counts from the start of the last renewal
+    // that succeeded, which started before the server was down: at most
+    // TTL - margin (1.75 s) past that moment, whatever the machine's load
+    // (the test's own wake-up, printed above, comes later when it is busy).
+    assert!(
+        o.short_deadline_past_stop <= Duration::from_millis(1750),
+        "{:?}",
+        o.short_deadline_past_stop
+    );
     let (token, from) = o
         .short_takeover
         .clone()

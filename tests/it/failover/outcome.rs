@@ -45,6 +45,9 @@ pub struct Outcome {
     pub short: (String, i64),
     pub short_lost: Option<LostReason>,
     pub short_lost_after_crash: Option<Duration>,
+    /// The short lease's local deadline (where `lost()` fires) past the
+    /// moment the primary was down.
+    pub short_deadline_past_stop: Duration,
     /// Its take-over by the other instance on the new primary: token and
     /// the holder it took over from.
     pub short_takeover: Option<(i64, Option<String>)>,

@@ -151,8 +151,12 @@ pub async fn run<B: Backend>() -> Outcome {
     within(STEP * 4, "immediate stop", cluster.stop_primary_immediate())
         .await
         .expect("immediate stop");
+    let stopped_at = Instant::now();
     let short_lost = tokio::time::timeout(STEP * 2, short.lost()).await.ok();
     let short_lost_after_crash = short_lost.map(|_| crashed_at.elapsed());
+    // The instant `lost()` fires (the test's own wake-up comes later on a
+    // loaded machine), past the moment the server was down.
+    let short_deadline_past_stop = short.deadline().saturating_duration_since(stopped_at);
     let seq_replica_before_promotion = sequence(&replica).await;
 
     // ---- the promotion ----
@@ -298,6 +302,7 @@ pub async fn run<B: Backend>() -> Outcome {
         short: short_id,
         short_lost,
         short_lost_after_crash,
+        short_deadline_past_stop,
         short_takeover,
         seq_primary_before_crash,
         seq_replica_before_promotion,
