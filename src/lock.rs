@@ -56,10 +56,29 @@ pub(crate) fn unlock_timeout<B: Source>(pool: &Shared<B>) -> Duration {
     pool.ext.get::<UnlockTimeout>().0
 }
 
+/// The least a release that its caller waits for ([`SessionLock::unlock`],
+/// the clean-up of a lock a pooler moved at acquisition) is given, whatever
+/// the unlock timeout: a healthy server answers in milliseconds, and a zero
+/// or tiny unlock timeout, meant for dropped guards ("close rather than
+/// wait"), must not refuse it (and close a healthy connection) at random.
+pub(crate) const EXPLICIT_UNLOCK_FLOOR: Duration = Duration::from_secs(1);
+
+/// The bound of a release its caller waits for: the unlock timeout, at
+/// least [`EXPLICIT_UNLOCK_FLOOR`].
+pub(crate) fn explicit_unlock_bound(unlock_timeout: Duration) -> Duration {
+    unlock_timeout.max(EXPLICIT_UNLOCK_FLOOR)
+}
+
 impl<B: Source> PoolBuilder<B> {
     /// How long a session lock dropped without `unlock` (or cancelled while
     /// acquiring) may take to confirm its release before its connection is
     /// closed instead of returned (zero: always closed). Default: 5 s.
+    ///
+    /// An explicit [`SessionLock::unlock`] is bounded by it too, but never
+    /// by less than one second: a zero or tiny bound here closes dropped
+    /// guards' connections at once, and does not make a healthy `unlock()`
+    /// fail with [`LockError::UnlockNotConfirmed`](crate::LockError::UnlockNotConfirmed)
+    /// because its answer was not back within a millisecond.
     ///
     /// ```no_run
     /// # fn demo() -> Result<(), pgwarden::BuildError> {

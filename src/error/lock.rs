@@ -115,7 +115,8 @@ pub enum LockError {
 
     /// [`SessionLock::unlock`](crate::SessionLock::unlock) got no answer
     /// from the server within the pool's unlock timeout
-    /// ([`PoolBuilder::unlock_timeout`](crate::PoolBuilder::unlock_timeout)):
+    /// ([`PoolBuilder::unlock_timeout`](crate::PoolBuilder::unlock_timeout),
+    /// for `unlock()` at least one second):
     /// a backend frozen or a link cut off. As for a dropped guard, the lock's
     /// statement in flight was cancelled and its connection closed (never
     /// returned to the pool): PostgreSQL ends the session, and releases
@@ -130,7 +131,7 @@ pub enum LockError {
     UnlockNotConfirmed {
         /// The key.
         key: LockKey,
-        /// The unlock timeout that passed.
+        /// The bound that passed: the unlock timeout, at least one second.
         timeout: Duration,
     },
 

@@ -163,7 +163,9 @@ impl<B: Source> Check<B> {
             return Ok(());
         }
         crate::pooler::proven_by_lock(pool);
-        let bound = super::unlock_timeout(pool);
+        // The caller waits for this clean-up: not cut short by a zero or
+        // tiny unlock timeout (which is for dropped guards).
+        let bound = super::explicit_unlock_bound(super::unlock_timeout(pool));
         let (a, b) = (lock_conn.exec(), self.other.exec());
         if reach(&a, Some(&b), held_on, key, mode, bound).await {
             Err(Error::Lock(LockError::BehindPooler {

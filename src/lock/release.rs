@@ -160,7 +160,7 @@ impl<B: Source> Held<B> {
         // infallible: set at the grant (`granted_on`), before the guard that
         // calls this exists.
         let held_on = self.lock_pid.expect("lock pid set at the grant"); // infallible
-        let (key, mode, bound) = (self.key, self.mode, self.unlock_timeout);
+        let (key, mode, bound) = (self.key, self.mode, self.explicit_bound());
         let conn = self.conn_mut().exec();
         let (ran_on, answer) = pooled::on_backend(&conn, held_on, act, key, mode).await?;
         if let Some(answer) = answer {
@@ -195,17 +195,19 @@ impl<B: Source> Held<B> {
         })
     }
 
-    /// The bound of a release: the pool's unlock timeout.
-    pub(crate) fn unlock_timeout(&self) -> Duration {
-        self.unlock_timeout
+    /// The bound of a release its caller waits for (`unlock()`): the
+    /// pool's unlock timeout, at least [`super::EXPLICIT_UNLOCK_FLOOR`]. The
+    /// drop path's is the unlock timeout itself.
+    pub(crate) fn explicit_bound(&self) -> Duration {
+        super::explicit_unlock_bound(self.unlock_timeout)
     }
 
-    /// An unlock that got no answer within the unlock timeout: now, what
+    /// An unlock that got no answer within its bound ([`Held::explicit_bound`]): now, what
     /// the drop path does then (its statement cancelled, the connection
     /// closed, never returned to the pool, its slot and budget freed), and
     /// the error that says so. The guard holds nothing afterwards.
     pub(crate) fn abandon(&mut self) -> Error {
-        let (key, bound) = (self.key, self.unlock_timeout);
+        let (key, bound) = (self.key, self.explicit_bound());
         if let Some(conn) = self.conn.take() {
             let pid = conn.pid();
             tracing::warn!(%key, pid, ?bound, "session lock unlock not confirmed in time: closing its connection");
@@ -220,9 +222,15 @@ impl<B: Source> Held<B> {
         })
     }
 
-    /// Releases every advisory lock of the lock's session; confirmed, it is clean.
+    /// Releases every advisory lock of the lock's session; confirmed, it is
+    /// clean. A database error is [`stale`]-checked: sent once more.
     pub(crate) async fn unlock_all(&mut self) -> Result<(), Error> {
-        self.on_lock_backend(Act::UnlockAll).await?;
+        if let Err(e) = self.on_lock_backend(Act::UnlockAll).await {
+            if !stale(&e, self.key) {
+                return Err(e);
+            }
+            self.on_lock_backend(Act::UnlockAll).await?;
+        }
         self.released();
         Ok(())
     }
@@ -240,6 +248,15 @@ impl<B: Source> Drop for Held<B> {
         }
         let (key, mode, lock_pid, bound) =
             (self.key, self.mode, self.lock_pid, self.unlock_timeout);
+        if bound.is_zero() && tokio::runtime::Handle::try_current().is_ok() {
+            // Zero: closed at once, no unlock tried (an unlock answered
+            // before a zero timer's first tick would keep it otherwise).
+            tracing::debug!(%key, "session lock dropped with a zero unlock timeout: closing its connection");
+            cancel_in_flight(&conn, lock_pid.unwrap_or(conn.pid()), self.explicit_bound());
+            conn.discard();
+            drop(tally);
+            return;
+        }
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 // Its slot frees when the unlock below is done: a session
@@ -281,10 +298,40 @@ impl<B: Source> Drop for DiscardOnDrop<B> {
     }
 }
 
+/// Whether the database error `e` of an unlock-all may be an earlier
+/// statement's, which makes the unlock worth sending once more. On sqlx a
+/// statement cut off in flight (the guard dropped while its lock waited)
+/// reports its own error, say the lock timeout that ended the wait, at the
+/// connection's next statement, before sending that one (sqlx's
+/// `wait_until_ready`): the unlock was not run, and the next answer is its
+/// own. On deadpool the first answer is the unlock's own already; an
+/// unlock-all is idempotent, and one failing twice is an error.
+fn stale(e: &Error, key: LockKey) -> bool {
+    let Some(code) = e.sqlstate() else {
+        return false;
+    };
+    tracing::debug!(%key, code, error = %e, "unlock answered with an error, maybe an earlier statement's: sent once more");
+    true
+}
+
+/// [`unlock_all_once`], sent once more after a [`stale`] database error.
+async fn unlock_all<B: Source>(
+    conn: &mut Client<B>,
+    key: LockKey,
+    mode: LockMode,
+    lock_pid: Option<i32>,
+    bound: Duration,
+) -> Result<(), Error> {
+    match unlock_all_once(conn, key, mode, lock_pid, bound).await {
+        Err(e) if stale(&e, key) => unlock_all_once(conn, key, mode, lock_pid, bound).await,
+        done => done,
+    }
+}
+
 /// `pg_advisory_unlock_all()` on the guard's connection: on the lock's
 /// backend only, once that is known (a lock statement cut off in flight
 /// leaves it unknown: then on whatever session the connection has).
-async fn unlock_all<B: Source>(
+async fn unlock_all_once<B: Source>(
     conn: &mut Client<B>,
     key: LockKey,
     mode: LockMode,

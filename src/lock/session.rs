@@ -150,15 +150,18 @@ impl<B: Source> SessionLock<B> {
     ///
     /// Bounded by the pool's unlock timeout
     /// ([`PoolBuilder::unlock_timeout`](crate::PoolBuilder::unlock_timeout)),
-    /// as the drop path is (the search for a lock's backend that a pooler
-    /// moved, above, gets half of it): when the server has not confirmed
+    /// as the drop path is, but never by less than one second (a zero or
+    /// tiny unlock timeout closes dropped guards' connections at once; it
+    /// does not refuse a healthy unlock whose answer takes a millisecond);
+    /// the search for a lock's backend that a pooler moved, above, gets half
+    /// of the bound. When the server has not confirmed
     /// the unlock by then (a backend frozen, a link cut off), its statement
     /// is cancelled and the connection closed, never returned to the pool,
     /// and the unlock fails with
     /// [`LockError::UnlockNotConfirmed`](crate::LockError::UnlockNotConfirmed):
     /// the lock goes with its session, as soon as the backend notices.
     pub async fn unlock(mut self) -> Result<(), Error> {
-        let bound = self.held.unlock_timeout();
+        let bound = self.held.explicit_bound();
         match tokio::time::timeout(bound, self.unlock_levels()).await {
             Ok(done) => done,
             Err(_) => Err(self.held.abandon()),
