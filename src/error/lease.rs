@@ -145,3 +145,40 @@ fn fence_blocked(name: &str, waited: &Duration, on_table: bool, pid: Option<i32>
          transaction is rolled back: retry in a new transaction, and end that session's transaction ({keep_off})"
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocked(on_table: bool, blocking_pid: Option<i32>) -> String {
+        LeaseError::FenceBlocked {
+            name: "n".to_owned(),
+            waited: Duration::from_millis(300),
+            blocking_pid,
+            on_table,
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn a_blocked_fence_names_the_lock_it_can_tell() {
+        let table = blocked(true, Some(7));
+        assert!(
+            table.contains("the lease table's lock, held by pid 7"),
+            "{table}"
+        );
+        assert!(table.contains("LOCK TABLE"), "{table}");
+        let row = blocked(false, Some(7));
+        assert!(row.contains("the lease row's lock, held by pid 7"), "{row}");
+        assert!(row.contains("FOR UPDATE"), "{row}");
+        let unknown = blocked(false, None);
+        assert!(
+            unknown.contains("a lock on the lease row or table, held by another session"),
+            "{unknown}"
+        );
+        for m in [table, row, unknown] {
+            assert!(m.contains("statement_timeout"), "{m}");
+            assert!(m.contains("retry in a new transaction"), "{m}");
+        }
+    }
+}

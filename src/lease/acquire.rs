@@ -415,7 +415,13 @@ impl LeaseHandle {
     /// Renewals of this lease do not wait (they take `FOR NO KEY UPDATE`).
     /// No take-over happens while the transaction is open (a take-over
     /// answers busy meanwhile), so the transaction is bounded on the server,
-    /// as a whole, to the term's time left + 1 s:
+    /// as a whole, to the term's time left + 1 s. The term's end there is
+    /// the later of the row's expiry as the fence reads it (under
+    /// `REPEATABLE READ` or `SERIALIZABLE`, the snapshot's: older than the
+    /// renewals since) and the one this client knows (its local deadline
+    /// plus the safety margin, which renewals move and no snapshot hides);
+    /// neither is ever past the database's. The time left is counted once
+    /// the row is locked, not before the fence's wait for it:
     ///
     /// - `statement_timeout`, `idle_in_transaction_session_timeout` and
     ///   `lock_timeout` are set for this transaction to that bound, or kept
@@ -429,9 +435,16 @@ impl LeaseHandle {
     ///   the term's end + 1 s, with
     ///   [`LeaseError::Lost`](crate::LeaseError::Lost) (the term is over by
     ///   then: renewals wait behind the same lock), or earlier at the
-    ///   transaction's tighter `lock_timeout` with
+    ///   transaction's tighter `lock_timeout` or `statement_timeout` with
     ///   [`LeaseError::FenceBlocked`](crate::LeaseError::FenceBlocked),
-    ///   which names the blocking session's pid;
+    ///   which says whether the lock was the row's or the table's and
+    ///   names the session holding it (looked up from `pg_locks` in at
+    ///   most 2 s, never waiting behind a lock on the lease table). A lock
+    ///   on the lease table itself (`LOCK TABLE`, `ALTER TABLE`, `VACUUM
+    ///   FULL` in an open transaction) is waited for as the statement is
+    ///   parsed, before it can set anything: only the transaction's own
+    ///   `lock_timeout` or `statement_timeout` bounds that wait (give the
+    ///   transaction one where that can happen);
     /// - these bound one statement or one idle spell each, not the
     ///   transaction: the transaction also takes pgwarden's *fence mark*,
     ///   the shared advisory lock `(1885828964, the token's low 32 bits)`
@@ -476,7 +489,7 @@ impl LeaseHandle {
     /// `LeaseError::Lost { reason: Taken }`; a renewal by this holder since then is
     /// no conflict (it changes no key), and the expiry it carries is newer
     /// than the snapshot's, so there the local deadline stands in for the
-    /// expiry check. Take the snapshot after the lease: call `fence` first
+    /// expiry check, and the term's end this client knows for the bounds. Take the snapshot after the lease: call `fence` first
     /// in the transaction (a snapshot older than the acquisition sees
     /// another term, and the fence fails with `Taken`).
     ///
@@ -618,11 +631,8 @@ impl LeaseHandle {
                 blocking_pid: None,
                 on_table: false,
             }) => {
-                let (on_table, blocking_pid) = self
-                    .inner
-                    .fence_blocker(&name)
-                    .await
-                    .unwrap_or((false, None));
+                let found = self.inner.fence_blocker(&name).await;
+                let (on_table, blocking_pid) = found.map_or((false, None), |b| (b.on_table, b.pid));
                 Error::Lease(LeaseError::FenceBlocked {
                     name,
                     waited,

@@ -40,8 +40,8 @@ use super::backend::{Backend, LeasePool};
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
 use super::table::{
-    Busy, Call, FenceBlocker, LeaseStatement, PurgeMark, Release, Statements, TableName, Taken,
-    FENCE_LOOKUP,
+    Busy, Call, FenceBlock, FenceBlocker, LeaseStatement, PurgeMark, Release, Statements,
+    TableName, Taken, FENCE_LOOKUP,
 };
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
@@ -186,7 +186,7 @@ pub(crate) trait Owner: Send + Sync + 'static {
     fn fence_blocker<'a>(
         &'a self,
         name: &'a str,
-    ) -> Pin<Box<dyn Future<Output = Option<(bool, Option<i32>)>> + Send + 'a>>;
+    ) -> Pin<Box<dyn Future<Output = Option<FenceBlock>> + Send + 'a>>;
 }
 
 impl<B: Backend> Owner for Inner<B> {
@@ -208,7 +208,7 @@ impl<B: Backend> Owner for Inner<B> {
     fn fence_blocker<'a>(
         &'a self,
         name: &'a str,
-    ) -> Pin<Box<dyn Future<Output = Option<(bool, Option<i32>)>> + Send + 'a>> {
+    ) -> Pin<Box<dyn Future<Output = Option<FenceBlock>> + Send + 'a>> {
         Box::pin(async move {
             let budget = self.statement_timeout.min(FENCE_LOOKUP);
             let found = self

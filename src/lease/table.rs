@@ -546,6 +546,15 @@ SELECT (SELECT drained FROM d), (SELECT count(*) FROM x)"
     }
 }
 
+/// What kept a fence waiting (see [`Statements::fence_blocker`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FenceBlock {
+    /// A lock on the lease table, not on its row.
+    pub(crate) on_table: bool,
+    /// The session holding it (`None`: a prepared transaction).
+    pub(crate) pid: Option<i32>,
+}
+
 /// A session holding a lock on a lease row.
 #[derive(Debug, Clone)]
 pub(crate) struct RowLocker {
@@ -771,25 +780,31 @@ impl Statements {
             .transpose()
     }
 
-    /// What kept a fence of `name` waiting, once it gave up: `(true, pid)`
-    /// when a session holds (or is first in line for) a lock on the lease
-    /// table that blocks a fence, read from `pg_locks` without touching
-    /// the table; else `(false, pid)` for the session holding a lock on the
-    /// row; `None` when neither is there any more.
+    /// What kept a fence of `name` waiting, once it gave up: a session
+    /// holding (or first in line for) a lock on the lease table that blocks
+    /// a fence, read from `pg_locks` without touching the table; else the
+    /// session holding a lock on the row; `None` when neither is there any
+    /// more.
     pub(crate) async fn fence_blocker(
         &self,
         client: &impl Exec,
         call: Call,
         name: &str,
-    ) -> Result<Option<(bool, Option<i32>)>, SqlError> {
+    ) -> Result<Option<FenceBlock>, SqlError> {
         let table = client
             .query(&self.table_blocker, &[Param::Text(&self.table)], call.how())
             .await?;
         if let Some(r) = table.first() {
-            return Ok(Some((true, r.col(0)?)));
+            return Ok(Some(FenceBlock {
+                on_table: true,
+                pid: r.col(0)?,
+            }));
         }
         let row = self.blocker(client, call, name).await?;
-        Ok(row.map(|b| (false, Some(b.pid))))
+        Ok(row.map(|b| FenceBlock {
+            on_table: false,
+            pid: Some(b.pid),
+        }))
     }
 
     /// The mark of a purge round: the token sequence's last value (`None`
@@ -1837,7 +1852,7 @@ pub(crate) struct FenceBlocker<'a> {
 
 lease_statement!(
     FenceBlocker<'_>,
-    Option<(bool, Option<i32>)>,
+    Option<FenceBlock>,
     "busy check",
     |s, sql, c, call| sql.fence_blocker(c, call, s.name)
 );
