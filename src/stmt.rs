@@ -90,6 +90,8 @@ pub(crate) mod code {
     pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
     /// `lock_not_available` (a `lock_timeout` ran out)
     pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
+    /// `query_canceled` (a `statement_timeout` ran out, or a cancel request)
+    pub(crate) const QUERY_CANCELED: &str = "57014";
     /// `in_failed_sql_transaction`
     pub(crate) const IN_FAILED_SQL_TRANSACTION: &str = "25P02";
     /// `undefined_column`

@@ -59,31 +59,36 @@ pub enum LeaseError {
 
     /// [`LeaseHandle::fence`](crate::LeaseHandle::fence) (or a fenced
     /// transaction's [`Fenced::check`](crate::Fenced::check) or
-    /// [`Fenced::commit`](crate::Fenced::commit)) waited for the lease
-    /// row's lock, which another session held (a `SELECT … FOR UPDATE` or
-    /// a `DELETE` of the row, or a session frozen holding it), until its
-    /// bound ran out: the term's end + 1 s as the fence read it, or the
-    /// transaction's own `lock_timeout` when tighter. The term was still
-    /// this holder's by the local deadline then (past it, the fence
+    /// [`Fenced::commit`](crate::Fenced::commit)) waited for a lock that
+    /// another session held until its bound ran out: the lease row's (a
+    /// `SELECT … FOR UPDATE` or a `DELETE` of the row, or a session frozen
+    /// holding it), or the lease table's own (`LOCK TABLE`, an `ALTER
+    /// TABLE`, `VACUUM FULL`). Its bound: the term's end + 1 s, or the
+    /// transaction's own `lock_timeout` or `statement_timeout` when
+    /// tighter (a wait for the table's lock, which comes before the
+    /// fence's statement can set anything, has only those). The term was
+    /// still this holder's by the local deadline then (past it, the fence
     /// reports [`LeaseError::Lost`] instead). Nothing was written: the
     /// transaction failed, and is rolled back. Retry in a new transaction;
-    /// end the session that holds the row (`blocking_pid`, or `pgwarden
-    /// leases`), and keep statements that lock rows off the lease table.
-    #[error(
-        "fence of lease {name:?} waited {waited:?} for the lease row's lock, held by {}, and gave up \
-         (its bound: the term's end + 1 s, or the transaction's tighter lock_timeout); nothing was written \
-         and the transaction is rolled back: retry in a new transaction, and end that session's transaction \
-         (keep statements that lock rows, such as SELECT … FOR UPDATE, off the lease table)",
-        match blocking_pid { Some(pid) => format!("pid {pid}"), None => "another session".to_owned() }
-    )]
+    /// end the session that holds the lock (`blocking_pid`, or `pgwarden
+    /// leases` for a row), and keep statements that lock rows or the table
+    /// off the lease table.
+    #[error("{}", fence_blocked(name, waited, *on_table, *blocking_pid))]
     FenceBlocked {
         /// The lease.
         name: String,
         /// How long the fence's statement ran.
         waited: Duration,
-        /// The session holding the row's lock when the fence gave up, when
-        /// the server could tell.
+        /// The session holding the lock when the fence gave up, when the
+        /// server could tell (looked up once the fence's transaction is
+        /// gone: `None` from [`Fenced::check`](crate::Fenced::check), whose
+        /// transaction is still open, and for a prepared transaction).
         blocking_pid: Option<i32>,
+        /// The lock was the lease table's (another session held, or was
+        /// first in line for, an `EXCLUSIVE` or `ACCESS EXCLUSIVE` lock on
+        /// it); `false`: the lease row's, or unknown when `blocking_pid` is
+        /// `None` too.
+        on_table: bool,
     },
 
     /// A lease statement did not complete in time; its connection was closed
@@ -111,4 +116,69 @@ pub enum LeaseError {
         /// primary key, the sequence.
         differences: Vec<String>,
     },
+}
+
+/// The message of [`LeaseError::FenceBlocked`]: which lock, held by whom,
+/// and what to do.
+fn fence_blocked(name: &str, waited: &Duration, on_table: bool, pid: Option<i32>) -> String {
+    let by = match pid {
+        Some(pid) => format!("pid {pid}"),
+        None => "another session".to_owned(),
+    };
+    let (lock, keep_off) = match (on_table, pid) {
+        (true, _) => (
+            format!("the lease table's lock, held by {by}"),
+            "keep LOCK TABLE, ALTER TABLE and VACUUM FULL off the lease table while leases are in use",
+        ),
+        (false, Some(_)) => (
+            format!("the lease row's lock, held by {by}"),
+            "keep statements that lock rows, such as SELECT … FOR UPDATE, off the lease table",
+        ),
+        (false, None) => (
+            format!("a lock on the lease row or table, held by {by}"),
+            "keep statements that lock rows or the table off the lease table",
+        ),
+    };
+    format!(
+        "fence of lease {name:?} waited {waited:?} for {lock}, and gave up (its bound: the term's end + 1 s, \
+         or the transaction's tighter lock_timeout or statement_timeout); nothing was written and the \
+         transaction is rolled back: retry in a new transaction, and end that session's transaction ({keep_off})"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocked(on_table: bool, blocking_pid: Option<i32>) -> String {
+        LeaseError::FenceBlocked {
+            name: "n".to_owned(),
+            waited: Duration::from_millis(300),
+            blocking_pid,
+            on_table,
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn a_blocked_fence_names_the_lock_it_can_tell() {
+        let table = blocked(true, Some(7));
+        assert!(
+            table.contains("the lease table's lock, held by pid 7"),
+            "{table}"
+        );
+        assert!(table.contains("LOCK TABLE"), "{table}");
+        let row = blocked(false, Some(7));
+        assert!(row.contains("the lease row's lock, held by pid 7"), "{row}");
+        assert!(row.contains("FOR UPDATE"), "{row}");
+        let unknown = blocked(false, None);
+        assert!(
+            unknown.contains("a lock on the lease row or table, held by another session"),
+            "{unknown}"
+        );
+        for m in [table, row, unknown] {
+            assert!(m.contains("statement_timeout"), "{m}");
+            assert!(m.contains("retry in a new transaction"), "{m}");
+        }
+    }
 }

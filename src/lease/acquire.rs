@@ -199,7 +199,7 @@ impl<B: Backend> Inner<B> {
             taken_at,
             prev_holder: taken.prev_holder,
         };
-        let state = Arc::new(LeaseState::new(info, timing.deadline(start)));
+        let state = Arc::new(LeaseState::new(info, timing.deadline(start), timing.margin));
         self.metrics.acquired(name);
         if let Some(prev) = state.term.took_over_from.as_deref() {
             self.metrics.takeover(name);
@@ -443,7 +443,13 @@ impl LeaseHandle {
     /// Renewals of this lease do not wait (they take `FOR NO KEY UPDATE`).
     /// No take-over happens while the transaction is open (a take-over
     /// answers busy meanwhile), so the transaction is bounded on the server,
-    /// as a whole, to the term's time left + 1 s:
+    /// as a whole, to the term's time left + 1 s. The term's end there is
+    /// the later of the row's expiry as the fence reads it (under
+    /// `REPEATABLE READ` or `SERIALIZABLE`, the snapshot's: older than the
+    /// renewals since) and the one this client knows (its local deadline
+    /// plus the safety margin, which renewals move and no snapshot hides);
+    /// neither is ever past the database's. The time left is counted once
+    /// the row is locked, not before the fence's wait for it:
     ///
     /// - `statement_timeout`, `idle_in_transaction_session_timeout` and
     ///   `lock_timeout` are set for this transaction to that bound, or kept
@@ -457,9 +463,16 @@ impl LeaseHandle {
     ///   the term's end + 1 s, with
     ///   [`LeaseError::Lost`](crate::LeaseError::Lost) (the term is over by
     ///   then: renewals wait behind the same lock), or earlier at the
-    ///   transaction's tighter `lock_timeout` with
+    ///   transaction's tighter `lock_timeout` or `statement_timeout` with
     ///   [`LeaseError::FenceBlocked`](crate::LeaseError::FenceBlocked),
-    ///   which names the blocking session's pid;
+    ///   which says whether the lock was the row's or the table's and
+    ///   names the session holding it (looked up from `pg_locks` in at
+    ///   most 2 s, never waiting behind a lock on the lease table). A lock
+    ///   on the lease table itself (`LOCK TABLE`, `ALTER TABLE`, `VACUUM
+    ///   FULL` in an open transaction) is waited for as the statement is
+    ///   parsed, before it can set anything: only the transaction's own
+    ///   `lock_timeout` or `statement_timeout` bounds that wait (give the
+    ///   transaction one where that can happen);
     /// - these bound one statement or one idle spell each, not the
     ///   transaction: the transaction also takes pgwarden's *fence mark*,
     ///   the shared advisory lock `(1885828964, the token's low 32 bits)`
@@ -504,7 +517,7 @@ impl LeaseHandle {
     /// `LeaseError::Lost { reason: Taken }`; a renewal by this holder since then is
     /// no conflict (it changes no key), and the expiry it carries is newer
     /// than the snapshot's, so there the local deadline stands in for the
-    /// expiry check. Take the snapshot after the lease: call `fence` first
+    /// expiry check, and the term's end this client knows for the bounds. Take the snapshot after the lease: call `fence` first
     /// in the transaction (a snapshot older than the acquisition sees
     /// another term, and the fence fails with `Taken`).
     ///
@@ -543,7 +556,13 @@ impl LeaseHandle {
         let row = match self
             .inner
             .sql()
-            .fence(tx, &self.state.name, &self.state.holder, self.state.token)
+            .fence(
+                tx,
+                &self.state.name,
+                &self.state.holder,
+                self.state.token,
+                self.state.term_end().saturating_duration_since(began),
+            )
             .await
         {
             Ok(row) => row,
@@ -552,10 +571,15 @@ impl LeaseHandle {
             Err(e) if e.is(code::SERIALIZATION_FAILURE) => {
                 return Err(self.fence_failed(LostReason::Taken))
             }
-            // The row's lock was not granted within the fence's bound (the
-            // term's end + 1 s, or the transaction's tighter lock_timeout):
-            // another session holds the row.
-            Err(e) if e.is(code::LOCK_NOT_AVAILABLE) => {
+            // A lock (the row's, or the table's) was not granted within the
+            // fence's bound (the term's end + 1 s, or the transaction's
+            // tighter lock_timeout), or the transaction's tighter
+            // statement_timeout ended the statement first: another session
+            // holds the lock, looked up once the transaction is gone. A
+            // cancel request (57014 too) is reported the same way: only
+            // the message's words, in the server's language, tell them
+            // apart, and the lookup then finds nothing to name.
+            Err(e) if e.is(code::LOCK_NOT_AVAILABLE) || e.is(code::QUERY_CANCELED) => {
                 return Err(self.fence_blocked(began.elapsed()))
             }
             Err(e) => return Err(e.into()),
@@ -595,20 +619,21 @@ impl LeaseHandle {
         Err(self.fence_failed(reason))
     }
 
-    /// The fence's wait for the lease row's lock ran out after `waited`:
-    /// [`LeaseError::Lost`] when the term is over by now (the bound is the
-    /// term's end + 1 s, so it usually is: renewals wait behind the same
-    /// lock), else [`LeaseError::FenceBlocked`] (a tighter `lock_timeout`
-    /// of the transaction's, or a renewal the fence's read did not see),
-    /// its blocker to be named by [`LeaseHandle::name_blocker`].
+    /// The fence's wait for a lock (the lease row's, or the table's) ran
+    /// out after `waited`: [`LeaseError::Lost`] when the term is over by
+    /// now (the bound is the term's end + 1 s, so it usually is: renewals
+    /// wait behind a row lock too), else [`LeaseError::FenceBlocked`] (a
+    /// tighter `lock_timeout` or `statement_timeout` of the
+    /// transaction's), its blocker to be named by
+    /// [`LeaseHandle::name_blocker`].
     fn fence_blocked(&self, waited: Duration) -> Error {
         tracing::warn!(
             pool = %self.inner.pool_name(),
             lease = %self.state.name,
             token = self.state.token,
             ?waited,
-            "fence gave up waiting for the lease row's lock, held by another session \
-             (a SELECT … FOR UPDATE or DELETE on the lease table, or a frozen session)"
+            "fence gave up waiting for a lock on the lease row or table, held by another session \
+             (a SELECT … FOR UPDATE, DELETE or LOCK TABLE on the lease table, or a frozen session)"
         );
         if let Some(reason) = self.inner.check_lost(&self.state) {
             return self.fence_failed(reason);
@@ -617,24 +642,30 @@ impl LeaseHandle {
             name: self.state.name.to_string(),
             waited,
             blocking_pid: None,
+            on_table: false,
         })
     }
 
-    /// `e` with the session holding the lease row named, when it is
+    /// `e` with the lock and the session holding it named, when it is
     /// [`LeaseError::FenceBlocked`]: looked up once the fenced transaction
-    /// is gone (its caller dropped it), so that the lookup holds nothing.
+    /// is gone (its caller dropped it), so that the lookup holds nothing,
+    /// and bounded short (`FENCE_LOOKUP`), never waiting behind a lock on
+    /// the lease table (see `Statements::fence_blocker`).
     async fn name_blocker(&self, e: Error) -> Error {
         match e {
             Error::Lease(LeaseError::FenceBlocked {
                 name,
                 waited,
                 blocking_pid: None,
+                on_table: false,
             }) => {
-                let blocking_pid = self.inner.row_locker(&name).await;
+                let found = self.inner.fence_blocker(&name).await;
+                let (on_table, blocking_pid) = found.map_or((false, None), |b| (b.on_table, b.pid));
                 Error::Lease(LeaseError::FenceBlocked {
                     name,
                     waited,
                     blocking_pid,
+                    on_table,
                 })
             }
             e => e,

@@ -40,7 +40,8 @@ use super::backend::{Backend, LeasePool};
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
 use super::table::{
-    Blocker, Busy, Call, LeaseStatement, PurgeMark, Release, Statements, TableName, Taken,
+    Busy, Call, FenceBlock, FenceBlocker, LeaseStatement, PurgeMark, Release, Statements,
+    TableName, Taken, FENCE_LOOKUP,
 };
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
@@ -175,13 +176,17 @@ pub(crate) trait Owner: Send + Sync + 'static {
     fn sql(&self) -> &Statements;
     /// The pool's name.
     fn pool_name(&self) -> &str;
-    /// The session holding a lock on `name`'s row, when the server can tell
-    /// (a lease statement of its own, bounded as every other: the fence
-    /// blocked by that row asks, after its transaction is gone).
-    fn row_locker<'a>(
+    /// What kept a fence of `name` waiting, when the server can tell:
+    /// whether it is a lock on the lease table (else on its row), and the
+    /// session holding it (see `Statements::fence_blocker`). A lease
+    /// statement of its own, asked once the blocked fence's transaction is
+    /// gone, bounded by [`FENCE_LOOKUP`]: it reads `pg_locks` first and the
+    /// table only when no session holds a lock on the table that would
+    /// keep that read waiting.
+    fn fence_blocker<'a>(
         &'a self,
         name: &'a str,
-    ) -> Pin<Box<dyn Future<Output = Option<i32>> + Send + 'a>>;
+    ) -> Pin<Box<dyn Future<Output = Option<FenceBlock>> + Send + 'a>>;
 }
 
 impl<B: Backend> Owner for Inner<B> {
@@ -200,15 +205,16 @@ impl<B: Backend> Owner for Inner<B> {
     fn pool_name(&self) -> &str {
         &self.pool_name
     }
-    fn row_locker<'a>(
+    fn fence_blocker<'a>(
         &'a self,
         name: &'a str,
-    ) -> Pin<Box<dyn Future<Output = Option<i32>> + Send + 'a>> {
+    ) -> Pin<Box<dyn Future<Output = Option<FenceBlock>> + Send + 'a>> {
         Box::pin(async move {
+            let budget = self.statement_timeout.min(FENCE_LOOKUP);
             let found = self
-                .run(Urgency::Normal, self.statement_timeout, &Blocker { name })
+                .run(Urgency::Normal, budget, &FenceBlocker { name })
                 .await;
-            found.ok().flatten().map(|b| b.pid)
+            found.ok().flatten()
         })
     }
 }

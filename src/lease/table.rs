@@ -131,6 +131,12 @@ pub(crate) const BATCH_LOCK_WAIT: Duration = Duration::from_millis(100);
 /// server (idle, or in one statement) before the server ends it: 1 s.
 pub(crate) const FENCE_GRACE: Duration = Duration::from_secs(1);
 
+/// How long the lookup of what kept a blocked fence waiting may take (a
+/// connection, then `pg_locks` and, when no lock is held on the table, the
+/// row's locker; a few milliseconds on a healthy server): 2 s. Past it the
+/// fence reports no pid rather than keep its caller longer.
+pub(crate) const FENCE_LOOKUP: Duration = Duration::from_secs(2);
+
 /// The statements of one lease table.
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -144,6 +150,7 @@ pub(crate) struct Statements {
     pub(super) release_batch: String,
     pub(super) fence: String,
     pub(super) blocker: String,
+    pub(super) table_blocker: String,
     pub(super) terms: String,
     pub(super) purge_mark: String,
     pub(super) purge_sweep: String,
@@ -223,6 +230,31 @@ fn kept_ms(mark: &str, setting: &str) -> String {
     format!(
         "coalesce(nullif(current_setting('pgwarden.{mark}', true), '')::int8,
                                 (extract(epoch FROM current_setting('{setting}', true)::interval) * 1000)::int8, 0)"
+    )
+}
+
+/// The fence's bound in milliseconds, as of the moment it is computed: the
+/// term's time left plus the grace (`$2`), the term's end being the later
+/// of two that are never past the database's latest expiry (as the clock
+/// runs on, the later is the nearer to it):
+///
+/// - the row's `expires_at` (alias `{row}`), as the statement reads it: the
+///   latest committed under `READ COMMITTED`, but the snapshot's under
+///   `REPEATABLE READ` and `SERIALIZABLE`, older than every renewal since
+///   the snapshot (a healthy term, renewed meanwhile, would get the grace
+///   alone as its bound);
+/// - the term's end as the client knows it (`$5`: its local deadline plus
+///   the safety margin, in milliseconds from when the statement was sent,
+///   see `LeaseState::term_end`), counted down by the statement's age on
+///   the server (`statement_timestamp()`, the statement's arrival): never
+///   later than the database's expiry (a renewal sent at local instant `t`
+///   sets it to at least `t + ttl`, the local deadline is `t + ttl -
+///   margin`), and not subject to any snapshot.
+fn term_left_ms(row: &str) -> String {
+    format!(
+        "(ceil(greatest(extract(epoch FROM {row}.expires_at - clock_timestamp()) * 1000,
+                                     $5 - extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000,
+                                     0)) + $2)::int8"
     )
 }
 
@@ -357,8 +389,8 @@ RETURNING name"
             ),
             // The row locked `FOR KEY SHARE` (a take-over waits for the
             // transaction, a renewal does not), and the transaction bounded
-            // on the server from the term's expiry (`b.ms`: the term's time
-            // left plus `$2` ms):
+            // on the server from the term's end (`ms`: the term's time left
+            // plus `$2` ms, see `term_left_ms`):
             //
             // - `statement_timeout` and `idle_in_transaction_session_timeout`
             //   for this transaction, each the tighter of that bound and the
@@ -383,40 +415,58 @@ RETURNING name"
             //   bounds;
             // - `lock_timeout` too, the same way (the tighter of the bound
             //   and the value before the first fence, kept in
-            //   `pgwarden.fence_lt`), and set in `WHERE`, below the row
-            //   lock: the settings above apply from the next statement on,
-            //   but a lock wait reads `lock_timeout` when it starts, so the
-            //   fence's own wait for the row (another session holding it
-            //   `FOR UPDATE`, or deleting it) ends at the bound, on the
-            //   server (SQLSTATE 55P03), in this same round trip. Later
-            //   statements of the transaction see it too, which changes
-            //   nothing for them: their `statement_timeout` is no longer.
+            //   `pgwarden.fence_lt`), set twice: in the inner `WHERE`,
+            //   below the row lock (the other settings apply from the next
+            //   statement on, but a lock wait reads `lock_timeout` when it
+            //   starts, so the fence's own wait for the row, another
+            //   session holding it `FOR UPDATE` or deleting it, ends at the
+            //   bound, on the server, SQLSTATE 55P03, in this same round
+            //   trip), and again with the rest once the row is locked.
+            //
+            // Two levels, so that the bounds are computed after the wait:
+            // the sub-select that locks the row is never merged into the
+            // outer one (it has `FOR KEY SHARE`), so its `LockRows` node
+            // runs below the outer projection, which computes `ms` (and
+            // the term check) only once the row is locked; computed in the
+            // same projection as the scan, they would count the time left
+            // from before the wait and land late by the wait's length. The
+            // inner `w.lt` is passed up: read again above, it would read
+            // the `lock_timeout` the inner `WHERE` just set.
+            //
+            // The table's own lock (`LOCK TABLE`, `ALTER TABLE`…) is taken
+            // when the statement is parsed, before any of this runs: only
+            // the transaction's own `lock_timeout` or `statement_timeout`
+            // bounds that wait (see `LeaseHandle::fence`).
             fence: format!(
                 "SELECT f.holder, f.token, f.expires_at > clock_timestamp(),
        current_setting('transaction_isolation') <> 'read committed',
        f.holder = $3 AND f.token = $4 AND pg_try_advisory_xact_lock_shared({ns}, b.mark),
        set_config('pgwarden.fence_st', b.st::text, true) IS NOT NULL
-         AND set_config('pgwarden.fence_lt', b.lt::text, true) IS NOT NULL
+         AND set_config('pgwarden.fence_lt', f.lt::text, true) IS NOT NULL
          AND set_config('pgwarden.fence_it', b.it::text, true) IS NOT NULL
          AND set_config('statement_timeout', (CASE WHEN b.st > 0 THEN least(b.st, b.ms) ELSE b.ms END)::text, true) IS NOT NULL
          AND set_config('idle_in_transaction_session_timeout', (CASE WHEN b.it > 0 THEN least(b.it, b.ms) ELSE b.ms END)::text, true) IS NOT NULL
+         AND set_config('lock_timeout', least(CASE WHEN f.lt > 0 THEN least(f.lt, b.ms) ELSE b.ms END, 2147483647)::text, true) IS NOT NULL
          AND (current_setting('server_version_num')::int < 170000
               OR (set_config('pgwarden.fence_tt', b.tt::text, true) IS NOT NULL
                   AND set_config('transaction_timeout', '0', true) IS NOT NULL
                   AND set_config('transaction_timeout', greatest(1, CASE WHEN b.tt > 0 THEN least(b.tt - b.age, b.ms) ELSE b.ms END)::text, true) IS NOT NULL))
-  FROM {tbl} AS f,
-       LATERAL (SELECT (ceil(greatest(extract(epoch FROM f.expires_at - clock_timestamp()), 0) * 1000) + $2)::int8 AS ms,
+  FROM (SELECT l.holder, l.token, l.expires_at, w.lt
+          FROM {tbl} AS l,
+               LATERAL (SELECT {ms_before} AS ms, {lt} AS lt) AS w
+         WHERE l.name = $1
+           AND set_config('lock_timeout', least(CASE WHEN w.lt > 0 THEN least(w.lt, w.ms) ELSE w.ms END, 2147483647)::text, true) IS NOT NULL
+           FOR KEY SHARE OF l) AS f,
+       LATERAL (SELECT {ms_after} AS ms,
                        {st} AS st,
                        {it} AS it,
                        {tt} AS tt,
-                       {lt} AS lt,
                        ceil(extract(epoch FROM clock_timestamp() - now()) * 1000)::int8 AS age,
                        (CASE WHEN f.token & 2147483648 = 0 THEN f.token & 2147483647
-                             ELSE (f.token & 2147483647) - 2147483648 END)::int4 AS mark) AS b
- WHERE f.name = $1
-   AND set_config('lock_timeout', least(CASE WHEN b.lt > 0 THEN least(b.lt, b.ms) ELSE b.ms END, 2147483647)::text, true) IS NOT NULL
- FOR KEY SHARE OF f",
+                             ELSE (f.token & 2147483647) - 2147483648 END)::int4 AS mark) AS b",
                 ns = Namespace::PGWARDEN.id(),
+                ms_before = term_left_ms("l"),
+                ms_after = term_left_ms("f"),
                 st = kept_ms("fence_st", "statement_timeout"),
                 it = kept_ms("fence_it", "idle_in_transaction_session_timeout"),
                 tt = kept_ms("fence_tt", "transaction_timeout"),
@@ -434,6 +484,22 @@ RETURNING name"
  WHERE t.name = $1 AND a.pid <> pg_backend_pid()
  LIMIT 1"
             ),
+            // The session holding (or first in line for) a lock on the
+            // lease table itself that a fence's `FOR KEY SHARE` waits for
+            // (`EXCLUSIVE` or `ACCESS EXCLUSIVE`: `LOCK TABLE`, most `ALTER
+            // TABLE`s, `VACUUM FULL`…; its pid NULL for a prepared
+            // transaction), from `pg_locks` alone: the text names no user
+            // table (`to_regclass` looks the name up without locking it),
+            // so nothing here waits behind that lock. Looked up first when
+            // a fence gave up: the row's locker (`blocker`) is read from
+            // the table, which waits behind a table lock from its parse on.
+            table_blocker: "SELECT k.pid FROM pg_locks k
+ WHERE k.locktype = 'relation' AND k.mode IN ('ExclusiveLock', 'AccessExclusiveLock')
+   AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND k.relation = to_regclass($1) AND k.pid IS DISTINCT FROM pg_backend_pid()
+ ORDER BY k.granted DESC, k.pid
+ LIMIT 1"
+                .to_owned(),
             // The current term of each name: after a renewal found some of
             // its leases gone, whether each was taken over or revoked.
             terms: format!(
@@ -478,6 +544,15 @@ SELECT (SELECT drained FROM d), (SELECT count(*) FROM x)"
             sequence: t.sequence_quoted(),
         }
     }
+}
+
+/// What kept a fence waiting (see [`Statements::fence_blocker`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FenceBlock {
+    /// A lock on the lease table, not on its row.
+    pub(crate) on_table: bool,
+    /// The session holding it (`None`: a prepared transaction).
+    pub(crate) pid: Option<i32>,
 }
 
 /// A session holding a lock on a lease row.
@@ -653,8 +728,10 @@ impl Statements {
         name: &str,
         holder: &str,
         token: i64,
+        term_left: Duration,
     ) -> Result<Option<(String, i64, bool, bool, bool)>, SqlError> {
         let grace = i64::try_from(FENCE_GRACE.as_millis()).unwrap_or(i64::MAX);
+        let left = i64::try_from(term_left.as_millis()).unwrap_or(i64::MAX);
         let row = tx
             .query_opt(
                 &self.fence,
@@ -663,6 +740,7 @@ impl Statements {
                     Param::Int8(grace),
                     Param::Text(holder),
                     Param::Int8(token),
+                    Param::Int8(left),
                 ],
                 Sent::Unnamed,
             )
@@ -700,6 +778,33 @@ impl Statements {
                 })
             })
             .transpose()
+    }
+
+    /// What kept a fence of `name` waiting, once it gave up: a session
+    /// holding (or first in line for) a lock on the lease table that blocks
+    /// a fence, read from `pg_locks` without touching the table; else the
+    /// session holding a lock on the row; `None` when neither is there any
+    /// more.
+    pub(crate) async fn fence_blocker(
+        &self,
+        client: &impl Exec,
+        call: Call,
+        name: &str,
+    ) -> Result<Option<FenceBlock>, SqlError> {
+        let table = client
+            .query(&self.table_blocker, &[Param::Text(&self.table)], call.how())
+            .await?;
+        if let Some(r) = table.first() {
+            return Ok(Some(FenceBlock {
+                on_table: true,
+                pid: r.col(0)?,
+            }));
+        }
+        let row = self.blocker(client, call, name).await?;
+        Ok(row.map(|b| FenceBlock {
+            on_table: false,
+            pid: Some(b.pid),
+        }))
     }
 
     /// The mark of a purge round: the token sequence's last value (`None`
@@ -1739,6 +1844,19 @@ lease_statement!(
     |s, sql, c, call| sql.blocker(c, call, s.name)
 );
 
+/// What kept a fence waiting: a lock on the lease table, else on the row
+/// (see [`Statements::fence_blocker`]).
+pub(crate) struct FenceBlocker<'a> {
+    pub(crate) name: &'a str,
+}
+
+lease_statement!(
+    FenceBlocker<'_>,
+    Option<FenceBlock>,
+    "busy check",
+    |s, sql, c, call| sql.fence_blocker(c, call, s.name)
+);
+
 /// One batched renewal.
 pub(crate) struct Renew<'a> {
     pub(crate) names: Vec<&'a str>,
@@ -1922,7 +2040,13 @@ mod tests {
                 "{text}"
             );
         }
-        for text in [&s.free_in, &s.purge_mark, &s.purge_sweep, &s.blocker] {
+        for text in [
+            &s.free_in,
+            &s.purge_mark,
+            &s.purge_sweep,
+            &s.blocker,
+            &s.table_blocker,
+        ] {
             assert!(!text.contains("set_config"), "{text}");
         }
         // A statement timeout under the take-over bound bounds it too.

@@ -79,6 +79,9 @@ pub(crate) struct LeaseState {
     origin: Instant,
     /// The local deadline, in nanoseconds after `origin`; only grows.
     deadline_ns: AtomicU64,
+    /// The lease's safety margin: the database keeps the term at least this
+    /// long past the local deadline (see [`LeaseState::term_end`]).
+    margin: Duration,
     lost: watch::Sender<Option<LostReason>>,
 }
 
@@ -92,8 +95,9 @@ pub(crate) struct TermInfo {
 }
 
 impl LeaseState {
-    /// A term whose first local deadline is `deadline`.
-    pub(crate) fn new(info: TermInfo, deadline: Instant) -> LeaseState {
+    /// A term whose first local deadline is `deadline`, `margin` before
+    /// the database's expiry.
+    pub(crate) fn new(info: TermInfo, deadline: Instant, margin: Duration) -> LeaseState {
         let origin = Instant::now().min(deadline);
         let term = Term {
             name: info.name.to_string(),
@@ -109,6 +113,7 @@ impl LeaseState {
             term,
             origin,
             deadline_ns: AtomicU64::new(nanos(deadline - origin)),
+            margin,
             lost: watch::Sender::new(None),
         }
     }
@@ -116,6 +121,16 @@ impl LeaseState {
     /// The instant the holder stops trusting the lease.
     pub(crate) fn deadline(&self) -> Instant {
         self.origin + Duration::from_nanos(self.deadline_ns.load(Ordering::Acquire))
+    }
+
+    /// The term's end as this client knows it: the local deadline plus the
+    /// safety margin. Never later than the database's expiry of the term
+    /// (the last renewal that succeeded, sent at `start`, set it to at
+    /// least `start + ttl`; the deadline is `start + ttl - margin`), and
+    /// read from no snapshot: the fence bounds its transaction from it
+    /// where its read of the row may be older (see `Statements::fence`).
+    pub(crate) fn term_end(&self) -> Instant {
+        self.deadline() + self.margin
     }
 
     /// Moves the deadline later (a renewal succeeded); never earlier.
@@ -288,6 +303,7 @@ mod tests {
                 prev_holder: None,
             },
             deadline,
+            Duration::from_secs(1),
         )
     }
 
