@@ -9,6 +9,12 @@
 //! connection at once (or, if it was checked out in the meantime, at its
 //! next checkout) instead of letting it be reused.
 //!
+//! Owners are matched only on a pool that keeps its sessions (configured
+//! `Direct`, or proven straight to PostgreSQL: never a sqlx pool at
+//! `Auto`), an idle connection only by an id that names it for good
+//! ([`Source::stable`]) and, where known, by its session's start as well
+//! as its pid (a pid is given again once its session ends).
+//!
 //! Written once over the pool's backend ([`Source`]); the two differ in how
 //! an idle connection is closed ([`Source::close_idle`]):
 //!
@@ -26,9 +32,10 @@
 //!   gave to another session since is left alone): its locks are
 //!   gone at once, and sqlx drops the dead connection at its next
 //!   acquire (its ping fails) or pgwarden discards it (marked). A
-//!   connection checked out in the meantime is discarded at its next
-//!   checkout, as on deadpool; a session the pool's role may not end is
-//!   left to that discard too.
+//!   connection checked out in the meantime (by id or pid in the pool's
+//!   books as the sweep decides) is discarded at its next checkout, as on
+//!   deadpool; a session the pool's role may not end, or whose start is
+//!   not known, is left to that discard too.
 //!
 //! The pool's mutex is held only to copy who holds which backend pid (one
 //! entry per connection); the locks are matched outside it, in time linear

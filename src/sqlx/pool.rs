@@ -31,12 +31,17 @@
 //!   statement cache off (sqlx 0.8 names a persistent statement even then
 //!   and never closes it; 0.9 sends it unnamed, and the address names
 //!   nothing for long), every statement pgwarden sends on the pool is
-//!   unnamed (sqlx's `persistent(false)`). Each checkout then asks
-//!   `pg_backend_pid()` unnamed (one round trip), and the connection is
-//!   named by that pid where the pool is known to keep its sessions (a pid
-//!   names one live session of the server), or by a number of its own per
-//!   checkout elsewhere (behind a pooler the pid names no client
-//!   connection: two may see the same one).
+//!   unnamed (sqlx's `persistent(false)`). Each checkout then asks its
+//!   backend pid and session start unnamed ([`ASK`], one round trip), and
+//!   the connection is named by both where the pool is known to keep its
+//!   sessions (a pid names one live session, and is given again once it
+//!   ends: with its start it names one session for good), or by a number
+//!   of its own per checkout elsewhere (behind a pooler the pid names no
+//!   client connection: two may see the same one). That statement failing
+//!   means a dead connection: the checkout discards it and takes another.
+//!   A small cache that the user's statements fill evicts the naming
+//!   statement: it is named again at each checkout (two round trips), one
+//!   pid-map entry per checkout, pruned at 4 × the pool's size.
 //! - **Errors.** The drop-in methods answer with `sqlx::Error`: a timeout
 //!   is `PoolTimedOut`, a closed pool `PoolClosed`, sqlx's own error as it
 //!   came.

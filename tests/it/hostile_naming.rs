@@ -229,6 +229,58 @@ async fn a_checkout_after_the_sweep_ended_a_leaker_succeeds() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// The sweep never ends a connection in a user's hands. Configured
+/// direct, the cache off (named by pid and session start): the user takes
+/// the advisory lock again on every checkout and leaves it (each
+/// connection a leaker once idle), while the sweep runs every 100 ms. A
+/// leaker checked out between the sweep's census and its decision is
+/// only marked (discarded at its next checkout); one ended while idle is
+/// found dead by the next checkout's own statement and replaced. Until
+/// the sweep has dealt with 3 leakers, no statement run while holding a
+/// connection fails.
+#[tokio::test]
+async fn the_sweep_never_ends_a_connection_in_a_users_hands() {
+    support::logs();
+    let db = db().await;
+    let name = "hostile-sweep-held";
+    let pg = PgPoolOptions::new()
+        .max_connections(2)
+        .test_before_acquire(false)
+        .connect_lazy_with(opts(&db.pg_config()).statement_cache_capacity(0));
+    let pool = wrap(pg, name, PoolerMode::Direct, true);
+    let mut failures = Vec::new();
+    let mut rounds = 0;
+    while logged(name, "advisory locks held by a connection idle") < 3 && rounds < 2000 {
+        rounds += 1;
+        let mut c = match pool.acquire().await {
+            Ok(c) => c,
+            Err(e) => {
+                failures.push(format!("round {rounds}: checkout: {e}"));
+                continue;
+            }
+        };
+        for sql in ["SELECT pg_advisory_lock(808)", "SELECT 1", "SELECT 2"] {
+            if let Err(e) = run(&mut c, sql).await {
+                failures.push(format!("round {rounds}: {sql}: {e}"));
+            }
+            tokio::task::yield_now().await;
+        }
+        drop(c);
+        // Idle a little between checkouts, so that a sweep can confirm the
+        // leak (load shaping, not a wait for a result).
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let dealt = logged(name, "advisory locks held by a connection idle");
+    eprintln!("{rounds} rounds, {dealt} leakers dealt with");
+    settled(&pool).await;
+    pool.close().await;
+    assert!(
+        dealt >= 3,
+        "the sweep dealt with {dealt} leakers in {rounds} rounds"
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// Behind PgBouncer (transaction mode, one server connection), a sqlx pool
 /// of 2 left at `Auto`: its detection cannot run the motion probe (one
 /// connection outside the probe reserve) and stays unproven: it answers
