@@ -275,8 +275,9 @@ impl Pool {
     /// can, rarely, hide that so long, each session lock through a proxy is
     /// checked again on its own connection. A pool of 2 cannot hold two
     /// connections outside the probe reserve: behind a proxy its mode stays
-    /// unproven (reported [`PoolerMode::Direct`], checked at every session
-    /// lock, lease statements unnamed).
+    /// unproven: answered [`PoolerMode::Auto`] (nothing proven either way;
+    /// each session lock checked on its own connection, lease statements
+    /// unnamed, the census matches no lock to the pool's connections).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool) -> Result<(), pgwarden::Error> {

@@ -9,6 +9,12 @@
 //! connection at once (or, if it was checked out in the meantime, at its
 //! next checkout) instead of letting it be reused.
 //!
+//! Owners are matched only on a pool that keeps its sessions (configured
+//! `Direct`, or proven straight to PostgreSQL: never a sqlx pool at
+//! `Auto`), an idle connection only by an id that names it for good
+//! ([`Source::stable`]) and, where known, by its session's start as well
+//! as its pid (a pid is given again once its session ends).
+//!
 //! Written once over the pool's backend ([`Source`]); the two differ in how
 //! an idle connection is closed ([`Source::close_idle`]):
 //!
@@ -26,9 +32,10 @@
 //!   gave to another session since is left alone): its locks are
 //!   gone at once, and sqlx drops the dead connection at its next
 //!   acquire (its ping fails) or pgwarden discards it (marked). A
-//!   connection checked out in the meantime is discarded at its next
-//!   checkout, as on deadpool; a session the pool's role may not end is
-//!   left to that discard too.
+//!   connection checked out in the meantime (by id or pid in the pool's
+//!   books as the sweep decides) is discarded at its next checkout, as on
+//!   deadpool; a session the pool's role may not end, or whose start is
+//!   not known, is left to that discard too.
 //!
 //! The pool's mutex is held only to copy who holds which backend pid (one
 //! entry per connection); the locks are matched outside it, in time linear
@@ -72,6 +79,9 @@ pub struct AdvisoryLock {
     /// Whether the backend is one of this pool's connections, and how.
     pub owner: Owner,
     state_change: Option<SystemTime>,
+    /// The backend's `backend_start`, µs since the epoch: with the pid, it
+    /// names the session (a pid is given again once its session ends).
+    started: Option<i64>,
 }
 
 /// Whose backend holds an advisory lock, as this pool sees it.
@@ -204,7 +214,8 @@ where
 
 const CENSUS_SQL: &str = "\
 SELECT l.pid, l.classid, l.objid, l.objsubid, l.mode, l.granted, \
-       a.state, a.application_name, a.state_change \
+       a.state, a.application_name, a.state_change, \
+       (extract(epoch FROM a.backend_start) * 1000000)::int8 \
   FROM pg_locks l \
   LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
  WHERE l.locktype = 'advisory' \
@@ -212,16 +223,18 @@ SELECT l.pid, l.classid, l.objid, l.objsubid, l.mode, l.granted, \
  ORDER BY l.pid, l.classid, l.objid, l.objsubid";
 
 /// Ends the session of backend `$1` when it is still idle, holds an
-/// advisory lock, and started at least `$2` seconds ago (before the pool
-/// first saw the connection: a pid the server gave since to another
-/// session, after the pool's connection ended unseen, is left alone). The
-/// sqlx sweep: see the module docs.
+/// advisory lock, is the session that started at `$3` (µs since the
+/// epoch, as the pool saw it: a pid the server gave since to another
+/// session, after the pool's connection ended unseen, is left alone), and
+/// started at least `$2` seconds ago (before the pool first saw the
+/// connection). The sqlx sweep: see the module docs.
 const END_IDLE_SQL: &str = "\
 SELECT pg_terminate_backend(a.pid) \
   FROM pg_stat_activity a \
  WHERE a.pid = $1 AND a.state = 'idle' \
    AND a.datname = current_database() \
    AND a.backend_start <= now() - make_interval(secs => $2) \
+   AND (extract(epoch FROM a.backend_start) * 1000000)::int8 = $3 \
    AND EXISTS (SELECT 1 FROM pg_locks l \
                 WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted)";
 
@@ -237,8 +250,12 @@ where
         self: &Arc<Self>,
         site: &'static Location<'static>,
     ) -> Result<(Census, Client<B>, Owners<B>), Error> {
-        // Owners are matched by backend pid, which means nothing behind a
-        // transaction pooler: know which it is first (probed once per pool).
+        // Owners are matched by backend pid, which names a connection of the
+        // pool only where each keeps its server session: know that first
+        // (probed once per pool). Behind a transaction pooler, or a proxy
+        // whose mode is unproven (every sqlx pool left at `Auto`: sqlx hides
+        // the pid announced at connection start), a pid names a server
+        // connection other clients share: nothing is matched.
         if crate::pooler::mode(self) == PoolerMode::Auto {
             crate::pooler::detect(self, site).await?;
         }
@@ -246,7 +263,7 @@ where
             .checkout(Lane::Control, site, self.opts.wait_timeout)
             .await?;
         let mut locks = read(&conn.exec()).await?;
-        if crate::pooler::mode(self) == PoolerMode::Transaction {
+        if !crate::pooler::keeps_sessions(self) {
             return Ok((Census { locks }, conn, Owners::default()));
         }
         let owners = Owners::snapshot(&self.state.lock());
@@ -256,7 +273,7 @@ where
             }
             l.owner = match l.pid {
                 Some(pid) if pid == conn.pid() => Owner::Idle,
-                pid => owners.owner(pid),
+                pid => owners.owner(pid, l.started),
             };
         }
         Ok((Census { locks }, conn, owners))
@@ -267,8 +284,9 @@ where
 /// pool's mutex (one entry per connection), read without it.
 pub(crate) struct Owners<B: Source> {
     out: HashMap<i32, Owner>,
-    /// Idle connections: their id in the pool and creation instant.
-    idle: HashMap<i32, (B::Id, Instant)>,
+    /// Idle connections named for good ([`Source::stable`]), by pid: their
+    /// id in the pool, creation instant and session start (when known).
+    idle: HashMap<i32, Idle<B>>,
 }
 
 impl<B: Source> Default for Owners<B> {
@@ -300,24 +318,40 @@ impl<B: Source> Owners<B> {
         let idle = st
             .pids
             .iter()
-            .filter(|(_, k)| !out.contains_key(&k.pid))
-            .map(|(id, k)| (k.pid, (*id, k.created)))
+            .filter(|(id, k)| B::stable(id) && !out.contains_key(&k.pid))
+            .map(|(id, k)| {
+                let idle = Idle {
+                    id: *id,
+                    created: k.created,
+                    started: k.started,
+                };
+                (k.pid, idle)
+            })
             .collect();
         Owners { out, idle }
     }
 
-    /// The pool's view of a backend pid.
-    fn owner(&self, pid: Option<i32>) -> Owner {
+    /// The pool's view of backend `pid`, whose session started at
+    /// `started`: an idle connection of the pool only when it is that
+    /// session (a stale entry, of a connection the wrapped pool closed on
+    /// its own, names no session that took its pid since).
+    fn owner(&self, pid: Option<i32>, started: Option<i64>) -> Owner {
         let Some(pid) = pid else { return Owner::Other };
         if let Some(o) = self.out.get(&pid) {
             return o.clone();
         }
-        if self.idle.contains_key(&pid) {
-            Owner::Idle
-        } else {
-            Owner::Other
+        match self.idle.get(&pid) {
+            Some(i) if i.started.is_none() || i.started == started => Owner::Idle,
+            _ => Owner::Other,
         }
     }
+}
+
+/// An idle connection of the pool, as [`Owners`] saw it.
+struct Idle<B: Source> {
+    id: B::Id,
+    created: Instant,
+    started: Option<i64>,
 }
 
 /// Reads the advisory locks of the current database (owners not yet matched).
@@ -354,6 +388,7 @@ async fn read(conn: &impl Exec) -> Result<Vec<AdvisoryLock>, Error> {
             application_name: r.col(7)?,
             owner: Owner::Other,
             state_change: r.col(8)?,
+            started: r.col(9)?,
         });
     }
     Ok(locks)
@@ -425,7 +460,7 @@ where
         };
         m.census_locks.set(summary.ours as f64);
         m.census_idle_locks.set(summary.idle as f64);
-        if summary.idle == 0 || crate::pooler::mode(self) == PoolerMode::Transaction {
+        if summary.idle == 0 || !crate::pooler::keeps_sessions(self) {
             return Ok(summary);
         }
         let own = conn.pid();
@@ -463,7 +498,12 @@ where
                 reported.push((leak, "closed"));
                 continue;
             }
-            let Some(&(id, created)) = owners.idle.get(&leak.pid) else {
+            let Some(&Idle {
+                id,
+                created,
+                started,
+            }) = owners.idle.get(&leak.pid)
+            else {
                 continue;
             };
             if self.state.lock().tainted.contains(&id) {
@@ -478,7 +518,10 @@ where
                     self.state.lock().tainted.insert(id);
                     "to be discarded at its next checkout"
                 }
-                None => self.end_idle(&mut conn, id, created, leak.pid).await?,
+                None => {
+                    self.end_idle(&mut conn, id, created, leak.pid, started)
+                        .await?
+                }
             };
             reported.push((leak, how));
         }
@@ -508,25 +551,30 @@ where
 
 impl<B: Source> Shared<B> {
     /// A leaker the backend cannot close from outside (sqlx): marked never
-    /// to be handed out again, then, when no checkout holds it, its session
-    /// (backend `pid`, first seen by the pool at `seen`) ended on the
-    /// server from the census's own connection `conn` (see the module
-    /// docs). How it was dealt with, for the log line.
+    /// to be handed out again, then, when no checkout holds it (by its id
+    /// or its pid, in the pool's books at this moment), its session
+    /// (backend `pid`, started at `started`, first seen by the pool at
+    /// `seen`) ended on the server from the census's own connection `conn`
+    /// (see the module docs). A session whose start is not known is only
+    /// marked. How it was dealt with, for the log line.
     async fn end_idle(
         &self,
         conn: &mut Client<B>,
         id: B::Id,
         seen: Instant,
         pid: i32,
+        started: Option<i64>,
     ) -> Result<&'static str, Error> {
         let idle = {
             let mut st = self.state.lock();
             st.tainted.insert(id);
-            !st.checkouts.iter().any(|(_, c)| c.object == Some(id))
+            !st.checkouts
+                .iter()
+                .any(|(_, c)| c.object == Some(id) || c.pid == Some(pid))
         };
-        if !idle {
+        let (true, Some(started)) = (idle, started) else {
             return Ok("to be discarded at its next checkout");
-        }
+        };
         let ended = match conn
             .exec()
             .query(
@@ -534,6 +582,7 @@ impl<B: Source> Shared<B> {
                 &[
                     Param::Int4(pid),
                     Param::Float8(seen.elapsed().as_secs_f64()),
+                    Param::Int8(started),
                 ],
                 Sent::Unnamed,
             )
@@ -563,8 +612,9 @@ mod tests {
     use crate::stmt::{Exec, Param, Row, Sent};
 
     /// The sqlx sweep's statement ends an idle session holding an advisory
-    /// lock only when that backend started before the pool first saw its
-    /// connection: a session younger than that (a pid given again) is left
+    /// lock only when it is the session the pool saw (its start) and that
+    /// backend started before the pool first saw its connection: a session
+    /// younger than that, or another start (a pid given again), is left
     /// alone, and so is one holding no advisory lock.
     #[tokio::test]
     async fn end_idle_spares_a_session_younger_than_the_pools_connection() {
@@ -575,15 +625,23 @@ mod tests {
             .unwrap();
         let census = db.connect().await.unwrap();
         let victim = db.connect().await.unwrap();
-        let pid: i32 = victim
-            .query_one("SELECT pg_backend_pid()", &[])
+        let row = victim
+            .query_one(
+                "SELECT a.pid, (extract(epoch FROM a.backend_start) * 1000000)::int8 \
+                   FROM pg_stat_get_activity(pg_backend_pid()) a",
+                &[],
+            )
             .await
-            .unwrap()
-            .get(0);
-        let end = |seen_secs_ago: f64| {
+            .unwrap();
+        let (pid, started): (i32, i64) = (row.get(0), row.get(1));
+        let end = |seen_secs_ago: f64, started: i64| {
             let census = &census;
             async move {
-                let params = [Param::Int4(pid), Param::Float8(seen_secs_ago)];
+                let params = [
+                    Param::Int4(pid),
+                    Param::Float8(seen_secs_ago),
+                    Param::Int8(started),
+                ];
                 let rows = Exec::query(census, END_IDLE_SQL, &params, Sent::Unnamed)
                     .await
                     .unwrap();
@@ -591,17 +649,20 @@ mod tests {
             }
         };
         // No advisory lock: spared.
-        assert_eq!(end(0.0).await, None);
+        assert_eq!(end(0.0, started).await, None);
         victim
             .batch_execute("SELECT pg_advisory_lock(61)")
             .await
             .unwrap();
         // The pool saw its connection an hour ago: this session, younger,
         // is another one on a pid given again: spared.
-        assert_eq!(end(3600.0).await, None);
+        assert_eq!(end(3600.0, started).await, None);
+        // Another session's start on this pid (the pool's connection ended
+        // and the pid was given again): spared.
+        assert_eq!(end(0.0, started - 1).await, None);
         assert!(victim.simple_query("SELECT 1").await.is_ok());
-        // Seen after the session started: ended.
-        assert_eq!(end(0.0).await, Some(true));
+        // Seen after the session started, the same session: ended.
+        assert_eq!(end(0.0, started).await, Some(true));
         tokio::time::timeout(std::time::Duration::from_secs(60), async {
             while victim.simple_query("SELECT 1").await.is_ok() {
                 tokio::task::yield_now().await;

@@ -201,9 +201,13 @@ fn detected<B: Source>(pool: &Shared<B>) -> Option<Detection> {
 }
 
 impl Detection {
+    /// The mode it proved: [`PoolerMode::Auto`] when the motion probe
+    /// could not run behind a proxy (nothing proven either way).
     fn pooler(self) -> PoolerMode {
         if self.transaction {
             PoolerMode::Transaction
+        } else if self.unproven {
+            PoolerMode::Auto
         } else {
             PoolerMode::Direct
         }

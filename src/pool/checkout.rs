@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::deadline::{bounded, deadline};
 use super::shared::{Entry, IdSet, Known, Permit, Pool, Queued, Shared};
-use super::source::{Identified, Refused, Source};
+use super::source::{Backend, Identified, Refused, Source};
 use crate::admission::{Lane, Priority};
 use crate::error::{CheckoutError, Error, Stage};
 
@@ -30,14 +30,14 @@ async fn until<F: Future>(deadline: tokio::time::Instant, fut: F) -> Option<F::O
     }
 }
 
-/// A new connection's pid: `asked` when naming it asked it already, else
-/// what `ask` answers (`Err(None)`: not within the checkout's deadline).
+/// A new connection's backend: `asked` when naming it asked it already,
+/// else what `ask` answers (`Err(None)`: not within the checkout's deadline).
 async fn pid_of(
-    asked: Option<i32>,
-    ask: impl Future<Output = Option<Result<i32, Error>>>,
-) -> Result<i32, Option<Error>> {
+    asked: Option<Backend>,
+    ask: impl Future<Output = Option<Result<Backend, Error>>>,
+) -> Result<Backend, Option<Error>> {
     match asked {
-        Some(pid) => Ok(pid),
+        Some(b) => Ok(b),
         None => match ask.await {
             Some(r) => r.map_err(Some),
             None => Err(None),
@@ -181,6 +181,11 @@ impl<B: Source> Shared<B> {
         let lane = permit.lane;
         let lm = shared.metrics.lane(lane);
         let mut first = got;
+        // Connections that failed pgwarden's own statement (their name, their
+        // pid) and were discarded: each is taken for dead (a session the
+        // sweep ended, a server restarted) and another is taken, up to the
+        // pool's size: past that the failure is not the connection's.
+        let mut dead = 0;
         loop {
             let got = match first.take() {
                 Some(got) => got,
@@ -220,13 +225,14 @@ impl<B: Source> Shared<B> {
                 None => match until(deadline, B::identify(held.obj(), &shared.cfg)).await {
                     Some(Ok(Identified { id, anchor, pid })) => (id, Some(anchor), pid),
                     r => {
-                        let (obj, permit) = held.parts();
-                        return Err(shared.conn_failed(
-                            obj,
-                            permit,
-                            start,
-                            r.and_then(Result::err),
-                        ));
+                        let (obj, p) = held.parts();
+                        match shared.dead_conn(obj, p, start, r.and_then(Result::err), &mut dead) {
+                            Ok(p) => {
+                                permit = p;
+                                continue;
+                            }
+                            Err(e) => return Err(e),
+                        }
                     }
                 },
             };
@@ -260,7 +266,7 @@ impl<B: Source> Shared<B> {
                 }
                 Seen::New => match pid_of(asked, until(deadline, B::backend_pid(held.obj()))).await
                 {
-                    Ok(pid) => {
+                    Ok(backend) => {
                         let anchor = match anchor {
                             Some(a) => Ok(a),
                             None => B::identify(held.obj(), &shared.cfg).await.map(|i| i.anchor),
@@ -268,33 +274,42 @@ impl<B: Source> Shared<B> {
                         let anchor = match anchor {
                             Ok(a) => a,
                             Err(e) => {
-                                let (obj, permit) = held.parts();
-                                return Err(shared.conn_failed(obj, permit, start, Some(e)));
+                                let (obj, p) = held.parts();
+                                permit = shared.dead_conn(obj, p, start, Some(e), &mut dead)?;
+                                continue;
                             }
                         };
                         let created = B::created(held.obj());
                         let mut st = shared.state.lock();
                         // Connections the wrapped pool dropped on its own
-                        // leave stale entries: keep the map bounded (idle
-                        // pids are asked again).
+                        // leave stale entries (and sqlx's per-checkout
+                        // names one per checkout): keep the map bounded
+                        // (idle pids are asked again).
                         if st.pids.len() >= 4 * st.adm.limits().size() {
                             let out: IdSet<B::Id> =
                                 st.checkouts.iter().filter_map(|(_, c)| c.object).collect();
                             st.pids.retain(|id, _| out.contains(id));
                         }
+                        let pid = backend.pid;
                         st.pids.insert(
                             id,
                             Known {
                                 pid,
+                                started: backend.started,
                                 created,
                                 _anchor: anchor,
                             },
                         );
                         (pid, st.attach(held.slot(), pid, id, Instant::now()))
                     }
-                    Err(e) => {
+                    Err(None) => {
                         let (obj, permit) = held.parts();
-                        return Err(shared.conn_failed(obj, permit, start, e));
+                        return Err(shared.conn_failed(obj, permit, start, None));
+                    }
+                    Err(e) => {
+                        let (obj, p) = held.parts();
+                        permit = shared.dead_conn(obj, p, start, e, &mut dead)?;
+                        continue;
                     }
                 },
             };
@@ -762,6 +777,32 @@ impl<B: Source> Shared<B> {
                 e
             }
             None => self.timed_out(lane, Stage::BackendPid, start, self.status()),
+        }
+    }
+
+    /// pgwarden's own statement on a checkout's connection (its name, its
+    /// pid) failed with `e` (`None`: ran out of the checkout's bound): a
+    /// failure on a connection used before means a dead one (a session the
+    /// leak sweep ended, a server restarted): it is discarded and the
+    /// admission handed back (`Ok`) for the checkout to take another, up to
+    /// the pool's size of them (`dead` counts them); past that, or out of
+    /// time, the connection is closed and the error returned.
+    fn dead_conn(
+        &self,
+        obj: B::Object,
+        permit: Permit<B>,
+        start: tokio::time::Instant,
+        e: Option<Error>,
+        dead: &mut usize,
+    ) -> Result<Permit<B>, Error> {
+        match e {
+            Some(e) if *dead < self.inner.status().max => {
+                *dead += 1;
+                tracing::debug!(pool = %self.name, error = %e, "a pooled connection failed pgwarden's own statement: discarded, taking another");
+                finish(B::discard(obj), None::<Permit<B>>, Duration::ZERO);
+                Ok(permit)
+            }
+            e => Err(self.conn_failed(obj, permit, start, e)),
         }
     }
 

@@ -159,6 +159,9 @@ pub(crate) struct Checkout<B: Source = deadpool_postgres::Pool> {
 /// what keeps its id its own ([`Source::Anchor`]).
 pub(crate) struct Known<B: Source = deadpool_postgres::Pool> {
     pub(crate) pid: i32,
+    /// When its session started, where the backend asks it (sqlx): see
+    /// [`Backend`](super::source::Backend).
+    pub(crate) started: Option<i64>,
     pub(crate) created: Instant,
     pub(super) _anchor: B::Anchor,
 }

@@ -37,6 +37,18 @@ pub struct SourceStatus {
     pub waiting: usize,
 }
 
+/// A server session as the server names it: its backend pid, and, when
+/// known, when it started (`pg_stat_activity.backend_start`, in
+/// microseconds since the Unix epoch). A pid is given again once its
+/// session ends; the two together name one session for good. Public only
+/// because [`Source`] names it; not reachable from outside the crate.
+#[allow(unreachable_pub)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Backend {
+    pub pid: i32,
+    pub started: Option<i64>,
+}
+
 /// What [`Source::identify`] found: the connection's name, what keeps it
 /// its own, and its backend pid when that was asked on the way (then
 /// [`Source::backend_pid`] is not). Public only because [`Source`] names
@@ -45,7 +57,7 @@ pub struct SourceStatus {
 pub struct Identified<B: Source> {
     pub id: B::Id,
     pub anchor: B::Anchor,
-    pub pid: Option<i32>,
+    pub pid: Option<Backend>,
 }
 
 impl<B: Source> fmt::Debug for Identified<B> {
@@ -122,9 +134,16 @@ pub trait Source: Send + Sync + Sized + 'static {
         obj: &'a mut Self::Object,
         cfg: &'a Self::Cfg,
     ) -> impl Future<Output = Result<Identified<Self>, Error>> + Send + 'a;
-    /// Asks the server for the connection's backend pid (once per physical
+    /// Asks the server for the connection's backend pid, and its start
+    /// where the backend keys its connections by it (once per physical
     /// connection).
-    fn backend_pid(obj: &mut Self::Object) -> impl Future<Output = Result<i32, Error>> + Send + '_;
+    fn backend_pid(
+        obj: &mut Self::Object,
+    ) -> impl Future<Output = Result<Backend, Error>> + Send + '_;
+    /// Whether `id` names the same physical connection at every checkout
+    /// (sqlx's per-checkout numbers do not): the census matches only such
+    /// ids to idle connections, and the sweep acts only on them.
+    fn stable(id: &Self::Id) -> bool;
     /// When it was handed out (deadpool read the clock as it recycled it).
     fn handed_out(obj: &Self::Object) -> Instant;
     /// When the physical connection was made (or first seen).
@@ -247,14 +266,22 @@ impl Source for deadpool_postgres::Pool {
         }))
     }
 
-    async fn backend_pid(obj: &mut Object) -> Result<i32, Error> {
+    /// The pid alone: deadpool names its connections itself, and its
+    /// sweep closes them by their creation instant.
+    async fn backend_pid(obj: &mut Object) -> Result<Backend, Error> {
         let msgs = obj.simple_query("SELECT pg_backend_pid()").await?;
         msgs.iter()
             .find_map(|m| match m {
                 tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).and_then(|v| v.parse().ok()),
                 _ => None,
             })
+            .map(|pid| Backend { pid, started: None })
             .ok_or(Error::Checkout(CheckoutError::NoBackendPid))
+    }
+
+    #[inline(always)]
+    fn stable(_: &deadpool_postgres::ObjectId) -> bool {
+        true
     }
 
     /// deadpool reads the clock as it recycles a connection, in the call

@@ -56,6 +56,10 @@ pub(crate) struct Detection {
     pub(crate) proxied: bool,
     /// Statements the probe ran.
     pub(crate) statements: usize,
+    /// Behind a proxy, the motion probe could not run (the pool cannot
+    /// hold two connections outside the probe reserve): nothing is proven,
+    /// and the pool's mode stays [`PoolerMode::Auto`](crate::PoolerMode::Auto).
+    pub(crate) unproven: bool,
 }
 
 /// Backend pids seen by a set of live clients: proof that a pooler moves
@@ -155,7 +159,10 @@ pub(crate) async fn motion(a: &impl Exec, a_pid: i32, b: &impl Exec) -> Result<D
 /// probe needs at once (a pool of 2 has one outside the probe reserve): the
 /// mode stays unproven.
 pub(crate) fn unproven() -> Detection {
-    found(false, true, 1)
+    Detection {
+        unproven: true,
+        ..found(false, true, 1)
+    }
 }
 
 fn found(transaction: bool, proxied: bool, statements: usize) -> Detection {
@@ -163,6 +170,7 @@ fn found(transaction: bool, proxied: bool, statements: usize) -> Detection {
         transaction,
         proxied,
         statements,
+        unproven: false,
     }
 }
 

@@ -31,12 +31,17 @@
 //!   statement cache off (sqlx 0.8 names a persistent statement even then
 //!   and never closes it; 0.9 sends it unnamed, and the address names
 //!   nothing for long), every statement pgwarden sends on the pool is
-//!   unnamed (sqlx's `persistent(false)`). Each checkout then asks
-//!   `pg_backend_pid()` unnamed (one round trip), and the connection is
-//!   named by that pid where the pool is known to keep its sessions (a pid
-//!   names one live session of the server), or by a number of its own per
-//!   checkout elsewhere (behind a pooler the pid names no client
-//!   connection: two may see the same one).
+//!   unnamed (sqlx's `persistent(false)`). Each checkout then asks its
+//!   backend pid and session start unnamed ([`ASK`], one round trip), and
+//!   the connection is named by both where the pool is known to keep its
+//!   sessions (a pid names one live session, and is given again once it
+//!   ends: with its start it names one session for good), or by a number
+//!   of its own per checkout elsewhere (behind a pooler the pid names no
+//!   client connection: two may see the same one). That statement failing
+//!   means a dead connection: the checkout discards it and takes another.
+//!   A small cache that the user's statements fill evicts the naming
+//!   statement: it is named again at each checkout (two round trips), one
+//!   pid-map entry per checkout, pruned at 4 × the pool's size.
 //! - **Errors.** The drop-in methods answer with `sqlx::Error`: a timeout
 //!   is `PoolTimedOut`, a closed pool `PoolClosed`, sqlx's own error as it
 //!   came.
@@ -64,13 +69,22 @@ use crate::census::Census;
 use crate::error::{BuildError, CheckoutError, Error};
 use crate::key::{LockKey, LockMode};
 use crate::lock::{Migrated, SessionLock, Work};
-use crate::pool::{Extensions, Identified, PoolBuilder, Refused, Shared, Source, SourceStatus};
+use crate::pool::{
+    Backend, Extensions, Identified, PoolBuilder, Refused, Shared, Source, SourceStatus,
+};
 use crate::pooler::{PoolerMode, Watch};
 use crate::status::Status;
 use crate::stmt::SqlError;
 
 /// The statement that names a connection and asks its pid.
 const MARKER: &str = "SELECT pg_backend_pid()";
+
+/// The connection's backend pid and its session's start (µs since the
+/// epoch), asked unnamed: together they name one session for good (the
+/// server gives a pid again once its session ends). `pg_backend_pid()` is
+/// called once.
+const ASK: &str = "SELECT a.pid, (extract(epoch FROM a.backend_start) * 1000000)::int8 \
+                     FROM pg_catalog.pg_stat_get_activity(pg_backend_pid()) a";
 
 /// pgwarden's error as sqlx's, for the drop-in methods.
 fn into_sqlx(e: Error) -> dep::Error {
@@ -103,8 +117,9 @@ fn from_sqlx(e: dep::Error) -> Error {
 pub enum ConnId {
     /// The address of its cached naming statement's metadata.
     Named(usize),
-    /// Its backend pid, on a pool known to keep its sessions.
-    Pid(i32),
+    /// Its backend pid and its session's start (µs since the epoch), on a
+    /// pool known to keep its sessions.
+    Pid(i32, i64),
     /// A number of its own, per checkout.
     Fresh(usize),
 }
@@ -115,7 +130,7 @@ impl Hash for ConnId {
     fn hash<H: Hasher>(&self, h: &mut H) {
         h.write_usize(match *self {
             ConnId::Named(addr) => addr,
-            ConnId::Pid(pid) => (pid as u32 as usize) << 2 | 1,
+            ConnId::Pid(pid, started) => ((pid as u32 as usize) ^ (started as usize)) << 2 | 1,
             ConnId::Fresh(n) => n << 2 | 2,
         })
     }
@@ -174,13 +189,14 @@ pub(super) fn names_statements(pool: &Shared<dep::PgPool>) -> bool {
     pool.ext.get::<Learned>().names()
 }
 
-/// `SELECT pg_backend_pid()`, unnamed.
-async fn ask_pid(conn: &mut dep::PgConnection) -> Result<i32, Error> {
-    dep::query_scalar::<_, i32>(MARKER)
+/// The connection's backend ([`ASK`]), unnamed.
+async fn ask_pid(conn: &mut dep::PgConnection) -> Result<Backend, Error> {
+    let (pid, started) = dep::query_as::<_, (i32, Option<i64>)>(ASK)
         .persistent(false)
         .fetch_one(conn)
         .await
-        .map_err(from_sqlx)
+        .map_err(from_sqlx)?;
+    Ok(Backend { pid, started })
 }
 
 impl Source for dep::PgPool {
@@ -249,21 +265,29 @@ impl Source for dep::PgPool {
                 }
             }
         }
-        let pid = ask_pid(obj).await?;
-        let id = if cfg.pooler.keeps_sessions() && !cfg.learned.refused.load(Ordering::Acquire) {
-            ConnId::Pid(pid)
-        } else {
-            ConnId::Fresh(cfg.fresh.fetch_add(1, Ordering::Relaxed))
+        let backend = ask_pid(obj).await?;
+        let id = match backend.started {
+            Some(started)
+                if cfg.pooler.keeps_sessions() && !cfg.learned.refused.load(Ordering::Acquire) =>
+            {
+                ConnId::Pid(backend.pid, started)
+            }
+            _ => ConnId::Fresh(cfg.fresh.fetch_add(1, Ordering::Relaxed)),
         };
         Ok(Identified {
             id,
             anchor: None,
-            pid: Some(pid),
+            pid: Some(backend),
         })
     }
 
-    async fn backend_pid(obj: &mut Self::Object) -> Result<i32, Error> {
+    async fn backend_pid(obj: &mut Self::Object) -> Result<Backend, Error> {
         ask_pid(obj).await
+    }
+
+    /// A number per checkout names nothing at the next one.
+    fn stable(id: &ConnId) -> bool {
+        !matches!(id, ConnId::Fresh(_))
     }
 
     fn handed_out(_: &Self::Object) -> Instant {
@@ -529,9 +553,12 @@ impl Pool {
     /// the deadpool pool's `detect_pooler`. sqlx does not expose the pid a
     /// server announced at connection start, so detection here is the
     /// motion probe alone: straight to PostgreSQL it answers
-    /// [`PoolerMode::Direct`] after its statements, and session locks are
-    /// then checked on their own connection (configure
-    /// [`PoolerMode::Direct`] with `PoolBuilder::pooler` to skip both).
+    /// [`PoolerMode::Direct`] after its statements, unproven (session locks
+    /// are then checked on their own connection, and the census matches no
+    /// lock to the pool's connections: configure [`PoolerMode::Direct`]
+    /// with `PoolBuilder::pooler` for both). A pool that cannot hold the
+    /// probe's two connections answers [`PoolerMode::Auto`]: nothing was
+    /// proven.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {
