@@ -1175,6 +1175,30 @@ pub async fn settled<B: Backend>(pool: &B::Pool) {
 /// `$name::deadpool`, and with their features `$name::sqlx_0_8` and
 /// `$name::sqlx_0_9`.
 macro_rules! backends {
+    // Every variant ignored, with the open bug that makes them fail.
+    (ignore_all = $why:literal, $name:ident $(, $($flavor:tt)*)?) => {
+        mod $name {
+            #[ignore = $why]
+            #[tokio::test $( ( $($flavor)* ) )?]
+            async fn deadpool() {
+                super::$name::<crate::support::backend::Deadpool>().await
+            }
+
+            #[cfg(feature = "sqlx-0_8")]
+            #[ignore = $why]
+            #[tokio::test $( ( $($flavor)* ) )?]
+            async fn sqlx_0_8() {
+                super::$name::<crate::support::backend::Sqlx08>().await
+            }
+
+            #[cfg(feature = "sqlx-0_9")]
+            #[ignore = $why]
+            #[tokio::test $( ( $($flavor)* ) )?]
+            async fn sqlx_0_9() {
+                super::$name::<crate::support::backend::Sqlx09>().await
+            }
+        }
+    };
     // The sqlx variants ignored, with the open bug that makes them fail.
     (ignore_sqlx = $why:literal, $name:ident $(, $($flavor:tt)*)?) => {
         mod $name {
