@@ -32,6 +32,7 @@ mod failover;
 mod fifo;
 mod gauges;
 mod hostile_fence;
+mod hostile_fence2;
 mod hostile_naming;
 mod hostile_release;
 mod http_edges;
