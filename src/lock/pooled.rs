@@ -31,6 +31,11 @@ pub(crate) enum Act {
     Relock,
     /// One level less (`pg_advisory_unlock`).
     Unlock,
+    /// The guard's last level, then (only when PostgreSQL confirmed that
+    /// one) every other advisory lock of the session: what user code took
+    /// on the guard's connection goes with it, as on the drop path, instead
+    /// of back into the pool. One statement, as `Unlock`.
+    UnlockLast,
     /// Every advisory lock of the session (`pg_advisory_unlock_all`).
     UnlockAll,
     /// Every level of the key (`pg_advisory_unlock` until it answers false):
@@ -55,6 +60,13 @@ pub(crate) async fn on_backend(
             key.placeholders(2)
         ),
         Act::Unlock => format!("{}({})", unlock_fn(mode), key.placeholders(2)),
+        // `CASE` fixes the order: the guard's own unlock first (its answer
+        // is the statement's), the rest only after it.
+        Act::UnlockLast => format!(
+            "CASE WHEN {}({}) THEN pg_advisory_unlock_all()::text = '' ELSE false END",
+            unlock_fn(mode),
+            key.placeholders(2)
+        ),
         // void, as text: '' once it ran.
         Act::UnlockAll => "pg_advisory_unlock_all()::text = ''".to_owned(),
         Act::UnlockKey => {

@@ -141,7 +141,10 @@ impl<B: Source> SessionLock<B> {
     }
 
     /// Releases every level held on this session and returns the connection
-    /// to the pool. Errors are reported: [`LockError::NotOwned`](crate::LockError::NotOwned) when PostgreSQL
+    /// to the pool. The statement of the last level, once PostgreSQL
+    /// confirms it, also releases any other advisory lock your own SQL took
+    /// on the guard's connection (as dropping the guard does): nothing
+    /// taken there goes back into the pool. Errors are reported: [`LockError::NotOwned`](crate::LockError::NotOwned) when PostgreSQL
     /// says the session did not hold the lock, [`LockError::MovedByPooler`](crate::LockError::MovedByPooler) when
     /// a transaction pooler ran the unlock on another server session than
     /// the lock's (and whether the lock could be released there after all),
@@ -177,7 +180,12 @@ impl<B: Source> SessionLock<B> {
             return Ok(());
         }
         while self.depth > 0 {
-            if !self.held.on_lock_backend(Act::Unlock).await? {
+            let act = if self.depth == 1 {
+                Act::UnlockLast
+            } else {
+                Act::Unlock
+            };
+            if !self.held.on_lock_backend(act).await? {
                 return Err(Error::Lock(LockError::NotOwned { key: self.held.key }));
             }
             self.depth -= 1;

@@ -79,17 +79,15 @@ async fn an_open_transaction_with_an_xact_lock_on_a_dropped_guard<B: Backend>() 
     assert_eq!(found, 0, "connections back in the pool holding a lock");
 }
 
-backends!(
-    ignore_all =
-        "FINDING: unlock() returns the connection with a session lock user code took on it",
-    unlock_with_a_lock_user_code_took_on_the_connection
-);
-/// FINDING. User code takes another session lock on the lock's connection
-/// (`pg_advisory_lock(9111)`, raw SQL), then `unlock()`: it releases the
-/// guard's levels one by one (`pg_advisory_unlock`) and returns the
+backends!(unlock_with_a_lock_user_code_took_on_the_connection);
+/// Found by the hostile reader (failed on every backend before the fix):
+/// user code takes another session lock on the lock's connection
+/// (`pg_advisory_lock(9111)`, raw SQL), then `unlock()`. It released the
+/// guard's levels one by one (`pg_advisory_unlock`) and returned the
 /// connection with 9111 still held, where the drop path
-/// (`pg_advisory_unlock_all()`) would not. Expected: no connection back in
-/// the pool holding an advisory lock.
+/// (`pg_advisory_unlock_all()`) would not. Now the last level's statement
+/// releases the rest once PostgreSQL confirmed the guard's own: no
+/// connection back in the pool holding an advisory lock.
 async fn unlock_with_a_lock_user_code_took_on_the_connection<B: Backend>() {
     let found = leave::<B>(
         "hostile-rel-extra-unlock",
