@@ -286,9 +286,6 @@ pub(crate) async fn run(
     let slack = ns(slack(args.ttl));
     let opts = LeaseOptions::new(args.ttl).safety_margin(margin);
     let wait = (!args.wait.is_zero()).then_some(args.wait);
-    // The acquisition's statement starts after this: its local deadline
-    // falls after `sought + TTL - margin`.
-    let sought = mono_ns();
     let acquired = tokio::select! {
         r = leases.acquire(&args.name, &opts, wait) => r?,
         sig = signals.next() => return Ok(128 + sig as u8),
@@ -308,29 +305,21 @@ pub(crate) async fn run(
     };
     let term = lease.term().clone();
     // While the lease is not lost at `t`, its local deadline is at least
-    // `t` (and at least `sought + TTL - margin`), and nobody can take it
-    // before that deadline + margin: the keeper may let the command run
-    // until half a margin after it.
-    let to_deadline = ns(args.ttl - margin);
-    // The library's own local deadline counts from the statement that took
-    // the lease; `sought` (the start of the whole wait) alone put it up to
-    // `--wait` too early: after a wait of about a TTL, the command was
-    // protected by the slack alone until the first renewal, and a loaded
-    // machine that held `run` off the CPU that long had it killed.
+    // `t`, and nobody can take it before that deadline + margin: the keeper
+    // may let the command run until half a margin after it. The deadline is
+    // the library's own (`LeaseHandle::deadline`): it counts from the start
+    // of the statement that took the lease or of the last renewal, and
+    // moves with each renewal. Counted from the start of `--wait` instead,
+    // a wait of about a TTL left the command protected by the slack alone
+    // until the first renewal, and a loaded machine that held `run` off the
+    // CPU that long had it killed.
     let lease_floor = || {
         mono_ns().saturating_add(ns(lease
             .deadline()
             .saturating_duration_since(std::time::Instant::now())))
     };
-    let mut floor = (sought + to_deadline).max(lease_floor());
+    let mut floor = lease_floor();
     let held_until = |now: u64, floor: u64| now.max(floor) + slack;
-    // Renewals move the deadline to (their start + TTL - margin). The
-    // renewer runs on this thread (a current-thread runtime) and counts a
-    // renewal in the same poll in which it measured it: a renewal counted
-    // since the last look at `seen_at` started after `seen_at - its
-    // duration`.
-    let mut renewed = leases.stats().renewed;
-    let mut seen_at = mono_ns();
     let mut env = env;
     env.push(("PGWARDEN_LEASE", term.name.clone()));
     env.push(("PGWARDEN_TOKEN", term.token.to_string()));
@@ -381,14 +370,7 @@ pub(crate) async fn run(
             _ = ticker.tick() => {
                 let now = mono_ns();
                 keeper.read_reports();
-                let stats = leases.stats();
-                if stats.renewed > renewed {
-                    renewed = stats.renewed;
-                    let start = seen_at.saturating_sub(ns(stats.last_renewal));
-                    floor = floor.max(start + to_deadline);
-                }
                 floor = floor.max(lease_floor());
-                seen_at = now;
                 if lost_reason.is_none() && !lease.is_lost() {
                     let at = held_until(now, floor);
                     hold = at;
