@@ -31,8 +31,12 @@ CREATE SEQUENCE IF NOT EXISTS "public"."pgwarden_leases_token_seq" AS bigint CAC
 CREATE TABLE IF NOT EXISTS "public"."pgwarden_leases" (
     -- The lease's name: 1 to 128 bytes, chosen by the application (pgwarden
     -- checks it before any statement; a CHECK here would cost every insert
-    -- a parse of its expression).
-    name        text        PRIMARY KEY,
+    -- a parse of its expression). Compared byte by byte (COLLATE "C"): the
+    -- same equality as any deterministic collation, and every key
+    -- comparison of the primary key's index (several per statement, more
+    -- as the table grows) a memcmp instead of the locale's strcoll. A table
+    -- made without it works the same, a little slower.
+    name        text        COLLATE "C" PRIMARY KEY,
     -- Who holds it: host:pid:64 random bits, new on every acquisition;
     -- '' once released while the row is kept.
     holder      text        NOT NULL,

@@ -198,3 +198,65 @@ async fn a_table_of_another_shape_is_a_typed_error() {
         .unwrap();
     lease.release().await.unwrap();
 }
+
+/// The name's collation, as the catalog says (`C`, or the database's
+/// default: `default`).
+async fn name_collation(admin: &tokio_postgres::Client, table: &str) -> String {
+    admin
+        .query_one(
+            "SELECT c.collname::text FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation
+              WHERE a.attrelid = $1::text::regclass AND a.attname = 'name'",
+            &[&table],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test]
+async fn names_compare_bytewise_and_a_table_made_without_it_still_works() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    admin.batch_execute("CREATE SCHEMA old").await.unwrap();
+    // Made by install() and by the shipped file: COLLATE "C".
+    let pool = pool(&db, 3, "collation");
+    let leases = Leases::new(&pool);
+    assert!(leases.install().await.unwrap());
+    assert_eq!(name_collation(&admin, "public.pgwarden_leases").await, "C");
+    let file = include_str!("../../sql/leases.sql")
+        .replace("\"public\".\"pgwarden_leases", "\"app\".\"f_leases");
+    admin.batch_execute("CREATE SCHEMA app").await.unwrap();
+    admin.batch_execute(&file).await.unwrap();
+    assert_eq!(name_collation(&admin, "app.f_leases").await, "C");
+
+    // A table made before (the database's collation): the shape fits, and
+    // names that sort differently under the two collations lease and
+    // release as before.
+    let before = include_str!("../../sql/leases.sql")
+        .replace("COLLATE \"C\" ", "")
+        .replace("\"public\".\"pgwarden_leases", "\"old\".\"leases");
+    admin.batch_execute(&before).await.unwrap();
+    assert_eq!(name_collation(&admin, "old.leases").await, "default");
+    let old = Leases::builder(&pool).table("old.leases").build().unwrap();
+    assert!(
+        !old.install().await.unwrap(),
+        "the table exists: nothing to run"
+    );
+    for name in ["b", "B", "é", "e"] {
+        for l in [&leases, &old] {
+            let lease = l
+                .acquire(name, &LeaseOptions::new(S * 30), None)
+                .await
+                .unwrap()
+                .expect("a new name is free");
+            assert!(
+                l.acquire(name, &LeaseOptions::new(S * 30), None)
+                    .await
+                    .unwrap()
+                    .is_none(),
+                "{name} is held"
+            );
+            lease.release().await.unwrap();
+        }
+    }
+}
