@@ -31,7 +31,7 @@ use super::options::{check_name, new_holder, LeaseOptions};
 use super::table::{
     Acquire, Blocker, Busy, Call, FreeIn, Install, LeaseStatement, Release, Statements, FENCE_GRACE,
 };
-use super::term::{LeaseState, Term, TermInfo};
+use super::term::{LeaseState, Term, TermInfo, MAX_TTL};
 use crate::error::{Error, LeaseError};
 use crate::key::Namespace;
 use crate::lost::LostReason;
@@ -551,41 +551,9 @@ impl LeaseHandle {
         if let Some(reason) = self.inner.check_lost(&self.state) {
             return Err(self.fence_failed(reason));
         }
-        self.inner.count_statement();
-        let began = Instant::now();
-        let row = match self
-            .inner
-            .sql()
-            .fence(
-                tx,
-                &self.state.name,
-                &self.state.holder,
-                self.state.token,
-                self.state.term_end().saturating_duration_since(began),
-            )
-            .await
-        {
-            Ok(row) => row,
-            // A take-over (or purge) committed after the transaction's
-            // snapshot: the term is over.
-            Err(e) if e.is(code::SERIALIZATION_FAILURE) => {
-                return Err(self.fence_failed(LostReason::Taken))
-            }
-            // A lock (the row's, or the table's) was not granted within the
-            // fence's bound (the term's end + 1 s, or the transaction's
-            // tighter lock_timeout), or the transaction's tighter
-            // statement_timeout ended the statement first: another session
-            // holds the lock, looked up once the transaction is gone. A
-            // cancel request (57014 too) is reported the same way: only
-            // the message's words, in the server's language, tell them
-            // apart, and the lookup then finds nothing to name.
-            Err(e) if e.is(code::LOCK_NOT_AVAILABLE) || e.is(code::QUERY_CANCELED) => {
-                return Err(self.fence_blocked(began.elapsed()))
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let row = self.fence_statement(tx, None).await?;
         let reason = match row {
-            Some((holder, token, fresh, snapshot, marked))
+            Some((holder, token, fresh, stale, marked))
                 if holder == self.state.holder && token == self.state.token =>
             {
                 if !marked {
@@ -598,9 +566,19 @@ impl LeaseHandle {
                         "fence mark not taken: its key is held exclusively elsewhere"
                     );
                 }
-                // Under a snapshot the expiry read may predate renewals made
-                // since: the local deadline (checked below) decides.
-                if fresh || snapshot {
+                if stale {
+                    // Under a snapshot, the row read is older than the term
+                    // this client knows: the term was renewed since the
+                    // snapshot, or this client's clock trails the
+                    // database's (a suspended host). The database decides.
+                    match self.confirm(tx, fresh).await? {
+                        None => match self.inner.check_lost(&self.state) {
+                            None => return Ok(()),
+                            Some(reason) => reason,
+                        },
+                        Some(reason) => reason,
+                    }
+                } else if fresh {
                     match self.inner.check_lost(&self.state) {
                         None => return Ok(()),
                         Some(reason) => reason,
@@ -617,6 +595,93 @@ impl LeaseHandle {
             _ => LostReason::Taken,
         };
         Err(self.fence_failed(reason))
+    }
+
+    /// The fence's statement in `tx` (see `Statements::fence`), its errors
+    /// mapped: `db_left`, the term's time left as the database gave it
+    /// outside the transaction's snapshot, for the bound.
+    async fn fence_statement(
+        &self,
+        tx: &impl Exec,
+        db_left: Option<Duration>,
+    ) -> Result<Option<(String, i64, bool, bool, bool)>, Error> {
+        self.inner.count_statement();
+        let began = Instant::now();
+        match self
+            .inner
+            .sql()
+            .fence(
+                tx,
+                &self.state.name,
+                &self.state.holder,
+                self.state.token,
+                self.state.term_end().saturating_duration_since(began),
+                db_left,
+            )
+            .await
+        {
+            Ok(row) => Ok(row),
+            // A take-over (or purge) committed after the transaction's
+            // snapshot: the term is over.
+            Err(e) if e.is(code::SERIALIZATION_FAILURE) => {
+                Err(self.fence_failed(LostReason::Taken))
+            }
+            // A lock (the row's, or the table's) was not granted within the
+            // fence's bound (the term's end + 1 s, or the transaction's
+            // tighter lock_timeout), or the transaction's tighter
+            // statement_timeout ended the statement first (a lock wait, or
+            // a slow statement that waited for nothing), or a cancel
+            // request (57014 too: only the message's words, in the
+            // server's language, tell them apart): the session holding a
+            // lock that blocks a fence, if any, is looked up once the
+            // transaction is gone.
+            Err(e) if e.is(code::LOCK_NOT_AVAILABLE) || e.is(code::QUERY_CANCELED) => {
+                Err(self.fence_blocked(began.elapsed()))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// For a fence whose row read is older than the term this client knows
+    /// (`stale`, see `Statements::fence`): reads the term outside the
+    /// transaction's snapshot, on the instance's pool. The term over there
+    /// (or another's): its reason. Still this holder's: the fence's
+    /// statement again in `tx`, bounding the transaction from the
+    /// database's time left, and `None`. The read failed (or took longer
+    /// than `FENCE_TERM_LOOKUP`): `None`, the transaction keeps the bound
+    /// the row it read gives (the grace alone when `fresh` is false), which
+    /// is never later than the database's.
+    async fn confirm(&self, tx: &impl Exec, fresh: bool) -> Result<Option<LostReason>, Error> {
+        let asked = Instant::now();
+        let (holder, token, left) = match self.inner.term_now(&self.state.name).await {
+            Ok(Some(term)) => term,
+            Ok(None) => return Ok(Some(LostReason::Taken)),
+            Err(e) => {
+                tracing::warn!(
+                    pool = %self.inner.pool_name(), lease = %self.state.name,
+                    token = self.state.token, error = %e, fresh,
+                    "fence under an old snapshot could not read its term outside it: \
+                     its transaction is bounded from the snapshot's expiry"
+                );
+                return Ok(None);
+            }
+        };
+        if holder.is_empty() && token == self.state.token {
+            return Ok(Some(LostReason::Revoked));
+        }
+        if holder != self.state.holder || token != self.state.token {
+            return Ok(Some(LostReason::Taken));
+        }
+        // At most the longest term (an expiry edited by hand to
+        // 'infinity' included); NaN is no time left.
+        let left =
+            Duration::try_from_secs_f64(left.min(MAX_TTL.as_secs_f64())).unwrap_or(Duration::ZERO);
+        if left.is_zero() {
+            return Ok(Some(LostReason::Expired));
+        }
+        self.fence_statement(tx, Some(left.saturating_sub(asked.elapsed())))
+            .await?;
+        Ok(None)
     }
 
     /// The fence's wait for a lock (the lease row's, or the table's) ran

@@ -41,7 +41,7 @@ use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
 use super::table::{
     Busy, Call, FenceBlock, FenceBlocker, LeaseStatement, PurgeMark, Release, Statements,
-    TableName, Taken, FENCE_LOOKUP,
+    TableName, Taken, TermNow, FENCE_LOOKUP, FENCE_TERM_LOOKUP,
 };
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
@@ -187,6 +187,15 @@ pub(crate) trait Owner: Send + Sync + 'static {
         &'a self,
         name: &'a str,
     ) -> Pin<Box<dyn Future<Output = Option<FenceBlock>> + Send + 'a>>;
+    /// `name`'s term as the database has it now: holder, token, seconds
+    /// left (see `Statements::term_now`). A lease statement of its own, for
+    /// a fence whose transaction reads an old snapshot, bounded by
+    /// [`FENCE_TERM_LOOKUP`] (the fenced transaction waits meanwhile, under
+    /// a bound of the grace alone).
+    fn term_now<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> Pin<Box<dyn Future<Output = Result<Option<(String, i64, f64)>, Error>> + Send + 'a>>;
 }
 
 impl<B: Backend> Owner for Inner<B> {
@@ -215,6 +224,15 @@ impl<B: Backend> Owner for Inner<B> {
                 .run(Urgency::Normal, budget, &FenceBlocker { name })
                 .await;
             found.ok().flatten()
+        })
+    }
+    fn term_now<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> Pin<Box<dyn Future<Output = Result<Option<(String, i64, f64)>, Error>> + Send + 'a>> {
+        Box::pin(async move {
+            let budget = self.statement_timeout.min(FENCE_TERM_LOOKUP);
+            self.run(Urgency::Normal, budget, &TermNow { name }).await
         })
     }
 }
