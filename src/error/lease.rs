@@ -193,10 +193,10 @@ mod tests {
         // Nobody found: no lock is claimed, no pid named.
         let unknown = blocked(false, None);
         assert!(
-            unknown.contains("no session held a lock that blocks a fence"),
+            unknown.contains("no session was found holding one that blocks a fence"),
             "{unknown}"
         );
-        assert!(!unknown.contains("waited"), "{unknown}");
+        assert!(!unknown.contains("lock, held by"), "{unknown}");
         assert!(!unknown.contains("pid"), "{unknown}");
         for m in [table, prepared, row, unknown] {
             assert!(m.contains("statement_timeout"), "{m}");

@@ -40,7 +40,7 @@ use super::backend::{Backend, LeasePool};
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
 use super::table::{
-    Busy, Call, FenceBlock, FenceBlocker, LeaseStatement, PurgeMark, Release, Statements,
+    Busy, Call, DbTerm, FenceBlock, FenceBlocker, LeaseStatement, PurgeMark, Release, Statements,
     TableName, Taken, TermNow, FENCE_LOOKUP, FENCE_TERM_LOOKUP,
 };
 use super::term::{LeaseState, Timing};
@@ -195,7 +195,7 @@ pub(crate) trait Owner: Send + Sync + 'static {
     fn term_now<'a>(
         &'a self,
         name: &'a str,
-    ) -> Pin<Box<dyn Future<Output = Result<Option<(String, i64, f64)>, Error>> + Send + 'a>>;
+    ) -> Pin<Box<dyn Future<Output = Result<Option<DbTerm>, Error>> + Send + 'a>>;
 }
 
 impl<B: Backend> Owner for Inner<B> {
@@ -229,10 +229,14 @@ impl<B: Backend> Owner for Inner<B> {
     fn term_now<'a>(
         &'a self,
         name: &'a str,
-    ) -> Pin<Box<dyn Future<Output = Result<Option<(String, i64, f64)>, Error>> + Send + 'a>> {
+    ) -> Pin<Box<dyn Future<Output = Result<Option<DbTerm>, Error>> + Send + 'a>> {
         Box::pin(async move {
+            // Urgent: a fenced transaction waits on it, under a bound
+            // that may be the grace alone (and an acquisition never holds
+            // the lease lane's last slot, which this may need: the fenced
+            // transaction holds a connection of the same pool).
             let budget = self.statement_timeout.min(FENCE_TERM_LOOKUP);
-            self.run(Urgency::Normal, budget, &TermNow { name }).await
+            self.run(Urgency::Urgent, budget, &TermNow { name }).await
         })
     }
 }

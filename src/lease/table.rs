@@ -444,8 +444,11 @@ RETURNING name"
             ),
             // The row locked `FOR KEY SHARE` (a take-over waits for the
             // transaction, a renewal does not), and the transaction bounded
-            // on the server from the term's end (`ms`: the term's time left
-            // plus `$2` ms, see `term_left_ms`):
+            // on the server from the term's end by the database (`ms`: the
+            // term's time left plus `$2` ms, see `db_left_ms`: the row as
+            // read, or `$6`, the term as read outside a stale snapshot;
+            // never the client's own term end, `$5`, which only bounds the
+            // wait for the row and tells a stale read, see `stale`):
             //
             // - `statement_timeout` and `idle_in_transaction_session_timeout`
             //   for this transaction, each the tighter of that bound and the
@@ -636,6 +639,15 @@ pub(crate) struct FenceBlock {
     pub(crate) on_table: bool,
     /// The session holding it (`None`: a prepared transaction).
     pub(crate) pid: Option<i32>,
+}
+
+/// A name's term as the database has it now (see [`Statements::term_now`]).
+#[derive(Debug, Clone)]
+pub(crate) struct DbTerm {
+    pub(crate) holder: String,
+    pub(crate) token: i64,
+    /// Seconds left by the database's clock (negative once expired).
+    pub(crate) left_s: f64,
 }
 
 /// A session holding a lock on a lease row.
@@ -856,12 +868,18 @@ impl Statements {
         client: &impl Exec,
         call: Call,
         name: &str,
-    ) -> Result<Option<(String, i64, f64)>, SqlError> {
+    ) -> Result<Option<DbTerm>, SqlError> {
         let rows = client
             .query(&self.term_now, &[Param::Text(name)], call.how())
             .await?;
         rows.first()
-            .map(|r| Ok((r.col(0)?, r.col(1)?, r.col(2)?)))
+            .map(|r| {
+                Ok(DbTerm {
+                    holder: r.col(0)?,
+                    token: r.col(1)?,
+                    left_s: r.col(2)?,
+                })
+            })
             .transpose()
     }
 
@@ -1980,7 +1998,7 @@ pub(crate) struct TermNow<'a> {
 
 lease_statement!(
     TermNow<'_>,
-    Option<(String, i64, f64)>,
+    Option<DbTerm>,
     "busy check",
     |s, sql, c, call| sql.term_now(c, call, s.name)
 );

