@@ -73,6 +73,13 @@ pub enum LeaseError {
     /// end the session that holds the lock (`blocking_pid`, or `pgwarden
     /// leases` for a row), and keep statements that lock rows or the table
     /// off the lease table.
+    ///
+    /// The same bounds (a tighter `statement_timeout`, a cancel request)
+    /// also end a fence that waited for no lock at all, only ran slow: then
+    /// no session is named (`blocking_pid: None`, `on_table: false`), and
+    /// the message claims no lock. Only a session whose lock conflicts with
+    /// a fence's is ever named (another fenced transaction's, or a
+    /// renewal's, never is).
     #[error("{}", fence_blocked(name, waited, *on_table, *blocking_pid))]
     FenceBlocked {
         /// The lease.
@@ -119,30 +126,37 @@ pub enum LeaseError {
 }
 
 /// The message of [`LeaseError::FenceBlocked`]: which lock, held by whom,
-/// and what to do.
+/// and what to do; or, when no session held a lock that blocks a fence by
+/// the time it was looked up, that the bound ran out without naming a lock
+/// (the holder let go since, or the statement was slow and waited for
+/// nothing).
 fn fence_blocked(name: &str, waited: &Duration, on_table: bool, pid: Option<i32>) -> String {
-    let by = match pid {
-        Some(pid) => format!("pid {pid}"),
-        None => "another session".to_owned(),
-    };
     let (lock, keep_off) = match (on_table, pid) {
-        (true, _) => (
-            format!("the lease table's lock, held by {by}"),
-            "keep LOCK TABLE, ALTER TABLE and VACUUM FULL off the lease table while leases are in use",
+        (true, Some(pid)) => (
+            format!("waited {waited:?} for the lease table's lock, held by pid {pid}, and gave up"),
+            "end that session's transaction, and keep LOCK TABLE, ALTER TABLE and VACUUM FULL off the lease table while leases are in use",
         ),
-        (false, Some(_)) => (
-            format!("the lease row's lock, held by {by}"),
-            "keep statements that lock rows, such as SELECT … FOR UPDATE, off the lease table",
+        (true, None) => (
+            format!("waited {waited:?} for the lease table's lock, held by a prepared transaction, and gave up"),
+            "end that prepared transaction, and keep LOCK TABLE, ALTER TABLE and VACUUM FULL off the lease table while leases are in use",
+        ),
+        (false, Some(pid)) => (
+            format!("waited {waited:?} for the lease row's lock, held by pid {pid}, and gave up"),
+            "end that session's transaction, and keep statements that lock rows, such as SELECT … FOR UPDATE, off the lease table",
         ),
         (false, None) => (
-            format!("a lock on the lease row or table, held by {by}"),
-            "keep statements that lock rows or the table off the lease table",
+            format!(
+                "was cut off after {waited:?}, naming no lock: no session was found holding one that blocks a fence \
+                 (one held the lease row or table and let go since, or the statement was slow and waited for none; \
+                 Fenced::check, whose transaction is still open, looks for none)"
+            ),
+            "if this repeats, look for sessions locking the lease row or table, and for a tight statement_timeout on a slow server",
         ),
     };
     format!(
-        "fence of lease {name:?} waited {waited:?} for {lock}, and gave up (its bound: the term's end + 1 s, \
-         or the transaction's tighter lock_timeout or statement_timeout); nothing was written and the \
-         transaction is rolled back: retry in a new transaction, and end that session's transaction ({keep_off})"
+        "fence of lease {name:?} {lock} (its bound: the term's end + 1 s, or the transaction's tighter \
+         lock_timeout or statement_timeout, or a cancel request); nothing was written and the \
+         transaction is rolled back: retry in a new transaction ({keep_off})"
     )
 }
 
@@ -171,12 +185,20 @@ mod tests {
         let row = blocked(false, Some(7));
         assert!(row.contains("the lease row's lock, held by pid 7"), "{row}");
         assert!(row.contains("FOR UPDATE"), "{row}");
+        let prepared = blocked(true, None);
+        assert!(
+            prepared.contains("the lease table's lock, held by a prepared transaction"),
+            "{prepared}"
+        );
+        // Nobody found: no lock is claimed, no pid named.
         let unknown = blocked(false, None);
         assert!(
-            unknown.contains("a lock on the lease row or table, held by another session"),
+            unknown.contains("no session was found holding one that blocks a fence"),
             "{unknown}"
         );
-        for m in [table, row, unknown] {
+        assert!(!unknown.contains("lock, held by"), "{unknown}");
+        assert!(!unknown.contains("pid"), "{unknown}");
+        for m in [table, prepared, row, unknown] {
             assert!(m.contains("statement_timeout"), "{m}");
             assert!(m.contains("retry in a new transaction"), "{m}");
         }

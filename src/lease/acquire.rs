@@ -29,9 +29,10 @@ use super::backend::Backend;
 use super::inner::{Inner, Owner, Urgency};
 use super::options::{check_name, new_holder, LeaseOptions};
 use super::table::{
-    Acquire, Blocker, Busy, Call, FreeIn, Install, LeaseStatement, Release, Statements, FENCE_GRACE,
+    Acquire, Blocker, Busy, Call, DbTerm, FreeIn, Install, LeaseStatement, Release, Statements,
+    FENCE_GRACE,
 };
-use super::term::{LeaseState, Term, TermInfo};
+use super::term::{LeaseState, Term, TermInfo, MAX_TTL};
 use crate::error::{Error, LeaseError};
 use crate::key::Namespace;
 use crate::lost::LostReason;
@@ -444,11 +445,11 @@ impl LeaseHandle {
     /// No take-over happens while the transaction is open (a take-over
     /// answers busy meanwhile), so the transaction is bounded on the server,
     /// as a whole, to the term's time left + 1 s. The term's end there is
-    /// the later of the row's expiry as the fence reads it (under
-    /// `REPEATABLE READ` or `SERIALIZABLE`, the snapshot's: older than the
-    /// renewals since) and the one this client knows (its local deadline
-    /// plus the safety margin, which renewals move and no snapshot hides);
-    /// neither is ever past the database's. The time left is counted once
+    /// the database's: the row's expiry as the fence reads it, or, when
+    /// that read may be older than the term (see *Isolation levels*), as a
+    /// read outside the snapshot gives it; never this client's own (its
+    /// local deadline plus the safety margin), which trails the database's
+    /// clock once the host was suspended. The time left is counted once
     /// the row is locked, not before the fence's wait for it:
     ///
     /// - `statement_timeout`, `idle_in_transaction_session_timeout` and
@@ -467,7 +468,10 @@ impl LeaseHandle {
     ///   [`LeaseError::FenceBlocked`](crate::LeaseError::FenceBlocked),
     ///   which says whether the lock was the row's or the table's and
     ///   names the session holding it (looked up from `pg_locks` in at
-    ///   most 2 s, never waiting behind a lock on the lease table). A lock
+    ///   most 2 s, never waiting behind a lock on the lease table; only a
+    ///   lock that conflicts with a fence's is named, and a fence cut off by
+    ///   a `statement_timeout` while it ran slow, waiting for nothing,
+    ///   names none and claims none). A lock
     ///   on the lease table itself (`LOCK TABLE`, `ALTER TABLE`, `VACUUM
     ///   FULL` in an open transaction) is waited for as the statement is
     ///   parsed, before it can set anything: only the transaction's own
@@ -514,12 +518,24 @@ impl LeaseHandle {
     /// READ` and `SERIALIZABLE` it reads the transaction's snapshot: a
     /// take-over committed since then makes PostgreSQL refuse the lock with
     /// a serialization failure, which `fence` reports as
-    /// `LeaseError::Lost { reason: Taken }`; a renewal by this holder since then is
-    /// no conflict (it changes no key), and the expiry it carries is newer
-    /// than the snapshot's, so there the local deadline stands in for the
-    /// expiry check, and the term's end this client knows for the bounds. Take the snapshot after the lease: call `fence` first
-    /// in the transaction (a snapshot older than the acquisition sees
-    /// another term, and the fence fails with `Taken`).
+    /// `LeaseError::Lost { reason: Taken }`; a renewal by this holder since
+    /// then is no conflict (it changes no key), but the expiry it carries is
+    /// newer than the snapshot's. So when the row's expiry as read is
+    /// earlier than the term's end this client knows (by more than 100 ms:
+    /// a snapshot older than a renewal, or this client's clock trailing the
+    /// database's after a suspended host), `fence` reads the term once more
+    /// outside the snapshot (one statement on the instance's pool, no lock,
+    /// at most 500 ms) and the database decides: a term over there is
+    /// refused (`Expired`), a live one is bounded from its expiry there
+    /// (one more statement in the transaction). If that read fails, the
+    /// fence passes when the snapshot's row is unexpired, bounded from its
+    /// expiry, and fails with the read's error otherwise. So a fence never
+    /// passes for a term the database has ended, at any level, and every
+    /// fenced transaction started before its term's end, within reach of a
+    /// blocked take-over (below). Take the snapshot after the lease:
+    /// call `fence` first in the transaction (a snapshot older than the
+    /// acquisition sees another term, and the fence fails with `Taken`;
+    /// one taken by the fence itself is current, and costs no second read).
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::Pool, lease: pgwarden::LeaseHandle) -> Result<(), pgwarden::Error> {
@@ -551,41 +567,9 @@ impl LeaseHandle {
         if let Some(reason) = self.inner.check_lost(&self.state) {
             return Err(self.fence_failed(reason));
         }
-        self.inner.count_statement();
-        let began = Instant::now();
-        let row = match self
-            .inner
-            .sql()
-            .fence(
-                tx,
-                &self.state.name,
-                &self.state.holder,
-                self.state.token,
-                self.state.term_end().saturating_duration_since(began),
-            )
-            .await
-        {
-            Ok(row) => row,
-            // A take-over (or purge) committed after the transaction's
-            // snapshot: the term is over.
-            Err(e) if e.is(code::SERIALIZATION_FAILURE) => {
-                return Err(self.fence_failed(LostReason::Taken))
-            }
-            // A lock (the row's, or the table's) was not granted within the
-            // fence's bound (the term's end + 1 s, or the transaction's
-            // tighter lock_timeout), or the transaction's tighter
-            // statement_timeout ended the statement first: another session
-            // holds the lock, looked up once the transaction is gone. A
-            // cancel request (57014 too) is reported the same way: only
-            // the message's words, in the server's language, tell them
-            // apart, and the lookup then finds nothing to name.
-            Err(e) if e.is(code::LOCK_NOT_AVAILABLE) || e.is(code::QUERY_CANCELED) => {
-                return Err(self.fence_blocked(began.elapsed()))
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let row = self.fence_statement(tx, None).await?;
         let reason = match row {
-            Some((holder, token, fresh, snapshot, marked))
+            Some((holder, token, fresh, stale, marked))
                 if holder == self.state.holder && token == self.state.token =>
             {
                 if !marked {
@@ -598,9 +582,19 @@ impl LeaseHandle {
                         "fence mark not taken: its key is held exclusively elsewhere"
                     );
                 }
-                // Under a snapshot the expiry read may predate renewals made
-                // since: the local deadline (checked below) decides.
-                if fresh || snapshot {
+                if stale {
+                    // Under a snapshot, the row read is older than the term
+                    // this client knows: the term was renewed since the
+                    // snapshot, or this client's clock trails the
+                    // database's (a suspended host). The database decides.
+                    match self.confirm(tx, fresh).await? {
+                        None => match self.inner.check_lost(&self.state) {
+                            None => return Ok(()),
+                            Some(reason) => reason,
+                        },
+                        Some(reason) => reason,
+                    }
+                } else if fresh {
                     match self.inner.check_lost(&self.state) {
                         None => return Ok(()),
                         Some(reason) => reason,
@@ -617,6 +611,102 @@ impl LeaseHandle {
             _ => LostReason::Taken,
         };
         Err(self.fence_failed(reason))
+    }
+
+    /// The fence's statement in `tx` (see `Statements::fence`), its errors
+    /// mapped: `db_left`, the term's time left as the database gave it
+    /// outside the transaction's snapshot, for the bound.
+    async fn fence_statement(
+        &self,
+        tx: &impl Exec,
+        db_left: Option<Duration>,
+    ) -> Result<Option<(String, i64, bool, bool, bool)>, Error> {
+        self.inner.count_statement();
+        let began = Instant::now();
+        match self
+            .inner
+            .sql()
+            .fence(
+                tx,
+                &self.state.name,
+                &self.state.holder,
+                self.state.token,
+                self.state.term_end().saturating_duration_since(began),
+                db_left,
+            )
+            .await
+        {
+            Ok(row) => Ok(row),
+            // A take-over (or purge) committed after the transaction's
+            // snapshot: the term is over.
+            Err(e) if e.is(code::SERIALIZATION_FAILURE) => {
+                Err(self.fence_failed(LostReason::Taken))
+            }
+            // A lock (the row's, or the table's) was not granted within the
+            // fence's bound (the term's end + 1 s, or the transaction's
+            // tighter lock_timeout), or the transaction's tighter
+            // statement_timeout ended the statement first (a lock wait, or
+            // a slow statement that waited for nothing), or a cancel
+            // request (57014 too: only the message's words, in the
+            // server's language, tell them apart): the session holding a
+            // lock that blocks a fence, if any, is looked up once the
+            // transaction is gone.
+            Err(e) if e.is(code::LOCK_NOT_AVAILABLE) || e.is(code::QUERY_CANCELED) => {
+                Err(self.fence_blocked(began.elapsed()))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// For a fence whose row read is older than the term this client knows
+    /// (`stale`, see `Statements::fence`): reads the term outside the
+    /// transaction's snapshot, on the instance's pool. The term over there
+    /// (or another's): its reason. Still this holder's: the fence's
+    /// statement again in `tx`, bounding the transaction from the
+    /// database's time left, and `None`. The read failed (or took longer
+    /// than `FENCE_TERM_LOOKUP`): when the row read is unexpired (`fresh`:
+    /// the term is live in the database), `None`, the transaction keeping
+    /// the bound that row gives, never later than the database's; else the
+    /// read's error.
+    async fn confirm(&self, tx: &impl Exec, fresh: bool) -> Result<Option<LostReason>, Error> {
+        let asked = Instant::now();
+        let DbTerm {
+            holder,
+            token,
+            left_s,
+        } = match self.inner.term_now(&self.state.name).await {
+            Ok(Some(term)) => term,
+            Ok(None) => return Ok(Some(LostReason::Taken)),
+            Err(e) if fresh => {
+                tracing::warn!(
+                    pool = %self.inner.pool_name(), lease = %self.state.name,
+                    token = self.state.token, error = %e,
+                    "fence under an old snapshot could not read its term outside it: \
+                     its transaction is bounded from the snapshot's expiry"
+                );
+                return Ok(None);
+            }
+            // The row read is expired, and nothing says the term is not:
+            // no fence (a transaction fenced past the term's end would be
+            // out of a take-over's reach, see `EndFenced`).
+            Err(e) => return Err(e),
+        };
+        if holder.is_empty() && token == self.state.token {
+            return Ok(Some(LostReason::Revoked));
+        }
+        if holder != self.state.holder || token != self.state.token {
+            return Ok(Some(LostReason::Taken));
+        }
+        // At most the longest term (an expiry edited by hand to
+        // 'infinity' included); NaN is no time left.
+        let left = Duration::try_from_secs_f64(left_s.min(MAX_TTL.as_secs_f64()))
+            .unwrap_or(Duration::ZERO);
+        if left.is_zero() {
+            return Ok(Some(LostReason::Expired));
+        }
+        self.fence_statement(tx, Some(left.saturating_sub(asked.elapsed())))
+            .await?;
+        Ok(None)
     }
 
     /// The fence's wait for a lock (the lease row's, or the table's) ran

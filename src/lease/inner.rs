@@ -40,8 +40,8 @@ use super::backend::{Backend, LeasePool};
 use super::metrics::{LeaseMetrics, LeaseStats};
 use super::options::{PurgeSettings, Settings};
 use super::table::{
-    Busy, Call, FenceBlock, FenceBlocker, LeaseStatement, PurgeMark, Release, Statements,
-    TableName, Taken, FENCE_LOOKUP,
+    Busy, Call, DbTerm, FenceBlock, FenceBlocker, LeaseStatement, PurgeMark, Release, Statements,
+    TableName, Taken, TermNow, FENCE_LOOKUP, FENCE_TERM_LOOKUP,
 };
 use super::term::{LeaseState, Timing};
 use crate::admission::{Lane, Priority};
@@ -187,6 +187,15 @@ pub(crate) trait Owner: Send + Sync + 'static {
         &'a self,
         name: &'a str,
     ) -> Pin<Box<dyn Future<Output = Option<FenceBlock>> + Send + 'a>>;
+    /// `name`'s term as the database has it now: holder, token, seconds
+    /// left (see `Statements::term_now`). A lease statement of its own, for
+    /// a fence whose transaction reads an old snapshot, bounded by
+    /// [`FENCE_TERM_LOOKUP`] (the fenced transaction waits meanwhile, under
+    /// a bound of the grace alone).
+    fn term_now<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> Pin<Box<dyn Future<Output = Result<Option<DbTerm>, Error>> + Send + 'a>>;
 }
 
 impl<B: Backend> Owner for Inner<B> {
@@ -215,6 +224,19 @@ impl<B: Backend> Owner for Inner<B> {
                 .run(Urgency::Normal, budget, &FenceBlocker { name })
                 .await;
             found.ok().flatten()
+        })
+    }
+    fn term_now<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> Pin<Box<dyn Future<Output = Result<Option<DbTerm>, Error>> + Send + 'a>> {
+        Box::pin(async move {
+            // Urgent: a fenced transaction waits on it, under a bound
+            // that may be the grace alone (and an acquisition never holds
+            // the lease lane's last slot, which this may need: the fenced
+            // transaction holds a connection of the same pool).
+            let budget = self.statement_timeout.min(FENCE_TERM_LOOKUP);
+            self.run(Urgency::Urgent, budget, &TermNow { name }).await
         })
     }
 }

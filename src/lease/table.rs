@@ -137,6 +137,13 @@ pub(crate) const FENCE_GRACE: Duration = Duration::from_secs(1);
 /// fence reports no pid rather than keep its caller longer.
 pub(crate) const FENCE_LOOKUP: Duration = Duration::from_secs(2);
 
+/// How long a fence whose transaction reads an old snapshot may take to
+/// read its term outside that snapshot (`Statements::term_now`, on the
+/// instance's pool): 500 ms, half the grace, which bounds the fenced
+/// transaction's idle spell meanwhile (past that, the server would end
+/// its session). Past it, the fence passes on the bound the grace gives.
+pub(crate) const FENCE_TERM_LOOKUP: Duration = Duration::from_millis(500);
+
 /// The statements of one lease table.
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -149,7 +156,9 @@ pub(crate) struct Statements {
     pub(super) release_unheld: String,
     pub(super) release_batch: String,
     pub(super) fence: String,
+    pub(super) term_now: String,
     pub(super) blocker: String,
+    pub(super) fence_row_blocker: String,
     pub(super) table_blocker: String,
     pub(super) terms: String,
     pub(super) purge_mark: String,
@@ -233,28 +242,74 @@ fn kept_ms(mark: &str, setting: &str) -> String {
     )
 }
 
-/// The fence's bound in milliseconds, as of the moment it is computed: the
-/// term's time left plus the grace (`$2`), the term's end being the later
-/// of two that are never past the database's latest expiry (as the clock
-/// runs on, the later is the nearer to it):
-///
-/// - the row's `expires_at` (alias `{row}`), as the statement reads it: the
-///   latest committed under `READ COMMITTED`, but the snapshot's under
-///   `REPEATABLE READ` and `SERIALIZABLE`, older than every renewal since
-///   the snapshot (a healthy term, renewed meanwhile, would get the grace
-///   alone as its bound);
-/// - the term's end as the client knows it (`$5`: its local deadline plus
-///   the safety margin, in milliseconds from when the statement was sent,
-///   see `LeaseState::term_end`), counted down by the statement's age on
-///   the server (`statement_timestamp()`, the statement's arrival): never
-///   later than the database's expiry (a renewal sent at local instant `t`
-///   sets it to at least `t + ttl`, the local deadline is `t + ttl -
-///   margin`), and not subject to any snapshot.
+/// The fence's wait bound in milliseconds, for its own wait for the row's
+/// lock (set below that lock): the term's time left plus the grace
+/// (`$2`), the term's end being the later of the row's `expires_at` as the
+/// statement reads it (alias `{row}`) and the term's end as the client
+/// knows it (`$5`: its local deadline plus the safety margin, in
+/// milliseconds from when the statement was sent, see
+/// `LeaseState::term_end`), counted down by the statement's age on the
+/// server (`statement_timestamp()`, its arrival). It bounds a wait only:
+/// the transaction's own bounds come from the database alone (see
+/// [`db_left_ms`]).
 fn term_left_ms(row: &str) -> String {
     format!(
         "(ceil(greatest(extract(epoch FROM {row}.expires_at - clock_timestamp()) * 1000,
                                      $5 - extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000,
                                      0)) + $2)::int8"
+    )
+}
+
+/// The fence's bound for its transaction in milliseconds, as of the moment
+/// it is computed: the term's time left by the database plus the grace
+/// (`$2`), the term's end being the later of
+///
+/// - the row's `expires_at` (alias `{row}`), as the statement reads it:
+///   the latest committed under `READ COMMITTED`, but the snapshot's under
+///   `REPEATABLE READ` and `SERIALIZABLE`, older than every renewal since
+///   the snapshot;
+/// - `$6`: the term's time left as the database gave it to a read outside
+///   the transaction's snapshot (`Statements::term_now`), in milliseconds
+///   from when the statement was sent, counted down by the statement's
+///   age on the server; 0 on a first fence, whose caller then looks the
+///   term up only when the row it read is older than the term it knows
+///   (the `stale` column, see [`stale`]).
+///
+/// Never the client's own term end: that one trails the database's when
+/// the host was suspended (`Instant` is `CLOCK_MONOTONIC` on Linux, which
+/// stops meanwhile), and a transaction bounded from it could outlive the
+/// term the database ended.
+fn db_left_ms(row: &str) -> String {
+    format!(
+        "(ceil(greatest(extract(epoch FROM {row}.expires_at - clock_timestamp()) * 1000,
+                                     $6 - extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000,
+                                     0)) + $2)::int8"
+    )
+}
+
+/// How much later than the row's expiry, as the fence reads it, the
+/// client's own term end may be before the fence looks the term up outside
+/// its snapshot: 100 ms. Read from a current row, the two differ by the
+/// fence's one-way latency less the last renewal's (the client's end
+/// counts from the renewal's send, the row's from its execution); read
+/// from a snapshot older than a renewal, the client's end is later by the
+/// time between renewals at least.
+pub(crate) const FENCE_STALE_SLACK: Duration = Duration::from_millis(100);
+
+/// Whether a fence's read of the row (alias `{row}`) may be older than the
+/// term: under `REPEATABLE READ` or `SERIALIZABLE` (the statement reads
+/// the transaction's snapshot), with the client's term end (`$5`, counted
+/// down as in [`term_left_ms`]) later than the row's expiry by more than
+/// [`FENCE_STALE_SLACK`]: the snapshot predates a renewal (the row then
+/// says too little), or the client's clock trails the database's (a host
+/// suspended: its term end says too much). Only a read outside the
+/// snapshot tells them apart (`Statements::term_now`).
+fn stale(row: &str) -> String {
+    format!(
+        "(current_setting('transaction_isolation') <> 'read committed'
+        AND $5 - extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000
+            > extract(epoch FROM {row}.expires_at - clock_timestamp()) * 1000 + {slack})",
+        slack = FENCE_STALE_SLACK.as_millis()
     )
 }
 
@@ -389,8 +444,11 @@ RETURNING name"
             ),
             // The row locked `FOR KEY SHARE` (a take-over waits for the
             // transaction, a renewal does not), and the transaction bounded
-            // on the server from the term's end (`ms`: the term's time left
-            // plus `$2` ms, see `term_left_ms`):
+            // on the server from the term's end by the database (`ms`: the
+            // term's time left plus `$2` ms, see `db_left_ms`: the row as
+            // read, or `$6`, the term as read outside a stale snapshot;
+            // never the client's own term end, `$5`, which only bounds the
+            // wait for the row and tells a stale read, see `stale`):
             //
             // - `statement_timeout` and `idle_in_transaction_session_timeout`
             //   for this transaction, each the tighter of that bound and the
@@ -439,7 +497,7 @@ RETURNING name"
             // bounds that wait (see `LeaseHandle::fence`).
             fence: format!(
                 "SELECT f.holder, f.token, f.expires_at > clock_timestamp(),
-       current_setting('transaction_isolation') <> 'read committed',
+       {stale},
        f.holder = $3 AND f.token = $4 AND pg_try_advisory_xact_lock_shared({ns}, b.mark),
        set_config('pgwarden.fence_st', b.st::text, true) IS NOT NULL
          AND set_config('pgwarden.fence_lt', f.lt::text, true) IS NOT NULL
@@ -466,7 +524,8 @@ RETURNING name"
                              ELSE (f.token & 2147483647) - 2147483648 END)::int4 AS mark) AS b",
                 ns = Namespace::PGWARDEN.id(),
                 ms_before = term_left_ms("l"),
-                ms_after = term_left_ms("f"),
+                ms_after = db_left_ms("f"),
+                stale = stale("f"),
                 st = kept_ms("fence_st", "statement_timeout"),
                 it = kept_ms("fence_it", "idle_in_transaction_session_timeout"),
                 tt = kept_ms("fence_tt", "transaction_timeout"),
@@ -482,6 +541,33 @@ RETURNING name"
   JOIN pg_locks AS k ON k.locktype = 'transactionid' AND k.transactionid = t.xmax AND k.granted
   JOIN pg_stat_activity AS a ON a.pid = k.pid
  WHERE t.name = $1 AND a.pid <> pg_backend_pid()
+ LIMIT 1"
+            ),
+            // The current term of a name, read outside a fenced
+            // transaction's snapshot (see `LeaseHandle::fence`): locks
+            // nothing.
+            term_now: format!(
+                "SELECT holder, token, date_part('epoch', expires_at - clock_timestamp()) FROM {tbl} WHERE name = $1"
+            ),
+            // The session holding a lock on a row that a fence's `FOR KEY
+            // SHARE` waits for (a `FOR UPDATE`, a `DELETE`, an update of
+            // the key), for a blocked fence's error: the row's `xmax`
+            // names the locking transaction when one holds it, but also a
+            // locker that blocks no fence (another fenced transaction's
+            // `FOR KEY SHARE`, a renewal's or a release's `FOR NO KEY
+            // UPDATE`), which the row's lock bits alone would tell apart.
+            // The probe asks for the fence's own lock, `SKIP LOCKED`: it
+            // skips the row (and a locker is named) only when a lock that
+            // conflicts with a fence is held. It never waits; when it gets
+            // the lock, it holds it for this one statement, which only a
+            // take-over or a `DELETE` could wait on, as on any fence.
+            fence_row_blocker: format!(
+                "SELECT a.pid
+  FROM {tbl} AS t
+  JOIN pg_locks AS k ON k.locktype = 'transactionid' AND k.transactionid = t.xmax AND k.granted
+  JOIN pg_stat_activity AS a ON a.pid = k.pid
+ WHERE t.name = $1 AND a.pid <> pg_backend_pid()
+   AND NOT EXISTS (SELECT FROM {tbl} AS p WHERE p.name = $1 FOR KEY SHARE OF p SKIP LOCKED)
  LIMIT 1"
             ),
             // The session holding (or first in line for) a lock on the
@@ -553,6 +639,15 @@ pub(crate) struct FenceBlock {
     pub(crate) on_table: bool,
     /// The session holding it (`None`: a prepared transaction).
     pub(crate) pid: Option<i32>,
+}
+
+/// A name's term as the database has it now (see [`Statements::term_now`]).
+#[derive(Debug, Clone)]
+pub(crate) struct DbTerm {
+    pub(crate) holder: String,
+    pub(crate) token: i64,
+    /// Seconds left by the database's clock (negative once expired).
+    pub(crate) left_s: f64,
 }
 
 /// A session holding a lock on a lease row.
@@ -714,14 +809,20 @@ impl Statements {
     /// bounds that transaction on the server (`statement_timeout`,
     /// `idle_in_transaction_session_timeout` and `lock_timeout` for the
     /// transaction only, each the tighter of its value before the first
-    /// fence and the term's time left plus [`FENCE_GRACE`]; `lock_timeout`
-    /// set below the row lock, so that the wait for the row is bounded too;
-    /// `transaction_timeout` too on PostgreSQL 17 and later); marks the transaction as a fence of this term (the
-    /// shared advisory lock `(1885828964, token as i32)`, when the row is
-    /// `holder`'s term `token`); returns the row's holder, its token,
-    /// whether it is unexpired, whether the transaction reads from one
-    /// snapshot (repeatable read or serializable), and whether the mark is
-    /// held.
+    /// fence and the term's time left by the database plus
+    /// [`FENCE_GRACE`]; `transaction_timeout` too on PostgreSQL 17 and
+    /// later); bounds its own wait for the row (`lock_timeout` set below
+    /// the row lock, from the later of the row's expiry and `term_left`,
+    /// the client's term end); marks the transaction as a fence of this
+    /// term (the shared advisory lock `(1885828964, token as i32)`, when
+    /// the row is `holder`'s term `token`). `db_left`: the term's time left
+    /// as [`Statements::term_now`] read it outside the transaction's
+    /// snapshot (the bound is then at least that), or `None`.
+    ///
+    /// Returns the row's holder, its token, whether it is unexpired as
+    /// read, whether the read may be older than the term (see [`stale`]:
+    /// look the term up with [`Statements::term_now`]), and whether the
+    /// mark is held.
     pub(crate) async fn fence(
         &self,
         tx: &impl Exec,
@@ -729,18 +830,19 @@ impl Statements {
         holder: &str,
         token: i64,
         term_left: Duration,
+        db_left: Option<Duration>,
     ) -> Result<Option<(String, i64, bool, bool, bool)>, SqlError> {
-        let grace = i64::try_from(FENCE_GRACE.as_millis()).unwrap_or(i64::MAX);
-        let left = i64::try_from(term_left.as_millis()).unwrap_or(i64::MAX);
+        let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         let row = tx
             .query_opt(
                 &self.fence,
                 &[
                     Param::Text(name),
-                    Param::Int8(grace),
+                    Param::Int8(ms(FENCE_GRACE)),
                     Param::Text(holder),
                     Param::Int8(token),
-                    Param::Int8(left),
+                    Param::Int8(ms(term_left)),
+                    Param::Int8(db_left.map_or(0, ms)),
                 ],
                 Sent::Unnamed,
             )
@@ -755,6 +857,30 @@ impl Statements {
             ))
         })
         .transpose()
+    }
+
+    /// `name`'s term as the database has it now, read outside any fenced
+    /// transaction (a statement of its own, on the instance's pool; no
+    /// lock): its holder, its token and its time left (negative once
+    /// expired). For a fence whose transaction reads an old snapshot.
+    pub(crate) async fn term_now(
+        &self,
+        client: &impl Exec,
+        call: Call,
+        name: &str,
+    ) -> Result<Option<DbTerm>, SqlError> {
+        let rows = client
+            .query(&self.term_now, &[Param::Text(name)], call.how())
+            .await?;
+        rows.first()
+            .map(|r| {
+                Ok(DbTerm {
+                    holder: r.col(0)?,
+                    token: r.col(1)?,
+                    left_s: r.col(2)?,
+                })
+            })
+            .transpose()
     }
 
     /// The session holding a lock on `name`'s row, when one transaction
@@ -783,8 +909,10 @@ impl Statements {
     /// What kept a fence of `name` waiting, once it gave up: a session
     /// holding (or first in line for) a lock on the lease table that blocks
     /// a fence, read from `pg_locks` without touching the table; else the
-    /// session holding a lock on the row; `None` when neither is there any
-    /// more.
+    /// session holding a lock on the row that conflicts with a fence's
+    /// (`fence_row_blocker`: not another fence's, nor a renewal's); `None`
+    /// when neither is there (any more, or ever: a fence cut off by a
+    /// `statement_timeout` while it ran slow, waiting for nothing).
     pub(crate) async fn fence_blocker(
         &self,
         client: &impl Exec,
@@ -800,11 +928,17 @@ impl Statements {
                 pid: r.col(0)?,
             }));
         }
-        let row = self.blocker(client, call, name).await?;
-        Ok(row.map(|b| FenceBlock {
-            on_table: false,
-            pid: Some(b.pid),
-        }))
+        let row = client
+            .query(&self.fence_row_blocker, &[Param::Text(name)], call.how())
+            .await?;
+        row.first()
+            .map(|r| {
+                Ok(FenceBlock {
+                    on_table: false,
+                    pid: Some(r.col(0)?),
+                })
+            })
+            .transpose()
     }
 
     /// The mark of a purge round: the token sequence's last value (`None`
@@ -1855,6 +1989,18 @@ lease_statement!(
     Option<FenceBlock>,
     "busy check",
     |s, sql, c, call| sql.fence_blocker(c, call, s.name)
+);
+
+/// A name's term as the database has it now (see [`Statements::term_now`]).
+pub(crate) struct TermNow<'a> {
+    pub(crate) name: &'a str,
+}
+
+lease_statement!(
+    TermNow<'_>,
+    Option<DbTerm>,
+    "busy check",
+    |s, sql, c, call| sql.term_now(c, call, s.name)
 );
 
 /// One batched renewal.

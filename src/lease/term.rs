@@ -124,11 +124,14 @@ impl LeaseState {
     }
 
     /// The term's end as this client knows it: the local deadline plus the
-    /// safety margin. Never later than the database's expiry of the term
-    /// (the last renewal that succeeded, sent at `start`, set it to at
-    /// least `start + ttl`; the deadline is `start + ttl - margin`), and
-    /// read from no snapshot: the fence bounds its transaction from it
-    /// where its read of the row may be older (see `Statements::fence`).
+    /// safety margin. Not later than the database's expiry of the term
+    /// while the monotonic clock runs with the database's (the last renewal
+    /// that succeeded, sent at `start`, set it to at least `start + ttl`;
+    /// the deadline is `start + ttl - margin`), but later once the host was
+    /// suspended (`Instant` stops meanwhile on Linux), and read from no
+    /// snapshot. The fence compares it with the row it reads, to tell a
+    /// read older than the term (see `Statements::fence`); it never bounds
+    /// a transaction from it.
     pub(crate) fn term_end(&self) -> Instant {
         self.deadline() + self.margin
     }

@@ -45,6 +45,7 @@ mod lease_environments;
 mod lease_faults;
 mod lease_fence_blocked;
 mod lease_fence_bounds;
+mod lease_fence_db_clock;
 mod lease_fencing;
 mod lease_gather;
 mod lease_gather_faults;
