@@ -1442,6 +1442,25 @@ pub fn named<B: Backend>(db: &TestDb, app: &str, s: &Settings) -> (B::Pool, Stri
     (B::build_on(&config, s), app)
 }
 
+/// `Leases::new` on a pool of `size` of backend `B` on `config` (a
+/// database, PgBouncer, a proxy), the pool named `app` and its backends
+/// `<app>-<backend>` in `pg_stat_activity.application_name`: the leases
+/// and that name.
+pub fn leases_on<B: Backend>(
+    config: &tokio_postgres::Config,
+    app: &str,
+    size: usize,
+) -> (B::Leases, String) {
+    let app_b = format!("{app}-{}", B::NAME);
+    let mut config = config.clone();
+    config.application_name(&app_b);
+    let name: &'static str = Box::leak(app.to_owned().into_boxed_str());
+    (
+        B::leases(&B::build_on(&config, &Settings::new(name, size))),
+        app_b,
+    )
+}
+
 /// Waits (on the pool's state, not a clock) until nothing is in use or
 /// waiting: a sqlx connection's return finishes in a task of its own.
 pub async fn settled<B: Backend>(pool: &B::Pool) {
