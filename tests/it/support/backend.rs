@@ -1475,6 +1475,27 @@ pub async fn settled<B: Backend>(pool: &B::Pool) {
 /// `$name::deadpool`, and with their features `$name::sqlx_0_8` and
 /// `$name::sqlx_0_9`.
 macro_rules! backends {
+    // A plain `#[test]` per backend: `$name::<B>()` runs its own runtimes.
+    (sync, $name:ident) => {
+        mod $name {
+            #[test]
+            fn deadpool() {
+                super::$name::<crate::support::backend::Deadpool>()
+            }
+
+            #[cfg(feature = "sqlx-0_8")]
+            #[test]
+            fn sqlx_0_8() {
+                super::$name::<crate::support::backend::Sqlx08>()
+            }
+
+            #[cfg(feature = "sqlx-0_9")]
+            #[test]
+            fn sqlx_0_9() {
+                super::$name::<crate::support::backend::Sqlx09>()
+            }
+        }
+    };
     // Every variant ignored, with the open bug that makes them fail.
     (ignore_all = $why:literal, $name:ident $(, $($flavor:tt)*)?) => {
         mod $name {
