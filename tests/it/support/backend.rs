@@ -244,6 +244,12 @@ pub trait Backend: Send + Sync + 'static {
     fn lease_stats(l: &Self::Leases) -> LeaseStats;
     /// `Leases::rows`.
     fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>>;
+    /// `Leases::run(name, opts, work)` whose work returns its term's token.
+    fn run_token<'a>(
+        l: &'a Self::Leases,
+        name: &'a str,
+        opts: &'a LeaseOptions,
+    ) -> BoxFuture<'a, Result<Option<i64>, Error>>;
     /// `Scheduler::builder(&leases)` with `jobs`, started.
     fn schedule(l: &Self::Leases, jobs: Vec<Job>) -> Result<Scheduler, Error>;
     /// In a transaction of its own on `pool`, fenced by `lease`:
@@ -498,6 +504,14 @@ macro_rules! lease_methods {
 
         fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>> {
             Box::pin(l.rows())
+        }
+
+        fn run_token<'a>(
+            l: &'a Self::Leases,
+            name: &'a str,
+            opts: &'a LeaseOptions,
+        ) -> BoxFuture<'a, Result<Option<i64>, Error>> {
+            Box::pin(l.run(name, opts, |lease| async move { lease.term().token }))
         }
 
         fn schedule(l: &Self::Leases, jobs: Vec<Job>) -> Result<Scheduler, Error> {
