@@ -136,17 +136,17 @@ async fn many_callers_of_one_name_at_once_get_one_term<B: Backend>() {
         let (leases, admin, o) = (&leases, &admin, &o);
         async move {
             let name = format!("same{i}");
-            let before = B::lease_stats(&leases);
+            let before = B::lease_stats(leases);
             // All 32 first polled in one pass: two go alone, thirty wait
             // together.
-            let got = join_all((0..32).map(|_| B::acquire(&leases, &name, o, None))).await;
+            let got = join_all((0..32).map(|_| B::acquire(leases, &name, o, None))).await;
             let winners: Vec<B::Lease> = got.into_iter().filter_map(|r| r.unwrap()).collect();
             assert_eq!(winners.len(), 1, "one term for one name");
             assert_eq!(live(admin, &[name]).await, 1);
             for lease in winners {
                 B::release(lease).await.unwrap();
             }
-            B::lease_stats(&leases).gathered_statements > before.gathered_statements
+            B::lease_stats(leases).gathered_statements > before.gathered_statements
         }
     })
     .await;
@@ -174,12 +174,12 @@ async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release<B: 
     until_gathered(|round| {
         let (leases, admin, hold) = (&leases, &admin, &hold);
         async move {
-            let before = B::lease_stats(&leases);
+            let before = B::lease_stats(leases);
             let names: Vec<String> = (0..8)
                 .map(|i| format!("h{i}"))
                 .chain((0..24).map(|i| format!("free{round}-{i}")))
                 .collect();
-            let got = join_all(names.iter().map(|n| B::acquire(&leases, n, hold, None))).await;
+            let got = join_all(names.iter().map(|n| B::acquire(leases, n, hold, None))).await;
             let mut taken = Vec::new();
             for (name, r) in names.iter().zip(got) {
                 match r.unwrap() {
@@ -194,11 +194,11 @@ async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release<B: 
                 }
             }
             assert_eq!(taken.len(), 24);
-            let mid = B::lease_stats(&leases);
+            let mid = B::lease_stats(leases);
             // Released together: each row released, its hold kept.
             let released = join_all(taken.into_iter().map(|l| B::release(l))).await;
             assert!(released.into_iter().all(|r| r.is_ok()));
-            let after = B::lease_stats(&leases);
+            let after = B::lease_stats(leases);
             let r = admin
                 .query_typed_one(
                     "SELECT count(*) FILTER (WHERE holder = ''),
@@ -260,7 +260,7 @@ async fn a_blocked_takeover_in_a_batch_is_busy_and_the_others_are_taken<B: Backe
                 .into_iter()
                 .chain((0..10).map(|i| format!("free{round}-{i}")))
                 .collect();
-            let got = join_all(names.iter().map(|n| B::acquire(&leases, n, o, None))).await;
+            let got = join_all(names.iter().map(|n| B::acquire(leases, n, o, None))).await;
             for (name, r) in names.iter().zip(got) {
                 let lease = r.unwrap_or_else(|e| panic!("{name}: {e}"));
                 assert_eq!(lease.is_some(), name != "stale", "{name}");

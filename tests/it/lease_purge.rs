@@ -41,7 +41,7 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge<B: Backend>() 
     let mut keep = Vec::new();
     for (i, l) in instances.iter().enumerate() {
         keep.push(
-            B::acquire(&l, &format!("keep{i}"), &LeaseOptions::new(3 * S), None)
+            B::acquire(l, &format!("keep{i}"), &LeaseOptions::new(3 * S), None)
                 .await
                 .unwrap()
                 .unwrap(),
@@ -102,7 +102,7 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge<B: Backend>() 
         })
     };
     loop {
-        let purged: u64 = instances.iter().map(|l| B::lease_stats(&l).purged).sum();
+        let purged: u64 = instances.iter().map(|l| B::lease_stats(l).purged).sum();
         let enough = purged > 0 && tokens.lock().len() > 5;
         if (enough && started.elapsed() >= S) || started.elapsed() >= 60 * S {
             break;
@@ -115,10 +115,10 @@ async fn tokens_grow_under_16_contenders_with_an_aggressive_purge<B: Backend>() 
     }
     let stalls = staller.await.unwrap();
     let tokens = tokens.lock().clone();
-    let purged: u64 = instances.iter().map(|l| B::lease_stats(&l).purged).sum();
+    let purged: u64 = instances.iter().map(|l| B::lease_stats(l).purged).sum();
     let purges: u64 = instances
         .iter()
-        .map(|l| B::lease_stats(&l).purge_statements)
+        .map(|l| B::lease_stats(l).purge_statements)
         .sum();
     eprintln!(
         "16 contenders, purge every 10 ms, {stalls} backend stalls: {} terms, {purges} purge statements deleted {purged} rows",
