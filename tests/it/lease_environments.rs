@@ -5,7 +5,8 @@
 //! instances whose `search_path`s differ, a same-named sequence earlier in
 //! a search path, other roles holding advisory locks or row locks, a
 //! statement that cannot even get its connection, and a scheduled run
-//! interrupted at shutdown.
+//! interrupted at shutdown. On every backend, from one source, but for the
+//! search-path, sequence and advisory-lock tests (deadpool only).
 
 use crate::support;
 
@@ -14,8 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use metrics_util::debugging::DebuggingRecorder;
-use pgwarden::{Job, LeaseOptions, Leases, Pool, PoolerMode, Scheduler};
+use pgwarden::{Job, LeaseOptions, Leases};
 use pgwarden_testing::{Proxy, TestServer};
+use support::backend::{Backend, Settings};
 use support::leases::{insert_expired, lock_rows, pool, pool_with};
 use support::recorder::snapshot;
 use support::{admin, counter, db, eventually, within, Logs};
@@ -39,13 +41,13 @@ fn rand_u32() -> u32 {
     h.finish() as u32
 }
 
+backends!(a_holder_cut_off_inside_a_fenced_transaction_is_taken_over_within_its_ttl);
 /// Point 1: the holder is cut off (black hole) right after `fence`, its
 /// fenced transaction open on the server with the row locked. At default
 /// server settings the server ends that session soon after the term's
 /// expiry (fence bounds its own transaction), so another instance takes the
 /// lease over within TTL + 10 s, and the stale holder's commit never lands.
-#[tokio::test]
-async fn a_holder_cut_off_inside_a_fenced_transaction_is_taken_over_within_its_ttl() {
+async fn a_holder_cut_off_inside_a_fenced_transaction_is_taken_over_within_its_ttl<B: Backend>() {
     let server = TestServer::shared().expect("server");
     let db = server.create_database().await.expect("db");
     let admin = admin(&db).await;
@@ -54,28 +56,22 @@ async fn a_holder_cut_off_inside_a_fenced_transaction_is_taken_over_within_its_t
         .await
         .unwrap();
     let proxy = Proxy::start(server).expect("proxy");
-    let pool_a = Pool::builder(proxy.deadpool(&db, 3).expect("deadpool"))
-        .name("cut-a")
-        .pooler(PoolerMode::Direct)
-        .wait_timeout(5 * S)
-        .build()
-        .unwrap();
-    let a = Leases::new(&pool_a);
-    let b = Leases::new(&pool(&db, 3, "cut-b"));
+    let pool_a = B::build_on(&proxy.pg_config(&db), &Settings::new("cut-a", 3));
+    let a = B::leases(&pool_a);
+    let b = B::leases(&B::build(&db, &Settings::new("cut-b", 3)));
     let ttl = 3 * S;
     let opts = LeaseOptions::new(ttl);
-    let lease = a.acquire("nightly", &opts, None).await.unwrap().unwrap();
-    let mut conn = pool_a.get().await.unwrap();
-    let tx = lease
-        .fence(conn.transaction().await.unwrap())
+    let lease = B::acquire(&a, "nightly", &opts, None)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut conn = B::tx_source(&pool_a).await;
+    let tx = B::begin(&mut conn, None).await;
+    let mut tx = B::fence(&lease, tx).await.unwrap();
+    let token = lease.term().token;
+    B::fx_run(&mut tx, "INSERT INTO ledger VALUES ('a', $1)", Some(token))
         .await
         .unwrap();
-    tx.execute(
-        "INSERT INTO ledger VALUES ('a', $1)",
-        &[&lease.term().token],
-    )
-    .await
-    .unwrap();
     // Cut off: the server keeps A's session idle in its transaction.
     proxy.blackhole();
     let cut = Instant::now();
@@ -88,7 +84,7 @@ async fn a_holder_cut_off_inside_a_fenced_transaction_is_taken_over_within_its_t
     let taken = within(
         ttl + margin + 10 * S,
         "the take-over",
-        b.acquire("nightly", &opts, Some(ttl + margin)),
+        B::acquire(&b, "nightly", &opts, Some(ttl + margin)),
     )
     .await
     .unwrap()
@@ -100,7 +96,7 @@ async fn a_holder_cut_off_inside_a_fenced_transaction_is_taken_over_within_its_t
     // The server ended A's session: its commit cannot land once the
     // network heals.
     proxy.heal();
-    let commit = within(10 * S, "the stale commit", tx.commit()).await;
+    let commit = within(10 * S, "the stale commit", B::fx_commit(tx)).await;
     assert!(commit.is_err(), "a stale holder's commit went through");
     drop(conn);
     let rows: i64 = admin
@@ -110,24 +106,21 @@ async fn a_holder_cut_off_inside_a_fenced_transaction_is_taken_over_within_its_t
         .get(0);
     assert_eq!(rows, 0, "the stale holder's write landed");
     within(10 * S, "A learns of the loss", lease.lost()).await;
-    taken.release().await.unwrap();
+    B::release(taken).await.unwrap();
 }
 
+backends!(a_free_name_is_acquired_at_once_while_a_takeover_is_stuck);
 /// Point 2: while a take-over is stuck on a locked row (three callers
 /// waiting on it), acquisitions of other names on the same instance, whose
 /// pool has one acquisition slot, are not held up.
-#[tokio::test]
-async fn a_free_name_is_acquired_at_once_while_a_takeover_is_stuck() {
+async fn a_free_name_is_acquired_at_once_while_a_takeover_is_stuck<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     // A long statement timeout: a take-over statement stuck on the row
     // (waiting on its lock instead of answering busy) would hold the one
     // acquisition slot that long, and the free names below behind it.
-    let b = Leases::builder(&pool(&db, 4, "stuck-b"))
-        .statement_timeout(60 * S)
-        .build()
-        .unwrap();
-    b.install().await.unwrap();
+    let b = B::leases_bounded(&B::build(&db, &Settings::new("stuck-b", 4)), 60 * S);
+    B::install(&b).await.unwrap();
     insert_expired(&admin, "stale", "old-holder").await;
     let locker = lock_rows(&db, "pgwarden_leases", &["stale"], "FOR KEY SHARE").await;
     let stop = Arc::new(AtomicBool::new(false));
@@ -136,8 +129,7 @@ async fn a_free_name_is_acquired_at_once_while_a_takeover_is_stuck() {
             let (b, stop) = (b.clone(), stop.clone());
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
-                    let got = b
-                        .acquire("stale", &LeaseOptions::new(30 * S), Some(S))
+                    let got = B::acquire(&b, "stale", &LeaseOptions::new(30 * S), Some(S))
                         .await
                         .unwrap();
                     assert!(got.is_none(), "the stale row is locked");
@@ -146,19 +138,18 @@ async fn a_free_name_is_acquired_at_once_while_a_takeover_is_stuck() {
         })
         .collect();
     eventually(5 * S, "take-overs blocked", || async {
-        b.stats().takeovers_blocked >= 3
+        B::lease_stats(&b).takeovers_blocked >= 3
     })
     .await;
     let mut took = Vec::new();
     for i in 0..20 {
         let t = Instant::now();
-        let lease = b
-            .acquire(&format!("free-{i}"), &LeaseOptions::new(30 * S), None)
+        let lease = B::acquire(&b, &format!("free-{i}"), &LeaseOptions::new(30 * S), None)
             .await
             .unwrap()
             .expect("a free name");
         took.push(t.elapsed());
-        lease.release().await.unwrap();
+        B::release(lease).await.unwrap();
     }
     stop.store(true, Ordering::Relaxed);
     for w in waiters {
@@ -166,7 +157,7 @@ async fn a_free_name_is_acquired_at_once_while_a_takeover_is_stuck() {
     }
     drop(locker);
     took.sort();
-    let blocked = b.stats().takeovers_blocked;
+    let blocked = B::lease_stats(&b).takeovers_blocked;
     eprintln!(
         "free names while a take-over is stuck ({blocked} blocked attempts): median {:?}, max {:?}",
         took[took.len() / 2],
@@ -431,29 +422,24 @@ async fn no_advisory_lock_blocks_a_lease_and_a_row_lock_is_reported() {
         .is_some());
 }
 
+backends!(a_statement_that_times_out_in_its_checkout_is_a_lease_timeout);
 /// Point 7: a lease statement that cannot get its connection in time (the
 /// request lane holds every connection acquisitions may take) fails with
 /// the lease statement timeout, and the metric counts it.
-#[tokio::test]
-async fn a_statement_that_times_out_in_its_checkout_is_a_lease_timeout() {
+async fn a_statement_that_times_out_in_its_checkout_is_a_lease_timeout<B: Backend>() {
     let db = db().await;
     let recorder = DebuggingRecorder::new();
     let snap = recorder.snapshotter();
-    let pool = pool(&db, 3, "starved");
-    let leases = metrics::with_local_recorder(&recorder, || {
-        Leases::builder(&pool)
-            .statement_timeout(300 * MS)
-            .build()
-            .unwrap()
-    });
-    leases.install().await.unwrap();
+    let settings = Settings::new("starved", 3);
+    let pool = B::build(&db, &settings);
+    let leases = metrics::with_local_recorder(&recorder, || B::leases_bounded(&pool, 300 * MS));
+    B::install(&leases).await.unwrap();
     // Pool of 3: the probe reserve, and two request connections taken.
-    let _held = (pool.get().await.unwrap(), pool.get().await.unwrap());
+    let _held = (B::get(&pool).await.unwrap(), B::get(&pool).await.unwrap());
     let mut timeouts = 0;
     for _ in 0..5 {
         let t = Instant::now();
-        let err = leases
-            .acquire("x", &LeaseOptions::new(30 * S), None)
+        let err = B::acquire(&leases, "x", &LeaseOptions::new(30 * S), None)
             .await
             .unwrap_err();
         assert!(
@@ -471,20 +457,23 @@ async fn a_statement_that_times_out_in_its_checkout_is_a_lease_timeout() {
     }
     let counted = counter(
         &snapshot(&snap),
-        "pgwarden_lease_statement_timeouts_total{pool=starved,statement=acquisition}",
+        &format!(
+            "pgwarden_lease_statement_timeouts_total{{pool={},statement=acquisition}}",
+            settings.pool_name::<B>()
+        ),
     );
     assert_eq!(counted, timeouts);
 }
 
+backends!(a_run_dropped_at_shutdown_keeps_its_period);
 /// Point 6: a scheduled run dropped at shutdown past its grace keeps its
 /// period: another instance runs the job next period, never again in the
 /// same one.
-#[tokio::test]
-async fn a_run_dropped_at_shutdown_keeps_its_period() {
+async fn a_run_dropped_at_shutdown_keeps_its_period<B: Backend>() {
     let db = db().await;
-    let a = Leases::new(&pool(&db, 3, "sched-a"));
-    let b = Leases::new(&pool(&db, 3, "sched-b"));
-    a.install().await.unwrap();
+    let a = B::leases(&B::build(&db, &Settings::new("sched-a", 3)));
+    let b = B::leases(&B::build(&db, &Settings::new("sched-b", 3)));
+    B::install(&a).await.unwrap();
     let period = 3 * S;
     let runs: Arc<std::sync::Mutex<Vec<(char, std::time::SystemTime)>>> = Arc::default();
     let a_started = Arc::new(AtomicUsize::new(0));
@@ -501,19 +490,13 @@ async fn a_run_dropped_at_shutdown_keeps_its_period() {
             }
         })
     };
-    let sa = Scheduler::builder(&a)
-        .job(job('a', a_started.clone(), true))
-        .start()
-        .unwrap();
+    let sa = B::schedule(&a, vec![job('a', a_started.clone(), true)]).unwrap();
     eventually(2 * period, "A runs the job", || async {
         a_started.load(Ordering::SeqCst) == 1
     })
     .await;
     let b_started = Arc::new(AtomicUsize::new(0));
-    let sb = Scheduler::builder(&b)
-        .job(job('b', b_started.clone(), false))
-        .start()
-        .unwrap();
+    let sb = B::schedule(&b, vec![job('b', b_started.clone(), false)]).unwrap();
     sa.shutdown(50 * MS).await;
     eventually(3 * period, "B runs the job", || async {
         b_started.load(Ordering::SeqCst) >= 1
@@ -536,34 +519,32 @@ async fn a_run_dropped_at_shutdown_keeps_its_period() {
     );
 }
 
+backends!(a_scheduler_stops_quietly_once_its_pool_is_closed);
 /// Point 12: a scheduler whose pool was closed stops quietly: its job task
 /// ends at its next attempt, with one debug line and no warning.
-#[tokio::test]
-async fn a_scheduler_stops_quietly_once_its_pool_is_closed() {
+async fn a_scheduler_stops_quietly_once_its_pool_is_closed<B: Backend>() {
     let db = db().await;
     let logs = Logs::default();
     let _guard = tracing::subscriber::set_default(logs.subscriber());
-    let pool = pool(&db, 3, "closing");
-    let leases = Leases::new(&pool);
-    leases.install().await.unwrap();
+    let pool = B::build(&db, &Settings::new("closing", 3));
+    let leases = B::leases(&pool);
+    B::install(&leases).await.unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let scheduler = {
         let runs = runs.clone();
-        Scheduler::builder(&leases)
-            .job(Job::every("tick", S, move |_| {
-                let runs = runs.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                }
-            }))
-            .start()
-            .unwrap()
+        let tick = Job::every("tick", S, move |_| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        B::schedule(&leases, vec![tick]).unwrap()
     };
     eventually(5 * S, "the job ran", || async {
         runs.load(Ordering::SeqCst) >= 1
     })
     .await;
-    pool.close();
+    B::close(&pool).await;
     eventually(5 * S, "the job task stops", || async {
         logs.text()
             .contains("scheduler job stops: its pool is closed")

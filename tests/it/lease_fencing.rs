@@ -1,48 +1,64 @@
 //! Fenced transactions against a real PostgreSQL: a stale holder's writes
 //! are rejected (at the fence, and at the commit, which checks the term
 //! again), a take-over waits for the fenced transaction, and the fence
-//! gives typed lease errors under every isolation level.
+//! gives typed lease errors under every isolation level. On every backend,
+//! from one source.
 
 use crate::support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, LeaseError, LeaseOptions, Leases, LostReason};
-use support::leases::{busy_backends, pool, TwoHolders};
+use pgwarden::{Error, LeaseError, LeaseOptions, LostReason};
+use pgwarden_testing::TestDb;
+use support::backend::{named, Backend, Settings};
+use support::leases::busy_backends;
 use support::{admin, db, eventually, within};
-use tokio_postgres::types::Type;
 use tokio_postgres::IsolationLevel;
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
-#[tokio::test]
-async fn fencing_rejects_the_stale_holder() {
-    let TwoHolders {
-        admin,
-        pool_a,
-        a,
-        b,
-        ..
-    } = TwoHolders::new("fence", 3).await;
+/// Holder A on a pool of `size_a` (backends named `<app>-a-<backend>`) and
+/// holder B on a pool of 2: A's pool, A, B and B's backends' name.
+fn two<B: Backend>(
+    db: &TestDb,
+    app: &'static str,
+    size_a: usize,
+) -> (B::Pool, B::Leases, B::Leases, String) {
+    let (pool_a, _) = named::<B>(db, &format!("{app}-a"), &Settings::new(app, size_a));
+    let (pool_b, app_b) = named::<B>(db, &format!("{app}-b"), &Settings::new(app, 2));
+    (
+        pool_a.clone(),
+        B::leases(&pool_a),
+        B::leases(&pool_b),
+        app_b,
+    )
+}
+
+backends!(fencing_rejects_the_stale_holder);
+async fn fencing_rejects_the_stale_holder<B: Backend>() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let (pool_a, a, b, app_b) = two::<B>(&db, "fence", 3);
     admin
         .batch_execute("CREATE TABLE ledger (writer text, token bigint)")
         .await
         .unwrap();
     // No renewal within the next 5 s: the steps below expire the term by hand.
     let opts = LeaseOptions::new(10 * S).renew_every(5 * S);
-    let old = a.acquire("ledger", &opts, None).await.unwrap().unwrap();
+    let old = B::acquire(&a, "ledger", &opts, None)
+        .await
+        .unwrap()
+        .unwrap();
 
     // A writes under its fence and holds the transaction open.
-    let mut conn = pool_a.get().await.unwrap();
-    let tx = old.fence(conn.transaction().await.unwrap()).await.unwrap();
+    let mut conn = B::tx_source(&pool_a).await;
+    let tx = B::begin(&mut conn, None).await;
+    let mut tx = B::fence(&old, tx).await.unwrap();
     let token = old.term().token;
-    tx.query_typed(
-        "INSERT INTO ledger VALUES ('a', $1)",
-        &[(&token, Type::INT8)],
-    )
-    .await
-    .unwrap();
+    B::fx_run(&mut tx, "INSERT INTO ledger VALUES ('a', $1)", Some(token))
+        .await
+        .unwrap();
     // A is cut off: its term expires in the database (time passes).
     admin
         .batch_execute(
@@ -53,15 +69,15 @@ async fn fencing_rejects_the_stale_holder() {
     // B's take-over waits for A's fenced transaction…
     let taker_opts = opts.clone();
     let taker = tokio::spawn(async move {
-        let got = b.acquire("ledger", &taker_opts, None).await;
+        let got = B::acquire(&b, "ledger", &taker_opts, None).await;
         (b, got)
     });
     eventually(5 * S, "B waits on the fenced row", || async {
-        busy_backends(&admin, "fence-b").await.0 == 1 || taker.is_finished()
+        busy_backends(&admin, &app_b).await.0 == 1 || taker.is_finished()
     })
     .await;
     // …A's commit checks the term once more: expired, so nothing lands…
-    let err = tx.commit().await.unwrap_err();
+    let err = B::fx_commit(tx).await.unwrap_err();
     assert!(
         matches!(
             err,
@@ -77,16 +93,17 @@ async fn fencing_rejects_the_stale_holder() {
     let (b, got) = within(5 * S, "take-over", taker).await.unwrap();
     let new = match got.unwrap() {
         Some(lease) => lease,
-        None => b.acquire("ledger", &opts, None).await.unwrap().unwrap(),
+        None => B::acquire(&b, "ledger", &opts, None)
+            .await
+            .unwrap()
+            .unwrap(),
     };
     assert!(new.term().token > old.term().token);
 
     // A, stale, tries again: rejected (its lost signal fired at the
     // refused commit, with the reason it saw then), nothing written.
-    let err = old
-        .fence(conn.transaction().await.unwrap())
-        .await
-        .unwrap_err();
+    let tx = B::begin(&mut conn, None).await;
+    let err = B::fence(&old, tx).await.unwrap_err();
     assert!(err.is_lease_lost(), "{err}");
     let rows: Vec<(String, i64)> = admin
         .query_typed("SELECT writer, token FROM ledger", &[])
@@ -99,96 +116,90 @@ async fn fencing_rejects_the_stale_holder() {
     drop(conn);
 
     // A fenced transaction does not hold up its own lease's renewals.
-    let keep = a
-        .acquire("keep", &LeaseOptions::new(S), None)
+    let keep = B::acquire(&a, "keep", &LeaseOptions::new(S), None)
         .await
         .unwrap()
         .unwrap();
-    let mut conn = pool_a.get().await.unwrap();
-    let tx = keep.fence(conn.transaction().await.unwrap()).await.unwrap();
-    let renewed = a.stats().renewed;
-    eventually(3 * S, "renewals during a fenced transaction", || async {
-        a.stats().renewed >= renewed + 3
+    let mut conn = B::tx_source(&pool_a).await;
+    let tx = B::begin(&mut conn, None).await;
+    let mut tx = B::fence(&keep, tx).await.unwrap();
+    let renewed = B::lease_stats(&a).renewed;
+    eventually(3 * S, "renewals during a fenced transaction", || {
+        std::future::ready(B::lease_stats(&a).renewed >= renewed + 3)
     })
     .await;
     assert!(!keep.is_lost());
-    tx.check().await.unwrap();
-    tx.commit().await.unwrap();
-}
-
-/// A transaction at `level`.
-async fn begin(
-    conn: &mut pgwarden::Client,
-    level: IsolationLevel,
-) -> deadpool_postgres::Transaction<'_> {
-    conn.build_transaction()
-        .isolation_level(level)
-        .start()
-        .await
-        .expect("BEGIN")
+    B::fx_check(&mut tx).await.unwrap();
+    B::fx_commit(tx).await.unwrap();
 }
 
 /// Under a snapshot isolation level: a renewal by the holder itself after
 /// the snapshot leaves the fence passing, even once the snapshot's expiry
 /// has passed; a take-over committed after the snapshot fails the fence
 /// with `LeaseLost { Taken }`, never with PostgreSQL's serialization failure.
-async fn fence_under(level: IsolationLevel, app: &str) {
+async fn fence_under<B: Backend>(level: IsolationLevel, app: &'static str) {
     let db = db().await;
     let admin = admin(&db).await;
     admin
         .batch_execute("CREATE TABLE ledger (token bigint)")
         .await
         .unwrap();
-    let pool_a = pool(&db, 3, app);
-    let a = Leases::new(&pool_a);
-    let b = Leases::new(&pool(&db, 2, &format!("{app}-b")));
+    let (pool_a, a, b, _) = two::<B>(&db, app, 3);
 
     // 1. Renewed after the snapshot: still ours.
     let opts = LeaseOptions::new(S).renew_every(200 * MS);
-    let own = a.acquire("own", &opts, None).await.unwrap().unwrap();
-    let mut conn = pool_a.get().await.unwrap();
-    let tx = own.fence(begin(&mut conn, level).await).await.unwrap(); // the snapshot is taken here
+    let own = B::acquire(&a, "own", &opts, None).await.unwrap().unwrap();
+    let mut conn = B::tx_source(&pool_a).await;
+    let tx = B::begin(&mut conn, Some(level)).await;
+    let mut tx = B::fence(&own, tx).await.unwrap(); // the snapshot is taken here
     let snapshot = Instant::now();
     // Past the snapshot's expiry, renewed meanwhile. The expiry the snapshot
     // holds was set by a renewal before it, so it is at most the TTL (1 s)
     // after this instant: 1.5 s after it is past, with room for the server's
     // clock reading. Waiting out that time is the scenario; the renewals are
     // awaited.
-    let renewed = a.stats().renewed;
+    let renewed = B::lease_stats(&a).renewed;
     eventually(
         10 * S,
         "1.5 s past the snapshot and 4 renewals since",
-        || async { snapshot.elapsed() >= 1500 * MS && a.stats().renewed >= renewed + 4 },
+        || {
+            std::future::ready(
+                snapshot.elapsed() >= 1500 * MS && B::lease_stats(&a).renewed >= renewed + 4,
+            )
+        },
     )
     .await;
-    tx.check().await.unwrap();
+    B::fx_check(&mut tx).await.unwrap();
     let token = own.term().token;
-    tx.query_typed("INSERT INTO ledger VALUES ($1)", &[(&token, Type::INT8)])
+    B::fx_run(&mut tx, "INSERT INTO ledger VALUES ($1)", Some(token))
         .await
         .unwrap();
-    tx.commit().await.unwrap();
+    B::fx_commit(tx).await.unwrap();
     assert!(!own.is_lost());
 
     // 2. Taken over after the snapshot: a typed error.
     let stale_opts = LeaseOptions::new(10 * S).renew_every(5 * S);
-    let stale = a
-        .acquire("taken", &stale_opts, None)
+    let stale = B::acquire(&a, "taken", &stale_opts, None)
         .await
         .unwrap()
         .unwrap();
-    let tx = begin(&mut conn, level).await;
-    tx.batch_execute("SELECT 1").await.unwrap(); // the snapshot
+    let mut tx = B::begin(&mut conn, Some(level)).await;
+    B::tx_run(&mut tx, "SELECT 1").await.unwrap(); // the snapshot
     admin
         .batch_execute(
             "UPDATE pgwarden_leases SET expires_at = now() - interval '1 ms' WHERE name = 'taken'",
         )
         .await
         .unwrap();
-    let new = within(5 * S, "take-over", b.acquire("taken", &stale_opts, None))
-        .await
-        .unwrap()
-        .expect("expired: B takes it");
-    let err = stale.fence(tx).await.unwrap_err();
+    let new = within(
+        5 * S,
+        "take-over",
+        B::acquire(&b, "taken", &stale_opts, None),
+    )
+    .await
+    .unwrap()
+    .expect("expired: B takes it");
+    let err = B::fence(&stale, tx).await.unwrap_err();
     assert!(
         matches!(
             err,
@@ -200,10 +211,8 @@ async fn fence_under(level: IsolationLevel, app: &str) {
         "{err}"
     );
     // 3. Taken over before the snapshot: the same.
-    let err = stale
-        .fence(begin(&mut conn, level).await)
-        .await
-        .unwrap_err();
+    let tx = B::begin(&mut conn, Some(level)).await;
+    let err = B::fence(&stale, tx).await.unwrap_err();
     assert!(err.is_lease_lost(), "{err}");
     drop(conn);
     let rows: Vec<i64> = admin
@@ -217,12 +226,12 @@ async fn fence_under(level: IsolationLevel, app: &str) {
     assert!(new.term().token > stale.term().token);
 }
 
-#[tokio::test]
-async fn fencing_under_repeatable_read() {
-    fence_under(IsolationLevel::RepeatableRead, "fence-rr").await;
+backends!(fencing_under_repeatable_read);
+async fn fencing_under_repeatable_read<B: Backend>() {
+    fence_under::<B>(IsolationLevel::RepeatableRead, "fence-rr").await;
 }
 
-#[tokio::test]
-async fn fencing_under_serializable() {
-    fence_under(IsolationLevel::Serializable, "fence-ser").await;
+backends!(fencing_under_serializable);
+async fn fencing_under_serializable<B: Backend>() {
+    fence_under::<B>(IsolationLevel::Serializable, "fence-ser").await;
 }

@@ -12,9 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use pgwarden::{Lease, LeaseOptions, Leases};
+use pgwarden::LeaseOptions;
 use pgwarden_testing::{Proxy, TestServer};
-use support::leases::{insert_expired, lock_rows, pool, pool_with, row};
+use support::backend::{leases_on, named, Backend, Settings};
+use support::leases::{insert_expired, lock_rows, row};
 use support::{admin, db, eventually, within};
 
 use tokio_postgres::types::Type;
@@ -37,13 +38,17 @@ async fn live(admin: &tokio_postgres::Client, names: &[String]) -> i64 {
         .get(0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn overlapping_pairs_share_statements_and_each_gets_its_own_term() {
+backends!(
+    overlapping_pairs_share_statements_and_each_gets_its_own_term,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn overlapping_pairs_share_statements_and_each_gets_its_own_term<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 16, "gather-pairs"));
-    leases.install().await.unwrap();
-    let before = leases.stats();
+    let leases = leases_on::<B>(&db.pg_config(), "gather-pairs", 16).0;
+    B::install(&leases).await.unwrap();
+    let before = B::lease_stats(&leases);
     let next = Arc::new(AtomicU64::new(0));
     let tokens = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let tasks: Vec<_> = (0..16)
@@ -53,11 +58,11 @@ async fn overlapping_pairs_share_statements_and_each_gets_its_own_term() {
                 for _ in 0..60 {
                     let n = next.fetch_add(1, Ordering::Relaxed);
                     let name = format!("pair-{n}");
-                    let lease = leases.acquire(&name, &opts(), None).await.unwrap();
+                    let lease = B::acquire(&leases, &name, &opts(), None).await.unwrap();
                     let lease = lease.expect("a new name is free");
                     assert_eq!(&*lease.term().name, name.as_str());
                     tokens.lock().push(lease.term().token);
-                    lease.release().await.unwrap();
+                    B::release(lease).await.unwrap();
                 }
             })
         })
@@ -66,7 +71,7 @@ async fn overlapping_pairs_share_statements_and_each_gets_its_own_term() {
         within(60 * S, "16 tasks of 60 pairs", t).await.unwrap();
     }
     let pairs = next.load(Ordering::Relaxed);
-    let after = leases.stats();
+    let after = B::lease_stats(&leases);
     let statements = after.statements - before.statements;
     let gathered = after.gathered - before.gathered;
     let batches = after.gathered_statements - before.gathered_statements;
@@ -95,7 +100,7 @@ async fn overlapping_pairs_share_statements_and_each_gets_its_own_term() {
         (r.get(0), r.get(1))
     };
     assert_eq!((rows, held), (pairs as i64, 0));
-    assert_eq!(leases.stats().held, 0);
+    assert_eq!(B::lease_stats(&leases).held, 0);
 }
 
 /// Runs `round` (given its number) until one shows gathering, at most 5
@@ -116,43 +121,51 @@ where
     panic!("no round of 5 gathered its calls");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_callers_of_one_name_at_once_get_one_term() {
+backends!(
+    many_callers_of_one_name_at_once_get_one_term,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn many_callers_of_one_name_at_once_get_one_term<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 8, "gather-same"));
-    leases.install().await.unwrap();
+    let leases = leases_on::<B>(&db.pg_config(), "gather-same", 8).0;
+    B::install(&leases).await.unwrap();
     let o = opts();
     until_gathered(|i| {
         let (leases, admin, o) = (&leases, &admin, &o);
         async move {
             let name = format!("same{i}");
-            let before = leases.stats();
+            let before = B::lease_stats(leases);
             // All 32 first polled in one pass: two go alone, thirty wait
             // together.
-            let got = join_all((0..32).map(|_| leases.acquire(&name, o, None))).await;
-            let winners: Vec<Lease> = got.into_iter().filter_map(|r| r.unwrap()).collect();
+            let got = join_all((0..32).map(|_| B::acquire(leases, &name, o, None))).await;
+            let winners: Vec<B::Lease> = got.into_iter().filter_map(|r| r.unwrap()).collect();
             assert_eq!(winners.len(), 1, "one term for one name");
             assert_eq!(live(admin, &[name]).await, 1);
             for lease in winners {
-                lease.release().await.unwrap();
+                B::release(lease).await.unwrap();
             }
-            leases.stats().gathered_statements > before.gathered_statements
+            B::lease_stats(leases).gathered_statements > before.gathered_statements
         }
     })
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release() {
+backends!(
+    a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let other = Leases::new(&pool(&db, 4, "gather-other"));
-    let leases = Leases::new(&pool(&db, 16, "gather-held"));
-    leases.install().await.unwrap();
+    let other = leases_on::<B>(&db.pg_config(), "gather-other", 4).0;
+    let leases = leases_on::<B>(&db.pg_config(), "gather-held", 16).0;
+    B::install(&leases).await.unwrap();
     let o = opts();
     let own: Vec<String> = (0..8).map(|i| format!("h{i}")).collect();
-    let held: Vec<Lease> = join_all(own.iter().map(|n| other.acquire(n, &o, None)))
+    let held: Vec<B::Lease> = join_all(own.iter().map(|n| B::acquire(&other, n, &o, None)))
         .await
         .into_iter()
         .map(|r| r.unwrap().unwrap())
@@ -161,12 +174,12 @@ async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release() {
     until_gathered(|round| {
         let (leases, admin, hold) = (&leases, &admin, &hold);
         async move {
-            let before = leases.stats();
+            let before = B::lease_stats(leases);
             let names: Vec<String> = (0..8)
                 .map(|i| format!("h{i}"))
                 .chain((0..24).map(|i| format!("free{round}-{i}")))
                 .collect();
-            let got = join_all(names.iter().map(|n| leases.acquire(n, hold, None))).await;
+            let got = join_all(names.iter().map(|n| B::acquire(leases, n, hold, None))).await;
             let mut taken = Vec::new();
             for (name, r) in names.iter().zip(got) {
                 match r.unwrap() {
@@ -181,11 +194,11 @@ async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release() {
                 }
             }
             assert_eq!(taken.len(), 24);
-            let mid = leases.stats();
+            let mid = B::lease_stats(leases);
             // Released together: each row released, its hold kept.
-            let released = join_all(taken.into_iter().map(|l| l.release())).await;
+            let released = join_all(taken.into_iter().map(|l| B::release(l))).await;
             assert!(released.into_iter().all(|r| r.is_ok()));
-            let after = leases.stats();
+            let after = B::lease_stats(leases);
             let r = admin
                 .query_typed_one(
                     "SELECT count(*) FILTER (WHERE holder = ''),
@@ -204,7 +217,7 @@ async fn a_gathered_batch_answers_held_names_busy_and_keeps_holds_on_release() {
     // The other instance's terms are untouched.
     for lease in held {
         assert!(!lease.is_lost());
-        lease.release().await.unwrap();
+        B::release(lease).await.unwrap();
     }
 }
 
@@ -224,14 +237,14 @@ async fn insert_uncommitted(db: &pgwarden_testing::TestDb) -> tokio_postgres::Cl
     inserter
 }
 
-#[tokio::test]
-async fn a_blocked_takeover_in_a_batch_is_busy_and_the_others_are_taken() {
+backends!(a_blocked_takeover_in_a_batch_is_busy_and_the_others_are_taken);
+async fn a_blocked_takeover_in_a_batch_is_busy_and_the_others_are_taken<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     let logs = support::Logs::default();
     let _guard = tracing::subscriber::set_default(logs.subscriber());
-    let leases = Leases::new(&pool(&db, 16, "gather-blocked"));
-    leases.install().await.unwrap();
+    let leases = leases_on::<B>(&db.pg_config(), "gather-blocked", 16).0;
+    B::install(&leases).await.unwrap();
     // An expired term whose row another session holds.
     insert_expired(&admin, "stale", "old-holder").await;
     let locker = lock_rows(&db, "pgwarden_leases", &["stale"], "FOR KEY SHARE").await;
@@ -247,49 +260,48 @@ async fn a_blocked_takeover_in_a_batch_is_busy_and_the_others_are_taken() {
                 .into_iter()
                 .chain((0..10).map(|i| format!("free{round}-{i}")))
                 .collect();
-            let got = join_all(names.iter().map(|n| leases.acquire(n, o, None))).await;
+            let got = join_all(names.iter().map(|n| B::acquire(leases, n, o, None))).await;
             for (name, r) in names.iter().zip(got) {
                 let lease = r.unwrap_or_else(|e| panic!("{name}: {e}"));
                 assert_eq!(lease.is_some(), name != "stale", "{name}");
                 if let Some(lease) = lease {
-                    lease.release().await.unwrap();
+                    B::release(lease).await.unwrap();
                 }
             }
             logs.text().contains(met)
         }
     })
     .await;
-    assert!(leases.stats().takeovers_blocked >= 1);
+    assert!(B::lease_stats(&leases).takeovers_blocked >= 1);
     // Still the stale term: the blocked take-over did not happen.
     let holder = row(&admin, "stale").await.map(|(holder, _)| holder);
     assert_eq!(holder.as_deref(), Some("old-holder"));
     drop(locker);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn calls_behind_stuck_statements_go_alone_after_a_short_wait() {
+backends!(
+    calls_behind_stuck_statements_go_alone_after_a_short_wait,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn calls_behind_stuck_statements_go_alone_after_a_short_wait<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::builder(&pool(&db, 16, "gather-stuck"))
-        // Long: calls that waited for the stuck statements would wait that
-        // long (or until the rollback below), far past the bound further on.
-        .statement_timeout(120 * S)
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let (pool, app) = named::<B>(&db, "gather-stuck", &Settings::new("gather-stuck", 16));
+    // Long: calls that waited for the stuck statements would wait that
+    // long (or until the rollback below), far past the bound further on.
+    let leases = B::leases_bounded(&pool, 120 * S);
+    B::install(&leases).await.unwrap();
     let inserter = insert_uncommitted(&db).await;
     let stuck: Vec<_> = ["first", "second"]
         .into_iter()
         .map(|n| {
             let leases = leases.clone();
-            tokio::spawn(async move { leases.acquire(n, &opts(), None).await })
+            tokio::spawn(async move { B::acquire(&leases, n, &opts(), None).await })
         })
         .collect();
     eventually(5 * S, "both statements wait on the insert", || async {
-        support::leases::busy_backends(&admin, "gather-stuck")
-            .await
-            .0
-            == 2
+        support::leases::busy_backends(&admin, &app).await.0 == 2
     })
     .await;
     // Both statements out are stuck: five more acquisitions wait 100 ms for
@@ -303,41 +315,42 @@ async fn calls_behind_stuck_statements_go_alone_after_a_short_wait() {
     let got = within(
         60 * S,
         "five acquisitions behind two stuck ones",
-        join_all(names.iter().map(|n| leases.acquire(n, &o, None))),
+        join_all(names.iter().map(|n| B::acquire(&leases, n, &o, None))),
     )
     .await;
     let took = t.elapsed();
-    let taken: Vec<Lease> = got.into_iter().map(|r| r.unwrap().unwrap()).collect();
+    let taken: Vec<B::Lease> = got.into_iter().map(|r| r.unwrap().unwrap()).collect();
     eprintln!("taken in {took:?} while two statements were stuck");
     // The stuck ones are still stuck.
     assert!(stuck.iter().all(|h| !h.is_finished()));
-    assert_eq!(leases.stats().acquisitions_waiting, 0);
+    assert_eq!(B::lease_stats(&leases).acquisitions_waiting, 0);
     inserter.batch_execute("ROLLBACK").await.unwrap();
     for h in stuck {
         let lease = within(10 * S, "a stuck acquisition", h)
             .await
             .unwrap()
             .unwrap();
-        lease
-            .expect("free once the insert rolled back")
-            .release()
+        B::release(lease.expect("free once the insert rolled back"))
             .await
             .unwrap();
     }
     for lease in taken {
-        lease.release().await.unwrap();
+        B::release(lease).await.unwrap();
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn callers_that_give_up_while_gathered_leave_nothing_held() {
+// One thread: the callers are dropped in turn, the two statements out
+// first; a slot given back while the six still wait hands them to a task
+// of its own, which on a second worker thread could take them as a batch
+// before their callers are dropped (then released, but taken: seen once on
+// a loaded machine, sqlx 0.9). Here that task runs once all are dropped.
+backends!(callers_that_give_up_while_gathered_leave_nothing_held);
+async fn callers_that_give_up_while_gathered_leave_nothing_held<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::builder(&pool(&db, 16, "gather-give-up"))
-        .statement_timeout(10 * S)
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let (pool, app) = named::<B>(&db, "gather-give-up", &Settings::new("gather-give-up", 16));
+    let leases = B::leases_bounded(&pool, 10 * S);
+    B::install(&leases).await.unwrap();
     let inserter = insert_uncommitted(&db).await;
     let o = opts();
     let names: Vec<String> = ["first", "second"]
@@ -349,16 +362,18 @@ async fn callers_that_give_up_while_gathered_leave_nothing_held() {
         // Polled once: `first` and `second` take the statements out (and
         // wait on the insert), the six others wait for a batch; then the
         // caller gives up on all of them.
-        let mut all = std::pin::pin!(join_all(names.iter().map(|n| leases.acquire(n, &o, None))));
+        let mut all = std::pin::pin!(join_all(
+            names.iter().map(|n| B::acquire(&leases, n, &o, None))
+        ));
         assert!(futures_util::poll!(all.as_mut()).is_pending());
-        assert_eq!(leases.stats().acquisitions_waiting, 6);
+        assert_eq!(B::lease_stats(&leases).acquisitions_waiting, 6);
     }
-    assert_eq!(leases.stats().acquisitions_waiting, 0);
+    assert_eq!(B::lease_stats(&leases).acquisitions_waiting, 0);
     inserter.batch_execute("ROLLBACK").await.unwrap();
     // Nothing of this instance waits on the server, and a new acquisition
     // is taken at once: the two statements out were given back.
     eventually(30 * S, "no backend of the instance waits", || async {
-        support::leases::busy_backends(&admin, "gather-give-up").await == (0, 0)
+        support::leases::busy_backends(&admin, &app).await == (0, 0)
     })
     .await;
     // Half the 10 s statement timeout: an acquisition queued behind a
@@ -366,12 +381,12 @@ async fn callers_that_give_up_while_gathered_leave_nothing_held() {
     let lease = within(
         5 * S,
         "a new acquisition",
-        leases.acquire("after", &o, None),
+        B::acquire(&leases, "after", &o, None),
     )
     .await
     .unwrap()
     .expect("free");
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
     // No statement took the names of the calls given up.
     let rows: i64 = admin
         .query_typed_one(
@@ -384,36 +399,40 @@ async fn callers_that_give_up_while_gathered_leave_nothing_held() {
     assert_eq!(rows, 0);
 }
 
+backends!(
+    on_a_slow_link_overlapping_calls_still_share_statements,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 /// On a slow link (a proxy adds 100 ms each way) every statement takes
 /// longer than the 100 ms a call waits for a batch at first: calls wait
 /// twice the statements' recent time instead, so overlapping acquisitions
 /// and releases still share statements (with a fixed 100 ms, every call
 /// behind the two out went alone, 100 ms late).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_a_slow_link_overlapping_calls_still_share_statements() {
+async fn on_a_slow_link_overlapping_calls_still_share_statements<B: Backend>() {
     let server = TestServer::shared().expect("throwaway PostgreSQL");
     let db = server.create_database().await.unwrap();
     let proxy = Proxy::start(server).expect("proxy");
-    let leases = Leases::new(&pool_with(proxy.pg_config(&db), 16, "gather-slow"));
-    leases.install().await.unwrap();
+    let leases = leases_on::<B>(&proxy.pg_config(&db), "gather-slow", 16).0;
+    B::install(&leases).await.unwrap();
     proxy.set_latency(Duration::from_millis(100));
     let o = opts();
     // Statements alone first: their time is what calls wait for.
     for i in 0..4 {
-        let lease = leases.acquire(&format!("warm{i}"), &o, None).await;
-        lease.unwrap().expect("free").release().await.unwrap();
+        let lease = B::acquire(&leases, &format!("warm{i}"), &o, None).await;
+        B::release(lease.unwrap().expect("free")).await.unwrap();
     }
     let names: Vec<String> = (0..24).map(|i| format!("slow{i}")).collect();
-    let before = leases.stats();
-    let taken: Vec<Lease> = join_all(names.iter().map(|n| leases.acquire(n, &o, None)))
+    let before = B::lease_stats(&leases);
+    let taken: Vec<B::Lease> = join_all(names.iter().map(|n| B::acquire(&leases, n, &o, None)))
         .await
         .into_iter()
         .map(|r| r.unwrap().expect("a new name is free"))
         .collect();
-    let mid = leases.stats();
-    let released = join_all(taken.into_iter().map(|l| l.release())).await;
+    let mid = B::lease_stats(&leases);
+    let released = join_all(taken.into_iter().map(|l| B::release(l))).await;
     assert!(released.into_iter().all(|r| r.is_ok()));
-    let after = leases.stats();
+    let after = B::lease_stats(&leases);
     // Two go alone; the others wait for the next statement.
     assert!(
         mid.gathered - before.gathered >= 12,

@@ -6,28 +6,29 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgwarden::{Error, LeaseError, LeaseOptions, Leases};
-use support::leases::pool;
+use pgwarden::{Error, LeaseError, LeaseOptions};
+use support::backend::{Backend, LeaseSettings, Settings};
 use support::{admin, db};
 use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
 
-#[tokio::test]
-async fn install_is_idempotent_race_free_and_matches_the_sql_file() {
+backends!(install_is_idempotent_race_free_and_matches_the_sql_file);
+async fn install_is_idempotent_race_free_and_matches_the_sql_file<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     admin.batch_execute("CREATE SCHEMA app").await.unwrap();
-    let pool = pool(&db, 6, "install");
+    let pool = B::build(&db, &Settings::new("install", 6));
     // Four instances starting together.
-    let all: Vec<Leases> = (0..4)
-        .map(|_| Leases::builder(&pool).table("app.leases").build().unwrap())
+    let app_leases = LeaseSettings::default().table("app.leases");
+    let all: Vec<B::Leases> = (0..4)
+        .map(|_| B::leases_with(&pool, &app_leases).unwrap())
         .collect();
-    let ran = futures_util::future::join_all(all.iter().map(|l| l.install())).await;
+    let ran = futures_util::future::join_all(all.iter().map(|l| B::install(l))).await;
     let ran: Vec<bool> = ran.into_iter().map(|r| r.expect("install")).collect();
     assert!(ran.contains(&true), "{ran:?}");
     assert!(
-        !all[0].install().await.unwrap(),
+        !B::install(&all[0]).await.unwrap(),
         "second install is a no-op"
     );
 
@@ -70,12 +71,11 @@ async fn install_is_idempotent_race_free_and_matches_the_sql_file() {
     assert_eq!(r.get::<_, i64>(1), 1);
     assert_eq!(r.get::<_, String>(2), "bigint");
     // And the schema-qualified table works.
-    let lease = all[1]
-        .acquire("x", &LeaseOptions::new(2 * S), None)
+    let lease = B::acquire(&all[1], "x", &LeaseOptions::new(2 * S), None)
         .await
         .unwrap()
         .unwrap();
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
 }
 
 /// The differences an install check reports, or a panic.
@@ -86,11 +86,12 @@ fn differences(e: Error) -> Vec<String> {
     }
 }
 
-#[tokio::test]
-async fn a_table_of_another_shape_is_a_typed_error() {
+backends!(a_table_of_another_shape_is_a_typed_error);
+async fn a_table_of_another_shape_is_a_typed_error<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let pool = pool(&db, 3, "shape");
+    let pool = B::build(&db, &Settings::new("shape", 3));
+    let table_of = |table: &str| B::leases_with(&pool, &LeaseSettings::default().table(table));
     let cases: [(&str, &str, &[&str]); 4] = [
         (
             "wrong_types",
@@ -138,8 +139,8 @@ async fn a_table_of_another_shape_is_a_typed_error() {
     ];
     for (table, ddl, expected) in cases {
         admin.batch_execute(ddl).await.unwrap();
-        let leases = Leases::builder(&pool).table(table).build().unwrap();
-        let err = leases.install().await.unwrap_err();
+        let leases = table_of(table).unwrap();
+        let err = B::install(&leases).await.unwrap_err();
         assert!(
             matches!(
                 err,
@@ -159,9 +160,8 @@ async fn a_table_of_another_shape_is_a_typed_error() {
         assert_eq!(found.len(), expected.len(), "{table}: {found:?}");
         // At first use too (auto_install is on by default), before any
         // acquisition statement.
-        let fresh = Leases::builder(&pool).table(table).build().unwrap();
-        let err = fresh
-            .acquire("x", &LeaseOptions::new(S), None)
+        let fresh = table_of(table).unwrap();
+        let err = B::acquire(&fresh, "x", &LeaseOptions::new(S), None)
             .await
             .unwrap_err();
         assert!(
@@ -176,27 +176,20 @@ async fn a_table_of_another_shape_is_a_typed_error() {
     // A table without its sequence: install creates the sequence, and the
     // table then fits.
     admin
-        .batch_execute(
-            &Leases::builder(&pool)
-                .table("seqless")
-                .build()
-                .unwrap()
-                .ddl(),
-        )
+        .batch_execute(&B::lease_ddl(&table_of("seqless").unwrap()))
         .await
         .unwrap();
     admin
         .batch_execute("DROP SEQUENCE seqless_token_seq CASCADE")
         .await
         .unwrap();
-    let leases = Leases::builder(&pool).table("seqless").build().unwrap();
-    assert!(leases.install().await.unwrap(), "the DDL ran");
-    let lease = leases
-        .acquire("x", &LeaseOptions::new(S), None)
+    let leases = table_of("seqless").unwrap();
+    assert!(B::install(&leases).await.unwrap(), "the DDL ran");
+    let lease = B::acquire(&leases, "x", &LeaseOptions::new(S), None)
         .await
         .unwrap()
         .unwrap();
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
 }
 
 /// The name's collation, as the catalog says (`C`, or the database's

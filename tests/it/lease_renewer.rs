@@ -11,17 +11,27 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use pgwarden::{LeaseOptions, Leases, LostReason};
-use support::leases::{ahead, expiry, pool, short};
+use support::backend::{Backend, Settings};
+use support::leases::{ahead, expiry, pool};
 use support::{admin, db, eventually, within};
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
+backends!(
+    sync,
+    lost_fires_on_time_when_the_renewers_runtime_is_dropped
+);
 /// The lease is taken in a runtime that is then dropped, with its renewer:
 /// the lease still reports itself lost at its deadline, before another
 /// instance takes it; the next acquisition starts a renewer again.
-#[test]
-fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
+fn lost_fires_on_time_when_the_renewers_runtime_is_dropped<B: Backend>() {
+    // Renewed every 500 ms, lost 500 ms before the database could let
+    // anyone in: the events come 1 s (lost) and 1.5 s (expiry) after the
+    // acquisition, and the signal is the deadline's own timer.
+    let quick = LeaseOptions::new(1500 * MS)
+        .renew_every(500 * MS)
+        .safety_margin(500 * MS);
     let main = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -29,12 +39,12 @@ fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
         .unwrap();
     let (db, a, b) = main.block_on(async {
         let db = db().await;
-        let pool_a = pool(&db, 3, "rt-a");
+        let pool_a = B::build(&db, &Settings::new("rt-a", 3));
         // The pool's connections live in this runtime.
-        drop(pool_a.get().await.unwrap());
-        let a = Leases::new(&pool_a);
-        let b = Leases::new(&pool(&db, 2, "rt-b"));
-        b.install().await.unwrap();
+        drop(B::get(&pool_a).await.unwrap());
+        let a = B::leases(&pool_a);
+        let b = B::leases(&B::build(&db, &Settings::new("rt-b", 2)));
+        B::install(&b).await.unwrap();
         (db, a, b)
     });
     // Taken in a runtime of its own, which starts the renewer there...
@@ -43,23 +53,28 @@ fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
         .build()
         .unwrap();
     let lease = other
-        .block_on(a.acquire("job", &short(), None))
+        .block_on(B::acquire(&a, "job", &quick, None))
         .unwrap()
         .unwrap();
     // ...and is dropped, with the renewer.
     drop(other);
-    let renewals = a.stats().renewal_statements;
+    let renewals = B::lease_stats(&a).renewal_statements;
     main.block_on(async {
         let admin = admin(&db).await;
         let expires = expiry(&admin, "job").await;
+        let taker_opts = quick.clone();
         let taker = tokio::spawn(async move {
-            let l = b.acquire("job", &short(), Some(10 * S)).await;
+            let l = B::acquire(&b, "job", &taker_opts, Some(10 * S)).await;
             (SystemTime::now(), l)
         });
         let reason = within(5 * S, "lost signal", lease.lost()).await;
         let lost_at = SystemTime::now();
         assert_eq!(reason, LostReason::Deadline);
-        assert_eq!(a.stats().renewal_statements, renewals, "nothing renewed it");
+        assert_eq!(
+            B::lease_stats(&a).renewal_statements,
+            renewals,
+            "nothing renewed it"
+        );
         let (taken_at, taken) = within(10 * S, "take-over", taker).await.unwrap();
         let taken = taken.unwrap().expect("taken within the wait");
         eprintln!(
@@ -75,15 +90,18 @@ fn lost_fires_on_time_when_the_renewers_runtime_is_dropped() {
         );
 
         // The next acquisition starts a renewer in this runtime.
-        let fresh = a.acquire("again", &short(), None).await.unwrap().unwrap();
-        let before = a.stats().renewed;
-        eventually(4 * S, "renewals again", || async {
-            a.stats().renewed >= before + 2
+        let fresh = B::acquire(&a, "again", &quick, None)
+            .await
+            .unwrap()
+            .unwrap();
+        let before = B::lease_stats(&a).renewed;
+        eventually(4 * S, "renewals again", || {
+            std::future::ready(B::lease_stats(&a).renewed >= before + 2)
         })
         .await;
         assert!(!fresh.is_lost());
-        fresh.release().await.unwrap();
-        taken.release().await.unwrap();
+        B::release(fresh).await.unwrap();
+        B::release(taken).await.unwrap();
     });
 }
 

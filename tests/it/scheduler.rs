@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use pgwarden::{Job, LeaseHandle, LeaseOptions, Leases, Scheduler};
+use support::backend::{Backend, Settings};
 use support::leases::pool;
 use support::{db, eventually};
 
@@ -131,13 +132,13 @@ async fn three_instances_run_each_job_once_per_period_and_per_node() {
     eprintln!("runs per instance: {per_instance:?}; periods {first}..={last}");
 }
 
-#[tokio::test]
-async fn graceful_shutdown_releases_leases() {
+backends!(graceful_shutdown_releases_leases);
+async fn graceful_shutdown_releases_leases<B: Backend>() {
     let db = db().await;
     let admin = support::admin(&db).await;
-    let a = Leases::new(&pool(&db, 3, "shut-a"));
-    let b = Leases::new(&pool(&db, 3, "shut-b"));
-    a.install().await.unwrap();
+    let a = B::leases(&B::build(&db, &Settings::new("shut-a", 3)));
+    let b = B::leases(&B::build(&db, &Settings::new("shut-b", 3)));
+    B::install(&a).await.unwrap();
     let started = Arc::new(AtomicBool::new(false));
     let dropped = Arc::new(AtomicBool::new(false));
     struct Flag(Arc<AtomicBool>);
@@ -148,34 +149,33 @@ async fn graceful_shutdown_releases_leases() {
     }
     let daily_ran = Arc::new(AtomicBool::new(false));
     let (st, dr, daily) = (started.clone(), dropped.clone(), daily_ran.clone());
-    let scheduler = Scheduler::builder(&a)
-        .node("n1")
-        // Runs once a day and is quick: its period is done once it ran.
-        .job(Job::every(
-            "daily",
-            Duration::from_secs(24 * 3600),
-            move |_| {
+    let scheduler = B::schedule_node(
+        &a,
+        "n1",
+        vec![
+            // Runs once a day and is quick: its period is done once it ran.
+            Job::every("daily", Duration::from_secs(24 * 3600), move |_| {
                 let daily = daily.clone();
                 async move { daily.store(true, Ordering::SeqCst) }
-            },
-        ))
-        // Still running at shutdown.
-        .job(Job::every("long", S, move |_| {
-            let (st, flag) = (st.clone(), Flag(dr.clone()));
-            async move {
-                let _flag = flag;
-                st.store(true, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_secs(60)).await;
-            }
-        }))
-        .start()
-        .unwrap();
+            }),
+            // Still running at shutdown.
+            Job::every("long", S, move |_| {
+                let (st, flag) = (st.clone(), Flag(dr.clone()));
+                async move {
+                    let _flag = flag;
+                    st.store(true, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                }
+            }),
+        ],
+    )
+    .unwrap();
     eventually(5 * S, "both jobs started", || async {
         started.load(Ordering::SeqCst) && daily_ran.load(Ordering::SeqCst)
     })
     .await;
     assert!(
-        b.acquire("long", &LeaseOptions::new(S), None)
+        B::acquire(&b, "long", &LeaseOptions::new(S), None)
             .await
             .unwrap()
             .is_none(),
@@ -213,7 +213,7 @@ async fn graceful_shutdown_releases_leases() {
     );
     if held {
         assert!(
-            b.acquire("long", &LeaseOptions::new(S), None)
+            B::acquire(&b, "long", &LeaseOptions::new(S), None)
                 .await
                 .unwrap()
                 .is_none(),
@@ -221,14 +221,12 @@ async fn graceful_shutdown_releases_leases() {
         );
     }
     // The next period is free.
-    let long = b
-        .acquire("long", &LeaseOptions::new(S), Some(3 * S))
+    let long = B::acquire(&b, "long", &LeaseOptions::new(S), Some(3 * S))
         .await
         .unwrap();
     assert!(long.is_some(), "free in the next period");
     // The completed daily run keeps its period: nobody reruns it today.
-    assert!(b
-        .acquire("daily", &LeaseOptions::new(S), None)
+    assert!(B::acquire(&b, "daily", &LeaseOptions::new(S), None)
         .await
         .unwrap()
         .is_none());

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use pgwarden::{Job, LeaseHandle, LeaseOptions, Leases, Scheduler};
+use support::backend::{named, Backend, Settings};
 use support::leases::{busy_backends, insert_expired, lock_rows, pool, pool_with};
 use support::{admin, db, eventually, within};
 use tokio_postgres::types::Type;
@@ -221,23 +222,21 @@ async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period() {
     assert!(token > crashed_token);
 }
 
-#[tokio::test]
-async fn shutdown_cancels_an_acquisition_in_flight() {
+backends!(shutdown_cancels_an_acquisition_in_flight);
+async fn shutdown_cancels_an_acquisition_in_flight<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 3, "shut-inflight"));
-    leases.install().await.unwrap();
+    let (pool, app) = named::<B>(&db, "shut-inflight", &Settings::new("shut-inflight", 3));
+    let leases = B::leases(&pool);
+    B::install(&leases).await.unwrap();
     // The job's lease: an expired term whose holder sits in a fenced
     // transaction, so the take-over waits on it.
     insert_expired(&admin, "stuck", "stale").await;
     let locker = lock_rows(&db, "pgwarden_leases", &["stuck"], "FOR KEY SHARE").await;
-    let scheduler = Scheduler::builder(&leases)
-        .node("n1")
-        .job(Job::every("stuck", S, |_| async {}))
-        .start()
-        .unwrap();
+    let scheduler =
+        B::schedule_node(&leases, "n1", vec![Job::every("stuck", S, |_| async {})]).unwrap();
     eventually(5 * S, "the attempt waits on the row", || async {
-        busy_backends(&admin, "shut-inflight").await.0 == 1
+        busy_backends(&admin, &app).await.0 == 1
     })
     .await;
     let t = Instant::now();
@@ -247,7 +246,7 @@ async fn shutdown_cancels_an_acquisition_in_flight() {
     within(5 * S, "shutdown", scheduler.shutdown(10 * S)).await;
     eprintln!("shutdown with an attempt in flight: {:?}", t.elapsed());
     eventually(30 * S, "the attempt is cancelled on the server", || async {
-        busy_backends(&admin, "shut-inflight").await == (0, 0)
+        busy_backends(&admin, &app).await == (0, 0)
     })
     .await;
     // The stale term ends: nobody took it behind the scheduler's back.

@@ -27,6 +27,7 @@ use pgwarden::{
     LockMode, Migrated, PoolerMode, Scheduler, Status,
 };
 use pgwarden_testing::{PgBouncer, TestDb};
+use tokio_postgres::IsolationLevel;
 
 /// A pool's settings, as a test gives them to any backend.
 #[derive(Clone, Debug)]
@@ -243,6 +244,12 @@ pub trait Backend: Send + Sync + 'static {
     fn lease_stats(l: &Self::Leases) -> LeaseStats;
     /// `Leases::rows`.
     fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>>;
+    /// `Leases::run(name, opts, work)` whose work returns its term's token.
+    fn run_token<'a>(
+        l: &'a Self::Leases,
+        name: &'a str,
+        opts: &'a LeaseOptions,
+    ) -> BoxFuture<'a, Result<Option<i64>, Error>>;
     /// `Scheduler::builder(&leases)` with `jobs`, started.
     fn schedule(l: &Self::Leases, jobs: Vec<Job>) -> Result<Scheduler, Error>;
     /// In a transaction of its own on `pool`, fenced by `lease`:
@@ -302,6 +309,83 @@ pub trait Backend: Send + Sync + 'static {
     ) -> BoxFuture<'p, Result<bool, Error>>;
     /// `sql` (simple or unnamed) on the lock's own connection: its error, if any.
     fn lock_sql<'a>(l: &'a mut Self::Lock, sql: &'static str) -> BoxFuture<'a, Result<(), Error>>;
+
+    /// `Leases::builder(pool)` with `s`'s settings, built.
+    fn leases_with(pool: &Self::Pool, s: &LeaseSettings) -> Result<Self::Leases, Error>;
+    /// `Leases::ddl`.
+    fn lease_ddl(l: &Self::Leases) -> String;
+    /// `Scheduler::builder(&leases).node(node)` with `jobs`, started.
+    fn schedule_node(l: &Self::Leases, node: &str, jobs: Vec<Job>) -> Result<Scheduler, Error>;
+    /// The SQLSTATE of `e`, when the server sent one.
+    fn code(e: &Error) -> Option<String>;
+
+    /// Where a test's own transactions begin: deadpool's connection (a
+    /// transaction borrows it), sqlx's pool (its `begin` checks a
+    /// connection out, owned by the transaction).
+    type TxSource: Send + 'static;
+    /// A [`Backend::TxSource`] on `pool`.
+    fn tx_source(pool: &Self::Pool) -> BoxFuture<'_, Self::TxSource>;
+    /// A transaction, not fenced yet: what `LeaseHandle::fence` takes.
+    type Tx<'c>: Send;
+    /// `BEGIN` (at `level`, when given) on `s`.
+    fn begin(s: &mut Self::TxSource, level: Option<IsolationLevel>) -> BoxFuture<'_, Self::Tx<'_>>;
+    /// `sql` (no rows) in the transaction, not fenced.
+    fn tx_run<'a>(tx: &'a mut Self::Tx<'_>, sql: &'static str) -> BoxFuture<'a, Result<(), Error>>;
+    /// `pgwarden::Fenced` of this backend's transaction.
+    type Fenced<'c>: Send + fmt::Debug;
+    /// `lease.fence(tx)`.
+    fn fence<'c>(
+        lease: &LeaseHandle,
+        tx: Self::Tx<'c>,
+    ) -> BoxFuture<'c, Result<Self::Fenced<'c>, Error>>;
+    /// `sql` in the fenced transaction; `$1`, when `sql` has it, is `arg`.
+    fn fx_run<'a>(
+        tx: &'a mut Self::Fenced<'_>,
+        sql: &'static str,
+        arg: Option<i64>,
+    ) -> BoxFuture<'a, Result<(), Error>>;
+    /// `sql`'s one `text` in the fenced transaction.
+    fn fx_text<'a>(
+        tx: &'a mut Self::Fenced<'_>,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<String, Error>>;
+    /// `Fenced::check`.
+    fn fx_check<'a>(tx: &'a mut Self::Fenced<'_>) -> BoxFuture<'a, Result<(), Error>>;
+    /// `Fenced::commit`.
+    fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>>;
+}
+
+/// The settings of `Leases::builder` a test gives any backend
+/// ([`Backend::leases_with`]).
+#[derive(Clone, Debug, Default)]
+pub struct LeaseSettings {
+    pub table: Option<String>,
+    pub statement_timeout: Option<Duration>,
+    /// `purge(after, every)`.
+    pub purge: Option<(Duration, Option<Duration>)>,
+    pub auto_install: Option<bool>,
+}
+
+impl LeaseSettings {
+    pub fn table(mut self, name: &str) -> LeaseSettings {
+        self.table = Some(name.to_owned());
+        self
+    }
+
+    pub fn statement_timeout(mut self, t: Duration) -> LeaseSettings {
+        self.statement_timeout = Some(t);
+        self
+    }
+
+    pub fn purge(mut self, after: Duration, every: Option<Duration>) -> LeaseSettings {
+        self.purge = Some((after, every));
+        self
+    }
+
+    pub fn auto_install(mut self, on: bool) -> LeaseSettings {
+        self.auto_install = Some(on);
+        self
+    }
 }
 
 /// The error of a transaction's work that fails on purpose
@@ -422,6 +506,14 @@ macro_rules! lease_methods {
             Box::pin(l.rows())
         }
 
+        fn run_token<'a>(
+            l: &'a Self::Leases,
+            name: &'a str,
+            opts: &'a LeaseOptions,
+        ) -> BoxFuture<'a, Result<Option<i64>, Error>> {
+            Box::pin(l.run(name, opts, |lease| async move { lease.term().token }))
+        }
+
         fn schedule(l: &Self::Leases, jobs: Vec<Job>) -> Result<Scheduler, Error> {
             jobs.into_iter()
                 .fold(Scheduler::builder(l), |b, j| b.job(j))
@@ -430,14 +522,39 @@ macro_rules! lease_methods {
     };
 }
 
-/// `Leases::builder(pool).statement_timeout(t)`, the same on every backend.
+/// `Leases::builder(pool)` with its settings, the same on every backend.
 macro_rules! bounded_leases {
     () => {
         fn leases_bounded(pool: &Self::Pool, statement_timeout: Duration) -> Self::Leases {
-            pgwarden::Leases::builder(pool)
-                .statement_timeout(statement_timeout)
-                .build()
-                .expect("leases")
+            let s = LeaseSettings::default().statement_timeout(statement_timeout);
+            Self::leases_with(pool, &s).expect("leases")
+        }
+
+        fn leases_with(pool: &Self::Pool, s: &LeaseSettings) -> Result<Self::Leases, Error> {
+            let mut b = pgwarden::Leases::builder(pool);
+            if let Some(t) = &s.table {
+                b = b.table(t.as_str());
+            }
+            if let Some(t) = s.statement_timeout {
+                b = b.statement_timeout(t);
+            }
+            if let Some((after, every)) = s.purge {
+                b = b.purge(after, every);
+            }
+            if let Some(on) = s.auto_install {
+                b = b.auto_install(on);
+            }
+            b.build()
+        }
+
+        fn lease_ddl(l: &Self::Leases) -> String {
+            l.ddl()
+        }
+
+        fn schedule_node(l: &Self::Leases, node: &str, jobs: Vec<Job>) -> Result<Scheduler, Error> {
+            jobs.into_iter()
+                .fold(Scheduler::builder(l).node(node), |b, j| b.job(j))
+                .start()
         }
     };
 }
@@ -783,6 +900,79 @@ impl Backend for Deadpool {
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move { Ok(l.client().batch_execute(sql).await?) })
     }
+    fn code(e: &Error) -> Option<String> {
+        match e {
+            Error::Db(e) => e.code().map(|c| c.code().to_owned()),
+            _ => None,
+        }
+    }
+
+    type TxSource = pgwarden::Client;
+
+    fn tx_source(pool: &pgwarden::Pool) -> BoxFuture<'_, pgwarden::Client> {
+        Box::pin(async move { pool.get().await.expect("checkout") })
+    }
+
+    type Tx<'c> = deadpool_postgres::Transaction<'c>;
+
+    fn begin(
+        s: &mut pgwarden::Client,
+        level: Option<IsolationLevel>,
+    ) -> BoxFuture<'_, deadpool_postgres::Transaction<'_>> {
+        Box::pin(async move {
+            let mut b = s.build_transaction();
+            if let Some(level) = level {
+                b = b.isolation_level(level);
+            }
+            b.start().await.expect("BEGIN")
+        })
+    }
+
+    fn tx_run<'a>(
+        tx: &'a mut deadpool_postgres::Transaction<'_>,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move { Ok(tx.batch_execute(sql).await?) })
+    }
+
+    type Fenced<'c> = pgwarden::Fenced<'c>;
+
+    fn fence<'c>(
+        lease: &LeaseHandle,
+        tx: Self::Tx<'c>,
+    ) -> BoxFuture<'c, Result<Self::Fenced<'c>, Error>> {
+        let lease = lease.clone();
+        Box::pin(async move { lease.fence(tx).await })
+    }
+
+    fn fx_run<'a>(
+        tx: &'a mut pgwarden::Fenced<'_>,
+        sql: &'static str,
+        arg: Option<i64>,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            match arg {
+                Some(arg) => tx.execute(sql, &[&arg]).await.map(drop)?,
+                None => tx.batch_execute(sql).await?,
+            }
+            Ok(())
+        })
+    }
+
+    fn fx_text<'a>(
+        tx: &'a mut pgwarden::Fenced<'_>,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<String, Error>> {
+        Box::pin(async move { Ok(tx.query_one(sql, &[]).await?.get(0)) })
+    }
+
+    fn fx_check<'a>(tx: &'a mut pgwarden::Fenced<'_>) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(tx.check())
+    }
+
+    fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(tx.commit())
+    }
 }
 
 impl Deadpool {
@@ -1118,6 +1308,111 @@ macro_rules! sqlx_backend {
                         .map_err(|e| Error::Sqlx(Box::new(e)))
                 })
             }
+
+            fn code(e: &Error) -> Option<String> {
+                let Error::Sqlx(e) = e else { return None };
+                let db = e.downcast_ref::<$sqlx::Error>()?.as_database_error()?;
+                db.code().map(|c| c.into_owned())
+            }
+
+            type TxSource = Self::Pool;
+
+            fn tx_source(pool: &Self::Pool) -> BoxFuture<'_, Self::Pool> {
+                Box::pin(std::future::ready(pool.clone()))
+            }
+
+            type Tx<'c> = $($pg)::+::Transaction;
+
+            fn begin(
+                s: &mut Self::Pool,
+                level: Option<IsolationLevel>,
+            ) -> BoxFuture<'_, $($pg)::+::Transaction> {
+                Box::pin(async move {
+                    let mut tx = s.begin().await.expect("BEGIN");
+                    let set = match level {
+                        None => return tx,
+                        Some(IsolationLevel::Serializable) => {
+                            "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE"
+                        }
+                        Some(IsolationLevel::RepeatableRead) => {
+                            "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"
+                        }
+                        Some(IsolationLevel::ReadCommitted) => {
+                            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+                        }
+                        Some(level) => panic!("{level:?}"),
+                    };
+                    $sqlx::query(set)
+                        .persistent(false)
+                        .execute(&mut *tx)
+                        .await
+                        .expect(set);
+                    tx
+                })
+            }
+
+            fn tx_run<'a>(
+                tx: &'a mut $($pg)::+::Transaction,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<(), Error>> {
+                Box::pin(async move {
+                    $sqlx::query(sql)
+                        .persistent(false)
+                        .execute(&mut **tx)
+                        .await
+                        .map(drop)
+                        .map_err(|e| Error::Sqlx(Box::new(e)))
+                })
+            }
+
+            type Fenced<'c> = pgwarden::Fenced<'c, $($pg)::+::Transaction>;
+
+            fn fence<'c>(
+                lease: &LeaseHandle,
+                tx: Self::Tx<'c>,
+            ) -> BoxFuture<'c, Result<Self::Fenced<'c>, Error>> {
+                let lease = lease.clone();
+                Box::pin(async move { lease.fence(tx).await })
+            }
+
+            fn fx_run<'a>(
+                tx: &'a mut Self::Fenced<'_>,
+                sql: &'static str,
+                arg: Option<i64>,
+            ) -> BoxFuture<'a, Result<(), Error>> {
+                Box::pin(async move {
+                    let q = $sqlx::query(sql).persistent(false);
+                    let q = match arg {
+                        Some(arg) => q.bind(arg),
+                        None => q,
+                    };
+                    q.execute(&mut **tx)
+                        .await
+                        .map(drop)
+                        .map_err(|e| Error::Sqlx(Box::new(e)))
+                })
+            }
+
+            fn fx_text<'a>(
+                tx: &'a mut Self::Fenced<'_>,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<String, Error>> {
+                Box::pin(async move {
+                    $sqlx::query_scalar(sql)
+                        .persistent(false)
+                        .fetch_one(&mut **tx)
+                        .await
+                        .map_err(|e| Error::Sqlx(Box::new(e)))
+                })
+            }
+
+            fn fx_check<'a>(tx: &'a mut Self::Fenced<'_>) -> BoxFuture<'a, Result<(), Error>> {
+                Box::pin(tx.check())
+            }
+
+            fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>> {
+                Box::pin(tx.commit())
+            }
         }
 
         impl $backend {
@@ -1161,6 +1456,25 @@ pub fn named<B: Backend>(db: &TestDb, app: &str, s: &Settings) -> (B::Pool, Stri
     (B::build_on(&config, s), app)
 }
 
+/// `Leases::new` on a pool of `size` of backend `B` on `config` (a
+/// database, PgBouncer, a proxy), the pool named `app` and its backends
+/// `<app>-<backend>` in `pg_stat_activity.application_name`: the leases
+/// and that name.
+pub fn leases_on<B: Backend>(
+    config: &tokio_postgres::Config,
+    app: &str,
+    size: usize,
+) -> (B::Leases, String) {
+    let app_b = format!("{app}-{}", B::NAME);
+    let mut config = config.clone();
+    config.application_name(&app_b);
+    let name: &'static str = Box::leak(app.to_owned().into_boxed_str());
+    (
+        B::leases(&B::build_on(&config, &Settings::new(name, size))),
+        app_b,
+    )
+}
+
 /// Waits (on the pool's state, not a clock) until nothing is in use or
 /// waiting: a sqlx connection's return finishes in a task of its own.
 pub async fn settled<B: Backend>(pool: &B::Pool) {
@@ -1175,6 +1489,27 @@ pub async fn settled<B: Backend>(pool: &B::Pool) {
 /// `$name::deadpool`, and with their features `$name::sqlx_0_8` and
 /// `$name::sqlx_0_9`.
 macro_rules! backends {
+    // A plain `#[test]` per backend: `$name::<B>()` runs its own runtimes.
+    (sync, $name:ident) => {
+        mod $name {
+            #[test]
+            fn deadpool() {
+                super::$name::<crate::support::backend::Deadpool>()
+            }
+
+            #[cfg(feature = "sqlx-0_8")]
+            #[test]
+            fn sqlx_0_8() {
+                super::$name::<crate::support::backend::Sqlx08>()
+            }
+
+            #[cfg(feature = "sqlx-0_9")]
+            #[test]
+            fn sqlx_0_9() {
+                super::$name::<crate::support::backend::Sqlx09>()
+            }
+        }
+    };
     // Every variant ignored, with the open bug that makes them fail.
     (ignore_all = $why:literal, $name:ident $(, $($flavor:tt)*)?) => {
         mod $name {
