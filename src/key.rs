@@ -63,6 +63,18 @@ impl LockKey {
             LockKey::Pair(..) => format!("${first}, ${}", first + 1),
         }
     }
+
+    /// The SQL arguments of the key written out, for a statement that
+    /// binds no parameters (sent where it must end a transaction in the
+    /// same round trip): `'-42'::int8` or `'1'::int4, '987'::int4`. Only
+    /// the key's own integers, formatted by Rust and quoted (a bare
+    /// `-9223372036854775808` would be the minus of a `numeric`).
+    pub(crate) fn literals(self) -> String {
+        match self {
+            LockKey::Single(k) => format!("'{k}'::int8"),
+            LockKey::Pair(a, b) => format!("'{a}'::int4, '{b}'::int4"),
+        }
+    }
 }
 
 /// `42` for a single key, `1:987` for a pair.
@@ -249,5 +261,10 @@ mod tests {
         assert_eq!(LockKey::Pair(1, 987).to_string(), "1:987");
         assert_eq!(LockKey::Single(5).placeholders(2), "$2");
         assert_eq!(LockKey::Pair(1, 2).placeholders(2), "$2, $3");
+        assert_eq!(
+            LockKey::Single(i64::MIN).literals(),
+            "'-9223372036854775808'::int8"
+        );
+        assert_eq!(LockKey::Pair(-1, 2).literals(), "'-1'::int4, '2'::int4");
     }
 }

@@ -15,7 +15,8 @@
 //! [`SessionLock`], owns that connection and unlocks on it. Dropped without
 //! [`SessionLock::unlock`], panicked through, or cancelled while acquiring,
 //! it never returns the connection to the pool still holding a lock: a
-//! spawned task runs `pg_advisory_unlock_all()` on it, and where that is not
+//! spawned task ends any transaction left open on it and runs
+//! `pg_advisory_unlock_all()` there, and where that is not
 //! confirmed within the pool's unlock timeout, the connection is closed
 //! instead, so that PostgreSQL ends the session and the lock with it.
 

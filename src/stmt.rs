@@ -264,6 +264,21 @@ pub(crate) trait Exec: Send + Sync {
     fn batch<'a>(&'a self, text: &'a str)
         -> impl Future<Output = Result<(), SqlError>> + Send + 'a;
 
+    /// Ends whatever transaction block the session is in, open or failed
+    /// (rolled back: `BEGIN`, then `ROLLBACK`, so that a session in none
+    /// logs no warning), then runs `text` (one statement, no parameters)
+    /// outside any transaction; its one row. What a connection's last
+    /// statement before it goes back to the pool runs through: user code
+    /// may have left a transaction open on it. Sent in one round trip: the
+    /// three statements pipelined (tokio-postgres), or one simple query
+    /// (sqlx, which cannot pipeline; a failed transaction, which refuses the
+    /// `BEGIN` and with it the rest, costs a second: `ROLLBACK`, then the
+    /// query again). Columns are read as text on sqlx: `bool` and integers.
+    fn query_one_after_rollback<'a>(
+        &'a self,
+        text: &'a str,
+    ) -> impl Future<Output = Result<Self::Row, SqlError>> + Send + 'a;
+
     /// The first row, if any.
     fn query_opt<'a>(
         &'a self,
@@ -311,6 +326,13 @@ impl<T: Exec> Exec for &mut T {
         text: &'a str,
     ) -> impl Future<Output = Result<(), SqlError>> + Send + 'a {
         (**self).batch(text)
+    }
+
+    fn query_one_after_rollback<'a>(
+        &'a self,
+        text: &'a str,
+    ) -> impl Future<Output = Result<T::Row, SqlError>> + Send + 'a {
+        (**self).query_one_after_rollback(text)
     }
 }
 

@@ -56,6 +56,14 @@ pub enum InvalidInput {
         /// The call.
         what: &'static str,
     },
+    /// The call takes a transaction-scoped lock and was given a connection
+    /// in no transaction (sqlx: none opened with sqlx's `begin`), where
+    /// the lock would be released as soon as its own statement ended.
+    #[error("{what} needs a transaction open on the connection: pass `&mut tx` of a transaction opened with `begin`")]
+    NoTransaction {
+        /// The call.
+        what: &'static str,
+    },
 }
 
 /// The rule a name breaks ([`InvalidInput::Name`]).

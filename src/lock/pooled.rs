@@ -46,6 +46,15 @@ pub(crate) enum Act {
 /// Runs `act` for `key` if the statement lands on backend `pid`. Returns the
 /// backend it ran on, and PostgreSQL's answer when that was `pid`
 /// (`UnlockAll` answers true).
+///
+/// The two acts after which the connection goes back to the pool
+/// (`UnlockLast`, `UnlockAll`) first end whatever transaction block user
+/// code left on the guard's connection (an open one would go back to the
+/// pool with its row and transaction-scoped locks; a failed one would
+/// refuse the unlock), in the same round trip
+/// ([`Exec::query_one_after_rollback`](crate::stmt::Exec::query_one_after_rollback)):
+/// their statement binds no parameters, the pid and the key are written
+/// out (integers only, [`LockKey::literals`]).
 pub(crate) async fn on_backend(
     c: &impl Exec,
     pid: i32,
@@ -53,19 +62,19 @@ pub(crate) async fn on_backend(
     key: LockKey,
     mode: LockMode,
 ) -> Result<(i32, Option<bool>), Error> {
+    let last = matches!(act, Act::UnlockLast | Act::UnlockAll);
+    let (on, k) = match last {
+        true => (pid.to_string(), key.literals()),
+        false => ("$1".to_owned(), key.placeholders(2)),
+    };
     let call = match act {
-        Act::Relock => format!(
-            "{}({})",
-            lock_fn(Scope::Session, mode, false),
-            key.placeholders(2)
-        ),
-        Act::Unlock => format!("{}({})", unlock_fn(mode), key.placeholders(2)),
+        Act::Relock => format!("{}({k})", lock_fn(Scope::Session, mode, false)),
+        Act::Unlock => format!("{}({k})", unlock_fn(mode)),
         // `CASE` fixes the order: the guard's own unlock first (its answer
         // is the statement's), the rest only after it.
         Act::UnlockLast => format!(
-            "CASE WHEN {}({}) THEN pg_advisory_unlock_all()::text = '' ELSE false END",
-            unlock_fn(mode),
-            key.placeholders(2)
+            "CASE WHEN {}({k}) THEN pg_advisory_unlock_all()::text = '' ELSE false END",
+            unlock_fn(mode)
         ),
         // void, as text: '' once it ran.
         Act::UnlockAll => "pg_advisory_unlock_all()::text = ''".to_owned(),
@@ -73,9 +82,8 @@ pub(crate) async fn on_backend(
             // Guarded again inside: whenever the subquery runs, it unlocks
             // on the lock's backend only.
             let once = format!(
-                "CASE WHEN pg_backend_pid() = $1 THEN {}({}) ELSE false END",
-                unlock_fn(mode),
-                key.placeholders(2)
+                "CASE WHEN pg_backend_pid() = {on} THEN {}({k}) ELSE false END",
+                unlock_fn(mode)
             );
             format!(
                 "(WITH RECURSIVE u(n) AS (SELECT 1 WHERE {once} \
@@ -84,11 +92,14 @@ pub(crate) async fn on_backend(
             )
         }
     };
-    let sql = format!("SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $1 THEN {call} END");
-    let (k, n) = key_params(key);
-    let params = [Param::Int4(pid), k[0], k[1]];
-    let n = if matches!(act, Act::UnlockAll) { 0 } else { n };
-    let row = c.query_one(&sql, &params[..1 + n]).await?;
+    let sql = format!("SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = {on} THEN {call} END");
+    let row = if last {
+        c.query_one_after_rollback(&sql).await?
+    } else {
+        let (k, n) = key_params(key);
+        let params = [Param::Int4(pid), k[0], k[1]];
+        c.query_one(&sql, &params[..1 + n]).await?
+    };
     Ok((row.col(0)?, row.col(1)?))
 }
 

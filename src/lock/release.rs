@@ -340,7 +340,8 @@ async fn unlock_all_once<B: Source>(
 ) -> Result<(), Error> {
     let conn = conn.exec();
     let Some(held_on) = lock_pid else {
-        conn.batch("SELECT pg_advisory_unlock_all()").await?;
+        conn.query_one_after_rollback("SELECT pg_advisory_unlock_all()::text = ''")
+            .await?;
         return Ok(());
     };
     let (ran_on, done) = pooled::on_backend(&conn, held_on, Act::UnlockAll, key, mode).await?;

@@ -27,8 +27,10 @@ use crate::stmt::{Exec, Param, Row};
 /// with `false` ("you don't own a lock") is [`LockError::NotOwned`](crate::LockError::NotOwned).
 ///
 /// Dropped without [`unlock`] (early return, panic, cancelled future), the
-/// guard hands its connection to a spawned task that runs
-/// `pg_advisory_unlock_all()` and returns it to the pool; where that is not
+/// guard hands its connection to a spawned task that rolls back any
+/// transaction your own SQL left open on it, runs
+/// `pg_advisory_unlock_all()` (one round trip for both) and returns it to
+/// the pool; where that is not
 /// confirmed within the pool's unlock timeout
 /// ([`PoolBuilder::unlock_timeout`](crate::PoolBuilder::unlock_timeout)), the
 /// connection is closed instead, and PostgreSQL ends the session and its locks.
@@ -143,8 +145,10 @@ impl<B: Source> SessionLock<B> {
     /// Releases every level held on this session and returns the connection
     /// to the pool. The statement of the last level, once PostgreSQL
     /// confirms it, also releases any other advisory lock your own SQL took
-    /// on the guard's connection (as dropping the guard does): nothing
-    /// taken there goes back into the pool. Errors are reported: [`LockError::NotOwned`](crate::LockError::NotOwned) when PostgreSQL
+    /// on the guard's connection (as dropping the guard does), and first
+    /// rolls back a transaction your SQL left open there (open or failed,
+    /// with its transaction locks; in the same round trip): nothing taken
+    /// there goes back into the pool. Commit your work before. Errors are reported: [`LockError::NotOwned`](crate::LockError::NotOwned) when PostgreSQL
     /// says the session did not hold the lock, [`LockError::MovedByPooler`](crate::LockError::MovedByPooler) when
     /// a transaction pooler ran the unlock on another server session than
     /// the lock's (and whether the lock could be released there after all),

@@ -731,6 +731,62 @@ impl Pool {
     }
 }
 
+/// Takes the transaction-scoped advisory lock `key` in `mode` in the
+/// caller's own sqlx transaction: the sqlx side of
+/// [`pgwarden::xact_lock`](crate::xact_lock), with the same statement and
+/// answers. Tries once when `wait` is `None`, or waits up to `wait`.
+///
+/// - `Ok(true)`: granted, held until the transaction ends (`COMMIT` or
+///   `ROLLBACK`: it cannot leak into the pool).
+/// - `Ok(false)`: only from a single try (`wait` is `None`): another
+///   session holds it; the transaction is not aborted.
+/// - `Err(`[`LockError::Timeout`](crate::LockError::Timeout)`)`: a wait ran
+///   out (SQLSTATE 55P03, `lock_not_available`), and **PostgreSQL has
+///   aborted the transaction**: roll it back (dropping it does) and retry
+///   with a new one.
+/// - `Err(`[`InvalidInput::NoTransaction`](crate::InvalidInput::NoTransaction)`)`:
+///   `conn` is in no transaction that sqlx opened (the lock would go with
+///   its own statement); nothing was sent.
+///
+/// `conn` is the transaction's connection: `&mut tx` for this pool's
+/// [`Transaction`] (`pool.begin()`) or a `sqlx::Transaction` (sqlx's
+/// `begin` on a checked-out connection). The wait is bounded by
+/// PostgreSQL's `lock_timeout`, set for this statement only (the
+/// transaction's own is restored once the lock is granted). Take it in a
+/// `READ COMMITTED` transaction (the default) for the work under it to see
+/// what the previous holder committed, as [`Pool::with_xact_lock`] does;
+/// it works behind a transaction-mode pooler (its statement is sent
+/// unnamed).
+///
+/// ```no_run
+/// # use sqlx09 as sqlx;
+/// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use pgwarden::{LockMode, Namespace};
+///
+/// const ACCOUNTS: Namespace = Namespace::new(2);
+/// let mut tx = pool.begin().await?;
+/// let wait = Some(Duration::from_secs(5));
+/// pgwarden::sqlx::xact_lock(&mut tx, ACCOUNTS.key(42), LockMode::Exclusive, wait).await?;
+/// // … check, then insert: no other session that asks for (2, 42) runs here …
+/// sqlx::query("UPDATE accounts SET n = n + 1 WHERE id = 42").execute(&mut *tx).await?;
+/// tx.commit().await?; // the lock is released here
+/// # Ok(()) }
+/// ```
+pub async fn xact_lock(
+    conn: &mut dep::PgConnection,
+    key: LockKey,
+    mode: LockMode,
+    wait: Option<Duration>,
+) -> Result<bool, Error> {
+    if !dep::Connection::is_in_transaction(conn) {
+        return Err(Error::Invalid(crate::InvalidInput::NoTransaction {
+            what: "pgwarden::sqlx::xact_lock",
+        }));
+    }
+    crate::lock::xact_lock_on(&super::On::new(conn), key, mode, wait).await
+}
+
 /// The sqlx pool's transaction-lock closures: they get the transaction's
 /// `&mut PgConnection`.
 struct SqlxWork<F>(F);

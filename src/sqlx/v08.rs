@@ -50,4 +50,4 @@ mod pool;
 #[path = "leases.rs"]
 mod leases;
 
-pub use pool::{Pool, PoolConnection, Transaction};
+pub use pool::{xact_lock, Pool, PoolConnection, Transaction};

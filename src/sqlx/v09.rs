@@ -54,4 +54,4 @@ mod pool;
 #[path = "leases.rs"]
 mod leases;
 
-pub use pool::{Pool, PoolConnection, Transaction};
+pub use pool::{xact_lock, Pool, PoolConnection, Transaction};

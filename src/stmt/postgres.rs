@@ -163,6 +163,29 @@ macro_rules! exec_for {
             ) -> impl std::future::Future<Output = Result<(), SqlError>> + Send + 'a {
                 async move { Ok(self.batch_execute(text).await?) }
             }
+
+            fn query_one_after_rollback<'a>(
+                &'a self,
+                text: &'a str,
+            ) -> impl std::future::Future<Output = Result<tokio_postgres::Row, SqlError>>
+                   + Send
+                   + 'a {
+                async move {
+                    // Pipelined: each request goes out at its future's first
+                    // poll, in order, before any answer is read. Each is its
+                    // own message: a failed transaction refuses the `BEGIN`
+                    // alone (its error is expected then, and dropped), and
+                    // the `ROLLBACK` ends it.
+                    let (_, rolled_back, row) = futures_util::future::join3(
+                        self.batch_execute("BEGIN"),
+                        self.batch_execute("ROLLBACK"),
+                        self.query_typed_one(text, &[]),
+                    )
+                    .await;
+                    rolled_back?;
+                    Ok(row?)
+                }
+            }
         }
     };
 }

@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime};
 use super::dep;
 use super::dep::postgres::{PgArguments, PgConnection, PgRow, PgValueFormat};
 use super::dep::{Row as _, TypeInfo as _, ValueRef as _};
-use crate::stmt::{Conn, Exec, Param, Row, Sent, SqlError, Tx, Value};
+use crate::stmt::{code, Conn, Exec, Param, Row, Sent, SqlError, Tx, Value};
 
 /// A sqlx connection (`&mut PgConnection`) or transaction
 /// (`sqlx::Transaction`), as the statement layer runs statements on it.
@@ -133,6 +133,25 @@ where
         let c: &mut PgConnection = &mut c;
         dep::Executor::execute(c, dep::raw_sql(super::text(text))).await?;
         Ok(())
+    }
+
+    async fn query_one_after_rollback<'a>(&'a self, text: &'a str) -> Result<PgRow, SqlError> {
+        let mut c = self.0.lock().await;
+        let c: &mut PgConnection = &mut c;
+        // One simple query: its statements run on one server session, the
+        // last one's row is the answer (as text: sqlx decodes it).
+        let all = format!("BEGIN; ROLLBACK; {text}");
+        let first = dep::Executor::fetch_one(&mut *c, dep::raw_sql(super::text(&all))).await;
+        match first.map_err(SqlError::from) {
+            Err(e) if e.is(code::IN_FAILED_SQL_TRANSACTION) => {
+                // A failed transaction refused the `BEGIN`, and the rest
+                // with it: end it, then again.
+                dep::Executor::execute(&mut *c, dep::raw_sql(super::text("ROLLBACK"))).await?;
+                let again = dep::raw_sql(super::text(&all));
+                Ok(dep::Executor::fetch_one(c, again).await?)
+            }
+            done => done,
+        }
     }
 }
 

@@ -82,5 +82,6 @@ mod settings;
 mod slow_link;
 mod sqlx_no_runtime;
 mod sqlx_pool;
+mod sqlx_xact_lock;
 mod supervisor;
 mod xact;

@@ -1,8 +1,8 @@
 //! Transaction-scoped advisory locks, `with_xact_lock` and `migrate_once`
 //! against a real PostgreSQL. `with_xact_lock` and `migrate_once` run on
-//! every backend; `xact_lock` on a transaction of the caller's own is
-//! deadpool's only (it takes a `tokio_postgres::Transaction`: sqlx has no
-//! counterpart yet).
+//! every backend; `xact_lock` on a transaction of the caller's own here
+//! on deadpool (it takes a `tokio_postgres::Transaction`), and its sqlx
+//! counterpart, `pgwarden::sqlx::xact_lock`, in `sqlx_xact_lock.rs`.
 
 use crate::support;
 
