@@ -96,12 +96,12 @@ async fn bound(tx: &tokio_postgres::Transaction<'_>) -> i64 {
 /// client's term end is not later than it): no read outside the snapshot.
 /// READ COMMITTED: refused (`Revoked`), the control.
 ///
-/// FINDING: under REPEATABLE READ and SERIALIZABLE the fence passes and
-/// the write commits after the revoke (READ COMMITTED: `Revoked`). The
-/// same for any change of the row that keeps its key and expiry (a
-/// release by another clone of the handle races it too).
+/// FINDING (fixed): under REPEATABLE READ and SERIALIZABLE the fence
+/// passed and the write committed after the revoke (READ COMMITTED:
+/// `Revoked`). Now a row with a newer committed version than the one the
+/// snapshot shows (`currtid2`) is stale, read outside the snapshot, and
+/// refused: `Revoked` at every level.
 #[tokio::test]
-#[ignore = "FINDING: a fence under a snapshot older than a revoke passes (RR, SER)"]
 async fn a_revoke_after_the_snapshot_refuses_the_fence() {
     let db = db().await;
     let admin = admin(&db).await;
