@@ -376,3 +376,39 @@ async fn soak_takeovers_racing_renewals_and_stale_fences() {
     assert_eq!(s[5], 0, "unexpected errors");
     assert!(s[1] > 0 && s[0] > 1);
 }
+
+/// ERRORS. The term renewed after the snapshot (as in
+/// `a_renewal_after_the_snapshot_on_small_pools`), on a pool of 2, whose
+/// one shared connection the fenced transaction holds: the read outside
+/// the snapshot gets no connection and the fence fails with that read's
+/// error, as documented. The error should say what happened: that the
+/// fence could not read its term outside the snapshot (no connection),
+/// and what to do (fence first in the transaction, or a larger pool).
+///
+/// FINDING (minor, not fixed): it says "lease busy check did not complete
+/// within 500ms; its connection was closed": no busy check was made, no
+/// connection was had or closed (the checkout timed out), the fence is
+/// not named and nothing says what to do. `TermNow` shares the
+/// `busy check` label of `pgwarden_lease_statement_timeouts_total`, so a
+/// new name needs a metrics label too.
+#[tokio::test]
+#[ignore = "FINDING: a fence whose term read gets no connection fails with \"lease busy check … its connection was closed\""]
+async fn a_stale_fence_without_a_connection_says_so() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let opts = LeaseOptions::new(600 * S).renew_every(500 * S);
+    let (p, lease) = held(&db, 2, "h3-msg", "msg", &opts).await;
+    set_expiry(&admin, "msg", "-1 s").await;
+    let mut c = p.get().await.unwrap();
+    let tx = snapshot(&mut c, IsolationLevel::RepeatableRead).await;
+    set_expiry(&admin, "msg", "30 s").await;
+    let e = within(GUARD, "the fence", lease.fence(tx))
+        .await
+        .map(drop)
+        .expect_err("no connection for the term read");
+    let m = e.to_string();
+    eprintln!("{e:?}\n  {m}");
+    assert!(m.contains("fence"), "the fence is not named: {m}");
+    assert!(!m.contains("busy check"), "{m}");
+    assert!(!m.contains("its connection was closed"), "{m}");
+}
