@@ -518,19 +518,23 @@ impl LeaseHandle {
     /// READ` and `SERIALIZABLE` it reads the transaction's snapshot: a
     /// take-over committed since then makes PostgreSQL refuse the lock with
     /// a serialization failure, which `fence` reports as
-    /// `LeaseError::Lost { reason: Taken }`; a renewal by this holder since
-    /// then is no conflict (it changes no key), but the expiry it carries is
-    /// newer than the snapshot's. So when the row's expiry as read is
-    /// earlier than the term's end this client knows (by more than 100 ms:
-    /// a snapshot older than a renewal, or this client's clock trailing the
-    /// database's after a suspended host), `fence` reads the term once more
-    /// outside the snapshot (one statement on the instance's pool, no lock,
-    /// at most 500 ms) and the database decides: a term over there is
-    /// refused (`Expired`), a live one is bounded from its expiry there
-    /// (one more statement in the transaction). If that read fails, the
+    /// `LeaseError::Lost { reason: Taken }`; a renewal by this holder, a
+    /// [`revoke`](crate::Leases::revoke) or a release since then is no
+    /// conflict (none changes the key), but the row the snapshot shows is
+    /// then out of date. So when the row has a newer version than the one
+    /// read (a renewal, revoke or release committed since the snapshot), or
+    /// its expiry as read is earlier than the term's end this client knows
+    /// by more than 100 ms (this client's clock trailing the database's
+    /// after a suspended host), `fence` reads the term once more outside
+    /// the snapshot (one statement on the instance's pool, no lock, at most
+    /// 500 ms) and the database decides: a term over there is refused
+    /// (`Expired`, `Revoked`), a live one is bounded from its expiry there
+    /// (one more statement in the transaction). If that read fails (a pool
+    /// of 2, whose one shared connection the fenced transaction holds), the
     /// fence passes when the snapshot's row is unexpired, bounded from its
-    /// expiry, and fails with the read's error otherwise. So a fence never
-    /// passes for a term the database has ended, at any level, and every
+    /// expiry (a revoke since the snapshot is then not seen), and fails
+    /// with the read's error otherwise. So a fence never passes for a term
+    /// the database has ended, at any level (but for that one case), and every
     /// fenced transaction started before its term's end, within reach of a
     /// blocked take-over (below). Take the snapshot after the lease:
     /// call `fence` first in the transaction (a snapshot older than the
@@ -583,10 +587,11 @@ impl LeaseHandle {
                     );
                 }
                 if stale {
-                    // Under a snapshot, the row read is older than the term
-                    // this client knows: the term was renewed since the
-                    // snapshot, or this client's clock trails the
-                    // database's (a suspended host). The database decides.
+                    // Under a snapshot, the row read may be older than the
+                    // term: the row changed since the snapshot (renewed,
+                    // revoked or released), or this client's clock trails
+                    // the database's (a suspended host). The database
+                    // decides.
                     match self.confirm(tx, fresh).await? {
                         None => match self.inner.check_lost(&self.state) {
                             None => return Ok(()),
@@ -658,8 +663,8 @@ impl LeaseHandle {
         }
     }
 
-    /// For a fence whose row read is older than the term this client knows
-    /// (`stale`, see `Statements::fence`): reads the term outside the
+    /// For a fence whose row read may be older than the term (`stale`, see
+    /// `Statements::fence`): reads the term outside the
     /// transaction's snapshot, on the instance's pool. The term over there
     /// (or another's): its reason. Still this holder's: the fence's
     /// statement again in `tx`, bounding the transaction from the

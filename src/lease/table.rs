@@ -296,19 +296,31 @@ fn db_left_ms(row: &str) -> String {
 /// time between renewals at least.
 pub(crate) const FENCE_STALE_SLACK: Duration = Duration::from_millis(100);
 
-/// Whether a fence's read of the row (alias `{row}`) may be older than the
-/// term: under `REPEATABLE READ` or `SERIALIZABLE` (the statement reads
-/// the transaction's snapshot), with the client's term end (`$5`, counted
-/// down as in [`term_left_ms`]) later than the row's expiry by more than
-/// [`FENCE_STALE_SLACK`]: the snapshot predates a renewal (the row then
-/// says too little), or the client's clock trails the database's (a host
-/// suspended: its term end says too much). Only a read outside the
-/// snapshot tells them apart (`Statements::term_now`).
-fn stale(row: &str) -> String {
+/// Whether a fence's read of the row (alias `{row}`, with its `ctid`) may
+/// be older than the term: under `REPEATABLE READ` or `SERIALIZABLE` (the
+/// statement reads the transaction's snapshot), either
+///
+/// - the row has a newer committed version than the one read
+///   (`currtid2`, which follows the row's update chain under the latest
+///   snapshot, not the transaction's, gives another `ctid`): a renewal, a
+///   revoke or a release committed since the snapshot; none of them
+///   changes the key, so the fence's `FOR KEY SHARE` is no conflict and
+///   reads the old row, whose holder, token and expiry may all be out of
+///   date (a revoke keeps the expiry: only this tells it);
+/// - or the client's term end (`$5`, counted down as in [`term_left_ms`])
+///   is later than the row's expiry by more than [`FENCE_STALE_SLACK`]:
+///   the client's clock trails the database's (a host suspended: its term
+///   end says too much).
+///
+/// Only a read outside the snapshot tells what the term is
+/// (`Statements::term_now`). `table`: the table as a string literal.
+/// Under `READ COMMITTED` the read is current: `false`, nothing looked up.
+fn stale(row: &str, table: &str) -> String {
     format!(
-        "(current_setting('transaction_isolation') <> 'read committed'
-        AND $5 - extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000
-            > extract(epoch FROM {row}.expires_at - clock_timestamp()) * 1000 + {slack})",
+        "(CASE WHEN current_setting('transaction_isolation') = 'read committed' THEN false
+       ELSE pg_catalog.currtid2({table}, {row}.ctid) <> {row}.ctid
+         OR $5 - extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000
+            > extract(epoch FROM {row}.expires_at - clock_timestamp()) * 1000 + {slack} END)",
         slack = FENCE_STALE_SLACK.as_millis()
     )
 }
@@ -509,7 +521,7 @@ RETURNING name"
               OR (set_config('pgwarden.fence_tt', b.tt::text, true) IS NOT NULL
                   AND set_config('transaction_timeout', '0', true) IS NOT NULL
                   AND set_config('transaction_timeout', greatest(1, CASE WHEN b.tt > 0 THEN least(b.tt - b.age, b.ms) ELSE b.ms END)::text, true) IS NOT NULL))
-  FROM (SELECT l.holder, l.token, l.expires_at, w.lt
+  FROM (SELECT l.holder, l.token, l.expires_at, l.ctid, w.lt
           FROM {tbl} AS l,
                LATERAL (SELECT {ms_before} AS ms, {lt} AS lt) AS w
          WHERE l.name = $1
@@ -525,7 +537,7 @@ RETURNING name"
                 ns = Namespace::PGWARDEN.id(),
                 ms_before = term_left_ms("l"),
                 ms_after = db_left_ms("f"),
-                stale = stale("f"),
+                stale = stale("f", &quote_literal(&tbl)),
                 st = kept_ms("fence_st", "statement_timeout"),
                 it = kept_ms("fence_it", "idle_in_transaction_session_timeout"),
                 tt = kept_ms("fence_tt", "transaction_timeout"),

@@ -637,15 +637,17 @@ fn term_left(row: &str) -> String {
 
 /// The fence statement after the rewrite (a26a394) and session 38's
 /// change (the row's staleness under a snapshot; the transaction's bound
-/// from the database alone: `$6`), for the table `pgwarden_leases` (a copy
+/// from the database alone: `$6`; a newer row version is stale too), for
+/// the table `pgwarden_leases` (a copy
 /// of `Statements::fence`: the server's `pg_stat_activity.query` is cut at
 /// 1 kB).
 fn new_fence() -> String {
     format!(
         "SELECT f.holder, f.token, f.expires_at > clock_timestamp(),
-       (current_setting('transaction_isolation') <> 'read committed'
-        AND $5 - extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000
-            > extract(epoch FROM f.expires_at - clock_timestamp()) * 1000 + 100),
+       (CASE WHEN current_setting('transaction_isolation') = 'read committed' THEN false
+       ELSE pg_catalog.currtid2('\"public\".\"pgwarden_leases\"', f.ctid) <> f.ctid
+         OR $5 - extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000
+            > extract(epoch FROM f.expires_at - clock_timestamp()) * 1000 + 100 END),
        f.holder = $3 AND f.token = $4 AND pg_try_advisory_xact_lock_shared(1885828964, b.mark),
        set_config('pgwarden.fence_st', b.st::text, true) IS NOT NULL
          AND set_config('pgwarden.fence_lt', f.lt::text, true) IS NOT NULL
@@ -657,7 +659,7 @@ fn new_fence() -> String {
               OR (set_config('pgwarden.fence_tt', b.tt::text, true) IS NOT NULL
                   AND set_config('transaction_timeout', '0', true) IS NOT NULL
                   AND set_config('transaction_timeout', greatest(1, CASE WHEN b.tt > 0 THEN least(b.tt - b.age, b.ms) ELSE b.ms END)::text, true) IS NOT NULL))
-  FROM (SELECT l.holder, l.token, l.expires_at, w.lt
+  FROM (SELECT l.holder, l.token, l.expires_at, l.ctid, w.lt
           FROM \"pgwarden_leases\" AS l,
                LATERAL (SELECT {ms_before} AS ms, {lt} AS lt) AS w
          WHERE l.name = $1

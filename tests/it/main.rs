@@ -33,6 +33,7 @@ mod fifo;
 mod gauges;
 mod hostile_fence;
 mod hostile_fence2;
+mod hostile_fence3;
 mod hostile_naming;
 mod hostile_release;
 mod http_edges;
