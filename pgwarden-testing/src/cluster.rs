@@ -38,8 +38,7 @@ pub enum Replication {
     Synchronous,
 }
 
-/// A throwaway primary and its streaming replica (set up as by
-/// `pg_basebackup -R`, see [`Cluster::start`]), each
+/// A throwaway primary and its streaming replica (`pg_basebackup -R`), each
 /// on its own port on `127.0.0.1`, for failover tests.
 ///
 /// Always started locally (`DATABASE_URL` is ignored: a failover needs
@@ -79,11 +78,8 @@ pub struct Cluster {
 
 impl Cluster {
     /// Starts a primary and an asynchronous streaming replica; returns once
-    /// the replica streams. Takes a second or two: both data directories are
-    /// copies of the process's one `initdb` (the replica's with
-    /// `standby.signal` and `primary_conninfo`, as `pg_basebackup -R` writes
-    /// them; it streams the primary's WAL from the state both started from),
-    /// then two starts. Without that copy, `initdb` and a base backup.
+    /// the replica streams. Takes a few seconds (`initdb`, two starts, a base
+    /// backup).
     pub async fn start() -> Result<Cluster, TestingError> {
         Cluster::start_with(Replication::Asynchronous).await
     }

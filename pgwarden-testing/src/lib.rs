@@ -9,9 +9,7 @@
 //!
 //! [`TestServer::shared`] starts one PostgreSQL server per process (per test
 //! binary) on first use: `initdb` into a temporary directory, `postgres`
-//! listening on a Unix socket only, durability switched off. (One `initdb`
-//! per process: every server the harness starts gets a copy of its data
-//! directory.) Every test then
+//! listening on a Unix socket only, durability switched off. Every test then
 //! takes a fresh database of its own with [`TestServer::create_database`], so
 //! tests run in parallel without seeing each other's tables or locks.
 //!
@@ -54,9 +52,7 @@
 //!
 //! # A primary and its replica
 //!
-//! [`Cluster`] starts a primary and a streaming replica (a copy of the
-//! cleanly shut down state the primary started from, as `pg_basebackup -R`
-//! would set it up; a base backup when that copy is not at hand)
+//! [`Cluster`] starts a primary and a streaming replica (`pg_basebackup -R`)
 //! on two ports of `127.0.0.1`, asynchronous or synchronous
 //! ([`Replication`]), for failover tests: crash the primary
 //! ([`Cluster::stop_primary_immediate`]), promote the replica

@@ -350,75 +350,8 @@ pub(crate) fn wait_ready(
     }
 }
 
-/// A fresh data directory at `data`, as `initdb` (run as the server user,
-/// trying the `C.UTF-8` locale, then `C`) writes it: a copy of the
-/// process's [`template`], or `initdb` itself when there is none.
+/// Runs `initdb` (as the server user), trying the `C.UTF-8` locale, then `C`.
 pub(crate) fn initdb(
-    bins: &process::PgBinaries,
-    run_as: Option<RunAs>,
-    root: &Path,
-    data: &Path,
-) -> Result<(), TestingError> {
-    if copy_template(bins, run_as, root, data) {
-        return Ok(());
-    }
-    run_initdb(bins, run_as, root, data)
-}
-
-/// Copies the process's [`template`] data directory to `data`: true when
-/// done, false when there is no template or the copy failed (nothing left
-/// at `data`).
-pub(crate) fn copy_template(
-    bins: &process::PgBinaries,
-    run_as: Option<RunAs>,
-    root: &Path,
-    data: &Path,
-) -> bool {
-    template(bins, run_as).is_some_and(|t| copy_data_dir(t, data, run_as, root))
-}
-
-/// The data directory of one `initdb` per test process (never started),
-/// which [`initdb`] copies for every server: the same files `initdb`
-/// writes, without its bootstrap (1 to 3 s of CPU and writes per server on
-/// a busy 2-core machine: the failover tests alone start two dozen). Its
-/// directory goes when the process does (its watchdog, never armed, only
-/// removes it). `None` when that one `initdb` failed: each server then runs
-/// its own, which reports the error.
-fn template(bins: &process::PgBinaries, run_as: Option<RunAs>) -> Option<&'static Path> {
-    static TEMPLATE: OnceLock<Option<(tempfile::TempDir, Watchdog)>> = OnceLock::new();
-    TEMPLATE
-        .get_or_init(|| {
-            let dir = process::temp_dir("pgwarden-template-", run_as).ok()?;
-            let watchdog = Watchdog::spawn(dir.path(), "INT").ok()?;
-            process::chown(dir.path(), run_as).ok()?;
-            run_initdb(bins, run_as, dir.path(), &dir.path().join("data")).ok()?;
-            Some((dir, watchdog))
-        })
-        .as_ref()
-        .map(|(dir, _)| dir.path())
-}
-
-/// Copies the template's data directory to `data` (`cp -a`, as the server's
-/// user: owner and modes kept). False when the copy failed (what it left is
-/// removed).
-fn copy_data_dir(template: &Path, data: &Path, run_as: Option<RunAs>, root: &Path) -> bool {
-    let copied = process::server_command(Path::new("cp"), run_as, root)
-        .arg("-a")
-        .arg(template.join("data"))
-        .arg(data)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !copied {
-        let _ = std::fs::remove_dir_all(data);
-    }
-    copied
-}
-
-/// `initdb` proper: a C.UTF-8 cluster (plain C where that locale is
-/// missing), trust authentication, no fsync.
-pub(crate) fn run_initdb(
     bins: &process::PgBinaries,
     run_as: Option<RunAs>,
     root: &Path,

@@ -10,7 +10,7 @@ use tokio_postgres::{Client, Config};
 use super::Replication;
 use crate::db::{config_to_url, connect_config};
 use crate::process::{self, io_err, PgBinaries, RunAs, Watchdog};
-use crate::server::{copy_template, run_initdb, server_log_tail, wait_ready};
+use crate::server::{initdb, server_log_tail, wait_ready};
 use crate::{TestingError, CONNECT_TIMEOUT};
 
 /// The address every node listens on.
@@ -34,9 +34,6 @@ pub struct Node {
     watchdog: Watchdog,
     bins: PgBinaries,
     run_as: Option<RunAs>,
-    /// Started from a copy of the process's initdb template (see
-    /// [`Node::clone_replica`]).
-    from_template: bool,
     // Dropped (removed) after `Drop::drop` stopped the server.
     dir: tempfile::TempDir,
 }
@@ -61,35 +58,21 @@ impl Node {
     ) -> Result<Node, TestingError> {
         let (dir, watchdog) = new_dir(run_as)?;
         let data = dir.path().join("data");
-        let from_template = copy_template(bins, run_as, dir.path(), &data);
-        if !from_template {
-            run_initdb(bins, run_as, dir.path(), &data)?;
-        }
+        initdb(bins, run_as, dir.path(), &data)?;
         allow_replication(&data)?;
         let sync = match replication {
             Replication::Asynchronous => None,
             // Any standby: the cluster has one.
             Replication::Synchronous => Some("synchronous_standby_names=*"),
         };
-        let mut node = Node::start("node0", bins, run_as, dir, watchdog, sync)?;
-        node.from_template = from_template;
-        Ok(node)
+        Node::start("node0", bins, run_as, dir, watchdog, sync)
     }
 
-    /// `primary`'s streaming replica. When the primary was started from a
-    /// copy of the initdb template, another copy of it (the state the
-    /// primary started from, cleanly shut down: the standby replays the
-    /// primary's WAL from there on) with `standby.signal` and
-    /// `primary_conninfo` written, as `pg_basebackup -R` writes them; else a
-    /// base backup of `primary` (`pg_basebackup -R`).
+    /// A base backup of `primary` (`pg_basebackup -R`: `standby.signal` and
+    /// `primary_conninfo` written), started as its streaming replica.
     pub(super) fn clone_replica(primary: &Node) -> Result<Node, TestingError> {
         let (bins, run_as) = (&primary.bins, primary.run_as);
         let (dir, watchdog) = new_dir(run_as)?;
-        let data = dir.path().join("data");
-        if primary.from_template && copy_template(bins, run_as, dir.path(), &data) {
-            standby_of(primary, &data, run_as)?;
-            return Node::start("node1", bins, run_as, dir, watchdog, None);
-        }
         let log = dir.path().join("pg_basebackup.log");
         let (out, err) = process::log_file(&log)?;
         let program = tool(bins, "pg_basebackup")?;
@@ -136,9 +119,7 @@ impl Node {
                 format!("log_directory={}", root.join("log").display()),
                 format!("cluster_name={label}"),
                 "wal_level=replica".to_owned(),
-                // initdb's default: a standby copied from the template (see
-                // `clone_replica`) needs at least what its control file says.
-                "max_wal_senders=10".to_owned(),
+                "max_wal_senders=8".to_owned(),
                 // A paused replica catches up from the primary's pg_wal.
                 "wal_keep_size=256MB".to_owned(),
                 "hot_standby=on".to_owned(),
@@ -161,7 +142,6 @@ impl Node {
             watchdog,
             bins: bins.clone(),
             run_as,
-            from_template: false,
             dir,
         })
     }
@@ -299,28 +279,6 @@ fn allow_replication(data: &Path) -> Result<(), TestingError> {
             )
         })
         .map_err(io_err(format!("adding replication to {}", path.display())))
-}
-
-/// Makes the data directory `data` a standby of `primary`, as `pg_basebackup
-/// -R` does: an empty `standby.signal` and `primary_conninfo` in
-/// `postgresql.auto.conf`, owned by the server's user.
-fn standby_of(primary: &Node, data: &Path, run_as: Option<RunAs>) -> Result<(), TestingError> {
-    use std::io::Write as _;
-    let signal = data.join("standby.signal");
-    std::fs::write(&signal, b"").map_err(io_err(format!("writing {}", signal.display())))?;
-    process::chown(&signal, run_as)?;
-    let auto = data.join("postgresql.auto.conf");
-    std::fs::OpenOptions::new()
-        .append(true)
-        .open(&auto)
-        .and_then(|mut f| {
-            writeln!(
-                f,
-                "primary_conninfo = 'user=postgres host={HOST} port={}'",
-                primary.port
-            )
-        })
-        .map_err(io_err(format!("writing {}", auto.display())))
 }
 
 /// A fresh directory for a node, owned by the server user, and its watchdog.
