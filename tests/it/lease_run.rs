@@ -286,15 +286,40 @@ async fn bad_input_is_a_typed_error_at_the_call() {
 backends!(dropped_futures_leave_no_connection_and_no_stray_lease);
 async fn dropped_futures_leave_no_connection_and_no_stray_lease<B: Backend>() {
     let db = db().await;
-    let pool = B::build(&db, &Settings::new("cancel", 2));
+    B::install(&B::leases(&B::build(&db, &Settings::new("cancel", 2))))
+        .await
+        .unwrap();
+    // Drop acquisitions and releases after every number of polls: each
+    // number on a pool of 2 of its own, with lease names of its own, all at
+    // once. (A dropped statement's cancel is sent on another connection of
+    // its pool, which waits up to 2 s for one when the other is out too:
+    // one number after another on one pool, the twelve took 20 s.)
+    futures_util::future::join_all((0..12).map(|polls| drop_after::<B>(&db, polls))).await;
+}
+
+/// [`dropped_futures_leave_no_connection_and_no_stray_lease`] for one number
+/// of polls: an acquisition and a release, each polled `polls` times (or
+/// until it completes: a completed future must not be polled again), then
+/// dropped; then no connection stays out, a dropped acquisition registers
+/// nothing, and whatever it took in the database expires after its TTL.
+async fn drop_after<B: Backend>(db: &pgwarden_testing::TestDb, polls: usize) {
+    let pool = B::build(db, &Settings::new("cancel", 2));
     let leases = B::leases(&pool);
-    B::install(&leases).await.unwrap();
-    // Drop acquisitions and releases after every number of polls.
-    for polls in 0..12 {
-        // Polled `polls` times (or until it completes: a completed future
-        // must not be polled again), then dropped.
-        let opts = LeaseOptions::new(S);
-        let mut fut = B::acquire(&leases, "c", &opts, None);
+    let (c_name, r_name) = (format!("c{polls}"), format!("r{polls}"));
+    let opts = LeaseOptions::new(S);
+    let mut fut = B::acquire(&leases, &c_name, &opts, None);
+    for _ in 0..polls {
+        if futures_util::poll!(&mut fut).is_ready() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    drop(fut);
+    if let Some(lease) = B::acquire(&leases, &r_name, &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+    {
+        let mut fut = B::release(lease);
         for _ in 0..polls {
             if futures_util::poll!(&mut fut).is_ready() {
                 break;
@@ -302,34 +327,19 @@ async fn dropped_futures_leave_no_connection_and_no_stray_lease<B: Backend>() {
             tokio::task::yield_now().await;
         }
         drop(fut);
-        if let Some(lease) = B::acquire(&leases, "r", &LeaseOptions::new(S), None)
-            .await
-            .unwrap()
-        {
-            let mut fut = B::release(lease);
-            for _ in 0..polls {
-                if futures_util::poll!(&mut fut).is_ready() {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
-            drop(fut);
-        }
     }
-    // No connection stays out; a dropped acquisition registers nothing, and
-    // whatever it took in the database expires after its TTL.
     eventually(3 * S, "connections back", || {
         std::future::ready(B::status(&pool).in_use == 0)
     })
     .await;
     assert_eq!(B::lease_stats(&leases).held, 0);
-    let c = B::acquire(&leases, "c", &LeaseOptions::new(S), Some(3 * S))
+    let c = B::acquire(&leases, &c_name, &LeaseOptions::new(S), Some(3 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
-    let r = B::acquire(&leases, "r", &LeaseOptions::new(S), Some(3 * S))
+    let r = B::acquire(&leases, &r_name, &LeaseOptions::new(S), Some(3 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
-    assert!(!c.is_lost() && !r.is_lost());
+    assert!(!c.is_lost() && !r.is_lost(), "{polls} polls");
 }

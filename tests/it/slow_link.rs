@@ -37,46 +37,51 @@ async fn readiness_becomes_ready_within_three_probes_on_a_350_ms_link() {
         "set-up and SELECT 1 took {from_scratch:?}"
     );
 
-    let mut probes_until_ready = Vec::new();
-    for run in 0..RUNS {
-        let pool = Pool::builder(proxy.deadpool(&db, 4).unwrap())
-            .name(format!("slow-link-{run}"))
-            .pooler(PoolerMode::Direct)
-            .census_interval(None)
-            .build()
-            .unwrap();
-        assert_eq!(pool.status().size, 0, "no idle connection to start with");
-        let mut ready = None;
-        let mut answers = Vec::new();
-        let started = Instant::now();
-        for probe in 1.. {
-            if started.elapsed() > GUARD {
-                break;
-            }
-            let t = Instant::now();
-            let r = pool.readiness(BOUND).await;
-            let took = t.elapsed();
-            answers.push(format!(
-                "{took:.0?} {}",
-                if r.is_ok() { "ok" } else { "timeout" }
-            ));
-            match r {
-                Ok(latency) => {
-                    // Answered within its bound, as pgwarden measured it.
-                    assert!(latency <= BOUND, "probe {probe}: ready after {latency:?}");
-                    ready = Some((probe, latency));
+    // The runs are independent (a pool of their own each, through the one
+    // proxy): all at once, not one after another (2 s each).
+    let run = |run: usize| {
+        let (proxy, db) = (&proxy, &db);
+        async move {
+            let pool = Pool::builder(proxy.deadpool(db, 4).unwrap())
+                .name(format!("slow-link-{run}"))
+                .pooler(PoolerMode::Direct)
+                .census_interval(None)
+                .build()
+                .unwrap();
+            assert_eq!(pool.status().size, 0, "no idle connection to start with");
+            let mut ready = None;
+            let mut answers = Vec::new();
+            let started = Instant::now();
+            for probe in 1.. {
+                if started.elapsed() > GUARD {
                     break;
                 }
-                Err(e) => assert!(e.is_timeout(), "probe {probe}: {e}"),
+                let t = Instant::now();
+                let r = pool.readiness(BOUND).await;
+                let took = t.elapsed();
+                answers.push(format!(
+                    "{took:.0?} {}",
+                    if r.is_ok() { "ok" } else { "timeout" }
+                ));
+                match r {
+                    Ok(latency) => {
+                        // Answered within its bound, as pgwarden measured it.
+                        assert!(latency <= BOUND, "probe {probe}: ready after {latency:?}");
+                        ready = Some((probe, latency));
+                        break;
+                    }
+                    Err(e) => assert!(e.is_timeout(), "probe {probe}: {e}"),
+                }
             }
+            let Some((n, latency)) = ready else {
+                panic!("run {run}: not ready within {GUARD:?}: {answers:?}");
+            };
+            eprintln!("run {run}: ready at probe {n} ({latency:.0?}); probes: {answers:?}");
+            pool.close();
+            n
         }
-        let Some((n, latency)) = ready else {
-            panic!("run {run}: not ready within {GUARD:?}: {answers:?}");
-        };
-        eprintln!("run {run}: ready at probe {n} ({latency:.0?}); probes: {answers:?}");
-        probes_until_ready.push(n);
-        pool.close();
-    }
+    };
+    let probes_until_ready = futures_util::future::join_all((0..RUNS).map(run)).await;
     eprintln!(
         "350 ms round trip, set-up and SELECT 1 from scratch {} ms: probes until ready over {RUNS} runs: {probes_until_ready:?}",
         from_scratch.as_millis()
