@@ -26,8 +26,8 @@ use parking_lot::Mutex;
 use tokio_postgres::types::Type;
 use tokio_postgres::Statement;
 
-/// Hashes the key (two addresses folded into one `u64`) with a
-/// multiplication: keys are addresses this process made, not chosen input.
+/// Hashes the key (two addresses) with a multiplication each: keys are
+/// addresses this process made, not chosen input.
 #[derive(Default, Clone, Copy)]
 struct AddrHasher(u64);
 
@@ -42,8 +42,8 @@ impl Hasher for AddrHasher {
         }
     }
 
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (self.0 ^ n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }
 
