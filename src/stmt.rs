@@ -28,6 +28,7 @@
 //! over an iterator, no `Vec` of `&dyn ToSql`); rows are the driver's own,
 //! read by index. One future per statement.
 
+mod known;
 mod postgres;
 #[cfg(feature = "sqlx-0_8")]
 pub(crate) mod sqlx08;

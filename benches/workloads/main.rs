@@ -602,6 +602,11 @@ other helpers' builds and tests, load average in brackets):
 | 5ff12b2 | 6b (load 14.5) | 2,986; server 77, client 30 | 2,071; server 95, client 43 | 0.615 | 0.479 to 0.908 | unresolved |
 | 81a437a | 6a (load 11.8) | 1,692; server 85, client 53 | 1,699; server 66, client 55 | 0.867 | 0.730 to 1.177 | unresolved |
 | 81a437a | 6b (load 14.5) | 9,577; server 62, client 25 | 6,564; server 70, client 33 | 0.710 | 0.590 to 0.758 | no |
+| ea2ba95 | 6a (load 15.9) | 2,564; server 52, client 34 | 2,761; server 34, client 35 | 0.936 | 0.737 to 1.632 | unresolved |
+| ea2ba95 | 6b (load 13.6) | 15,415; server 45, client 20 | 12,516; server 37, client 23 | 0.770 | 0.726 to 0.909 | unresolved |
+| ea2ba95 | 6b (load 4.5) | 18,194; server 43, client 19 | 13,445; server 41, client 22 | 0.750 | 0.680 to 0.808 | no |
+| 59a4c0f | 6b (load 11.6) | 9,494; server 48, client 20 | 7,172; server 47, client 25 | 0.782 | 0.704 to 0.902 | unresolved |
+| 59a4c0f | 6a (load 15.9) | 1,000; server 53, client 29 | 1,184; server 50, client 34 | 1.126 | 0.489 to 2.227 | unresolved |
 
 Server and client figures are CPU per pair (`/proc/<pid>/stat` of the
 side's backends, and of this process while the side ran). At load averages
@@ -674,4 +679,91 @@ this machine's load (never yes); row 6b 0.61 to 0.71 throughout, short of the
 target with every guarantee kept: the server's share alone (16.5 µs of
 guarantees, 4 µs of the term's columns) is about a fifth of a pair that
 costs the seed's SQL 95 to 111 µs of CPU in that row.
+
+### Row 6: which microseconds buy which guarantee
+
+(ea2ba95, 59a4c0f.) Each guarantee of the lone acquisition and release, priced by
+taking it away: a variant of the two statements that gives up exactly one
+(`benches/profile/stmts/*.sql`; `acquire.sql` and `release.sql` are the
+shipped texts, which a unit test keeps equal to `src/lease/table.rs`).
+Server instructions per pair: `valgrind --tool=callgrind` on a single-user
+PostgreSQL 15 backend running 2,000 prepared pairs of each variant (a new
+name each, `EXECUTE`) on a fresh copy of one data directory whose lease
+table holds 20,000 released rows, minus the same run of `SELECT $1, $2,
+$3` / `SELECT $1, $2`, and less single-user mode's printing of the
+returned rows as text (a client gets them in binary). Microseconds: the
+same runs without valgrind (20,000 pairs, five interleaved rounds,
+`perf stat` task-clock, medians): the shipped pair takes 7.18 µs of CPU
+more than the seed's for 113.1k instructions more (printing included),
+0.064 µs per 1,000 instructions (the seed's pair over the null pair: 0.091;
+the shipped pair: 0.074). Commands:
+
+```sh
+bash benches/profile/server.sh --native 2000 20000      # every variant, and the conversion
+ONLY=shipped bash benches/profile/server.sh 2000 300000  # a larger table
+```
+
+| guarantee given up | variant (server.sh) | instructions per pair | ≈ µs per pair |
+|---|---|---|---|
+| an attempt on a held name takes no row lock and never waits behind a holder, not even one inside a fenced transaction; the lock bound told apart (20 ms for a take-over, the statement timeout for a new row) | `no-probe`: no live-term probe, one bound | 34.4k | 2.2 |
+| tokens strictly increasing per name (a `DELETE` would let an acquisition that drew its token before another term's acquisition and release insert the lower token after them; the purge deletes kept rows only under a `SHARE` table lock taken without waiting, so with no insert in flight); holds that outlive a release | `release-delete`: the release deletes the row | 17.7k | 1.1 |
+| bounded statements on the server, even when the client is gone and no cancel can come | `no-bounds`: no `set_config('lock_timeout', …, true)` in either statement (the acquisition's alone 6.6k, the release's alone 5.0k: the reset of the settings at commit is paid once by a transaction that set one) | 16.9k | 1.1 |
+| fencing tokens | `no-token`: a constant instead of `nextval` | 12.3k | 0.8 |
+| the term's start (`Term::taken_at`, from the database clock) and the previous holder (`took_over_from`) | `token-only`: `RETURNING l.token` | 2.4k | 0.15 |
+| the term's exact TTL for readers (`renewed_at`) | `no-renewed-at` | 0.0k | 0 |
+| the six above, one at a time | | 83.7k | 5.4 |
+| … all at once save more than one at a time (`bare`: 108.7k) | | 9.6k | 0.6 |
+| none: the table's eight columns against four, the take-over's `SET` list, 20,000 kept rows in the index (`bare` against the seed's) | | 12.0k | 0.8 |
+| **the shipped pair (202.0k) against the seed's (96.7k)** | | **105.3k** | **6.7** |
+
+The kept rows also grow the table through a run (nothing is purged in
+its first minute): with 300,000 released rows the shipped pair costs
+212.0k, 10.0k (0.6 µs) more. Tried, with no guarantee given up: the
+term's start returned as `timestamptz` instead of `date_part('epoch', …)`
+(`taken-at-raw`): 1.0k (0.06 µs) less; not taken (three backends decode
+it, for less than the run-to-run noise of the rows).
+
+Client. `valgrind --tool=callgrind` on `workloads --profile-single
+plain|pgwarden N` (one instance, one task) against a server outside the
+process, (N = 10,000) − (N = 2,000) over 8,000 pairs: the seed's SQL 34.2k
+instructions per pair; pgwarden 46.5k before, 42.8k at ea2ba95, 41.7k at
+59a4c0f. ea2ba95 finds pgwarden's prepared statements by the addresses of
+the connection's deadpool cache and of the text (`src/stmt/known.rs`):
+deadpool's cache hashed the 800-byte acquisition with SipHash and cloned
+its cell under a lock at every call (4.5k a pair, now 0.4k). 59a4c0f keeps
+the pool's pooler mode in the lease instance: it was looked up twice in the
+pool's extensions, under their lock, before every statement (1.1k a pair).
+What remains of the 7.5k (categories of the profile above): the
+client-side bound of every statement (a timer; bounded statements), the
+checkout through admission (lanes), the lease's bookkeeping (lost signal,
+renewal registry, holder id), and three columns decoded instead of one.
+
+The measured gap. `benches/profile/pair-cpu.sh` (one instance, 30,000
+pairs, six rounds, the sides alternating, against a server of its own;
+the machine shared with three other helpers). On ea2ba95, load averages 7
+to 9, medians: the seed's SQL 20.5 µs client and 57.7 µs server CPU per
+pair (every process of the server: backends, WAL writer, checkpointer),
+pgwarden 23.2 and 64.2. The server's 6.5 µs match the 6.7 µs of the table;
+the client's 2.7 µs are its 8.6k instructions then (0.31 µs per 1,000:
+async code, cache misses; its 7.5k now: about 2.3 µs). Together 9.2 µs on a
+pair of 78 µs: by CPU per pair, 0.89 of the seed's SQL, of which the
+guarantees above are 5.4 µs on the server (and 0.6 µs of their
+interaction) and the client's lanes, bounds and bookkeeping most of its
+share. On 59a4c0f, load averages 10 to 11.5: the seed's SQL 21.2 and 55.2,
+pgwarden 34.7 and 77.9, each side's figure moving by 20 µs and more from
+round to round (the seed's server 45 to 72): at that load the CPU per pair
+says less than the instructions.
+
+```sh
+PGDATA=/path/to/data DATABASE_URL=\"host=/path/to/socket port=5432 user=postgres dbname=postgres\" \\
+  bash benches/profile/pair-cpu.sh 30000 1 6
+```
+
+Row 6b stays below this: 0.720 and 0.756 (before and after f8f6e3b), 0.770, 0.750 (ea2ba95)
+and 0.782 (59a4c0f), with a CPU per pair that the row itself puts about
+level on the server (pgwarden 37 to 47 µs against the seed's 43 to 48: the
+row counts the sides' client backends only) and 3 to 5 µs higher on the
+client. What else limits 16 sessions
+on one table (the sequence's one buffer, taken exclusively by every
+`nextval`; the row kept by every release) was not measured here.
 ";

@@ -36,15 +36,10 @@ pub trait Backend: Source {
     /// pgwarden's pool over it.
     type Pool: LeasePool<Backend = Self> + Clone + Send + Sync + 'static;
 
-    /// The pool's connections are known to keep their server session (a
-    /// direct connection): lease statements are prepared, and a statement
-    /// cut short is cancelled by its backend pid.
-    fn keeps_sessions(pool: &Self::Pool) -> bool;
-
     /// The backend keeps a named prepared statement it sends (sqlx 0.8
     /// with its statement cache off names every persistent statement and
     /// never closes it): lease statements are prepared only then (and
-    /// where [`Backend::keeps_sessions`]).
+    /// where the pool's connections keep their server session).
     fn names_statements(pool: &Self::Pool) -> bool;
 
     /// The pooler detection to run in the background before the first
@@ -85,11 +80,6 @@ impl LeasePool for crate::Pool {
 
 impl Backend for deadpool_postgres::Pool {
     type Pool = crate::Pool;
-
-    #[inline]
-    fn keeps_sessions(pool: &crate::Pool) -> bool {
-        crate::pooler::keeps_sessions(&pool.shared)
-    }
 
     /// tokio-postgres keeps them in deadpool's statement cache.
     #[inline]

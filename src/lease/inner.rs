@@ -71,6 +71,11 @@ pub(crate) struct Inner<B: Backend = deadpool_postgres::Pool> {
     pub(crate) renewer_alive: Arc<AtomicBool>,
     /// Set once the server refused a named prepared statement.
     pub(crate) unnamed_only: AtomicBool,
+    /// The pool's pooler mode, as configured and as detection finds it,
+    /// kept from the start: read before every statement without the two
+    /// lookups in the pool's extensions under their lock (1k client
+    /// instructions a lone lease pair).
+    pooler: crate::pooler::Watch,
     /// Set once the table is known to lack the `renewed_at` column (its
     /// install could not add it, or a statement met its absence).
     pub(crate) unstamped: AtomicBool,
@@ -102,6 +107,7 @@ impl<B: Backend> Inner<B> {
             metrics.declare(name, name);
         }
         Inner {
+            pooler: crate::pooler::Watch::of(&pool.shared().ext),
             pool,
             pool_name: pool_name.into(),
             sql: Statements::new(&s.table, s.statement_timeout),
@@ -482,7 +488,7 @@ impl<B: Backend> Inner<B> {
     /// direct-looking connection): a statement cut short is cancelled by
     /// its backend pid.
     pub(crate) fn direct(&self) -> bool {
-        !self.unnamed_only.load(Ordering::Relaxed) && B::keeps_sessions(&self.pool)
+        !self.unnamed_only.load(Ordering::Relaxed) && self.pooler.keeps_sessions()
     }
 
     /// Runs `stmt` within `budget`, checkout included. See the module docs.

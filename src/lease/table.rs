@@ -2176,6 +2176,24 @@ mod tests {
             .contains(r#"nextval('"public"."pgwarden_leases_token_seq"')"#));
     }
 
+    /// `benches/profile/server.sh` profiles copies of the acquisition's
+    /// and the release's texts (on the default table, with the default
+    /// statement timeout): they must stay the ones shipped.
+    #[test]
+    fn the_profiled_texts_are_the_shipped_ones() {
+        let s = Statements::new(
+            &TableName::default(),
+            crate::lease::options::DEFAULT_STATEMENT_TIMEOUT,
+        );
+        let words = |t: &str| t.split_whitespace().collect::<Vec<_>>().join(" ");
+        let profiled = [
+            include_str!("../../benches/profile/stmts/acquire.sql"),
+            include_str!("../../benches/profile/stmts/release.sql"),
+        ];
+        assert_eq!(words(&s.acquire.stamped), words(profiled[0]));
+        assert_eq!(words(&s.release), words(profiled[1]));
+    }
+
     #[test]
     fn lock_waits_are_bounded_by_constants() {
         let s = Statements::new(&TableName::default(), Duration::from_millis(1500));

@@ -41,10 +41,6 @@ impl LeasePool for Pool {
 impl Backend for dep::PgPool {
     type Pool = Pool;
 
-    fn keeps_sessions(pool: &Pool) -> bool {
-        crate::pooler::keeps_sessions(&pool.shared)
-    }
-
     fn names_statements(pool: &Pool) -> bool {
         super::pool::names_statements(&pool.shared)
     }

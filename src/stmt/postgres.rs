@@ -5,8 +5,8 @@
 //!
 //! Parameters are bound in place (each [`Param`] lends its value as
 //! `&dyn ToSql`), and a statement
-//! goes out through `query_raw` (prepared: the statement cached by
-//! `prepare_typed_cached`) or `query_typed_raw` (unnamed, each parameter
+//! goes out through `query_raw` (prepared: the statement found by address
+//! in `stmt/known.rs`, else cached by `prepare_typed_cached`) or `query_typed_raw` (unnamed, each parameter
 //! with its type), over an iterator of the caller's slice. The rows are
 //! tokio-postgres's own.
 
@@ -16,7 +16,7 @@ use futures_util::TryStreamExt;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::RowStream;
 
-use super::{Conn, Exec, Param, Row, Sent, SqlError, Tx, Value};
+use super::{known, Conn, Exec, Param, Row, Sent, SqlError, Tx, Value};
 
 impl Param<'_> {
     /// The value, for tokio-postgres to bind.
@@ -102,7 +102,14 @@ macro_rules! stream {
     (cached, $c:expr, $text:expr, $params:expr, $how:expr) => {
         if $how == Sent::Prepared {
             let types = Types::of($params);
-            let stmt = $c.prepare_typed_cached($text, types.as_slice()).await?;
+            let stmt = match known::get(&$c.statement_cache, $text, types.as_slice()) {
+                Some(stmt) => stmt,
+                None => {
+                    let stmt = $c.prepare_typed_cached($text, types.as_slice()).await?;
+                    known::put(&$c.statement_cache, $text, &stmt);
+                    stmt
+                }
+            };
             $c.query_raw(&stmt, $params.iter().map(Param::as_sql))
                 .await?
         } else {

@@ -1,0 +1,1 @@
+INSERT INTO leases (name, holder, taken_at, expires_at) VALUES ($1, $2, now(), now() + make_interval(secs => $3)) ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, taken_at = excluded.taken_at, expires_at = excluded.expires_at WHERE leases.expires_at < now() RETURNING true

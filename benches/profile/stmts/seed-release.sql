@@ -1,0 +1,1 @@
+DELETE FROM leases WHERE name = $1 AND holder = $2
