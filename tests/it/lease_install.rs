@@ -6,8 +6,9 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgwarden::{Error, LeaseError, LeaseOptions};
+use pgwarden::{Error, LeaseError, LeaseOptions, Leases};
 use support::backend::{Backend, LeaseSettings, Settings};
+use support::leases::pool;
 use support::{admin, db};
 use tokio_postgres::types::Type;
 
