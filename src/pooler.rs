@@ -111,6 +111,20 @@ impl Watch {
         }
     }
 
+    /// A statement sent in two syncs may have its halves run on two server
+    /// sessions: configured behind a transaction pooler, detected so, or
+    /// not known either way (`Auto` before detection, or behind a proxy
+    /// whose mode detection could not prove). Only a pool configured
+    /// [`PoolerMode::Direct`] or detected without a transaction pooler is
+    /// known to keep its server session between syncs.
+    pub(crate) fn may_move_between_syncs(&self) -> bool {
+        match self.configured {
+            PoolerMode::Direct => false,
+            PoolerMode::Transaction => true,
+            PoolerMode::Auto => self.detected().is_none_or(|d| d.transaction || d.unproven),
+        }
+    }
+
     /// See [`behind_pooler`].
     pub(crate) fn behind_pooler(&self) -> Option<&'static str> {
         match (self.configured, self.detected()) {

@@ -100,6 +100,9 @@ pub(crate) mod code {
     pub(crate) const INVALID_SQL_STATEMENT_NAME: &str = "26000";
     /// `duplicate_prepared_statement`
     pub(crate) const DUPLICATE_PSTATEMENT: &str = "42P05";
+    /// `protocol_violation` (sqlx: a `Bind` that reached another server
+    /// session than its `Parse`, behind a transaction pooler)
+    pub(crate) const PROTOCOL_VIOLATION: &str = "08P01";
 }
 
 /// An error of a statement: the server's (with its SQLSTATE), the

@@ -314,11 +314,19 @@ impl Source for dep::PgPool {
         obj
     }
 
-    type Exec<'c> = super::On<&'c mut dep::PgConnection>;
+    type Exec<'c> = super::On<super::Pooled<'c>>;
     type Row = dep::postgres::PgRow;
 
-    fn exec(conn: &mut dep::PgConnection) -> super::On<&'_ mut dep::PgConnection> {
-        super::On::new(conn)
+    /// Its statements pinned (each in a transaction of its own) where the
+    /// pool may move the connection between two syncs: sqlx sends a
+    /// statement in two (see `stmt::sqlx`).
+    fn exec<'c>(
+        conn: &'c mut dep::PgConnection,
+        cfg: &'c Naming,
+        spoiled: &'c mut bool,
+    ) -> super::On<super::Pooled<'c>> {
+        let pin = cfg.pooler.may_move_between_syncs();
+        super::On::pooled(conn, spoiled, pin, &cfg.learned.refused)
     }
 
     /// sqlx sends no cancel request.

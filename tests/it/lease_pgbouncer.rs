@@ -3,8 +3,8 @@
 //! so install, acquisition, batched renewal, fencing, release, take-over,
 //! purge and the cancel of a timed-out statement all work there, where named
 //! prepared statements and session state do not. On every backend, from
-//! one source; sqlx's variants are ignored while the finding named there
-//! stands (a lease statement through PgBouncer fails under concurrency).
+//! one source (sqlx sends a statement in two syncs: pgwarden pins each in a
+//! transaction of its own there, see `stmt::sqlx`).
 
 use crate::support;
 
@@ -19,12 +19,7 @@ use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
 
-backends!(
-    ignore_sqlx = "FINDING: sqlx sends an unnamed statement in two syncs (Parse, then Bind): \
-                   PgBouncer's transaction mode may put another client's Parse between them \
-                   (08P01 bind supplies N parameters, statement \"\" requires 0; or 26000)",
-    leases_work_through_pgbouncer_in_transaction_mode
-);
+backends!(leases_work_through_pgbouncer_in_transaction_mode);
 async fn leases_work_through_pgbouncer_in_transaction_mode<B: Backend>() {
     if !require_tool("pgbouncer").unwrap() {
         return;
@@ -129,12 +124,7 @@ async fn lock_waiters(admin: &tokio_postgres::Client, db: &str) -> i64 {
         .get(0)
 }
 
-backends!(
-    ignore_sqlx = "FINDING: sqlx sends an unnamed statement in two syncs (Parse, then Bind): \
-                   PgBouncer's transaction mode may put another client's Parse between them \
-                   (08P01 bind supplies N parameters, statement \"\" requires 0; or 26000)",
-    through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancelled
-);
+backends!(through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancelled);
 async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancelled<B: Backend>() {
     if !require_tool("pgbouncer").unwrap() {
         return;
@@ -230,12 +220,7 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
     }
 }
 
-backends!(
-    ignore_sqlx = "FINDING: sqlx sends an unnamed statement in two syncs (Parse, then Bind): \
-                   PgBouncer's transaction mode may put another client's Parse between them \
-                   (08P01 bind supplies N parameters, statement \"\" requires 0; or 26000)",
-    through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back
-);
+backends!(through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back);
 async fn through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back<B: Backend>() {
     if !require_tool("pgbouncer").unwrap() {
         return;
@@ -283,12 +268,7 @@ async fn through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_bac
     );
 }
 
-backends!(
-    ignore_sqlx = "FINDING: sqlx sends an unnamed statement in two syncs (Parse, then Bind): \
-                   PgBouncer's transaction mode may put another client's Parse between them \
-                   (08P01 bind supplies N parameters, statement \"\" requires 0; or 26000)",
-    through_pgbouncer_overlapping_acquisitions_and_releases_share_statements
-);
+backends!(through_pgbouncer_overlapping_acquisitions_and_releases_share_statements);
 async fn through_pgbouncer_overlapping_acquisitions_and_releases_share_statements<B: Backend>() {
     if !require_tool("pgbouncer").unwrap() {
         return;
