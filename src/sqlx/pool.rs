@@ -779,6 +779,34 @@ impl Transaction {
     }
 }
 
+impl Transaction {
+    /// Reads what a statement of the caller's, its future dropped, left
+    /// unread on the connection (its rows, or its error: a statement the
+    /// fence's bound cancelled, say), so that the next statement is not
+    /// answered with it. sqlx reads such leftovers before its next
+    /// statement and fails that one with a leftover error: the fence
+    /// check would take a `57014` of the caller's statement for its own
+    /// lock wait (`LeaseError::FenceBlocked`). Drained first, the check
+    /// meets the failed transaction (`25P02`: the fenced commit reports
+    /// `LeaseError::Aborted`). Free where the connection is named: a
+    /// cache hit of its naming statement reads what is pending and sends
+    /// nothing; elsewhere a ping (one round trip). Its error, a leftover's,
+    /// is dropped: what it left is the transaction's state, which the
+    /// next statement meets.
+    pub(super) async fn drain(&mut self) {
+        let shared = self.conn.pool();
+        let named = crate::pooler::behind_pooler(shared).is_none() && names_statements(shared);
+        let read = if named {
+            super::prepare(&mut self.conn, MARKER).await.map(drop)
+        } else {
+            dep::Connection::ping(&mut *self.conn).await
+        };
+        if let Err(e) = read {
+            tracing::debug!(error = %e, "a statement cut short in a fenced transaction left this unread");
+        }
+    }
+}
+
 impl Deref for Transaction {
     type Target = dep::PgConnection;
     fn deref(&self) -> &dep::PgConnection {
