@@ -189,13 +189,16 @@ pub(super) fn names_statements(pool: &Shared<dep::PgPool>) -> bool {
     pool.ext.get::<Learned>().names()
 }
 
-/// The connection's backend ([`ASK`]), unnamed.
+/// The connection's backend ([`ASK`]), as a simple query: one message
+/// and one `ReadyForQuery`, so that a transaction pooler cannot move the
+/// connection half-way (sqlx sends an extended-protocol statement in two
+/// syncs: see `stmt::sqlx`), and one round trip instead of two.
 async fn ask_pid(conn: &mut dep::PgConnection) -> Result<Backend, Error> {
-    let (pid, started) = dep::query_as::<_, (i32, Option<i64>)>(ASK)
-        .persistent(false)
-        .fetch_one(conn)
+    let row = dep::Executor::fetch_one(conn, dep::raw_sql(ASK))
         .await
         .map_err(from_sqlx)?;
+    let pid = dep::Row::try_get(&row, 0).map_err(from_sqlx)?;
+    let started = dep::Row::try_get(&row, 1).map_err(from_sqlx)?;
     Ok(Backend { pid, started })
 }
 
@@ -364,10 +367,10 @@ impl Source for dep::PgPool {
         None
     }
 
+    /// A simple query: one message, which no pooler splits (see
+    /// [`ask_pid`]).
     async fn select_1(conn: &mut dep::PgConnection) -> Result<(), Error> {
-        dep::query("SELECT 1")
-            .persistent(false)
-            .execute(conn)
+        dep::Executor::execute(conn, dep::raw_sql("SELECT 1"))
             .await
             .map(drop)
             .map_err(from_sqlx)
