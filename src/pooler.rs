@@ -7,7 +7,11 @@
 //! ([`LockError::BehindPooler`](crate::LockError::BehindPooler)); transaction-scoped locks work. Named prepared
 //! statements break too (`prepared statement "s3" does not exist`), so every
 //! statement pgwarden sends itself is a `query_typed` (unnamed statement) or
-//! a simple query.
+//! a simple query. sqlx sends an unnamed statement in two syncs (`Parse`,
+//! then `Bind`), between which the pooler may hand the server connection to
+//! another client: on a sqlx pool that may move its connections
+//! (`Watch::may_move_between_syncs`) each such statement outside a
+//! transaction runs in one of its own (`stmt/sqlx.rs`).
 
 mod probe;
 

@@ -68,8 +68,13 @@ pub(crate) enum Sent {
     /// A named prepared statement, cached per connection: parsed and
     /// planned once per connection (direct connections).
     Prepared,
-    /// An unnamed statement, parsed and planned on every call: what works
-    /// behind a transaction-mode pooler.
+    /// An unnamed statement, parsed and planned on every call: what a
+    /// transaction-mode pooler allows. Unnamed is not enough there on its
+    /// own: tokio-postgres sends one in one sync (`query_typed`), but sqlx
+    /// in two (`Parse`, then `Bind`), which a pooler may send to two
+    /// server sessions; the sqlx backend pins each such statement in a
+    /// transaction of its own where the pool may move its connections
+    /// (`stmt/sqlx.rs`, "Pinned statements").
     Unnamed,
 }
 
