@@ -74,10 +74,10 @@ impl FenceTx for Transaction {
     }
 
     /// After reading what a statement cut short left unread (see
-    /// `Transaction::drain`): the check meets the transaction as the
+    /// `Transaction::read_leftovers`): the check meets the transaction as the
     /// caller's statements left it.
     async fn check_in(&mut self, lease: &LeaseHandle) -> Result<(), Error> {
-        self.drain().await;
+        self.read_leftovers().await;
         lease.check_in(&super::On::new(self)).await
     }
 

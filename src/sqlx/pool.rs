@@ -796,7 +796,7 @@ impl Transaction {
     /// nothing; elsewhere a ping (one round trip). Its error, a leftover's,
     /// is dropped: what it left is the transaction's state, which the
     /// next statement meets.
-    pub(super) async fn drain(&mut self) {
+    pub(super) async fn read_leftovers(&mut self) {
         let shared = self.conn.pool();
         let named = crate::pooler::behind_pooler(shared).is_none() && names_statements(shared);
         let read = if named {

@@ -119,10 +119,8 @@ impl DerefMut for Pooled<'_> {
 }
 
 /// What [`On`] runs statements on: a connection or a transaction, and
-/// whether a statement outside a transaction is to be pinned. `pub` only
-/// because [`On`]'s methods name it; not reachable from outside the crate.
-#[allow(unreachable_pub)]
-pub trait Session: DerefMut<Target = PgConnection> + Send + Sync {
+/// whether a statement outside a transaction is to be pinned.
+pub(crate) trait Session: DerefMut<Target = PgConnection> + Send + Sync {
     /// Where statements are pinned: the connection, and the flag to set
     /// when one is cut short during its `BEGIN`; `None`: not pinned.
     fn pinned(&mut self) -> Option<(&mut PgConnection, &mut bool)> {
@@ -298,6 +296,7 @@ async fn pinned(
     }
 }
 
+#[allow(private_bounds)]
 impl<C: Session> On<C> {
     /// Runs `text` with `params`, pinned where `C` says so and no
     /// transaction is open.
@@ -333,6 +332,7 @@ impl<C: Session> On<C> {
     }
 }
 
+#[allow(private_bounds)]
 impl<C: Session> Exec for On<C> {
     type Row = PgRow;
 
@@ -382,6 +382,7 @@ impl<C: Session> Exec for On<C> {
     }
 }
 
+#[allow(private_bounds)]
 impl<C: Session> Conn for On<C> {
     type Tx<'t>
         = OnTx<'t>
@@ -389,14 +390,14 @@ impl<C: Session> Conn for On<C> {
         Self: 't;
 
     async fn begin(&mut self) -> Result<OnTx<'_>, SqlError> {
-        let conn: &mut PgConnection = &mut **self.0.get_mut();
+        let conn: &mut PgConnection = self.0.get_mut();
         Ok(On(tokio::sync::Mutex::new(
             dep::Connection::begin(conn).await?,
         )))
     }
 
     async fn begin_read_committed(&mut self) -> Result<OnTx<'_>, SqlError> {
-        let conn: &mut PgConnection = &mut **self.0.get_mut();
+        let conn: &mut PgConnection = self.0.get_mut();
         let begin = "BEGIN ISOLATION LEVEL READ COMMITTED";
         Ok(On(tokio::sync::Mutex::new(
             dep::Connection::begin_with(conn, begin).await?,
