@@ -127,6 +127,13 @@ pub(crate) trait Session: DerefMut<Target = PgConnection> + Send + Sync {
         None
     }
 
+    /// The pool learned that its connections move between server sessions
+    /// (see `Pooled::failed`): the statements sqlx named and cached on
+    /// this one were parsed in sessions it may no longer be on.
+    fn moved(&self) -> bool {
+        false
+    }
+
     /// A statement sent unpinned failed with `e`: whether to send it
     /// again, unnamed and pinned.
     fn failed(&self, e: &SqlError) -> bool {
@@ -140,6 +147,10 @@ impl Session for &mut PgConnection {}
 impl Session for dep::Transaction<'_, dep::Postgres> {}
 
 impl Session for Pooled<'_> {
+    fn moved(&self) -> bool {
+        self.moves.load(Ordering::Acquire)
+    }
+
     fn pinned(&mut self) -> Option<(&mut PgConnection, &mut bool)> {
         (self.pin || self.moves.load(Ordering::Acquire))
             .then_some((&mut *self.conn, &mut *self.spoiled))
@@ -310,6 +321,12 @@ impl<C: Session> On<C> {
         use super::TransactionManager as _;
         let mut c = self.0.lock().await;
         let c: &mut C = &mut c;
+        if c.moved() && dep::Connection::cached_statements_size(&**c) > 0 {
+            // sqlx answers an unnamed statement from its cache when it
+            // named the same text before: closed (one round trip, once per
+            // connection), every statement goes unnamed from now on.
+            dep::Connection::clear_cached_statements(&mut **c).await?;
+        }
         if dep::postgres::PgTransactionManager::get_transaction_depth(c) == 0 {
             if let Some((conn, spoiled)) = c.pinned() {
                 // Unnamed: a statement sqlx named and cached on this
