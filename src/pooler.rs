@@ -7,7 +7,11 @@
 //! ([`LockError::BehindPooler`](crate::LockError::BehindPooler)); transaction-scoped locks work. Named prepared
 //! statements break too (`prepared statement "s3" does not exist`), so every
 //! statement pgwarden sends itself is a `query_typed` (unnamed statement) or
-//! a simple query.
+//! a simple query. sqlx sends an unnamed statement in two syncs (`Parse`,
+//! then `Bind`), between which the pooler may hand the server connection to
+//! another client: on a sqlx pool that may move its connections
+//! (`Watch::may_move_between_syncs`) each such statement outside a
+//! transaction runs in one of its own (`stmt/sqlx.rs`).
 
 mod probe;
 
@@ -108,6 +112,20 @@ impl Watch {
             PoolerMode::Auto => self
                 .detected()
                 .is_some_and(|d| !d.transaction && !d.proxied),
+        }
+    }
+
+    /// A statement sent in two syncs may have its halves run on two server
+    /// sessions: configured behind a transaction pooler, detected so, or
+    /// not known either way (`Auto` before detection, or behind a proxy
+    /// whose mode detection could not prove). Only a pool configured
+    /// [`PoolerMode::Direct`] or detected without a transaction pooler is
+    /// known to keep its server session between syncs.
+    pub(crate) fn may_move_between_syncs(&self) -> bool {
+        match self.configured {
+            PoolerMode::Direct => false,
+            PoolerMode::Transaction => true,
+            PoolerMode::Auto => self.detected().is_none_or(|d| d.transaction || d.unproven),
         }
     }
 

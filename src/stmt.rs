@@ -69,8 +69,13 @@ pub(crate) enum Sent {
     /// A named prepared statement, cached per connection: parsed and
     /// planned once per connection (direct connections).
     Prepared,
-    /// An unnamed statement, parsed and planned on every call: what works
-    /// behind a transaction-mode pooler.
+    /// An unnamed statement, parsed and planned on every call: what a
+    /// transaction-mode pooler allows. Unnamed is not enough there on its
+    /// own: tokio-postgres sends one in one sync (`query_typed`), but sqlx
+    /// in two (`Parse`, then `Bind`), which a pooler may send to two
+    /// server sessions; the sqlx backend pins each such statement in a
+    /// transaction of its own where the pool may move its connections
+    /// (`stmt/sqlx.rs`, "Pinned statements").
     Unnamed,
 }
 
@@ -101,6 +106,9 @@ pub(crate) mod code {
     pub(crate) const INVALID_SQL_STATEMENT_NAME: &str = "26000";
     /// `duplicate_prepared_statement`
     pub(crate) const DUPLICATE_PSTATEMENT: &str = "42P05";
+    /// `protocol_violation` (sqlx: a `Bind` that reached another server
+    /// session than its `Parse`, behind a transaction pooler)
+    pub(crate) const PROTOCOL_VIOLATION: &str = "08P01";
 }
 
 /// An error of a statement: the server's (with its SQLSTATE), the

@@ -12,7 +12,8 @@
 //! Each statement runs either as a named prepared statement, cached per
 //! connection (`prepare_typed_cached`: parsed and planned once per
 //! connection), or as an unnamed one (`query_typed`: parsed and planned on
-//! every call), which is what works behind a transaction-mode pooler. The
+//! every call), which is what a transaction-mode pooler allows (on sqlx,
+//! pinned in a transaction of its own there: see `stmt/sqlx.rs`). The
 //! caller chooses (see `Inner::named`). Every time comes from the database
 //! clock; durations travel as `float8` seconds. Names, holders and tokens
 //! are parameters; the table name, validated by [`TableName`], is the only

@@ -556,6 +556,7 @@ where
                             unreachable!("matched just above")
                         };
                         return Poll::Ready(Ok(Client {
+                            spoiled: false,
                             obj: Some(obj),
                             permit,
                             pid,
@@ -740,6 +741,7 @@ fn hand_out<B: Source>(
     let shared = permit.shared();
     shared.metrics.lane(permit.lane).acquire.record(acquire);
     Client {
+        spoiled: false,
         obj: Some(obj),
         permit,
         pid,
@@ -887,6 +889,10 @@ pub struct Client<B: Source = deadpool_postgres::Pool> {
     pub(super) site: &'static Location<'static>,
     pub(super) object: B::Id,
     pub(super) pid: i32,
+    /// A statement cut short may have left the connection inside a
+    /// transaction nothing will end ([`Source::exec`]): closed on drop,
+    /// not given back.
+    pub(super) spoiled: bool,
     pub(super) obj: Option<B::Object>,
 }
 
@@ -945,7 +951,13 @@ impl<B: Source> Client<B> {
     /// The statement layer's view of the connection: how the layers above
     /// the pool run statements on a checkout of any backend.
     pub(crate) fn exec(&mut self) -> B::Exec<'_> {
-        B::exec(self)
+        // infallible: `obj` is Some until drop or `discard`, which consume self.
+        let obj = self.obj.as_mut().expect("connection present until drop"); // infallible
+        B::exec(
+            B::conn_mut(obj),
+            &self.permit.shared().cfg,
+            &mut self.spoiled,
+        )
     }
 
     /// The pool it was checked out of.
@@ -1039,6 +1051,9 @@ impl AsRef<deadpool_postgres::Client> for Client {
 
 impl<B: Source> Drop for Client<B> {
     fn drop(&mut self) {
+        if self.spoiled {
+            self.close_in_place();
+        }
         if let Some(obj) = &self.obj {
             let held = self.since.elapsed();
             let shared = self.permit.shared();

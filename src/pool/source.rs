@@ -167,8 +167,17 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// The rows of [`Source::Exec`], whatever the borrow (so a row outlives
     /// the statement's borrow of the connection).
     type Row: Row + 'static;
-    /// [`Source::Exec`] of `conn`.
-    fn exec(conn: &mut Self::Conn) -> Self::Exec<'_>;
+    /// [`Source::Exec`] of `conn`, on a pool whose settings are `cfg`.
+    /// `spoiled`, set by a statement cut short where the connection may be
+    /// left inside a transaction nothing will end (sqlx 0.8: a `BEGIN`
+    /// pgwarden sent to pin a statement behind a transaction pooler, see
+    /// `stmt::sqlx`), makes the checkout close the connection instead of
+    /// giving it back.
+    fn exec<'c>(
+        conn: &'c mut Self::Conn,
+        cfg: &'c Self::Cfg,
+        spoiled: &'c mut bool,
+    ) -> Self::Exec<'c>;
     /// Cancels what runs on the connection now without using it, when the
     /// backend can (deadpool: a cancel request with the connection's
     /// cancel token, plain TCP or socket); `None`: it cannot (sqlx), the
@@ -318,8 +327,14 @@ impl Source for deadpool_postgres::Pool {
     type Exec<'c> = &'c mut deadpool_postgres::ClientWrapper;
     type Row = tokio_postgres::Row;
 
+    /// tokio-postgres sends each statement in one sync (`query_typed`):
+    /// nothing to pin, nothing spoils.
     #[inline(always)]
-    fn exec(conn: &mut deadpool_postgres::Client) -> &mut deadpool_postgres::ClientWrapper {
+    fn exec<'c>(
+        conn: &'c mut deadpool_postgres::Client,
+        _: &'c deadpool_postgres::Timeouts,
+        _: &'c mut bool,
+    ) -> &'c mut deadpool_postgres::ClientWrapper {
         conn
     }
 

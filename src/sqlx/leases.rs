@@ -69,7 +69,11 @@ impl FenceTx for Transaction {
         self
     }
 
+    /// After reading what a statement cut short left unread (see
+    /// `Transaction::read_leftovers`): the check meets the transaction as the
+    /// caller's statements left it.
     async fn check_in(&mut self, lease: &LeaseHandle) -> Result<(), Error> {
+        self.read_leftovers().await;
         lease.check_in(&super::On::new(self)).await
     }
 

@@ -189,13 +189,16 @@ pub(super) fn names_statements(pool: &Shared<dep::PgPool>) -> bool {
     pool.ext.get::<Learned>().names()
 }
 
-/// The connection's backend ([`ASK`]), unnamed.
+/// The connection's backend ([`ASK`]), as a simple query: one message
+/// and one `ReadyForQuery`, so that a transaction pooler cannot move the
+/// connection half-way (sqlx sends an extended-protocol statement in two
+/// syncs: see `stmt::sqlx`), and one round trip instead of two.
 async fn ask_pid(conn: &mut dep::PgConnection) -> Result<Backend, Error> {
-    let (pid, started) = dep::query_as::<_, (i32, Option<i64>)>(ASK)
-        .persistent(false)
-        .fetch_one(conn)
+    let row = dep::Executor::fetch_one(conn, dep::raw_sql(ASK))
         .await
         .map_err(from_sqlx)?;
+    let pid = dep::Row::try_get(&row, 0).map_err(from_sqlx)?;
+    let started = dep::Row::try_get(&row, 1).map_err(from_sqlx)?;
     Ok(Backend { pid, started })
 }
 
@@ -314,11 +317,19 @@ impl Source for dep::PgPool {
         obj
     }
 
-    type Exec<'c> = super::On<&'c mut dep::PgConnection>;
+    type Exec<'c> = super::On<super::Pooled<'c>>;
     type Row = dep::postgres::PgRow;
 
-    fn exec(conn: &mut dep::PgConnection) -> super::On<&'_ mut dep::PgConnection> {
-        super::On::new(conn)
+    /// Its statements pinned (each in a transaction of its own) where the
+    /// pool may move the connection between two syncs: sqlx sends a
+    /// statement in two (see `stmt::sqlx`).
+    fn exec<'c>(
+        conn: &'c mut dep::PgConnection,
+        cfg: &'c Naming,
+        spoiled: &'c mut bool,
+    ) -> super::On<super::Pooled<'c>> {
+        let pin = cfg.pooler.may_move_between_syncs();
+        super::On::pooled(conn, spoiled, pin, &cfg.learned.refused)
     }
 
     /// sqlx sends no cancel request.
@@ -356,10 +367,10 @@ impl Source for dep::PgPool {
         None
     }
 
+    /// A simple query: one message, which no pooler splits (see
+    /// [`ask_pid`]).
     async fn select_1(conn: &mut dep::PgConnection) -> Result<(), Error> {
-        dep::query("SELECT 1")
-            .persistent(false)
-            .execute(conn)
+        dep::Executor::execute(conn, dep::raw_sql("SELECT 1"))
             .await
             .map(drop)
             .map_err(from_sqlx)
@@ -824,6 +835,34 @@ impl Transaction {
         dep::postgres::PgTransactionManager::rollback(&mut self.conn).await?;
         self.open = false;
         Ok(())
+    }
+}
+
+impl Transaction {
+    /// Reads what a statement of the caller's, its future dropped, left
+    /// unread on the connection (its rows, or its error: a statement the
+    /// fence's bound cancelled, say), so that the next statement is not
+    /// answered with it. sqlx reads such leftovers before its next
+    /// statement and fails that one with a leftover error: the fence
+    /// check would take a `57014` of the caller's statement for its own
+    /// lock wait (`LeaseError::FenceBlocked`). Drained first, the check
+    /// meets the failed transaction (`25P02`: the fenced commit reports
+    /// `LeaseError::Aborted`). Free where the connection is named: a
+    /// cache hit of its naming statement reads what is pending and sends
+    /// nothing; elsewhere a ping (one round trip). Its error, a leftover's,
+    /// is dropped: what it left is the transaction's state, which the
+    /// next statement meets.
+    pub(super) async fn read_leftovers(&mut self) {
+        let shared = self.conn.pool();
+        let named = crate::pooler::behind_pooler(shared).is_none() && names_statements(shared);
+        let read = if named {
+            super::prepare(&mut self.conn, MARKER).await.map(drop)
+        } else {
+            dep::Connection::ping(&mut *self.conn).await
+        };
+        if let Err(e) = read {
+            tracing::debug!(error = %e, "a statement cut short in a fenced transaction left this unread");
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! file holds what differs in 0.8's API: statements are `&str`, prepared
 //! statements borrow theirs.
 
-use crate::stmt::sqlx08::{On, OnTx};
+use crate::stmt::sqlx08::{On, OnTx, Pooled};
 pub(crate) use ::sqlx08 as dep;
 pub(crate) use ::sqlx08::TransactionManager;
 

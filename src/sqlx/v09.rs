@@ -5,7 +5,7 @@
 //! 0.9's API: statements are `SqlStr`, and `Executor::prepare_with` and
 //! `describe` take one.
 
-use crate::stmt::sqlx09::{On, OnTx};
+use crate::stmt::sqlx09::{On, OnTx, Pooled};
 pub(crate) use ::sqlx09 as dep;
 pub(crate) use ::sqlx09_core::transaction::TransactionManager;
 use dep::SqlSafeStr;

@@ -14,7 +14,33 @@
 //!
 //! - `Sent::Prepared` is sqlx's persistent statement (cached per
 //!   connection by sqlx), `Sent::Unnamed` a non-persistent one (parsed
-//!   every time: what works behind a transaction pooler).
+//!   every time).
+//! - **Pinned statements.** sqlx sends a statement with parameters in two
+//!   syncs: `Parse`, `Describe`, `Sync`, then, once the server has
+//!   answered, `Bind`, `Execute`, `Sync` (sqlx-postgres 0.8 and 0.9,
+//!   `PgConnection::run`). Behind a transaction-mode pooler (PgBouncer)
+//!   the server connection goes back to the pooler's pool at the first
+//!   `ReadyForQuery` outside a transaction, and another client's `Parse`
+//!   may land on it before this `Bind`: the `Bind` fails (`08P01`, `26000`)
+//!   or, worse, binds the other client's statement. So on a pooled
+//!   connection that may move between syncs ([`Pooled`], from the pool's
+//!   pooler mode: configured or detected behind a transaction pooler, or
+//!   not known either way) a statement outside a transaction runs inside
+//!   one of its own: `BEGIN`, the statement, `COMMIT` (a pooler keeps the
+//!   server connection for a transaction), two round trips more. A
+//!   statement in a transaction (the caller's, the fence's) needs nothing.
+//!   The simple-query `batch` is one message and one `ReadyForQuery`:
+//!   never pinned. tokio-postgres sends every statement in one sync
+//!   (`query_typed`): the deadpool backend pins nothing.
+//!   Cut short (its future dropped), a pinned statement never leaves the
+//!   connection inside its transaction: after the `BEGIN`'s answer sqlx
+//!   counts the transaction and the `ROLLBACK` is queued for the
+//!   connection's next use (its return to the pool pings it); during the
+//!   `BEGIN`, sqlx 0.8 counts nothing and queues nothing, so the
+//!   connection is marked spoiled and closed instead of given back
+//!   (`Client`'s drop), on both versions. A statement that fails rolls
+//!   its transaction back at once (awaited, so the pooler gets its server
+//!   connection back now).
 //! - `batch` is the simple-query protocol (`raw_sql`).
 //! - Columns decode through sqlx's own `Decode`, but for `oid` (sqlx's
 //!   `Oid`) and `timestamptz` (sqlx has no `SystemTime`; the binary value,
@@ -24,6 +50,7 @@
 //!   SQLSTATE `SqlError::code` reads.
 
 use std::ops::DerefMut;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use super::dep;
@@ -39,9 +66,112 @@ use crate::stmt::{code, Conn, Exec, Param, Row, Sent, SqlError, Tx, Value};
 pub struct On<C>(tokio::sync::Mutex<C>);
 
 impl<'c> On<&'c mut PgConnection> {
-    /// Statements on `conn`.
+    /// Statements on `conn`, never pinned (a test's connection, a fenced
+    /// transaction's).
     pub(crate) fn new(conn: &'c mut PgConnection) -> Self {
         On(tokio::sync::Mutex::new(conn))
+    }
+}
+
+impl<'c> On<Pooled<'c>> {
+    /// Statements on a pooled connection (see [`Pooled`]).
+    pub(crate) fn pooled(
+        conn: &'c mut PgConnection,
+        spoiled: &'c mut bool,
+        pin: bool,
+        moves: &'c AtomicBool,
+    ) -> Self {
+        On(tokio::sync::Mutex::new(Pooled {
+            conn,
+            spoiled,
+            pin,
+            moves,
+        }))
+    }
+}
+
+/// A checked-out connection as the pool hands it to the statement layer
+/// (`Source::exec`). Its statements are pinned when `pin` (the pool's
+/// pooler mode says it may move the connection between syncs) or `moves`
+/// (the pool learned so: a statement of it failed as a split one does, on
+/// a pool configured direct); `spoiled` is set when one is cut short
+/// during its `BEGIN` (see the module docs).
+#[allow(unreachable_pub)]
+#[derive(Debug)]
+pub struct Pooled<'c> {
+    conn: &'c mut PgConnection,
+    spoiled: &'c mut bool,
+    pin: bool,
+    moves: &'c AtomicBool,
+}
+
+impl std::ops::Deref for Pooled<'_> {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        self.conn
+    }
+}
+
+impl DerefMut for Pooled<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.conn
+    }
+}
+
+/// What [`On`] runs statements on: a connection or a transaction, and
+/// whether a statement outside a transaction is to be pinned.
+pub(crate) trait Session: DerefMut<Target = PgConnection> + Send + Sync {
+    /// Where statements are pinned: the connection, and the flag to set
+    /// when one is cut short during its `BEGIN`; `None`: not pinned.
+    fn pinned(&mut self) -> Option<(&mut PgConnection, &mut bool)> {
+        None
+    }
+
+    /// The pool learned that its connections move between server sessions
+    /// (see `Pooled::failed`): the statements sqlx named and cached on
+    /// this one were parsed in sessions it may no longer be on.
+    fn moved(&self) -> bool {
+        false
+    }
+
+    /// A statement sent unpinned failed with `e`: whether to send it
+    /// again, unnamed and pinned.
+    fn failed(&self, e: &SqlError) -> bool {
+        let _ = e;
+        false
+    }
+}
+
+impl Session for &mut PgConnection {}
+
+impl Session for dep::Transaction<'_, dep::Postgres> {}
+
+impl Session for Pooled<'_> {
+    fn moved(&self) -> bool {
+        self.moves.load(Ordering::Acquire)
+    }
+
+    fn pinned(&mut self) -> Option<(&mut PgConnection, &mut bool)> {
+        (self.pin || self.moves.load(Ordering::Acquire))
+            .then_some((&mut *self.conn, &mut *self.spoiled))
+    }
+
+    /// A prepared statement refused (`26000`, `42P05`) or a `Bind` that
+    /// does not fit its statement (`08P01`): the connection moved between
+    /// server sessions between two syncs (a transaction pooler the pool
+    /// was not told of). The pool pins its statements from now on, and
+    /// this one is sent again so (it did not run: each of those errors
+    /// ends it at its `Parse` or `Bind`).
+    fn failed(&self, e: &SqlError) -> bool {
+        let moved = e.refused_prepared() || e.is(crate::stmt::code::PROTOCOL_VIOLATION);
+        if moved && !self.moves.swap(true, Ordering::AcqRel) {
+            tracing::warn!(
+                error = %e,
+                "a statement's connection moved between server sessions (a transaction pooler?): \
+                 pgwarden's own statements on this sqlx pool go unnamed, each in a transaction of its own, from now on"
+            );
+        }
+        moved
     }
 }
 
@@ -88,10 +218,139 @@ fn statement<'q>(text: &'q str, params: &'q [Param<'q>], how: Sent) -> Query<'q>
     })
 }
 
-impl<C> Exec for On<C>
-where
-    C: DerefMut<Target = PgConnection> + Send + Sync,
-{
+/// What a statement's caller wants of it.
+#[derive(Copy, Clone)]
+enum Want {
+    /// Its rows.
+    All,
+    /// Its one row.
+    One,
+    /// The rows it affected.
+    Affected,
+}
+
+/// What a statement answered, as [`Want`] asked.
+enum Got {
+    Rows(Vec<PgRow>),
+    Row(PgRow),
+    Affected(u64),
+}
+
+impl Got {
+    fn rows(self) -> Vec<PgRow> {
+        match self {
+            Got::Rows(rows) => rows,
+            Got::Row(row) => vec![row],
+            Got::Affected(_) => Vec::new(),
+        }
+    }
+}
+
+/// Runs `q` on `conn`, as `want` asks.
+async fn send(q: Query<'_>, conn: &mut PgConnection, want: Want) -> Result<Got, dep::Error> {
+    Ok(match want {
+        Want::All => Got::Rows(q.fetch_all(conn).await?),
+        Want::One => Got::Row(q.fetch_one(conn).await?),
+        Want::Affected => Got::Affected(q.execute(conn).await?.rows_affected()),
+    })
+}
+
+/// A pinned statement's transaction (see the module docs): dropped during
+/// its `BEGIN` it spoils the connection; dropped open, it queues the
+/// `ROLLBACK` for the connection's next use.
+struct Pin<'g> {
+    conn: &'g mut PgConnection,
+    spoiled: &'g mut bool,
+    begun: bool,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        if !self.begun {
+            *self.spoiled = true;
+        } else if <dep::postgres::PgTransactionManager as super::TransactionManager>::get_transaction_depth(self.conn) > 0 {
+            <dep::postgres::PgTransactionManager as super::TransactionManager>::start_rollback(
+                self.conn,
+            );
+        }
+    }
+}
+
+/// Runs `q` on `conn` inside a transaction of its own: `BEGIN`, `q`,
+/// `COMMIT`; `ROLLBACK` (awaited) when `q` fails.
+async fn pinned(
+    q: Query<'_>,
+    conn: &mut PgConnection,
+    spoiled: &mut bool,
+    want: Want,
+) -> Result<Got, dep::Error> {
+    use super::TransactionManager as _;
+    type Tm = dep::postgres::PgTransactionManager;
+    let mut pin = Pin {
+        conn,
+        spoiled,
+        begun: false,
+    };
+    Tm::begin(pin.conn, None).await?;
+    pin.begun = true;
+    match send(q, pin.conn, want).await {
+        Ok(got) => {
+            Tm::commit(pin.conn).await?;
+            Ok(got)
+        }
+        Err(e) => {
+            // Failed: the server connection goes back to the pooler now
+            // (a rollback that fails is queued again by `pin`'s drop).
+            let _ = Tm::rollback(pin.conn).await;
+            Err(e)
+        }
+    }
+}
+
+#[allow(private_bounds)]
+impl<C: Session> On<C> {
+    /// Runs `text` with `params`, pinned where `C` says so and no
+    /// transaction is open.
+    async fn run(
+        &self,
+        text: &str,
+        params: &[Param<'_>],
+        how: Sent,
+        want: Want,
+    ) -> Result<Got, SqlError> {
+        use super::TransactionManager as _;
+        let mut c = self.0.lock().await;
+        let c: &mut C = &mut c;
+        if c.moved() && dep::Connection::cached_statements_size(&**c) > 0 {
+            // sqlx answers an unnamed statement from its cache when it
+            // named the same text before: closed (one round trip, once per
+            // connection), every statement goes unnamed from now on.
+            dep::Connection::clear_cached_statements(&mut **c).await?;
+        }
+        if dep::postgres::PgTransactionManager::get_transaction_depth(c) == 0 {
+            if let Some((conn, spoiled)) = c.pinned() {
+                // Unnamed: a statement sqlx named and cached on this
+                // connection was parsed in another server session.
+                let q = statement(text, params, Sent::Unnamed);
+                return Ok(pinned(q, conn, spoiled, want).await?);
+            }
+        }
+        let e = match send(statement(text, params, how), c, want).await {
+            Ok(got) => return Ok(got),
+            Err(e) => SqlError::from(e),
+        };
+        if c.failed(&e) {
+            if let Some((conn, spoiled)) = c.pinned() {
+                let q = statement(text, params, Sent::Unnamed);
+                return Ok(pinned(q, conn, spoiled, want).await?);
+            }
+        }
+        Err(e)
+    }
+}
+
+#[allow(private_bounds)]
+impl<C: Session> Exec for On<C> {
     type Row = PgRow;
 
     async fn query<'a>(
@@ -100,8 +359,7 @@ where
         params: &'a [Param<'a>],
         how: Sent,
     ) -> Result<Vec<PgRow>, SqlError> {
-        let mut c = self.0.lock().await;
-        Ok(statement(text, params, how).fetch_all(&mut **c).await?)
+        Ok(self.run(text, params, how, Want::All).await?.rows())
     }
 
     async fn execute<'a>(
@@ -110,9 +368,10 @@ where
         params: &'a [Param<'a>],
         how: Sent,
     ) -> Result<u64, SqlError> {
-        let mut c = self.0.lock().await;
-        let done = statement(text, params, how).execute(&mut **c).await?;
-        Ok(done.rows_affected())
+        match self.run(text, params, how, Want::Affected).await? {
+            Got::Affected(n) => Ok(n),
+            got => Ok(got.rows().len() as u64),
+        }
     }
 
     async fn query_one<'a>(
@@ -120,10 +379,14 @@ where
         text: &'a str,
         params: &'a [Param<'a>],
     ) -> Result<PgRow, SqlError> {
-        let mut c = self.0.lock().await;
-        Ok(statement(text, params, Sent::Unnamed)
-            .fetch_one(&mut **c)
-            .await?)
+        match self.run(text, params, Sent::Unnamed, Want::One).await? {
+            Got::Row(row) => Ok(row),
+            got => got
+                .rows()
+                .into_iter()
+                .next()
+                .ok_or_else(|| SqlError::from(dep::Error::RowNotFound)),
+        }
     }
 
     async fn batch<'a>(&'a self, text: &'a str) -> Result<(), SqlError> {
@@ -155,7 +418,8 @@ where
     }
 }
 
-impl Conn for On<&mut PgConnection> {
+#[allow(private_bounds)]
+impl<C: Session> Conn for On<C> {
     type Tx<'t>
         = OnTx<'t>
     where

@@ -2,6 +2,8 @@
 //! `sqlx.rs`, shared with sqlx 0.9; this file holds what differs.
 
 pub(crate) use ::sqlx08 as dep;
+/// sqlx's transaction manager trait (for pinned statements).
+use ::sqlx08::TransactionManager;
 
 use super::{SqlError, Value};
 
@@ -20,4 +22,4 @@ fn value<T: Value>(row: &dep::postgres::PgRow, i: usize) -> Result<T, SqlError> 
 #[path = "sqlx.rs"]
 mod imp;
 
-pub(crate) use imp::{Col, On, OnTx};
+pub(crate) use imp::{Col, On, OnTx, Pooled};

@@ -2,6 +2,8 @@
 //! `sqlx.rs`, shared with sqlx 0.8; this file holds what differs.
 
 pub(crate) use ::sqlx09 as dep;
+/// sqlx's transaction manager trait (for pinned statements).
+use ::sqlx09_core::transaction::TransactionManager;
 
 use super::{SqlError, Value};
 
@@ -22,4 +24,4 @@ fn value<T: Value>(row: &dep::postgres::PgRow, i: usize) -> Result<T, SqlError> 
 #[path = "sqlx.rs"]
 mod imp;
 
-pub(crate) use imp::{Col, On, OnTx};
+pub(crate) use imp::{Col, On, OnTx, Pooled};

@@ -205,12 +205,7 @@ async fn fence_keeps_tighter_timeouts<B: Backend>() {
     B::release(lease).await.unwrap();
 }
 
-backends!(
-    ignore_sqlx = "FINDING: a statement whose future was dropped leaves its error in sqlx's \
-                   connection, and the next statement (the fenced commit's check) is answered \
-                   with it: the commit reports FenceBlocked (57014 read as a lock wait), not Aborted",
-    a_statement_given_up_on_fails_the_fenced_commit
-);
+backends!(a_statement_given_up_on_fails_the_fenced_commit);
 /// A statement the server cancelled without the caller seeing it (its
 /// future dropped by a client timeout; the database's 200 ms bound then
 /// cancels it) fails the fenced commit: nothing landed, and the commit

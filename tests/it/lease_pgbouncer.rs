@@ -3,11 +3,13 @@
 //! so install, acquisition, batched renewal, fencing, release, take-over,
 //! purge and the cancel of a timed-out statement all work there, where named
 //! prepared statements and session state do not. On every backend, from
-//! one source; sqlx's variants are ignored while the finding named there
-//! stands (a lease statement through PgBouncer fails under concurrency).
+//! one source (sqlx sends a statement in two syncs: pgwarden pins each in a
+//! transaction of its own there, see `stmt::sqlx`).
 
 use crate::support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use pgwarden::{LeaseOptions, LostReason, PoolerMode};
@@ -19,12 +21,7 @@ use tokio_postgres::types::Type;
 
 const S: Duration = Duration::from_secs(1);
 
-backends!(
-    ignore_sqlx = "FINDING: sqlx sends an unnamed statement in two syncs (Parse, then Bind): \
-                   PgBouncer's transaction mode may put another client's Parse between them \
-                   (08P01 bind supplies N parameters, statement \"\" requires 0; or 26000)",
-    leases_work_through_pgbouncer_in_transaction_mode
-);
+backends!(leases_work_through_pgbouncer_in_transaction_mode);
 async fn leases_work_through_pgbouncer_in_transaction_mode<B: Backend>() {
     if !require_tool("pgbouncer").unwrap() {
         return;
@@ -129,12 +126,7 @@ async fn lock_waiters(admin: &tokio_postgres::Client, db: &str) -> i64 {
         .get(0)
 }
 
-backends!(
-    ignore_sqlx = "FINDING: sqlx sends an unnamed statement in two syncs (Parse, then Bind): \
-                   PgBouncer's transaction mode may put another client's Parse between them \
-                   (08P01 bind supplies N parameters, statement \"\" requires 0; or 26000)",
-    through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancelled
-);
+backends!(through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancelled);
 async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancelled<B: Backend>() {
     if !require_tool("pgbouncer").unwrap() {
         return;
@@ -230,12 +222,7 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
     }
 }
 
-backends!(
-    ignore_sqlx = "FINDING: sqlx sends an unnamed statement in two syncs (Parse, then Bind): \
-                   PgBouncer's transaction mode may put another client's Parse between them \
-                   (08P01 bind supplies N parameters, statement \"\" requires 0; or 26000)",
-    through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back
-);
+backends!(through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back);
 async fn through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back<B: Backend>() {
     if !require_tool("pgbouncer").unwrap() {
         return;
@@ -283,12 +270,7 @@ async fn through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_bac
     );
 }
 
-backends!(
-    ignore_sqlx = "FINDING: sqlx sends an unnamed statement in two syncs (Parse, then Bind): \
-                   PgBouncer's transaction mode may put another client's Parse between them \
-                   (08P01 bind supplies N parameters, statement \"\" requires 0; or 26000)",
-    through_pgbouncer_overlapping_acquisitions_and_releases_share_statements
-);
+backends!(through_pgbouncer_overlapping_acquisitions_and_releases_share_statements);
 async fn through_pgbouncer_overlapping_acquisitions_and_releases_share_statements<B: Backend>() {
     if !require_tool("pgbouncer").unwrap() {
         return;
@@ -344,4 +326,86 @@ async fn through_pgbouncer_overlapping_acquisitions_and_releases_share_statement
         gathered_both,
         "no round of 5 gathered both its acquisitions and its releases"
     );
+}
+
+backends!(
+    through_pgbouncer_many_clients_on_two_server_connections_run_lease_and_lock_statements,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// Sixteen tasks on two pools (one configured behind a transaction pooler,
+/// one detecting it) through PgBouncer with two server connections: every
+/// client's statements interleave on the same two server sessions. Each
+/// task acquires and releases leases (unnamed statements outside a
+/// transaction), takes a transaction lock (the lock statement and the work
+/// in one transaction), runs `migrate_once` (its ledger statements) and
+/// the census; each checkout is named by its pid (asked). Every call
+/// succeeds, every lock's work ran, the migration once. (sqlx sent a statement's `Parse` and `Bind` in two syncs:
+/// another client's `Parse` landed between them, `08P01` or `26000`, or
+/// the other client's statement bound.)
+async fn through_pgbouncer_many_clients_on_two_server_connections_run_lease_and_lock_statements<
+    B: Backend,
+>() {
+    if !require_tool("pgbouncer").unwrap() {
+        return;
+    }
+    let server = TestServer::shared().unwrap();
+    let db = server.create_database().await.unwrap();
+    let admin = db.connect().await.unwrap();
+    let bouncer = PgBouncer::start_with_pool_size(server, &db, 2).unwrap();
+    let pools = [
+        bounced::<B>(&bouncer, 8, "pinned-t", PoolerMode::Transaction),
+        bounced::<B>(&bouncer, 8, "pinned-auto", PoolerMode::Auto),
+    ];
+    let leases = [B::leases(&pools[0]), B::leases(&pools[1])];
+    B::install(&leases[0]).await.unwrap();
+    const ROUNDS: usize = 6;
+    let key = pgwarden::LockKey::Single(32);
+    let tasks: Vec<_> = (0..16)
+        .map(|t| {
+            let (pool, leases) = (pools[t % 2].clone(), leases[t % 2].clone());
+            tokio::spawn(async move {
+                let opts = LeaseOptions::new(30 * S);
+                let (locked, migrated) =
+                    (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+                for i in 0..ROUNDS {
+                    let lease = B::acquire(&leases, &format!("t{t}-{i}"), &opts, None)
+                        .await
+                        .unwrap()
+                        .expect("a new name is free");
+                    B::xact_pid(&pool, key, 30 * S, locked.clone())
+                        .await
+                        .unwrap();
+                    B::release(lease).await.unwrap();
+                    B::migrate(&pool, "pinned/0001", 30 * S, migrated.clone())
+                        .await
+                        .unwrap();
+                    B::census(&pool).await.unwrap();
+                }
+                (
+                    locked.load(Ordering::Acquire),
+                    migrated.load(Ordering::Acquire),
+                )
+            })
+        })
+        .collect();
+    let (mut locked, mut migrated) = (0, 0);
+    for t in tasks {
+        let (l, m) = t.await.unwrap();
+        (locked, migrated) = (locked + l, migrated + m);
+    }
+    assert_eq!(locked, 16 * ROUNDS, "every transaction lock's work ran");
+    assert_eq!(migrated, 1, "the migration ran once");
+    let held: i64 = admin
+        .query_typed_one(
+            "SELECT count(*) FROM pgwarden_leases WHERE holder <> ''",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(held, 0, "every lease released");
+    for pool in &pools {
+        B::close(pool).await;
+    }
 }

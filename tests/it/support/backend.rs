@@ -1159,7 +1159,9 @@ macro_rules! sqlx_backend {
                 let done = pool.migrate_once(name, timeout, move |tx| {
                     Box::pin(async move {
                         ran.fetch_add(1, Ordering::AcqRel);
+                        // Unnamed: it runs behind PgBouncer too.
                         $sqlx::query("CREATE TABLE made (x int)")
+                            .persistent(false)
                             .execute(tx)
                             .await
                             .map_err(|e| Error::Sqlx(Box::new(e)))?;
