@@ -16,15 +16,15 @@ use pgwarden::{BudgetPolicy, LockKey, LockMode};
 use support::backend::{settled, Backend, Settings};
 use support::{db, eventually, raw_locks, within};
 
-const GUARD: Duration = Duration::from_secs(60);
+pub(crate) const GUARD: Duration = Duration::from_secs(60);
 
 /// A user statement that fails (in a transaction: aborts it).
-const FAILS: &str = "SELECT 1/0";
+pub(crate) const FAILS: &str = "SELECT 1/0";
 
 /// Sessions of `raw`'s database in a transaction while idle (open or
 /// failed): a connection back in the pool in one. The state is the
 /// backend's own, set before it says it is ready for the next query.
-async fn idle_in_transaction(raw: &tokio_postgres::Client) -> i64 {
+pub(crate) async fn idle_in_transaction(raw: &tokio_postgres::Client) -> i64 {
     raw.query_one(
         "SELECT count(*) FROM pg_stat_activity \
           WHERE datname = current_database() AND pid <> pg_backend_pid() \
@@ -40,12 +40,12 @@ async fn idle_in_transaction(raw: &tokio_postgres::Client) -> i64 {
 /// watched pool's hook; a failed ask counts), and sessions left idle in a
 /// transaction.
 #[derive(Debug, PartialEq, Eq)]
-struct Left {
-    locked: usize,
-    in_transaction: i64,
+pub(crate) struct Left {
+    pub(crate) locked: usize,
+    pub(crate) in_transaction: i64,
 }
 
-const CLEAN: Left = Left {
+pub(crate) const CLEAN: Left = Left {
     locked: 0,
     in_transaction: 0,
 };

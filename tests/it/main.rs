@@ -36,6 +36,7 @@ mod hostile_fence2;
 mod hostile_fence3;
 mod hostile_naming;
 mod hostile_release;
+mod hostile_release2;
 mod http_edges;
 mod http_flood;
 mod hung_server;
