@@ -7,12 +7,16 @@ use crate::support;
 
 use std::time::Instant;
 
+use futures_util::StreamExt;
+
 use pgwarden::{LockKey, PoolerMode};
 use pgwarden_testing::PoolMode;
 use support::pooler::*;
 use support::*;
 
 const TRIES: usize = 100;
+/// Detections (and, in the second test, locks) run at once.
+const PARALLEL: usize = 4;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
@@ -23,15 +27,24 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work() {
     };
     let load = load_through(&bouncer).await;
     logs();
-    let mut times = Vec::new();
-    for i in 0..TRIES {
-        let pool = through(&bouncer, &format!("session-{i}"));
-        let start = Instant::now();
-        let found = pool.detect_pooler().await.unwrap();
-        times.push(start.elapsed());
-        assert_eq!(found, PoolerMode::Direct, "try {i}");
-        pool.close();
-    }
+    // PARALLEL detections at a time: each holds one server connection of
+    // the 8 the load leaves free, so none waits in PgBouncer's queue.
+    let times: Vec<_> = futures_util::stream::iter(0..TRIES)
+        .map(|i| {
+            let pool = through(&bouncer, &format!("session-{i}"));
+            async move {
+                let start = Instant::now();
+                let found = pool.detect_pooler().await.unwrap();
+                let took = start.elapsed();
+                assert_eq!(found, PoolerMode::Direct, "try {i}");
+                pool.close();
+                took
+            }
+        })
+        .buffer_unordered(PARALLEL)
+        .collect()
+        .await;
+    assert_eq!(times.len(), TRIES);
     let counts = statements("session-");
     assert_eq!(counts, vec![42; TRIES], "1 + 1 + 40 probe statements each");
 
@@ -77,50 +90,60 @@ async fn a_transaction_pooler_detection_missed_is_caught_at_the_lock() {
         return;
     };
     // Detection through the session pooler: Direct, its mode unproven.
-    let mut pools = Vec::new();
-    for i in 0..POOLS {
+    // At once: each pool keeps its one server connection (16 of 40).
+    let pools: Vec<_> = futures_util::future::join_all((0..POOLS).map(|i| {
         let pool = through(&bouncer, &format!("missed-{i}"));
-        assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
-        pools.push(pool);
-    }
+        async move {
+            assert_eq!(pool.detect_pooler().await.unwrap(), PoolerMode::Direct);
+            pool
+        }
+    }))
+    .await;
     // Now it pools transactions, under load.
     bouncer
         .set_pool_mode(PoolMode::Transaction)
         .await
         .expect("switch to transaction mode");
     let load = load_through(&bouncer).await;
-    let mut times = Vec::new();
-    for (i, pool) in pools.iter().enumerate() {
-        let key = LockKey::Pair(12, i as i32);
-        let start = Instant::now();
-        let e = match pool
-            .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
-            .await
-        {
-            Err(e) => e,
-            Ok(lock) => panic!("pool {i}: granted through a transaction pooler: {lock:?}"),
-        };
-        times.push(start.elapsed());
-        assert!(e.is_behind_pooler(), "pool {i}: {e}");
-        assert!(
-            e.to_string().contains("(detected at the lock)"),
-            "pool {i}: {e}"
-        );
-        assert_eq!(
-            pool.detect_pooler().await.unwrap(),
-            PoolerMode::Transaction,
-            "pool {i}"
-        );
-        // Refused from then on without a probe.
-        let again = pool
-            .session_lock(key, pgwarden::LockMode::Exclusive, None)
-            .await
-            .unwrap_err();
-        assert!(
-            again.to_string().contains("(detected)"),
-            "pool {i}: {again}"
-        );
-    }
+    // PARALLEL pools at a time (transaction mode: server connections are
+    // shared, the pools' own probes included).
+    let times: Vec<_> = futures_util::stream::iter(pools.iter().enumerate())
+        .map(|(i, pool)| async move {
+            let key = LockKey::Pair(12, i as i32);
+            let start = Instant::now();
+            let e = match pool
+                .session_lock(key, pgwarden::LockMode::Exclusive, Some(T))
+                .await
+            {
+                Err(e) => e,
+                Ok(lock) => panic!("pool {i}: granted through a transaction pooler: {lock:?}"),
+            };
+            let took = start.elapsed();
+            assert!(e.is_behind_pooler(), "pool {i}: {e}");
+            assert!(
+                e.to_string().contains("(detected at the lock)"),
+                "pool {i}: {e}"
+            );
+            assert_eq!(
+                pool.detect_pooler().await.unwrap(),
+                PoolerMode::Transaction,
+                "pool {i}"
+            );
+            // Refused from then on without a probe.
+            let again = pool
+                .session_lock(key, pgwarden::LockMode::Exclusive, None)
+                .await
+                .unwrap_err();
+            assert!(
+                again.to_string().contains("(detected)"),
+                "pool {i}: {again}"
+            );
+            took
+        })
+        .buffer_unordered(PARALLEL)
+        .collect()
+        .await;
+    assert_eq!(times.len(), POOLS);
     load.stop().await;
     let raw = db.connect().await.unwrap();
     let left = raw_locks(&raw).await;
