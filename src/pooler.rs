@@ -121,6 +121,7 @@ impl Watch {
     /// whose mode detection could not prove). Only a pool configured
     /// [`PoolerMode::Direct`] or detected without a transaction pooler is
     /// known to keep its server session between syncs.
+    #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
     pub(crate) fn may_move_between_syncs(&self) -> bool {
         match self.configured {
             PoolerMode::Direct => false,

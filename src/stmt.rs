@@ -108,6 +108,7 @@ pub(crate) mod code {
     pub(crate) const DUPLICATE_PSTATEMENT: &str = "42P05";
     /// `protocol_violation` (sqlx: a `Bind` that reached another server
     /// session than its `Parse`, behind a transaction pooler)
+    #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
     pub(crate) const PROTOCOL_VIOLATION: &str = "08P01";
 }
 
