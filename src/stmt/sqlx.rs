@@ -417,9 +417,16 @@ impl<C: Session> Exec for On<C> {
                 // broken connection, or one out of step (its answer an
                 // earlier query's: the refusal above was one too).
                 let rollback = dep::raw_sql(super::text("ROLLBACK"));
-                if let Err(e) = dep::Executor::execute(&mut **c, rollback).await {
-                    c.spoil();
-                    return Err(out_of_step("ROLLBACK", &e.to_string()));
+                match dep::Executor::execute(&mut **c, rollback).await {
+                    Ok(_) => {}
+                    Err(e @ (dep::Error::Database(_) | dep::Error::Protocol(_))) => {
+                        c.spoil();
+                        return Err(out_of_step("ROLLBACK", &e.to_string()));
+                    }
+                    Err(e) => {
+                        c.spoil();
+                        return Err(e.into());
+                    }
                 }
                 marked_after_rollback(c, text).await
             }
