@@ -244,6 +244,13 @@ pub trait Backend: Send + Sync + 'static {
     fn lease_stats(l: &Self::Leases) -> LeaseStats;
     /// `Leases::rows`.
     fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>>;
+    /// `Leases::revoke`.
+    fn revoke<'a>(
+        l: &'a Self::Leases,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<LeaseRow>, Error>>;
+    /// `Leases::release_all`.
+    fn release_all(l: &Self::Leases) -> BoxFuture<'_, Result<usize, Error>>;
     /// `Leases::run(name, opts, work)` whose work returns its term's token.
     fn run_token<'a>(
         l: &'a Self::Leases,
@@ -504,6 +511,17 @@ macro_rules! lease_methods {
 
         fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>> {
             Box::pin(l.rows())
+        }
+
+        fn revoke<'a>(
+            l: &'a Self::Leases,
+            name: &'a str,
+        ) -> BoxFuture<'a, Result<Option<LeaseRow>, Error>> {
+            Box::pin(l.revoke(name))
+        }
+
+        fn release_all(l: &Self::Leases) -> BoxFuture<'_, Result<usize, Error>> {
+            Box::pin(l.release_all())
         }
 
         fn run_token<'a>(
