@@ -1485,14 +1485,23 @@ pub fn leases_on<B: Backend>(
     app: &str,
     size: usize,
 ) -> (B::Leases, String) {
+    let (pool, app_b) = pool_on::<B>(config, app, size);
+    (B::leases(&pool), app_b)
+}
+
+/// A pool of `size` of backend `B` on `config` (a database, another role,
+/// PgBouncer, a proxy), named `app` and its backends `<app>-<backend>` in
+/// `pg_stat_activity.application_name`: the pool and that name.
+pub fn pool_on<B: Backend>(
+    config: &tokio_postgres::Config,
+    app: &str,
+    size: usize,
+) -> (B::Pool, String) {
     let app_b = format!("{app}-{}", B::NAME);
     let mut config = config.clone();
     config.application_name(&app_b);
     let name: &'static str = Box::leak(app.to_owned().into_boxed_str());
-    (
-        B::leases(&B::build_on(&config, &Settings::new(name, size))),
-        app_b,
-    )
+    (B::build_on(&config, &Settings::new(name, size)), app_b)
 }
 
 /// Waits (on the pool's state, not a clock) until nothing is in use or
