@@ -251,6 +251,17 @@ pub trait Backend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Option<LeaseRow>, Error>>;
     /// `Leases::release_all`.
     fn release_all(l: &Self::Leases) -> BoxFuture<'_, Result<usize, Error>>;
+    /// `Leases::run(name, opts, job)`.
+    fn run_job<'a, F, Fut, T>(
+        l: &'a Self::Leases,
+        name: &'a str,
+        opts: &'a LeaseOptions,
+        job: F,
+    ) -> BoxFuture<'a, Result<Option<T>, Error>>
+    where
+        F: FnOnce(LeaseHandle) -> Fut + Send + 'a,
+        Fut: std::future::Future<Output = T> + Send + 'a,
+        T: Send + 'a;
     /// `Leases::run(name, opts, work)` whose work returns its term's token.
     fn run_token<'a>(
         l: &'a Self::Leases,
@@ -522,6 +533,20 @@ macro_rules! lease_methods {
 
         fn release_all(l: &Self::Leases) -> BoxFuture<'_, Result<usize, Error>> {
             Box::pin(l.release_all())
+        }
+
+        fn run_job<'a, F, Fut, T>(
+            l: &'a Self::Leases,
+            name: &'a str,
+            opts: &'a LeaseOptions,
+            job: F,
+        ) -> BoxFuture<'a, Result<Option<T>, Error>>
+        where
+            F: FnOnce(LeaseHandle) -> Fut + Send + 'a,
+            Fut: std::future::Future<Output = T> + Send + 'a,
+            T: Send + 'a,
+        {
+            Box::pin(l.run(name, opts, job))
         }
 
         fn run_token<'a>(
