@@ -382,6 +382,8 @@ pub struct LeaseSettings {
     /// `purge(after, every)`.
     pub purge: Option<(Duration, Option<Duration>)>,
     pub auto_install: Option<bool>,
+    /// `declare(names)`: lease names that are metric labels of their own.
+    pub declare: Vec<String>,
 }
 
 impl LeaseSettings {
@@ -402,6 +404,11 @@ impl LeaseSettings {
 
     pub fn auto_install(mut self, on: bool) -> LeaseSettings {
         self.auto_install = Some(on);
+        self
+    }
+
+    pub fn declare(mut self, names: &[&str]) -> LeaseSettings {
+        self.declare = names.iter().map(|n| n.to_string()).collect();
         self
     }
 }
@@ -586,6 +593,9 @@ macro_rules! bounded_leases {
             }
             if let Some(on) = s.auto_install {
                 b = b.auto_install(on);
+            }
+            if !s.declare.is_empty() {
+                b = b.declare(s.declare.iter().map(String::as_str));
             }
             b.build()
         }
