@@ -1057,6 +1057,24 @@ pub fn sqlx_target(
     (host, socket, port, user, dbname)
 }
 
+/// The `name=value` pairs of a libpq `options` string (`-c name=value`
+/// or `-cname=value`, space-separated), as sqlx's `options` takes them.
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+pub fn command_line_settings(options: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut words = options.split_whitespace();
+    while let Some(w) = words.next() {
+        let pair = match w.strip_prefix("-c") {
+            Some("") => words.next().unwrap_or_default(),
+            Some(rest) => rest,
+            None => panic!("options: only -c name=value is supported, got {w:?}"),
+        };
+        let (name, value) = pair.split_once('=').expect("options: -c name=value");
+        out.push((name.to_owned(), value.to_owned()));
+    }
+    out
+}
+
 /// The backend of one sqlx version: `$sqlx` the sqlx crate, `$pg` the
 /// pgwarden module over it (one source for both versions).
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
@@ -1250,6 +1268,11 @@ macro_rules! sqlx_backend {
                 let mut opts = sqlx_options!($sqlx, config);
                 if let Some(app) = config.get_application_name() {
                     opts = opts.application_name(app);
+                }
+                // `options` (`-c name=value …`): run-time settings, such as
+                // a search path.
+                if let Some(o) = config.get_options() {
+                    opts = opts.options(command_line_settings(o));
                 }
                 Self::with(opts, s)
             }
