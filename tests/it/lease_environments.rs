@@ -28,7 +28,12 @@ const MS: Duration = Duration::from_millis(1);
 /// (the connection's `options` reached the server).
 async fn app_first<B: Backend>(pool: &B::Pool) -> bool {
     let mut c = B::get(pool).await.unwrap();
-    B::count(&mut c, "SELECT count(*) FILTER (WHERE (current_schemas(false))[1] = 'app')").await == 1
+    B::count(
+        &mut c,
+        "SELECT count(*) FILTER (WHERE (current_schemas(false))[1] = 'app')",
+    )
+    .await
+        == 1
 }
 
 fn suffix() -> String {

@@ -334,6 +334,13 @@ pub trait Backend: Send + Sync + 'static {
     fn lease_ddl(l: &Self::Leases) -> String;
     /// `Scheduler::builder(&leases).node(node)` with `jobs`, started.
     fn schedule_node(l: &Self::Leases, node: &str, jobs: Vec<Job>) -> Result<Scheduler, Error>;
+    /// The same with `poll_jitter(jitter)`, when given.
+    fn schedule_jittered(
+        l: &Self::Leases,
+        node: &str,
+        jitter: Option<Duration>,
+        jobs: Vec<Job>,
+    ) -> Result<Scheduler, Error>;
     /// The SQLSTATE of `e`, when the server sent one.
     fn code(e: &Error) -> Option<String>;
 
@@ -605,9 +612,20 @@ macro_rules! bounded_leases {
         }
 
         fn schedule_node(l: &Self::Leases, node: &str, jobs: Vec<Job>) -> Result<Scheduler, Error> {
-            jobs.into_iter()
-                .fold(Scheduler::builder(l).node(node), |b, j| b.job(j))
-                .start()
+            Self::schedule_jittered(l, node, None, jobs)
+        }
+
+        fn schedule_jittered(
+            l: &Self::Leases,
+            node: &str,
+            jitter: Option<Duration>,
+            jobs: Vec<Job>,
+        ) -> Result<Scheduler, Error> {
+            let mut b = Scheduler::builder(l).node(node);
+            if let Some(j) = jitter {
+                b = b.poll_jitter(j);
+            }
+            jobs.into_iter().fold(b, |b, j| b.job(j)).start()
         }
     };
 }
