@@ -1,7 +1,8 @@
-//! Lease tests' helpers: pools with a known `application_name` (to find
-//! their backends), two lease holders on one database, views of the lease
-//! table and of the holders' backends, and the lease options the fault tests
-//! share.
+//! Lease tests' helpers: deadpool pools with a known `application_name`
+//! (for the tests that stay deadpool-only; a backend-generic test names its
+//! pool with `support::backend::{named, pool_on}`), views of the lease
+//! table and of the holders' backends, and the lease options the fault
+//! tests share.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
