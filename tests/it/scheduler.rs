@@ -274,8 +274,8 @@ async fn a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in<B:
     type Spans = Arc<parking_lot::Mutex<Vec<(i64, f64, f64)>>>;
     let spans: Spans = Arc::default();
     let mut schedulers = Vec::new();
-    for i in 0..2 {
-        let leases = B::leases(&B::build(&db, &Settings::new(OVERRUN[i], 3)));
+    for (i, name) in OVERRUN.into_iter().enumerate() {
+        let leases = B::leases(&B::build(&db, &Settings::new(name, 3)));
         B::install(&leases).await.unwrap();
         let log = spans.clone();
         let slow = Job::every("slow", S, move |lease: LeaseHandle| {
