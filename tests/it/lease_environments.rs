@@ -5,8 +5,7 @@
 //! instances whose `search_path`s differ, a same-named sequence earlier in
 //! a search path, other roles holding advisory locks or row locks, a
 //! statement that cannot even get its connection, and a scheduled run
-//! interrupted at shutdown. On every backend, from one source, but for the
-//! search-path, sequence and advisory-lock tests (deadpool only).
+//! interrupted at shutdown. On every backend, from one source.
 
 use crate::support;
 
@@ -15,15 +14,27 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use metrics_util::debugging::DebuggingRecorder;
-use pgwarden::{Job, LeaseOptions, Leases};
+use pgwarden::{Job, LeaseOptions};
 use pgwarden_testing::{Proxy, TestServer};
-use support::backend::{Backend, Settings};
-use support::leases::{insert_expired, lock_rows, pool, pool_with};
+use support::backend::{pool_on, Backend, LeaseSettings, Settings};
+use support::leases::{insert_expired, lock_rows};
 use support::recorder::snapshot;
 use support::{admin, counter, db, eventually, within, Logs};
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
+
+/// Whether a session of `pool` has schema `app` first in its search path
+/// (the connection's `options` reached the server).
+async fn app_first<B: Backend>(pool: &B::Pool) -> bool {
+    let mut c = B::get(pool).await.unwrap();
+    B::count(
+        &mut c,
+        "SELECT count(*) FILTER (WHERE (current_schemas(false))[1] = 'app')",
+    )
+    .await
+        == 1
+}
 
 fn suffix() -> String {
     format!("{:08x}", rand_u32())
@@ -169,12 +180,12 @@ async fn a_free_name_is_acquired_at_once_while_a_takeover_is_stuck<B: Backend>()
     assert!(took[took.len() - 1] < 10 * S, "{took:?}");
 }
 
+backends!(instances_with_different_search_paths_share_one_table);
 /// Point 3: two instances whose search paths differ (one through the
 /// connection's `options`, one a role with a schema of its own) use one
 /// table: the second sees the first's lease. A table of the same name that
 /// a session's search path finds first is refused at install, named.
-#[tokio::test]
-async fn instances_with_different_search_paths_share_one_table() {
+async fn instances_with_different_search_paths_share_one_table<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     let role = format!("sp_{}", suffix());
@@ -189,9 +200,10 @@ async fn instances_with_different_search_paths_share_one_table() {
         .unwrap();
     let mut in_app = db.pg_config();
     in_app.options("-csearch_path=app,public");
-    let a = Leases::new(&pool_with(in_app, 3, "sp-a"));
-    let lease = a
-        .acquire("nightly", &LeaseOptions::new(30 * S), None)
+    let pool_a = pool_on::<B>(&in_app, "sp-a", 3).0;
+    assert!(app_first::<B>(&pool_a).await, "set-up: the search path");
+    let a = B::leases(&pool_a);
+    let lease = B::acquire(&a, "nightly", &LeaseOptions::new(30 * S), None)
         .await
         .unwrap()
         .unwrap();
@@ -205,10 +217,10 @@ async fn instances_with_different_search_paths_share_one_table() {
     // The role's own schema comes first in its search path ("$user").
     let mut as_role = db.pg_config();
     as_role.user(&role);
-    let pool_r = pool_with(as_role, 3, "sp-r");
-    let r = Leases::new(&pool_r);
+    let pool_r = pool_on::<B>(&as_role, "sp-r", 3).0;
+    let r = B::leases(&pool_r);
     assert!(
-        r.acquire("nightly", &LeaseOptions::new(30 * S), None)
+        B::acquire(&r, "nightly", &LeaseOptions::new(30 * S), None)
             .await
             .unwrap()
             .is_none(),
@@ -223,7 +235,7 @@ async fn instances_with_different_search_paths_share_one_table() {
         .unwrap()
         .get(0);
     assert_eq!(tables, 1);
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
 
     // An older install (or a mistake) left a table of that name in the
     // role's schema: its search path finds that one first. Refused, named.
@@ -234,8 +246,8 @@ async fn instances_with_different_search_paths_share_one_table() {
         ))
         .await
         .unwrap();
-    let fresh = Leases::new(&pool_r);
-    let err = fresh.install().await.unwrap_err();
+    let fresh = B::leases(&pool_r);
+    let err = B::install(&fresh).await.unwrap_err();
     let text = err.to_string();
     assert!(
         matches!(
@@ -249,31 +261,28 @@ async fn instances_with_different_search_paths_share_one_table() {
         "names the other table: {text}"
     );
     // Named with its schema, the same table is used without complaint.
-    let named = Leases::builder(&pool_r)
-        .table("public.pgwarden_leases")
-        .build()
-        .unwrap();
-    assert!(!named.install().await.unwrap());
+    let public = LeaseSettings::default().table("public.pgwarden_leases");
+    let named = B::leases_with(&pool_r, &public).unwrap();
+    assert!(!B::install(&named).await.unwrap());
 }
 
+backends!(a_same_named_sequence_earlier_in_the_search_path_changes_no_token);
 /// Point 4: a sequence named like the token sequence, earlier in one
 /// instance's search path, with a smaller value: tokens still grow (the
 /// sequence is schema-qualified). A sequence the table does not own is
 /// refused by the install check.
-#[tokio::test]
-async fn a_same_named_sequence_earlier_in_the_search_path_changes_no_token() {
+async fn a_same_named_sequence_earlier_in_the_search_path_changes_no_token<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let a = Leases::new(&pool(&db, 3, "seq-a"));
+    let a = B::leases(&B::build(&db, &Settings::new("seq-a", 3)));
     let mut tokens = Vec::new();
     for _ in 0..2 {
-        let l = a
-            .acquire("nightly", &LeaseOptions::new(30 * S), None)
+        let l = B::acquire(&a, "nightly", &LeaseOptions::new(30 * S), None)
             .await
             .unwrap()
             .unwrap();
         tokens.push(l.term().token);
-        l.release().await.unwrap();
+        B::release(l).await.unwrap();
     }
     admin
         .batch_execute("CREATE SCHEMA app; CREATE SEQUENCE app.pgwarden_leases_token_seq AS bigint")
@@ -281,15 +290,16 @@ async fn a_same_named_sequence_earlier_in_the_search_path_changes_no_token() {
         .unwrap();
     let mut in_app = db.pg_config();
     in_app.options("-csearch_path=app,public");
-    let b = Leases::new(&pool_with(in_app, 3, "seq-b"));
+    let pool_b = pool_on::<B>(&in_app, "seq-b", 3).0;
+    assert!(app_first::<B>(&pool_b).await, "set-up: the search path");
+    let b = B::leases(&pool_b);
     for _ in 0..2 {
-        let l = b
-            .acquire("nightly", &LeaseOptions::new(30 * S), None)
+        let l = B::acquire(&b, "nightly", &LeaseOptions::new(30 * S), None)
             .await
             .unwrap()
             .unwrap();
         tokens.push(l.term().token);
-        l.release().await.unwrap();
+        B::release(l).await.unwrap();
     }
     assert!(tokens.windows(2).all(|w| w[1] > w[0]), "{tokens:?}");
     let other: i64 = admin
@@ -307,13 +317,9 @@ async fn a_same_named_sequence_earlier_in_the_search_path_changes_no_token() {
         )
         .await
         .unwrap();
-    let err = Leases::builder(&pool(&db, 3, "seq-c"))
-        .table("app.jobs")
-        .build()
-        .unwrap()
-        .install()
-        .await
-        .unwrap_err();
+    let jobs = LeaseSettings::default().table("app.jobs");
+    let c = B::leases_with(&B::build(&db, &Settings::new("seq-c", 3)), &jobs).unwrap();
+    let err = B::install(&c).await.unwrap_err();
     assert!(
         err.to_string()
             .contains("is not owned by the table's token column"),
@@ -321,13 +327,13 @@ async fn a_same_named_sequence_earlier_in_the_search_path_changes_no_token() {
     );
 }
 
+backends!(no_advisory_lock_blocks_a_lease_and_a_row_lock_is_reported);
 /// Point 5: a role with no privilege on the lease table holds advisory
 /// locks on every key an older pgwarden used for a name: the lease is
 /// acquired all the same. A role that may write the table can lock an
 /// expired row: the take-over answers busy, counted and logged with the
 /// blocking session's pid, never silently.
-#[tokio::test]
-async fn no_advisory_lock_blocks_a_lease_and_a_row_lock_is_reported() {
+async fn no_advisory_lock_blocks_a_lease_and_a_row_lock_is_reported<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     let (intruder, writer) = (format!("in_{}", suffix()), format!("wr_{}", suffix()));
@@ -341,13 +347,12 @@ async fn no_advisory_lock_blocks_a_lease_and_a_row_lock_is_reported() {
     let _guard = tracing::subscriber::set_default(logs.subscriber());
     let recorder = DebuggingRecorder::new();
     let snap = recorder.snapshotter();
+    let settings = Settings::new("victim", 3);
+    let declared = LeaseSettings::default().declare(&["nightly", "stale"]);
     let a = metrics::with_local_recorder(&recorder, || {
-        Leases::builder(&pool(&db, 3, "victim"))
-            .declare(["nightly", "stale"])
-            .build()
-            .unwrap()
+        B::leases_with(&B::build(&db, &settings), &declared).unwrap()
     });
-    a.install().await.unwrap();
+    B::install(&a).await.unwrap();
     admin
         .batch_execute(&format!(
             "GRANT SELECT, UPDATE ON pgwarden_leases TO {writer}"
@@ -371,12 +376,11 @@ async fn no_advisory_lock_blocks_a_lease_and_a_row_lock_is_reported() {
         .unwrap();
     // Not waited on either: an acquisition waiting on one of those locks
     // would end in the lease statement timeout, an error.
-    let lease = a
-        .acquire("nightly", &LeaseOptions::new(30 * S), None)
+    let lease = B::acquire(&a, "nightly", &LeaseOptions::new(30 * S), None)
         .await
         .unwrap()
         .expect("no advisory lock keeps a free name busy");
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
 
     // A row lock by a role with write privileges on an expired row.
     insert_expired(&admin, "stale", "old").await;
@@ -396,15 +400,17 @@ async fn no_advisory_lock_blocks_a_lease_and_a_row_lock_is_reported() {
         .await
         .unwrap()
         .get(0);
-    let got = a
-        .acquire("stale", &LeaseOptions::new(30 * S), None)
+    let got = B::acquire(&a, "stale", &LeaseOptions::new(30 * S), None)
         .await
         .unwrap();
     assert!(got.is_none(), "a locked row is busy");
-    assert_eq!(a.stats().takeovers_blocked, 1);
+    assert_eq!(B::lease_stats(&a).takeovers_blocked, 1);
     let counted = counter(
         &snapshot(&snap),
-        "pgwarden_lease_takeovers_blocked_total{lease=stale,pool=victim}",
+        &format!(
+            "pgwarden_lease_takeovers_blocked_total{{lease=stale,pool={}}}",
+            settings.pool_name::<B>()
+        ),
     );
     assert_eq!(counted, 1);
     let text = logs.text();
@@ -415,8 +421,7 @@ async fn no_advisory_lock_blocks_a_lease_and_a_row_lock_is_reported() {
         "{text}"
     );
     locker.batch_execute("ROLLBACK").await.unwrap();
-    assert!(a
-        .acquire("stale", &LeaseOptions::new(30 * S), None)
+    assert!(B::acquire(&a, "stale", &LeaseOptions::new(30 * S), None)
         .await
         .unwrap()
         .is_some());

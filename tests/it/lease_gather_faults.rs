@@ -4,8 +4,7 @@
 //! its statement's end (also where no cancel can reach it); a batch answers
 //! every caller before it releases those that gave up; callers of one name
 //! share one attempt; a caller that falls back to its own statement reports
-//! its whole wait. The tests of a statement cut off on the server (a
-//! dropped or timed-out acquisition) run on every backend.
+//! its whole wait. On every backend, from one source.
 
 use crate::support;
 
@@ -13,9 +12,9 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use futures_util::poll;
-use pgwarden::{Error, LeaseError, LeaseOptions, Leases, PoolerMode};
+use pgwarden::{Error, LeaseError, LeaseOptions, PoolerMode};
 use support::backend::{named, Backend, Settings};
-use support::leases::{busy_backends, pool};
+use support::leases::busy_backends;
 use support::{admin, db, eventually, within};
 
 const S: Duration = Duration::from_secs(1);
@@ -83,18 +82,20 @@ async fn settled(admin: &tokio_postgres::Client, app: &str, name: &str) -> bool 
     busy_backends(admin, app).await.1 == 0 && held == 0
 }
 
+backends!(
+    a_term_answered_to_a_caller_that_never_takes_it_is_released,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 /// A caller waiting for a batch is answered (its batch took the lease for
 /// it) while nobody polls its future, which is then dropped: the lease is
 /// released. Before: it stayed held until its TTL.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
+async fn a_term_answered_to_a_caller_that_never_takes_it_is_released<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::builder(&pool(&db, 16, "unpolled"))
-        .statement_timeout(10 * S)
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let (pool, app) = named::<B>(&db, "unpolled", &Settings::new("unpolled", 16));
+    let leases = B::leases_bounded(&pool, 10 * S);
+    B::install(&leases).await.unwrap();
     let inserter = insert_uncommitted(&db).await;
     let o = opts();
     // `first` and `second` take the statements out (and wait on the
@@ -103,18 +104,18 @@ async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
         .into_iter()
         .map(|n| {
             let (leases, o) = (leases.clone(), o.clone());
-            tokio::spawn(async move { leases.acquire(n, &o, None).await })
+            tokio::spawn(async move { B::acquire(&leases, n, &o, None).await })
         })
         .collect();
     eventually(5 * S, "both statements wait on the insert", || async {
-        busy_backends(&admin, "unpolled").await.0 == 2
+        busy_backends(&admin, &app).await.0 == 2
     })
     .await;
     {
         // Polled once: `unpolled` waits for a batch.
-        let mut unpolled = Box::pin(leases.acquire("unpolled", &o, None));
+        let mut unpolled = Box::pin(B::acquire(&leases, "unpolled", &o, None));
         assert!(poll!(unpolled.as_mut()).is_pending());
-        assert_eq!(leases.stats().acquisitions_waiting, 1);
+        assert_eq!(B::lease_stats(&leases).acquisitions_waiting, 1);
         // The insert goes: the statements out end, the batch runs and
         // answers `unpolled` (its caller is not polled meanwhile).
         inserter.batch_execute("ROLLBACK").await.unwrap();
@@ -130,12 +131,8 @@ async fn a_term_answered_to_a_caller_that_never_takes_it_is_released() {
     .await;
     for h in stuck {
         let lease = within(5 * S, "a stuck acquisition", h).await.unwrap();
-        lease
-            .unwrap()
-            .expect("free once the insert rolled back")
-            .release()
-            .await
-            .unwrap();
+        let lease = lease.unwrap().expect("free once the insert rolled back");
+        B::release(lease).await.unwrap();
     }
 }
 
@@ -177,20 +174,22 @@ async fn a_dropped_acquisition_is_released_after_its_statement_ends<B: Backend>(
     }
 }
 
+backends!(
+    a_batch_answers_every_caller_before_releasing_those_that_gave_up,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 /// A batch takes two names; the caller of one (`slow-a`) gives up while
 /// the batch runs, and its release is held up on the server (a trigger
 /// waits on an advisory lock the test holds). The other caller (`zed`) is
 /// answered all the same, before that release ends. Before: the batch
 /// awaited the release inline, and `zed` waited for it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_answers_every_caller_before_releasing_those_that_gave_up() {
+async fn a_batch_answers_every_caller_before_releasing_those_that_gave_up<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::builder(&pool(&db, 16, "answers"))
-        .statement_timeout(10 * S)
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let (pool, app) = named::<B>(&db, "answers", &Settings::new("answers", 16));
+    let leases = B::leases_bounded(&pool, 10 * S);
+    B::install(&leases).await.unwrap();
     // The batch's insert of `slow-a` takes 2 s; a release of it waits for
     // the gate (advisory lock 4242).
     admin
@@ -218,27 +217,27 @@ async fn a_batch_answers_every_caller_before_releasing_those_that_gave_up() {
         .into_iter()
         .map(|n| {
             let (leases, o) = (leases.clone(), o.clone());
-            tokio::spawn(async move { leases.acquire(n, &o, None).await })
+            tokio::spawn(async move { B::acquire(&leases, n, &o, None).await })
         })
         .collect();
     eventually(5 * S, "both statements wait on the insert", || async {
-        busy_backends(&admin, "answers").await.0 == 2
+        busy_backends(&admin, &app).await.0 == 2
     })
     .await;
-    let mut slow = Box::pin(leases.acquire("slow-a", &o, None));
-    let mut zed = Box::pin(leases.acquire("zed", &o, None));
+    let mut slow = Box::pin(B::acquire(&leases, "slow-a", &o, None));
+    let mut zed = Box::pin(B::acquire(&leases, "zed", &o, None));
     assert!(poll!(slow.as_mut()).is_pending());
     assert!(poll!(zed.as_mut()).is_pending());
-    assert_eq!(leases.stats().acquisitions_waiting, 2);
+    assert_eq!(B::lease_stats(&leases).acquisitions_waiting, 2);
     inserter.batch_execute("ROLLBACK").await.unwrap();
     // The batch of `slow-a` and `zed` runs (2 s in the trigger): the
     // caller of `slow-a` gives up meanwhile.
     eventually(5 * S, "the batch runs", || async {
         admin
             .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'answers'
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
                    AND state = 'active' AND query LIKE '%unnest%'",
-                &[],
+                &[&app],
             )
             .await
             .unwrap()
@@ -264,75 +263,84 @@ async fn a_batch_answers_every_caller_before_releasing_those_that_gave_up() {
         !held(&admin, "slow-a").await
     })
     .await;
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
     for h in stuck {
         if let Some(l) = within(10 * S, "a stuck acquisition", h)
             .await
             .unwrap()
             .unwrap()
         {
-            l.release().await.unwrap();
+            B::release(l).await.unwrap();
         }
     }
 }
 
+backends!(
+    callers_of_one_name_share_one_attempt,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 /// 32 callers of one instance ask about one name held by another instance,
 /// all at once: they share one attempt per statement (two go alone, the
 /// 30 others share the next statement). Before: one attempt per caller,
 /// 32 statements.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn callers_of_one_name_share_one_attempt() {
+async fn callers_of_one_name_share_one_attempt<B: Backend>() {
     let db = db().await;
-    let other = Leases::new(&pool(&db, 2, "share-holder"));
-    let holder = other.acquire("busy", &opts(), None).await.unwrap().unwrap();
-    let leases = Leases::new(&pool(&db, 16, "share"));
-    leases.install().await.unwrap();
+    let other = B::leases(&B::build(&db, &Settings::new("share-holder", 2)));
+    let holder = B::acquire(&other, "busy", &opts(), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let leases = B::leases(&B::build(&db, &Settings::new("share", 16)));
+    B::install(&leases).await.unwrap();
     let o = opts();
     // A call waits at most 100 ms for a batch: on a loaded machine a round
     // may see some go alone, so rounds run until one shows the sharing.
     for round in 0..5 {
-        let before = leases.stats();
-        let got = join_all((0..32).map(|_| leases.acquire("busy", &o, None))).await;
+        let before = B::lease_stats(&leases);
+        let got = join_all((0..32).map(|_| B::acquire(&leases, "busy", &o, None))).await;
         for r in got {
             assert!(r.unwrap().is_none(), "held by the other instance");
         }
-        let statements = leases.stats().statements - before.statements;
+        let statements = B::lease_stats(&leases).statements - before.statements;
         eprintln!("round {round}: 32 attempts in {statements} statements");
         if statements <= 8 {
-            holder.release().await.unwrap();
+            B::release(holder).await.unwrap();
             return;
         }
     }
     panic!("no round of 5 shared its attempts");
 }
 
+backends!(
+    a_fallback_timeout_reports_the_whole_wait,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 /// A caller waits for a batch behind two stuck statements, goes alone after
 /// its patience, and its own statement is stuck too: its timeout reports
 /// its whole wait (the statement timeout), not only its own statement's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fallback_timeout_reports_the_whole_wait() {
+async fn a_fallback_timeout_reports_the_whole_wait<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     let timeout = S;
-    let leases = Leases::builder(&pool(&db, 16, "whole-wait"))
-        .statement_timeout(timeout)
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let (pool, app) = named::<B>(&db, "whole-wait", &Settings::new("whole-wait", 16));
+    let leases = B::leases_bounded(&pool, timeout);
+    B::install(&leases).await.unwrap();
     let inserter = insert_uncommitted(&db).await;
     let o = opts();
     let stuck: Vec<_> = ["first", "second"]
         .into_iter()
         .map(|n| {
             let (leases, o) = (leases.clone(), o.clone());
-            tokio::spawn(async move { leases.acquire(n, &o, None).await })
+            tokio::spawn(async move { B::acquire(&leases, n, &o, None).await })
         })
         .collect();
     eventually(5 * S, "both statements wait on the insert", || async {
-        busy_backends(&admin, "whole-wait").await.0 == 2
+        busy_backends(&admin, &app).await.0 == 2
     })
     .await;
-    let err = leases.acquire("first", &o, None).await.unwrap_err();
+    let err = B::acquire(&leases, "first", &o, None).await.unwrap_err();
     match err {
         Error::Lease(LeaseError::Timeout { waited, .. }) => {
             eprintln!("timed out after {waited:?} (statement timeout {timeout:?})");

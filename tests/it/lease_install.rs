@@ -6,9 +6,8 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgwarden::{Error, LeaseError, LeaseOptions, Leases};
+use pgwarden::{Error, LeaseError, LeaseOptions};
 use support::backend::{Backend, LeaseSettings, Settings};
-use support::leases::pool;
 use support::{admin, db};
 use tokio_postgres::types::Type;
 
@@ -207,15 +206,15 @@ async fn name_collation(admin: &tokio_postgres::Client, table: &str) -> String {
         .get(0)
 }
 
-#[tokio::test]
-async fn names_compare_bytewise_and_a_table_made_without_it_still_works() {
+backends!(names_compare_bytewise_and_a_table_made_without_it_still_works);
+async fn names_compare_bytewise_and_a_table_made_without_it_still_works<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     admin.batch_execute("CREATE SCHEMA old").await.unwrap();
     // Made by install() and by the shipped file: COLLATE "C".
-    let pool = pool(&db, 3, "collation");
-    let leases = Leases::new(&pool);
-    assert!(leases.install().await.unwrap());
+    let pool = B::build(&db, &Settings::new("collation", 3));
+    let leases = B::leases(&pool);
+    assert!(B::install(&leases).await.unwrap());
     assert_eq!(name_collation(&admin, "public.pgwarden_leases").await, "C");
     let file = include_str!("../../sql/leases.sql")
         .replace("\"public\".\"pgwarden_leases", "\"app\".\"f_leases");
@@ -231,26 +230,25 @@ async fn names_compare_bytewise_and_a_table_made_without_it_still_works() {
         .replace("\"public\".\"pgwarden_leases", "\"old\".\"leases");
     admin.batch_execute(&before).await.unwrap();
     assert_eq!(name_collation(&admin, "old.leases").await, "default");
-    let old = Leases::builder(&pool).table("old.leases").build().unwrap();
+    let old = B::leases_with(&pool, &LeaseSettings::default().table("old.leases")).unwrap();
     assert!(
-        !old.install().await.unwrap(),
+        !B::install(&old).await.unwrap(),
         "the table exists: nothing to run"
     );
     for name in ["b", "B", "é", "e"] {
         for l in [&leases, &old] {
-            let lease = l
-                .acquire(name, &LeaseOptions::new(S * 30), None)
+            let lease = B::acquire(l, name, &LeaseOptions::new(S * 30), None)
                 .await
                 .unwrap()
                 .expect("a new name is free");
             assert!(
-                l.acquire(name, &LeaseOptions::new(S * 30), None)
+                B::acquire(l, name, &LeaseOptions::new(S * 30), None)
                     .await
                     .unwrap()
                     .is_none(),
                 "{name} is held"
             );
-            lease.release().await.unwrap();
+            B::release(lease).await.unwrap();
         }
     }
 }

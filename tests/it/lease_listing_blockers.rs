@@ -1,17 +1,18 @@
 //! The blocker `Leases::rows()` names (issue 30, point 2), from the row's
 //! `xmax` matched against `pg_locks`: the cases the hostile reader found
 //! wrong (a shared lock's MultiXactId, a prepared transaction, a state
-//! nobody may see), kept as regressions.
+//! nobody may see), kept as regressions. On every backend, from one source.
 
 use crate::support;
 
 use std::time::Duration;
 
-use pgwarden::Leases;
 use pgwarden_testing::TestServer;
-use support::leases::{insert_expired, pool, pool_with};
+use support::backend::{pool_on, Backend, LeaseSettings, Settings};
+use support::leases::insert_expired;
 use support::{admin, db};
 
+backends!(a_shared_row_lock_names_no_unrelated_session);
 /// Two fenced transactions share the row lock (`FOR KEY SHARE` each): the
 /// row's `xmax` is then a MultiXactId, a number of another counter than
 /// transaction ids. The listing compares it with `pg_locks.transactionid`
@@ -20,16 +21,13 @@ use support::{admin, db};
 /// number, is named as the blocker. Here the two counters are brought
 /// level on a private server (multixacts made faster than xids, then xids
 /// burnt up to the multixact's number).
-#[tokio::test]
-async fn a_shared_row_lock_names_no_unrelated_session() {
+async fn a_shared_row_lock_names_no_unrelated_session<B: Backend>() {
     let server = TestServer::start_local().expect("a private server");
     let db = server.create_database().await.unwrap();
     let admin = admin(&db).await;
-    let leases = Leases::builder(&pool(&db, 2, "hostile-list"))
-        .purge(Duration::from_secs(3600), None)
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let hour = LeaseSettings::default().purge(Duration::from_secs(3600), None);
+    let leases = B::leases_with(&B::build(&db, &Settings::new("hostile-list", 2)), &hour).unwrap();
+    B::install(&leases).await.unwrap();
     insert_expired(&admin, "shared", "gone").await;
 
     // Multixacts made faster than transaction ids: one session keeps a
@@ -95,7 +93,7 @@ async fn a_shared_row_lock_names_no_unrelated_session() {
         "set-up: the bystander's xid is the multixact's number"
     );
 
-    let rows = leases.rows().await.unwrap();
+    let rows = B::rows(&leases).await.unwrap();
     let row = rows.iter().find(|r| r.name == "shared").unwrap();
     eprintln!(
         "row 'shared': xmax (multixact) {m}; bystander pid {bystander_pid} xid {bystander_xid}; listing says blocker {:?} ({:?}, {:?})",
@@ -109,17 +107,17 @@ async fn a_shared_row_lock_names_no_unrelated_session() {
     drop((fence_a, fence_b, bystander, anchor));
 }
 
+backends!(an_unlocked_row_has_no_blocker_fields);
 /// A row nobody locks has no blocker: every blocker field is `None`. The
 /// listing computes the blocker's time in its state as
 /// `greatest(<NULL>, 0)`, which is 0, not NULL.
-#[tokio::test]
-async fn an_unlocked_row_has_no_blocker_fields() {
+async fn an_unlocked_row_has_no_blocker_fields<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 2, "hostile-list2"));
-    leases.install().await.unwrap();
+    let leases = B::leases(&B::build(&db, &Settings::new("hostile-list2", 2)));
+    B::install(&leases).await.unwrap();
     insert_expired(&admin, "free", "gone").await;
-    let rows = leases.rows().await.unwrap();
+    let rows = B::rows(&leases).await.unwrap();
     eprintln!("{rows:?}");
     assert_eq!(rows[0].blocker_pid, None);
     assert_eq!(
@@ -129,15 +127,15 @@ async fn an_unlocked_row_has_no_blocker_fields() {
     );
 }
 
+backends!(a_blocker_of_another_role_is_not_said_to_be_fresh);
 /// A reader of another role, without `pg_read_all_stats` (an on-call role):
 /// the blocker's state is hidden from it (`pg_stat_activity` shows NULL),
 /// so its time in that state is unknown too, not zero.
-#[tokio::test]
-async fn a_blocker_of_another_role_is_not_said_to_be_fresh() {
+async fn a_blocker_of_another_role_is_not_said_to_be_fresh<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 2, "hostile-list3"));
-    leases.install().await.unwrap();
+    let leases = B::leases(&B::build(&db, &Settings::new("hostile-list3", 2)));
+    B::install(&leases).await.unwrap();
     insert_expired(&admin, "stuck", "frozen").await;
     let locker = db.connect().await.unwrap();
     locker
@@ -154,11 +152,9 @@ async fn a_blocker_of_another_role_is_not_said_to_be_fresh() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut config = db.pg_config();
     config.user(&role);
-    let reader = Leases::builder(&pool_with(config, 2, "hostile-oncall"))
-        .auto_install(false)
-        .build()
-        .unwrap();
-    let rows = reader.rows().await.unwrap();
+    let manual = LeaseSettings::default().auto_install(false);
+    let reader = B::leases_with(&pool_on::<B>(&config, "hostile-oncall", 2).0, &manual).unwrap();
+    let rows = B::rows(&reader).await.unwrap();
     let row = &rows[0];
     eprintln!("{row:?}");
     assert!(row.blocker_pid.is_some(), "the blocker's pid is shown");
@@ -186,6 +182,7 @@ async fn multi(c: &tokio_postgres::Client) -> i64 {
         .get::<_, i64>(0)
 }
 
+backends!(a_row_locked_by_a_prepared_transaction_shows_a_blocker);
 /// A fenced transaction prepared for two-phase commit (an XA coordinator's
 /// participant) keeps its `FOR KEY SHARE` lock after its session is gone:
 /// take-overs of the expired term stay blocked until someone commits or
@@ -193,14 +190,13 @@ async fn multi(c: &tokio_postgres::Client) -> i64 {
 /// transaction has no pid, but `pg_locks` shows its lock), not say "not
 /// locked": its join keeps only rows with `pid <> pg_backend_pid()`, which
 /// is NULL for a prepared transaction.
-#[tokio::test]
-async fn a_row_locked_by_a_prepared_transaction_shows_a_blocker() {
+async fn a_row_locked_by_a_prepared_transaction_shows_a_blocker<B: Backend>() {
     let server = TestServer::start_local_with(&[("max_prepared_transactions", "4")], &[])
         .expect("a private server with 2PC");
     let db = server.create_database().await.unwrap();
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 2, "hostile-2pc"));
-    leases.install().await.unwrap();
+    let leases = B::leases(&B::build(&db, &Settings::new("hostile-2pc", 2)));
+    B::install(&leases).await.unwrap();
     insert_expired(&admin, "stuck", "gone").await;
     let p = db.connect().await.unwrap();
     p.batch_execute(
@@ -209,10 +205,10 @@ async fn a_row_locked_by_a_prepared_transaction_shows_a_blocker() {
     .await
     .unwrap();
     drop(p);
-    let other = Leases::new(&pool(&db, 2, "hostile-2pc-other"));
+    let other = B::leases(&B::build(&db, &Settings::new("hostile-2pc-other", 2)));
     let opts = pgwarden::LeaseOptions::new(Duration::from_secs(5));
-    let taken = other.acquire("stuck", &opts, None).await.unwrap();
-    let rows = leases.rows().await.unwrap();
+    let taken = B::acquire(&other, "stuck", &opts, None).await.unwrap();
+    let rows = B::rows(&leases).await.unwrap();
     let locks: Vec<(Option<i32>, String, String)> = admin
         .query(
             "SELECT pid, locktype, virtualtransaction FROM pg_locks WHERE locktype = 'transactionid'",

@@ -2,7 +2,8 @@
 //! the lease table lock nothing a writer waits for (a listing stopped
 //! half-way, a read-only session), the purge keeps the table small under a
 //! continuous stream of new names and never waits on a row lock, and the
-//! install refuses a token sequence that can hand out a smaller value.
+//! install refuses a token sequence that can hand out a smaller value. On
+//! every backend, from one source.
 
 use crate::support;
 
@@ -10,39 +11,40 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::{Error, LeaseError, LeaseOptions, Leases};
+use pgwarden::{Error, LeaseError, LeaseOptions};
 use pgwarden_testing::{Proxy, TestServer};
-use support::leases::{insert_expired, pool, pool_with};
+use support::backend::{pool_on, Backend, LeaseSettings, Settings};
+use support::leases::insert_expired;
 use support::{admin, db, eventually};
 
 const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 
+backends!(a_listing_stopped_half_way_blocks_no_writer);
 /// A listing whose link stops half-way (a frozen laptop, a slow link) holds
 /// up nobody: the holder keeps renewing and an expired lease is taken over
 /// while it hangs. Before, the listing probed row locks with `FOR UPDATE
 /// SKIP LOCKED` in a transaction it had not ended: every row stayed locked
 /// for as long as the link was stopped.
-#[tokio::test]
-async fn a_listing_stopped_half_way_blocks_no_writer() {
+async fn a_listing_stopped_half_way_blocks_no_writer<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let holder = Leases::new(&pool(&db, 4, "obs-holder"));
-    holder.install().await.unwrap();
+    let holder = B::leases(&B::build(&db, &Settings::new("obs-holder", 4)));
+    B::install(&holder).await.unwrap();
     let opts = LeaseOptions::new(2 * S);
-    let held = holder.acquire("held", &opts, None).await.unwrap().unwrap();
+    let held = B::acquire(&holder, "held", &opts, None)
+        .await
+        .unwrap()
+        .unwrap();
     insert_expired(&admin, "expired", "gone").await;
 
     // The listing goes through a proxy with a slow link, then the link
     // stops while the listing is on the server.
     let proxy = Proxy::start(TestServer::shared().unwrap()).unwrap();
     proxy.set_latency(100 * MS);
-    let reader = Leases::builder(&pool_with(proxy.pg_config(&db), 2, "obs-reader"))
-        .statement_timeout(30 * S)
-        .build()
-        .unwrap();
-    reader
-        .rows()
+    let (reader_pool, reader_app) = pool_on::<B>(&proxy.pg_config(&db), "obs-reader", 2);
+    let reader = B::leases_bounded(&reader_pool, 30 * S);
+    B::rows(&reader)
         .await
         .expect("a listing through the slow link");
     let t0: std::time::SystemTime = admin
@@ -52,7 +54,7 @@ async fn a_listing_stopped_half_way_blocks_no_writer() {
         .get(0);
     let listing = tokio::spawn({
         let reader = reader.clone();
-        async move { reader.rows().await }
+        async move { B::rows(&reader).await }
     });
     // Once this listing's first statement on the table has reached the
     // server, the link stops: whatever the listing holds then, it keeps.
@@ -60,9 +62,9 @@ async fn a_listing_stopped_half_way_blocks_no_writer() {
         admin
             .query_one(
                 "SELECT count(*) FROM pg_stat_activity
-                  WHERE application_name = 'obs-reader' AND query LIKE '%pgwarden_leases%'
-                    AND query_start > $1",
-                &[&t0],
+                  WHERE application_name = $1 AND query LIKE '%pgwarden_leases%'
+                    AND query_start > $2",
+                &[&reader_app, &t0],
             )
             .await
             .unwrap()
@@ -73,16 +75,15 @@ async fn a_listing_stopped_half_way_blocks_no_writer() {
     proxy.blackhole();
 
     // Three renewals of the held lease succeed while the listing hangs...
-    let renewed = holder.stats().renewed;
+    let renewed = B::lease_stats(&holder).renewed;
     eventually(10 * S, "three renewals while the listing hangs", || async {
-        holder.stats().renewed >= renewed + 3
+        B::lease_stats(&holder).renewed >= renewed + 3
     })
     .await;
     assert!(!held.is_lost(), "the holder lost its lease to a listing");
     // ... and another instance takes the expired lease over.
-    let other = Leases::new(&pool(&db, 2, "obs-other"));
-    let taken = other
-        .acquire("expired", &opts, Some(5 * S))
+    let other = B::leases(&B::build(&db, &Settings::new("obs-other", 2)));
+    let taken = B::acquire(&other, "expired", &opts, Some(5 * S))
         .await
         .unwrap()
         .expect("the take-over is not blocked by the listing");
@@ -92,9 +93,9 @@ async fn a_listing_stopped_half_way_blocks_no_writer() {
     let modes: Vec<String> = admin
         .query(
             "SELECT k.mode FROM pg_locks k JOIN pg_stat_activity a ON a.pid = k.pid
-              WHERE a.application_name = 'obs-reader' AND k.locktype = 'relation'
+              WHERE a.application_name = $1 AND k.locktype = 'relation'
                 AND k.relation = 'pgwarden_leases'::regclass",
-            &[],
+            &[&reader_app],
         )
         .await
         .unwrap()
@@ -107,21 +108,21 @@ async fn a_listing_stopped_half_way_blocks_no_writer() {
     );
     proxy.heal();
     listing.abort();
-    taken.release().await.unwrap();
-    held.release().await.unwrap();
+    B::release(taken).await.unwrap();
+    B::release(held).await.unwrap();
 }
 
+backends!(the_listing_works_read_only_and_names_the_blocker);
 /// From a read-only session (a replica reached by mistake, an on-call role
 /// with `default_transaction_read_only`), the listing works and still names
 /// the session holding a row: from `pg_locks`, which every role reads.
 /// Before: `25006 cannot execute SELECT FOR UPDATE in a read-only
 /// transaction`.
-#[tokio::test]
-async fn the_listing_works_read_only_and_names_the_blocker() {
+async fn the_listing_works_read_only_and_names_the_blocker<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 2, "obs-ro-writer"));
-    leases.install().await.unwrap();
+    let leases = B::leases(&B::build(&db, &Settings::new("obs-ro-writer", 2)));
+    B::install(&leases).await.unwrap();
     insert_expired(&admin, "stuck", "frozen").await;
     insert_expired(&admin, "free", "gone").await;
     // A fenced transaction left open: the row locked FOR KEY SHARE.
@@ -148,12 +149,9 @@ async fn the_listing_works_read_only_and_names_the_blocker() {
         .unwrap();
     let mut config = db.pg_config();
     config.user(&role);
-    let reader = Leases::builder(&pool_with(config, 2, "obs-ro"))
-        .auto_install(false)
-        .build()
-        .unwrap();
-    let rows = reader
-        .rows()
+    let manual = LeaseSettings::default().auto_install(false);
+    let reader = B::leases_with(&pool_on::<B>(&config, "obs-ro", 2).0, &manual).unwrap();
+    let rows = B::rows(&reader)
         .await
         .expect("a listing from a read-only role");
     let names: Vec<&str> = rows.iter().map(|r| r.name.as_str()).collect();
@@ -162,10 +160,11 @@ async fn the_listing_works_read_only_and_names_the_blocker() {
     assert_eq!(rows[0].blocker_pid, None);
     locker.batch_execute("ROLLBACK").await.unwrap();
     // Once the transaction ended, the row's stale xmax names nobody.
-    let rows = reader.rows().await.unwrap();
+    let rows = B::rows(&reader).await.unwrap();
     assert!(rows.iter().all(|r| r.blocker_pid.is_none()), "{rows:?}");
 }
 
+backends!(the_purge_keeps_up_with_a_stream_of_new_names);
 /// Sixteen tasks take and release a new name each, without a pause, while
 /// the instance purges every 100 ms whatever was released (age zero): the
 /// purge deletes rows *while* the stream goes on, and the table never holds
@@ -174,15 +173,12 @@ async fn the_listing_works_read_only_and_names_the_blocker() {
 /// steady stream never gives: it deleted nothing and the table grew by
 /// every name. Two sessions taking turns on the table's lock make sure
 /// there is no such moment here.
-#[tokio::test]
-async fn the_purge_keeps_up_with_a_stream_of_new_names() {
+async fn the_purge_keeps_up_with_a_stream_of_new_names<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::builder(&pool(&db, 16, "obs-stream"))
-        .purge(Duration::ZERO, Some(100 * MS))
-        .build()
-        .unwrap();
-    leases.install().await.unwrap();
+    let purge = LeaseSettings::default().purge(Duration::ZERO, Some(100 * MS));
+    let leases = B::leases_with(&B::build(&db, &Settings::new("obs-stream", 16)), &purge).unwrap();
+    B::install(&leases).await.unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let pairs = Arc::new(AtomicU64::new(0));
     let tasks: Vec<_> = (0..16)
@@ -192,12 +188,11 @@ async fn the_purge_keeps_up_with_a_stream_of_new_names() {
                 let opts = LeaseOptions::new(10 * S);
                 let mut i = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    let lease = leases
-                        .acquire(&format!("entity-{t}-{i}"), &opts, None)
+                    let lease = B::acquire(&leases, &format!("entity-{t}-{i}"), &opts, None)
                         .await
                         .unwrap()
                         .expect("a new name is free");
-                    lease.release().await.unwrap();
+                    B::release(lease).await.unwrap();
                     pairs.fetch_add(1, Ordering::Relaxed);
                     i += 1;
                 }
@@ -238,17 +233,17 @@ async fn the_purge_keeps_up_with_a_stream_of_new_names() {
     eventually(
         60 * S,
         "the purge deleted 2,000 rows under load",
-        || async { leases.stats().purged >= 2_000 },
+        || async { B::lease_stats(&leases).purged >= 2_000 },
     )
     .await;
     // ... and over the next rounds the table holds at most what was taken
     // since the mark before last, not every name ever used.
     let mut worst: (i64, u64) = (0, 0);
     for _ in 0..5 {
-        let round = leases.stats().purge_statements;
+        let round = B::lease_stats(&leases).purge_statements;
         let before = pairs.load(Ordering::Relaxed);
         eventually(60 * S, "another purge round", || async {
-            leases.stats().purge_statements >= round + 4
+            B::lease_stats(&leases).purge_statements >= round + 4
         })
         .await;
         let n = rows().await;
@@ -268,7 +263,7 @@ async fn the_purge_keeps_up_with_a_stream_of_new_names() {
     }
     overlap.await.unwrap();
     let total = pairs.load(Ordering::Relaxed);
-    let s = leases.stats();
+    let s = B::lease_stats(&leases);
     eprintln!(
         "{total} pairs; purged {}, {} purge statements, {} rounds waited; worst look: {:?}",
         s.purged, s.purge_statements, s.purges_waited, worst
@@ -280,30 +275,28 @@ async fn the_purge_keeps_up_with_a_stream_of_new_names() {
     eventually(
         30 * S,
         "every name a row or purged (rows vanished)",
-        || async { leases.stats().purged + (rows().await as u64) >= total },
+        || async { B::lease_stats(&leases).purged + (rows().await as u64) >= total },
     )
     .await;
     // Once the stream stops, the rest goes within two rounds.
     eventually(30 * S, "the table emptied", || async { rows().await == 0 }).await;
 }
 
+backends!(the_purge_never_waits_on_a_locked_row);
 /// An old row locked by another session (a frozen fenced holder, a user's
 /// `SELECT … FOR UPDATE`) is skipped: the purge deletes the others and
 /// waits for nothing, and no lease statement waits for the purge. Before,
 /// the purge took the table's `SHARE` lock, then its `DELETE` waited on the
 /// locked row with no bound while every acquisition, renewal and release
 /// queued behind the table lock.
-#[tokio::test]
-async fn the_purge_never_waits_on_a_locked_row() {
+async fn the_purge_never_waits_on_a_locked_row<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     // The table, with 50 expired rows and one of them locked, before the
     // purging instance exists (its purge would take them at once).
-    Leases::builder(&pool(&db, 2, "obs-purge-install"))
-        .purge(Duration::ZERO, None)
-        .build()
-        .unwrap()
-        .install()
+    let never = LeaseSettings::default().purge(Duration::ZERO, None);
+    let installer = B::build(&db, &Settings::new("obs-purge-install", 2));
+    B::install(&B::leases_with(&installer, &never).unwrap())
         .await
         .unwrap();
     for i in 0..50 {
@@ -316,14 +309,17 @@ async fn the_purge_never_waits_on_a_locked_row() {
         .unwrap();
     // Long statement timeouts: a purge that waits would wait that long, and
     // everything behind it too.
-    let leases = Leases::builder(&pool(&db, 4, "obs-purge-lock"))
+    let every = LeaseSettings::default()
         .purge(Duration::ZERO, Some(20 * MS))
-        .statement_timeout(120 * S)
-        .build()
-        .unwrap();
+        .statement_timeout(120 * S);
+    let (pool, app) = pool_on::<B>(&db.pg_config(), "obs-purge-lock", 4);
+    let leases = B::leases_with(&pool, &every).unwrap();
     // Keep the renewer (and the purge) running.
     let opts = LeaseOptions::new(2 * S);
-    let keep = leases.acquire("keep", &opts, None).await.unwrap().unwrap();
+    let keep = B::acquire(&leases, "keep", &opts, None)
+        .await
+        .unwrap()
+        .unwrap();
     let names = || async {
         admin
             .query("SELECT name FROM pgwarden_leases ORDER BY name", &[])
@@ -340,22 +336,21 @@ async fn the_purge_never_waits_on_a_locked_row() {
     // While the row stays locked, purge rounds go on, and lease statements
     // of this instance do not queue behind any of them.
     for i in 0..20 {
-        let round = leases.stats().purge_statements;
-        let lease = leases
-            .acquire(&format!("new-{i}"), &opts, None)
+        let round = B::lease_stats(&leases).purge_statements;
+        let lease = B::acquire(&leases, &format!("new-{i}"), &opts, None)
             .await
             .unwrap()
             .unwrap();
-        lease.release().await.unwrap();
+        B::release(lease).await.unwrap();
         eventually(60 * S, "a purge round", || async {
-            leases.stats().purge_statements > round
+            B::lease_stats(&leases).purge_statements > round
         })
         .await;
     }
     let waiting: i64 = admin
         .query_one(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'obs-purge-lock' AND wait_event_type = 'Lock'",
-            &[],
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+            &[&app],
         )
         .await
         .unwrap()
@@ -367,20 +362,20 @@ async fn the_purge_never_waits_on_a_locked_row() {
         names().await == ["keep"]
     })
     .await;
-    keep.release().await.unwrap();
+    B::release(keep).await.unwrap();
 }
 
+backends!(a_token_sequence_that_can_go_backwards_is_refused);
 /// A token sequence that can hand out a smaller value later is refused at
 /// install (and first use), naming the setting to change: `CACHE > 1` (two
 /// pools drew 1, 22, 3, 24, 5 for successive terms of one name), a
 /// negative `INCREMENT`, `CYCLE`. Before, the shape check looked at the
 /// sequence's type only.
-#[tokio::test]
-async fn a_token_sequence_that_can_go_backwards_is_refused() {
+async fn a_token_sequence_that_can_go_backwards_is_refused<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 2, "obs-seq"));
-    leases.install().await.unwrap();
+    let leases = B::leases(&B::build(&db, &Settings::new("obs-seq", 2)));
+    B::install(&leases).await.unwrap();
     for (alter, want, undo) in [
         ("CACHE 20", "has CACHE 20", "CACHE 1"),
         ("INCREMENT BY -1", "has INCREMENT -1", "INCREMENT BY 1"),
@@ -391,8 +386,8 @@ async fn a_token_sequence_that_can_go_backwards_is_refused() {
             .await
             .unwrap();
         // A new instance checks the shape at install.
-        let fresh = Leases::new(&pool(&db, 2, "obs-seq2"));
-        match fresh.install().await {
+        let fresh = B::leases(&B::build(&db, &Settings::new("obs-seq2", 2)));
+        match B::install(&fresh).await {
             Err(Error::Lease(LeaseError::TableMismatch { differences, .. })) => {
                 let all = differences.join("\n");
                 assert!(all.contains(want), "{want:?} not in {all}");
@@ -405,10 +400,8 @@ async fn a_token_sequence_that_can_go_backwards_is_refused() {
             .await
             .unwrap();
     }
-    assert!(Leases::new(&pool(&db, 2, "obs-seq3"))
-        .install()
-        .await
-        .is_ok());
+    let fixed = B::leases(&B::build(&db, &Settings::new("obs-seq3", 2)));
+    assert!(B::install(&fixed).await.is_ok());
     // A sequence behind the table's tokens (rows copied in from elsewhere,
     // a sequence made anew) would give the next term a smaller token.
     admin
@@ -418,7 +411,8 @@ async fn a_token_sequence_that_can_go_backwards_is_refused() {
         )
         .await
         .unwrap();
-    match Leases::new(&pool(&db, 2, "obs-seq4")).install().await {
+    let behind = B::leases(&B::build(&db, &Settings::new("obs-seq4", 2)));
+    match B::install(&behind).await {
         Err(Error::Lease(LeaseError::TableMismatch { differences, .. })) => {
             let all = differences.join("\n");
             assert!(all.contains("is behind the table's tokens"), "{all}");
@@ -428,18 +422,21 @@ async fn a_token_sequence_that_can_go_backwards_is_refused() {
     }
 }
 
+backends!(a_revoked_holder_is_told_it_was_revoked);
 /// A revoked holder is told it was revoked, not taken over: its renewal
 /// finds its row still carrying its token, with no holder. A lease taken
 /// over after expiring is still `Taken`.
-#[tokio::test]
-async fn a_revoked_holder_is_told_it_was_revoked() {
+async fn a_revoked_holder_is_told_it_was_revoked<B: Backend>() {
     let db = db().await;
-    let leases = Leases::new(&pool(&db, 4, "obs-revoke"));
+    let leases = B::leases(&B::build(&db, &Settings::new("obs-revoke", 4)));
     let opts = LeaseOptions::new(2 * S).renew_every(100 * MS);
-    let lease = leases.acquire("job", &opts, None).await.unwrap().unwrap();
+    let lease = B::acquire(&leases, "job", &opts, None)
+        .await
+        .unwrap()
+        .unwrap();
     let token = lease.term().token;
-    let before = Leases::new(&pool(&db, 2, "obs-revoker"))
-        .revoke("job")
+    let revoker = B::leases(&B::build(&db, &Settings::new("obs-revoker", 2)));
+    let before = B::revoke(&revoker, "job")
         .await
         .unwrap()
         .expect("a term to revoke");

@@ -2,7 +2,7 @@
 //! is dropped, the lease still reports itself lost at its deadline (before
 //! another instance takes it) and the next acquisition starts a renewer
 //! again; a panic inside it (here, the metrics recorder's) is caught and
-//! counted, and renewal goes on.
+//! counted, and renewal goes on. On every backend, from one source.
 
 use crate::support;
 
@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use pgwarden::{LeaseOptions, Leases, LostReason};
+use pgwarden::{LeaseOptions, LostReason};
 use support::backend::{Backend, Settings};
-use support::leases::{ahead, expiry, pool};
+use support::leases::{ahead, expiry};
 use support::{admin, db, eventually, within};
 
 const S: Duration = Duration::from_secs(1);
@@ -192,15 +192,18 @@ impl metrics::Recorder for Panicky {
     }
 }
 
-#[tokio::test]
-async fn the_renewer_survives_panics() {
+backends!(the_renewer_survives_panics);
+async fn the_renewer_survives_panics<B: Backend>() {
     let db = db().await;
     let recorder = Panicky::default();
-    let pool = pool(&db, 3, "panicky");
+    let pool = B::build(&db, &Settings::new("panicky", 3));
     // The handles are registered with the recorder when the instance is built.
-    let leases = metrics::with_local_recorder(&recorder, || Leases::new(&pool));
+    let leases = metrics::with_local_recorder(&recorder, || B::leases(&pool));
     let opts = LeaseOptions::new(2 * S).renew_every(250 * MS);
-    let lease = leases.acquire("job", &opts, None).await.unwrap().unwrap();
+    let lease = B::acquire(&leases, "job", &opts, None)
+        .await
+        .unwrap()
+        .unwrap();
     // The lease lives on, renewed, through 8 panics: the recorder panics in
     // the first 3 histogram records and the first 5 gauge sets, then no more.
     let panics = || recorder.renewer_panics.load(Ordering::SeqCst);
@@ -211,12 +214,12 @@ async fn the_renewer_survives_panics() {
     // Then past a whole TTL more of renewals (9 at 250 ms: over 2 s) with no
     // further panic: a renewer that died with a panic would have lost the
     // lease by then.
-    let renewed = leases.stats().renewed;
+    let renewed = B::lease_stats(&leases).renewed;
     eventually(20 * S, "9 renewals after the panics", || async {
-        leases.stats().renewed >= renewed + 9
+        B::lease_stats(&leases).renewed >= renewed + 9
     })
     .await;
-    let stats = leases.stats();
+    let stats = B::lease_stats(&leases);
     eprintln!("{} renewer panics caught; {stats:?}", panics());
     assert_eq!(
         panics(),
@@ -229,5 +232,5 @@ async fn the_renewer_survives_panics() {
         futures_util::FutureExt::now_or_never(lease.lost())
     );
     assert!(stats.renewed >= 8, "{stats:?}");
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
 }

@@ -1,6 +1,7 @@
 //! Running under leases against a real PostgreSQL: Leases::run (skip,
 //! renewal, release, cancel on loss), the at-least hold, bad input refused
-//! at the call, and futures dropped mid-flight (on every backend).
+//! at the call, and futures dropped mid-flight. On every backend, from one
+//! source.
 
 use crate::support;
 
@@ -9,11 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::{
-    Error, InvalidInput, LeaseError, LeaseOptions, Leases, LostReason, NameRule, OnLost,
-};
-use support::backend::{Backend, Settings};
-use support::leases::{pool, row};
+use pgwarden::{Error, InvalidInput, LeaseError, LeaseOptions, LostReason, NameRule, OnLost};
+use support::backend::{Backend, LeaseSettings, Settings};
+use support::leases::row;
 use support::{admin, db, eventually, within};
 
 const S: Duration = Duration::from_secs(1);
@@ -21,17 +20,19 @@ const MS: Duration = Duration::from_millis(1);
 
 // ---- Leases::run ----
 
-#[tokio::test]
-async fn run_skips_renews_releases_and_cancels() {
+backends!(run_skips_renews_releases_and_cancels);
+async fn run_skips_renews_releases_and_cancels<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 3, "run"));
+    let leases = B::leases(&B::build(&db, &Settings::new("run", 3)));
     // Runs; a concurrent run skips; it outlives its TTL, renewed.
     let l2 = leases.clone();
-    let out = leases
-        .run("nightly", &LeaseOptions::new(S), |lease| async move {
-            let inner = l2
-                .run("nightly", &LeaseOptions::new(S), |_| async {})
+    let out = B::run_job(
+        &leases,
+        "nightly",
+        &LeaseOptions::new(S),
+        |lease| async move {
+            let inner = B::run_job(&l2, "nightly", &LeaseOptions::new(S), |_| async {})
                 .await
                 .unwrap();
             assert!(inner.is_none(), "a second run skips");
@@ -39,9 +40,10 @@ async fn run_skips_renews_releases_and_cancels() {
             tokio::time::sleep(1500 * MS).await;
             assert!(!lease.is_lost());
             lease.term().token
-        })
-        .await
-        .unwrap();
+        },
+    )
+    .await
+    .unwrap();
     assert!(out.is_some());
     // Released after: free at once.
     assert_eq!(row(&admin, "nightly").await, None);
@@ -57,7 +59,7 @@ async fn run_skips_renews_releases_and_cancels() {
     let opts = LeaseOptions::new(S).on_lost(OnLost::Cancel);
     let flag = Flag(dropped.clone());
     let admin2 = &admin;
-    let err = within(5 * S, "cancelled run", leases.run("steal-me", &opts, |_| async move {
+    let err = within(5 * S, "cancelled run", B::run_job(&leases, "steal-me", &opts, |_| async move {
         let _flag = flag;
         // Another holder takes the row over.
         admin2
@@ -85,15 +87,20 @@ async fn run_skips_renews_releases_and_cancels() {
     let out = within(
         5 * S,
         "signalled run",
-        leases.run("steal-me-too", &LeaseOptions::new(S), |lease| async move {
-            admin2
-                .batch_execute(
-                    "UPDATE pgwarden_leases SET holder = 'thief' WHERE name = 'steal-me-too'",
-                )
-                .await
-                .unwrap();
-            lease.lost().await
-        }),
+        B::run_job(
+            &leases,
+            "steal-me-too",
+            &LeaseOptions::new(S),
+            |lease| async move {
+                admin2
+                    .batch_execute(
+                        "UPDATE pgwarden_leases SET holder = 'thief' WHERE name = 'steal-me-too'",
+                    )
+                    .await
+                    .unwrap();
+                lease.lost().await
+            },
+        ),
     )
     .await
     .unwrap();
@@ -102,23 +109,24 @@ async fn run_skips_renews_releases_and_cancels() {
 
 // ---- at-least-hold ----
 
-#[tokio::test]
-async fn at_least_hold_outlives_an_early_release() {
+backends!(at_least_hold_outlives_an_early_release);
+async fn at_least_hold_outlives_an_early_release<B: Backend>() {
     let db = db().await;
-    let leases = Leases::new(&pool(&db, 2, "hold"));
+    let leases = B::leases(&B::build(&db, &Settings::new("hold", 2)));
     let opts = LeaseOptions::new(S).at_least(1500 * MS);
     let start = Instant::now();
-    let first = leases.acquire("mail", &opts, None).await.unwrap().unwrap();
+    let first = B::acquire(&leases, "mail", &opts, None)
+        .await
+        .unwrap()
+        .unwrap();
     let first_token = first.term().token;
-    first.release().await.unwrap();
+    B::release(first).await.unwrap();
     // Released, still held: nobody gets it before 1.5 s.
-    assert!(leases
-        .acquire("mail", &LeaseOptions::new(S), None)
+    assert!(B::acquire(&leases, "mail", &LeaseOptions::new(S), None)
         .await
         .unwrap()
         .is_none());
-    let second = leases
-        .acquire("mail", &LeaseOptions::new(S), Some(5 * S))
+    let second = B::acquire(&leases, "mail", &LeaseOptions::new(S), Some(5 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
@@ -126,9 +134,8 @@ async fn at_least_hold_outlives_an_early_release() {
     // A released row is not a take-over.
     assert_eq!(second.term().took_over_from.as_deref(), None);
     assert!(second.term().token > first_token);
-    second.release().await.unwrap();
-    assert!(leases
-        .acquire("mail", &LeaseOptions::new(S), None)
+    B::release(second).await.unwrap();
+    assert!(B::acquire(&leases, "mail", &LeaseOptions::new(S), None)
         .await
         .unwrap()
         .is_some());
@@ -136,11 +143,11 @@ async fn at_least_hold_outlives_an_early_release() {
 
 // ---- bad input ----
 
-#[tokio::test]
-async fn bad_input_is_a_typed_error_at_the_call() {
+backends!(bad_input_is_a_typed_error_at_the_call);
+async fn bad_input_is_a_typed_error_at_the_call<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let pool = pool(&db, 2, "bad");
+    let pool = B::build(&db, &Settings::new("bad", 2));
     let invalid = |e: Error| assert!(matches!(e, Error::Invalid(_)), "{e}");
     // Each refusal names the value and the rule it breaks.
     let name_rule = |e: Error| match e {
@@ -193,8 +200,8 @@ async fn bad_input_is_a_typed_error_at_the_call() {
         (&"t".repeat(54), "", NameRule::TooLong { len: 54, max: 53 }),
     ];
     for (table, part, want) in table_cases {
-        let (what, value, rule) =
-            name_rule(Leases::builder(&pool).table(table).build().unwrap_err());
+        let named = LeaseSettings::default().table(table);
+        let (what, value, rule) = name_rule(B::leases_with(&pool, &named).unwrap_err());
         assert_eq!(what, "lease table name");
         if !part.is_empty() {
             assert_eq!(value, part, "{table:?}");
@@ -206,11 +213,8 @@ async fn bad_input_is_a_typed_error_at_the_call() {
             _ => assert_eq!(rule, want, "{table:?}"),
         }
     }
-    match Leases::builder(&pool)
-        .statement_timeout(Duration::ZERO)
-        .build()
-        .unwrap_err()
-    {
+    let unbounded = LeaseSettings::default().statement_timeout(Duration::ZERO);
+    match B::leases_with(&pool, &unbounded).unwrap_err() {
         Error::Invalid(InvalidInput::Duration {
             value, min, max, ..
         }) => {
@@ -220,27 +224,28 @@ async fn bad_input_is_a_typed_error_at_the_call() {
         }
         e => panic!("{e}"),
     }
-    let leases = Leases::new(&pool);
+    let leases = B::leases(&pool);
     let long = "n".repeat(129);
     for name in ["", "a\0b", "new\nline", long.as_str()] {
         invalid(
-            leases
-                .acquire(name, &LeaseOptions::new(S), None)
+            B::acquire(&leases, name, &LeaseOptions::new(S), None)
                 .await
                 .unwrap_err(),
         );
         invalid(
-            leases
-                .acquire(name, &LeaseOptions::new(S), Some(S))
+            B::acquire(&leases, name, &LeaseOptions::new(S), Some(S))
                 .await
                 .unwrap_err(),
         );
         let opts = LeaseOptions::default();
-        invalid(leases.run(name, &opts, |_| async {}).await.unwrap_err());
+        invalid(
+            B::run_job(&leases, name, &opts, |_| async {})
+                .await
+                .unwrap_err(),
+        );
     }
     for ttl in [Duration::ZERO, 999 * MS, 25 * 3600 * S, Duration::MAX] {
-        let e = leases
-            .acquire("x", &LeaseOptions::new(ttl), None)
+        let e = B::acquire(&leases, "x", &LeaseOptions::new(ttl), None)
             .await
             .unwrap_err();
         assert!(
@@ -259,11 +264,15 @@ async fn bad_input_is_a_typed_error_at_the_call() {
         LeaseOptions::new(2 * S).safety_margin(2 * S),
         LeaseOptions::new(2 * S).at_least(400 * 24 * 3600 * S),
     ] {
-        invalid(leases.acquire("x", &opts, None).await.unwrap_err());
-        invalid(leases.run("x", &opts, |_| async {}).await.unwrap_err());
+        invalid(B::acquire(&leases, "x", &opts, None).await.unwrap_err());
+        invalid(
+            B::run_job(&leases, "x", &opts, |_| async {})
+                .await
+                .unwrap_err(),
+        );
     }
     // Refused before any statement: nothing was installed.
-    assert_eq!(leases.stats().statements, 0);
+    assert_eq!(B::lease_stats(&leases).statements, 0);
     let exists: bool = admin
         .query_typed_one("SELECT to_regclass('pgwarden_leases') IS NOT NULL", &[])
         .await
@@ -272,13 +281,12 @@ async fn bad_input_is_a_typed_error_at_the_call() {
     assert!(!exists);
     // A name that looks like SQL is only data.
     let odd = "x'); DROP TABLE pgwarden_leases; --";
-    let lease = leases
-        .acquire(odd, &LeaseOptions::new(S), None)
+    let lease = B::acquire(&leases, odd, &LeaseOptions::new(S), None)
         .await
         .unwrap()
         .unwrap();
     assert_eq!(row(&admin, odd).await.unwrap().1, lease.term().token);
-    lease.release().await.unwrap();
+    B::release(lease).await.unwrap();
 }
 
 // ---- cancellation ----

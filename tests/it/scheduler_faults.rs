@@ -2,7 +2,8 @@
 //! panics runs again the next period (caught, logged, counted); a holder
 //! that crashes mid-job (a process killed with SIGKILL) is not rerun in its
 //! period and is taken over in the next; shutdown cancels an acquisition in
-//! flight on the server; a release that fails once is retried at once.
+//! flight on the server; a release that fails once is retried at once. On
+//! every backend, from one source.
 
 use crate::support;
 
@@ -12,9 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use pgwarden::{Job, LeaseHandle, LeaseOptions, Leases, Scheduler};
-use support::backend::{named, Backend, Settings};
-use support::leases::{busy_backends, insert_expired, lock_rows, pool, pool_with};
+use pgwarden::{Job, LeaseHandle, LeaseOptions};
+use support::backend::{named, pool_on, Backend, Settings};
+use support::leases::{busy_backends, insert_expired, lock_rows};
 use support::{admin, db, eventually, within};
 use tokio_postgres::types::Type;
 
@@ -30,12 +31,12 @@ fn slot_of(lease: &LeaseHandle, period: Duration) -> i64 {
     (t.as_secs_f64() / period.as_secs_f64()).floor() as i64
 }
 
-#[tokio::test]
-async fn a_panicking_job_runs_again_next_period() {
+backends!(a_panicking_job_runs_again_next_period);
+async fn a_panicking_job_runs_again_next_period<B: Backend>() {
     let db = db().await;
     let recorder = DebuggingRecorder::new();
     let snap = recorder.snapshotter();
-    let pool = pool(&db, 3, "panics");
+    let pool = B::build(&db, &Settings::new("panics", 3));
     let log: PanicLog = Arc::default();
     let job = |name: &'static str, in_future: bool| {
         let log = log.clone();
@@ -56,13 +57,9 @@ async fn a_panicking_job_runs_again_next_period() {
         })
     };
     let scheduler = metrics::with_local_recorder(&recorder, || {
-        let leases = Leases::new(&pool);
-        Scheduler::builder(&leases)
-            .node("n1")
-            .job(job("boom-inside", true))
-            .job(job("boom-making", false))
-            .start()
-            .unwrap()
+        let leases = B::leases(&pool);
+        let jobs = vec![job("boom-inside", true), job("boom-making", false)];
+        B::schedule_node(&leases, "n1", jobs).unwrap()
     });
     eventually(6 * S, "three runs of each job", || async {
         let log = log.lock();
@@ -103,48 +100,45 @@ async fn a_panicking_job_runs_again_next_period() {
     );
 }
 
+backends!(
+    ignore_all = "the child process of a_holder_crashing_mid_job_is_not_rerun_in_its_period",
+    crash_child
+);
 /// What the crashing child does: run "report" every 2 s with a TTL of 1 s,
-/// record the run's start, and hang in it until it is killed.
-#[tokio::test]
-#[ignore = "the child process of a_holder_crashing_mid_job_is_not_rerun_in_its_period"]
-async fn crash_child() {
+/// record the run's start (on a connection of its own: the record is the
+/// test's, not the backend's), and hang in it until it is killed.
+async fn crash_child<B: Backend>() {
     let Ok(url) = std::env::var("PGWARDEN_CRASH_CHILD_URL") else {
         return;
     };
     let config: tokio_postgres::Config = url.parse().unwrap();
-    let pool = pool_with(config, 3, "crash-child");
-    let leases = Leases::new(&pool);
-    let log = pool.clone();
-    let scheduler = Scheduler::builder(&leases)
-        .node("child")
-        .job(
-            Job::every("report", 2 * S, move |lease: LeaseHandle| {
-                let log = log.clone();
-                async move {
-                    let conn = log.get().await.unwrap();
-                    let (holder, token) = (lease.term().holder.clone(), lease.term().token);
-                    conn.query_typed(
-                        "INSERT INTO runs VALUES ('child', $1, $2, now())",
-                        &[(&holder, Type::TEXT), (&token, Type::INT8)],
-                    )
-                    .await
-                    .unwrap();
-                    drop(conn);
-                    // The scenario: hung mid-job until the test kills us.
-                    tokio::time::sleep(Duration::from_secs(3600)).await;
-                }
-            })
-            .options(LeaseOptions::new(S)),
-        )
-        .start()
-        .unwrap();
+    let leases = B::leases(&pool_on::<B>(&config, "crash-child", 3).0);
+    let report = Job::every("report", 2 * S, move |lease: LeaseHandle| {
+        let config = config.clone();
+        async move {
+            let (conn, io) = config.connect(tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(io);
+            let (holder, token) = (lease.term().holder.clone(), lease.term().token);
+            conn.query_typed(
+                "INSERT INTO runs VALUES ('child', $1, $2, now())",
+                &[(&holder, Type::TEXT), (&token, Type::INT8)],
+            )
+            .await
+            .unwrap();
+            drop(conn);
+            // The scenario: hung mid-job until the test kills us.
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+    })
+    .options(LeaseOptions::new(S));
+    let scheduler = B::schedule_node(&leases, "child", vec![report]).unwrap();
     // The scenario: alive until the test kills us (60 s at most if it never does).
     tokio::time::sleep(Duration::from_secs(60)).await;
     drop(scheduler);
 }
 
-#[tokio::test]
-async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period() {
+backends!(a_holder_crashing_mid_job_is_not_rerun_in_its_period);
+async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     admin
@@ -153,15 +147,20 @@ async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period() {
         )
         .await
         .unwrap();
-    Leases::new(&pool(&db, 2, "crash-setup"))
-        .install()
+    B::install(&B::leases(&B::build(&db, &Settings::new("crash-setup", 2))))
         .await
         .unwrap();
     // The child test's full name: its module path without the crate's name
-    // (`scheduler_faults::crash_child` in the `it` binary).
+    // and its backend's variant (`scheduler_faults::crash_child::deadpool`
+    // in the `it` binary).
+    let variant = match B::NAME {
+        "sqlx08" => "sqlx_0_8",
+        "sqlx09" => "sqlx_0_9",
+        name => name,
+    };
     let child_test = match module_path!().split_once("::") {
-        Some((_, module)) => format!("{module}::crash_child"),
-        None => "crash_child".to_owned(),
+        Some((_, module)) => format!("{module}::crash_child::{variant}"),
+        None => format!("crash_child::{variant}"),
     };
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", &child_test, "--nocapture"])
@@ -193,22 +192,17 @@ async fn a_holder_crashing_mid_job_is_not_rerun_in_its_period() {
     // Another instance runs the same job from now on.
     let runs: RunLog = Arc::default();
     let log = runs.clone();
-    let leases = Leases::new(&pool(&db, 3, "crash-b"));
-    let b = Scheduler::builder(&leases)
-        .node("b")
-        .job(
-            Job::every("report", 2 * S, move |lease: LeaseHandle| {
-                log.lock().push((
-                    slot_of(&lease, 2 * S),
-                    lease.term().took_over_from.clone(),
-                    lease.term().token,
-                ));
-                std::future::ready(())
-            })
-            .options(LeaseOptions::new(S)),
-        )
-        .start()
-        .unwrap();
+    let leases = B::leases(&B::build(&db, &Settings::new("crash-b", 3)));
+    let report = Job::every("report", 2 * S, move |lease: LeaseHandle| {
+        log.lock().push((
+            slot_of(&lease, 2 * S),
+            lease.term().took_over_from.clone(),
+            lease.term().token,
+        ));
+        std::future::ready(())
+    })
+    .options(LeaseOptions::new(S));
+    let b = B::schedule_node(&leases, "b", vec![report]).unwrap();
     eventually(8 * S, "B's first run", || async { !runs.lock().is_empty() }).await;
     b.shutdown(10 * S).await;
     let (slot, took_over_from, token) = runs.lock()[0].clone();
@@ -271,16 +265,16 @@ async fn shutdown_cancels_an_acquisition_in_flight<B: Backend>() {
     assert_eq!(holder, "stale");
 }
 
+backends!(a_failed_release_is_retried_at_once);
 /// A job's lease release that fails once (as on a connection the server
 /// closed right after a primary failover) is tried again at once, within the
 /// statement bound: the lease is released after the run, not left held
 /// until its TTL (30 s here).
-#[tokio::test]
-async fn a_failed_release_is_retried_at_once() {
+async fn a_failed_release_is_retried_at_once<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let leases = Leases::new(&pool(&db, 3, "release-retry"));
-    leases.install().await.unwrap();
+    let leases = B::leases(&B::build(&db, &Settings::new("release-retry", 3)));
+    B::install(&leases).await.unwrap();
     // The first release of any term fails on the server: a release marks the
     // row released (holder ''); acquisitions and renewals set a holder.
     admin
@@ -302,17 +296,12 @@ async fn a_failed_release_is_retried_at_once() {
     let flag = ran.clone();
     // Hourly: it runs once, at start-up; its release keeps the row (the
     // period's hold), marked released.
-    let scheduler = Scheduler::builder(&leases)
-        .node("n1")
-        .job(
-            Job::every("report", 3600 * S, move |_| {
-                let flag = flag.clone();
-                async move { flag.store(true, std::sync::atomic::Ordering::SeqCst) }
-            })
-            .options(LeaseOptions::new(30 * S)),
-        )
-        .start()
-        .unwrap();
+    let report = Job::every("report", 3600 * S, move |_| {
+        let flag = flag.clone();
+        async move { flag.store(true, std::sync::atomic::Ordering::SeqCst) }
+    })
+    .options(LeaseOptions::new(30 * S));
+    let scheduler = B::schedule_node(&leases, "n1", vec![report]).unwrap();
     eventually(5 * S, "the run", || async {
         ran.load(std::sync::atomic::Ordering::SeqCst)
     })
@@ -341,6 +330,6 @@ async fn a_failed_release_is_retried_at_once() {
         .unwrap()
         .get(0);
     assert!(failures >= 1, "the injected failure happened");
-    assert_eq!(leases.stats().held, 0);
+    assert_eq!(B::lease_stats(&leases).held, 0);
     scheduler.shutdown(S).await;
 }

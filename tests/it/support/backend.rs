@@ -244,6 +244,24 @@ pub trait Backend: Send + Sync + 'static {
     fn lease_stats(l: &Self::Leases) -> LeaseStats;
     /// `Leases::rows`.
     fn rows(l: &Self::Leases) -> BoxFuture<'_, Result<Vec<LeaseRow>, Error>>;
+    /// `Leases::revoke`.
+    fn revoke<'a>(
+        l: &'a Self::Leases,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<LeaseRow>, Error>>;
+    /// `Leases::release_all`.
+    fn release_all(l: &Self::Leases) -> BoxFuture<'_, Result<usize, Error>>;
+    /// `Leases::run(name, opts, job)`.
+    fn run_job<'a, F, Fut, T>(
+        l: &'a Self::Leases,
+        name: &'a str,
+        opts: &'a LeaseOptions,
+        job: F,
+    ) -> BoxFuture<'a, Result<Option<T>, Error>>
+    where
+        F: FnOnce(LeaseHandle) -> Fut + Send + 'a,
+        Fut: std::future::Future<Output = T> + Send + 'a,
+        T: Send + 'a;
     /// `Leases::run(name, opts, work)` whose work returns its term's token.
     fn run_token<'a>(
         l: &'a Self::Leases,
@@ -316,6 +334,13 @@ pub trait Backend: Send + Sync + 'static {
     fn lease_ddl(l: &Self::Leases) -> String;
     /// `Scheduler::builder(&leases).node(node)` with `jobs`, started.
     fn schedule_node(l: &Self::Leases, node: &str, jobs: Vec<Job>) -> Result<Scheduler, Error>;
+    /// The same with `poll_jitter(jitter)`, when given.
+    fn schedule_jittered(
+        l: &Self::Leases,
+        node: &str,
+        jitter: Option<Duration>,
+        jobs: Vec<Job>,
+    ) -> Result<Scheduler, Error>;
     /// The SQLSTATE of `e`, when the server sent one.
     fn code(e: &Error) -> Option<String>;
 
@@ -364,6 +389,8 @@ pub struct LeaseSettings {
     /// `purge(after, every)`.
     pub purge: Option<(Duration, Option<Duration>)>,
     pub auto_install: Option<bool>,
+    /// `declare(names)`: lease names that are metric labels of their own.
+    pub declare: Vec<String>,
 }
 
 impl LeaseSettings {
@@ -384,6 +411,11 @@ impl LeaseSettings {
 
     pub fn auto_install(mut self, on: bool) -> LeaseSettings {
         self.auto_install = Some(on);
+        self
+    }
+
+    pub fn declare(mut self, names: &[&str]) -> LeaseSettings {
+        self.declare = names.iter().map(|n| n.to_string()).collect();
         self
     }
 }
@@ -506,6 +538,31 @@ macro_rules! lease_methods {
             Box::pin(l.rows())
         }
 
+        fn revoke<'a>(
+            l: &'a Self::Leases,
+            name: &'a str,
+        ) -> BoxFuture<'a, Result<Option<LeaseRow>, Error>> {
+            Box::pin(l.revoke(name))
+        }
+
+        fn release_all(l: &Self::Leases) -> BoxFuture<'_, Result<usize, Error>> {
+            Box::pin(l.release_all())
+        }
+
+        fn run_job<'a, F, Fut, T>(
+            l: &'a Self::Leases,
+            name: &'a str,
+            opts: &'a LeaseOptions,
+            job: F,
+        ) -> BoxFuture<'a, Result<Option<T>, Error>>
+        where
+            F: FnOnce(LeaseHandle) -> Fut + Send + 'a,
+            Fut: std::future::Future<Output = T> + Send + 'a,
+            T: Send + 'a,
+        {
+            Box::pin(l.run(name, opts, job))
+        }
+
         fn run_token<'a>(
             l: &'a Self::Leases,
             name: &'a str,
@@ -544,6 +601,9 @@ macro_rules! bounded_leases {
             if let Some(on) = s.auto_install {
                 b = b.auto_install(on);
             }
+            if !s.declare.is_empty() {
+                b = b.declare(s.declare.iter().map(String::as_str));
+            }
             b.build()
         }
 
@@ -552,9 +612,20 @@ macro_rules! bounded_leases {
         }
 
         fn schedule_node(l: &Self::Leases, node: &str, jobs: Vec<Job>) -> Result<Scheduler, Error> {
-            jobs.into_iter()
-                .fold(Scheduler::builder(l).node(node), |b, j| b.job(j))
-                .start()
+            Self::schedule_jittered(l, node, None, jobs)
+        }
+
+        fn schedule_jittered(
+            l: &Self::Leases,
+            node: &str,
+            jitter: Option<Duration>,
+            jobs: Vec<Job>,
+        ) -> Result<Scheduler, Error> {
+            let mut b = Scheduler::builder(l).node(node);
+            if let Some(j) = jitter {
+                b = b.poll_jitter(j);
+            }
+            jobs.into_iter().fold(b, |b, j| b.job(j)).start()
         }
     };
 }
@@ -1004,6 +1075,24 @@ pub fn sqlx_target(
     (host, socket, port, user, dbname)
 }
 
+/// The `name=value` pairs of a libpq `options` string (`-c name=value`
+/// or `-cname=value`, space-separated), as sqlx's `options` takes them.
+#[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+pub fn command_line_settings(options: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut words = options.split_whitespace();
+    while let Some(w) = words.next() {
+        let pair = match w.strip_prefix("-c") {
+            Some("") => words.next().unwrap_or_default(),
+            Some(rest) => rest,
+            None => panic!("options: only -c name=value is supported, got {w:?}"),
+        };
+        let (name, value) = pair.split_once('=').expect("options: -c name=value");
+        out.push((name.to_owned(), value.to_owned()));
+    }
+    out
+}
+
 /// The backend of one sqlx version: `$sqlx` the sqlx crate, `$pg` the
 /// pgwarden module over it (one source for both versions).
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
@@ -1197,6 +1286,11 @@ macro_rules! sqlx_backend {
                 let mut opts = sqlx_options!($sqlx, config);
                 if let Some(app) = config.get_application_name() {
                     opts = opts.application_name(app);
+                }
+                // `options` (`-c name=value …`): run-time settings, such as
+                // a search path.
+                if let Some(o) = config.get_options() {
+                    opts = opts.options(command_line_settings(o));
                 }
                 Self::with(opts, s)
             }
@@ -1467,14 +1561,23 @@ pub fn leases_on<B: Backend>(
     app: &str,
     size: usize,
 ) -> (B::Leases, String) {
+    let (pool, app_b) = pool_on::<B>(config, app, size);
+    (B::leases(&pool), app_b)
+}
+
+/// A pool of `size` of backend `B` on `config` (a database, another role,
+/// PgBouncer, a proxy), named `app` and its backends `<app>-<backend>` in
+/// `pg_stat_activity.application_name`: the pool and that name.
+pub fn pool_on<B: Backend>(
+    config: &tokio_postgres::Config,
+    app: &str,
+    size: usize,
+) -> (B::Pool, String) {
     let app_b = format!("{app}-{}", B::NAME);
     let mut config = config.clone();
     config.application_name(&app_b);
     let name: &'static str = Box::leak(app.to_owned().into_boxed_str());
-    (
-        B::leases(&B::build_on(&config, &Settings::new(name, size))),
-        app_b,
-    )
+    (B::build_on(&config, &Settings::new(name, size)), app_b)
 }
 
 /// Waits (on the pool's state, not a clock) until nothing is in use or

@@ -1,7 +1,8 @@
-//! Lease tests' helpers: pools with a known `application_name` (to find
-//! their backends), two lease holders on one database, views of the lease
-//! table and of the holders' backends, and the lease options the fault tests
-//! share.
+//! Lease tests' helpers: deadpool pools with a known `application_name`
+//! (for the tests that stay deadpool-only; a backend-generic test names its
+//! pool with `support::backend::{named, pool_on}`), views of the lease
+//! table and of the holders' backends, and the lease options the fault
+//! tests share.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -138,41 +139,4 @@ pub async fn insert_expired(admin: &Client, name: &str, holder: &str) {
         )
         .await
         .expect("an expired term");
-}
-
-/// Two lease holders on one fresh database, as two service instances: A on
-/// `pool_a` (its backends named `{name}-a`), B on a pool of 2 (`{name}-b`).
-pub struct TwoHolders {
-    pub db: TestDb,
-    /// A plain connection for the test's own queries.
-    pub admin: Client,
-    /// A's pool: the work under A's leases runs on it; closing it is A crashing.
-    pub pool_a: Pool,
-    pub a: Leases,
-    pub b: Leases,
-}
-
-impl TwoHolders {
-    /// A on a pool of `size_a`, the lease table not installed yet.
-    pub async fn new(name: &str, size_a: usize) -> TwoHolders {
-        let db = super::db().await;
-        let admin = super::admin(&db).await;
-        let pool_a = pool(&db, size_a, &format!("{name}-a"));
-        let a = Leases::new(&pool_a);
-        let b = Leases::new(&pool(&db, 2, &format!("{name}-b")));
-        TwoHolders {
-            db,
-            admin,
-            pool_a,
-            a,
-            b,
-        }
-    }
-
-    /// Pools of 2 each, the lease table installed (by B).
-    pub async fn installed(name: &str) -> TwoHolders {
-        let t = TwoHolders::new(name, 2).await;
-        t.b.install().await.expect("install the lease table");
-        t
-    }
 }
