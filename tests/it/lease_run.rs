@@ -26,17 +26,33 @@ async fn run_skips_renews_releases_and_cancels() {
     let db = db().await;
     let admin = admin(&db).await;
     let leases = Leases::new(&pool(&db, 3, "run"));
-    // Runs; a concurrent run skips; it outlives its TTL, renewed.
+    // Runs; a concurrent run skips; it outlives its TTL, renewed. A 2 s
+    // TTL renewed every 100 ms: lost only if a loaded machine stalls the
+    // renewals for 1.75 s.
     let l2 = leases.clone();
+    let opts = LeaseOptions::new(2 * S).renew_every(100 * MS);
+    let watcher = &admin;
     let out = leases
-        .run("nightly", &LeaseOptions::new(S), |lease| async move {
+        .run("nightly", &opts, |lease| async move {
             let inner = l2
                 .run("nightly", &LeaseOptions::new(S), |_| async {})
                 .await
                 .unwrap();
             assert!(inner.is_none(), "a second run skips");
-            // The scenario: the run outlives its TTL (1 s).
-            tokio::time::sleep(1500 * MS).await;
+            // The scenario: the run outlives its TTL, on the database's
+            // clock, and its term is still in force there (renewed).
+            eventually(30 * S, "the run past its first term, renewed", || async {
+                watcher
+                    .query_one(
+                        "SELECT now() > taken_at + interval '2 s' AND expires_at > now() \
+                           FROM pgwarden_leases WHERE name = 'nightly'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, bool>(0)
+            })
+            .await;
             assert!(!lease.is_lost());
             lease.term().token
         })
