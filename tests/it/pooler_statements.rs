@@ -96,9 +96,11 @@ async fn checkouts_leases_and_locks_work_behind_a_transaction_pgbouncer<B: Backe
             .unwrap_or_else(|e| panic!("{what}: acquire: {e}"))
             .expect("free: the last one was released");
         let before = B::lease_stats(&leases).renewed;
-        eventually(T, "renewals through the bouncer", || async {
-            B::lease_stats(&leases).renewed >= before + 2
-        })
+        eventually(
+            T,
+            &format!("{what}: renewals through the bouncer"),
+            || async { B::lease_stats(&leases).renewed >= before + 2 },
+        )
         .await;
         assert_eq!(B::lease_stats(&leases).renewal_failures, 0, "{what}");
         assert!(!lease.is_lost(), "{what}");
