@@ -344,16 +344,24 @@ async fn drop_after<B: Backend>(db: &pgwarden_testing::TestDb, polls: usize) {
         }
         drop(fut);
     }
-    eventually(3 * S, "connections back", || {
+    // A connection kept out never comes back: 10 s is for a loaded
+    // machine, where a dropped statement's cancel can wait 2 s for a
+    // connection of its own.
+    eventually(10 * S, "connections back", || {
         std::future::ready(B::status(&pool).in_use == 0)
     })
     .await;
     assert_eq!(B::lease_stats(&leases).held, 0);
-    let c = B::acquire(&leases, &c_name, &LeaseOptions::new(S), Some(3 * S))
+    // Taken again once the strays' 1 s terms end (a wait that only stops
+    // a stray renewed for ever), and held: with a 30 s
+    // TTL of their own, so that the first is not lost while a loaded
+    // machine takes the second (with 1 s, it was, at load 16).
+    let again = LeaseOptions::new(30 * S);
+    let c = B::acquire(&leases, &c_name, &again, Some(10 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
-    let r = B::acquire(&leases, &r_name, &LeaseOptions::new(S), Some(3 * S))
+    let r = B::acquire(&leases, &r_name, &again, Some(10 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
