@@ -429,15 +429,23 @@ async fn release<B: Source>(
     }
 }
 
+/// The least time the cancel of an abandoned lock statement is given (see
+/// [`cancel_in_flight`]): it runs in a task of its own, so nothing waits
+/// for it, and on a loaded machine a control checkout (a new connection,
+/// perhaps) and its round trip took longer than a 100 ms unlock bound,
+/// leaving the backend waiting for the lock for its whole wait.
+const CANCEL_AT_LEAST: Duration = Duration::from_secs(5);
+
 /// Cancels the statement in flight on `conn`, whose backend is `pid`,
 /// before its connection is closed. The backend is likely still waiting
 /// for the lock: closing the socket does not stop that wait (nor keep it
-/// out of the lock's queue), a cancel does. Best effort, bounded, in a
-/// task of its own; the connection is closed either way. Deadpool: a
-/// cancel request (plain TCP or socket). sqlx sends none:
-/// `pg_cancel_backend` on another connection of the pool, on the lock's
-/// backend.
+/// out of the lock's queue), a cancel does. Best effort, bounded (`bound`,
+/// at least [`CANCEL_AT_LEAST`]), in a task of its own; the connection is
+/// closed either way. Deadpool: a cancel request (plain TCP or socket).
+/// sqlx sends none: `pg_cancel_backend` on another connection of the
+/// pool, on the lock's backend.
 fn cancel_in_flight<B: Source>(conn: &Client<B>, pid: i32, bound: Duration) {
+    let bound = bound.max(CANCEL_AT_LEAST);
     match B::cancel(&**conn) {
         Some(cancel) => {
             tokio::spawn(tokio::time::timeout(bound, cancel));

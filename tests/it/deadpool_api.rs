@@ -26,6 +26,55 @@ async fn backends(admin: &Client) -> i64 {
         .get(0)
 }
 
+/// The backends of the test's database that stay open: at most `size`,
+/// or the count of those still there once any over `size` have had time
+/// to exit. A connection the pool closes (a checkout back past a shrink,
+/// a probe given up) ends on the client at once, but its backend shows in
+/// `pg_stat_activity` until the server gets to run its exit: on a loaded
+/// machine, beside the connection opened in its place. A connection the
+/// pool really kept over its size does not go away: it is still counted
+/// after the wait.
+async fn backends_kept(admin: &Client, size: usize) -> i64 {
+    let pids =
+        |rows: Vec<tokio_postgres::Row>| -> Vec<i32> { rows.iter().map(|r| r.get(0)).collect() };
+    let seen = pids(
+        admin
+            .query(
+                "SELECT pid FROM pg_stat_activity \
+                  WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .expect("pg_stat_activity"),
+    );
+    if seen.len() <= size {
+        return seen.len() as i64;
+    }
+    let still = || async {
+        admin
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE pid = ANY($1)",
+                &[&seen],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .len()
+    };
+    // The backends of closed connections exit; 10 s is for a loaded
+    // machine, not a rate.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut left = still().await;
+    while left > size && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        left = still().await;
+    }
+    eprintln!(
+        "{} backends seen at size {size}; {left} of them stayed",
+        seen.len()
+    );
+    left as i64
+}
+
 #[tokio::test]
 async fn status_carries_deadpools_field_names() {
     let db = db().await;
@@ -293,12 +342,14 @@ async fn resize_under_load_never_has_more_out_than_the_size_in_force() {
             let s = pool.status();
             worst.in_use = worst.in_use.max(s.in_use);
             worst.out = worst.out.max(out.load(Ordering::SeqCst));
-            worst.backends = worst.backends.max(backends(&admin).await);
+            worst.backends = worst.backends.max(backends_kept(&admin, size).await);
             worst.samples += 1;
+            // Bounds that only stop a hang, generous for a loaded machine:
+            // the probe's latency there is not what is tested.
             within(
-                Duration::from_secs(2),
+                Duration::from_secs(15),
                 "readiness under load",
-                pool.readiness(Duration::from_secs(1)),
+                pool.readiness(Duration::from_secs(10)),
             )
             .await
             .expect("the probe reserve is kept at every size");

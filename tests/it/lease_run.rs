@@ -25,23 +25,34 @@ async fn run_skips_renews_releases_and_cancels<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     let leases = B::leases(&B::build(&db, &Settings::new("run", 3)));
-    // Runs; a concurrent run skips; it outlives its TTL, renewed.
+    // Runs; a concurrent run skips; it outlives its TTL, renewed. A 2 s
+    // TTL renewed every 100 ms: lost only if a loaded machine stalls the
+    // renewals for 1.75 s.
     let l2 = leases.clone();
-    let out = B::run_job(
-        &leases,
-        "nightly",
-        &LeaseOptions::new(S),
-        |lease| async move {
-            let inner = B::run_job(&l2, "nightly", &LeaseOptions::new(S), |_| async {})
+    let opts = LeaseOptions::new(2 * S).renew_every(100 * MS);
+    let watcher = &admin;
+    let out = B::run_job(&leases, "nightly", &opts, |lease| async move {
+        let inner = B::run_job(&l2, "nightly", &LeaseOptions::new(S), |_| async {})
+            .await
+            .unwrap();
+        assert!(inner.is_none(), "a second run skips");
+        // The scenario: the run outlives its TTL, on the database's
+        // clock, and its term is still in force there (renewed).
+        eventually(30 * S, "the run past its first term, renewed", || async {
+            watcher
+                .query_one(
+                    "SELECT now() > taken_at + interval '2 s' AND expires_at > now() \
+                           FROM pgwarden_leases WHERE name = 'nightly'",
+                    &[],
+                )
                 .await
-                .unwrap();
-            assert!(inner.is_none(), "a second run skips");
-            // The scenario: the run outlives its TTL (1 s).
-            tokio::time::sleep(1500 * MS).await;
-            assert!(!lease.is_lost());
-            lease.term().token
-        },
-    )
+                .unwrap()
+                .get::<_, bool>(0)
+        })
+        .await;
+        assert!(!lease.is_lost());
+        lease.term().token
+    })
     .await
     .unwrap();
     assert!(out.is_some());
@@ -336,16 +347,24 @@ async fn drop_after<B: Backend>(db: &pgwarden_testing::TestDb, polls: usize) {
         }
         drop(fut);
     }
-    eventually(3 * S, "connections back", || {
+    // A connection kept out never comes back: 10 s is for a loaded
+    // machine, where a dropped statement's cancel can wait 2 s for a
+    // connection of its own.
+    eventually(10 * S, "connections back", || {
         std::future::ready(B::status(&pool).in_use == 0)
     })
     .await;
     assert_eq!(B::lease_stats(&leases).held, 0);
-    let c = B::acquire(&leases, &c_name, &LeaseOptions::new(S), Some(3 * S))
+    // Taken again once the strays' 1 s terms end (a wait that only stops
+    // a stray renewed for ever), and held: with a 30 s
+    // TTL of their own, so that the first is not lost while a loaded
+    // machine takes the second (with 1 s, it was, at load 16).
+    let again = LeaseOptions::new(30 * S);
+    let c = B::acquire(&leases, &c_name, &again, Some(10 * S))
         .await
         .unwrap()
         .expect("taken within the wait");
-    let r = B::acquire(&leases, &r_name, &LeaseOptions::new(S), Some(3 * S))
+    let r = B::acquire(&leases, &r_name, &again, Some(10 * S))
         .await
         .unwrap()
         .expect("taken within the wait");

@@ -85,15 +85,22 @@ async fn checkouts_leases_and_locks_work_behind_a_transaction_pgbouncer<B: Backe
         B::install(&leases)
             .await
             .unwrap_or_else(|e| panic!("{what}: install: {e}"));
-        let opts = LeaseOptions::new(Duration::from_secs(1));
+        // Renewed every 100 ms, trusted for 30 s: two renewals go through
+        // the bouncer's one server connection well before anything could
+        // expire, however slowly a loaded machine runs them (a 1 s TTL
+        // was lost once at load 16).
+        let opts =
+            LeaseOptions::new(Duration::from_secs(30)).renew_every(Duration::from_millis(100));
         let lease = B::acquire(&leases, "behind-bouncer", &opts, None)
             .await
             .unwrap_or_else(|e| panic!("{what}: acquire: {e}"))
             .expect("free: the last one was released");
         let before = B::lease_stats(&leases).renewed;
-        eventually(T, "renewals through the bouncer", || async {
-            B::lease_stats(&leases).renewed >= before + 2
-        })
+        eventually(
+            T,
+            &format!("{what}: renewals through the bouncer"),
+            || async { B::lease_stats(&leases).renewed >= before + 2 },
+        )
         .await;
         assert_eq!(B::lease_stats(&leases).renewal_failures, 0, "{what}");
         assert!(!lease.is_lost(), "{what}");

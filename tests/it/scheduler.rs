@@ -267,18 +267,23 @@ backends!(a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in);
 /// A run still going at the boundary keeps its lease; the period it ends in
 /// gets its run once it ends (the holder asks again at once), and that run
 /// belongs to that period. So a slow run can end inside the next period's
-/// run's period: what counts is when each term began.
+/// run's period: what counts is when each term began. Periods of 2 s, the
+/// first run ending 300 ms into the second: a loaded machine has 1.7 s to
+/// wake the job and ask again within that period (a 1 s period left it
+/// 700 ms, and a 500 ms bound on the asking).
 async fn a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in<B: Backend>() {
     let db = db().await;
     // (slot of the term, when the term began, when the run ended).
     type Spans = Arc<parking_lot::Mutex<Vec<(i64, f64, f64)>>>;
     let spans: Spans = Arc::default();
+    const P: Duration = Duration::from_secs(2);
+    let p = P.as_secs_f64();
     let mut schedulers = Vec::new();
     for (i, name) in OVERRUN.into_iter().enumerate() {
         let leases = B::leases(&B::build(&db, &Settings::new(name, 3)));
         B::install(&leases).await.unwrap();
         let log = spans.clone();
-        let slow = Job::every("slow", S, move |lease: LeaseHandle| {
+        let slow = Job::every("slow", P, move |lease: LeaseHandle| {
             let log = log.clone();
             async move {
                 let taken = lease.term().taken_at;
@@ -287,7 +292,8 @@ async fn a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in<B:
                 if first {
                     // The first run ends 300 ms into the next period
                     // (the database and this process share a clock).
-                    let end = UNIX_EPOCH + Duration::from_secs_f64(began.floor() + 1.3);
+                    let end =
+                        UNIX_EPOCH + Duration::from_secs_f64(((began / p).floor() + 1.0) * p + 0.3);
                     let left = end.duration_since(std::time::SystemTime::now());
                     tokio::time::sleep(left.unwrap_or_default()).await;
                 }
@@ -295,13 +301,13 @@ async fn a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in<B:
                     .duration_since(UNIX_EPOCH)
                     .unwrap()
                     .as_secs_f64();
-                log.lock().push((slot_of(&lease, S), began, ended));
+                log.lock().push((slot_of(&lease, P), began, ended));
             }
         });
         let s = B::schedule_node(&leases, &format!("n{i}"), vec![slow]).unwrap();
         schedulers.push(s);
     }
-    eventually(10 * S, "three runs", || async { spans.lock().len() >= 3 }).await;
+    eventually(20 * S, "three runs", || async { spans.lock().len() >= 3 }).await;
     for s in schedulers {
         s.shutdown(10 * S).await;
     }
@@ -310,7 +316,7 @@ async fn a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in<B:
     let (slot0, _, end0) = spans[0];
     let (slot1, began1, _) = spans[1];
     assert_eq!(
-        end0.floor() as i64,
+        (end0 / p).floor() as i64,
         slot0 + 1,
         "the first run ended in the next period"
     );
@@ -328,6 +334,12 @@ async fn a_run_past_the_boundary_is_followed_at_once_in_the_period_it_ends_in<B:
     assert!(
         began1 >= end0 - 0.005,
         "the second term began before the first run ended"
+    );
+    // "At once" is the period's own bound (checked above): how long the
+    // asking took on this machine is reported, not asserted.
+    eprintln!(
+        "the next run began {:.3} s after the first ended",
+        began1 - end0
     );
     let slots: std::collections::BTreeSet<i64> = spans.iter().map(|s| s.0).collect();
     assert_eq!(

@@ -193,6 +193,13 @@ impl Instance {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
+    /// Its tracing log (stderr) so far, one line each, colour codes taken
+    /// out.
+    pub fn log_lines(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines().map(strip_ansi).collect()
+    }
+
     /// What it printed on stdout so far.
     pub fn stdout(&self) -> Vec<String> {
         self.stdout.lock().map(|l| l.clone()).unwrap_or_default()
@@ -238,6 +245,24 @@ impl Drop for Instance {
             let _ = self.child.wait();
         }
     }
+}
+
+/// `line` without its ANSI escape sequences (`ESC [ ... letter`).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// One HTTP/1.1 request with `Connection: close` (the service does not
