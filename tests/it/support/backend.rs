@@ -1186,7 +1186,8 @@ macro_rules! sqlx_backend {
             // test's own statement got 26000 there once under load).
             fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()> {
                 Box::pin(async move {
-                    $sqlx::raw_sql(sql).execute(&mut **c).await.expect(sql);
+                    let c: &mut $sqlx::PgConnection = &mut **c;
+                    $sqlx::Executor::execute(c, $sqlx::raw_sql(sql)).await.expect(sql);
                 })
             }
 
