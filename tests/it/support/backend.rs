@@ -353,6 +353,32 @@ pub trait Backend: Send + Sync + 'static {
     fn fx_check<'a>(tx: &'a mut Self::Fenced<'_>) -> BoxFuture<'a, Result<(), Error>>;
     /// `Fenced::commit`.
     fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>>;
+
+    // Lock, census, metrics, pool and fault tests (session 39, helper E).
+    /// The lane of the lock's connection.
+    fn lock_lane(l: &Self::Lock) -> Lane;
+    /// The backend's `xact_lock` (`pgwarden::xact_lock`,
+    /// `pgwarden::sqlx::xact_lock`) in a test's own transaction.
+    fn tx_xact_lock<'a>(
+        tx: &'a mut Self::Tx<'_>,
+        key: LockKey,
+        mode: LockMode,
+        wait: Option<Duration>,
+    ) -> BoxFuture<'a, Result<bool, Error>>;
+    /// `sql`'s one `text` in the transaction, not fenced.
+    fn tx_text<'a>(
+        tx: &'a mut Self::Tx<'_>,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<String, Error>>;
+    /// `COMMIT` of the transaction, not fenced.
+    fn tx_commit(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>>;
+    /// `ROLLBACK` of the transaction, not fenced.
+    fn tx_rollback(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>>;
+    /// A pool of `size` on `db` given no name (its default), its metrics
+    /// to the recorder in effect.
+    fn build_unnamed(db: &TestDb, size: usize) -> Self::Pool;
+    /// The pool's name.
+    fn pool_name(pool: &Self::Pool) -> String;
 }
 
 /// The settings of `Leases::builder` a test gives any backend
@@ -645,6 +671,20 @@ macro_rules! sqlx_options {
         }
         opts
     }};
+}
+
+/// What helper E's block asks that every backend's pool and guard spell
+/// the same.
+macro_rules! more_methods {
+    () => {
+        fn lock_lane(l: &Self::Lock) -> Lane {
+            l.client().lane()
+        }
+
+        fn pool_name(pool: &Self::Pool) -> String {
+            pool.name().to_owned()
+        }
+    };
 }
 
 /// The deadpool pool.
@@ -972,6 +1012,37 @@ impl Backend for Deadpool {
 
     fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(tx.commit())
+    }
+
+    more_methods!();
+
+    fn tx_xact_lock<'a>(
+        tx: &'a mut deadpool_postgres::Transaction<'_>,
+        key: LockKey,
+        mode: LockMode,
+        wait: Option<Duration>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(pgwarden::xact_lock(tx, key, mode, wait))
+    }
+
+    fn tx_text<'a>(
+        tx: &'a mut deadpool_postgres::Transaction<'_>,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<String, Error>> {
+        Box::pin(async move { Ok(tx.query_one(sql, &[]).await?.try_get(0)?) })
+    }
+
+    fn tx_commit(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move { Ok(tx.commit().await?) })
+    }
+
+    fn tx_rollback(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move { Ok(tx.rollback().await?) })
+    }
+
+    fn build_unnamed(db: &TestDb, size: usize) -> pgwarden::Pool {
+        let dp = db.deadpool(size).expect("deadpool");
+        pgwarden::Pool::builder(dp).build().expect("pool")
     }
 }
 
@@ -1414,6 +1485,45 @@ macro_rules! sqlx_backend {
 
             fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>> {
                 Box::pin(tx.commit())
+            }
+
+            more_methods!();
+
+            fn tx_xact_lock<'a>(
+                tx: &'a mut Self::Tx<'_>,
+                key: LockKey,
+                mode: LockMode,
+                wait: Option<Duration>,
+            ) -> BoxFuture<'a, Result<bool, Error>> {
+                Box::pin($($pg)::+::xact_lock(&mut **tx, key, mode, wait))
+            }
+
+            fn tx_text<'a>(
+                tx: &'a mut Self::Tx<'_>,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<String, Error>> {
+                Box::pin(async move {
+                    $sqlx::query_scalar(sql)
+                        .persistent(false)
+                        .fetch_one(&mut **tx)
+                        .await
+                        .map_err(|e| Error::Sqlx(Box::new(e)))
+                })
+            }
+
+            fn tx_commit(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
+                Box::pin(async move { tx.commit().await.map_err(|e| Error::Sqlx(Box::new(e))) })
+            }
+
+            fn tx_rollback(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
+                Box::pin(async move { tx.rollback().await.map_err(|e| Error::Sqlx(Box::new(e))) })
+            }
+
+            fn build_unnamed(db: &TestDb, size: usize) -> Self::Pool {
+                let pg = $sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(size as u32)
+                    .connect_lazy_with(sqlx_options!($sqlx, db.pg_config()));
+                $($pg)::+::Pool::builder(pg).build().expect("pool")
             }
         }
 
