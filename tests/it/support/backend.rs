@@ -1327,13 +1327,17 @@ macro_rules! sqlx_backend {
                 let sqlx_err = |e: $sqlx::Error| Error::Sqlx(Box::new(e));
                 Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
                     Box::pin(async move {
+                        // Unnamed: it runs behind PgBouncer too (sqlx 0.8
+                        // names a statement even with its cache off).
                         let n: i32 = $sqlx::query_scalar("SELECT n FROM counter")
+                            .persistent(false)
                             .fetch_one(&mut *tx)
                             .await
                             .map_err(sqlx_err)?;
                         tokio::time::sleep(WINDOW).await;
                         $sqlx::query("UPDATE counter SET n = $1")
                             .bind(n + 1)
+                            .persistent(false)
                             .execute(&mut *tx)
                             .await
                             .map_err(sqlx_err)?;
