@@ -63,7 +63,7 @@ async fn set_role(admin: &tokio_postgres::Client, sql: &str) {
 
 /// A pool of `size` named `name` with the lease table installed, and a
 /// lease of `lease` on it: the pool and the lease.
-async fn held<B: Backend>(
+pub(crate) async fn held<B: Backend>(
     db: &pgwarden_testing::TestDb,
     size: usize,
     name: &'static str,
