@@ -379,6 +379,13 @@ pub trait Backend: Send + Sync + 'static {
     fn build_unnamed(db: &TestDb, size: usize) -> Self::Pool;
     /// The pool's name.
     fn pool_name(pool: &Self::Pool) -> String;
+    /// [`Backend::build_on`], the wrapped pool running a statement on
+    /// every idle connection before handing it out (deadpool:
+    /// `RecyclingMethod::Verified`; sqlx: `test_before_acquire`, its
+    /// default).
+    fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool;
+    /// The SQLSTATE the server sent, found in `e`'s chain of sources.
+    fn source_code(e: &(dyn std::error::Error + 'static)) -> Option<String>;
 }
 
 /// The settings of `Leases::builder` a test gives any backend
@@ -1044,6 +1051,29 @@ impl Backend for Deadpool {
         let dp = db.deadpool(size).expect("deadpool");
         pgwarden::Pool::builder(dp).build().expect("pool")
     }
+
+    fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> pgwarden::Pool {
+        use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod, Runtime};
+        let manager = Manager::from_config(
+            config.clone(),
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Verified,
+            },
+        );
+        let dp = deadpool_postgres::Pool::builder(manager)
+            .max_size(s.size)
+            .runtime(Runtime::Tokio1)
+            .build()
+            .expect("deadpool");
+        Self::with(pgwarden::Pool::builder(dp), s)
+    }
+
+    fn source_code(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+        std::iter::successors(Some(e), |e| e.source())
+            .find_map(|e| e.downcast_ref::<tokio_postgres::Error>()?.code())
+            .map(|c| c.code().to_owned())
+    }
 }
 
 impl Deadpool {
@@ -1528,6 +1558,18 @@ macro_rules! sqlx_backend {
                     .max_connections(size as u32)
                     .connect_lazy_with(sqlx_options!($sqlx, db.pg_config()));
                 $($pg)::+::Pool::builder(pg).build().expect("pool")
+            }
+
+            fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool {
+                // `test_before_acquire` is sqlx's default: `build_on`'s pool.
+                Self::build_on(config, s)
+            }
+
+            fn source_code(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+                std::iter::successors(Some(e), |e| e.source()).find_map(|e| {
+                    let db = e.downcast_ref::<$sqlx::Error>()?.as_database_error()?;
+                    db.code().map(|c| c.into_owned())
+                })
             }
         }
 
