@@ -131,7 +131,7 @@ pub trait Backend: Send + Sync + 'static {
     type Pool: Clone + Send + Sync + fmt::Debug + 'static;
     type Conn: Send + fmt::Debug + 'static;
     /// The error of the backend's drop-in checkout (`get` / `acquire`).
-    type DropInError: fmt::Debug + fmt::Display + Send + 'static;
+    type DropInError: std::error::Error + Send + 'static;
 
     /// Builds a pool on `db` (no connection made yet).
     fn build(db: &TestDb, s: &Settings) -> Self::Pool;
@@ -386,6 +386,10 @@ pub trait Backend: Send + Sync + 'static {
     fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool;
     /// The SQLSTATE the server sent, found in `e`'s chain of sources.
     fn source_code(e: &(dyn std::error::Error + 'static)) -> Option<String>;
+    /// The SQLSTATE the server sent, found in the drop-in checkout's error.
+    fn drop_in_code(e: &Self::DropInError) -> Option<String> {
+        Self::source_code(e)
+    }
 }
 
 /// The settings of `Leases::builder` a test gives any backend
