@@ -259,8 +259,12 @@ async fn pool_events_are_recorded<B: Backend>() {
         }
     }
     assert_eq!(readiness, 1.0);
-    // A long hold is reported once, not at every pass.
-    assert_eq!(long, (2, 1));
+    // A long hold is reported once, not at every pass (a pass each 20 ms
+    // over at least three passes: at every pass would be 6 or more): `a`
+    // and `c`, and `lock`. `b`'s short hold is counted too (once) when a
+    // pass lands inside it on a machine that stalls this thread for more
+    // than LONG_HOLD there (seen at a load of 19 on 2 cores).
+    assert!(matches!(long, (2 | 3, 1)), "long holds {long:?}");
 
     B::unlock(lock).await.unwrap();
     drop((a, c));
