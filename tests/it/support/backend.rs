@@ -722,19 +722,10 @@ impl Backend for Deadpool {
     }
 
     fn build_watched(db: &TestDb, s: &Settings) -> (pgwarden::Pool, Arc<AtomicUsize>) {
-        use deadpool_postgres::{Hook, Manager, ManagerConfig, RecyclingMethod, Runtime};
+        use deadpool_postgres::{Hook, RecyclingMethod};
         let found = Arc::new(AtomicUsize::new(0));
         let seen = found.clone();
-        let manager = Manager::from_config(
-            db.pg_config(),
-            tokio_postgres::NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let dp = deadpool_postgres::Pool::builder(manager)
-            .max_size(s.size)
-            .runtime(Runtime::Tokio1)
+        let dp = Self::inner(&db.pg_config(), s.size, RecyclingMethod::Fast)
             .post_recycle(Hook::async_fn(move |c, _| {
                 let seen = seen.clone();
                 Box::pin(async move {
@@ -1057,17 +1048,7 @@ impl Backend for Deadpool {
     }
 
     fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> pgwarden::Pool {
-        use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod, Runtime};
-        let manager = Manager::from_config(
-            config.clone(),
-            tokio_postgres::NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Verified,
-            },
-        );
-        let dp = deadpool_postgres::Pool::builder(manager)
-            .max_size(s.size)
-            .runtime(Runtime::Tokio1)
+        let dp = Self::inner(config, s.size, deadpool_postgres::RecyclingMethod::Verified)
             .build()
             .expect("deadpool");
         Self::with(pgwarden::Pool::builder(dp), s)
@@ -1081,6 +1062,24 @@ impl Backend for Deadpool {
 }
 
 impl Deadpool {
+    /// A deadpool pool's builder of `size` on `config`, recycling by `method`.
+    fn inner(
+        config: &tokio_postgres::Config,
+        size: usize,
+        method: deadpool_postgres::RecyclingMethod,
+    ) -> deadpool_postgres::PoolBuilder {
+        let manager = deadpool_postgres::Manager::from_config(
+            config.clone(),
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: method,
+            },
+        );
+        deadpool_postgres::Pool::builder(manager)
+            .max_size(size)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+    }
+
     /// The settings on a deadpool builder.
     fn with(b: pgwarden::PoolBuilder, s: &Settings) -> pgwarden::Pool {
         configured!(b, s)
@@ -1508,13 +1507,7 @@ macro_rules! sqlx_backend {
                 tx: &'a mut Self::Fenced<'_>,
                 sql: &'static str,
             ) -> BoxFuture<'a, Result<String, Error>> {
-                Box::pin(async move {
-                    $sqlx::query_scalar(sql)
-                        .persistent(false)
-                        .fetch_one(&mut **tx)
-                        .await
-                        .map_err(|e| Error::Sqlx(Box::new(e)))
-                })
+                Self::text(&mut **tx, sql)
             }
 
             fn fx_check<'a>(tx: &'a mut Self::Fenced<'_>) -> BoxFuture<'a, Result<(), Error>> {
@@ -1540,13 +1533,7 @@ macro_rules! sqlx_backend {
                 tx: &'a mut Self::Tx<'_>,
                 sql: &'static str,
             ) -> BoxFuture<'a, Result<String, Error>> {
-                Box::pin(async move {
-                    $sqlx::query_scalar(sql)
-                        .persistent(false)
-                        .fetch_one(&mut **tx)
-                        .await
-                        .map_err(|e| Error::Sqlx(Box::new(e)))
-                })
+                Self::text(&mut **tx, sql)
             }
 
             fn tx_commit(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
@@ -1578,6 +1565,20 @@ macro_rules! sqlx_backend {
         }
 
         impl $backend {
+            /// `sql`'s one `text` (unnamed) on `c`.
+            fn text<'a>(
+                c: &'a mut $sqlx::PgConnection,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<String, Error>> {
+                Box::pin(async move {
+                    $sqlx::query_scalar(sql)
+                        .persistent(false)
+                        .fetch_one(c)
+                        .await
+                        .map_err(|e| Error::Sqlx(Box::new(e)))
+                })
+            }
+
             /// `opts` with sqlx's statement cache off unless `on`.
             fn cache(
                 opts: $sqlx::postgres::PgConnectOptions,
