@@ -284,6 +284,9 @@ pub(crate) trait Exec: Send + Sync {
     /// (sqlx, which cannot pipeline; a failed transaction, which refuses the
     /// `BEGIN` and with it the rest, costs a second: `ROLLBACK`, then the
     /// query again). Columns are read as text on sqlx: `bool` and integers.
+    /// On sqlx the query also carries a mark of its own: an answer that is
+    /// not its own (the connection out of step) is an error, and a pooled
+    /// connection so found is closed, never returned.
     fn query_one_after_rollback<'a>(
         &'a self,
         text: &'a str,

@@ -108,6 +108,30 @@ pub enum LeaseError {
         waited: Duration,
     },
 
+    /// [`LeaseHandle::fence`](crate::LeaseHandle::fence) on a transaction
+    /// whose snapshot may be older than the lease's term (repeatable read
+    /// or serializable, a statement before the fence) must read the term
+    /// outside that snapshot, on another connection of the same pool, and
+    /// got none within its bound: the fenced transaction holds one, the
+    /// others were busy. Nothing was fenced; the transaction is left as it
+    /// was (roll it back). Call `fence` first in the transaction, before
+    /// any other statement (then its snapshot is the fence's own and no
+    /// read outside it is needed), or give the pool more connections.
+    #[error(
+        "fence of lease {name:?} could not read its term outside the transaction's snapshot: \
+         no connection of the pool (at most {pool_size}) came free within {waited:?}, \
+         the fenced transaction holding one; call fence first in the transaction, \
+         before any other statement, or give the pool more connections"
+    )]
+    FenceNoConnection {
+        /// The lease.
+        name: String,
+        /// How long the term read waited for a connection.
+        waited: Duration,
+        /// The pool's size (its maximum).
+        pool_size: usize,
+    },
+
     /// The lease table (or its token sequence) exists with another shape
     /// than pgwarden's: `install()` and the first use with `auto_install`
     /// check it, so that acquisitions do not fail later with SQL errors.

@@ -533,7 +533,9 @@ impl LeaseHandle {
     /// of 2, whose one shared connection the fenced transaction holds), the
     /// fence passes when the snapshot's row is unexpired, bounded from its
     /// expiry (a revoke since the snapshot is then not seen), and fails
-    /// with the read's error otherwise. So a fence never passes for a term
+    /// with the read's error otherwise
+    /// ([`LeaseError::FenceNoConnection`](crate::LeaseError::FenceNoConnection)
+    /// when it got no connection in time). So a fence never passes for a term
     /// the database has ended, at any level (but for that one case), and every
     /// fenced transaction started before its term's end, within reach of a
     /// blocked take-over (below). Take the snapshot after the lease:

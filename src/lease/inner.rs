@@ -632,14 +632,15 @@ impl<B: Backend> Inner<B> {
                 // statement's timeout, as documented, and counted.
                 Ok(Err(e)) if e.is_timeout() => {
                     self.metrics.timed_out(S::WHAT);
-                    return Err(Error::Lease(LeaseError::Timeout {
-                        what: S::WHAT,
-                        waited: began.elapsed(),
-                    }));
+                    return Err(self.no_connection(stmt, began.elapsed()));
                 }
                 Ok(Err(e)) => return Err(e), // the checkout failed
                 Err(_) => {
                     self.metrics.timed_out(S::WHAT);
+                    if flight.conn.is_none() {
+                        // Still waiting for a connection: nothing was sent.
+                        return Err(self.no_connection(stmt, began.elapsed()));
+                    }
                     drop(flight); // cancels the statement if it was sent
                     return Err(Error::Lease(LeaseError::Timeout {
                         what: S::WHAT,
@@ -648,6 +649,21 @@ impl<B: Backend> Inner<B> {
                 }
             }
         }
+    }
+}
+
+impl<B: Backend> Inner<B> {
+    /// `stmt` got no connection within its budget (`waited`): its own
+    /// error ([`LeaseStatement::no_connection`]), else [`LeaseError::Timeout`].
+    fn no_connection<S: LeaseStatement>(&self, stmt: &S, waited: Duration) -> Error {
+        let pool_size = self.pool.shared().status().max;
+        let e = stmt
+            .no_connection(waited, pool_size)
+            .unwrap_or(LeaseError::Timeout {
+                what: S::WHAT,
+                waited,
+            });
+        Error::Lease(e)
     }
 }
 

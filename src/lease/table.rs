@@ -1823,6 +1823,14 @@ pub(crate) trait LeaseStatement: Sync {
     /// transaction when its `begin` is cut short: see
     /// `crate::pool::Beginning`).
     const TRANSACTIONAL: bool = false;
+    /// What getting no connection of the pool within the statement's
+    /// budget (`waited`; the pool has `pool_size` at most) means for it:
+    /// `None`, a [`LeaseError::Timeout`]; a statement whose caller holds a
+    /// connection of the same pool says so, and what to do.
+    fn no_connection(&self, waited: Duration, pool_size: usize) -> Option<LeaseError> {
+        let _ = (waited, pool_size);
+        None
+    }
 }
 
 /// How one statement is sent.
@@ -1845,7 +1853,8 @@ impl Call {
 /// call `$body` makes with the statement `$s`, the statements `$sql`, the
 /// client `$c` and how it is sent, `$call`.
 macro_rules! lease_statement {
-    ($ty:ty, $out:ty, $what:literal, |$s:ident, $sql:ident, $c:ident, $call:ident| $body:expr) => {
+    ($ty:ty, $out:ty, $what:literal, |$s:ident, $sql:ident, $c:ident, $call:ident| $body:expr
+     $(, no_connection: |$ns:ident, $waited:ident, $size:ident| $none:expr)?) => {
         impl LeaseStatement for $ty {
             type Out = $out;
             const WHAT: &'static str = $what;
@@ -1858,6 +1867,12 @@ macro_rules! lease_statement {
                 let $s = self;
                 $body
             }
+            $(
+                fn no_connection(&self, $waited: Duration, $size: usize) -> Option<LeaseError> {
+                    let $ns = self;
+                    Some($none)
+                }
+            )?
         }
     };
 }
@@ -2013,7 +2028,13 @@ lease_statement!(
     TermNow<'_>,
     Option<DbTerm>,
     "busy check",
-    |s, sql, c, call| sql.term_now(c, call, s.name)
+    |s, sql, c, call| sql.term_now(c, call, s.name),
+    // The fenced transaction holds a connection of the same pool.
+    no_connection: |s, waited, pool_size| LeaseError::FenceNoConnection {
+        name: s.name.to_owned(),
+        waited,
+        pool_size,
+    }
 );
 
 /// One batched renewal.

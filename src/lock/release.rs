@@ -222,17 +222,70 @@ impl<B: Source> Held<B> {
         })
     }
 
-    /// Releases every advisory lock of the lock's session; confirmed, it is
-    /// clean. A database error is [`stale`]-checked: sent once more.
-    pub(crate) async fn unlock_all(&mut self) -> Result<(), Error> {
-        if let Err(e) = self.on_lock_backend(Act::UnlockAll).await {
-            if !stale(&e, self.key) {
-                return Err(e);
-            }
-            self.on_lock_backend(Act::UnlockAll).await?;
+    /// The release after which the connection goes back to the pool
+    /// (`act`: [`Act::UnlockLast`] or [`Act::UnlockAll`]), under the one
+    /// rule of both release paths ([`release_once_more_if_stale`]).
+    /// Confirmed, the guard holds nothing: PostgreSQL's answer (for
+    /// `UnlockLast`, false: the lock was not the session's).
+    pub(crate) async fn release(&mut self, act: Act) -> Result<bool, Error> {
+        let key = self.key;
+        let answer = release_once_more_if_stale(self, key, act).await?;
+        if answer {
+            self.released();
         }
-        self.released();
-        Ok(())
+        Ok(answer)
+    }
+}
+
+/// One attempt of a release after which the connection goes back to the
+/// pool: [`Held::on_lock_backend`] for `unlock()`, [`unlock_all_once`] for
+/// the drop path.
+trait Release {
+    /// `act` once: PostgreSQL's answer (`UnlockAll` answers true).
+    fn once(&mut self, act: Act) -> impl std::future::Future<Output = Result<bool, Error>> + Send;
+}
+
+impl<B: Source> Release for Held<B> {
+    fn once(&mut self, act: Act) -> impl std::future::Future<Output = Result<bool, Error>> + Send {
+        self.on_lock_backend(act)
+    }
+}
+
+/// The drop path's connection and what it knows of the lock.
+struct Dropped<'c, B: Source> {
+    conn: &'c mut Client<B>,
+    key: LockKey,
+    mode: LockMode,
+    lock_pid: Option<i32>,
+    bound: Duration,
+}
+
+impl<B: Source> Release for Dropped<'_, B> {
+    /// `act` is always [`Act::UnlockAll`] here: the drop path knows no
+    /// depth, and its one statement is the unlock-all.
+    fn once(&mut self, act: Act) -> impl std::future::Future<Output = Result<bool, Error>> + Send {
+        let _ = act;
+        let (key, mode, lock_pid, bound) = (self.key, self.mode, self.lock_pid, self.bound);
+        async move {
+            unlock_all_once(self.conn, key, mode, lock_pid, bound).await?;
+            Ok(true)
+        }
+    }
+}
+
+/// The rule of both release paths (`unlock()`'s last statement and the
+/// drop path's): a database error may be an earlier statement's
+/// ([`stale`]); then `pg_advisory_unlock_all()` is sent once more (what
+/// the drop path sends: idempotent, and it releases the guard's lock
+/// whether or not the first attempt ran). A second error is the answer.
+async fn release_once_more_if_stale(
+    r: &mut impl Release,
+    key: LockKey,
+    act: Act,
+) -> Result<bool, Error> {
+    match r.once(act).await {
+        Err(e) if stale(&e, key) => r.once(Act::UnlockAll).await,
+        done => done,
     }
 }
 
@@ -314,20 +367,6 @@ fn stale(e: &Error, key: LockKey) -> bool {
     true
 }
 
-/// [`unlock_all_once`], sent once more after a [`stale`] database error.
-async fn unlock_all<B: Source>(
-    conn: &mut Client<B>,
-    key: LockKey,
-    mode: LockMode,
-    lock_pid: Option<i32>,
-    bound: Duration,
-) -> Result<(), Error> {
-    match unlock_all_once(conn, key, mode, lock_pid, bound).await {
-        Err(e) if stale(&e, key) => unlock_all_once(conn, key, mode, lock_pid, bound).await,
-        done => done,
-    }
-}
-
 /// `pg_advisory_unlock_all()` on the guard's connection: on the lock's
 /// backend only, once that is known (a lock statement cut off in flight
 /// leaves it unknown: then on whatever session the connection has).
@@ -364,9 +403,17 @@ async fn release<B: Source>(
 ) {
     let Some(conn) = guard.0.as_mut() else { return };
     let pid = conn.pid();
-    let done = tokio::time::timeout(bound, unlock_all(conn, key, mode, lock_pid, bound)).await;
+    let mut dropped = Dropped {
+        conn,
+        key,
+        mode,
+        lock_pid,
+        bound,
+    };
+    let all = release_once_more_if_stale(&mut dropped, key, Act::UnlockAll);
+    let done = tokio::time::timeout(bound, all).await;
     match done {
-        Ok(Ok(())) => {
+        Ok(Ok(_)) => {
             tracing::debug!(%key, pid, "session lock released after its guard was dropped");
             if let Some(conn) = guard.keep() {
                 conn.set_note(None);

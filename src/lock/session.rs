@@ -180,22 +180,24 @@ impl<B: Source> SessionLock<B> {
         if self.uncertain {
             // A level statement was cut off: the count is unknown, and this
             // guard owns the session, so release everything it holds.
-            self.held.unlock_all().await?;
+            self.held.release(Act::UnlockAll).await?;
             return Ok(());
         }
-        while self.depth > 0 {
-            let act = if self.depth == 1 {
-                Act::UnlockLast
-            } else {
-                Act::Unlock
-            };
-            if !self.held.on_lock_backend(act).await? {
+        while self.depth > 1 {
+            if !self.held.on_lock_backend(Act::Unlock).await? {
                 return Err(Error::Lock(LockError::NotOwned { key: self.held.key }));
             }
             self.depth -= 1;
             self.held.tally_mut().remove_level();
         }
-        self.held.released();
+        // The last level: the statement after which the connection goes
+        // back, under the drop path's rule (an earlier statement's error
+        // answered: unlock-all once more).
+        if !self.held.release(Act::UnlockLast).await? {
+            return Err(Error::Lock(LockError::NotOwned { key: self.held.key }));
+        }
+        self.depth = 0;
+        self.held.tally_mut().remove_level();
         Ok(())
     }
 

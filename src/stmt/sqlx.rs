@@ -140,6 +140,10 @@ pub(crate) trait Session: DerefMut<Target = PgConnection> + Send + Sync {
         let _ = e;
         false
     }
+
+    /// Its answers can no longer be trusted: a pooled connection is
+    /// closed instead of given back (elsewhere the error says so).
+    fn spoil(&mut self) {}
 }
 
 impl Session for &mut PgConnection {}
@@ -147,6 +151,10 @@ impl Session for &mut PgConnection {}
 impl Session for dep::Transaction<'_, dep::Postgres> {}
 
 impl Session for Pooled<'_> {
+    fn spoil(&mut self) {
+        *self.spoiled = true;
+    }
+
     fn moved(&self) -> bool {
         self.moves.load(Ordering::Acquire)
     }
@@ -400,22 +408,99 @@ impl<C: Session> Exec for On<C> {
 
     async fn query_one_after_rollback<'a>(&'a self, text: &'a str) -> Result<PgRow, SqlError> {
         let mut c = self.0.lock().await;
-        let c: &mut PgConnection = &mut c;
-        // One simple query: its statements run on one server session, the
-        // last one's row is the answer (as text: sqlx decodes it).
-        let all = format!("BEGIN; ROLLBACK; {text}");
-        let first = dep::Executor::fetch_one(&mut *c, dep::raw_sql(super::text(&all))).await;
-        match first.map_err(SqlError::from) {
+        let c: &mut C = &mut c;
+        let first = marked_after_rollback(c, text).await;
+        match first {
             Err(e) if e.is(code::IN_FAILED_SQL_TRANSACTION) => {
                 // A failed transaction refused the `BEGIN`, and the rest
-                // with it: end it, then again.
-                dep::Executor::execute(&mut *c, dep::raw_sql(super::text("ROLLBACK"))).await?;
-                let again = dep::raw_sql(super::text(&all));
-                Ok(dep::Executor::fetch_one(c, again).await?)
+                // with it: end it, then again. A `ROLLBACK` fails only on a
+                // broken connection, or one out of step (its answer an
+                // earlier query's: the refusal above was one too).
+                let rollback = dep::raw_sql(super::text("ROLLBACK"));
+                match dep::Executor::execute(&mut **c, rollback).await {
+                    Ok(_) => {}
+                    Err(e @ (dep::Error::Database(_) | dep::Error::Protocol(_))) => {
+                        c.spoil();
+                        return Err(out_of_step("ROLLBACK", &e.to_string()));
+                    }
+                    Err(e) => {
+                        c.spoil();
+                        return Err(e.into());
+                    }
+                }
+                marked_after_rollback(c, text).await
             }
             done => done,
         }
     }
+}
+
+/// Marks of [`marked_after_rollback`]'s queries: each one's own in this
+/// process (the queries a connection may still owe an answer to were sent
+/// by this process).
+static MARK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// `BEGIN; ROLLBACK; {text}; SELECT '<mark>'`, one simple query with a
+/// mark of its own as its last row: its answer is `text`'s row. Read
+/// anything else last (another query's mark, another row, none), the
+/// connection is out of step: sqlx read an answer owed to an earlier
+/// query as this one's, and this one's is still on its way (a
+/// `COPY FROM STDIN` given up on, `PgCopyIn` dropped, leaves a
+/// `ReadyForQuery` sqlx does not count). Its answers cannot be trusted
+/// from here on: the connection is spoiled (closed, never returned), and
+/// this is an error. No round trip more: the mark is a statement of the
+/// same query.
+async fn marked_after_rollback<C: Session>(c: &mut C, text: &str) -> Result<PgRow, SqlError> {
+    let mark = MARK.fetch_add(1, Ordering::Relaxed);
+    let all = format!("BEGIN; ROLLBACK; {text}; SELECT 'pgwarden mark {mark}'");
+    let sent = dep::Executor::fetch_all(&mut **c, dep::raw_sql(super::text(&all))).await;
+    let mut rows = match sent {
+        Ok(rows) => rows,
+        // sqlx read a message no answer to this query has (the rest of a
+        // `COPY TO STDOUT` given up on, say).
+        Err(e @ dep::Error::Protocol(_)) => {
+            c.spoil();
+            return Err(out_of_step(
+                &format!("pgwarden's query {mark}"),
+                &e.to_string(),
+            ));
+        }
+        // The server's error: its answer, read in step or not (the mark
+        // of the next query tells). A broken connection: closed.
+        Err(e) => {
+            let e = SqlError::from(e);
+            if e.code().is_none() {
+                c.spoil();
+            }
+            return Err(e);
+        }
+    };
+    let last = rows.pop();
+    let marked = last
+        .as_ref()
+        .and_then(|row| row.try_get::<&str, _>(0).ok())
+        .and_then(|m| m.strip_prefix("pgwarden mark "))
+        .is_some_and(|m| m == mark.to_string());
+    if !marked {
+        c.spoil();
+        return Err(out_of_step(
+            &format!("pgwarden's query {mark}"),
+            "another answer",
+        ));
+    }
+    rows.into_iter()
+        .next()
+        .ok_or_else(|| SqlError::from(dep::Error::RowNotFound))
+}
+
+/// The error of a connection found out of step: what it read for `what`
+/// was `read`, an answer owed to an earlier query.
+fn out_of_step(what: &str, read: &str) -> SqlError {
+    SqlError::from(dep::Error::Protocol(format!(
+        "the connection is out of step: {what} was answered with {read}, an earlier query's \
+         (still owed: a COPY given up on?); the connection is closed, not returned to the pool, \
+         and its session's locks go with it"
+    )))
 }
 
 #[allow(private_bounds)]

@@ -191,10 +191,12 @@ async fn a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry<B: Backen
             // Refused: right. As a term over in the database when the
             // fence could read it outside the snapshot; here it cannot: a
             // pool of 2 has one connection besides the probe's, and this
-            // transaction holds it, so the read times out (500 ms) and,
-            // the row read being expired, the fence fails with that
-            // error. `lease_fence_db_clock` shows `Lost { Expired }` on a
-            // pool with room.
+            // transaction holds it, so the read gets no connection in
+            // its 500 ms (`FenceNoConnection`, since session 39; a read
+            // that got one and ran out: `Timeout`) and, the row read
+            // being expired, the fence fails with that error.
+            // `lease_fence_db_clock` shows `Lost { Expired }` on a pool
+            // with room.
             eprintln!("{}: refused: {e}", B::NAME);
             assert!(
                 matches!(
@@ -204,6 +206,7 @@ async fn a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry<B: Backen
                             reason: LostReason::Expired,
                             ..
                         } | LeaseError::Timeout { .. }
+                            | LeaseError::FenceNoConnection { .. }
                     )
                 ),
                 "{e}"

@@ -385,14 +385,13 @@ async fn soak_takeovers_racing_renewals_and_stale_fences() {
 /// fence could not read its term outside the snapshot (no connection),
 /// and what to do (fence first in the transaction, or a larger pool).
 ///
-/// FINDING (minor, not fixed): it says "lease busy check did not complete
-/// within 500ms; its connection was closed": no busy check was made, no
-/// connection was had or closed (the checkout timed out), the fence is
-/// not named and nothing says what to do. `TermNow` shares the
-/// `busy check` label of `pgwarden_lease_statement_timeouts_total`, so a
-/// new name needs a metrics label too.
+/// FINDING (minor, fixed in session 39): it said "lease busy check did not
+/// complete within 500ms; its connection was closed": no busy check was
+/// made, no connection was had or closed (the checkout timed out), the
+/// fence was not named and nothing said what to do. Now
+/// `LeaseError::FenceNoConnection` (the metric keeps counting it under
+/// `busy check`).
 #[tokio::test]
-#[ignore = "FINDING: a fence whose term read gets no connection fails with \"lease busy check … its connection was closed\""]
 async fn a_stale_fence_without_a_connection_says_so() {
     let db = db().await;
     let admin = admin(&db).await;
@@ -411,4 +410,15 @@ async fn a_stale_fence_without_a_connection_says_so() {
     assert!(m.contains("fence"), "the fence is not named: {m}");
     assert!(!m.contains("busy check"), "{m}");
     assert!(!m.contains("its connection was closed"), "{m}");
+    assert!(
+        matches!(
+            e,
+            Error::Lease(LeaseError::FenceNoConnection { pool_size: 2, .. })
+        ),
+        "{e:?}"
+    );
+    assert!(
+        m.contains("fence first") && m.contains("more connections"),
+        "{m}"
+    );
 }
