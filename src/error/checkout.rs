@@ -37,8 +37,11 @@ pub enum CheckoutError {
 
     /// The wrapped pool (sqlx) failed to hand out a connection, or to
     /// answer the statement that names it: its own error, boxed
-    /// (`sqlx::Error` for a sqlx pool: downcast to read it).
-    #[error("pool error: {0}")]
+    /// (`sqlx::Error` for a sqlx pool: downcast to read it). A connection
+    /// the server refused shows its SQLSTATE (`pool error: database error
+    /// 28000: error returned from database: role "x" is not permitted to
+    /// log in`).
+    #[error("pool error: {}", super::BackendDisplay(&**.0))]
     Backend(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 
     /// No connection of `lane` came within the caller's bound: the bound

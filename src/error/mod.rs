@@ -240,6 +240,22 @@ impl fmt::Display for SqlxDisplay<'_> {
     }
 }
 
+/// A wrapped pool's own error, with the SQLSTATE the server sent when it
+/// sent one (sqlx's text names none: "error returned from database: …").
+pub(crate) struct BackendDisplay<'a>(
+    pub(crate) &'a (dyn std::error::Error + Send + Sync + 'static),
+);
+
+impl fmt::Display for BackendDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+        if let Some(code) = sqlx_sqlstate(self.0) {
+            return write!(f, "database error {code}: {}", self.0);
+        }
+        write!(f, "{}", self.0)
+    }
+}
+
 /// deadpool's error, with what the server said when it refused a new
 /// connection (deadpool's own text ends at tokio-postgres's "db error").
 pub(crate) struct PoolDisplay<'a>(pub(crate) &'a deadpool_postgres::PoolError);

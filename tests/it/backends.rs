@@ -14,7 +14,7 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{CheckoutError, Deadline, Error, Lane};
+use pgwarden::{CheckoutError, Deadline, Error, Lane, LockKey, LockMode};
 use support::backend::{settled, Backend, Settings};
 use support::{db, eventually, within};
 
@@ -23,9 +23,12 @@ const HOUR: Duration = Duration::from_secs(3600);
 const GUARD: Duration = Duration::from_secs(60);
 
 backends!(checkout_knows_lane_pid_site_and_age);
+/// (Was also `pool::conn_knows_lane_pid_site_and_age`, deadpool only: its
+/// session-lock and reuse checks are folded in here.)
 async fn checkout_knows_lane_pid_site_and_age<B: Backend>() {
     let db = db().await;
-    let pool = B::build(&db, &Settings::new("knows", 3));
+    // 4: a session lock and two requests out at once.
+    let pool = B::build(&db, &Settings::new("knows", 4));
     let before = Instant::now();
     let line = line!() + 1;
     let mut c = B::get(&pool).await.unwrap();
@@ -35,16 +38,44 @@ async fn checkout_knows_lane_pid_site_and_age<B: Backend>() {
     assert!(B::since(&c) >= before);
     let pid = B::ask_pid(&mut c).await;
     assert_eq!(B::pid(&c), pid, "the pid pgwarden learned is the backend's");
+    // A session lock's connection: its own lane and backend.
+    let held = B::session_lock(&pool, LockKey::Single(1), LockMode::Exclusive, None)
+        .await
+        .unwrap()
+        .expect("a free key");
+    assert_eq!(B::lock_lane(&held), Lane::SessionLock);
+    assert_ne!(B::lock_pid(&held), pid);
+    let s = B::status(&pool);
+    assert_eq!(
+        (
+            s.in_use,
+            s.lane(Lane::Request).in_use,
+            s.lane(Lane::SessionLock).in_use
+        ),
+        (2, 1, 1)
+    );
     drop(c);
-    settled::<B>(&pool).await;
-    // The idle connection is reused, its pid known without asking again.
+    eventually(GUARD, "the connection back", || {
+        std::future::ready(B::status(&pool).lane(Lane::Request).in_use == 0)
+    })
+    .await;
+    // The idle connection is reused, its pid known without asking again,
+    // handed out within the call that checked it out.
+    let before = Instant::now();
     let c = B::get(&pool).await.unwrap();
+    let after = Instant::now();
     assert_eq!(B::pid(&c), pid, "the idle connection is reused");
+    assert!(
+        before <= B::since(&c) && B::since(&c) <= after,
+        "handed out at {:?}, called {before:?} to {after:?}",
+        B::since(&c)
+    );
     // A second connection at once: another backend, its own pid.
     let mut d = B::get(&pool).await.unwrap();
     assert_ne!(B::pid(&d), pid);
     assert_eq!(B::ask_pid(&mut d).await, B::pid(&d));
     drop((c, d));
+    B::unlock(held).await.unwrap();
     settled::<B>(&pool).await;
 }
 

@@ -7,47 +7,47 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{
-    BudgetPolicy, Error, LeaseError, LeaseOptions, Leases, LockError, LockKey, LockMode,
-};
+use pgwarden::{BudgetPolicy, Error, LeaseError, LeaseOptions, LockError, LockKey, LockMode};
 use support::backend::{settled, Backend, Settings};
-use support::leases::{lock_rows, pool};
+use support::leases::lock_rows;
 use support::{admin, alive, db, eventually, raw_locks, within};
 
 const S: Duration = Duration::from_secs(1);
-const MS: Duration = Duration::from_millis(1);
+const MILLI: Duration = Duration::from_millis(1);
 /// The guard against a hang: only a wrong behaviour waits it out.
 const GUARD: Duration = Duration::from_secs(60);
 
-/// `SHOW` of each of the fence's settings, in the transaction.
-async fn shown(tx: &tokio_postgres::Transaction<'_>) -> [String; 3] {
+/// `SHOW` of each of the fence's settings.
+const SHOW: [&str; 3] = [
+    "SHOW statement_timeout",
+    "SHOW idle_in_transaction_session_timeout",
+    "SHOW lock_timeout",
+];
+
+/// Each of the fence's settings as milliseconds, as the server reads it.
+const MS: [&str; 3] = [
+    "SELECT (extract(epoch FROM current_setting('statement_timeout')::interval) * 1000)::int8::text",
+    "SELECT (extract(epoch FROM current_setting('idle_in_transaction_session_timeout')::interval) \
+     * 1000)::int8::text",
+    "SELECT (extract(epoch FROM current_setting('lock_timeout')::interval) * 1000)::int8::text",
+];
+
+/// [`SHOW`] in the fenced transaction.
+async fn shown<B: Backend>(tx: &mut B::Fenced<'_>) -> [String; 3] {
     let mut out = [String::new(), String::new(), String::new()];
-    for (i, s) in [
-        "statement_timeout",
-        "idle_in_transaction_session_timeout",
-        "lock_timeout",
-    ]
-    .iter()
-    .enumerate()
-    {
-        out[i] = tx
-            .query_one(&format!("SHOW {s}"), &[])
-            .await
-            .unwrap()
-            .get(0);
+    for (o, sql) in out.iter_mut().zip(SHOW) {
+        *o = B::fx_text(tx, sql).await.unwrap();
     }
     out
 }
 
-/// A setting as milliseconds, as the server reads it.
-async fn ms(tx: &tokio_postgres::Transaction<'_>, setting: &str) -> i64 {
-    tx.query_one(
-        "SELECT (extract(epoch FROM current_setting($1)::interval) * 1000)::int8",
-        &[&setting],
-    )
-    .await
-    .unwrap()
-    .get(0)
+/// [`MS`] in the fenced transaction: statement, idle, lock timeouts.
+async fn ms<B: Backend>(tx: &mut B::Fenced<'_>) -> [i64; 3] {
+    let mut out = [0; 3];
+    for (o, sql) in out.iter_mut().zip(MS) {
+        *o = B::fx_text(tx, sql).await.unwrap().parse().unwrap();
+    }
+    out
 }
 
 /// A setting of the role in this database only (the shared server's role
@@ -61,60 +61,73 @@ async fn set_role(admin: &tokio_postgres::Client, sql: &str) {
         .unwrap();
 }
 
+/// A pool of `size` named `name` with the lease table installed, and a
+/// lease of `lease` on it: the pool and the lease.
+pub(crate) async fn held<B: Backend>(
+    db: &pgwarden_testing::TestDb,
+    size: usize,
+    name: &'static str,
+    lease: &str,
+    opts: &LeaseOptions,
+) -> (B::Pool, B::Lease) {
+    let p = B::build(db, &Settings::new(name, size));
+    let leases = B::leases(&p);
+    B::install(&leases).await.unwrap();
+    let l = B::acquire(&leases, lease, opts, None)
+        .await
+        .unwrap()
+        .unwrap();
+    (p, l)
+}
+
+backends!(zero_and_unit_settings_of_the_role);
 /// Role-level timeouts of 0 (PostgreSQL's "none") are not "tighter": the
 /// fence sets each of its three bounds to the term's time left + 1 s.
 /// Role-level values with units ('1min', '500ms', '2s' kept when tighter).
-/// Database-level settings too. A probe of the 0 / units handling.
-#[tokio::test]
-async fn zero_and_unit_settings_of_the_role() {
+/// Database-level settings too. A probe of the 0 / units handling. (The
+/// role's settings are this database's: each backend's variant has a
+/// database of its own.)
+async fn zero_and_unit_settings_of_the_role<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     // 0 everywhere, by ALTER ROLE (database settings lose to role settings).
     set_role(&admin, "SET lock_timeout = 0").await;
     set_role(&admin, "SET statement_timeout = 0").await;
     set_role(&admin, "SET idle_in_transaction_session_timeout = 0").await;
-    let p = pool(&db, 2, "hostile-zero");
-    let leases = Leases::new(&p);
-    leases.install().await.unwrap();
-    let lease = leases
-        .acquire("zero", &LeaseOptions::new(60 * S), None)
-        .await
-        .unwrap()
-        .unwrap();
-    let mut c = p.get().await.unwrap();
-    let tx = lease.fence(c.transaction().await.unwrap()).await.unwrap();
-    let got = [
-        ms(&tx, "statement_timeout").await,
-        ms(&tx, "idle_in_transaction_session_timeout").await,
-        ms(&tx, "lock_timeout").await,
-    ];
-    eprintln!("role 0/0/0 -> fence set {got:?} ms");
+    let (p, lease) = held::<B>(&db, 2, "hostile-zero", "zero", &LeaseOptions::new(60 * S)).await;
+    let mut c = B::tx_source(&p).await;
+    let tx = B::begin(&mut c, None).await;
+    let mut tx = B::fence(&lease, tx).await.unwrap();
+    let got = ms::<B>(&mut tx).await;
+    eprintln!("{}: role 0/0/0 -> fence set {got:?} ms", B::NAME);
     for v in got {
         assert!(v > 50_000 && v <= 61_000, "{got:?}");
     }
-    tx.commit().await.unwrap();
+    B::fx_commit(tx).await.unwrap();
     drop(c);
     // Units: each tighter than the term, kept as the role gives them.
     // (in ms: the server shows them as 500ms, 2s, 1min)
     set_role(&admin, "SET lock_timeout = 500").await;
     set_role(&admin, "SET statement_timeout = 2000").await;
     set_role(&admin, "SET idle_in_transaction_session_timeout = 60000").await;
-    let p2 = pool(&db, 2, "hostile-units");
-    let mut c = p2.get().await.unwrap();
-    let tx = lease.fence(c.transaction().await.unwrap()).await.unwrap();
-    let got = shown(&tx).await;
-    eprintln!("role 2s/1min/500ms -> {got:?}");
+    let p2 = B::build(&db, &Settings::new("hostile-units", 2));
+    let mut c = B::tx_source(&p2).await;
+    let tx = B::begin(&mut c, None).await;
+    let mut tx = B::fence(&lease, tx).await.unwrap();
+    let got = shown::<B>(&mut tx).await;
+    eprintln!("{}: role 2s/1min/500ms -> {got:?}", B::NAME);
     assert_eq!(
         got,
         ["2s".to_owned(), "1min".to_owned(), "500ms".to_owned()]
     );
     // A second fence (check) keeps them.
-    tx.check().await.unwrap();
-    assert_eq!(shown(&tx).await, got);
-    tx.commit().await.unwrap();
+    B::fx_check(&mut tx).await.unwrap();
+    assert_eq!(shown::<B>(&mut tx).await, got);
+    B::fx_commit(tx).await.unwrap();
     set_role(&admin, "RESET ALL").await;
 }
 
+backends!(a_fence_under_an_old_snapshot_bounds_from_the_snapshots_expiry);
 /// FINDING. A fence in a REPEATABLE READ transaction whose
 /// snapshot was taken (by an earlier statement) before the term's latest
 /// renewals: the fence succeeds (the local deadline stands in for the
@@ -126,40 +139,30 @@ async fn zero_and_unit_settings_of_the_role() {
 /// bounds from the later of the row's expiry and the term's end the client
 /// knows (its local deadline + the safety margin), passed as a parameter:
 /// 10 962 ms with 10.0 s left (before: 1 000 ms with 9.9 s left).
-#[tokio::test]
-async fn a_fence_under_an_old_snapshot_bounds_from_the_snapshots_expiry() {
+async fn a_fence_under_an_old_snapshot_bounds_from_the_snapshots_expiry<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let p = pool(&db, 3, "hostile-rr");
-    let leases = Leases::new(&p);
-    leases.install().await.unwrap();
     let opts = LeaseOptions::new(10 * S)
         .renew_every(S)
         .safety_margin(2 * S);
-    let lease = leases.acquire("rr", &opts, None).await.unwrap().unwrap();
-    let mut c = p.get().await.unwrap();
-    let tx = c
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-        .start()
-        .await
-        .unwrap();
+    let (p, lease) = held::<B>(&db, 3, "hostile-rr", "rr", &opts).await;
+    let mut c = B::tx_source(&p).await;
+    let mut tx = B::begin(&mut c, Some(tokio_postgres::IsolationLevel::RepeatableRead)).await;
     // The snapshot: the term's expiry as of now.
-    let snap_expiry: std::time::SystemTime = tx
-        .query_one(
-            "SELECT expires_at FROM pgwarden_leases WHERE name = 'rr'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let snap_expiry = B::tx_text(
+        &mut tx,
+        "SELECT expires_at::text FROM pgwarden_leases WHERE name = 'rr'",
+    )
+    .await
+    .unwrap();
     // Until the snapshot's expiry has passed (renewals meanwhile keep the
     // term alive: it is renewed every second).
     eventually(GUARD, "the snapshot's expiry passed", || async {
         let (past, held): (bool, bool) = {
             let r = admin
                 .query_one(
-                    "SELECT clock_timestamp() > $1, expires_at > clock_timestamp() + interval '5 s' \
+                    "SELECT clock_timestamp() > $1::text::timestamptz, \
+                            expires_at > clock_timestamp() + interval '5 s' \
                        FROM pgwarden_leases WHERE name = 'rr'",
                     &[&snap_expiry],
                 )
@@ -171,9 +174,8 @@ async fn a_fence_under_an_old_snapshot_bounds_from_the_snapshots_expiry() {
     })
     .await;
     assert!(!lease.is_lost());
-    let tx = lease.fence(tx).await.expect("a healthy term, fenced");
-    let st = ms(&tx, "statement_timeout").await;
-    let it = ms(&tx, "idle_in_transaction_session_timeout").await;
+    let mut tx = B::fence(&lease, tx).await.expect("a healthy term, fenced");
+    let [st, it, _] = ms::<B>(&mut tx).await;
     let left: f64 = admin
         .query_one(
             "SELECT extract(epoch FROM expires_at - clock_timestamp())::float8 FROM pgwarden_leases WHERE name = 'rr'",
@@ -182,7 +184,10 @@ async fn a_fence_under_an_old_snapshot_bounds_from_the_snapshots_expiry() {
         .await
         .unwrap()
         .get(0);
-    eprintln!("term left {left:.1} s; the fenced RR transaction got statement_timeout {st} ms, idle {it} ms");
+    eprintln!(
+        "{}: term left {left:.1} s; the fenced RR transaction got statement_timeout {st} ms, idle {it} ms",
+        B::NAME
+    );
     assert!(
         st as f64 >= left * 1000.0 - 3000.0,
         "the fence bounded a healthy term's transaction to {st} ms with {left:.1} s left"
@@ -190,6 +195,19 @@ async fn a_fence_under_an_old_snapshot_bounds_from_the_snapshots_expiry() {
     drop(tx);
 }
 
+/// Whether `e` is `FenceBlocked` naming `pid`, on the table's lock or the row's.
+fn blocked_by(e: &Error, pid: i32, table: bool) -> bool {
+    matches!(
+        e,
+        Error::Lease(LeaseError::FenceBlocked {
+            blocking_pid: Some(p),
+            on_table,
+            ..
+        }) if *p == pid && *on_table == table
+    )
+}
+
+backends!(a_fence_blocked_under_a_tighter_statement_timeout);
 /// FINDING (minor). A tighter `statement_timeout` of the role's (300 ms, `lock_timeout` 0)
 /// and the lease row locked by another session: what does the fence
 /// return? FenceBlocked says "the transaction's tighter lock_timeout";
@@ -197,50 +215,37 @@ async fn a_fence_under_an_old_snapshot_bounds_from_the_snapshots_expiry() {
 /// (session 37): a 57014 of the fence's own statement is reported as a
 /// 55P03 is, `FenceBlocked` naming the row's lock and the locker's pid
 /// (before: the bare database error).
-#[tokio::test]
-async fn a_fence_blocked_under_a_tighter_statement_timeout() {
+async fn a_fence_blocked_under_a_tighter_statement_timeout<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     set_role(&admin, "SET statement_timeout = 300").await;
-    let p = pool(&db, 3, "hostile-st");
-    let leases = Leases::new(&p);
-    leases.install().await.unwrap();
-    let lease = leases
-        .acquire("st", &LeaseOptions::new(60 * S), None)
-        .await
-        .unwrap()
-        .unwrap();
+    let (p, lease) = held::<B>(&db, 3, "hostile-st", "st", &LeaseOptions::new(60 * S)).await;
     let locker = lock_rows(&db, "pgwarden_leases", &["st"], "FOR UPDATE").await;
     let locker_pid: i32 = locker
         .query_one("SELECT pg_backend_pid()", &[])
         .await
         .unwrap()
         .get(0);
-    let mut c = p.get().await.unwrap();
+    let mut c = B::tx_source(&p).await;
     let began = Instant::now();
     let e = within(GUARD, "the blocked fence", async {
-        lease.fence(c.transaction().await.unwrap()).await.map(drop)
+        let tx = B::begin(&mut c, None).await;
+        B::fence(&lease, tx).await.map(drop)
     })
     .await
     .unwrap_err();
-    eprintln!("after {:?}: {e:?} / {e}", began.elapsed());
+    eprintln!("{}: after {:?}: {e:?} / {e}", B::NAME, began.elapsed());
     set_role(&admin, "RESET ALL").await;
     locker.batch_execute("ROLLBACK").await.unwrap();
     assert!(
-        matches!(
-            e,
-            Error::Lease(LeaseError::FenceBlocked {
-                blocking_pid: Some(pid),
-                on_table: false,
-                ..
-            }) if pid == locker_pid
-        ),
+        blocked_by(&e, locker_pid, false),
         "a fence blocked by a row lock and ended by the role's statement_timeout: {e}"
     );
     assert!(e.to_string().contains("the lease row's lock"), "{e}");
     assert!(!lease.is_lost(), "a blocked fence is not a lost lease");
 }
 
+backends!(a_fence_behind_a_table_lock);
 /// FINDING. The lease table locked `ACCESS EXCLUSIVE` by an outside
 /// session, the transaction's `lock_timeout` 300 ms: the fence's wait for
 /// the *table* lock ends at 300 ms (55P03), which `fence` reports as
@@ -252,18 +257,9 @@ async fn a_fence_blocked_under_a_tighter_statement_timeout() {
 /// names no user table, so nothing waits behind the table lock) and finds
 /// the table's locker: `FenceBlocked { on_table: true }` with its pid,
 /// after 0.30 s.
-#[tokio::test]
-async fn a_fence_behind_a_table_lock() {
+async fn a_fence_behind_a_table_lock<B: Backend>() {
     let db = db().await;
-    let admin = admin(&db).await;
-    let p = pool(&db, 3, "hostile-table");
-    let leases = Leases::new(&p);
-    leases.install().await.unwrap();
-    let lease = leases
-        .acquire("tbl", &LeaseOptions::new(60 * S), None)
-        .await
-        .unwrap()
-        .unwrap();
+    let (p, lease) = held::<B>(&db, 3, "hostile-table", "tbl", &LeaseOptions::new(60 * S)).await;
     let locker = db.connect().await.unwrap();
     locker
         .batch_execute("BEGIN; LOCK TABLE pgwarden_leases IN ACCESS EXCLUSIVE MODE")
@@ -274,39 +270,29 @@ async fn a_fence_behind_a_table_lock() {
         .await
         .unwrap()
         .get(0);
-    let mut c = p.get().await.unwrap();
+    let mut c = B::tx_source(&p).await;
     let began = Instant::now();
     let e = within(GUARD, "the fence behind a table lock", async {
-        let tx = c.transaction().await.unwrap();
-        tx.batch_execute("SET LOCAL lock_timeout = 300")
+        let mut tx = B::begin(&mut c, None).await;
+        B::tx_run(&mut tx, "SET LOCAL lock_timeout = 300")
             .await
             .unwrap();
-        lease.fence(tx).await.map(drop)
+        B::fence(&lease, tx).await.map(drop)
     })
     .await
     .unwrap_err();
     let took = began.elapsed();
-    eprintln!("after {took:?}: {e}");
+    eprintln!("{}: after {took:?}: {e}", B::NAME);
     locker.batch_execute("ROLLBACK").await.unwrap();
-    drop(admin);
     // Whatever it is called, it comes back near the caller's own bound
     // (5 s: far above 300 ms, far below the lookup's 10 s).
     assert!(took < 5 * S, "{took:?}: {e}");
     // Named as the table's lock, with the session holding it.
-    assert!(
-        matches!(
-            e,
-            Error::Lease(LeaseError::FenceBlocked {
-                blocking_pid: Some(pid),
-                on_table: true,
-                ..
-            }) if pid == locker_pid
-        ),
-        "{e}"
-    );
+    assert!(blocked_by(&e, locker_pid, true), "{e}");
     assert!(e.to_string().contains("the lease table's lock"), "{e}");
 }
 
+backends!(the_fences_bounds_count_from_after_its_wait_for_the_row);
 /// The fence's bounds count from after its wait for the row, not from
 /// before it (the reader's suspicion: computed in the same projection as
 /// the scan, below the row lock, `statement_timeout` and the idle bound
@@ -317,29 +303,19 @@ async fn a_fence_behind_a_table_lock() {
 /// give or take the time between the two reads (1.5 s allowed: a bound
 /// counted from before the wait is 3 s over). Failed before the fence was
 /// split in two levels (4.0 s over).
-#[tokio::test]
-async fn the_fences_bounds_count_from_after_its_wait_for_the_row() {
+async fn the_fences_bounds_count_from_after_its_wait_for_the_row<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let p = pool(&db, 3, "hostile-after");
-    let leases = Leases::new(&p);
-    leases.install().await.unwrap();
-    let lease = leases
-        .acquire("after", &LeaseOptions::new(60 * S), None)
-        .await
-        .unwrap()
-        .unwrap();
+    let (p, lease) = held::<B>(&db, 3, "hostile-after", "after", &LeaseOptions::new(60 * S)).await;
     let locker = lock_rows(&db, "pgwarden_leases", &["after"], "FOR UPDATE").await;
     let handle = pgwarden::LeaseHandle::clone(&lease);
-    let p2 = p.clone();
     let fence = tokio::spawn(async move {
-        let mut c = p2.get().await.unwrap();
-        let tx = handle.fence(c.transaction().await.unwrap()).await.unwrap();
-        let st = ms(&tx, "statement_timeout").await;
-        let it = ms(&tx, "idle_in_transaction_session_timeout").await;
-        let lt = ms(&tx, "lock_timeout").await;
+        let mut c = B::tx_source(&p).await;
+        let tx = B::begin(&mut c, None).await;
+        let mut tx = B::fence(&handle, tx).await.unwrap();
+        let got = ms::<B>(&mut tx).await;
         drop(tx);
-        [st, it, lt]
+        got
     });
     eventually(GUARD, "the fence waited 3 s for the row", || async {
         admin
@@ -365,7 +341,10 @@ async fn the_fences_bounds_count_from_after_its_wait_for_the_row() {
         .unwrap()
         .get(0);
     let over = got.map(|v| v as f64 - (left * 1000.0 + 1000.0));
-    eprintln!("term left {left:.3} s; fence set {got:?} ms: over left + 1 s by {over:?} ms");
+    eprintln!(
+        "{}: term left {left:.3} s; fence set {got:?} ms: over left + 1 s by {over:?} ms",
+        B::NAME
+    );
     for o in over {
         assert!(
             o < 1500.0,
@@ -374,31 +353,28 @@ async fn the_fences_bounds_count_from_after_its_wait_for_the_row() {
     }
 }
 
+backends!(a_row_lock_released_just_before_the_terms_end);
 /// The row lock released 200 ms before the term's end (its renewals
 /// blocked meanwhile): the fence gets the row, but the local deadline
 /// (before the database's end) has passed: Lost, nothing written.
-#[tokio::test]
-async fn a_row_lock_released_just_before_the_terms_end() {
+async fn a_row_lock_released_just_before_the_terms_end<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     admin
         .batch_execute("CREATE TABLE ledger (token int8)")
         .await
         .unwrap();
-    let p = pool(&db, 3, "hostile-edge");
-    let leases = Leases::new(&p);
-    leases.install().await.unwrap();
     let opts = LeaseOptions::new(3 * S).renew_every(S).safety_margin(S);
-    let lease = leases.acquire("edge", &opts, None).await.unwrap().unwrap();
+    let (p, lease) = held::<B>(&db, 3, "hostile-edge", "edge", &opts).await;
     let locker = lock_rows(&db, "pgwarden_leases", &["edge"], "FOR UPDATE").await;
     let handle = pgwarden::LeaseHandle::clone(&lease);
-    let p2 = p.clone();
     let fence = tokio::spawn(async move {
-        let mut c = p2.get().await.unwrap();
-        let tx = handle.fence(c.transaction().await.unwrap()).await?;
-        tx.execute("INSERT INTO ledger VALUES ($1)", &[&handle.term().token])
-            .await?;
-        tx.commit().await
+        let mut c = B::tx_source(&p).await;
+        let tx = B::begin(&mut c, None).await;
+        let mut tx = B::fence(&handle, tx).await?;
+        let token = handle.term().token;
+        B::fx_run(&mut tx, "INSERT INTO ledger VALUES ($1)", Some(token)).await?;
+        B::fx_commit(tx).await
     });
     // Release when 200 ms of the term are left, by the database clock.
     eventually(GUARD, "200 ms left", || async {
@@ -414,7 +390,10 @@ async fn a_row_lock_released_just_before_the_terms_end() {
     .await;
     locker.batch_execute("ROLLBACK").await.unwrap();
     let r = within(GUARD, "the fence", fence).await.unwrap();
-    eprintln!("fence after a lock released just before the end: {r:?}");
+    eprintln!(
+        "{}: fence after a lock released just before the end: {r:?}",
+        B::NAME
+    );
     let rows: i64 = admin
         .query_one("SELECT count(*) FROM ledger", &[])
         .await
@@ -483,7 +462,7 @@ backends!(
 async fn tiny_unlock_timeouts_on_a_healthy_server<B: Backend>() {
     let db = db().await;
     let raw = db.connect().await.unwrap();
-    for bound in [MS, 5 * S] {
+    for bound in [MILLI, 5 * S] {
         let s = Settings::new("hostile-tiny-unlock", 3).unlock_timeout(bound);
         let pool = B::build(&db, &s);
         let mut failed = 0;
@@ -545,7 +524,7 @@ async fn an_unlock_dropped_at_every_await_point<B: Backend>() {
                 done = Some(r);
                 break;
             }
-            tokio::time::sleep(MS).await;
+            tokio::time::sleep(MILLI).await;
         }
         drop(fut);
         eventually(GUARD, "no advisory lock left", || async {
@@ -615,7 +594,7 @@ backends!(
 async fn an_unlock_racing_close<B: Backend>() {
     let db = db().await;
     let raw = db.connect().await.unwrap();
-    let s = Settings::new("hostile-close-unlock", 3).unlock_timeout(500 * MS);
+    let s = Settings::new("hostile-close-unlock", 3).unlock_timeout(500 * MILLI);
     let pool = B::build(&db, &s);
     let lock = B::session_lock(&pool, LockKey::Single(9400), LockMode::Exclusive, None)
         .await

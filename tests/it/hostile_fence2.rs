@@ -9,10 +9,12 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, LeaseError, LeaseOptions, Leases, LostReason};
-use support::backend::{Backend, Settings, LEDGER};
+use pgwarden::{Error, LeaseError, LeaseOptions, LostReason};
+use support::backend::{Backend, Deadpool, LeaseSettings, Settings, LEDGER};
 use support::leases::{lock_rows, pool};
 use support::{admin, db, eventually, within};
+
+use super::hostile_fence::held;
 use tokio_postgres::types::Type;
 use tokio_postgres::IsolationLevel;
 
@@ -32,43 +34,24 @@ async fn expire(admin: &tokio_postgres::Client, name: &str) {
 /// A holder of `name` on a pool of its own (60 s term, so its local
 /// deadline is far off), its term then ended in the database by hand, as
 /// a stalled holder's would be: the pool and the lease.
-async fn expired_holder(
+async fn expired_holder<B: Backend>(
     db: &pgwarden_testing::TestDb,
     admin: &tokio_postgres::Client,
-    name: &str,
-) -> (pgwarden::Pool, pgwarden::Lease) {
-    let (pa, lease) = held(db, 2, &format!("h2-{name}-a"), name, 60 * S).await;
+    name: &'static str,
+) -> (B::Pool, B::Lease) {
+    let (pa, lease) = held::<B>(db, 2, name, name, &LeaseOptions::new(60 * S)).await;
     expire(admin, name).await;
     (pa, lease)
 }
 
-/// A pool of `size` named `app`, the lease table installed, and a lease of
-/// `name` with a term of `ttl` on it.
-async fn held(
-    db: &pgwarden_testing::TestDb,
-    size: usize,
-    app: &str,
-    name: &str,
-    ttl: Duration,
-) -> (pgwarden::Pool, pgwarden::Lease) {
-    let p = pool(db, size, app);
-    let leases = Leases::new(&p);
-    leases.install().await.unwrap();
-    let lease = leases
-        .acquire(name, &LeaseOptions::new(ttl), None)
-        .await
-        .unwrap()
-        .unwrap();
-    (p, lease)
+/// A pool of `size` of backend `B` named `name` (another instance).
+fn other<B: Backend>(db: &pgwarden_testing::TestDb, name: &'static str) -> B::Leases {
+    B::leases(&B::build(db, &Settings::new(name, 2)))
 }
 
-/// A REPEATABLE READ transaction on `c`.
-async fn rr(c: &mut pgwarden::Client) -> deadpool_postgres::Transaction<'_> {
-    c.build_transaction()
-        .isolation_level(IsolationLevel::RepeatableRead)
-        .start()
-        .await
-        .unwrap()
+/// [`Backend::fx_text`] of one `int8`.
+async fn fx_int<B: Backend>(tx: &mut B::Fenced<'_>, sql: &'static str) -> i64 {
+    B::fx_text(tx, sql).await.unwrap().parse().unwrap()
 }
 
 fn is_taken(e: &Error) -> bool {
@@ -81,61 +64,45 @@ fn is_taken(e: &Error) -> bool {
     )
 }
 
+backends!(an_old_snapshot_fence_after_a_takeover_refuses);
 /// SAFETY. A holder "frozen" with a 60 s local deadline (its term forced
 /// expired in the database meanwhile, as a stalled holder's would be),
 /// taken over by another instance, then it resumes and fences a
 /// transaction whose REPEATABLE READ / SERIALIZABLE snapshot was taken
 /// before the take-over: the fence must refuse (`Taken`), whatever `$5`
 /// (its still-future local term end) says; under READ COMMITTED too.
-#[tokio::test]
-async fn an_old_snapshot_fence_after_a_takeover_refuses() {
+async fn an_old_snapshot_fence_after_a_takeover_refuses<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    for (i, level) in [
-        IsolationLevel::RepeatableRead,
-        IsolationLevel::Serializable,
-        IsolationLevel::ReadCommitted,
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let name = format!("frozen{i}");
-        let pa = pool(&db, 2, "h2-frozen-a");
-        let a = Leases::new(&pa);
-        a.install().await.unwrap();
-        let b = Leases::new(&pool(&db, 2, "h2-frozen-b"));
-        let lease = a
-            .acquire(&name, &LeaseOptions::new(60 * S), None)
-            .await
-            .unwrap()
-            .unwrap();
-        let mut c = pa.get().await.unwrap();
-        let tx = c
-            .build_transaction()
-            .isolation_level(level)
-            .start()
-            .await
-            .unwrap();
+    for (name, level) in [
+        ("frozen0", IsolationLevel::RepeatableRead),
+        ("frozen1", IsolationLevel::Serializable),
+        ("frozen2", IsolationLevel::ReadCommitted),
+    ] {
+        let (pa, lease) = held::<B>(&db, 2, "h2-frozen-a", name, &LeaseOptions::new(60 * S)).await;
+        let b = other::<B>(&db, "h2-frozen-b");
+        let mut c = B::tx_source(&pa).await;
+        let mut tx = B::begin(&mut c, Some(level)).await;
         // The snapshot, before the take-over.
-        tx.query_one("SELECT count(*) FROM pgwarden_leases", &[])
+        B::tx_text(&mut tx, "SELECT count(*)::text FROM pgwarden_leases")
             .await
             .unwrap();
-        expire(&admin, &name).await;
-        let taken = b
-            .acquire(&name, &LeaseOptions::new(60 * S), None)
+        expire(&admin, name).await;
+        let taken = B::acquire(&b, name, &LeaseOptions::new(60 * S), None)
             .await
             .unwrap();
         assert!(taken.is_some(), "the take-over of the expired term");
         assert!(!lease.is_lost(), "the frozen holder has not noticed yet");
-        let e = within(GUARD, "the stale fence", lease.fence(tx))
+        let e = within(GUARD, "the stale fence", B::fence(&lease, tx))
             .await
             .map(drop)
             .expect_err("a fence after a take-over must refuse");
-        eprintln!("{level:?}: {e}");
+        eprintln!("{}: {level:?}: {e}", B::NAME);
         assert!(is_taken(&e), "{level:?}: {e}");
     }
 }
 
+backends!(a_fence_of_an_expired_term_under_rr_then_a_takeover);
 /// SAFETY. The term expired in the database (holder frozen), nobody has
 /// taken over yet; the holder fences under REPEATABLE READ (snapshot after
 /// the expiry): the fence passes (the snapshot case trusts the local
@@ -144,40 +111,36 @@ async fn an_old_snapshot_fence_after_a_takeover_refuses() {
 /// only if the write and the take-over are not both done: either the
 /// take-over answered busy (and the write landed under the old term), or
 /// the take-over ended the holder's session first (and the commit fails).
-#[tokio::test]
-async fn a_fence_of_an_expired_term_under_rr_then_a_takeover() {
+async fn a_fence_of_an_expired_term_under_rr_then_a_takeover<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     admin.batch_execute(LEDGER).await.unwrap();
-    let (pa, lease) = expired_holder(&db, &admin, "exp").await;
-    let b = Leases::new(&pool(&db, 2, "h2-exp-b"));
-    let mut c = pa.get().await.unwrap();
-    let tx = rr(&mut c).await;
-    let fenced = lease.fence(tx).await;
+    let (pa, lease) = expired_holder::<B>(&db, &admin, "exp").await;
+    let b = other::<B>(&db, "h2-exp-b");
+    let mut c = B::tx_source(&pa).await;
+    let tx = B::begin(&mut c, Some(IsolationLevel::RepeatableRead)).await;
+    let fenced = B::fence(&lease, tx).await;
     eprintln!(
-        "fence of a db-expired term under RR: {:?}",
+        "{}: fence of a db-expired term under RR: {:?}",
+        B::NAME,
         fenced.as_ref().err()
     );
-    let Ok(tx) = fenced else { return };
-    let st: String = tx
-        .query_one("SHOW statement_timeout", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let Ok(mut tx) = fenced else { return };
+    let st = B::fx_text(&mut tx, "SHOW statement_timeout").await.unwrap();
     eprintln!("its statement_timeout: {st}");
-    let taken = b
-        .acquire("exp", &LeaseOptions::new(60 * S), None)
+    let taken = B::acquire(&b, "exp", &LeaseOptions::new(60 * S), None)
         .await
         .unwrap();
     eprintln!("take-over while the fenced tx is open: {}", taken.is_some());
-    let w = tx
-        .execute(
-            "INSERT INTO ledger (name, token) VALUES ('exp', $1)",
-            &[&lease.term().token],
-        )
-        .await;
+    let token = lease.term().token;
+    let w = B::fx_run(
+        &mut tx,
+        "INSERT INTO ledger (name, token) VALUES ('exp', $1)",
+        Some(token),
+    )
+    .await;
     let committed = match w {
-        Ok(_) => tx.commit().await.is_ok(),
+        Ok(()) => B::fx_commit(tx).await.is_ok(),
         Err(_) => false,
     };
     eprintln!("the stale write committed: {committed}");
@@ -188,6 +151,7 @@ async fn a_fence_of_an_expired_term_under_rr_then_a_takeover() {
 }
 
 backends!(a_mixed_fleet_takeover_then_fence);
+backends!(a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry);
 /// The same start (term expired in the database, not taken over, the
 /// holder's local deadline 60 s away), fenced under REPEATABLE READ: the
 /// fence passes (the snapshot case trusts the local deadline), and the
@@ -215,14 +179,13 @@ backends!(a_mixed_fleet_takeover_then_fence);
 /// up outside the snapshot, and the transaction's bound comes from the
 /// database alone: the fence now refuses (before: passed,
 /// `statement_timeout` 60,988 ms).
-#[tokio::test]
-async fn a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry() {
+async fn a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let (pa, lease) = expired_holder(&db, &admin, "exp2").await;
-    let mut c = pa.get().await.unwrap();
-    let tx = rr(&mut c).await;
-    let tx = match lease.fence(tx).await {
+    let (pa, lease) = expired_holder::<B>(&db, &admin, "exp2").await;
+    let mut c = B::tx_source(&pa).await;
+    let tx = B::begin(&mut c, Some(IsolationLevel::RepeatableRead)).await;
+    let mut tx = match B::fence(&lease, tx).await {
         Ok(tx) => tx,
         Err(e) => {
             // Refused: right. As a term over in the database when the
@@ -234,7 +197,7 @@ async fn a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry() {
             // being expired, the fence fails with that error.
             // `lease_fence_db_clock` shows `Lost { Expired }` on a pool
             // with room.
-            eprintln!("refused: {e}");
+            eprintln!("{}: refused: {e}", B::NAME);
             assert!(
                 matches!(
                     e,
@@ -251,14 +214,11 @@ async fn a_db_expired_term_under_rr_is_bounded_by_the_databases_expiry() {
             return;
         }
     };
-    let st: i64 = tx
-        .query_one(
-            "SELECT (extract(epoch FROM current_setting('statement_timeout')::interval) * 1000)::int8",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let st = fx_int::<B>(
+        &mut tx,
+        "SELECT (extract(epoch FROM current_setting('statement_timeout')::interval) * 1000)::int8::text",
+    )
+    .await;
     drop(tx);
     // The statement before the rewrite, in the same situation.
     let t = lease.term();
@@ -308,7 +268,7 @@ async fn a_mixed_fleet_takeover_then_fence<B: Backend>() {
         .unwrap()
         .unwrap();
     expire(&admin, "mixed").await;
-    let other = Leases::new(&pool(&db, 2, "h2-mixed-dp"));
+    let other = Deadpool::leases(&pool(&db, 2, "h2-mixed-dp"));
     let taken = other
         .acquire("mixed", &LeaseOptions::new(60 * S), None)
         .await
@@ -327,6 +287,7 @@ async fn a_mixed_fleet_takeover_then_fence<B: Backend>() {
     assert_eq!(n, 0);
 }
 
+backends!(a_slow_fence_under_statement_timeout_names_no_blocker);
 /// The fence's statement made slow (not by a lock: a `clock_timestamp`
 /// that takes 200 ms, through the transaction's `search_path`, standing in
 /// for a slow server), the transaction's `statement_timeout` 300 ms, while
@@ -347,8 +308,7 @@ async fn a_mixed_fleet_takeover_then_fence<B: Backend>() {
 /// conflicts with a fence's (it asks for the fence's own lock, `SKIP
 /// LOCKED`), and a `FenceBlocked` naming nobody claims no lock: now
 /// `blocking_pid: None`, "was cut off after 300 ms, naming no lock".
-#[tokio::test]
-async fn a_slow_fence_under_statement_timeout_names_no_blocker() {
+async fn a_slow_fence_under_statement_timeout_names_no_blocker<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     admin
@@ -359,29 +319,24 @@ async fn a_slow_fence_under_statement_timeout_names_no_blocker() {
         )
         .await
         .unwrap();
-    let (p, lease) = held(&db, 4, "h2-slow", "slow", 60 * S).await;
-    let mut other = p.get().await.unwrap();
-    let other_pid: i32 = other
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let otx = lease
-        .fence(other.transaction().await.unwrap())
+    let (p, lease) = held::<B>(&db, 4, "h2-slow", "slow", &LeaseOptions::new(60 * S)).await;
+    let mut other = B::tx_source(&p).await;
+    let otx = B::begin(&mut other, None).await;
+    let mut otx = B::fence(&lease, otx).await.unwrap();
+    let other_pid = fx_int::<B>(&mut otx, "SELECT pg_backend_pid()::int8::text").await as i32;
+    let mut c = B::tx_source(&p).await;
+    let mut tx = B::begin(&mut c, None).await;
+    B::tx_run(&mut tx, "SET LOCAL search_path = slow, pg_catalog, public")
         .await
         .unwrap();
-    let mut c = p.get().await.unwrap();
-    let tx = c.transaction().await.unwrap();
-    tx.batch_execute(
-        "SET LOCAL search_path = slow, pg_catalog, public; SET LOCAL statement_timeout = 300",
-    )
-    .await
-    .unwrap();
-    let e = within(GUARD, "the slow fence", lease.fence(tx))
+    B::tx_run(&mut tx, "SET LOCAL statement_timeout = 300")
+        .await
+        .unwrap();
+    let e = within(GUARD, "the slow fence", B::fence(&lease, tx))
         .await
         .map(drop)
         .expect_err("a 57014");
-    eprintln!("{e:?} / {e}");
+    eprintln!("{}: {e:?} / {e}", B::NAME);
     drop(otx);
     assert!(!lease.is_lost());
     match e {
@@ -399,24 +354,22 @@ async fn a_slow_fence_under_statement_timeout_names_no_blocker() {
     }
 }
 
+backends!(a_cancelled_fence_keeps_its_lease);
 /// A user's own cancel (`pg_cancel_backend`) of a fence waiting behind a
 /// row lock: reported how? The lease must stay held.
-#[tokio::test]
-async fn a_cancelled_fence_keeps_its_lease() {
+async fn a_cancelled_fence_keeps_its_lease<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let (p, lease) = held(&db, 3, "h2-cancel", "cancel", 60 * S).await;
+    let (p, lease) = held::<B>(&db, 3, "h2-cancel", "cancel", &LeaseOptions::new(60 * S)).await;
     let locker = lock_rows(&db, "pgwarden_leases", &["cancel"], "FOR UPDATE").await;
-    let mut c = p.get().await.unwrap();
-    let pid: i32 = c
-        .query_one("SELECT pg_backend_pid()", &[])
+    let mut c = B::tx_source(&p).await;
+    let mut tx = B::begin(&mut c, None).await;
+    let pid: i32 = B::tx_text(&mut tx, "SELECT pg_backend_pid()::text")
         .await
         .unwrap()
-        .get(0);
-    let fence = async {
-        let tx = c.transaction().await.unwrap();
-        lease.fence(tx).await.map(drop)
-    };
+        .parse()
+        .unwrap();
+    let fence = async { B::fence(&lease, tx).await.map(drop) };
     let cancel = async {
         eventually(GUARD, "the fence waits on the row", || async {
             admin
@@ -436,7 +389,7 @@ async fn a_cancelled_fence_keeps_its_lease() {
     };
     let (e, ()) = within(GUARD, "cancel", async { tokio::join!(fence, cancel) }).await;
     let e = e.unwrap_err();
-    eprintln!("cancelled fence: {e}");
+    eprintln!("{}: cancelled fence: {e}", B::NAME);
     assert!(
         matches!(e, Error::Lease(LeaseError::FenceBlocked { .. })),
         "{e}"
@@ -445,14 +398,14 @@ async fn a_cancelled_fence_keeps_its_lease() {
     locker.batch_execute("ROLLBACK").await.unwrap();
 }
 
+backends!(the_lookup_as_an_unprivileged_role);
 /// The blocker lookup for a role without pg_read_all_stats: the row
 /// locked by a superuser session, the fence's role's lock_timeout tight.
-#[tokio::test]
-async fn the_lookup_as_an_unprivileged_role() {
+async fn the_lookup_as_an_unprivileged_role<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
-    let pa = pool(&db, 2, "h2-priv-admin");
-    Leases::new(&pa).install().await.unwrap();
+    let pa = B::build(&db, &Settings::new("h2-priv-admin", 2));
+    B::install(&B::leases(&pa)).await.unwrap();
     let role = format!("plain_{}", db.name());
     admin
         .batch_execute(&format!(
@@ -464,10 +417,9 @@ async fn the_lookup_as_an_unprivileged_role() {
         .unwrap();
     let mut config = db.pg_config();
     config.user(&role);
-    let p = support::leases::pool_with(config, 3, "h2-priv");
-    let leases = Leases::builder(&p).auto_install(false).build().unwrap();
-    let lease = leases
-        .acquire("priv", &LeaseOptions::new(60 * S), None)
+    let p = B::build_on(&config, &Settings::new("h2-priv", 3));
+    let leases = B::leases_with(&p, &LeaseSettings::default().auto_install(false)).unwrap();
+    let lease = B::acquire(&leases, "priv", &LeaseOptions::new(60 * S), None)
         .await
         .unwrap()
         .unwrap();
@@ -477,13 +429,16 @@ async fn the_lookup_as_an_unprivileged_role() {
         .await
         .unwrap()
         .get(0);
-    let mut c = p.get().await.unwrap();
+    let mut c = B::tx_source(&p).await;
     let began = Instant::now();
-    let e = within(GUARD, "fence", lease.fence(c.transaction().await.unwrap()))
-        .await
-        .err()
-        .unwrap();
-    eprintln!("after {:?}: {e}", began.elapsed());
+    let e = within(GUARD, "fence", async {
+        let tx = B::begin(&mut c, None).await;
+        B::fence(&lease, tx).await.map(drop)
+    })
+    .await
+    .err()
+    .unwrap();
+    eprintln!("{}: after {:?}: {e}", B::NAME, began.elapsed());
     assert!(
         matches!(e, Error::Lease(LeaseError::FenceBlocked { blocking_pid: Some(p), .. }) if p == lpid),
         "{e}"
@@ -491,16 +446,16 @@ async fn the_lookup_as_an_unprivileged_role() {
     locker.batch_execute("ROLLBACK").await.unwrap();
 }
 
+backends!(the_lookup_racing_a_table_lock);
 /// The blocker lookup racing a table lock taken and released again and
 /// again by an outside session (`LOCK TABLE … ACCESS EXCLUSIVE`, held 80
 /// ms each time) while fences with a 50 ms `lock_timeout`
 /// run: each fence ends with `Ok` or a typed `FenceBlocked`, never a bare
 /// database error, and none takes longer than its bounds (50 ms + the
 /// 2 s lookup + scheduling slack; 20 s is far above that).
-#[tokio::test]
-async fn the_lookup_racing_a_table_lock() {
+async fn the_lookup_racing_a_table_lock<B: Backend>() {
     let db = db().await;
-    let (p, lease) = held(&db, 3, "h2-race", "race", 60 * S).await;
+    let (p, lease) = held::<B>(&db, 3, "h2-race", "race", &LeaseOptions::new(60 * S)).await;
     let toggler = db.connect().await.unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let toggle = async {
@@ -518,14 +473,14 @@ async fn the_lookup_racing_a_table_lock() {
     let fences = async {
         let (mut ok, mut blocked, mut on_table) = (0, 0, 0);
         for _ in 0..40 {
-            let mut c = p.get().await.unwrap();
-            let tx = c.transaction().await.unwrap();
-            let set = tx.batch_execute("SET LOCAL lock_timeout = 50").await;
+            let mut c = B::tx_source(&p).await;
+            let mut tx = B::begin(&mut c, None).await;
+            let set = B::tx_run(&mut tx, "SET LOCAL lock_timeout = 50").await;
             if set.is_err() {
                 continue;
             }
             let began = Instant::now();
-            let r = lease.fence(tx).await;
+            let r = B::fence(&lease, tx).await;
             assert!(
                 began.elapsed() < 20 * S,
                 "a fence took {:?}",
@@ -550,42 +505,42 @@ async fn the_lookup_racing_a_table_lock() {
         tokio::join!(toggle, fences)
     })
     .await;
-    eprintln!("{n} table locks; fences: {ok} ok, {blocked} blocked ({on_table} named the table)");
+    eprintln!(
+        "{}: {n} table locks; fences: {ok} ok, {blocked} blocked ({on_table} named the table)",
+        B::NAME
+    );
     assert!(!lease.is_lost());
 }
 
+backends!(repeated_checks_under_rr_keep_set_local_values);
 /// Repeated `check()` under REPEATABLE READ, with `SET LOCAL` tighter
 /// `lock_timeout` and `statement_timeout` before the fence: kept through
 /// the fence and three checks.
-#[tokio::test]
-async fn repeated_checks_under_rr_keep_set_local_values() {
+async fn repeated_checks_under_rr_keep_set_local_values<B: Backend>() {
     let db = db().await;
-    let (p, lease) = held(&db, 2, "h2-rr-check", "rrc", 60 * S).await;
-    let mut c = p.get().await.unwrap();
-    let tx = c
-        .build_transaction()
-        .isolation_level(IsolationLevel::RepeatableRead)
-        .start()
-        .await
-        .unwrap();
-    tx.batch_execute("SET LOCAL lock_timeout = '150ms'; SET LOCAL statement_timeout = '7s'")
-        .await
-        .unwrap();
-    let tx = lease.fence(tx).await.unwrap();
+    let (p, lease) = held::<B>(&db, 2, "h2-rr-check", "rrc", &LeaseOptions::new(60 * S)).await;
+    let mut c = B::tx_source(&p).await;
+    let mut tx = B::begin(&mut c, Some(IsolationLevel::RepeatableRead)).await;
+    for set in [
+        "SET LOCAL lock_timeout = '150ms'",
+        "SET LOCAL statement_timeout = '7s'",
+    ] {
+        B::tx_run(&mut tx, set).await.unwrap();
+    }
+    let mut tx = B::fence(&lease, tx).await.unwrap();
     for i in 0..4 {
         if i > 0 {
-            tx.check().await.unwrap();
+            B::fx_check(&mut tx).await.unwrap();
         }
-        let lt: String = tx.query_one("SHOW lock_timeout", &[]).await.unwrap().get(0);
-        let st: String = tx
-            .query_one("SHOW statement_timeout", &[])
-            .await
-            .unwrap()
-            .get(0);
-        eprintln!("after check {i}: lock_timeout {lt}, statement_timeout {st}");
+        let lt = B::fx_text(&mut tx, "SHOW lock_timeout").await.unwrap();
+        let st = B::fx_text(&mut tx, "SHOW statement_timeout").await.unwrap();
+        eprintln!(
+            "{}: after check {i}: lock_timeout {lt}, statement_timeout {st}",
+            B::NAME
+        );
         assert_eq!((lt.as_str(), st.as_str()), ("150ms", "7s"));
     }
-    tx.commit().await.unwrap();
+    B::fx_commit(tx).await.unwrap();
 }
 
 fn kept(mark: &str, setting: &str) -> String {
@@ -691,7 +646,7 @@ fn new_fence() -> String {
 #[ignore = "measurement, not a test: run by hand (--ignored --nocapture)"]
 async fn fence_cost_before_and_after() {
     let db = db().await;
-    let (p, lease) = held(&db, 2, "h2-cost", "cost", 600 * S).await;
+    let (p, lease) = held::<Deadpool>(&db, 2, "h2-cost", "cost", &LeaseOptions::new(600 * S)).await;
     let mut c = p.get().await.unwrap();
     let n = 1000;
     let t = Instant::now();

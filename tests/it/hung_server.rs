@@ -2,13 +2,15 @@
 //! connections but never answers: the postmaster and its backends stopped
 //! with SIGSTOP, on a server of the test's own (never the shared one, which
 //! other tests use meanwhile). The processes are continued by a guard that
-//! also runs when the test fails.
+//! also runs when the test fails. On every backend.
 
 use std::time::{Duration, Instant};
 
-use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
-use pgwarden::{CheckoutError, Error, Lane, Pool, Stage};
+use crate::support;
+
+use pgwarden::{CheckoutError, Error, Lane, PoolerMode, Stage};
 use pgwarden_testing::{TestDb, TestServer};
+use support::backend::{settled, Backend, Settings};
 
 /// Processes stopped with SIGSTOP; continued (SIGCONT) on drop.
 struct Stopped(Vec<u32>);
@@ -116,14 +118,11 @@ async fn own_server() -> (TestServer, TestDb) {
     (server, db)
 }
 
-fn pool(inner: deadpool_postgres::Pool, name: &str) -> Pool {
-    Pool::builder(inner)
-        .name(name)
-        .wait_timeout(Duration::from_secs(2))
-        .pooler(pgwarden::PoolerMode::Direct)
-        .census_interval(None)
-        .build()
-        .unwrap()
+/// The settings of a pool here: waits of 2 s, direct.
+fn settings(name: &'static str) -> Settings {
+    Settings::new(name, 4)
+        .wait(Duration::from_secs(2))
+        .pooler(PoolerMode::Direct)
 }
 
 /// Polls until `f` succeeds; fails the test after `limit`.
@@ -169,30 +168,31 @@ async fn fails_within<T, E: std::fmt::Debug>(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
+backends!(
+    a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds<B: Backend>() {
     let (server, db) = own_server().await;
-    let pool = pool(db.deadpool(4).unwrap(), "hung");
+    let pool = B::build_on(&db.pg_config(), &settings("hung"));
     // One connection open and idle: the probe will find it and its query
     // will hang; a second checkout must connect, and connecting hangs.
-    pool.readiness(Duration::from_secs(60)).await.unwrap();
+    B::readiness(&pool, Duration::from_secs(60)).await.unwrap();
+    settled::<B>(&pool).await;
     let stopped = Stopped::server(&server);
 
     let ms = Duration::from_millis;
-    let readiness = || pool.readiness(Duration::from_secs(1));
+    let readiness = || B::readiness(&pool, Duration::from_secs(1));
     let e = fails_within(ms(1200), "readiness(1 s), query hung", readiness()).await;
     assert!(e.is_timeout(), "{e}");
-    let e = fails_within(ms(2200), "get() bound 2 s, connecting hung", pool.get()).await;
-    assert!(
-        matches!(e, deadpool_postgres::PoolError::Timeout(_)),
-        "{e:?}"
-    );
+    let e = fails_within(ms(2200), "get() bound 2 s, connecting hung", B::get(&pool)).await;
+    assert!(B::is_drop_in_timeout(&e), "{e:?}");
     // The probe's connection was closed: the next probe connects, and hangs.
     let e = fails_within(ms(1200), "readiness(1 s), connecting hung", readiness()).await;
     assert!(e.is_timeout(), "{e}");
 
-    let e = pool
-        .get_within(Duration::from_millis(500))
+    let e = B::get_within(&pool, Duration::from_millis(500))
         .await
         .unwrap_err();
     assert!(
@@ -207,46 +207,43 @@ async fn a_stopped_server_cannot_hold_get_or_readiness_past_their_bounds() {
     );
     // Nothing stays checked out but the last probe's connection set-up,
     // kept going in the background (at most 10 s) for the next probe.
-    let s = pool.status();
+    let s = B::status(&pool);
     assert_eq!(s.in_use - s.lane(Lane::Probe).in_use, 0, "{s}");
     assert!(s.lane(Lane::Probe).in_use <= 1, "{s}");
 
     // Continued: everything recovers, with no manual action.
     drop(stopped);
-    let took = recovers(HANG, "readiness", || pool.readiness(Duration::from_secs(1))).await;
-    eprintln!("readiness after SIGCONT: {took:?}");
-    let c = recovers(HANG, "get", || pool.get()).await;
-    c.simple_query("SELECT 1").await.unwrap();
+    let took = recovers(HANG, "readiness", || {
+        B::readiness(&pool, Duration::from_secs(1))
+    })
+    .await;
+    eprintln!("{}: readiness after SIGCONT: {took:?}", B::NAME);
+    let mut c = recovers(HANG, "get", || B::get(&pool)).await;
+    B::select_1(&mut c).await;
     drop(c);
-    assert_eq!(pool.status().in_use, 0);
+    settled::<B>(&pool).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hang_while_recycling_or_connecting_is_bounded() {
+backends!(
+    a_hang_while_recycling_or_connecting_is_bounded,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn a_hang_while_recycling_or_connecting_is_bounded<B: Backend>() {
     let (server, db) = own_server().await;
-    // Verified recycling runs a statement on every checkout of an idle
-    // connection: with its backend stopped, recycling hangs.
-    let mgr = Manager::from_config(
-        db.pg_config(),
-        tokio_postgres::NoTls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Verified,
-        },
-    );
-    let inner = deadpool_postgres::Pool::builder(mgr)
-        .max_size(4)
-        .runtime(deadpool_postgres::Runtime::Tokio1)
-        .build()
-        .unwrap();
-    let pool = pool(inner, "hung-recycle");
-    let c = pool.get().await.unwrap();
-    let idle_backend = c.pid() as u32;
+    // Verified recycling (sqlx: its test before acquire) runs a statement
+    // on every checkout of an idle connection: with its backend stopped,
+    // recycling hangs.
+    let pool = B::build_checked(&db.pg_config(), &settings("hung-recycle"));
+    let c = B::get(&pool).await.unwrap();
+    let idle_backend = B::pid(&c) as u32;
     drop(c);
+    settled::<B>(&pool).await;
 
     let stopped = Stopped::stop(vec![idle_backend]);
     let bound = Duration::from_secs(1);
     let limit = Duration::from_millis(1200);
-    let get = || pool.get_within(bound);
+    let get = || B::get_within(&pool, bound);
     let e = fails_within(limit, "checkout bound 1 s, recycling hung", get()).await;
     assert!(
         matches!(
@@ -262,16 +259,16 @@ async fn a_hang_while_recycling_or_connecting_is_bounded() {
 
     // Connecting: one connection out and working, the postmaster stopped
     // (its backends run): a second checkout must connect, and cannot.
-    let working = recovers(HANG, "get", || pool.get()).await;
+    let mut working = recovers(HANG, "get", || B::get(&pool)).await;
     let stopped = Stopped::stop(vec![server.pid().unwrap()]);
-    working.simple_query("SELECT 1").await.unwrap();
+    B::select_1(&mut working).await;
     let e = fails_within(limit, "checkout bound 1 s, connecting hung", get()).await;
     assert!(e.is_timeout(), "{e}");
     drop(stopped);
     drop(working);
-    let c = recovers(HANG, "get after SIGCONT", || {
-        pool.get_within(Duration::from_secs(2))
+    let mut c = recovers(HANG, "get after SIGCONT", || {
+        B::get_within(&pool, Duration::from_secs(2))
     })
     .await;
-    c.simple_query("SELECT 1").await.unwrap();
+    B::select_1(&mut c).await;
 }

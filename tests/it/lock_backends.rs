@@ -118,7 +118,9 @@ async fn a_lock_lives_and_ends_on_its_own_connection<B: Backend>() {
 
 backends!(a_dropped_guard_leaves_no_lock_in_the_pool);
 /// A guard dropped holding two levels: released in the background on its
-/// own connection, which goes back alive; the gauges and the budget at 0.
+/// own connection, which goes back alive (the pool's size unchanged); the
+/// gauges and the budget at 0. (Was also `locks::dropped_guard_is_released_in_the_background`,
+/// deadpool only, one level: folded in here.)
 async fn a_dropped_guard_leaves_no_lock_in_the_pool<B: Backend>() {
     let db = db().await;
     let raw = db.connect().await.unwrap();
@@ -131,11 +133,14 @@ async fn a_dropped_guard_leaves_no_lock_in_the_pool<B: Backend>() {
         .expect("a free key");
     B::lock_again(&mut lock).await.unwrap();
     let pid = B::lock_pid(&lock);
+    let size = B::status(&pool).size;
     drop(lock);
     // The release holds the checkout until the unlock is confirmed.
     settled::<B>(&pool).await;
     assert!(raw_locks(&raw).await.is_empty());
+    // Unlocked, not closed: the same session is back in the pool.
     assert!(alive(&raw, pid).await, "unlocked and kept");
+    assert_eq!(B::status(&pool).size, size);
     let m = metrics_now(&snap);
     let name = s.pool_name::<B>();
     assert_eq!(

@@ -253,36 +253,6 @@ async fn unlock_that_postgres_refuses_is_an_error<B: Backend>() {
     assert!(free(&raw, LockKey::Single(8)).await);
 }
 
-#[tokio::test]
-async fn dropped_guard_is_released_in_the_background() {
-    let db = db().await;
-    let (pool, snap) = with_recorder(builder(&db, 3).name("dropped"));
-    let raw = db.connect().await.unwrap();
-    let lock = pool
-        .session_lock(LockKey::Single(9), pgwarden::LockMode::Exclusive, Some(T))
-        .await
-        .unwrap()
-        .expect("a wait grants the lock or fails");
-    let pid = lock.client().pid();
-    let size = pool.status().size;
-    drop(lock);
-    eventually(T, "released", || async { pool.status().in_use == 0 }).await;
-    assert!(free(&raw, LockKey::Single(9)).await);
-    // Set to 1 at acquisition and not read since: 0 means the release set it.
-    let m = metrics_now(&snap);
-    assert_eq!(
-        m.get("pgwarden_session_locks_held{pool=dropped}"),
-        Some(&0.0)
-    );
-    assert_eq!(
-        m.get("pgwarden_session_lock_connections{pool=dropped}"),
-        Some(&0.0)
-    );
-    // Unlocked, not closed: the same session is back in the pool.
-    assert!(alive(&raw, pid).await);
-    assert_eq!(pool.status().size, size);
-}
-
 backends!(panic_while_held_releases);
 async fn panic_while_held_releases<B: Backend>() {
     let db = db().await;

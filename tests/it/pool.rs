@@ -1,24 +1,27 @@
-//! The budgeted deadpool pool against a real PostgreSQL: drop-in use,
-//! session-lock refusals, a checkout dropped while its connection is made.
-//! The shell's behaviour on every backend (waits, timeouts, the probe
-//! reserve, discard) is in `backends.rs`.
+//! The budgeted pool against a real PostgreSQL: session-lock refusals and
+//! a checkout dropped while its connection is made on every backend;
+//! deadpool's own drop-in use and its builders (`from_url`, `from_config`
+//! over deadpool's `Config`) on deadpool alone (the sqlx pool's drop-in
+//! use is in `sqlx_pool.rs`). The shell's behaviour on every backend
+//! (waits, timeouts, the probe reserve, discard) is in `backends.rs`.
 
 use crate::support;
 
 use std::time::Duration;
 
 use deadpool_postgres::{GenericClient, PoolError};
-use pgwarden::{BudgetPolicy, CheckoutError, Error, Lane, LockKey, LockMode, Pool, SessionLock};
+use pgwarden::{BudgetPolicy, CheckoutError, Error, Lane, LockKey, LockMode, Pool};
 use pgwarden_testing::TestDb;
+use support::backend::{settled, Backend, Settings};
 use support::db;
 
 /// A session lock on key `n`, tried once: the session-lock lane, budgeted.
 #[track_caller]
-fn lock(
-    pool: &Pool,
+fn lock<B: Backend>(
+    pool: &B::Pool,
     n: i64,
-) -> impl std::future::Future<Output = Result<Option<SessionLock>, Error>> + '_ {
-    pool.session_lock(LockKey::Single(n), LockMode::Exclusive, None)
+) -> impl std::future::Future<Output = Result<Option<B::Lock>, Error>> + '_ {
+    B::session_lock(pool, LockKey::Single(n), LockMode::Exclusive, None)
 }
 
 async fn pool(size: usize) -> (TestDb, Pool) {
@@ -157,94 +160,44 @@ async fn builds_from_url_and_config() {
     assert!(matches!(e, pgwarden::BuildError::InvalidName(_)));
 }
 
-#[tokio::test]
-async fn conn_knows_lane_pid_site_and_age() {
-    let (_db, pool) = pool(3).await;
-    let before = std::time::Instant::now();
-    let line = line!() + 1;
-    let c = pool.get().await.unwrap();
-    assert_eq!(c.lane(), Lane::Request);
-    assert_eq!(c.site().file(), file!());
-    assert_eq!(c.site().line(), line);
-    assert!(c.since() >= before);
-    let pid: i32 = c
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(c.pid(), pid);
-    let held = lock(&pool, 1).await.unwrap().unwrap();
-    let ctl = held.client();
-    assert_eq!(ctl.lane(), Lane::SessionLock);
-    assert_ne!(ctl.pid(), c.pid());
-    let s = pool.status();
-    assert_eq!(
-        (
-            s.in_use,
-            s.lane(Lane::Request).in_use,
-            s.lane(Lane::SessionLock).in_use
-        ),
-        (2, 1, 1)
-    );
-    drop(c);
-    // A connection reused: handed out within the call that checked it out
-    // (its time is the one deadpool reads as it recycles the connection).
-    let before = std::time::Instant::now();
-    let c = pool.get().await.unwrap();
-    let after = std::time::Instant::now();
-    assert_eq!(c.pid(), pid, "the idle connection is reused");
-    assert!(
-        before <= c.since() && c.since() <= after,
-        "handed out at {:?}, called {:?} to {:?}",
-        c.since(),
-        before,
-        after
-    );
-    drop(c);
-    held.unlock().await.unwrap();
-    assert_eq!(pool.status().in_use, 0);
-}
-
-/// A checkout dropped while deadpool makes its connection (the link
+backends!(a_checkout_dropped_while_its_connection_is_made_leaves_no_trace);
+/// A checkout dropped while the wrapped pool makes its connection (the link
 /// partitioned: the connection's start-up gets no answer) gives its
 /// admission back: nothing stays counted in use, and the pool serves the
 /// next checkout once the link heals.
-#[tokio::test]
-async fn a_checkout_dropped_while_its_connection_is_made_leaves_no_trace() {
+async fn a_checkout_dropped_while_its_connection_is_made_leaves_no_trace<B: Backend>() {
     let server = pgwarden_testing::TestServer::shared().expect("throwaway PostgreSQL");
     let db = server.create_database().await.unwrap();
     let proxy = pgwarden_testing::Proxy::start(server).expect("proxy");
-    let pool = Pool::builder(proxy.deadpool(&db, 2).unwrap())
-        .name("dropped-while-connecting")
-        .census_interval(None)
-        .build()
-        .unwrap();
+    let s = Settings::new("dropped-while-connecting", 2);
+    let pool = B::build_on(&proxy.pg_config(&db), &s);
     proxy.blackhole();
-    let getting = pool.get_within(Duration::from_secs(30));
+    let getting = B::get_within(&pool, Duration::from_secs(30));
     let r = tokio::time::timeout(Duration::from_millis(300), getting).await;
     assert!(r.is_err(), "a connection was made through a partition");
-    let s = pool.status();
+    let s = B::status(&pool);
     assert_eq!(
         (s.waiting, s.in_use),
         (0, 0),
         "the dropped checkout still counts: {s}"
     );
     proxy.heal();
-    let c = tokio::time::timeout(Duration::from_secs(60), pool.get())
+    let c = tokio::time::timeout(Duration::from_secs(60), B::get(&pool))
         .await
         .expect("a checkout after the partition healed (60 s: only against a hang)")
         .expect("a connection after the partition healed");
-    assert_eq!(pool.status().in_use, 1);
+    assert_eq!(B::status(&pool).in_use, 1);
     drop(c);
-    assert_eq!(pool.status().in_use, 0);
+    settled::<B>(&pool).await;
 }
 
-#[tokio::test]
-async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
-    let (_db, pool) = pool(4).await;
+backends!(session_lock_lane_refuses_past_its_budget_naming_the_holders);
+async fn session_lock_lane_refuses_past_its_budget_naming_the_holders<B: Backend>() {
+    let db = db().await;
+    let pool = B::build(&db, &Settings::new("budget-names", 4));
     let line = line!() + 1;
-    let first = lock(&pool, 1).await.unwrap().unwrap();
-    let e = lock(&pool, 2).await.unwrap_err();
+    let first = lock::<B>(&pool, 1).await.unwrap().unwrap();
+    let e = lock::<B>(&pool, 2).await.unwrap_err();
     assert!(e.is_budget_exhausted());
     let msg = e.to_string();
     assert!(
@@ -260,22 +213,21 @@ async fn session_lock_lane_refuses_past_its_budget_naming_the_holders() {
         "{msg}"
     );
     // A refusal changes nothing.
-    assert_eq!(pool.status().lane(Lane::SessionLock).in_use, 1);
+    assert_eq!(B::status(&pool).lane(Lane::SessionLock).in_use, 1);
     drop(first);
-    let again = lock(&pool, 2).await.unwrap().unwrap();
-    again.unlock().await.unwrap();
+    let again = lock::<B>(&pool, 2).await.unwrap().unwrap();
+    B::unlock(again).await.unwrap();
 }
 
-#[tokio::test]
-async fn warn_policy_admits_up_to_the_hard_floor() {
+backends!(warn_policy_admits_up_to_the_hard_floor);
+async fn warn_policy_admits_up_to_the_hard_floor<B: Backend>() {
     let db = db().await;
-    let pool = Pool::builder(db.deadpool(4).unwrap())
-        .policy(BudgetPolicy::Warn)
-        .build()
-        .unwrap();
-    let a = lock(&pool, 1).await.unwrap().unwrap();
-    let b = lock(&pool, 2).await.unwrap().unwrap();
-    let e = lock(&pool, 3).await.unwrap_err();
+    let mut s = Settings::new("warn-floor", 4);
+    s.policy = BudgetPolicy::Warn;
+    let pool = B::build(&db, &s);
+    let a = lock::<B>(&pool, 1).await.unwrap().unwrap();
+    let b = lock::<B>(&pool, 2).await.unwrap().unwrap();
+    let e = lock::<B>(&pool, 3).await.unwrap_err();
     match &e {
         Error::Checkout(CheckoutError::BudgetExhausted {
             hard_floor,
@@ -290,8 +242,8 @@ async fn warn_policy_admits_up_to_the_hard_floor() {
         other => panic!("{other:?}"),
     }
     // The work under both locks still gets a connection, and readiness answers.
-    let w = pool.get().await.unwrap();
-    w.simple_query("SELECT 1").await.unwrap();
-    pool.readiness(Duration::from_secs(60)).await.unwrap();
+    let mut w = B::get(&pool).await.unwrap();
+    B::select_1(&mut w).await;
+    B::readiness(&pool, Duration::from_secs(60)).await.unwrap();
     drop((a, b, w));
 }

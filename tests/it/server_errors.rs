@@ -2,78 +2,64 @@
 //! `max_connections` filled by another application, or a role the server
 //! refuses, shows the server's SQLSTATE and message in the error's text and
 //! in the readiness 503 reason, not only "db error" deep in the source chain.
+//! On every backend.
 
 use crate::support;
 
 use std::time::Duration;
 
-use deadpool_postgres::PoolError;
-use pgwarden::http::Readiness;
-use pgwarden::{Error, Pool, PoolerMode};
+use pgwarden::PoolerMode;
 use pgwarden_testing::{TestDb, TestServer};
+use support::backend::{call, Backend, Settings};
 use support::{db, eventually};
 use tokio_postgres::error::SqlState;
-use tower_service::Service as _;
 
 const T: Duration = Duration::from_secs(10);
 const BOUND: Duration = Duration::from_secs(2);
 
 /// A pool of 2 on `db` as `user`, nothing started in the background.
-fn pool_as(db: &TestDb, user: &str) -> Pool {
+fn pool_as<B: Backend>(db: &TestDb, user: &str) -> B::Pool {
     let mut cfg = db.pg_config();
     cfg.user(user);
-    Pool::builder(pgwarden_testing::deadpool(cfg, 2).unwrap())
-        .name(format!("as-{user}"))
-        .pooler(PoolerMode::Direct)
-        .census_interval(None)
-        .build()
-        .unwrap()
+    let name: &'static str = Box::leak(format!("as-{user}").into_boxed_str());
+    B::build_on(&cfg, &Settings::new(name, 2).pooler(PoolerMode::Direct))
 }
 
 /// The readiness service's answer: (status, the reason in its body).
-async fn ready(pool: &Pool) -> (u16, String) {
-    let mut svc = Readiness::new(pool.clone()).bound(BOUND);
-    let req = axum::http::Request::get("/health/ready").body(()).unwrap();
-    let resp = svc.call(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let body = axum::body::to_bytes(axum::body::Body::new(resp.into_body()), usize::MAX)
-        .await
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+async fn ready<B: Backend>(pool: &B::Pool) -> (u16, String) {
+    let (status, body) = call(&B::app(pool, BOUND, BOUND), "/ready").await;
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     let reason = v["reason"].as_str().unwrap_or_default().to_owned();
     (status, reason)
 }
 
 /// What pgwarden's error and the readiness 503 say when the server refuses
 /// a new connection with `code`: both name the SQLSTATE and carry `message`.
-async fn refused_with(pool: &Pool, code: &SqlState, message: &str) {
-    let e = pool.readiness(BOUND).await.unwrap_err();
+async fn refused_with<B: Backend>(pool: &B::Pool, code: &SqlState, message: &str) {
+    let e = B::readiness(pool, BOUND).await.unwrap_err();
     let text = e.to_string();
     eprintln!("refused: {text}");
     assert!(
         text.contains(&format!("database error {}: ", code.code())) && text.contains(message),
         "error text: {text}"
     );
-    assert!(
-        text.starts_with("pool error: could not open a connection: "),
-        "{text}"
-    );
-    let (status, reason) = ready(pool).await;
+    // (deadpool says more: "could not open a connection: "; sqlx's error
+    // does not tell its connect's failures from its other ones.)
+    assert!(text.starts_with("pool error: "), "{text}");
+    let (status, reason) = ready::<B>(pool).await;
     assert_eq!(status, 503);
     assert!(
         reason.contains(code.code()) && reason.contains(message),
         "readiness reason: {reason}"
     );
-    // deadpool's own error (`get`) keeps the server's error as its source.
-    match pool.get().await {
-        Err(PoolError::Backend(e)) => assert_eq!(e.code(), Some(code), "{e:?}"),
-        other => panic!("expected a backend error, got {other:?}"),
+    // The drop-in checkout's own error (deadpool's `get`, sqlx's
+    // `acquire`) keeps the server's error as its source.
+    match B::get(pool).await {
+        Err(e) => assert_eq!(B::drop_in_code(&e).as_deref(), Some(code.code()), "{e:?}"),
+        Ok(c) => panic!("a connection the server refuses: {c:?}"),
     }
-    // The typed parts are still there.
-    let Error::Checkout(pgwarden::CheckoutError::Pool(PoolError::Backend(e))) = &e else {
-        panic!("{e:?}")
-    };
-    assert_eq!(e.code(), Some(code));
+    // The typed parts are still there: the server's error in the chain.
+    assert_eq!(B::source_code(&e).as_deref(), Some(code.code()), "{e:?}");
 }
 
 /// Client backends connected now.
@@ -87,8 +73,17 @@ async fn clients(c: &tokio_postgres::Client) -> i64 {
     .get(0)
 }
 
-#[tokio::test]
-async fn a_server_filled_by_another_application_says_so() {
+// FINDING (session 39): on sqlx a server with no slot left answers every
+// probe with a timeout ("readiness probe did not answer within 2s"), not
+// the server's 53300: sqlx takes "too many connections" for a transient
+// failure of its connect phase and retries it until its acquire timeout, so
+// what the server said never reaches pgwarden. (Once, on sqlx 0.8, the
+// app's connection was also still there 10 s after `close()`.)
+backends!(
+    ignore_sqlx = "FINDING: on sqlx a full server (53300) reads as a probe timeout: sqlx retries its connect until its own timeout",
+    a_server_filled_by_another_application_says_so
+);
+async fn a_server_filled_by_another_application_says_so<B: Backend>() {
     // 6 connections, 2 of them for superusers only.
     let server = tokio::task::spawn_blocking(|| {
         TestServer::start_local_with(
@@ -111,13 +106,13 @@ async fn a_server_filled_by_another_application_says_so() {
         ))
         .await
         .unwrap();
-    let app = pool_as(&db, "app");
-    let postgres = pool_as(&db, "postgres");
-    assert!(app.readiness(BOUND).await.is_ok());
+    let app = pool_as::<B>(&db, "app");
+    let postgres = pool_as::<B>(&db, "postgres");
+    assert!(B::readiness(&app, BOUND).await.is_ok());
     // The app's connection is idle in its pool: close it, so only the
     // other application fills the server.
-    app.close();
-    let app = pool_as(&db, "app");
+    B::close(&app).await;
+    let app = pool_as::<B>(&db, "app");
     eventually(T, "only the admin connection left", || async {
         clients(&admin).await == 1
     })
@@ -128,7 +123,7 @@ async fn a_server_filled_by_another_application_says_so() {
     while clients(&admin).await < 4 {
         others.push(db.connect().await.unwrap());
     }
-    refused_with(
+    refused_with::<B>(
         &app,
         &SqlState::TOO_MANY_CONNECTIONS,
         "remaining connection slots are reserved",
@@ -139,7 +134,7 @@ async fn a_server_filled_by_another_application_says_so() {
     while clients(&admin).await < 6 {
         others.push(db.connect().await.unwrap());
     }
-    refused_with(
+    refused_with::<B>(
         &postgres,
         &SqlState::TOO_MANY_CONNECTIONS,
         "sorry, too many clients already",
@@ -148,13 +143,16 @@ async fn a_server_filled_by_another_application_says_so() {
 
     drop(others);
     eventually(T, "ready once the other application left", || async {
-        postgres.readiness(BOUND).await.is_ok()
+        B::readiness(&postgres, BOUND).await.is_ok()
     })
     .await;
 }
 
-#[tokio::test]
-async fn a_role_the_server_refuses_says_why() {
+backends!(a_role_the_server_refuses_says_why);
+/// (Failed on sqlx before `CheckoutError::Backend` showed the SQLSTATE:
+/// "pool error: error returned from database: role … is not permitted to
+/// log in", no code.)
+async fn a_role_the_server_refuses_says_why<B: Backend>() {
     let db = db().await;
     let admin = db.connect().await.unwrap();
     // Roles are per server: named after the database.
@@ -170,21 +168,21 @@ async fn a_role_the_server_refuses_says_why() {
         .await
         .unwrap();
 
-    refused_with(
-        &pool_as(&db, &nologin),
+    refused_with::<B>(
+        &pool_as::<B>(&db, &nologin),
         &SqlState::INVALID_AUTHORIZATION_SPECIFICATION,
         &format!("role \"{nologin}\" is not permitted to log in"),
     )
     .await;
-    refused_with(
-        &pool_as(&db, &noconnect),
+    refused_with::<B>(
+        &pool_as::<B>(&db, &noconnect),
         &SqlState::INSUFFICIENT_PRIVILEGE,
         &format!("permission denied for database \"{}\"", db.name()),
     )
     .await;
     let missing = format!("{}_missing", db.name());
-    refused_with(
-        &pool_as(&db, &missing),
+    refused_with::<B>(
+        &pool_as::<B>(&db, &missing),
         &SqlState::INVALID_AUTHORIZATION_SPECIFICATION,
         &format!("role \"{missing}\" does not exist"),
     )

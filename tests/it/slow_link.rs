@@ -5,20 +5,36 @@
 //! of `readiness(1 s)` succeeds (the 2nd or 3rd on a quiet machine; how
 //! many is printed, not asserted: it depends on the machine's load). A probe
 //! whose work was dropped at its bound would never succeed: the runs are
-//! bounded only against that hang.
+//! bounded only against that hang. On every backend.
 
 use std::time::{Duration, Instant};
 
-use pgwarden::{Pool, PoolerMode};
+use crate::support;
+
+use pgwarden::PoolerMode;
 use pgwarden_testing::{Proxy, TestServer};
+use support::backend::{Backend, Settings};
 
 const BOUND: Duration = Duration::from_secs(1);
 const RUNS: usize = 5;
 /// Only against a hang: the probes of one run end well within it.
 const GUARD: Duration = Duration::from_secs(60);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readiness_becomes_ready_within_three_probes_on_a_350_ms_link() {
+// FINDING (session 39): on sqlx a probe of an idle connection takes three
+// round trips, not one (1.06 s on this 350 ms link against deadpool's
+// 0.35 s, measured with a 3 s bound: sqlx's `test_before_acquire` ping,
+// pgwarden's per-checkout naming of the connection, then `SELECT 1`), and
+// the sqlx source never reports a connection as new (`Source::is_new` is
+// `false`), so a probe's set-up is held to the probe's own bound instead of
+// going on for the next one. `readiness(1 s)` never succeeds there: 60
+// timeouts in 60 s on both sqlx versions.
+backends!(
+    ignore_sqlx = "FINDING: on sqlx a readiness probe costs 3 round trips (1.06 s on a 350 ms link); never ready within 1 s",
+    readiness_becomes_ready_within_three_probes_on_a_350_ms_link,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn readiness_becomes_ready_within_three_probes_on_a_350_ms_link<B: Backend>() {
     let server = TestServer::shared().expect("throwaway PostgreSQL");
     let db = server.create_database().await.unwrap();
     let proxy = Proxy::start(server).expect("proxy");
@@ -42,13 +58,9 @@ async fn readiness_becomes_ready_within_three_probes_on_a_350_ms_link() {
     let run = |run: usize| {
         let (proxy, db) = (&proxy, &db);
         async move {
-            let pool = Pool::builder(proxy.deadpool(db, 4).unwrap())
-                .name(format!("slow-link-{run}"))
-                .pooler(PoolerMode::Direct)
-                .census_interval(None)
-                .build()
-                .unwrap();
-            assert_eq!(pool.status().size, 0, "no idle connection to start with");
+            let s = Settings::new("slow-link", 4).pooler(PoolerMode::Direct);
+            let pool = B::build_on(&proxy.pg_config(db), &s);
+            assert_eq!(B::status(&pool).size, 0, "no idle connection to start with");
             let mut ready = None;
             let mut answers = Vec::new();
             let started = Instant::now();
@@ -57,7 +69,7 @@ async fn readiness_becomes_ready_within_three_probes_on_a_350_ms_link() {
                     break;
                 }
                 let t = Instant::now();
-                let r = pool.readiness(BOUND).await;
+                let r = B::readiness(&pool, BOUND).await;
                 let took = t.elapsed();
                 answers.push(format!(
                     "{took:.0?} {}",
@@ -76,14 +88,17 @@ async fn readiness_becomes_ready_within_three_probes_on_a_350_ms_link() {
             let Some((n, latency)) = ready else {
                 panic!("run {run}: not ready within {GUARD:?}: {answers:?}");
             };
-            eprintln!("run {run}: ready at probe {n} ({latency:.0?}); probes: {answers:?}");
-            pool.close();
+            eprintln!(
+                "{}: run {run}: ready at probe {n} ({latency:.0?}); probes: {answers:?}",
+                B::NAME
+            );
             n
         }
     };
     let probes_until_ready = futures_util::future::join_all((0..RUNS).map(run)).await;
     eprintln!(
-        "350 ms round trip, set-up and SELECT 1 from scratch {} ms: probes until ready over {RUNS} runs: {probes_until_ready:?}",
+        "{}: 350 ms round trip, set-up and SELECT 1 from scratch {} ms: probes until ready over {RUNS} runs: {probes_until_ready:?}",
+        B::NAME,
         from_scratch.as_millis()
     );
 }

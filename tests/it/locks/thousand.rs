@@ -1,14 +1,15 @@
 //! 1,000 session-lock acquisitions cancelled at random points, dropped at
 //! random, unlocked half-way: afterwards no lock is left on the pool's
-//! backends and the pool is back to full strength.
+//! backends and the pool is back to full strength. On every backend.
 
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
-use pgwarden::{Error, Lane, LockError, LockKey, Pool, SessionLock};
+use pgwarden::{Error, Lane, LockError, LockKey, LockMode};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use super::support::backend::{Backend, Settings};
 use super::support::*;
 
 const WORKERS: u64 = 4;
@@ -56,35 +57,35 @@ async fn poll_then_drop<F: std::future::Future>(fut: F, polls: usize) -> Option<
 
 /// What happens to a granted lock: unlocked, re-entered, dropped, or its
 /// unlock cancelled mid-flight.
-async fn finish(mut lock: SessionLock, rng: &mut StdRng) {
+async fn finish<B: Backend>(mut lock: B::Lock, rng: &mut StdRng) {
     match rng.gen_range(0..6) {
-        0 | 1 => lock.unlock().await.unwrap(),
+        0 | 1 => B::unlock(lock).await.unwrap(),
         2 => {
-            lock.lock_again().await.unwrap();
+            B::lock_again(&mut lock).await.unwrap();
             if rng.gen_bool(0.5) {
-                lock.unlock_one().await.unwrap();
+                B::unlock_one(&mut lock).await.unwrap();
             }
-            lock.unlock().await.unwrap();
+            B::unlock(lock).await.unwrap();
         }
         3 => drop(lock),
         4 => {
             let polls = rng.gen_range(0..4);
-            drop(poll_then_drop(lock.unlock(), polls).await);
+            drop(poll_then_drop(B::unlock(lock), polls).await);
         }
         _ => {
             let polls = rng.gen_range(0..4);
-            drop(poll_then_drop(lock.lock_again(), polls).await);
+            drop(poll_then_drop(B::lock_again(&mut lock), polls).await);
             if rng.gen_bool(0.5) {
                 drop(lock);
             } else {
-                lock.unlock().await.unwrap();
+                B::unlock(lock).await.unwrap();
             }
         }
     }
 }
 
 /// One acquisition, cancelled or not at a random point.
-async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Error>> {
+async fn attempt<B: Backend>(pool: &B::Pool, rng: &mut StdRng) -> Option<Result<B::Lock, Error>> {
     let key = key(rng);
     let wait = Duration::from_millis(rng.gen_range(20..200));
     match rng.gen_range(0..20) {
@@ -94,12 +95,7 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
             let within = Duration::from_micros(rng.gen_range(0..3000));
             tokio::time::timeout(
                 within,
-                wait_lock(
-                    pool,
-                    CONTENDED,
-                    pgwarden::LockMode::Exclusive,
-                    Duration::from_secs(2),
-                ),
+                wait_lock::<B>(pool, CONTENDED, LockMode::Exclusive, Duration::from_secs(2)),
             )
             .await
             .ok()
@@ -108,25 +104,22 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
         1..=8 => {
             let within = Duration::from_micros(rng.gen_range(0..1500));
             let fut = if rng.gen_bool(0.25) {
-                wait_lock(pool, key, pgwarden::LockMode::Shared, wait).boxed()
+                wait_lock::<B>(pool, key, LockMode::Shared, wait).boxed()
             } else {
-                wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait).boxed()
+                wait_lock::<B>(pool, key, LockMode::Exclusive, wait).boxed()
             };
             tokio::time::timeout(within, fut).await.ok()
         }
         // Polled a few times, then dropped.
         9..=12 => {
             poll_then_drop(
-                wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait),
+                wait_lock::<B>(pool, key, LockMode::Exclusive, wait),
                 rng.gen_range(1..6),
             )
             .await
         }
         13..=15 => Some(
-            match pool
-                .session_lock(key, pgwarden::LockMode::Exclusive, None)
-                .await
-            {
+            match B::session_lock(pool, key, LockMode::Exclusive, None).await {
                 Ok(Some(l)) => Ok(l),
                 Ok(None) => Err(Error::Lock(LockError::Timeout {
                     key,
@@ -135,21 +128,21 @@ async fn attempt(pool: &Pool, rng: &mut StdRng) -> Option<Result<SessionLock, Er
                 Err(e) => Err(e),
             },
         ),
-        _ => Some(wait_lock(pool, key, pgwarden::LockMode::Exclusive, wait).await),
+        _ => Some(wait_lock::<B>(pool, key, LockMode::Exclusive, wait).await),
     }
 }
 
-async fn worker(pool: Pool, seed: u64) -> Tally {
+async fn worker<B: Backend>(pool: B::Pool, seed: u64) -> Tally {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut t = Tally::default();
     let mut done = 0;
     while done < PER_WORKER {
-        match attempt(&pool, &mut rng).await {
+        match attempt::<B>(&pool, &mut rng).await {
             None => t.cancelled += 1,
             Some(Ok(lock)) => {
                 t.granted += 1;
-                assert_eq!(lock.client().lane(), Lane::SessionLock);
-                finish(lock, &mut rng).await;
+                assert_eq!(B::lock_lane(&lock), Lane::SessionLock);
+                finish::<B>(lock, &mut rng).await;
             }
             Some(Err(e)) if e.is_lock_timeout() => t.not_granted += 1,
             Some(Err(e)) if e.is_budget_exhausted() || e.is_timeout() => {
@@ -157,7 +150,7 @@ async fn worker(pool: Pool, seed: u64) -> Tally {
                 // connection until it is confirmed; a checkout waits for
                 // them within its bound): wait for a slot, retry.
                 t.refused += 1;
-                let full = || pool.status().lane(Lane::SessionLock).in_use >= 4;
+                let full = || B::status(&pool).lane(Lane::SessionLock).in_use >= 4;
                 eventually(Duration::from_secs(5), "a session-lock slot", || async {
                     !full()
                 })
@@ -171,8 +164,8 @@ async fn worker(pool: Pool, seed: u64) -> Tally {
     t
 }
 
-#[tokio::test]
-async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
+backends!(thousand_cancelled_and_dropped_acquisitions_leave_no_lock);
+async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock<B: Backend>() {
     let logs = Logs::default();
     let _log = tracing::subscriber::set_default(logs.subscriber());
     let db = db().await;
@@ -185,12 +178,10 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
         .await
         .unwrap()
         .get(0);
-    let pool = builder(&db, 6)
-        .name("thousand")
-        .lane(Lane::SessionLock, 0, 4)
-        .unlock_timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let s = Settings::new("thousand", 6)
+        .budget(4, pgwarden::BudgetPolicy::Refuse)
+        .unlock_timeout(Duration::from_millis(300));
+    let pool = B::build(&db, &s);
 
     let seed: u64 = std::env::var("PGWARDEN_SEED")
         .ok()
@@ -198,7 +189,7 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
         .unwrap_or_else(rand::random);
     let start = Instant::now();
     let tasks: Vec<_> = (0..WORKERS)
-        .map(|w| tokio::spawn(worker(pool.clone(), seed + w)))
+        .map(|w| tokio::spawn(worker::<B>(pool.clone(), seed + w)))
         .collect();
     let mut t = Tally::default();
     for task in tasks {
@@ -208,10 +199,10 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
     assert_eq!(t.granted + t.not_granted + t.cancelled, 1000);
 
     eventually(Duration::from_secs(10), "every connection back", || async {
-        pool.status().in_use == 0
+        B::status(&pool).in_use == 0
     })
     .await;
-    let census = pool.census().await.unwrap();
+    let census = B::census(&pool).await.unwrap();
     let ours: Vec<_> = census.ours().collect();
     assert!(
         ours.is_empty(),
@@ -230,14 +221,14 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
     // answering while they are all out.
     let mut held = Vec::new();
     for _ in 0..5 {
-        held.push(pool.get_within(Duration::from_secs(2)).await.unwrap());
+        held.push(B::get_within(&pool, Duration::from_secs(2)).await.unwrap());
     }
-    pool.readiness(Duration::from_secs(60)).await.unwrap();
-    for c in &held {
-        c.simple_query("SELECT 1").await.unwrap();
+    B::readiness(&pool, Duration::from_secs(60)).await.unwrap();
+    for c in &mut held {
+        B::select_1(c).await;
     }
     drop(held);
-    assert_eq!(pool.status().in_use, 0);
+    super::support::backend::settled::<B>(&pool).await;
 
     let text = logs.text();
     let unlocked = text.matches("released after its guard was dropped").count();
@@ -248,9 +239,10 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
         .matches("release failed: closing its connection")
         .count();
     eprintln!(
-        "seed {seed}: {t:?} in {ran:.2?}; drop path: {unlocked} unlocked and returned, {closed} closed; \
+        "{}: seed {seed}: {t:?} in {ran:.2?}; drop path: {unlocked} unlocked and returned, {closed} closed; \
          total with checks {:.2?}",
-        start.elapsed()
+        B::NAME,
+        start.elapsed(),
     );
     assert!(unlocked > 0, "the drop path ran");
     assert!(
@@ -262,13 +254,13 @@ async fn thousand_cancelled_and_dropped_acquisitions_leave_no_lock() {
 
 /// A waiting session lock: granted, or an error (a wait never answers
 /// `None`: a wait that runs out is a `LockTimeout`).
-async fn wait_lock(
-    pool: &Pool,
+async fn wait_lock<B: Backend>(
+    pool: &B::Pool,
     key: LockKey,
-    mode: pgwarden::LockMode,
+    mode: LockMode,
     wait: Duration,
-) -> Result<SessionLock, Error> {
-    pool.session_lock(key, mode, Some(wait))
+) -> Result<B::Lock, Error> {
+    B::session_lock(pool, key, mode, Some(wait))
         .await?
         .ok_or(Error::Lock(LockError::Timeout { key, timeout: wait }))
 }

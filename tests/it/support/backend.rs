@@ -131,7 +131,7 @@ pub trait Backend: Send + Sync + 'static {
     type Pool: Clone + Send + Sync + fmt::Debug + 'static;
     type Conn: Send + fmt::Debug + 'static;
     /// The error of the backend's drop-in checkout (`get` / `acquire`).
-    type DropInError: fmt::Debug + fmt::Display + Send + 'static;
+    type DropInError: std::error::Error + Send + 'static;
 
     /// Builds a pool on `db` (no connection made yet).
     fn build(db: &TestDb, s: &Settings) -> Self::Pool;
@@ -378,6 +378,43 @@ pub trait Backend: Send + Sync + 'static {
     fn fx_check<'a>(tx: &'a mut Self::Fenced<'_>) -> BoxFuture<'a, Result<(), Error>>;
     /// `Fenced::commit`.
     fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>>;
+
+    // Lock, census, metrics, pool and fault tests (session 39, helper E).
+    /// The lane of the lock's connection.
+    fn lock_lane(l: &Self::Lock) -> Lane;
+    /// The backend's `xact_lock` (`pgwarden::xact_lock`,
+    /// `pgwarden::sqlx::xact_lock`) in a test's own transaction.
+    fn tx_xact_lock<'a>(
+        tx: &'a mut Self::Tx<'_>,
+        key: LockKey,
+        mode: LockMode,
+        wait: Option<Duration>,
+    ) -> BoxFuture<'a, Result<bool, Error>>;
+    /// `sql`'s one `text` in the transaction, not fenced.
+    fn tx_text<'a>(
+        tx: &'a mut Self::Tx<'_>,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<String, Error>>;
+    /// `COMMIT` of the transaction, not fenced.
+    fn tx_commit(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>>;
+    /// `ROLLBACK` of the transaction, not fenced.
+    fn tx_rollback(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>>;
+    /// A pool of `size` on `db` given no name (its default), its metrics
+    /// to the recorder in effect.
+    fn build_unnamed(db: &TestDb, size: usize) -> Self::Pool;
+    /// The pool's name.
+    fn pool_name(pool: &Self::Pool) -> String;
+    /// [`Backend::build_on`], the wrapped pool running a statement on
+    /// every idle connection before handing it out (deadpool:
+    /// `RecyclingMethod::Verified`; sqlx: `test_before_acquire`, its
+    /// default).
+    fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool;
+    /// The SQLSTATE the server sent, found in `e`'s chain of sources.
+    fn source_code(e: &(dyn std::error::Error + 'static)) -> Option<String>;
+    /// The SQLSTATE the server sent, found in the drop-in checkout's error.
+    fn drop_in_code(e: &Self::DropInError) -> Option<String> {
+        Self::source_code(e)
+    }
 }
 
 /// The settings of `Leases::builder` a test gives any backend
@@ -718,6 +755,20 @@ macro_rules! sqlx_options {
     }};
 }
 
+/// What helper E's block asks that every backend's pool and guard spell
+/// the same.
+macro_rules! more_methods {
+    () => {
+        fn lock_lane(l: &Self::Lock) -> Lane {
+            l.client().lane()
+        }
+
+        fn pool_name(pool: &Self::Pool) -> String {
+            pool.name().to_owned()
+        }
+    };
+}
+
 /// The deadpool pool.
 pub struct Deadpool;
 
@@ -742,19 +793,10 @@ impl Backend for Deadpool {
     }
 
     fn build_watched(db: &TestDb, s: &Settings) -> (pgwarden::Pool, Arc<AtomicUsize>) {
-        use deadpool_postgres::{Hook, Manager, ManagerConfig, RecyclingMethod, Runtime};
+        use deadpool_postgres::{Hook, RecyclingMethod};
         let found = Arc::new(AtomicUsize::new(0));
         let seen = found.clone();
-        let manager = Manager::from_config(
-            db.pg_config(),
-            tokio_postgres::NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let dp = deadpool_postgres::Pool::builder(manager)
-            .max_size(s.size)
-            .runtime(Runtime::Tokio1)
+        let dp = Self::inner(&db.pg_config(), s.size, RecyclingMethod::Fast)
             .post_recycle(Hook::async_fn(move |c, _| {
                 let seen = seen.clone();
                 Box::pin(async move {
@@ -1044,9 +1086,71 @@ impl Backend for Deadpool {
     fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(tx.commit())
     }
+
+    more_methods!();
+
+    fn tx_xact_lock<'a>(
+        tx: &'a mut deadpool_postgres::Transaction<'_>,
+        key: LockKey,
+        mode: LockMode,
+        wait: Option<Duration>,
+    ) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(pgwarden::xact_lock(tx, key, mode, wait))
+    }
+
+    fn tx_text<'a>(
+        tx: &'a mut deadpool_postgres::Transaction<'_>,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<String, Error>> {
+        Box::pin(async move { Ok(tx.query_one(sql, &[]).await?.try_get(0)?) })
+    }
+
+    fn tx_commit(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move { Ok(tx.commit().await?) })
+    }
+
+    fn tx_rollback(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move { Ok(tx.rollback().await?) })
+    }
+
+    fn build_unnamed(db: &TestDb, size: usize) -> pgwarden::Pool {
+        let dp = db.deadpool(size).expect("deadpool");
+        pgwarden::Pool::builder(dp).build().expect("pool")
+    }
+
+    fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> pgwarden::Pool {
+        let dp = Self::inner(config, s.size, deadpool_postgres::RecyclingMethod::Verified)
+            .build()
+            .expect("deadpool");
+        Self::with(pgwarden::Pool::builder(dp), s)
+    }
+
+    fn source_code(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+        std::iter::successors(Some(e), |e| e.source())
+            .find_map(|e| e.downcast_ref::<tokio_postgres::Error>()?.code())
+            .map(|c| c.code().to_owned())
+    }
 }
 
 impl Deadpool {
+    /// A deadpool pool's builder of `size` on `config`, recycling by `method`.
+    fn inner(
+        config: &tokio_postgres::Config,
+        size: usize,
+        method: deadpool_postgres::RecyclingMethod,
+    ) -> deadpool_postgres::PoolBuilder {
+        let manager = deadpool_postgres::Manager::from_config(
+            config.clone(),
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: method,
+            },
+        );
+        deadpool_postgres::Pool::builder(manager)
+            .max_size(size)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+    }
+
     /// The settings on a deadpool builder.
     fn with(b: pgwarden::PoolBuilder, s: &Settings) -> pgwarden::Pool {
         configured!(b, s)
@@ -1351,13 +1455,17 @@ macro_rules! sqlx_backend {
                 let sqlx_err = |e: $sqlx::Error| Error::Sqlx(Box::new(e));
                 Box::pin(pool.with_xact_lock(key, timeout, move |tx| {
                     Box::pin(async move {
+                        // Unnamed: it runs behind PgBouncer too (sqlx 0.8
+                        // names a statement even with its cache off).
                         let n: i32 = $sqlx::query_scalar("SELECT n FROM counter")
+                            .persistent(false)
                             .fetch_one(&mut *tx)
                             .await
                             .map_err(sqlx_err)?;
                         tokio::time::sleep(WINDOW).await;
                         $sqlx::query("UPDATE counter SET n = $1")
                             .bind(n + 1)
+                            .persistent(false)
                             .execute(&mut *tx)
                             .await
                             .map_err(sqlx_err)?;
@@ -1494,13 +1602,7 @@ macro_rules! sqlx_backend {
                 tx: &'a mut Self::Fenced<'_>,
                 sql: &'static str,
             ) -> BoxFuture<'a, Result<String, Error>> {
-                Box::pin(async move {
-                    $sqlx::query_scalar(sql)
-                        .persistent(false)
-                        .fetch_one(&mut **tx)
-                        .await
-                        .map_err(|e| Error::Sqlx(Box::new(e)))
-                })
+                Self::text(&mut **tx, sql)
             }
 
             fn fx_check<'a>(tx: &'a mut Self::Fenced<'_>) -> BoxFuture<'a, Result<(), Error>> {
@@ -1510,9 +1612,68 @@ macro_rules! sqlx_backend {
             fn fx_commit(tx: Self::Fenced<'_>) -> BoxFuture<'_, Result<(), Error>> {
                 Box::pin(tx.commit())
             }
+
+            more_methods!();
+
+            fn tx_xact_lock<'a>(
+                tx: &'a mut Self::Tx<'_>,
+                key: LockKey,
+                mode: LockMode,
+                wait: Option<Duration>,
+            ) -> BoxFuture<'a, Result<bool, Error>> {
+                Box::pin($($pg)::+::xact_lock(&mut **tx, key, mode, wait))
+            }
+
+            fn tx_text<'a>(
+                tx: &'a mut Self::Tx<'_>,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<String, Error>> {
+                Self::text(&mut **tx, sql)
+            }
+
+            fn tx_commit(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
+                Box::pin(async move { tx.commit().await.map_err(|e| Error::Sqlx(Box::new(e))) })
+            }
+
+            fn tx_rollback(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>> {
+                Box::pin(async move { tx.rollback().await.map_err(|e| Error::Sqlx(Box::new(e))) })
+            }
+
+            fn build_unnamed(db: &TestDb, size: usize) -> Self::Pool {
+                let pg = $sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(size as u32)
+                    .connect_lazy_with(sqlx_options!($sqlx, db.pg_config()));
+                $($pg)::+::Pool::builder(pg).build().expect("pool")
+            }
+
+            fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool {
+                // `test_before_acquire` is sqlx's default: `build_on`'s pool.
+                Self::build_on(config, s)
+            }
+
+            fn source_code(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+                std::iter::successors(Some(e), |e| e.source()).find_map(|e| {
+                    let db = e.downcast_ref::<$sqlx::Error>()?.as_database_error()?;
+                    db.code().map(|c| c.into_owned())
+                })
+            }
         }
 
         impl $backend {
+            /// `sql`'s one `text` (unnamed) on `c`.
+            fn text<'a>(
+                c: &'a mut $sqlx::PgConnection,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<String, Error>> {
+                Box::pin(async move {
+                    $sqlx::query_scalar(sql)
+                        .persistent(false)
+                        .fetch_one(c)
+                        .await
+                        .map_err(|e| Error::Sqlx(Box::new(e)))
+                })
+            }
+
             /// `opts` with sqlx's statement cache off unless `on`.
             fn cache(
                 opts: $sqlx::postgres::PgConnectOptions,
