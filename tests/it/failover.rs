@@ -20,6 +20,11 @@
 //! does is the second group, on lost tails built on purpose: a lost
 //! take-over (`failover/stale.rs`, with its synchronous counterpart) and
 //! lost renewals (`failover/overlap.rs`).
+//!
+//! Every backend's run of a construction goes at once on one cluster, each
+//! in a database of its own (`failover/together.rs`): three cluster starts
+//! per test run (the scenario's synchronous pair, the synchronous lost
+//! take-over's, and one asynchronous pair for both lost tails), not twelve.
 
 #[path = "failover/common.rs"]
 mod common;
@@ -31,6 +36,8 @@ mod overlap;
 mod scenario;
 #[path = "failover/stale.rs"]
 mod stale;
+#[path = "failover/together.rs"]
+mod together;
 #[path = "failover/traffic.rs"]
 mod traffic;
 

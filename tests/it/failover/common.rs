@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgwarden::{Error, LeaseError, LeaseHandle, LostReason};
-use pgwarden_testing::{Cluster, Proxy, Replication, Upstream};
+use pgwarden_testing::{Cluster, Proxy, Upstream};
 use tokio_postgres::{Client, Config};
 
+use super::together::Seat;
 use crate::support::backend::{Backend, Settings};
 
 /// The bound of every single step of the tests (a statement, a checkout).
@@ -82,20 +83,14 @@ CREATE TABLE fenced (
     holder text   NOT NULL
 );";
 
-/// A started cluster, a fresh database on it with [`SCHEMA`], and a client
-/// on that database on the primary.
-pub async fn cluster(replication: Replication) -> (Cluster, String, Client) {
-    let cluster = pgwarden_testing::within(
-        Duration::from_secs(60),
-        "cluster start",
-        Cluster::start_with(replication),
-    )
-    .await
-    .expect("cluster");
+/// A fresh database on the shared cluster with [`SCHEMA`], and a client on
+/// that database on the primary.
+pub async fn database(seat: &Seat) -> (String, Client) {
+    let cluster = seat.cluster().await;
     let db = cluster.create_database().await.expect("database");
     let primary = cluster.primary().connect(&db).await.expect("primary");
     primary.batch_execute(SCHEMA).await.expect("schema");
-    (cluster, db, primary)
+    (db, primary)
 }
 
 /// One fenced write: commit order, lease, token, sequence number in its

@@ -1,13 +1,15 @@
 //! What the failover scenario ([`super::scenario`]) saw, and its one run
-//! per test binary.
+//! per test binary and backend.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::collections::BTreeSet;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use pgwarden::LostReason;
+use pgwarden_testing::Replication;
 
 use super::common::{Row, WriteError};
+use super::together::{self, every_backend, Results};
 use crate::support::backend::Backend;
 
 /// What the scenario saw. Instants are turned into durations from the crash
@@ -78,40 +80,13 @@ pub struct Outcome {
     pub session_lane_emptied: bool,
 }
 
-/// One run of the scenario, or why it failed.
-type Run = OnceLock<Result<Outcome, String>>;
-
-/// The outcome of the one run of the scenario on backend `B` (started by
-/// the first test that asks, on a runtime of its own; the others wait).
+/// The outcome of the scenario on backend `B`: every backend's run goes at
+/// once on one cluster, started by the first test that asks (the others
+/// wait for it).
 pub fn outcome<B: Backend>() -> &'static Outcome {
-    // One run per backend: a `static` in a generic function is one for all.
-    static RUNS: Mutex<BTreeMap<&str, &'static Run>> = Mutex::new(BTreeMap::new());
-    let run: &'static Run = {
-        let mut runs = RUNS.lock().unwrap_or_else(PoisonError::into_inner);
-        runs.entry(B::NAME)
-            .or_insert_with(|| Box::leak(Box::default()));
-        runs[B::NAME]
-    };
-    let run = run.get_or_init(|| {
-        std::thread::spawn(|| {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(super::scenario::run::<B>())
-        })
-        .join()
-        .map_err(|panic| {
-            panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panicked".to_owned())
-        })
+    static RUNS: OnceLock<Results<Outcome>> = OnceLock::new();
+    let all = together::results(&RUNS, Replication::Synchronous, || {
+        every_backend!("scenario", super::scenario::run)
     });
-    match run {
-        Ok(outcome) => outcome,
-        Err(e) => panic!("the failover scenario on {} failed: {e}", B::NAME),
-    }
+    together::result(all, &format!("scenario::{}", B::NAME))
 }

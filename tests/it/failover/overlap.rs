@@ -13,25 +13,34 @@
 use std::time::{Duration, Instant};
 
 use pgwarden::{LeaseHandle, LeaseOptions, LostReason};
-use pgwarden_testing::{within, Replication};
+use pgwarden_testing::within;
 
 use super::common::{
-    cluster, fenced_write, lease_row, service_pool, until, Front, WriteError, STEP,
+    database, fenced_write, lease_row, service_pool, until, Front, WriteError, STEP,
 };
+use super::stale::{asynchronous, fail_over};
+use super::together::{Seat, Step};
 use crate::support::backend::{Backend, Settings};
 
 const LEASE: &str = "overlap";
 
 backends!(
-    an_unshipped_renewal_lets_a_takeover_in_before_the_deadline,
-    flavor = "multi_thread",
-    worker_threads = 2
+    sync,
+    an_unshipped_renewal_lets_a_takeover_in_before_the_deadline
 );
-async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline<B: Backend>() {
-    let (mut cluster, db, old) = cluster(Replication::Asynchronous).await;
+fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline<B: Backend>() {
+    asynchronous(&format!("overlap::{}", B::NAME));
+}
+
+/// The construction on backend `B`, in a database of its own on the
+/// asynchronous cluster it shares with `stale.rs`'s lost take-over.
+pub async fn unshipped_renewal<B: Backend>(seat: &Seat) {
+    let (db, old) = database(seat).await;
+    let cluster = seat.cluster().await;
     let front = Front::new(&cluster);
     // A knows the first server only: it cannot follow the failover.
     let first = cluster.primary().pg_config(&db);
+    drop(cluster);
     let pool_a = B::build_on(&first, &Settings::new("holder-a", 3).wait(STEP));
     let la = B::leases(&pool_a);
     B::install(&la).await.unwrap();
@@ -41,12 +50,12 @@ async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline<B: Backend>
         .unwrap()
         .expect("A takes the lease");
     let a_handle = LeaseHandle::clone(&a);
-    cluster.wait_replayed().await.unwrap();
+    seat.cluster().await.wait_replayed().await.unwrap();
 
     // The standby stops receiving A's renewals, and its copy of A's term
     // runs out while A keeps renewing on the primary.
-    cluster.pause_streaming().await.unwrap();
-    let replica = cluster.replica().connect(&db).await.unwrap();
+    seat.step(Step::Pause).await;
+    let replica = seat.cluster().await.replica().connect(&db).await.unwrap();
     let ran_out = until(STEP * 2, || async {
         lease_row(&replica, LEASE)
             .await
@@ -64,12 +73,10 @@ async fn an_unshipped_renewal_lets_a_takeover_in_before_the_deadline<B: Backend>
     );
     assert!(!a.is_lost());
 
-    cluster.stop_primary_immediate().await.unwrap();
-    cluster.promote_replica().await.unwrap();
-    front.follow(&cluster);
+    fail_over(seat, &front, &db).await;
 
     // C takes the lease over on the new primary while A still trusts it.
-    let pool_c = service_pool::<B>(&front, &cluster, &db, "holder-c", 3);
+    let pool_c = service_pool::<B>(&front, &*seat.cluster().await, &db, "holder-c", 3);
     let c_opts = LeaseOptions::new(Duration::from_secs(4));
     let c = B::acquire(&B::leases(&pool_c), LEASE, &c_opts, Some(STEP))
         .await

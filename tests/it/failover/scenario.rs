@@ -1,4 +1,5 @@
-//! The failover scenario, run once per test binary and observed by several
+//! The failover scenario, run once per test binary and backend (every
+//! backend at once on one cluster, `together.rs`) and observed by several
 //! tests: two service instances on a synchronous primary/replica pair, under
 //! request traffic, fenced writers and a scheduled job, holding a long and a
 //! short lease and a session advisory lock; the primary crashes
@@ -14,13 +15,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgwarden::{Lane, LeaseOptions, LockKey};
-use pgwarden_testing::{within, Replication};
+use pgwarden_testing::within;
 use tokio_postgres::Client;
 
 use super::common::{
-    cluster, fenced_rows, fenced_write, sequence, service_pool, until, Front, Row, Tokens, STEP,
+    database, fenced_rows, fenced_write, sequence, service_pool, until, Front, Row, Tokens, STEP,
 };
 use super::outcome::Outcome;
+use super::together::{Seat, Step};
 use super::traffic::{self, Acked, Request};
 use crate::support::backend::Backend;
 
@@ -51,13 +53,17 @@ async fn expiry(c: &Client, name: &str) -> f64 {
     .get(0)
 }
 
-pub async fn run<B: Backend>() -> Outcome {
-    let (mut cluster, db, old) = cluster(Replication::Synchronous).await;
+/// The scenario on backend `B`, in a database of its own on the shared
+/// (synchronous) cluster.
+pub async fn run<B: Backend>(seat: &Seat) -> Outcome {
+    let (db, old) = database(seat).await;
 
     // Two service instances, each on the service's way to the primary.
+    let cluster = seat.cluster().await;
     let front = Front::new(&cluster);
     let svc = service_pool::<B>(&front, &cluster, &db, "svc-a", 8);
     let other = service_pool::<B>(&front, &cluster, &db, "svc-b", 4);
+    drop(cluster);
     let leases = B::leases(&svc);
     let other_leases = B::leases(&other);
     B::install(&leases).await.expect("lease table");
@@ -144,14 +150,12 @@ pub async fn run<B: Backend>() -> Outcome {
         "no writer held its lease: {rows_before:?}"
     );
     let seq_primary_before_crash = sequence(&old).await;
-    let replica = cluster.replica().connect(&db).await.expect("replica");
+    let replica = seat.cluster().await.replica().connect(&db).await;
+    let replica = replica.expect("replica");
 
-    // ---- the crash ----
-    let crashed_at = Instant::now();
-    within(STEP * 4, "immediate stop", cluster.stop_primary_immediate())
-        .await
-        .expect("immediate stop");
-    let stopped_at = Instant::now();
+    // ---- the crash (once every backend's run is here) ----
+    let crash = seat.step(Step::Crash).await;
+    let (crashed_at, stopped_at) = (crash.started, crash.finished);
     let short_lost = tokio::time::timeout(STEP * 2, short.lost()).await.ok();
     let short_lost_after_crash = short_lost.map(|_| crashed_at.elapsed());
     // The instant `lost()` fires (the test's own wake-up comes later on a
@@ -159,15 +163,15 @@ pub async fn run<B: Backend>() -> Outcome {
     let short_deadline_past_stop = short.deadline().saturating_duration_since(stopped_at);
     let seq_replica_before_promotion = sequence(&replica).await;
 
-    // ---- the promotion ----
-    let promote_call = Instant::now();
-    let promote_took = within(STEP * 6, "promotion", cluster.promote_replica())
-        .await
-        .expect("promotion");
-    let promoted = Instant::now();
+    // ---- the promotion (once every backend's run is here) ----
+    let promotion = seat.step(Step::Promote).await;
+    let (promote_call, promoted) = (promotion.started, promotion.finished);
+    let promote_took = promoted - promote_call;
+    let cluster = seat.cluster().await;
     front.follow(&cluster);
     let (old_port, new_port) = (cluster.replica().port(), cluster.primary().port());
     let new = cluster.primary().connect(&db).await.expect("new primary");
+    drop(cluster);
     let rows_at_promotion = lease_rows(&new).await;
     let long_expiry_at_promotion = expiry(&new, "long").await;
 
@@ -211,11 +215,14 @@ pub async fn run<B: Backend>() -> Outcome {
     };
 
     // ---- the session lock held at the crash ----
-    // pg_locks shows a bigint key as (high 32 bits, low 32 bits, 1).
+    // pg_locks shows a bigint key as (high 32 bits, low 32 bits, 1); an
+    // advisory lock is per database (the other backends' runs use the key
+    // in theirs).
     let (classid, objid, objsubid) = ((KEY >> 32) as u32, KEY as u32, 1_i16);
     let lock_rows_on_new_primary: i64 = new
         .query_one(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+              AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
               AND classid = $1 AND objid = $2 AND objsubid = $3",
             &[&classid, &objid, &objsubid],
         )

@@ -12,14 +12,17 @@
 
 use std::time::Duration;
 
+use std::sync::OnceLock;
+
 use pgwarden::{LeaseHandle, LeaseOptions, LostReason};
-use pgwarden_testing::{within, Cluster, Replication};
+use pgwarden_testing::{within, Replication};
 use tokio_postgres::Client;
 
 use super::common::{
-    cluster, fenced_rows, fenced_write, lease_row, sequence, service_pool, until, Front,
+    database, fenced_rows, fenced_write, lease_row, sequence, service_pool, until, Front,
     WriteError, STEP,
 };
+use super::together::{self, every_backend, Results, Seat, Step};
 use crate::support::backend::Backend;
 
 const LEASE: &str = "stale";
@@ -39,9 +42,42 @@ async fn expired(server: &Client) {
     assert!(gone.is_some(), "A's term did not expire");
 }
 
+/// The asynchronous constructions, every backend's run of each at once on
+/// one asynchronous cluster (`together.rs`): this file's lost take-over
+/// and `overlap.rs`'s lost renewals. Panics with why the run `key` failed.
+pub fn asynchronous(key: &str) {
+    static RUNS: OnceLock<Results<()>> = OnceLock::new();
+    let all = together::results(&RUNS, Replication::Asynchronous, || {
+        let mut bodies = every_backend!("stale", lost_takeover);
+        bodies.extend(every_backend!("overlap", super::overlap::unshipped_renewal));
+        bodies
+    });
+    together::result(all, key);
+}
+
+/// The synchronous counterpart, every backend's run at once on one
+/// synchronous cluster.
+fn synchronous(key: &str) {
+    static RUNS: OnceLock<Results<()>> = OnceLock::new();
+    let all = together::results(&RUNS, Replication::Synchronous, || {
+        every_backend!("sync", unshipped_takeover)
+    });
+    together::result(all, key);
+}
+
+/// The cluster's two steps of a failover: the crash, the promotion; then
+/// the fixed address follows the new primary, and a client on `db` there.
+pub async fn fail_over(seat: &Seat, front: &Front, db: &str) -> Client {
+    seat.step(Step::Crash).await;
+    seat.step(Step::Promote).await;
+    let cluster = seat.cluster().await;
+    front.follow(&cluster);
+    cluster.primary().connect(db).await.unwrap()
+}
+
 /// C, a third instance, takes the lease over on the new primary.
-async fn take_over<B: Backend>(front: &Front, cluster: &Cluster, db: &str) -> (B::Pool, B::Lease) {
-    let pool_c = service_pool::<B>(front, cluster, db, "holder-c", 3);
+async fn take_over<B: Backend>(front: &Front, seat: &Seat, db: &str) -> (B::Pool, B::Lease) {
+    let pool_c = service_pool::<B>(front, &*seat.cluster().await, db, "holder-c", 3);
     let c = B::acquire(&B::leases(&pool_c), LEASE, &opts(), None)
         .await
         .unwrap()
@@ -49,16 +85,18 @@ async fn take_over<B: Backend>(front: &Front, cluster: &Cluster, db: &str) -> (B
     (pool_c, c)
 }
 
-backends!(
-    a_lost_takeover_cannot_write_on_the_new_primary,
-    flavor = "multi_thread",
-    worker_threads = 2
-);
-async fn a_lost_takeover_cannot_write_on_the_new_primary<B: Backend>() {
-    let (mut cluster, db, old) = cluster(Replication::Asynchronous).await;
+backends!(sync, a_lost_takeover_cannot_write_on_the_new_primary);
+fn a_lost_takeover_cannot_write_on_the_new_primary<B: Backend>() {
+    asynchronous(&format!("stale::{}", B::NAME));
+}
+
+async fn lost_takeover<B: Backend>(seat: &Seat) {
+    let (db, old) = database(seat).await;
+    let cluster = seat.cluster().await;
     let front = Front::new(&cluster);
     let pool_a = service_pool::<B>(&front, &cluster, &db, "holder-a", 3);
     let pool_b = service_pool::<B>(&front, &cluster, &db, "holder-b", 3);
+    drop(cluster);
     let (la, lb) = (B::leases(&pool_a), B::leases(&pool_b));
     B::install(&la).await.unwrap();
 
@@ -71,15 +109,15 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary<B: Backend>() {
     let row_a = fenced_write::<B>(&pool_a, &a_handle, 0)
         .await
         .expect("A writes");
-    cluster.wait_replayed().await.unwrap();
+    seat.cluster().await.wait_replayed().await.unwrap();
 
     // From here on, nothing reaches the replica.
-    cluster.pause_streaming().await.unwrap();
+    seat.step(Step::Pause).await;
     B::close(&pool_a).await;
     let reason = within(STEP, "A's lost signal", a.lost()).await;
     assert_eq!(reason, LostReason::Deadline);
     expired(&old).await;
-    let replica = cluster.replica().connect(&db).await.unwrap();
+    let replica = seat.cluster().await.replica().connect(&db).await.unwrap();
     let (covered, _) = sequence(&replica).await;
     for i in 0.. {
         let (last, _) = sequence(&old).await;
@@ -114,10 +152,7 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary<B: Backend>() {
     assert!(b.term().token > covered);
 
     // The crash, and the stale replica promoted.
-    cluster.stop_primary_immediate().await.unwrap();
-    cluster.promote_replica().await.unwrap();
-    front.follow(&cluster);
-    let new = cluster.primary().connect(&db).await.unwrap();
+    let new = fail_over(seat, &front, &db).await;
 
     // Not guaranteed without synchronous replication: B's take-over and its
     // acknowledged write are gone; the row shows A's (expired) term.
@@ -145,7 +180,7 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary<B: Backend>() {
     // A new take-over: its token is above every token the new primary knows,
     // but it is B's token again (the sequence's WAL for it was lost too):
     // tokens are unique only among terms that reached the replica.
-    let (pool_c, c) = take_over::<B>(&front, &cluster, &db).await;
+    let (pool_c, c) = take_over::<B>(&front, seat, &db).await;
     eprintln!(
         "async lost tail: A's token {}, the replica's sequence covered up to {covered}, B's \
          token {} (lost), C's token on the new primary {}",
@@ -187,15 +222,20 @@ async fn a_lost_takeover_cannot_write_on_the_new_primary<B: Backend>() {
 }
 
 backends!(
-    synchronous_replication_never_acknowledges_an_unshipped_takeover,
-    flavor = "multi_thread",
-    worker_threads = 2
+    sync,
+    synchronous_replication_never_acknowledges_an_unshipped_takeover
 );
-async fn synchronous_replication_never_acknowledges_an_unshipped_takeover<B: Backend>() {
-    let (mut cluster, db, old) = cluster(Replication::Synchronous).await;
+fn synchronous_replication_never_acknowledges_an_unshipped_takeover<B: Backend>() {
+    synchronous(&format!("sync::{}", B::NAME));
+}
+
+async fn unshipped_takeover<B: Backend>(seat: &Seat) {
+    let (db, old) = database(seat).await;
+    let cluster = seat.cluster().await;
     let front = Front::new(&cluster);
     let pool_a = service_pool::<B>(&front, &cluster, &db, "holder-a", 3);
     let pool_b = service_pool::<B>(&front, &cluster, &db, "holder-b", 3);
+    drop(cluster);
     let la = B::leases(&pool_a);
     B::install(&la).await.unwrap();
     let lb = B::leases_bounded(&pool_b, Duration::from_secs(1));
@@ -204,7 +244,7 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover<B: Bac
         .await
         .unwrap()
         .expect("A takes the lease");
-    cluster.pause_streaming().await.unwrap();
+    seat.step(Step::Pause).await;
     B::close(&pool_a).await;
     assert_eq!(
         within(STEP, "A's lost signal", a.lost()).await,
@@ -223,16 +263,13 @@ async fn synchronous_replication_never_acknowledges_an_unshipped_takeover<B: Bac
         "a take-over returned without the standby: {b:?}"
     );
 
-    cluster.stop_primary_immediate().await.unwrap();
-    cluster.promote_replica().await.unwrap();
-    front.follow(&cluster);
-    let new = cluster.primary().connect(&db).await.unwrap();
+    let new = fail_over(seat, &front, &db).await;
     let (holder, token, _) = lease_row(&new, LEASE).await.expect("lease row");
     assert_eq!(
         (holder.as_str(), token),
         (a.term().holder.as_str(), a.term().token)
     );
-    let (_pool_c, c) = take_over::<B>(&front, &cluster, &db).await;
+    let (_pool_c, c) = take_over::<B>(&front, seat, &db).await;
     assert_eq!(
         c.term().took_over_from.as_deref(),
         Some(a.term().holder.as_str())
