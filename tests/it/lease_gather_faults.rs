@@ -376,6 +376,15 @@ async fn a_timed_out_acquisition_is_released_after_its_statement_ends<B: Backend
     let (pool, app) = named::<B>(&db, "timed-out", &s);
     let leases = B::leases_bounded(&pool, S);
     B::install(&leases).await.unwrap();
+    // A pair first, so that the acquisition below finds a connection open
+    // and its statement reaches the server within its 1 s: on a loaded
+    // machine a connect took that second once, no row was ever written,
+    // and "taken, then released" below failed (deadpool, in a full run).
+    let warm = B::acquire(&leases, "warm-up", &opts(), None)
+        .await
+        .unwrap()
+        .expect("a free name");
+    B::release(warm).await.unwrap();
     admin
         .batch_execute(
             "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$

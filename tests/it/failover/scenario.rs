@@ -193,14 +193,18 @@ pub async fn run<B: Backend>(seat: &Seat) -> Outcome {
         tokens.count_since("job", promoted) >= 1
     })
     .await;
+    // Five writes after the promotion, one at least under a term taken
+    // after it (a token above every token handed out before the promotion
+    // call): a term that spans the failover writes up to five rows by
+    // itself, and on a loaded machine it once wrote them all before any new
+    // term began ("writer terms 9 before, 0 after", sqlx 0.8).
     until(RECOVERY, || async {
-        acked
-            .lock()
-            .unwrap()
+        let max_before = tokens.split(promote_call).0.into_iter().max().unwrap_or(0);
+        let acked = acked.lock().unwrap();
+        let after = acked
             .iter()
-            .filter(|(at, r)| *at >= promoted && r.lease == traffic::WRITER_LEASE)
-            .count()
-            >= 5
+            .filter(|(at, r)| *at >= promoted && r.lease == traffic::WRITER_LEASE);
+        after.clone().count() >= 5 && after.clone().any(|(_, r)| r.token > max_before)
     })
     .await;
     let short_takeover = match B::acquire(&other_leases, "short", &short_opts, Some(STEP * 2)).await
