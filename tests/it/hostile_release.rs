@@ -18,8 +18,13 @@ use support::{db, eventually, raw_locks, within};
 
 pub(crate) const GUARD: Duration = Duration::from_secs(60);
 
-/// A user statement that fails (in a transaction: aborts it).
-pub(crate) const FAILS: &str = "SELECT 1/0";
+/// A user statement that fails (in a transaction: aborts it) with 22012,
+/// division by zero, 20 ms into its run: the divisor is computed at run
+/// time (`pg_sleep` returns a void that is not null), so its answer never
+/// comes at a cut-off probe's first poll. `SELECT 1/0` failed at plan time,
+/// and on a quiet machine a probe's 20 tries of a statement cut off before
+/// its answer all got the answer at the first poll (sqlx 0.9).
+pub(crate) const FAILS: &str = "SELECT 1/(pg_sleep(0.02) IS NULL)::int";
 
 /// Sessions of `raw`'s database in a transaction while idle (open or
 /// failed): a connection back in the pool in one. The state is the
