@@ -214,6 +214,7 @@ async fn round<B: Raw>(
     raw: &tokio_postgres::Client,
     case: Case,
     how: How,
+    cancel: Option<(&std::sync::Arc<tokio_postgres::Client>, Duration)>,
 ) -> (bool, Option<Result<(), pgwarden::Error>>) {
     let key = LockKey::Single(9300);
     let mut lock = within(
@@ -265,6 +266,17 @@ async fn round<B: Raw>(
             .await
         }
     }
+    // `pg_cancel_backend` on the lock's backend after a delay, from another
+    // task, while the release runs (or before, or after it).
+    let canceller = cancel.map(|(raw, delay)| {
+        let raw = raw.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            raw.execute("SELECT pg_cancel_backend($1)", &[&pid])
+                .await
+                .unwrap();
+        })
+    });
     let said = match how {
         How::Unlock => Some(within(GUARD, "unlock", B::unlock(lock)).await),
         How::Drop => {
@@ -285,6 +297,9 @@ async fn round<B: Raw>(
             done
         }
     };
+    if let Some(canceller) = canceller {
+        canceller.await.unwrap();
+    }
     let what = format!("{case:?} {how:?} ({said:?})");
     let pids = in_step::<B>(pool, ALL, &what).await;
     eventually(GUARD, "no advisory lock left", || async {
@@ -305,7 +320,7 @@ async fn healthy_connections_go_back<B: Raw>() {
     let mut closed = Vec::new();
     for case in CASES {
         for how in [How::Unlock, How::Drop] {
-            let (back, said) = round::<B>(&pool, &raw, case, how).await;
+            let (back, said) = round::<B>(&pool, &raw, case, how, None).await;
             if !back {
                 closed.push(format!("{case:?} {how:?}"));
             }
@@ -398,7 +413,7 @@ async fn soak<B: Raw>(secs: u64) {
             1 => How::Drop,
             n => How::UnlockCut((n - 2) as usize),
         };
-        let (back, said) = round::<B>(&pool, &raw, case, how).await;
+        let (back, said) = round::<B>(&pool, &raw, case, how, None).await;
         rounds += 1;
         if back {
             returned += 1;
@@ -446,4 +461,155 @@ backends!(random_cut_offs_short);
 /// [`soak`]'s first 20 rounds (cheap).
 async fn random_cut_offs_short<B: Raw>() {
     soak::<B>(0).await
+}
+
+backends!(
+    cancelled_around_the_release,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// `pg_cancel_backend` on the lock's backend at a random moment around
+/// the release (0 to 3 ms after it starts), after each user case but the
+/// COPYs, by `unlock()` or the drop, on a server of its own (its log
+/// tells which statements a cancel hit: the release's own, or user
+/// code's still running): nothing left, every connection in step, and
+/// none closed (a cancel breaks nothing: the release's one retry takes a
+/// cancelled first attempt, so a closed connection is one closed without
+/// need). `HOSTILE_RELEASE3_CANCELS` rounds (default 60).
+async fn cancelled_around_the_release<B: Raw>() {
+    let n: u64 = std::env::var("HOSTILE_RELEASE3_CANCELS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60);
+    let server =
+        pgwarden_testing::TestServer::start_local_with(&[], &[]).expect("a server of its own");
+    let db = server.create_database().await.expect("database");
+    let raw = db.connect().await.unwrap();
+    raw.batch_execute(
+        "CREATE TABLE hostile_rel3_copy (x int); CREATE TABLE hostile_rel2_copy (x int)",
+    )
+    .await
+    .unwrap();
+    let s = Settings::new("hostile-rel3-cancel", POOL).budget(1, BudgetPolicy::Refuse);
+    let pool = B::build(&db, &s);
+    let raw = std::sync::Arc::new(raw);
+    let (mut closed, mut errs) = (Vec::new(), Vec::new());
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let started = Instant::now();
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let case = CASES[(x % 5) as usize];
+        let how = if x & (1 << 20) == 0 {
+            How::Unlock
+        } else {
+            How::Drop
+        };
+        let delay = Duration::from_micros((x >> 24) % 3000);
+        let (back, said) = round::<B>(&pool, &raw, case, how, Some((&raw, delay))).await;
+        if !back {
+            closed.push(format!("{case:?} {how:?} {delay:?} {said:?}"));
+        }
+        if let Some(Err(e)) = said {
+            errs.push(format!("{case:?} {delay:?}: {e}"));
+        }
+    }
+    let log = server.log_tail(1_000_000);
+    let lines: Vec<&str> = log.lines().collect();
+    let (mut on_release, mut on_user) = (0, 0);
+    for (i, l) in lines.iter().enumerate() {
+        if l.contains("canceling statement due to user request") {
+            let statement = lines.get(i + 1).copied().unwrap_or_default();
+            if statement.contains("pg_advisory_unlock") {
+                on_release += 1;
+            } else {
+                on_user += 1;
+            }
+        }
+    }
+    println!(
+        "{}: {n} rounds in {:?}: cancels hit {on_release} releases, {on_user} user statements; \
+         {} closed {closed:?}, unlock errors {errs:?}",
+        B::NAME,
+        started.elapsed(),
+        closed.len()
+    );
+    assert!(closed.is_empty(), "closed without need: {closed:?}");
+}
+
+backends!(
+    ignore_all = "FINDING: a session lock whose connection user code set serializable, read only and deferrable (SET default_transaction_isolation/read_only/deferrable) while another session holds a serializable read-write transaction open: the release's statement waits for a safe snapshot: unlock() answers after the unlock timeout (2 s here) 'advisory lock 9310: unlock not confirmed within 2s (the server did not answer); its connection was closed and its statement cancelled' (LockError::UnlockNotConfirmed), and the drop path closes the connection likewise: a healthy connection closed, its release blocked by another session's transaction (deadpool, sqlx 0.8 and 0.9)",
+    a_deferrable_session_behind_a_serializable_writer
+);
+/// User code sets its session's transactions serializable, read only and
+/// deferrable (each statement after waits for a safe snapshot while a
+/// serializable read-write transaction runs elsewhere), and another
+/// session holds such a writer open; then `unlock()` or the guard's drop.
+/// The release's own statements take a snapshot: they must not wait on
+/// the writer (a release that waits for another session's transaction
+/// is bounded only by the unlock timeout, and then closes a healthy
+/// connection).
+async fn a_deferrable_session_behind_a_serializable_writer<B: Raw>() {
+    let db = db().await;
+    let raw = db.connect().await.unwrap();
+    let writer = db.connect().await.unwrap();
+    raw.batch_execute("CREATE TABLE hostile_rel3_copy (x int)")
+        .await
+        .unwrap();
+    let s = Settings::new("hostile-rel3-deferrable", POOL)
+        .budget(1, BudgetPolicy::Refuse)
+        .unlock_timeout(Duration::from_secs(2));
+    let pool = B::build(&db, &s);
+    writer
+        .batch_execute(
+            "BEGIN ISOLATION LEVEL SERIALIZABLE; INSERT INTO hostile_rel3_copy VALUES (1)",
+        )
+        .await
+        .unwrap();
+    let mut wrong = Vec::new();
+    for how in [How::Drop, How::Unlock] {
+        let key = LockKey::Single(9310);
+        let mut lock = within(
+            GUARD,
+            "lock",
+            B::session_lock(&pool, key, LockMode::Exclusive, None),
+        )
+        .await
+        .unwrap()
+        .expect("free");
+        let pid = B::lock_pid(&lock);
+        for sql in [
+            "SET default_transaction_isolation = 'serializable'",
+            "SET default_transaction_read_only = on",
+            "SET default_transaction_deferrable = on",
+        ] {
+            B::lock_sql(&mut lock, sql).await.unwrap();
+        }
+        let started = Instant::now();
+        let said = match how {
+            How::Drop => {
+                drop(lock);
+                None
+            }
+            _ => Some(within(GUARD, "unlock", B::unlock(lock)).await),
+        };
+        settled::<B>(&pool).await;
+        let took = started.elapsed();
+        let pids = in_step::<B>(&pool, ALL, &format!("{how:?}")).await;
+        let back = pids.contains(&pid);
+        println!(
+            "{}: {how:?} took {took:?}, said {said:?}, back {back}",
+            B::NAME
+        );
+        assert!(raw_locks(&raw).await.is_empty(), "{how:?}");
+        if let Some(Err(e)) = said {
+            wrong.push(format!("unlock said {e} after {took:?}"));
+        }
+        if !back {
+            wrong.push(format!("{how:?}: the connection was closed after {took:?}"));
+        }
+    }
+    writer.batch_execute("ROLLBACK").await.unwrap();
+    assert!(wrong.is_empty(), "{wrong:#?}");
 }
