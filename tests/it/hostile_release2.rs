@@ -675,7 +675,7 @@ async fn no_log_line_per_release<B: Backend>() {
 }
 
 /// COPY user code left half-done on the lock's connection, per backend.
-trait CopyLeft: Backend {
+pub(crate) trait CopyLeft: Backend {
     /// Starts `COPY … FROM STDIN` (one row sent) or `COPY … TO STDOUT` (one
     /// chunk read) on the lock's connection and gives up on it.
     fn leave_copy(l: &mut Self::Lock, out: bool) -> futures_util::future::BoxFuture<'_, ()>;

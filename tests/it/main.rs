@@ -37,6 +37,7 @@ mod hostile_fence3;
 mod hostile_naming;
 mod hostile_release;
 mod hostile_release2;
+mod hostile_release3;
 mod http_edges;
 mod http_flood;
 mod hung_server;
