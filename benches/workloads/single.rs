@@ -21,6 +21,7 @@
 //! (for `perf stat` or callgrind) and prints the server's WAL bytes per
 //! pair.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,8 +51,8 @@ pub fn describe(s: Settings) -> String {
          pool of {POOL} (pgwarden: its own `Leases`, shipped defaults, the pool detected direct; the \
          seed's SQL through deadpool, prepared with `prepare_cached`); a database per side on one \
          server; {} rounds of {:?} per side, interleaved (A B, B A, …); server CPU per statement = \
-         utime + stime of the side's client backends (`/proc/<pid>/stat`) / statements sent; \
-         client CPU per pair = this process's CPU while the side ran / its pairs",
+         utime + stime of the side's client backends (`/proc/<pid>/stat`; those that connect during \
+         the rounds too) / statements sent; client CPU per pair = this process's CPU while the side ran / its pairs",
         s.rounds * 4,
         s.round / 2
     )
@@ -116,7 +117,15 @@ async fn warden_side(server: &TestServer, instances: usize) -> Result<Side, BoxE
         if found != PoolerMode::Direct {
             return Err(format!("pooler detected {found:?}, expected Direct").into());
         }
-        let leases = Leases::new(&pool);
+        // `PGWARDEN_BENCH_NO_PURGE=1` (profiling only, not a row): no
+        // purge, so that no pool opens a second connection.
+        let leases = if std::env::var_os("PGWARDEN_BENCH_NO_PURGE").is_some() {
+            Leases::builder(&pool)
+                .purge(Duration::from_secs(3600), None)
+                .build()?
+        } else {
+            Leases::new(&pool)
+        };
         leases.install().await?;
         all.push(leases.clone());
         let next = next.clone();
@@ -178,6 +187,18 @@ struct Measured {
     per_pair: f64,
 }
 
+/// CPU seconds spent between two samples by a side's backends, those
+/// that connected in between included (from zero: each side has a
+/// database of its own). `Cpu::delta` counts only backends in both
+/// samples, which left out half of pgwarden's statements here: its purge
+/// (every 10 s) checks out a second connection of each instance's pool,
+/// and deadpool then hands out the two in turn.
+fn spent(a: &HashMap<i32, f64>, b: &HashMap<i32, f64>) -> f64 {
+    b.iter()
+        .map(|(pid, t)| t - a.get(pid).copied().unwrap_or(0.0))
+        .sum()
+}
+
 /// Rows 6a (`fleet` false) and 6b.
 pub async fn single(server: &TestServer, s: Settings, fleet: bool) -> Result<Row, BoxError> {
     let instances = if fleet { FLEET } else { 1 };
@@ -205,7 +226,7 @@ pub async fn single(server: &TestServer, s: Settings, fleet: bool) -> Result<Row
     }
     let mut m = Vec::new();
     for (i, (side, (cpu0, st0))) in sides.iter().zip(before).enumerate() {
-        let cpu = Cpu::delta(&cpu0, &side.cpu.sample().await?);
+        let cpu = spent(&cpu0, &side.cpu.sample().await?);
         let statements = (side.statements)() - st0;
         let pairs: f64 = rates[i].iter().sum::<f64>() * round.as_secs_f64();
         m.push(Measured {
