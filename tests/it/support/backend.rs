@@ -1817,6 +1817,29 @@ macro_rules! backends {
             }
         }
     };
+    // A plain `#[test]` per backend, the sqlx ones ignored (why: a FINDING).
+    (sync, ignore_sqlx = $why:literal, $name:ident) => {
+        mod $name {
+            #[test]
+            fn deadpool() {
+                super::$name::<crate::support::backend::Deadpool>()
+            }
+
+            #[cfg(feature = "sqlx-0_8")]
+            #[ignore = $why]
+            #[test]
+            fn sqlx_0_8() {
+                super::$name::<crate::support::backend::Sqlx08>()
+            }
+
+            #[cfg(feature = "sqlx-0_9")]
+            #[ignore = $why]
+            #[test]
+            fn sqlx_0_9() {
+                super::$name::<crate::support::backend::Sqlx09>()
+            }
+        }
+    };
     // Every variant ignored, with the open bug that makes them fail.
     (ignore_all = $why:literal, $name:ident $(, $($flavor:tt)*)?) => {
         mod $name {
