@@ -27,8 +27,9 @@ fn get(m: &HashMap<String, f64>, k: &str) -> f64 {
 backends!(
     sync,
     ignore_sqlx = "FINDING: a sqlx connection opened on runtime A is dead once A is \
-                   dropped, and sqlx's ping before handing it out can still pass (its \
-                   read may find the answer already there), so the first checkout on B \
+                   dropped, and sqlx's ping before handing it out does not always catch \
+                   it (likely: its read finds the answer before it asks the dead \
+                   runtime for readiness), so the first checkout on B \
                    can fail its statement with tokio's `being shutdown` I/O error (2 runs \
                    in 23 on 0.8; on 0.9, 1 in 23 too few renewals on B, likely the same); \
                    the ping and the hand-out are sqlx's own `acquire`; deadpool's \
