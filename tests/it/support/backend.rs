@@ -175,6 +175,8 @@ pub trait Backend: Send + Sync + 'static {
 
     /// `sql` as a simple query, run by user code on the connection.
     fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()>;
+    /// [`Backend::run`], its error as text (for a statement that may fail).
+    fn try_run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, Result<(), String>>;
     /// `sql`'s one `int8` (unnamed), run by user code on the connection.
     fn count<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, i64>;
 
@@ -890,6 +892,18 @@ impl Backend for Deadpool {
         })
     }
 
+    fn try_run<'a>(
+        c: &'a mut pgwarden::Client,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            c.simple_query(sql)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        })
+    }
+
     fn count<'a>(c: &'a mut pgwarden::Client, sql: &'static str) -> BoxFuture<'a, i64> {
         Box::pin(async move { c.query_typed(sql, &[]).await.expect(sql)[0].get(0) })
     }
@@ -1326,6 +1340,17 @@ macro_rules! sqlx_backend {
                 Box::pin(async move {
                     let c: &mut $sqlx::PgConnection = &mut **c;
                     $sqlx::Executor::execute(c, $sqlx::raw_sql(sql)).await.expect(sql);
+                })
+            }
+
+            fn try_run<'a>(
+                c: &'a mut Self::Conn,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<(), String>> {
+                Box::pin(async move {
+                    let c: &mut $sqlx::PgConnection = &mut **c;
+                    let done = $sqlx::Executor::execute(c, $sqlx::raw_sql(sql)).await;
+                    done.map(drop).map_err(|e| e.to_string())
                 })
             }
 
