@@ -32,6 +32,7 @@ mod renewal;
 mod single;
 #[cfg(feature = "sqlx-0_8")]
 mod sqlx_leases;
+mod support;
 mod takeover;
 
 use std::fmt::Write as _;

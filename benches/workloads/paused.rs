@@ -10,6 +10,7 @@ use pgwarden_testing::TestServer;
 
 use crate::ab::{all, interleave, Compared};
 use crate::paused_holder::{run, run_raw, Outcome, Setup};
+use crate::support::backend::Deadpool;
 use crate::{BoxError, Row, Settings};
 
 /// Targets, pgwarden against raw deadpool: readiness success at least as
@@ -90,7 +91,7 @@ pub async fn paused_holder(server: &TestServer, s: Settings) -> Result<Row, BoxE
         },
         || async {
             let o = match server.create_database().await {
-                Ok(db) => run(&db, setup).await,
+                Ok(db) => run::<Deadpool>(&db, setup).await,
                 Err(e) => Err(e.into()),
             };
             record(o, &warden_rounds)

@@ -7,7 +7,9 @@
 //! 4) runs contenders polling `acquire("x", None)`, whose statement blocks on
 //! B's row lock; request traffic that keeps its request lane full; its own
 //! unrelated leases (TTL 2 s, renewed every 500 ms); and the readiness probe
-//! every 100 ms with a 1 s bound. Public API only.
+//! every 100 ms with a 1 s bound. Public API only, on any backend
+//! ([`Backend`], `tests/it/support/backend.rs`: the readiness-reserve test
+//! runs it on every backend, the benchmark on deadpool).
 //!
 //! [`run_raw`] is the same scenario on raw deadpool, the design users run
 //! today: session advisory locks (`pg_advisory_lock`) held on pooled
@@ -18,8 +20,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::{LeaseOptions, Leases, Pool};
+use pgwarden::LeaseOptions;
 use pgwarden_testing::TestDb;
+
+use crate::support::backend::Backend;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -113,37 +117,40 @@ impl Outcome {
     }
 }
 
-/// A pgwarden pool on the shipped defaults.
-fn pool(db: &TestDb, size: usize, name: &str) -> Result<Pool, BoxError> {
-    Ok(Pool::builder(db.deadpool(size)?).name(name).build()?)
-}
+/// A request's statement: 2 ms of server time (a simple query, as the raw
+/// side's).
+const REQUEST: &str = "SELECT pg_sleep(0.002)";
 
-/// Runs the scenario once on `db` (a fresh database).
-pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
-    let pool_b = pool(db, 4, "paused-holder")?;
-    let b = Leases::new(&pool_b);
-    b.install().await?;
-    let held = b
-        .acquire("x", &LeaseOptions::new(Duration::from_secs(60)), None)
+/// Runs the scenario once on `db` (a fresh database), on backend `B`'s
+/// pools on the shipped defaults (named `<name>-<backend>`: the variants of
+/// a test run at once).
+pub async fn run<B: Backend>(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
+    let name = |n: &str| format!("{n}-{}", B::NAME);
+    let pool_b = B::build_named(db, 4, Some(&name("paused-holder")));
+    let b = B::leases(&pool_b);
+    B::install(&b).await?;
+    let opts_x = LeaseOptions::new(Duration::from_secs(60));
+    let held = B::acquire(&b, "x", &opts_x, None)
         .await?
         .ok_or("lease x is free at the start")?;
-    let pool_a = pool(db, s.pool, "healthy")?;
-    let a = Leases::new(&pool_a);
+    let pool_a = B::build_named(db, s.pool, Some(&name("healthy")));
+    let a = B::leases(&pool_a);
     let mut own = Vec::new();
     for i in 0..s.own_leases {
         let opts = LeaseOptions::new(s.own_ttl);
         let name = format!("own-{i}");
         own.push(
-            a.acquire(&name, &opts, None)
+            B::acquire(&a, &name, &opts, None)
                 .await?
                 .ok_or("own lease free")?,
         );
     }
-    let before = a.stats();
+    let before = B::lease_stats(&a);
 
     // B pauses inside its fenced transaction.
-    let mut conn_b = pool_b.get().await?;
-    let tx = held.fence(conn_b.transaction().await?).await?;
+    let mut source_b = B::tx_source(&pool_b).await;
+    let tx = B::begin(&mut source_b, None).await;
+    let tx = B::fence(&held, tx).await?;
 
     let stop = Arc::new(AtomicBool::new(false));
     let attempts = Arc::new(AtomicUsize::new(0));
@@ -151,15 +158,12 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
     let requests = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for _ in 0..s.contenders {
-        let (a, stop) = (a.clone(), stop.clone());
+        let (a, stop, opts_x) = (a.clone(), stop.clone(), opts_x.clone());
         let (attempts, errors) = (attempts.clone(), attempt_errors.clone());
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                match a
-                    .acquire("x", &LeaseOptions::new(Duration::from_secs(60)), None)
-                    .await
-                {
-                    Ok(Some(l)) => drop(l.release().await),
+                match B::acquire(&a, "x", &opts_x, None).await {
+                    Ok(Some(l)) => drop(B::release(l).await),
                     Ok(None) => {}
                     Err(_) => {
                         errors.fetch_add(1, Ordering::Relaxed);
@@ -174,8 +178,8 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
         let (pool, stop, requests) = (pool_a.clone(), stop.clone(), requests.clone());
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                if let Ok(c) = pool.get().await {
-                    if c.simple_query("SELECT pg_sleep(0.002)").await.is_ok() {
+                if let Ok(mut c) = B::get(&pool).await {
+                    if B::try_run(&mut c, REQUEST).await.is_ok() {
                         requests.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -189,7 +193,7 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
     while start.elapsed() < s.hold {
         tick.tick().await;
         let t = Instant::now();
-        match pool_a.readiness(s.probe_bound).await {
+        match B::readiness(&pool_a, s.probe_bound).await {
             Ok(_) => {
                 out.probes_ok += 1;
                 out.probes.push(t.elapsed());
@@ -198,13 +202,13 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
         }
     }
     out.own_lost = own.iter().filter(|l| l.is_lost()).count();
-    let after = a.stats();
+    let after = B::lease_stats(&a);
     out.renewed = after.renewed - before.renewed;
     out.renewal_failures = after.renewal_failures - before.renewal_failures;
 
     // B wakes up and commits; everything winds down.
-    tx.commit().await?;
-    drop(conn_b);
+    B::fx_commit(tx).await?;
+    drop(source_b);
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
@@ -213,9 +217,9 @@ pub async fn run(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
     out.attempt_errors = attempt_errors.load(Ordering::Relaxed);
     out.requests = requests.load(Ordering::Relaxed);
     for l in own {
-        let _ = l.release().await;
+        let _ = B::release(l).await;
     }
-    let _ = held.release().await;
+    let _ = B::release(held).await;
     Ok(out)
 }
 
@@ -286,7 +290,7 @@ pub async fn run_raw(db: &TestDb, s: Setup) -> Result<Outcome, BoxError> {
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 if let Ok(c) = pool.get().await {
-                    if c.simple_query("SELECT pg_sleep(0.002)").await.is_ok() {
+                    if c.simple_query(REQUEST).await.is_ok() {
                         requests.fetch_add(1, Ordering::Relaxed);
                     }
                 }

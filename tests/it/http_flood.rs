@@ -23,8 +23,10 @@
 //! as its checkout bound (`x-checkout-bound-us`) and was served or answered
 //! 503 by its handler when the pool found no connection within it; the shed
 //! counter counts them; nothing is left checked out afterwards. That a shed
-//! answer is decided at once, without waiting, is shown in process by
-//! `a_shed_answer_is_ready_at_its_first_poll` (no clock). Answer times and
+//! answer is decided at once, without waiting, is shown in process, on
+//! every backend, by `a_shed_answer_is_ready_at_its_first_poll` (no
+//! clock). The flood runs the example service, which is written on the
+//! deadpool pool (`examples/service`): deadpool only. Answer times and
 //! throughput with and without the layer are a benchmark row
 //! (`benches/workloads/http.rs`, row 8 of BENCHMARKS.md: 503 p99), not a
 //! timed test.
@@ -35,6 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgwarden_testing::TestServer;
+use support::backend::{Backend, Settings};
 use support::http::{request, sample, KeepAlive, Reply};
 use support::service::{Instance, Result};
 
@@ -60,6 +63,8 @@ fn is_shed(r: &Reply) -> bool {
     r.status == 503 && r.body.contains("\"shed\":true")
 }
 
+/// Deadpool only: the service is `examples/service`, written on the
+/// deadpool pool's own API (see the module's docs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
     let db = TestServer::shared()?.create_database().await?;
@@ -281,33 +286,32 @@ async fn a_flood_is_shed_at_once_while_readiness_stays_ready() -> Result {
     Ok(())
 }
 
+backends!(a_shed_answer_is_ready_at_its_first_poll);
 /// A shed answer is decided when the request arrives, not after a wait:
 /// with every request connection held and a bound of zero, the layer's
 /// future is ready at its first poll (no clock: a layer that waited for
-/// the lane would be pending there). The flood above shows the same layer
-/// at scale, in a real process.
-#[tokio::test]
-async fn a_shed_answer_is_ready_at_its_first_poll() {
+/// the lane would be pending there). On every backend. The flood above
+/// shows the same layer at scale, in a real process.
+async fn a_shed_answer_is_ready_at_its_first_poll<B: Backend>() {
     use futures_util::FutureExt;
     use tower_service::Service;
 
     let db = support::db().await;
-    let pool = support::builder(&db, 4).build().unwrap();
-    let max = pool.status().lane(pgwarden::Lane::Request).max;
+    let pool = B::build(&db, &Settings::new("flood-first-poll", 4));
+    let max = B::status(&pool).lane(pgwarden::Lane::Request).max;
     let mut held = Vec::new();
     for _ in 0..max {
-        held.push(pool.get().await.unwrap());
+        held.push(B::get(&pool).await.unwrap());
     }
-    let mut app = axum::Router::new()
-        .route(
-            "/work",
-            axum::routing::get(|| async {
-                panic!("a shed request reached its handler");
-                #[allow(unreachable_code)]
-                "served"
-            }),
-        )
-        .layer(pgwarden::http::ShedLayer::new(&pool).max_wait(Duration::ZERO));
+    let work = axum::Router::new().route(
+        "/work",
+        axum::routing::get(|| async {
+            panic!("a shed request reached its handler");
+            #[allow(unreachable_code)]
+            "served"
+        }),
+    );
+    let mut app = B::shed(&pool, Some(Duration::ZERO), work);
     let req = axum::http::Request::get("/work")
         .body(axum::body::Body::empty())
         .unwrap();
@@ -318,6 +322,7 @@ async fn a_shed_answer_is_ready_at_its_first_poll() {
         .unwrap();
     assert_eq!(reply.status(), 503);
     assert!(reply.headers().contains_key("retry-after"));
-    assert_eq!(pool.status().lane(pgwarden::Lane::Request).waiting, 0);
+    assert_eq!(B::status(&pool).lane(pgwarden::Lane::Request).waiting, 0);
     drop(held);
+    support::backend::settled::<B>(&pool).await;
 }

@@ -4,16 +4,23 @@
 //! contenders on this instance polling its lease (each
 //! acquisition blocks on the holder's row lock), request traffic filling the
 //! request lane. The probe answers every time, and this instance's own
-//! leases are renewed, not lost.
+//! leases are renewed, not lost. On every backend: the scenario is the
+//! benchmark's (`benches/workloads/paused_holder.rs`), generic over
+//! [`Backend`].
 
 #[path = "../../benches/workloads/paused_holder.rs"]
 #[allow(dead_code)]
 mod paused_holder;
 
+use crate::support::backend::Backend;
 use pgwarden_testing::TestServer;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readiness_and_renewals_hold_while_acquisitions_block_on_a_paused_holder() {
+backends!(
+    readiness_and_renewals_hold_while_acquisitions_block_on_a_paused_holder,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+async fn readiness_and_renewals_hold_while_acquisitions_block_on_a_paused_holder<B: Backend>() {
     let db = TestServer::shared()
         .expect("throwaway PostgreSQL")
         .create_database()
@@ -26,10 +33,11 @@ async fn readiness_and_renewals_hold_while_acquisitions_block_on_a_paused_holder
         hold: std::time::Duration::from_secs(5),
         ..paused_holder::Setup::default()
     };
-    let o = paused_holder::run(&db, s).await.unwrap();
+    let o = paused_holder::run::<B>(&db, s).await.unwrap();
     eprintln!(
-        "probes {}/{} ok, p50 {:?}, p99 {:?}, max {:?}; own leases lost {}, renewed {} \
+        "{}: probes {}/{} ok, p50 {:?}, p99 {:?}, max {:?}; own leases lost {}, renewed {} \
          ({} failed statements); acquisitions {} ({} errors); requests {}",
+        B::NAME,
         o.probes_ok,
         o.probes.len(),
         o.probe_percentile(50.0),

@@ -15,6 +15,14 @@
 //! be a later slot: a run taken late in a slot and slowed by a loaded
 //! machine records after the boundary, while the next slot's run is
 //! already taken elsewhere.
+//!
+//! Deadpool only: the service is `examples/service`, written on the
+//! deadpool pool's own API (`pgwarden::Pool`, tokio-postgres statements,
+//! `deadpool_postgres::PoolError` answers); a sqlx variant needs that
+//! example to run on a sqlx pool too (not done: issue 32). The guarantees
+//! it shows in process run on every backend in `scheduler.rs` (jobs once
+//! per period and per node across instances, a graceful shutdown that
+//! releases the leases).
 
 use crate::support;
 

@@ -175,6 +175,8 @@ pub trait Backend: Send + Sync + 'static {
 
     /// `sql` as a simple query, run by user code on the connection.
     fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()>;
+    /// [`Backend::run`], its error as text (for a statement that may fail).
+    fn try_run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, Result<(), String>>;
     /// `sql`'s one `int8` (unnamed), run by user code on the connection.
     fn count<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, i64>;
 
@@ -186,6 +188,12 @@ pub trait Backend: Send + Sync + 'static {
     /// `GET /ready` the readiness service with `bound`.
     #[cfg(feature = "http")]
     fn app(pool: &Self::Pool, max_wait: Duration, bound: Duration) -> axum::Router;
+    /// `routes` under `ShedLayer::new(pool)`, with `max_wait` when given.
+    #[cfg(feature = "http")]
+    fn shed(pool: &Self::Pool, max_wait: Option<Duration>, routes: axum::Router) -> axum::Router;
+    /// `GET path`: `Readiness::new(pool)`, with `bound` when given.
+    #[cfg(feature = "http")]
+    fn ready(pool: &Self::Pool, path: &str, bound: Option<Duration>) -> axum::Router;
     fn readiness(pool: &Self::Pool, t: Duration) -> BoxFuture<'_, Result<Duration, Error>>;
     fn close(pool: &Self::Pool) -> BoxFuture<'_, ()>;
 
@@ -401,7 +409,12 @@ pub trait Backend: Send + Sync + 'static {
     fn tx_rollback(tx: Self::Tx<'_>) -> BoxFuture<'_, Result<(), Error>>;
     /// A pool of `size` on `db` given no name (its default), its metrics
     /// to the recorder in effect.
-    fn build_unnamed(db: &TestDb, size: usize) -> Self::Pool;
+    fn build_unnamed(db: &TestDb, size: usize) -> Self::Pool {
+        Self::build_named(db, size, None)
+    }
+    /// A pool of `size` on `db` on the shipped defaults, named `name`
+    /// when given, its metrics to the recorder in effect.
+    fn build_named(db: &TestDb, size: usize, name: Option<&str>) -> Self::Pool;
     /// The pool's name.
     fn pool_name(pool: &Self::Pool) -> String;
     /// [`Backend::build_on`], the wrapped pool running a statement on
@@ -710,13 +723,31 @@ macro_rules! common_methods {
 
         #[cfg(feature = "http")]
         fn app(pool: &Self::Pool, max_wait: Duration, bound: Duration) -> axum::Router {
-            axum::Router::new()
-                .route("/work", axum::routing::get(|| async { "done" }))
-                .layer(pgwarden::http::ShedLayer::new(pool).max_wait(max_wait))
-                .route_service(
-                    "/ready",
-                    pgwarden::http::Readiness::new(pool.clone()).bound(bound),
-                )
+            let work = axum::Router::new().route("/work", axum::routing::get(|| async { "done" }));
+            Self::shed(pool, Some(max_wait), work).merge(Self::ready(pool, "/ready", Some(bound)))
+        }
+
+        #[cfg(feature = "http")]
+        fn shed(
+            pool: &Self::Pool,
+            max_wait: Option<Duration>,
+            routes: axum::Router,
+        ) -> axum::Router {
+            let layer = pgwarden::http::ShedLayer::new(pool);
+            routes.layer(match max_wait {
+                Some(w) => layer.max_wait(w),
+                None => layer,
+            })
+        }
+
+        #[cfg(feature = "http")]
+        fn ready(pool: &Self::Pool, path: &str, bound: Option<Duration>) -> axum::Router {
+            let r = pgwarden::http::Readiness::new(pool.clone());
+            let r = match bound {
+                Some(b) => r.bound(b),
+                None => r,
+            };
+            axum::Router::new().route_service(path, r)
         }
     };
 }
@@ -858,6 +889,18 @@ impl Backend for Deadpool {
     fn run<'a>(c: &'a mut pgwarden::Client, sql: &'static str) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             c.simple_query(sql).await.expect(sql);
+        })
+    }
+
+    fn try_run<'a>(
+        c: &'a mut pgwarden::Client,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            c.simple_query(sql)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
         })
     }
 
@@ -1113,9 +1156,14 @@ impl Backend for Deadpool {
         Box::pin(async move { Ok(tx.rollback().await?) })
     }
 
-    fn build_unnamed(db: &TestDb, size: usize) -> pgwarden::Pool {
-        let dp = db.deadpool(size).expect("deadpool");
-        pgwarden::Pool::builder(dp).build().expect("pool")
+    fn build_named(db: &TestDb, size: usize, name: Option<&str>) -> pgwarden::Pool {
+        let b = pgwarden::Pool::builder(db.deadpool(size).expect("deadpool"));
+        match name {
+            Some(n) => b.name(n),
+            None => b,
+        }
+        .build()
+        .expect("pool")
     }
 
     fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> pgwarden::Pool {
@@ -1292,6 +1340,17 @@ macro_rules! sqlx_backend {
                 Box::pin(async move {
                     let c: &mut $sqlx::PgConnection = &mut **c;
                     $sqlx::Executor::execute(c, $sqlx::raw_sql(sql)).await.expect(sql);
+                })
+            }
+
+            fn try_run<'a>(
+                c: &'a mut Self::Conn,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<(), String>> {
+                Box::pin(async move {
+                    let c: &mut $sqlx::PgConnection = &mut **c;
+                    let done = $sqlx::Executor::execute(c, $sqlx::raw_sql(sql)).await;
+                    done.map(drop).map_err(|e| e.to_string())
                 })
             }
 
@@ -1639,11 +1698,17 @@ macro_rules! sqlx_backend {
                 Box::pin(async move { tx.rollback().await.map_err(|e| Error::Sqlx(Box::new(e))) })
             }
 
-            fn build_unnamed(db: &TestDb, size: usize) -> Self::Pool {
+            fn build_named(db: &TestDb, size: usize, name: Option<&str>) -> Self::Pool {
                 let pg = $sqlx::postgres::PgPoolOptions::new()
                     .max_connections(size as u32)
                     .connect_lazy_with(sqlx_options!($sqlx, db.pg_config()));
-                $($pg)::+::Pool::builder(pg).build().expect("pool")
+                let b = $($pg)::+::Pool::builder(pg);
+                match name {
+            Some(n) => b.name(n),
+            None => b,
+        }
+        .build()
+        .expect("pool")
             }
 
             fn build_checked(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool {
@@ -1771,6 +1836,29 @@ macro_rules! backends {
             }
 
             #[cfg(feature = "sqlx-0_9")]
+            #[test]
+            fn sqlx_0_9() {
+                super::$name::<crate::support::backend::Sqlx09>()
+            }
+        }
+    };
+    // A plain `#[test]` per backend, the sqlx ones ignored (why: a FINDING).
+    (sync, ignore_sqlx = $why:literal, $name:ident) => {
+        mod $name {
+            #[test]
+            fn deadpool() {
+                super::$name::<crate::support::backend::Deadpool>()
+            }
+
+            #[cfg(feature = "sqlx-0_8")]
+            #[ignore = $why]
+            #[test]
+            fn sqlx_0_8() {
+                super::$name::<crate::support::backend::Sqlx08>()
+            }
+
+            #[cfg(feature = "sqlx-0_9")]
+            #[ignore = $why]
             #[test]
             fn sqlx_0_9() {
                 super::$name::<crate::support::backend::Sqlx09>()
