@@ -367,6 +367,12 @@ impl Source for dep::PgPool {
         None
     }
 
+    /// sqlx pings an idle connection as `acquire` hands it out unless the
+    /// adopter turned `test_before_acquire` off.
+    fn pings_idle(&self) -> bool {
+        self.options().get_test_before_acquire()
+    }
+
     /// A simple query: one message, which no pooler splits (see
     /// [`ask_pid`]).
     async fn select_1(conn: &mut dep::PgConnection) -> Result<(), Error> {
