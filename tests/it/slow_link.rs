@@ -113,3 +113,90 @@ async fn readiness_becomes_ready_within_three_probes_on_a_350_ms_link<B: Backend
         from_scratch.as_millis()
     );
 }
+
+backends!(
+    a_probe_and_a_checkout_cut_at_every_poll_while_connecting_leave_nothing_behind,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// The paths of stop 40 dropped at every await: a probe (waiting for the
+/// set-up another probe left in the background) and a drop-in
+/// checkout (on sqlx: its acquire racing pgwarden's own connection
+/// attempt, which a 30 ms link makes slower than its first 50 ms of
+/// patience), each cut after 0, 1, 2, … polls until one finishes uncut.
+/// Whatever the cut, no connection is left open past the pool's size (the
+/// proxy counts them, the attempt's own included), and the pool then
+/// answers a probe and a checkout.
+async fn a_probe_and_a_checkout_cut_at_every_poll_while_connecting_leave_nothing_behind<
+    B: Backend,
+>() {
+    let server = TestServer::shared().expect("throwaway PostgreSQL");
+    let db = server.create_database().await.unwrap();
+    let proxy = Proxy::start(server).expect("proxy");
+    proxy.set_latency(Duration::from_millis(15));
+    const SIZE: usize = 4;
+    let (mut cut_probes, mut cut_gets) = (0, 0);
+    for get in [false, true] {
+        for polls in 0usize.. {
+            // A pool of its own each time: no idle connection, so sqlx
+            // connects (and pgwarden's patience starts from nothing).
+            let s = Settings::new("slow-link-cut", SIZE).pooler(PoolerMode::Direct);
+            let pool = B::build_on(&proxy.pg_config(&db), &s);
+            if !get {
+                // A probe given up at once: its set-up goes on in the
+                // background, and the probe cut below waits for it.
+                let gave_up = B::readiness(&pool, Duration::from_millis(1)).await;
+                assert!(gave_up.is_err_and(|e| e.is_timeout()));
+            }
+            let mut left = polls;
+            let mut fut: futures_util::future::BoxFuture<'_, bool> = if get {
+                Box::pin(async { B::get(&pool).await.is_ok() })
+            } else {
+                Box::pin(async { B::readiness(&pool, GUARD).await.is_ok() })
+            };
+            let out = std::future::poll_fn(|cx| match left.checked_sub(1) {
+                None => std::task::Poll::Ready(None),
+                Some(l) => {
+                    left = l;
+                    fut.as_mut().poll(cx).map(Some)
+                }
+            })
+            .await;
+            drop(fut);
+            support::eventually(
+                GUARD,
+                "no more connections than the pool's size",
+                || async { proxy.connections() <= SIZE },
+            )
+            .await;
+            let probe = support::within(GUARD, "a probe after the cut", B::readiness(&pool, GUARD));
+            probe.await.expect("ready after the cut");
+            support::within(GUARD, "a checkout after the cut", B::get(&pool))
+                .await
+                .unwrap_or_else(|e| panic!("a checkout after the cut: {e:?}"));
+            B::close(&pool).await;
+            match out {
+                Some(ok) => {
+                    assert!(ok, "uncut after {polls} polls");
+                    break;
+                }
+                None if get => cut_gets += 1,
+                None => cut_probes += 1,
+            }
+        }
+    }
+    eventually_closed(&proxy).await;
+    eprintln!(
+        "{}: probes cut {cut_probes} times, checkouts {cut_gets}",
+        B::NAME
+    );
+    assert!(cut_probes > 0 && cut_gets > 0);
+}
+
+/// Every pool closed: nothing open through the proxy.
+async fn eventually_closed(proxy: &Proxy) {
+    support::eventually(GUARD, "every connection closed", || async {
+        proxy.connections() == 0
+    })
+    .await;
+}
