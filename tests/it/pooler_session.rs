@@ -27,13 +27,18 @@ backends!(
 async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work<B: Backend>() {
     let db = db().await;
     // Session mode: every client holds a server connection for its life.
-    let Some(bouncer) = bouncer(&db, 40, PoolMode::Session) else {
+    // 32 for the load, 8 for the detections, 8 more for the pools closed
+    // just before (their server connections go back to PgBouncer only once
+    // their clients' closes reach it: with no slack, a detection waited
+    // 5 s in PgBouncer's queue once on a loaded machine, both backends').
+    let Some(bouncer) = bouncer(&db, 48, PoolMode::Session) else {
         return;
     };
     let load = load_through(&bouncer).await;
     logs();
-    // PARALLEL detections at a time: each holds one server connection of
-    // the 8 the load leaves free, so none waits in PgBouncer's queue.
+    // PARALLEL detections at a time: each holds two server connections
+    // (the motion probe's) of the 16 the load leaves free, so none waits
+    // in PgBouncer's queue.
     let times: Vec<_> = futures_util::stream::iter(0..TRIES)
         .map(|i| {
             let pool = through::<B>(&bouncer, &format!("session-{i}"));
