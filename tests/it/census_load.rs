@@ -139,12 +139,22 @@ async fn thirty_thousand_leaked_locks_do_not_stall_checkouts<B: Backend>() {
     )
     .await;
     let text = logs.text();
-    let lines: Vec<&str> = text
+    let pool_lines: Vec<&str> = text
         .lines()
-        .filter(|l| l.contains("advisory locks held by a connection idle in the pool"))
         .filter(|l| l.contains(&format!("pool={name} ")))
         .collect();
-    assert_eq!(lines.len(), 1, "one line per connection: {lines:?}");
+    let lines: Vec<&str> = pool_lines
+        .iter()
+        .copied()
+        .filter(|l| l.contains("advisory locks held by a connection idle in the pool"))
+        .collect();
+    // What else the pool logged, should the leaker have gone another way
+    // (seen once on sqlx 0.8 with the machine at load 30: no line at all).
+    assert_eq!(
+        lines.len(),
+        1,
+        "one line per connection: {lines:?}; the pool's lines: {pool_lines:#?}"
+    );
     assert!(
         lines[0].contains("locks=30000") && lines[0].contains(&format!("pid={leaked_pid}")),
         "{}",
