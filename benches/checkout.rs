@@ -70,32 +70,6 @@ fn checkout(c: &mut Criterion) {
         }
     }
     g.finish();
-    // A checkout used by user code: its return ends any transaction left
-    // open (deadpool: `BEGIN` and `ROLLBACK` queued, not waited for).
-    let mut g = c.benchmark_group("checkout_select1_return");
-    if smoke {
-        g.warm_up_time(Duration::from_millis(100))
-            .measurement_time(Duration::from_millis(300))
-            .sample_size(10);
-    }
-    for side in if pgwarden_first { [1, 0] } else { [0, 1] } {
-        if side == 0 {
-            g.bench_function("raw_deadpool", |b| {
-                b.to_async(&rt).iter(|| async {
-                    let c = raw.get().await.unwrap();
-                    c.simple_query("SELECT 1").await.unwrap();
-                })
-            });
-        } else {
-            g.bench_function("pgwarden", |b| {
-                b.to_async(&rt).iter(|| async {
-                    let c = warden.get().await.unwrap();
-                    c.simple_query("SELECT 1").await.unwrap();
-                })
-            });
-        }
-    }
-    g.finish();
     #[cfg(feature = "sqlx-0_8")]
     sqlx_checkout(c, &rt, &db, smoke, pgwarden_first);
 }

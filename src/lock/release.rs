@@ -230,8 +230,6 @@ impl<B: Source> Held<B> {
     pub(crate) async fn release(&mut self, act: Act) -> Result<bool, Error> {
         let key = self.key;
         let answer = release_once_more_if_stale(self, key, act).await?;
-        // Its statement ended any transaction user code left open.
-        self.conn_mut().transaction_ended();
         if answer {
             self.released();
         }
@@ -417,9 +415,8 @@ async fn release<B: Source>(
     match done {
         Ok(Ok(_)) => {
             tracing::debug!(%key, pid, "session lock released after its guard was dropped");
-            if let Some(mut conn) = guard.keep() {
+            if let Some(conn) = guard.keep() {
                 conn.set_note(None);
-                conn.transaction_ended();
             }
         }
         Ok(Err(e)) => {

@@ -9,7 +9,6 @@ use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -345,7 +344,7 @@ impl<B: Source> Taken<B> {
 impl<B: Source> Drop for Taken<B> {
     fn drop(&mut self) {
         if let Some((obj, permit)) = self.0.take() {
-            match B::give_back(&mut Some(obj), false) {
+            match B::give_back(&mut Some(obj)) {
                 None => drop(permit),
                 back => {
                     permit.shared().mark_releasing(permit.slot());
@@ -558,7 +557,6 @@ where
                         };
                         return Poll::Ready(Ok(Client {
                             spoiled: false,
-                            used: AtomicBool::new(false),
                             obj: Some(obj),
                             permit,
                             pid,
@@ -744,7 +742,6 @@ fn hand_out<B: Source>(
     shared.metrics.lane(permit.lane).acquire.record(acquire);
     Client {
         spoiled: false,
-        used: AtomicBool::new(false),
         obj: Some(obj),
         permit,
         pid,
@@ -896,11 +893,6 @@ pub struct Client<B: Source = deadpool_postgres::Pool> {
     /// transaction nothing will end ([`Source::exec`]): closed on drop,
     /// not given back.
     pub(super) spoiled: bool,
-    /// User code reached the connection (`Deref`/`DerefMut`): it may have
-    /// left a transaction open, which the return ends
-    /// ([`Source::give_back`]); cleared by a session lock's confirmed
-    /// release, whose statement ended it already.
-    pub(super) used: AtomicBool,
     pub(super) obj: Option<B::Object>,
 }
 
@@ -966,13 +958,6 @@ impl<B: Source> Client<B> {
             &self.permit.shared().cfg,
             &mut self.spoiled,
         )
-    }
-
-    /// A statement of pgwarden's ended whatever transaction user code left
-    /// on the connection (a session lock's release): its return sends
-    /// nothing more for it.
-    pub(crate) fn transaction_ended(&mut self) {
-        *self.used.get_mut() = false;
     }
 
     /// The pool it was checked out of.
@@ -1047,14 +1032,12 @@ impl<B: Source> Drop for Beginning<'_, B> {
 impl<B: Source> Deref for Client<B> {
     type Target = B::Conn;
     fn deref(&self) -> &B::Conn {
-        self.used.store(true, Ordering::Relaxed);
         B::conn(self.object())
     }
 }
 
 impl<B: Source> DerefMut for Client<B> {
     fn deref_mut(&mut self) -> &mut B::Conn {
-        *self.used.get_mut() = true;
         // infallible: `obj` is Some until drop or `discard`, which consume self.
         B::conn_mut(self.obj.as_mut().expect("connection present until drop")) // infallible
     }
@@ -1087,8 +1070,7 @@ impl<B: Source> Drop for Client<B> {
             // once the pool's return is done (sqlx's), meanwhile marked
             // releasing: a session lock asked for meanwhile waits for that
             // return instead of being refused because of it.
-            let used = *self.used.get_mut();
-            match B::give_back(&mut self.obj, used) {
+            match B::give_back(&mut self.obj) {
                 None => self.permit.release(held),
                 back => {
                     self.mark_releasing();

@@ -189,12 +189,8 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// the pool has its capacity again (sqlx: its `after_release` hook and
     /// ping). The shell gives the checkout's admission back after it.
     /// (`obj` is taken out of its slot: deadpool's is dropped in place.)
-    /// `used`: user code reached the connection and may have left a
-    /// transaction open on it (deadpool ends it: [`end_any_transaction`];
-    /// sqlx cannot without a round trip more, see the README's limits).
     fn give_back(
         obj: &mut Option<Self::Object>,
-        used: bool,
     ) -> Option<impl Future<Output = ()> + Send + 'static>;
     /// Closes the physical connection instead: `None` when done at once,
     /// or the close to run to its end (the capacity is held until then).
@@ -352,17 +348,9 @@ impl Source for deadpool_postgres::Pool {
         })
     }
 
-    /// Dropped in place: deadpool has it back at once, after
-    /// [`end_any_transaction`] queued its `BEGIN` and `ROLLBACK` when user
-    /// code used it.
+    /// Dropped in place: deadpool has it back at once.
     #[inline(always)]
-    fn give_back(
-        obj: &mut Option<Object>,
-        used: bool,
-    ) -> Option<impl Future<Output = ()> + Send + 'static> {
-        if let Some(conn) = obj.as_ref().filter(|_| used) {
-            end_any_transaction(conn);
-        }
+    fn give_back(obj: &mut Option<Object>) -> Option<impl Future<Output = ()> + Send + 'static> {
         *obj = None;
         None::<std::future::Ready<()>>
     }
@@ -407,28 +395,5 @@ impl Source for deadpool_postgres::Pool {
 
     fn is_closed(&self) -> bool {
         deadpool_postgres::Pool::is_closed(self)
-    }
-}
-
-/// Ends whatever transaction block user code left on a deadpool
-/// connection going back to the pool (a `BEGIN` sent as a statement, not
-/// `transaction()`, whose drop rolls back; a checkout dropped inside it):
-/// `BEGIN`, then `ROLLBACK`, two simple queries sent now and not waited
-/// for (tokio-postgres sends a request at its future's first poll and
-/// reads past the answers of a request nobody waits for, as its own
-/// `Transaction` drop does with its `ROLLBACK`). No round trip: the next
-/// checkout's first statement goes out behind them on the same socket.
-/// Two messages, not one query: a failed transaction refuses the `BEGIN`
-/// alone and the `ROLLBACK` ends it; in none, the pair opens and ends one
-/// and the server logs nothing (a lone `ROLLBACK` would warn on every
-/// return); in an open one the `BEGIN` warns, and the `ROLLBACK` ends it.
-/// A statement still running (a checkout dropped mid-statement) runs to
-/// its end first, as it would before the next checkout's statement.
-fn end_any_transaction(conn: &tokio_postgres::Client) {
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    for sql in ["BEGIN", "ROLLBACK"] {
-        let sent = std::pin::pin!(conn.batch_execute(sql));
-        // Ready only with an error (a closed connection): nothing to do.
-        let _ = sent.poll(&mut cx);
     }
 }

@@ -339,13 +339,8 @@ impl Source for dep::PgPool {
 
     /// sqlx's own return (its `after_release` hook, a ping, then idle):
     /// the future its drop would have spawned, run by pgwarden's shell.
-    /// A transaction user code left open goes back with it (`_used`: the
-    /// README's known limits): sqlx keeps the transaction status its
-    /// `ReadyForQuery` messages carry to itself, and ending or checking
-    /// one here would cost every return a round trip more than its ping.
     fn give_back(
         obj: &mut Option<Self::Object>,
-        _used: bool,
     ) -> Option<impl Future<Output = ()> + Send + 'static> {
         let mut obj = obj.take()?;
         let back = obj.return_to_pool();
