@@ -119,9 +119,16 @@ async fn crash_child<B: Backend>() {
             let (conn, io) = config.connect(tokio_postgres::NoTls).await.unwrap();
             tokio::spawn(io);
             let (holder, token) = (lease.term().holder.clone(), lease.term().token);
+            // The run's slot is its term's (`taken_at`), not the moment this
+            // row lands: under load the insert can come in the next slot.
+            let taken = lease.term().taken_at.duration_since(UNIX_EPOCH).unwrap();
             conn.query_typed(
-                "INSERT INTO runs VALUES ('child', $1, $2, now())",
-                &[(&holder, Type::TEXT), (&token, Type::INT8)],
+                "INSERT INTO runs VALUES ('child', $1, $2, to_timestamp($3))",
+                &[
+                    (&holder, Type::TEXT),
+                    (&token, Type::INT8),
+                    (&taken.as_secs_f64(), Type::FLOAT8),
+                ],
             )
             .await
             .unwrap();
