@@ -152,6 +152,9 @@ pub struct Naming {
     /// How long sqlx's last connect took (µs; 0: none yet): see
     /// [`take_heard`].
     connect_us: AtomicU64,
+    /// One [`take_heard`] attempt of its own at a time per pool: a burst of
+    /// checkouts on a slow server asks it once, not once each.
+    asking: AtomicBool,
 }
 
 impl Naming {
@@ -211,7 +214,8 @@ const PATIENCE: (Duration, Duration) = (Duration::from_millis(50), Duration::fro
 /// pgwarden makes one connection attempt of its own with the pool's
 /// connect options: refused with `53300`, that error is the checkout's;
 /// otherwise its connection is closed and sqlx's acquire goes on as it
-/// would have. Dropped at any await: sqlx's acquire and the attempt are
+/// would have. One such attempt at a time per pool ([`Asking`]): the
+/// checkouts that find one under way wait for sqlx's acquire alone. Dropped at any await: sqlx's acquire and the attempt are
 /// dropped (a half-made connection closes), a close under way goes on.
 async fn take_heard(
     pool: &dep::PgPool,
@@ -228,6 +232,10 @@ async fn take_heard(
     let got = match tokio::time::timeout(patience, acquire.as_mut()).await {
         Ok(got) => got,
         Err(_) => {
+            let Some(_asking) = Asking::take(&cfg.asking) else {
+                // Another checkout is asking the server already.
+                return acquire.await;
+            };
             let opts = pool.connect_options();
             let attempt = std::pin::pin!(dep::ConnectOptions::connect(&*opts));
             match futures_util::future::select(acquire.as_mut(), attempt).await {
@@ -251,6 +259,24 @@ async fn take_heard(
     got
 }
 
+/// The right to make [`take_heard`]'s own connection attempt, given back
+/// on drop (the attempt ended, or its checkout was dropped).
+struct Asking<'a>(&'a AtomicBool);
+
+impl<'a> Asking<'a> {
+    fn take(flag: &'a AtomicBool) -> Option<Asking<'a>> {
+        flag.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()
+            .map(|_| Asking(flag))
+    }
+}
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 /// The server has no connection slot left for this role (`53300`).
 fn server_full(e: &dep::Error) -> bool {
     crate::error::sqlx_sqlstate(e) == Some("53300")
@@ -271,6 +297,7 @@ impl Source for dep::PgPool {
             learned: ext.get::<Learned>(),
             fresh: AtomicUsize::new(0),
             connect_us: AtomicU64::new(0),
+            asking: AtomicBool::new(false),
         }
     }
 
