@@ -11,9 +11,10 @@ const POLL: Duration = Duration::from_millis(10);
 /// up to [`POLL`] (1, 2, 4, 8, 10, 10… ms). Most conditions hold a few
 /// milliseconds after the first check (a connection's return, a release
 /// finishing in a task): a flat 10 ms made each such wait 10 ms, and the
-/// tests that wait so after each of a thousand operations spent most of
-/// their time sleeping (`hostile_release2`'s thousand releases: 5 s of
-/// sleeps per backend). At most four checks more than a flat 10 ms poll.
+/// tests that wait so after each of hundreds of operations spent much of
+/// their time sleeping (`hostile_release2`'s thousand releases: 500 such
+/// waits per backend, up to 5 s). At most four checks more than a flat
+/// 10 ms poll.
 const FIRST_POLL: Duration = Duration::from_millis(1);
 
 /// Checks `cond` until it holds: at once, then after 1, 2, 4 and 8 ms, then
