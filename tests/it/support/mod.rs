@@ -13,7 +13,9 @@
 //!   PgBouncer, detection figures from the logs;
 //! * [`service`] and [`promql`]: the `service` example run as real
 //!   processes, and PromQL against a real Prometheus;
-//! * [`http`]: a plain async HTTP/1.1 client, timed.
+//! * [`http`]: a plain async HTTP/1.1 client, timed;
+//! * [`stalls`]: stalls of a test's own runtime, which excuse a missed
+//!   period in the scheduler's liveness checks.
 #![allow(dead_code, unused_imports)]
 
 #[macro_use]
@@ -25,6 +27,7 @@ pub mod promql;
 pub mod recorder;
 #[macro_use]
 pub mod service;
+pub mod stalls;
 
 use std::collections::HashMap;
 use std::io::Write;
