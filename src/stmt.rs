@@ -91,6 +91,20 @@ impl Sent {
 }
 
 /// SQLSTATE codes pgwarden's logic branches on.
+/// `ROLLBACK` (of what user code left open), then a transaction of its
+/// own for a connection's last statement before it goes back to the pool
+/// ([`Exec::query_one_after_rollback`]): explicit, at READ COMMITTED,
+/// whatever defaults user code set on the session. At `SERIALIZABLE, READ
+/// ONLY, DEFERRABLE` (`SET default_transaction_*`) every statement outside
+/// a transaction block waits for a safe snapshot, that is for every
+/// serializable writer of other sessions to end: the release would wait
+/// on another session's transaction for its whole bound, then close a
+/// healthy connection. The access mode is left as the session has it
+/// (`READ WRITE` would be refused on a standby; the advisory-lock
+/// functions run in a read-only transaction). One simple query.
+pub(crate) const ROLLBACK_THEN_TX_OF_ITS_OWN: &str =
+    "ROLLBACK; BEGIN ISOLATION LEVEL READ COMMITTED";
+
 pub(crate) mod code {
     /// `serialization_failure`
     pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
@@ -277,10 +291,12 @@ pub(crate) trait Exec: Send + Sync {
     /// Ends whatever transaction block the session is in, open or failed
     /// (rolled back: `BEGIN`, then `ROLLBACK`, so that a session in none
     /// logs no warning), then runs `text` (one statement, no parameters)
-    /// outside any transaction; its one row. What a connection's last
+    /// in a transaction of its own at READ COMMITTED ([`ROLLBACK_THEN_TX_OF_ITS_OWN`]:
+    /// no wait for a safe snapshot, whatever session defaults user code
+    /// set), committed; its one row. What a connection's last
     /// statement before it goes back to the pool runs through: user code
     /// may have left a transaction open on it. Sent in one round trip: the
-    /// three statements pipelined (tokio-postgres), or one simple query
+    /// statements pipelined (tokio-postgres), or one simple query
     /// (sqlx, which cannot pipeline; a failed transaction, which refuses the
     /// `BEGIN` and with it the rest, costs a second: `ROLLBACK`, then the
     /// query again). Columns are read as text on sqlx: `bool` and integers.

@@ -179,18 +179,23 @@ macro_rules! exec_for {
                    + 'a {
                 async move {
                     // Pipelined: each request goes out at its future's first
-                    // poll, in order, before any answer is read. Each is its
-                    // own message: a failed transaction refuses the `BEGIN`
-                    // alone (its error is expected then, and dropped), and
-                    // the `ROLLBACK` ends it.
-                    let (_, rolled_back, row) = futures_util::future::join3(
+                    // poll, in order, before any answer is read. A failed
+                    // transaction refuses the first `BEGIN` alone (its error
+                    // is expected then, and dropped), and the `ROLLBACK` ends
+                    // it. The query runs in a transaction of its own at READ
+                    // COMMITTED ([`crate::stmt::ROLLBACK_THEN_TX_OF_ITS_OWN`]); a `COMMIT` of one
+                    // the query failed in rolls it back.
+                    let (_, rolled_back, row, committed) = futures_util::future::join4(
                         self.batch_execute("BEGIN"),
-                        self.batch_execute("ROLLBACK"),
+                        self.batch_execute(crate::stmt::ROLLBACK_THEN_TX_OF_ITS_OWN),
                         self.query_typed_one(text, &[]),
+                        self.batch_execute("COMMIT"),
                     )
                     .await;
                     rolled_back?;
-                    Ok(row?)
+                    let row = row?;
+                    committed?;
+                    Ok(row)
                 }
             }
         }

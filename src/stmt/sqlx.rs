@@ -440,8 +440,13 @@ impl<C: Session> Exec for On<C> {
 /// by this process).
 static MARK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// `BEGIN; ROLLBACK; {text}; SELECT '<mark>'`, one simple query with a
-/// mark of its own as its last row: its answer is `text`'s row. Read
+/// `BEGIN; ROLLBACK; BEGIN ISOLATION LEVEL READ COMMITTED; {text};
+/// SELECT '<mark>'; COMMIT`, one simple query with a mark of its own as
+/// its last row: its answer is `text`'s row. `text` and the mark run in a
+/// transaction of their own ([`crate::stmt::ROLLBACK_THEN_TX_OF_ITS_OWN`]: no wait for a safe
+/// snapshot whatever defaults user code set on the session); a `text`
+/// that fails leaves that transaction failed, which the next attempt's
+/// `BEGIN` finds (its `ROLLBACK`, then again). Read
 /// anything else last (another query's mark, another row, none), the
 /// connection is out of step: sqlx read an answer owed to an earlier
 /// query as this one's, and this one's is still on its way (a
@@ -452,7 +457,10 @@ static MARK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0)
 /// same query.
 async fn marked_after_rollback<C: Session>(c: &mut C, text: &str) -> Result<PgRow, SqlError> {
     let mark = MARK.fetch_add(1, Ordering::Relaxed);
-    let all = format!("BEGIN; ROLLBACK; {text}; SELECT 'pgwarden mark {mark}'");
+    let all = format!(
+        "BEGIN; {}; {text}; SELECT 'pgwarden mark {mark}'; COMMIT",
+        crate::stmt::ROLLBACK_THEN_TX_OF_ITS_OWN
+    );
     let sent = dep::Executor::fetch_all(&mut **c, dep::raw_sql(super::text(&all))).await;
     let mut rows = match sent {
         Ok(rows) => rows,
