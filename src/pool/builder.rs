@@ -357,6 +357,7 @@ impl<B: Source> PoolBuilder<B> {
             ext: self.ext,
             supervisor: Supervisor::new(),
             probe_setup: AtomicBool::new(false),
+            probe_answered: tokio::sync::watch::Sender::new(None),
             resize_warned: AtomicBool::new(false),
             #[cfg(test)]
             inject_panic: AtomicBool::new(false),

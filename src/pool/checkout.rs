@@ -255,6 +255,13 @@ impl<B: Source> Shared<B> {
                     Seen::New
                 }
             };
+            // Whether the server answered a round trip on the connection
+            // during this checkout: the readiness probe then asks nothing
+            // more (`probe.rs`).
+            let answered = match seen {
+                Seen::Known(..) => asked.is_some() || shared.inner.pings_idle(),
+                Seen::Tainted | Seen::New => true,
+            };
             let (pid, since) = match seen {
                 Seen::Known(pid, since) => (pid, since),
                 Seen::Tainted => {
@@ -314,7 +321,15 @@ impl<B: Source> Shared<B> {
                 },
             };
             let (obj, permit) = held.parts();
-            return Ok(hand_out(obj, permit, pid, id, site, since, start));
+            return Ok(hand_out(
+                obj,
+                permit,
+                pid,
+                id,
+                site,
+                (since, answered),
+                start,
+            ));
         }
     }
 }
@@ -557,6 +572,7 @@ where
                         };
                         return Poll::Ready(Ok(Client {
                             spoiled: false,
+                            answered: false,
                             obj: Some(obj),
                             permit,
                             pid,
@@ -732,7 +748,7 @@ fn hand_out<B: Source>(
     pid: i32,
     object: B::Id,
     site: &'static Location<'static>,
-    since: Instant,
+    (since, answered): (Instant, bool),
     start: tokio::time::Instant,
 ) -> Client<B> {
     let acquire = since
@@ -742,6 +758,7 @@ fn hand_out<B: Source>(
     shared.metrics.lane(permit.lane).acquire.record(acquire);
     Client {
         spoiled: false,
+        answered,
         obj: Some(obj),
         permit,
         pid,
@@ -893,6 +910,10 @@ pub struct Client<B: Source = deadpool_postgres::Pool> {
     /// transaction nothing will end ([`Source::exec`]): closed on drop,
     /// not given back.
     pub(super) spoiled: bool,
+    /// The server answered a round trip on the connection during the
+    /// checkout (the wrapped pool's ping of an idle connection,
+    /// [`Source::pings_idle`], or pgwarden's naming or pid statement).
+    pub(super) answered: bool,
     pub(super) obj: Option<B::Object>,
 }
 

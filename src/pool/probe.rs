@@ -40,6 +40,8 @@ struct SetupInFlight<B: Source>(Arc<Shared<B>>);
 impl<B: Source> Drop for SetupInFlight<B> {
     fn drop(&mut self) {
         self.0.probe_setup.store(false, Ordering::Release);
+        // Wakes the probes waiting for it, whatever it came to.
+        self.0.probe_answered.send_modify(|_| ());
     }
 }
 
@@ -101,15 +103,30 @@ impl<B: Source> Shared<B> {
     ) -> Result<(), Error> {
         let rt = match tokio::runtime::Handle::try_current() {
             Ok(rt) if !self.probe_setup.swap(true, Ordering::AcqRel) => rt,
-            // Outside a runtime, or one kept already: in the caller's task.
-            _ => return self.probe_once(timeout, timeout, site, start).await,
+            // Outside a runtime: in the caller's task.
+            Err(_) => return self.probe_once(timeout, timeout, site, start).await,
+            // One kept already: its answer, when it comes within this
+            // probe's bound, then (it failed, or none is kept any more) in
+            // the caller's task.
+            Ok(_) => {
+                if self.setup_answered(start, deadline(start, timeout)).await? {
+                    return Ok(());
+                }
+                return self.probe_once(timeout, timeout, site, start).await;
+            }
         };
         let in_flight = SetupInFlight(self.clone());
         let pool = self.clone();
         let work = rt.spawn(async move {
             let _in_flight = in_flight;
-            pool.probe_once(timeout, timeout.max(SETUP_BOUND), site, start)
-                .await
+            let r = pool
+                .probe_once(timeout, timeout.max(SETUP_BOUND), site, start)
+                .await;
+            if r.is_ok() {
+                pool.probe_answered
+                    .send_replace(Some(tokio::time::Instant::now()));
+            }
+            r
         });
         // The probe's own bound, tightened by the `Deadline` scope it runs in
         // (the task above runs outside it).
@@ -120,6 +137,39 @@ impl<B: Source> Shared<B> {
             // Cancelled (its runtime is shutting down), or the bound ran out:
             // the work goes on, its connection kept for the next probe.
             Ok(Err(_)) | Err(_) => Err(Error::Checkout(CheckoutError::ReadinessTimeout(timeout))),
+        }
+    }
+
+    /// Waits, until `until`, for the probe kept in the background to end:
+    /// `true` when it answered after `start` (the pool's connection answered
+    /// within this probe's bound: a probe of its own now would wait on the
+    /// probe lane for that very connection's return); `false` when none is
+    /// kept (any more) and it did not answer. A timeout at `until`.
+    async fn setup_answered(
+        &self,
+        start: tokio::time::Instant,
+        until: tokio::time::Instant,
+    ) -> Result<bool, Error> {
+        let mut answered = self.probe_answered.subscribe();
+        loop {
+            // Read after subscribing: an end in between is seen here.
+            if answered.borrow_and_update().is_some_and(|at| at >= start) {
+                return Ok(true);
+            }
+            if !self.probe_setup.load(Ordering::Acquire) {
+                return Ok(false);
+            }
+            match tokio::time::timeout_at(bounded(start, until), answered.changed()).await {
+                // It ended (or answered): look again.
+                Ok(Ok(())) => {}
+                // The pool is gone with its sender: nothing kept.
+                Ok(Err(_)) => return Ok(false),
+                Err(_) => {
+                    return Err(Error::Checkout(CheckoutError::ReadinessTimeout(
+                        until.saturating_duration_since(start),
+                    )))
+                }
+            }
         }
     }
 
@@ -134,6 +184,14 @@ impl<B: Source> Shared<B> {
         start: tokio::time::Instant,
     ) -> Result<(), Error> {
         let c = self.checkout(Lane::Probe, site, kept).await?;
+        if c.answered {
+            // The server answered a round trip on this connection during
+            // the checkout (the wrapped pool's ping of an idle one, or
+            // pgwarden's naming or pid statement): a `SELECT 1` would only
+            // repeat it. Whether that came within a probe's bound is each
+            // caller's to judge (`probe`, `setup_answered`).
+            return Ok(());
+        }
         let bound = if c.is_new() { kept } else { bound };
         let Some(left) = bound.checked_sub(start.elapsed()) else {
             // A connection in use before, found after the probe gave up:

@@ -127,6 +127,9 @@ pub(crate) struct Shared<B: Source = deadpool_postgres::Pool> {
     /// A readiness probe's connection set-up is kept going in the
     /// background (`probe.rs`): at most one at a time.
     pub(super) probe_setup: AtomicBool,
+    /// When that background probe last answered (`None`: never); changed
+    /// (to wake the probes waiting for it) each time one ends.
+    pub(super) probe_answered: tokio::sync::watch::Sender<Option<tokio::time::Instant>>,
     /// Set once a deadpool resize was reported (warned once).
     pub(super) resize_warned: AtomicBool,
     /// Tests: the next housekeeping pass panics.

@@ -205,6 +205,15 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// session on the server (`crate::census`).
     fn close_idle(&self, id: Self::Id, created: Instant) -> Option<bool>;
 
+    /// Whether the wrapped pool has the server answer a round trip on an
+    /// idle connection before it hands it out (sqlx's
+    /// `test_before_acquire` ping, the adopter's setting): a readiness
+    /// probe on a connection seen before then asks nothing more. Deadpool
+    /// (its fast recycling asks nothing): no.
+    fn pings_idle(&self) -> bool {
+        false
+    }
+
     /// `SELECT 1` on the connection (the readiness probe's statement).
     fn select_1(conn: &mut Self::Conn) -> impl Future<Output = Result<(), Error>> + Send + '_;
 

@@ -52,7 +52,7 @@ use std::hash::{Hash, Hasher};
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -156,6 +156,9 @@ pub struct Naming {
     pooler: Watch,
     learned: Arc<Learned>,
     fresh: AtomicUsize,
+    /// How long sqlx's last connect took (µs; 0: none yet): see
+    /// [`take_heard`].
+    connect_us: AtomicU64,
 }
 
 impl Naming {
@@ -202,6 +205,64 @@ async fn ask_pid(conn: &mut dep::PgConnection) -> Result<Backend, Error> {
     Ok(Backend { pid, started })
 }
 
+/// How long [`take_heard`] lets sqlx connect before it asks the server
+/// itself: twice sqlx's last connect, within these bounds.
+const PATIENCE: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(2));
+
+/// `PgPool::acquire`, but a server with no connection slot left
+/// (`53300 too many connections`) answers with its own error, as on
+/// deadpool: sqlx takes that error of its connect phase for a transient
+/// one and retries it, silently, until its acquire timeout (and
+/// `PoolTimedOut` says nothing of why). So when sqlx must connect (no idle
+/// connection, room left) and has not within its usual time ([`PATIENCE`]),
+/// pgwarden makes one connection attempt of its own with the pool's
+/// connect options: refused with `53300`, that error is the checkout's;
+/// otherwise its connection is closed and sqlx's acquire goes on as it
+/// would have. Dropped at any await: sqlx's acquire and the attempt are
+/// dropped (a half-made connection closes), a close under way goes on.
+async fn take_heard(
+    pool: &dep::PgPool,
+    cfg: &Naming,
+) -> Result<dep::pool::PoolConnection<dep::Postgres>, dep::Error> {
+    let max = pool.options().get_max_connections();
+    if pool.num_idle() > 0 || pool.size() >= max {
+        return pool.acquire().await;
+    }
+    let started = Instant::now();
+    let mut acquire = std::pin::pin!(pool.acquire());
+    let last = Duration::from_micros(cfg.connect_us.load(Ordering::Relaxed));
+    let patience = (last * 2).clamp(PATIENCE.0, PATIENCE.1);
+    let got = match tokio::time::timeout(patience, acquire.as_mut()).await {
+        Ok(got) => got,
+        Err(_) => {
+            let opts = pool.connect_options();
+            let attempt = std::pin::pin!(dep::ConnectOptions::connect(&*opts));
+            match futures_util::future::select(acquire.as_mut(), attempt).await {
+                futures_util::future::Either::Left((got, _)) => got,
+                futures_util::future::Either::Right((Err(e), _)) if server_full(&e) => {
+                    return Err(e)
+                }
+                futures_util::future::Either::Right((heard, _)) => {
+                    if let (Ok(conn), Ok(rt)) = (heard, tokio::runtime::Handle::try_current()) {
+                        rt.spawn(dep::Connection::close(conn));
+                    }
+                    acquire.await
+                }
+            }
+        }
+    };
+    if got.is_ok() {
+        let took = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        cfg.connect_us.store(took, Ordering::Relaxed);
+    }
+    got
+}
+
+/// The server has no connection slot left for this role (`53300`).
+fn server_full(e: &dep::Error) -> bool {
+    crate::error::sqlx_sqlstate(e) == Some("53300")
+}
+
 impl Source for dep::PgPool {
     type Object = dep::pool::PoolConnection<dep::Postgres>;
     type Conn = dep::PgConnection;
@@ -216,14 +277,15 @@ impl Source for dep::PgPool {
             pooler: Watch::of(ext),
             learned: ext.get::<Learned>(),
             fresh: AtomicUsize::new(0),
+            connect_us: AtomicU64::new(0),
         }
     }
 
     fn take<'a>(
         &'a self,
-        _: &'a Naming,
+        cfg: &'a Naming,
     ) -> impl Future<Output = Result<Self::Object, dep::Error>> + Send + 'a {
-        self.acquire()
+        take_heard(self, cfg)
     }
 
     fn take_waiting<'a>(
@@ -365,6 +427,12 @@ impl Source for dep::PgPool {
     /// outside (see `crate::census` for what the sweep does instead).
     fn close_idle(&self, _: ConnId, _: Instant) -> Option<bool> {
         None
+    }
+
+    /// sqlx pings an idle connection as `acquire` hands it out unless the
+    /// adopter turned `test_before_acquire` off.
+    fn pings_idle(&self) -> bool {
+        self.options().get_test_before_acquire()
     }
 
     /// A simple query: one message, which no pooler splits (see
@@ -614,7 +682,14 @@ impl Pool {
     /// out to come back.
     pub fn close(&self) -> impl Future<Output = ()> + '_ {
         self.shared.close();
-        self.shared.inner.close()
+        async move {
+            self.shared.inner.close().await;
+            // sqlx 0.8 closes the idle connections it finds, then waits for
+            // every permit: a connection whose return (its ping) was under
+            // way as the pool closed goes idle after that and stays open.
+            // Every return is done now: close what is idle.
+            self.shared.inner.close().await;
+        }
     }
 
     /// Whether [`Pool::close`] was called.

@@ -348,6 +348,16 @@ impl<C: Session> On<C> {
             Err(e) => SqlError::from(e),
         };
         if c.failed(&e) {
+            // As above, learned just now: the statement that failed may be
+            // one sqlx named and cached (its `Bind` reached a server
+            // session that has no such statement, or another of that
+            // name), and sent again unnamed it would be that cached one
+            // again (`08P01 bind message supplies 5 parameters, but
+            // prepared statement "sqlx_s_2" requires 2` reached a lease
+            // acquisition so, stop 39).
+            if dep::Connection::cached_statements_size(&**c) > 0 {
+                dep::Connection::clear_cached_statements(&mut **c).await?;
+            }
             if let Some((conn, spoiled)) = c.pinned() {
                 let q = statement(text, params, Sent::Unnamed);
                 return Ok(pinned(q, conn, spoiled, want).await?);

@@ -225,14 +225,19 @@ async fn through_pgbouncer_a_contender_skips_and_a_timed_out_statement_is_cancel
 // FINDING (stop 39, `.ci/run` on 87783d5's successor, sqlx 0.9, once in
 // about ten full runs): a sqlx pool told `Direct` behind PgBouncer, its
 // statement cache on, failed an acquisition with `08P01 bind message
-// supplies 5 parameters, but prepared statement "sqlx_s_2" requires 2`:
-// sqlx's cache named a statement parsed in another server session. The
-// likely path (read in `stmt/sqlx.rs`, not shown): that first failure came
-// inside a transaction, where the pool cannot send the statement again
-// (pinned, unnamed) as it does outside one, so the error reaches the
-// caller. Deadpool passes.
+// supplies 5 parameters, but prepared statement "sqlx_s_2" requires 2`.
+// Stop 40: not reproduced in 30 runs (15 × both sqlx versions, load
+// 20-25 from the other helpers' builds). The transaction hypothesis does
+// not fit an acquisition (its statement runs outside a transaction; of
+// the lease statements only the table's install runs one).
+// A path found by reading instead: a statement whose cached `Bind` failed
+// so was sent again pinned and unnamed, but sqlx answers an unnamed
+// statement from its cache when it named that text before, so the retry
+// sent the same cached `Bind` again and its error reached the caller. Now
+// the cache is closed before that retry (`stmt/sqlx.rs`, `On::run`). Not
+// shown to be the CI failure: kept ignored until a run shows it.
 backends!(
-    ignore_sqlx = "FINDING: a sqlx pool misconfigured Direct behind PgBouncer, statement cache on, can fail its first acquisitions with 08P01 (a cached statement name parsed in another server session) likely when that first failure comes inside a transaction, which cannot be sent again",
+    ignore_sqlx = "FINDING: 08P01 (a cached statement name bound in another server session) reached a lease acquisition once in ~10 CI runs; not reproduced in 30 loaded runs; a retry that reused sqlx's cache is fixed, not shown to be that failure",
     through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back
 );
 async fn through_pgbouncer_purge_works_and_a_misconfigured_direct_pool_falls_back<B: Backend>() {
