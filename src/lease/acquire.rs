@@ -408,7 +408,7 @@ impl LeaseHandle {
     /// it), so it fires on time even when the renewer is stuck, panicked or
     /// gone with its runtime. The future owns what it needs (`'static`):
     /// select on it, or move it into another task.
-    pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
+    pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static + use<> {
         let (state, inner) = (self.state.clone(), self.inner.clone());
         let mut rx = state.subscribe();
         async move {

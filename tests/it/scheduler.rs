@@ -37,7 +37,7 @@ fn slot_of(lease: &LeaseHandle, period: Duration) -> i64 {
 fn recorder(
     log: &Log,
     instance: usize,
-) -> impl Fn(LeaseHandle) -> std::future::Ready<()> + Send + Sync + 'static {
+) -> impl Fn(LeaseHandle) -> std::future::Ready<()> + Send + Sync + 'static + use<> {
     let log = log.clone();
     move |lease| {
         log.lock().push(Run {

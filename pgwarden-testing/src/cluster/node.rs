@@ -296,8 +296,9 @@ fn new_dir(run_as: Option<RunAs>) -> Result<(tempfile::TempDir, Watchdog), Testi
 /// [`find_tool`](crate::find_tool) finds it.
 fn tool(bins: &PgBinaries, name: &str) -> Result<PathBuf, TestingError> {
     let real = std::fs::canonicalize(&bins.postgres).ok();
-    let found = real
-        .iter()
+    // Returned as it is: on edition 2024 the tail's temporaries (the
+    // iterator borrowing `real`) are dropped before `real`.
+    real.iter()
         .chain([&bins.postgres])
         .map(|p| p.with_file_name(name))
         .find(|p| p.is_file())
@@ -309,8 +310,7 @@ fn tool(bins: &PgBinaries, name: &str) -> Result<PathBuf, TestingError> {
                  postgresql (apt-get install -y postgresql)",
                 bins.postgres.display()
             ),
-        });
-    found
+        })
 }
 
 /// Waits for a tool to exit successfully, within [`TOOL_TIMEOUT`].

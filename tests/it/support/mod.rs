@@ -128,12 +128,15 @@ impl Logs {
     /// disable it here too. A second dispatcher, registered for the life of
     /// the process and interested in everything, makes `tracing` ask every
     /// registered dispatcher instead.
-    pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+    pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync + use<> {
         self.subscriber_at(tracing::Level::DEBUG)
     }
 
     /// [`Logs::subscriber`] with events up to `level` only.
-    pub fn subscriber_at(&self, level: tracing::Level) -> impl tracing::Subscriber + Send + Sync {
+    pub fn subscriber_at(
+        &self,
+        level: tracing::Level,
+    ) -> impl tracing::Subscriber + Send + Sync + use<> {
         static ANCHOR: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
         ANCHOR.get_or_init(|| tracing::Dispatch::new(tracing_subscriber::registry()));
         let w = self.clone();
