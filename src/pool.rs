@@ -68,5 +68,5 @@ pub(crate) use shared::{Pass, Periodic};
 pub(crate) use shared::{Shared, State};
 pub(crate) use source::Source;
 #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
-pub(crate) use source::{Backend, Identified, Refused, SourceStatus};
+pub(crate) use source::{Backend, Identified, Refused, SourceStatus, ASK};
 pub(crate) use supervisor::Task;

@@ -37,6 +37,15 @@ pub struct SourceStatus {
     pub waiting: usize,
 }
 
+/// The connection's backend pid and its session's start (µs since the
+/// epoch), as a simple query (one message: a transaction pooler cannot
+/// move the connection half-way): together they name one session for good
+/// (the server gives a pid again once its session ends), so that the
+/// census never takes another session that got a closed connection's pid
+/// for the pool's idle connection. `pg_backend_pid()` is called once.
+pub(crate) const ASK: &str = "SELECT a.pid, (extract(epoch FROM a.backend_start) * 1000000)::int8 \
+                     FROM pg_catalog.pg_stat_get_activity(pg_backend_pid()) a";
+
 /// A server session as the server names it: its backend pid, and, when
 /// known, when it started (`pg_stat_activity.backend_start`, in
 /// microseconds since the Unix epoch). A pid is given again once its
@@ -284,16 +293,22 @@ impl Source for deadpool_postgres::Pool {
         }))
     }
 
-    /// The pid alone: deadpool names its connections itself, and its
-    /// sweep closes them by their creation instant.
+    /// The pid and the session's start ([`ASK`]): deadpool names its
+    /// connections itself, and its sweep closes them by their creation
+    /// instant, but a connection deadpool dropped on its own (a failed
+    /// recycle) leaves its pid in the pool's books, and the start tells
+    /// the session that gets that pid next from it.
     async fn backend_pid(obj: &mut Object) -> Result<Backend, Error> {
-        let msgs = obj.simple_query("SELECT pg_backend_pid()").await?;
+        let msgs = obj.simple_query(ASK).await?;
         msgs.iter()
             .find_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).and_then(|v| v.parse().ok()),
+                tokio_postgres::SimpleQueryMessage::Row(r) => {
+                    let pid = r.get(0)?.parse().ok()?;
+                    let started = r.get(1).and_then(|v| v.parse().ok());
+                    Some(Backend { pid, started })
+                }
                 _ => None,
             })
-            .map(|pid| Backend { pid, started: None })
             .ok_or(Error::Checkout(CheckoutError::NoBackendPid))
     }
 

@@ -70,7 +70,7 @@ use crate::error::{BuildError, CheckoutError, Error};
 use crate::key::{LockKey, LockMode};
 use crate::lock::{Migrated, SessionLock, Work};
 use crate::pool::{
-    Backend, Extensions, Identified, PoolBuilder, Refused, Shared, Source, SourceStatus,
+    Backend, Extensions, Identified, PoolBuilder, Refused, Shared, Source, SourceStatus, ASK,
 };
 use crate::pooler::{PoolerMode, Watch};
 use crate::status::Status;
@@ -78,13 +78,6 @@ use crate::stmt::SqlError;
 
 /// The statement that names a connection and asks its pid.
 const MARKER: &str = "SELECT pg_backend_pid()";
-
-/// The connection's backend pid and its session's start (µs since the
-/// epoch), asked unnamed: together they name one session for good (the
-/// server gives a pid again once its session ends). `pg_backend_pid()` is
-/// called once.
-const ASK: &str = "SELECT a.pid, (extract(epoch FROM a.backend_start) * 1000000)::int8 \
-                     FROM pg_catalog.pg_stat_get_activity(pg_backend_pid()) a";
 
 /// pgwarden's error as sqlx's, for the drop-in methods.
 fn into_sqlx(e: Error) -> dep::Error {

@@ -11,9 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgwarden::{Error, LeaseError, LeaseOptions, Leases, LostReason};
-use support::backend::{settled, Backend, Settings};
-use support::leases::pool;
+use pgwarden::{Error, LeaseError, LeaseOptions, LostReason};
+use support::backend::{pool_on, settled, Backend, Settings};
 use support::{admin, db, within};
 use tokio_postgres::IsolationLevel;
 
@@ -21,19 +20,22 @@ const S: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
 const GUARD: Duration = Duration::from_secs(60);
 
-/// A pool of `size` named `app`, the lease table installed, and a lease of
-/// `name` with a term of `ttl` on it.
-async fn held(
+/// A pool of backend `B` of `size` named `app`, the lease table
+/// installed, and a lease of `name` with `opts` on it.
+async fn held<B: Backend>(
     db: &pgwarden_testing::TestDb,
     size: usize,
     app: &str,
     name: &str,
     opts: &LeaseOptions,
-) -> (pgwarden::Pool, pgwarden::Lease) {
-    let p = pool(db, size, app);
-    let leases = Leases::new(&p);
-    leases.install().await.unwrap();
-    let lease = leases.acquire(name, opts, None).await.unwrap().unwrap();
+) -> (B::Pool, B::Lease) {
+    let (p, _) = pool_on::<B>(&db.pg_config(), app, size);
+    let leases = B::leases(&p);
+    B::install(&leases).await.unwrap();
+    let lease = B::acquire(&leases, name, opts, None)
+        .await
+        .unwrap()
+        .unwrap();
     (p, lease)
 }
 
@@ -49,18 +51,10 @@ async fn set_expiry(admin: &tokio_postgres::Client, name: &str, from_now: &str) 
         .unwrap();
 }
 
-/// A transaction at `level` on `c`, its snapshot taken (a first statement).
-async fn snapshot(
-    c: &mut pgwarden::Client,
-    level: IsolationLevel,
-) -> deadpool_postgres::Transaction<'_> {
-    let tx = c
-        .build_transaction()
-        .isolation_level(level)
-        .start()
-        .await
-        .unwrap();
-    tx.query_one("SELECT count(*) FROM pgwarden_leases", &[])
+/// A transaction at `level` on `src`, its snapshot taken (a first statement).
+async fn snapshot<B: Backend>(src: &mut B::TxSource, level: IsolationLevel) -> B::Tx<'_> {
+    let mut tx = B::begin(src, Some(level)).await;
+    B::tx_text(&mut tx, "SELECT count(*)::text FROM pgwarden_leases")
         .await
         .unwrap();
     tx
@@ -74,16 +68,18 @@ fn lost(e: &Error) -> Option<LostReason> {
 }
 
 /// The fenced transaction's `statement_timeout`, in ms.
-async fn bound(tx: &tokio_postgres::Transaction<'_>) -> i64 {
-    tx.query_one(
-        "SELECT (extract(epoch FROM current_setting('statement_timeout')::interval) * 1000)::int8",
-        &[],
+async fn bound<B: Backend>(tx: &mut B::Fenced<'_>) -> i64 {
+    B::fx_text(
+        tx,
+        "SELECT (extract(epoch FROM current_setting('statement_timeout')::interval) * 1000)::int8::text",
     )
     .await
     .unwrap()
-    .get(0)
+    .parse()
+    .unwrap()
 }
 
+backends!(a_revoke_after_the_snapshot_refuses_the_fence);
 /// SAFETY / docs. `Leases::revoke` says "its holder's fence is refused
 /// from now on", and `fence`'s docs "a fence never passes for a term the
 /// database has ended, at any level". A holder opens a REPEATABLE READ /
@@ -101,15 +97,14 @@ async fn bound(tx: &tokio_postgres::Transaction<'_>) -> i64 {
 /// `Revoked`). Now a row with a newer committed version than the one the
 /// snapshot shows (`currtid2`) is stale, read outside the snapshot, and
 /// refused: `Revoked` at every level.
-#[tokio::test]
-async fn a_revoke_after_the_snapshot_refuses_the_fence() {
+async fn a_revoke_after_the_snapshot_refuses_the_fence<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     admin
         .batch_execute("CREATE TABLE ledger (token int8)")
         .await
         .unwrap();
-    let op = Leases::new(&pool(&db, 2, "h3-revoke-op"));
+    let op = B::leases(&pool_on::<B>(&db.pg_config(), "h3-revoke-op", 2).0);
     let mut passed = Vec::new();
     for (i, level) in [
         IsolationLevel::ReadCommitted,
@@ -120,18 +115,19 @@ async fn a_revoke_after_the_snapshot_refuses_the_fence() {
     .enumerate()
     {
         let name = format!("revoke{i}");
-        let (p, lease) = held(&db, 3, "h3-revoke", &name, &LeaseOptions::new(60 * S)).await;
-        let mut c = p.get().await.unwrap();
-        let tx = snapshot(&mut c, level).await;
-        let revoked = op.revoke(&name).await.unwrap();
+        let (p, lease) = held::<B>(&db, 3, "h3-revoke", &name, &LeaseOptions::new(60 * S)).await;
+        let mut src = B::tx_source(&p).await;
+        let tx = snapshot::<B>(&mut src, level).await;
+        let revoked = B::revoke(&op, &name).await.unwrap();
         assert!(revoked.is_some(), "the revoke");
-        let r = within(GUARD, "the fence", lease.fence(tx)).await;
+        let r = within(GUARD, "the fence", B::fence(&lease, tx)).await;
         let committed = match r {
-            Ok(tx) => {
-                tx.execute("INSERT INTO ledger VALUES ($1)", &[&lease.term().token])
+            Ok(mut tx) => {
+                let token = Some(lease.term().token);
+                B::fx_run(&mut tx, "INSERT INTO ledger VALUES ($1)", token)
                     .await
                     .unwrap();
-                tx.commit().await.is_ok()
+                B::fx_commit(tx).await.is_ok()
             }
             Err(e) => {
                 eprintln!("{level:?}: refused: {e}");
@@ -150,6 +146,7 @@ async fn a_revoke_after_the_snapshot_refuses_the_fence() {
     );
 }
 
+backends!(a_renewal_after_the_snapshot_on_small_pools);
 /// The term renewed after the snapshot (forced by hand: the row's expiry
 /// 1 s past when the snapshot is taken, 30 s ahead when the fence runs,
 /// the client's own term end ~600 s ahead), so the row the fence reads is
@@ -158,27 +155,26 @@ async fn a_revoke_after_the_snapshot_refuses_the_fence() {
 /// the fence passes, bounded by the database's 30 s + 1 s, or fails with
 /// an error that says the fence could not confirm the term; never `Lost`
 /// (the term is live and this holder's), never a bound past 31 s.
-#[tokio::test]
-async fn a_renewal_after_the_snapshot_on_small_pools() {
+async fn a_renewal_after_the_snapshot_on_small_pools<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     let opts = LeaseOptions::new(600 * S).renew_every(500 * S);
     for size in [2, 3, 4] {
         let name = format!("small{size}");
-        let (p, lease) = held(&db, size, "h3-small", &name, &opts).await;
+        let (p, lease) = held::<B>(&db, size, "h3-small", &name, &opts).await;
         set_expiry(&admin, &name, "-1 s").await;
-        let mut c = p.get().await.unwrap();
-        let tx = snapshot(&mut c, IsolationLevel::RepeatableRead).await;
+        let mut src = B::tx_source(&p).await;
+        let tx = snapshot::<B>(&mut src, IsolationLevel::RepeatableRead).await;
         set_expiry(&admin, &name, "30 s").await;
         let began = Instant::now();
-        let r = within(GUARD, "the fence", lease.fence(tx)).await;
+        let r = within(GUARD, "the fence", B::fence(&lease, tx)).await;
         let took = began.elapsed();
         match r {
-            Ok(tx) => {
-                let ms = bound(&tx).await;
+            Ok(mut tx) => {
+                let ms = bound::<B>(&mut tx).await;
                 eprintln!("pool of {size}: passed after {took:?}, bound {ms} ms");
                 assert!((1_000..=31_000).contains(&ms), "pool of {size}: {ms} ms");
-                tx.commit().await.unwrap();
+                B::fx_commit(tx).await.unwrap();
             }
             Err(e) => {
                 eprintln!("pool of {size}: refused after {took:?}: {e:?}\n  {e}");
@@ -263,18 +259,18 @@ const HW: &str =
 /// fenced writes to `hw` under a random isolation level with the snapshot
 /// taken (or not) before the fence and random pauses around it, until its
 /// term is lost; then again, until `stop`. Counts outcomes in `stats`.
-async fn soak_worker(
-    p: pgwarden::Pool,
+async fn soak_worker<B: Backend>(
+    p: B::Pool,
     name: &'static str,
     stop: Arc<AtomicBool>,
     stats: Arc<[AtomicU64; 6]>,
 ) {
-    let leases = Leases::new(&p);
+    let leases = B::leases(&p);
     let opts = LeaseOptions::new(2 * S)
         .renew_every(200 * MS)
         .safety_margin(400 * MS);
     while !stop.load(Ordering::Relaxed) {
-        let lease = match leases.acquire(name, &opts, None).await {
+        let guard = match B::acquire(&leases, name, &opts, None).await {
             Ok(Some(l)) => l,
             Ok(None) | Err(_) => {
                 tokio::time::sleep(20 * MS).await;
@@ -282,36 +278,43 @@ async fn soak_worker(
             }
         };
         stats[0].fetch_add(1, Ordering::Relaxed);
+        // The handle (`Sync`) in the fenced transactions; the guard keeps
+        // the term renewed.
+        let lease = pgwarden::LeaseHandle::clone(&guard);
         while !stop.load(Ordering::Relaxed) && !lease.is_lost() {
+            let mut src = B::tx_source(&p).await;
             let r: Result<(), Error> = async {
-                let mut c = p.get().await?;
                 let level = match rand::random::<u8>() % 3 {
                     0 => IsolationLevel::ReadCommitted,
                     1 => IsolationLevel::RepeatableRead,
                     _ => IsolationLevel::Serializable,
                 };
-                let tx = c.build_transaction().isolation_level(level).start().await?;
+                let mut tx = B::begin(&mut src, Some(level)).await;
                 if rand::random::<bool>() {
-                    tx.query_one("SELECT token FROM hw", &[]).await?;
+                    B::tx_text(&mut tx, "SELECT token::text FROM hw").await?;
                     let pause = rand::random::<u64>() % 400;
                     tokio::time::sleep(Duration::from_millis(pause)).await;
                 }
-                let tx = lease.fence(tx).await?;
-                tx.execute(
+                let mut tx = B::fence(&lease, tx).await?;
+                B::fx_run(
+                    &mut tx,
                     "UPDATE hw SET bad = bad + (token > $1)::int, token = greatest(token, $1), n = n + 1",
-                    &[&lease.term().token],
+                    Some(lease.term().token),
                 )
                 .await?;
                 let pause = rand::random::<u64>() % 100;
                 tokio::time::sleep(Duration::from_millis(pause)).await;
-                tx.commit().await
+                B::fx_commit(tx).await
             }
             .await;
+            drop(src);
             let k = match &r {
                 Ok(()) => 1,
                 Err(e) if lost(e).is_some() => 2,
                 Err(Error::Lease(LeaseError::FenceBlocked { .. })) => 3,
-                Err(Error::Db(_)) => 4,
+                // The server's error (a serialization failure), or the
+                // connection's.
+                Err(e) if B::code(e).is_some() || B::is_connection_lost(e) => 4,
                 Err(e) => {
                     eprintln!("soak: {e}");
                     5
@@ -319,11 +322,16 @@ async fn soak_worker(
             };
             stats[k].fetch_add(1, Ordering::Relaxed);
         }
-        drop(lease);
+        drop(guard);
     }
 }
 
-/// SAFETY soak (deadpool): two instances compete for one lease (2 s term,
+backends!(
+    soak_takeovers_racing_renewals_and_stale_fences,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// SAFETY soak (every backend): two instances compete for one lease (2 s term,
 /// renewed every 200 ms), each writing under fences as long as it holds
 /// it, at random levels, with old snapshots and random pauses; an
 /// operator task ends the term in the database by hand every 300–700 ms
@@ -332,8 +340,7 @@ async fn soak_worker(
 /// snapshots and commits. The oracle: no fenced write commits with a token
 /// lower than one already committed (`hw.bad` stays 0), no panic. Runs
 /// `H3_SOAK_SECS` seconds (default 20).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn soak_takeovers_racing_renewals_and_stale_fences() {
+async fn soak_takeovers_racing_renewals_and_stale_fences<B: Backend>() {
     let secs: u64 = std::env::var("H3_SOAK_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -341,13 +348,13 @@ async fn soak_takeovers_racing_renewals_and_stale_fences() {
     let db = db().await;
     let admin = admin(&db).await;
     admin.batch_execute(HW).await.unwrap();
-    let pa = pool(&db, 4, "h3-soak-a");
-    Leases::new(&pa).install().await.unwrap();
-    let pb = pool(&db, 4, "h3-soak-b");
+    let (pa, _) = pool_on::<B>(&db.pg_config(), "h3-soak-a", 4);
+    B::install(&B::leases(&pa)).await.unwrap();
+    let (pb, _) = pool_on::<B>(&db.pg_config(), "h3-soak-b", 4);
     let stop = Arc::new(AtomicBool::new(false));
     let stats: Arc<[AtomicU64; 6]> = Arc::new(Default::default());
-    let a = tokio::spawn(soak_worker(pa, "soak", stop.clone(), stats.clone()));
-    let b = tokio::spawn(soak_worker(pb, "soak", stop.clone(), stats.clone()));
+    let a = tokio::spawn(soak_worker::<B>(pa, "soak", stop.clone(), stats.clone()));
+    let b = tokio::spawn(soak_worker::<B>(pb, "soak", stop.clone(), stats.clone()));
     let end = Instant::now() + Duration::from_secs(secs);
     let mut ended = 0;
     while Instant::now() < end {
@@ -365,8 +372,9 @@ async fn soak_takeovers_racing_renewals_and_stale_fences() {
     };
     let s: Vec<u64> = stats.iter().map(|a| a.load(Ordering::Relaxed)).collect();
     eprintln!(
-        "{secs} s, {ended} terms ended by hand: {} acquisitions; fenced writes: {} committed ({n} in hw), \
+        "{}: {secs} s, {ended} terms ended by hand: {} acquisitions; fenced writes: {} committed ({n} in hw), \
          {} lost, {} blocked, {} db errors, {} other; stale writes after a successor's: {bad}",
+        B::NAME,
         s[0], s[1], s[2], s[3], s[4], s[5]
     );
     assert_eq!(
@@ -377,6 +385,7 @@ async fn soak_takeovers_racing_renewals_and_stale_fences() {
     assert!(s[1] > 0 && s[0] > 1);
 }
 
+backends!(a_stale_fence_without_a_connection_says_so);
 /// ERRORS. The term renewed after the snapshot (as in
 /// `a_renewal_after_the_snapshot_on_small_pools`), on a pool of 2, whose
 /// one shared connection the fenced transaction holds: the read outside
@@ -391,17 +400,16 @@ async fn soak_takeovers_racing_renewals_and_stale_fences() {
 /// fence was not named and nothing said what to do. Now
 /// `LeaseError::FenceNoConnection` (the metric keeps counting it under
 /// `busy check`).
-#[tokio::test]
-async fn a_stale_fence_without_a_connection_says_so() {
+async fn a_stale_fence_without_a_connection_says_so<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     let opts = LeaseOptions::new(600 * S).renew_every(500 * S);
-    let (p, lease) = held(&db, 2, "h3-msg", "msg", &opts).await;
+    let (p, lease) = held::<B>(&db, 2, "h3-msg", "msg", &opts).await;
     set_expiry(&admin, "msg", "-1 s").await;
-    let mut c = p.get().await.unwrap();
-    let tx = snapshot(&mut c, IsolationLevel::RepeatableRead).await;
+    let mut src = B::tx_source(&p).await;
+    let tx = snapshot::<B>(&mut src, IsolationLevel::RepeatableRead).await;
     set_expiry(&admin, "msg", "30 s").await;
-    let e = within(GUARD, "the fence", lease.fence(tx))
+    let e = within(GUARD, "the fence", B::fence(&lease, tx))
         .await
         .map(drop)
         .expect_err("no connection for the term read");

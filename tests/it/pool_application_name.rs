@@ -1,5 +1,12 @@
 //! A pool pgwarden builds itself names its connections after the pool
 //! (`application_name`), unless the settings name them.
+//!
+//! deadpool only, and not by omission: it exercises deadpool's own API,
+//! `Pool::from_url` and `Pool::from_config` (a deadpool-postgres `Config`),
+//! where pgwarden builds the wrapped pool and its connector. On sqlx
+//! pgwarden never builds the pool: `pgwarden::sqlx::Pool::builder` takes
+//! the user's `PgPool`, whose `PgConnectOptions` (`application_name`
+//! included) are the user's; there is nothing of pgwarden's to name.
 
 use pgwarden::Pool;
 use pgwarden_testing::TestServer;

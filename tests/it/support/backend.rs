@@ -13,7 +13,7 @@
 
 use std::fmt;
 use std::panic::Location;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,6 +51,10 @@ pub struct Settings {
     pub statement_cache: Option<bool>,
     /// The request lane's (reserved, max), when set.
     pub request: Option<(usize, usize)>,
+    /// An idle connection handed out without a statement run on it first:
+    /// sqlx's `test_before_acquire(false)` (deadpool's `build` always
+    /// recycles so, `RecyclingMethod::Fast`).
+    pub unchecked: bool,
 }
 
 impl Settings {
@@ -69,7 +73,14 @@ impl Settings {
             census: None,
             statement_cache: None,
             request: None,
+            unchecked: false,
         }
+    }
+
+    /// See [`Settings::unchecked`].
+    pub fn unchecked(mut self) -> Settings {
+        self.unchecked = true;
+        self
     }
 
     /// The request lane's reserve and max.
@@ -146,6 +157,13 @@ pub trait Backend: Send + Sync + 'static {
     /// found holding one.
     fn build_watched(db: &TestDb, s: &Settings) -> (Self::Pool, Arc<AtomicUsize>);
 
+    /// [`Backend::build_recorded`], the wrapped pool closing connections
+    /// on its own, without pgwarden's knowledge, while the flag is set:
+    /// sqlx as it gets one back (its `after_release` answers false),
+    /// deadpool as it recycles one for a checkout (a `pre_recycle` hook
+    /// fails). Each checkout then makes a new connection.
+    fn build_closing(db: &TestDb, s: &Settings) -> (Self::Pool, Snapshotter, Arc<AtomicBool>);
+
     /// Builds a pool whose metrics go to a local recorder.
     fn build_recorded(db: &TestDb, s: &Settings) -> (Self::Pool, Snapshotter) {
         let recorder = DebuggingRecorder::new();
@@ -174,8 +192,14 @@ pub trait Backend: Send + Sync + 'static {
     fn discard(c: Self::Conn);
 
     /// `sql` as a simple query, run by user code on the connection.
-    fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()>;
-    /// [`Backend::run`], its error as text (for a statement that may fail).
+    fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Err(e) = Self::try_run(c, sql).await {
+                panic!("{sql}: {e}");
+            }
+        })
+    }
+    /// [`Backend::run`], for a statement that may fail: its error as text.
     fn try_run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, Result<(), String>>;
     /// `sql`'s one `int8` (unnamed), run by user code on the connection.
     fn count<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, i64>;
@@ -294,6 +318,16 @@ pub trait Backend: Send + Sync + 'static {
     /// service follows a failover through an address that moves with the
     /// primary (a virtual IP, a DNS name, a proxy).
     const MULTI_HOST: bool;
+    /// Whether pgwarden reads the pid the server announced at connection
+    /// start: deadpool does (tokio-postgres's cancel token), so detection
+    /// proves a direct connection in one statement; sqlx does not expose
+    /// it, so detection is the motion probe alone (1 + 1 + 40 statements
+    /// straight to PostgreSQL), as the README says.
+    const ANNOUNCED_PID: bool;
+    /// Whether the wrapped pool names the statements it prepares through
+    /// a cache of its own (sqlx's statement cache): behind a transaction
+    /// pooler pgwarden then learns to go unnamed (deadpool names none).
+    const STATEMENT_CACHE: bool;
     /// Builds a pool on `config` (hosts, ports, user, database,
     /// `application_name`); several hosts only when [`Backend::MULTI_HOST`].
     fn build_on(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool;
@@ -850,6 +884,26 @@ impl Backend for Deadpool {
         (configured!(b, s), found)
     }
 
+    fn build_closing(db: &TestDb, s: &Settings) -> (pgwarden::Pool, Snapshotter, Arc<AtomicBool>) {
+        use deadpool_postgres::{Hook, HookError, RecyclingMethod};
+        let close = Arc::new(AtomicBool::new(false));
+        let closing = close.clone();
+        let dp = Self::inner(&db.pg_config(), s.size, RecyclingMethod::Fast)
+            .pre_recycle(Hook::sync_fn(move |_, _| {
+                if closing.load(Ordering::Acquire) {
+                    return Err(HookError::message("closed by the test"));
+                }
+                Ok(())
+            }))
+            .build()
+            .expect("deadpool");
+        let recorder = DebuggingRecorder::new();
+        let snap = recorder.snapshotter();
+        let pool =
+            metrics::with_local_recorder(&recorder, || Self::with(pgwarden::Pool::builder(dp), s));
+        (pool, snap, close)
+    }
+
     #[track_caller]
     fn get(
         pool: &pgwarden::Pool,
@@ -886,9 +940,13 @@ impl Backend for Deadpool {
         })
     }
 
-    fn run<'a>(c: &'a mut pgwarden::Client, sql: &'static str) -> BoxFuture<'a, ()> {
+    fn try_run<'a>(
+        c: &'a mut pgwarden::Client,
+        sql: &'static str,
+    ) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            c.simple_query(sql).await.expect(sql);
+            let text = |e| Error::Db(e).to_string();
+            c.simple_query(sql).await.map(drop).map_err(text)
         })
     }
 
@@ -973,6 +1031,8 @@ impl Backend for Deadpool {
         })
     }
     const MULTI_HOST: bool = true;
+    const ANNOUNCED_PID: bool = true;
+    const STATEMENT_CACHE: bool = false;
 
     fn build_on(config: &tokio_postgres::Config, s: &Settings) -> pgwarden::Pool {
         let dp = pgwarden_testing::deadpool(config.clone(), s.size).expect("deadpool");
@@ -1295,6 +1355,27 @@ macro_rules! sqlx_backend {
                 (configured!($($pg)::+::Pool::builder(pg), s), found)
             }
 
+            fn build_closing(
+                db: &TestDb,
+                s: &Settings,
+            ) -> (Self::Pool, Snapshotter, Arc<AtomicBool>) {
+                let close = Arc::new(AtomicBool::new(false));
+                let closing = close.clone();
+                let opts = sqlx_options!($sqlx, db.pg_config());
+                let pg = Self::options(s)
+                    .after_release(move |_, _| {
+                        let keep = !closing.load(Ordering::Acquire);
+                        Box::pin(async move { Ok(keep) })
+                    })
+                    .connect_lazy_with(Self::cache(opts, s.statement_cache.unwrap_or(true)));
+                let recorder = DebuggingRecorder::new();
+                let snap = recorder.snapshotter();
+                let pool = metrics::with_local_recorder(&recorder, || {
+                    configured!($($pg)::+::Pool::builder(pg), s)
+                });
+                (pool, snap, close)
+            }
+
             #[track_caller]
             fn get(pool: &Self::Pool) -> BoxFuture<'_, Result<Self::Conn, $sqlx::Error>> {
                 Box::pin(pool.acquire())
@@ -1336,10 +1417,16 @@ macro_rules! sqlx_backend {
             // transaction pooler it cannot be split between two server
             // connections (sqlx's unnamed statement goes in two syncs; a
             // test's own statement got 26000 there once under load).
-            fn run<'a>(c: &'a mut Self::Conn, sql: &'static str) -> BoxFuture<'a, ()> {
+            fn try_run<'a>(
+                c: &'a mut Self::Conn,
+                sql: &'static str,
+            ) -> BoxFuture<'a, Result<(), String>> {
                 Box::pin(async move {
                     let c: &mut $sqlx::PgConnection = &mut **c;
-                    $sqlx::Executor::execute(c, $sqlx::raw_sql(sql)).await.expect(sql);
+                    $sqlx::Executor::execute(c, $sqlx::raw_sql(sql))
+                        .await
+                        .map(drop)
+                        .map_err(|e| e.to_string())
                 })
             }
 
@@ -1444,6 +1531,8 @@ macro_rules! sqlx_backend {
                 })
             }
             const MULTI_HOST: bool = false;
+            const ANNOUNCED_PID: bool = false;
+            const STATEMENT_CACHE: bool = true;
 
             fn build_on(config: &tokio_postgres::Config, s: &Settings) -> Self::Pool {
                 assert_eq!(config.get_hosts().len(), 1, "sqlx connects to one host");
@@ -1753,10 +1842,16 @@ macro_rules! sqlx_backend {
 
             /// The settings on a sqlx pool over `opts`.
             fn with(opts: $sqlx::postgres::PgConnectOptions, s: &Settings) -> $($pg)::+::Pool {
-                let pg = $sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(s.size as u32)
-                    .connect_lazy_with(opts);
+                let pg = Self::options(s).connect_lazy_with(opts);
                 configured!($($pg)::+::Pool::builder(pg), s)
+            }
+
+            /// sqlx's pool options of `s`: its size, and whether an idle
+            /// connection is tested before it is handed out.
+            fn options(s: &Settings) -> $sqlx::postgres::PgPoolOptions {
+                $sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(s.size as u32)
+                    .test_before_acquire(!s.unchecked)
             }
         }
     };

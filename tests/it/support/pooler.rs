@@ -4,11 +4,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgwarden::Pool;
+use pgwarden::PoolerMode;
 use pgwarden_testing::{require_tool, PgBouncer, PoolMode, TestDb, TestServer};
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
 
+use super::backend::{Backend, Settings};
 use super::eventually;
 
 pub const T: Duration = Duration::from_secs(5);
@@ -91,25 +92,45 @@ pub async fn load_through(b: &PgBouncer) -> Load {
     load
 }
 
-/// A fresh pool of 4 through PgBouncer named `name`, pooler `Auto`:
-/// detection runs on it.
-pub fn through(b: &PgBouncer, name: &str) -> Pool {
-    Pool::builder(b.deadpool(4).unwrap())
-        .name(name)
-        .wait_timeout(T)
-        .housekeeping_interval(Duration::from_secs(3600))
-        .census_interval(None)
-        .build()
-        .unwrap()
+/// A fresh pool of 4 of backend `B` named `name` (`<name>-<backend>`),
+/// pooler `Auto` (detection runs on it), no census: straight to the
+/// server, or through PgBouncer.
+pub fn fresh<B: Backend>(on: On<'_>, name: &str) -> B::Pool {
+    let name: &'static str = Box::leak(name.to_owned().into_boxed_str());
+    let s = Settings::new(name, 4).wait(T).pooler(PoolerMode::Auto);
+    match on {
+        On::Db(db) => B::build(db, &s),
+        On::Bouncer(b) => B::build_through(b, &s),
+    }
 }
 
-/// Statements each detection of pools named `prefix…` ran, from its log line.
-pub fn statements(prefix: &str) -> Vec<usize> {
-    let pool = format!("pool={prefix}");
+/// Where [`fresh`] connects.
+#[derive(Clone, Copy)]
+pub enum On<'a> {
+    Db(&'a TestDb),
+    Bouncer(&'a PgBouncer),
+}
+
+/// [`fresh`] through PgBouncer.
+pub fn through<B: Backend>(b: &PgBouncer, name: &str) -> B::Pool {
+    fresh::<B>(On::Bouncer(b), name)
+}
+
+/// Statements each detection of the pools of backend `B` named
+/// `prefix…` ran, from its log line.
+pub fn statements<B: Backend>(prefix: &str) -> Vec<usize> {
+    let suffix = format!("-{}", B::NAME);
     super::logs()
         .text()
         .lines()
-        .filter(|l| l.contains("pooler detected") && l.contains(&pool))
+        .filter(|l| l.contains("pooler detected"))
+        .filter(|l| {
+            let pool = l
+                .split("pool=")
+                .nth(1)
+                .and_then(|s| s.split_whitespace().next());
+            pool.is_some_and(|p| p.starts_with(prefix) && p.ends_with(&suffix))
+        })
         .filter_map(|l| {
             let s = l.split("statements=").nth(1)?;
             s.split_whitespace().next()?.parse().ok()
