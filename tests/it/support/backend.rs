@@ -950,18 +950,6 @@ impl Backend for Deadpool {
         })
     }
 
-    fn try_run<'a>(
-        c: &'a mut pgwarden::Client,
-        sql: &'static str,
-    ) -> BoxFuture<'a, Result<(), String>> {
-        Box::pin(async move {
-            c.simple_query(sql)
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string())
-        })
-    }
-
     fn count<'a>(c: &'a mut pgwarden::Client, sql: &'static str) -> BoxFuture<'a, i64> {
         Box::pin(async move { c.query_typed(sql, &[]).await.expect(sql)[0].get(0) })
     }
@@ -1427,17 +1415,6 @@ macro_rules! sqlx_backend {
                         .await
                         .map(drop)
                         .map_err(|e| e.to_string())
-                })
-            }
-
-            fn try_run<'a>(
-                c: &'a mut Self::Conn,
-                sql: &'static str,
-            ) -> BoxFuture<'a, Result<(), String>> {
-                Box::pin(async move {
-                    let c: &mut $sqlx::PgConnection = &mut **c;
-                    let done = $sqlx::Executor::execute(c, $sqlx::raw_sql(sql)).await;
-                    done.map(drop).map_err(|e| e.to_string())
                 })
             }
 
