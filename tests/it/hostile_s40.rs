@@ -15,8 +15,8 @@ use crate::support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::backend::{Backend, Settings};
 use pgwarden::{LockKey, LockMode};
+use support::backend::{Backend, Settings};
 use support::{eventually, raw_locks, within};
 
 use crate::hostile_release::GUARD;
@@ -137,7 +137,10 @@ async fn soak<B: Raw>(secs: u64) {
         B::NAME,
         started.elapsed()
     );
-    assert!(needless.is_empty(), "healthy connections closed: {needless:?}");
+    assert!(
+        needless.is_empty(),
+        "healthy connections closed: {needless:?}"
+    );
 }
 
 /// The soak's length: `HOSTILE_S40_SECS` (a few seconds by default, for
@@ -149,7 +152,11 @@ fn soak_secs() -> u64 {
         .unwrap_or(3)
 }
 
-backends!(random_faults_soak, flavor = "multi_thread", worker_threads = 2);
+backends!(
+    random_faults_soak,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 async fn random_faults_soak<B: Raw>() {
     soak::<B>(soak_secs()).await
 }
@@ -174,10 +181,17 @@ async fn release_after<B: Raw>(
     let pid = B::lock_pid(&lock);
     B::lock_sql(&mut lock, setting).await.unwrap();
     let said = within(GUARD, "unlock", B::unlock(lock)).await;
-    eventually(Duration::from_secs(10), setting, || async {
-        raw_locks(raw).await.is_empty()
+    let gone = tokio::time::timeout(Duration::from_secs(10), async {
+        while !raw_locks(raw).await.is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     })
     .await;
+    let left = raw_locks(raw).await;
+    assert!(
+        gone.is_ok(),
+        "{setting}: unlock said {said:?}; advisory locks left 10 s later: {left:?} (the lock's pid {pid})"
+    );
     let pids = in_step::<B>(pool, ALL, setting).await;
     assert_eq!(busy(raw).await, vec![], "{setting}");
     (said, pids.contains(&pid))
@@ -205,13 +219,14 @@ async fn session_settings_user_code_left_do_not_stop_the_release<B: Raw>() {
 }
 
 backends!(
-    ignore_all = "FINDING (stop 40; the statement predates it): the release's pg_advisory_unlock / pg_advisory_unlock_all are not schema-qualified: a session whose search_path names a schema before pg_catalog (SET search_path = evil, pg_catalog) with functions of those names runs those instead: unlock() says Ok and the lock stays on the connection that goes back to the pool",
+    ignore_all = "FINDING (stop 40; the statement predates it): the release's pg_advisory_unlock / pg_advisory_unlock_all are not schema-qualified (src/lock/pooled.rs, release.rs): after user code's SET search_path = evil, pg_catalog, public, with functions of those names in evil, unlock() says Err(MovedByPooler { held_on: P, ran_on: P, released: false }) (a pooler blamed on a direct connection) and the advisory lock is still held on pid P 10 s later (all 3 backends): it leaks with a connection the pool keeps",
     a_search_path_user_code_left_cannot_shadow_the_unlock
 );
 /// User code sets a search path that puts a schema of its own before
 /// `pg_catalog`, in which functions named `pg_advisory_unlock` and
 /// `pg_advisory_unlock_all` do nothing: the release must still release
-/// (its functions qualified with `pg_catalog`).
+/// (its functions qualified with `pg_catalog`). Failed on all three
+/// backends: see the ignore.
 async fn a_search_path_user_code_left_cannot_shadow_the_unlock<B: Raw>() {
     let (_db, raw, pool) = setup::<B>("hostile-s40-shadow", POOL).await;
     raw.batch_execute(
@@ -258,7 +273,10 @@ async fn a_frozen_server_fails_every_waiting_probe_within_its_bound<B: Backend>(
     for (what, (r, took)) in [("first", first), ("second", second), ("third", third)] {
         println!("{}: {what} probe: {r:?} in {took:?}", B::NAME);
         assert!(r.is_err(), "{what}: ready on a frozen server: {r:?}");
-        assert!(took < limit, "{what}: answered in {took:?}, bound {bound:?}");
+        assert!(
+            took < limit,
+            "{what}: answered in {took:?}, bound {bound:?}"
+        );
     }
     drop(frozen);
     eventually(GUARD, "ready once thawed", || async {
@@ -365,6 +383,107 @@ macro_rules! sqlx_probes {
                 drop(got);
                 pool.close().await;
                 drop(others);
+            }
+
+            /// A fresh pool through a link of 60 ms each way (a connect
+            /// then takes more than `take_heard`'s 50 ms patience): the
+            /// connections the proxy accepted for `n` checkouts held at
+            /// once, and for the same on sqlx alone.
+            async fn connects_for(n: usize) -> (u64, u64) {
+                let server = pgwarden_testing::TestServer::shared().expect("server");
+                let db = server.create_database().await.unwrap();
+                let proxy = Proxy::start(server).expect("proxy");
+                proxy.set_latency(Duration::from_millis(60));
+                let opts = || {
+                    PgPoolOptions::new()
+                        .max_connections(4)
+                        .connect_lazy_with(sqlx_options!($sqlx, proxy.pg_config(&db)))
+                };
+                let alone = opts();
+                let mut held = Vec::new();
+                for _ in 0..n {
+                    held.push(within(GUARD, "raw acquire", alone.acquire()).await.unwrap());
+                }
+                drop(held);
+                alone.close().await;
+                let by_sqlx = proxy.accepted();
+                let pool = Pool::builder(opts())
+                    .name(concat!("hostile-s40-connects-", stringify!($version)))
+                    .build()
+                    .unwrap();
+                let mut held = Vec::new();
+                for _ in 0..n {
+                    held.push(within(GUARD, "acquire", pool.acquire()).await.unwrap());
+                }
+                drop(held);
+                pool.close().await;
+                (proxy.accepted() - by_sqlx, by_sqlx)
+            }
+
+            // FINDING (stop 40, `take_heard`): whenever sqlx's connect
+            // takes longer than twice the last one (at least 50 ms: the
+            // first connect of every pool on a link slower than that, a
+            // server that slowed down),
+            // pgwarden opens a second full connection beside it, then
+            // closes whichever is not handed out: a healthy connection
+            // closed without need, and twice the set-ups (and their
+            // authentication) asked of a server that is slow already.
+            #[ignore = "FINDING (stop 40): take_heard opens a connection of its own beside every sqlx connect slower than its patience (50 ms at first, 2x the last after): through a 60 ms link, 3 checkouts held at once made 4 connections on pgwarden's pool against 3 on sqlx alone (the first connect of the pool doubled, sqlx 0.8 and 0.9); the extra one is closed without need"]
+            #[tokio::test]
+            async fn a_slow_connect_is_made_once() {
+                let (by_pgwarden, by_sqlx) = connects_for(3).await;
+                println!("connections for 3 checkouts: pgwarden {by_pgwarden}, sqlx alone {by_sqlx}");
+                assert_eq!(by_pgwarden, by_sqlx, "connections made for 3 checkouts");
+            }
+
+            /// Checkouts given up on (dropped) at random instants while
+            /// sqlx's connect and pgwarden's own attempt are both under
+            /// way on a slow link: no server session is left behind, and
+            /// the pool still hands out a connection that answers.
+            #[tokio::test]
+            async fn checkouts_given_up_mid_connect_leave_no_session() {
+                let db = support::db().await;
+                let admin = db.connect().await.unwrap();
+                let server = pgwarden_testing::TestServer::shared().expect("server");
+                let proxy = Proxy::start(server).expect("proxy");
+                proxy.set_latency(Duration::from_millis(60));
+                let pool = Pool::builder(
+                    hooked().connect_lazy_with(sqlx_options!($sqlx, proxy.pg_config(&db))),
+                )
+                .name(concat!("hostile-s40-cut-connect-", stringify!($version)))
+                .build()
+                .unwrap();
+                let mut cut = 0;
+                for i in 0..12u64 {
+                    let t = Duration::from_millis(20 + (i * 37) % 400);
+                    if tokio::time::timeout(t, pool.acquire()).await.is_err() {
+                        cut += 1;
+                    }
+                }
+                let sessions = || async {
+                    admin
+                        .query_one(
+                            "SELECT count(*) FROM pg_stat_activity \
+                              WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                            &[],
+                        )
+                        .await
+                        .unwrap()
+                        .get::<_, i64>(0)
+                };
+                eventually(GUARD, "at most the pool's 2 sessions", || async {
+                    sessions().await <= 2
+                })
+                .await;
+                let mut c = within(GUARD, "acquire", pool.acquire()).await.unwrap();
+                let one: i64 = $sqlx::query_scalar("SELECT 1::int8")
+                    .fetch_one(&mut *c)
+                    .await
+                    .unwrap();
+                assert_eq!(one, 1);
+                println!("{cut} of 12 checkouts given up mid-connect; sessions left: {}", sessions().await);
+                drop(c);
+                pool.close().await;
             }
 
             // sqlx's `close()` marks the pool closed as it is called
