@@ -197,6 +197,97 @@ async fn release_after<B: Raw>(
     (said, pids.contains(&pid))
 }
 
+/// Polls `f` at most `polls` times (yielding in between), then drops it:
+/// whether it finished, and its output then.
+async fn cut<F: std::future::Future + Unpin>(mut f: F, polls: u64) -> Option<F::Output> {
+    for _ in 0..polls {
+        if let std::task::Poll::Ready(r) = futures_util::poll!(&mut f) {
+            return Some(r);
+        }
+        tokio::task::yield_now().await;
+    }
+    None
+}
+
+/// One task of the concurrent soak: `ops` operations at random (`seed`),
+/// each a checkout dropped at a random poll, a checkout whose own
+/// `SELECT '<k>'` must answer `k` (then a statement given up on at a
+/// random poll, or not), or a session lock dropped while being taken, or
+/// taken and its `unlock()` dropped at a random poll.
+async fn task<B: Raw>(pool: &B::Pool, seed: u64, ops: u64) -> u64 {
+    static K: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(1 << 40);
+    let mut x = seed | 1;
+    let mut checked = 0;
+    for _ in 0..ops {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let polls = (x >> 8) % 6;
+        match x % 4 {
+            0 => drop(cut(B::get(pool), polls).await),
+            1 => {
+                let key = LockKey::Single(9410 + (x >> 16) as i64 % 2);
+                let mode = LockMode::Exclusive;
+                if (x >> 12) % 2 == 0 {
+                    drop(cut(B::session_lock(pool, key, mode, None), polls).await);
+                } else if let Ok(Some(lock)) = B::session_lock(pool, key, mode, None).await {
+                    drop(cut(B::unlock(lock), polls).await);
+                }
+            }
+            _ => {
+                let Ok(mut c) = within(GUARD, "checkout", B::get(pool)).await else {
+                    panic!("a checkout failed")
+                };
+                let k = K.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let sql: &'static str = Box::leak(format!("SELECT '{k}'::text").into_boxed_str());
+                assert_eq!(B::simple_scalar(&mut c, sql).await, Ok(k), "out of step");
+                checked += 1;
+                if x % 4 == 3 {
+                    drop(cut(B::try_run(&mut c, SLEEPS), polls).await);
+                }
+            }
+        }
+    }
+    checked
+}
+
+backends!(
+    concurrent_cut_offs_soak,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// Six tasks on a pool of four at once, for `HOSTILE_S40_SECS`, in phases
+/// of 25 operations each ([`task`]); between phases, with nothing in use,
+/// `hostile_release3`'s oracle (every connection answers its own
+/// statement, no advisory lock, every session idle with no transaction
+/// id), then one idle connection killed on the server.
+async fn concurrent_cut_offs_soak<B: Raw>() {
+    let (_db, raw, pool) = setup::<B>("hostile-s40-concurrent", POOL).await;
+    let until = Instant::now() + Duration::from_secs(soak_secs());
+    let started = Instant::now();
+    let (mut phases, mut checked, mut kills) = (0u64, 0u64, 0u64);
+    while Instant::now() < until || phases < 4 {
+        let seeds = (0..6u64).map(|t| (phases << 8 | t).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let done = futures_util::future::join_all(seeds.map(|s| task::<B>(&pool, s, 25))).await;
+        checked += done.iter().sum::<u64>();
+        phases += 1;
+        let what = format!("after phase {phases}");
+        in_step::<B>(&pool, ALL, &what).await;
+        eventually(GUARD, "no advisory lock left", || async {
+            raw_locks(&raw).await.is_empty()
+        })
+        .await;
+        assert_eq!(busy(&raw).await, vec![], "{what}");
+        kills += u64::from(kill_one_idle(&raw).await);
+    }
+    println!(
+        "{}: {phases} phases in {:?}: {checked} statements answered their own, {kills} idle \
+         connections killed",
+        B::NAME,
+        started.elapsed()
+    );
+}
+
 backends!(session_settings_user_code_left_do_not_stop_the_release);
 /// Session settings user code may leave on a lock's connection, each
 /// meeting the release's own transaction at READ COMMITTED (stop 40):
