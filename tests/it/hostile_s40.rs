@@ -26,12 +26,14 @@ use crate::hostile_release3::{busy, in_step, round, setup, How, Raw, ALL, CASES,
 const SLEEPS: &str = "SELECT pg_sleep(0.005)";
 
 /// Ends one idle connection of the pool's database (not `raw`'s) and waits
-/// until its backend is gone (`pg_terminate_backend`'s timeout form):
-/// whether there was one.
+/// until its backend is gone from `pg_stat_activity` (not with
+/// `pg_terminate_backend`'s timeout form: on a busy machine the pid can be
+/// another user's process by then, and the server's check of it fails
+/// with EPERM): whether there was one.
 async fn kill_one_idle(raw: &tokio_postgres::Client) -> bool {
     let row = raw
         .query_opt(
-            "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity \
+            "SELECT pid FROM pg_stat_activity \
               WHERE datname = current_database() AND pid <> pg_backend_pid() \
                 AND backend_type = 'client backend' AND state = 'idle' \
               ORDER BY random() LIMIT 1",
@@ -39,7 +41,20 @@ async fn kill_one_idle(raw: &tokio_postgres::Client) -> bool {
         )
         .await
         .unwrap();
-    row.is_some_and(|r| r.get::<_, bool>(0))
+    let Some(pid) = row.map(|r| r.get::<_, i32>(0)) else {
+        return false;
+    };
+    raw.execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    eventually(GUARD, "the killed backend gone", || async {
+        raw.query_opt("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&pid])
+            .await
+            .unwrap()
+            .is_none()
+    })
+    .await;
+    true
 }
 
 /// A plain checkout whose statement user code gives up after `polls`
@@ -188,11 +203,13 @@ async fn release_after<B: Raw>(
     })
     .await;
     let left = raw_locks(raw).await;
+    let pids = in_step::<B>(pool, ALL, setting).await;
     assert!(
         gone.is_ok(),
-        "{setting}: unlock said {said:?}; advisory locks left 10 s later: {left:?} (the lock's pid {pid})"
+        "{setting}: unlock said {said:?}; advisory locks left 10 s later: {left:?} (the lock's \
+         pid {pid}, in the pool: {})",
+        pids.contains(&pid)
     );
-    let pids = in_step::<B>(pool, ALL, setting).await;
     assert_eq!(busy(raw).await, vec![], "{setting}");
     (said, pids.contains(&pid))
 }
