@@ -23,7 +23,7 @@ use crate::hostile_release2::CopyLeft;
 
 /// What user code leaves on the lock's connection before its release.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Case {
+pub(crate) enum Case {
     Nothing,
     /// An open transaction holding a transaction lock, a savepoint and a
     /// session lock of its own.
@@ -41,7 +41,7 @@ enum Case {
     CopyOut,
 }
 
-const CASES: [Case; 7] = [
+pub(crate) const CASES: [Case; 7] = [
     Case::Nothing,
     Case::OpenTx,
     Case::FailedTx,
@@ -55,7 +55,7 @@ impl Case {
     /// Whether the connection may have to be closed after it on this
     /// backend: a COPY given up on leaves sqlx out of step (documented:
     /// the marked query finds it and closes the connection).
-    fn may_close<B: Backend>(self) -> bool {
+    pub(crate) fn may_close<B: Backend>(self) -> bool {
         matches!(self, Case::CopyIn | Case::CopyOut) && B::NAME != "deadpool"
     }
 }
@@ -167,16 +167,16 @@ raw_sqlx!(Sqlx08, sqlx08);
 raw_sqlx!(Sqlx09, sqlx09);
 
 /// The pools' size (the smallest that takes a session-lock budget of 1).
-const POOL: usize = 4;
+pub(crate) const POOL: usize = 4;
 
 /// Connections checked out at once after each release: every connection
 /// the pool ever has (the lock's and these; the probe lane's reserve
 /// never used), so the lock's is among them when it went back, not when
 /// it was closed.
-const ALL: usize = 3;
+pub(crate) const ALL: usize = 3;
 
 /// A fresh database with the COPY table, a raw client, a pool of `size`.
-async fn setup<B: Backend>(
+pub(crate) async fn setup<B: Backend>(
     name: &'static str,
     size: usize,
 ) -> (pgwarden_testing::TestDb, tokio_postgres::Client, B::Pool) {
@@ -194,7 +194,7 @@ async fn setup<B: Backend>(
 
 /// Sessions of the database (but `raw`'s) not idle or holding a
 /// transaction id, with their state.
-async fn busy(raw: &tokio_postgres::Client) -> Vec<(i32, String, bool)> {
+pub(crate) async fn busy(raw: &tokio_postgres::Client) -> Vec<(i32, String, bool)> {
     raw.query(
         "SELECT pid, coalesce(state, ''), backend_xid IS NOT NULL FROM pg_stat_activity \
           WHERE datname = current_database() AND pid <> pg_backend_pid() \
@@ -212,7 +212,7 @@ async fn busy(raw: &tokio_postgres::Client) -> Vec<(i32, String, bool)> {
 /// Every connection of the pool (`n`) checked out at once, each asked
 /// `SELECT <k>` with a `k` of its own (an out-of-step connection answers
 /// another's, or an error); their backend pids.
-async fn in_step<B: Raw>(pool: &B::Pool, n: usize, what: &str) -> Vec<i32> {
+pub(crate) async fn in_step<B: Raw>(pool: &B::Pool, n: usize, what: &str) -> Vec<i32> {
     static K: AtomicI64 = AtomicI64::new(1_000);
     settled::<B>(pool).await;
     let mut all = Vec::new();
@@ -236,7 +236,7 @@ async fn in_step<B: Raw>(pool: &B::Pool, n: usize, what: &str) -> Vec<i32> {
 
 /// How the release is done.
 #[derive(Clone, Copy, Debug)]
-enum How {
+pub(crate) enum How {
     Unlock,
     Drop,
     /// `unlock()` polled this many times, then dropped.
@@ -246,7 +246,7 @@ enum How {
 /// One round on a pool of [`POOL`]: the lock, `case`, the release `how`; then
 /// the oracle. Whether the lock's connection went back (its pid among
 /// the pool's), and what an uncut unlock said.
-async fn round<B: Raw>(
+pub(crate) async fn round<B: Raw>(
     pool: &B::Pool,
     raw: &tokio_postgres::Client,
     case: Case,

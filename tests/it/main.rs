@@ -38,6 +38,7 @@ mod hostile_naming;
 mod hostile_release;
 mod hostile_release2;
 mod hostile_release3;
+mod hostile_s40;
 mod http_edges;
 mod http_flood;
 mod hung_server;
