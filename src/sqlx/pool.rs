@@ -52,7 +52,7 @@ use std::hash::{Hash, Hasher};
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -149,12 +149,6 @@ pub struct Naming {
     pooler: Watch,
     learned: Arc<Learned>,
     fresh: AtomicUsize,
-    /// How long sqlx's last connect took (µs; 0: none yet): see
-    /// [`take_heard`].
-    connect_us: AtomicU64,
-    /// One [`take_heard`] attempt of its own at a time per pool: a burst of
-    /// checkouts on a slow server asks it once, not once each.
-    asking: AtomicBool,
 }
 
 impl Naming {
@@ -201,87 +195,6 @@ async fn ask_pid(conn: &mut dep::PgConnection) -> Result<Backend, Error> {
     Ok(Backend { pid, started })
 }
 
-/// How long [`take_heard`] lets sqlx connect before it asks the server
-/// itself: twice sqlx's last connect, within these bounds.
-const PATIENCE: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(2));
-
-/// `PgPool::acquire`, but a server with no connection slot left
-/// (`53300 too many connections`) answers with its own error, as on
-/// deadpool: sqlx takes that error of its connect phase for a transient
-/// one and retries it, silently, until its acquire timeout (and
-/// `PoolTimedOut` says nothing of why). So when sqlx must connect (no idle
-/// connection, room left) and has not within its usual time ([`PATIENCE`]),
-/// pgwarden makes one connection attempt of its own with the pool's
-/// connect options: refused with `53300`, that error is the checkout's;
-/// otherwise its connection is closed and sqlx's acquire goes on as it
-/// would have. One such attempt at a time per pool ([`Asking`]): the
-/// checkouts that find one under way wait for sqlx's acquire alone. Dropped at any await: sqlx's acquire and the attempt are
-/// dropped (a half-made connection closes), a close under way goes on.
-async fn take_heard(
-    pool: &dep::PgPool,
-    cfg: &Naming,
-) -> Result<dep::pool::PoolConnection<dep::Postgres>, dep::Error> {
-    let max = pool.options().get_max_connections();
-    if pool.num_idle() > 0 || pool.size() >= max {
-        return pool.acquire().await;
-    }
-    let started = Instant::now();
-    let mut acquire = std::pin::pin!(pool.acquire());
-    let last = Duration::from_micros(cfg.connect_us.load(Ordering::Relaxed));
-    let patience = (last * 2).clamp(PATIENCE.0, PATIENCE.1);
-    let got = match tokio::time::timeout(patience, acquire.as_mut()).await {
-        Ok(got) => got,
-        Err(_) => {
-            let Some(_asking) = Asking::take(&cfg.asking) else {
-                // Another checkout is asking the server already.
-                return acquire.await;
-            };
-            let opts = pool.connect_options();
-            let attempt = std::pin::pin!(dep::ConnectOptions::connect(&*opts));
-            match futures_util::future::select(acquire.as_mut(), attempt).await {
-                futures_util::future::Either::Left((got, _)) => got,
-                futures_util::future::Either::Right((Err(e), _)) if server_full(&e) => {
-                    return Err(e)
-                }
-                futures_util::future::Either::Right((heard, _)) => {
-                    if let (Ok(conn), Ok(rt)) = (heard, tokio::runtime::Handle::try_current()) {
-                        rt.spawn(dep::Connection::close(conn));
-                    }
-                    acquire.await
-                }
-            }
-        }
-    };
-    if got.is_ok() {
-        let took = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-        cfg.connect_us.store(took, Ordering::Relaxed);
-    }
-    got
-}
-
-/// The right to make [`take_heard`]'s own connection attempt, given back
-/// on drop (the attempt ended, or its checkout was dropped).
-struct Asking<'a>(&'a AtomicBool);
-
-impl<'a> Asking<'a> {
-    fn take(flag: &'a AtomicBool) -> Option<Asking<'a>> {
-        flag.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
-            .ok()
-            .map(|_| Asking(flag))
-    }
-}
-
-impl Drop for Asking<'_> {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
-}
-
-/// The server has no connection slot left for this role (`53300`).
-fn server_full(e: &dep::Error) -> bool {
-    crate::error::sqlx_sqlstate(e) == Some("53300")
-}
-
 impl Source for dep::PgPool {
     type Object = dep::pool::PoolConnection<dep::Postgres>;
     type Conn = dep::PgConnection;
@@ -296,16 +209,14 @@ impl Source for dep::PgPool {
             pooler: Watch::of(ext),
             learned: ext.get::<Learned>(),
             fresh: AtomicUsize::new(0),
-            connect_us: AtomicU64::new(0),
-            asking: AtomicBool::new(false),
         }
     }
 
     fn take<'a>(
         &'a self,
-        cfg: &'a Naming,
+        _: &'a Naming,
     ) -> impl Future<Output = Result<Self::Object, dep::Error>> + Send + 'a {
-        take_heard(self, cfg)
+        self.acquire()
     }
 
     fn take_waiting<'a>(

@@ -73,16 +73,23 @@ async fn clients(c: &tokio_postgres::Client) -> i64 {
     .get(0)
 }
 
-// On sqlx this was a FINDING (session 39): every probe answered with a
-// timeout, not the server's 53300, because sqlx takes "too many
-// connections" for a transient failure of its connect phase and retries it
-// until its acquire timeout. pgwarden's sqlx checkout now makes one attempt
-// of its own when sqlx's connect takes longer than it usually does, and
-// answers with the server's error (`sqlx/pool.rs`, `take_heard`). (The
-// app's connection still open after `close()` on sqlx 0.8: sqlx 0.8's
-// close left a connection whose return was under way idle and open; the
-// drop-in `close` now closes what it left.)
-backends!(a_server_filled_by_another_application_says_so);
+// FINDING (session 39; a fix tried in stop 40 and reverted): on sqlx a
+// server with no slot left answers every probe with a timeout ("readiness
+// probe did not answer within 2s"), not the server's 53300: sqlx takes
+// "too many connections" for a transient failure of its connect phase and
+// retries it until its acquire timeout, so what the server said never
+// reaches pgwarden. Stop 40 made pgwarden's sqlx checkout try one
+// connection of its own when sqlx's connect took longer than usual; the
+// hostile reader showed that attempt refused with 53300 while sqlx's own
+// connect held the one free slot (a checkout failed on a server with room:
+// `hostile_s40::sqlx_0_*::one_free_slot_is_enough_for_a_slow_connect`) and
+// doubling every pool's first slow connect, so it was taken out. (The
+// app's connection still open after `close()` on sqlx 0.8 is fixed: the
+// drop-in `close` closes what sqlx 0.8's close left.)
+backends!(
+    ignore_sqlx = "FINDING: on sqlx a full server (53300) reads as a probe timeout: sqlx retries its connect until its own timeout (stop 40's own connect attempt was reverted: it failed checkouts on a server with a free slot)",
+    a_server_filled_by_another_application_says_so
+);
 async fn a_server_filled_by_another_application_says_so<B: Backend>() {
     // 6 connections, 2 of them for superusers only.
     let server = tokio::task::spawn_blocking(|| {
