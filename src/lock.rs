@@ -100,17 +100,18 @@ pub(crate) enum Scope {
     Xact,
 }
 
-/// The PostgreSQL function that takes a lock of `scope` and `mode`, waiting or not.
+/// The PostgreSQL function that takes a lock of `scope` and `mode`, waiting or not,
+/// schema-qualified: a search path user code left on a session cannot shadow it.
 pub(crate) const fn lock_fn(scope: Scope, mode: LockMode, wait: bool) -> &'static str {
     match (scope, mode, wait) {
-        (Scope::Session, LockMode::Exclusive, true) => "pg_advisory_lock",
-        (Scope::Session, LockMode::Shared, true) => "pg_advisory_lock_shared",
-        (Scope::Session, LockMode::Exclusive, false) => "pg_try_advisory_lock",
-        (Scope::Session, LockMode::Shared, false) => "pg_try_advisory_lock_shared",
-        (Scope::Xact, LockMode::Exclusive, true) => "pg_advisory_xact_lock",
-        (Scope::Xact, LockMode::Shared, true) => "pg_advisory_xact_lock_shared",
-        (Scope::Xact, LockMode::Exclusive, false) => "pg_try_advisory_xact_lock",
-        (Scope::Xact, LockMode::Shared, false) => "pg_try_advisory_xact_lock_shared",
+        (Scope::Session, LockMode::Exclusive, true) => "pg_catalog.pg_advisory_lock",
+        (Scope::Session, LockMode::Shared, true) => "pg_catalog.pg_advisory_lock_shared",
+        (Scope::Session, LockMode::Exclusive, false) => "pg_catalog.pg_try_advisory_lock",
+        (Scope::Session, LockMode::Shared, false) => "pg_catalog.pg_try_advisory_lock_shared",
+        (Scope::Xact, LockMode::Exclusive, true) => "pg_catalog.pg_advisory_xact_lock",
+        (Scope::Xact, LockMode::Shared, true) => "pg_catalog.pg_advisory_xact_lock_shared",
+        (Scope::Xact, LockMode::Exclusive, false) => "pg_catalog.pg_try_advisory_xact_lock",
+        (Scope::Xact, LockMode::Shared, false) => "pg_catalog.pg_try_advisory_xact_lock_shared",
     }
 }
 
@@ -173,7 +174,7 @@ mod tests {
         assert_eq!(LockMode::from_pg_mode("AccessShareLock"), None);
         assert_eq!(
             lock_fn(Scope::Xact, LockMode::Shared, false),
-            "pg_try_advisory_xact_lock_shared"
+            "pg_catalog.pg_try_advisory_xact_lock_shared"
         );
     }
 }

@@ -511,7 +511,7 @@ RETURNING name"
             fence: format!(
                 "SELECT f.holder, f.token, f.expires_at > clock_timestamp(),
        {stale},
-       f.holder = $3 AND f.token = $4 AND pg_try_advisory_xact_lock_shared({ns}, b.mark),
+       f.holder = $3 AND f.token = $4 AND pg_catalog.pg_try_advisory_xact_lock_shared({ns}, b.mark),
        set_config('pgwarden.fence_st', b.st::text, true) IS NOT NULL
          AND set_config('pgwarden.fence_lt', f.lt::text, true) IS NOT NULL
          AND set_config('pgwarden.fence_it', b.it::text, true) IS NOT NULL

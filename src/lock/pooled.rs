@@ -73,16 +73,16 @@ pub(crate) async fn on_backend(
         // `CASE` fixes the order: the guard's own unlock first (its answer
         // is the statement's), the rest only after it.
         Act::UnlockLast => format!(
-            "CASE WHEN {}({k}) THEN pg_advisory_unlock_all()::text = '' ELSE false END",
+            "CASE WHEN {}({k}) THEN pg_catalog.pg_advisory_unlock_all()::text = '' ELSE false END",
             unlock_fn(mode)
         ),
         // void, as text: '' once it ran.
-        Act::UnlockAll => "pg_advisory_unlock_all()::text = ''".to_owned(),
+        Act::UnlockAll => "pg_catalog.pg_advisory_unlock_all()::text = ''".to_owned(),
         Act::UnlockKey => {
             // Guarded again inside: whenever the subquery runs, it unlocks
             // on the lock's backend only.
             let once = format!(
-                "CASE WHEN pg_backend_pid() = {on} THEN {}({k}) ELSE false END",
+                "CASE WHEN pg_catalog.pg_backend_pid() = {on} THEN {}({k}) ELSE false END",
                 unlock_fn(mode)
             );
             format!(
@@ -92,7 +92,7 @@ pub(crate) async fn on_backend(
             )
         }
     };
-    let sql = format!("SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = {on} THEN {call} END");
+    let sql = format!("SELECT pg_catalog.pg_backend_pid(), CASE WHEN pg_catalog.pg_backend_pid() = {on} THEN {call} END");
     let row = if last {
         c.query_one_after_rollback(&sql).await?
     } else {
@@ -105,8 +105,8 @@ pub(crate) async fn on_backend(
 
 fn unlock_fn(mode: LockMode) -> &'static str {
     match mode {
-        LockMode::Exclusive => "pg_advisory_unlock",
-        LockMode::Shared => "pg_advisory_unlock_shared",
+        LockMode::Exclusive => "pg_catalog.pg_advisory_unlock",
+        LockMode::Shared => "pg_catalog.pg_advisory_unlock_shared",
     }
 }
 

@@ -379,7 +379,7 @@ async fn unlock_all_once<B: Source>(
 ) -> Result<(), Error> {
     let conn = conn.exec();
     let Some(held_on) = lock_pid else {
-        conn.query_one_after_rollback("SELECT pg_advisory_unlock_all()::text = ''")
+        conn.query_one_after_rollback("SELECT pg_catalog.pg_advisory_unlock_all()::text = ''")
             .await?;
         return Ok(());
     };

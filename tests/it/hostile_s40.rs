@@ -332,15 +332,18 @@ async fn session_settings_user_code_left_do_not_stop_the_release<B: Raw>() {
     }
 }
 
-backends!(
-    ignore_all = "FINDING (stop 40; the statement predates it): the release's pg_advisory_unlock / pg_advisory_unlock_all are not schema-qualified (src/lock/pooled.rs, release.rs): after user code's SET search_path = evil, pg_catalog, public, with functions of those names in evil, unlock() says Err(MovedByPooler { held_on: P, ran_on: P, released: false }) (a pooler blamed on a direct connection) and the advisory lock is still held on pid P 10 s later (all 3 backends); then on sqlx the pool never settles (in use stays above 0 for 10 s: the connection is neither returned nor closed), and on deadpool the test hangs past 150 s with its runtime idle in epoll (the next timer ~56 min away: an await with no bound, not located)",
-    a_search_path_user_code_left_cannot_shadow_the_unlock
-);
+// FINDING (stop 40, fixed: pgwarden's advisory-lock functions, and the
+// release's pid checks, are written `pg_catalog.`): the release's
+// functions were not schema-qualified, and a search path user code left
+// (`evil, pg_catalog, public`, do-nothing functions of those names in
+// `evil`) made `unlock()` say `MovedByPooler { held_on: P, ran_on: P }` with
+// the lock still held; sqlx's pool never settled, deadpool's test hung.
+backends!(a_search_path_user_code_left_cannot_shadow_the_unlock);
 /// User code sets a search path that puts a schema of its own before
 /// `pg_catalog`, in which functions named `pg_advisory_unlock` and
 /// `pg_advisory_unlock_all` do nothing: the release must still release
 /// (its functions qualified with `pg_catalog`). Failed on all three
-/// backends: see the ignore.
+/// backends before: see the comment above.
 async fn a_search_path_user_code_left_cannot_shadow_the_unlock<B: Raw>() {
     let (_db, raw, pool) = setup::<B>("hostile-s40-shadow", POOL).await;
     raw.batch_execute(
