@@ -90,7 +90,6 @@ impl Sent {
     }
 }
 
-/// SQLSTATE codes pgwarden's logic branches on.
 /// `ROLLBACK` (of what user code left open), then a transaction of its
 /// own for a connection's last statement before it goes back to the pool
 /// ([`Exec::query_one_after_rollback`]): explicit, at READ COMMITTED,
@@ -105,6 +104,7 @@ impl Sent {
 pub(crate) const ROLLBACK_THEN_TX_OF_ITS_OWN: &str =
     "ROLLBACK; BEGIN ISOLATION LEVEL READ COMMITTED";
 
+/// SQLSTATE codes pgwarden's logic branches on.
 pub(crate) mod code {
     /// `serialization_failure`
     pub(crate) const SERIALIZATION_FAILURE: &str = "40001";
