@@ -334,7 +334,7 @@ async fn released_once_reachable<B: Backend>(unlock_timeout: Duration, key: Lock
             raw.query_one(
                 "SELECT count(*) FROM pg_stat_activity \
               WHERE pid NOT IN ($1, pg_backend_pid()) \
-                AND query LIKE '%CASE WHEN pg_backend_pid() = $1%'",
+                AND query LIKE '%CASE WHEN pg_catalog.pg_backend_pid() = $1%'",
                 &[&x],
             )
             .await
