@@ -17,6 +17,7 @@ use support::backend::{Backend, Settings};
 use support::*;
 
 backends!(
+    soak,
     thirty_thousand_leaked_locks_do_not_stall_checkouts,
     flavor = "multi_thread",
     worker_threads = 2

@@ -327,6 +327,7 @@ async fn soak_worker<B: Backend>(
 }
 
 backends!(
+    soak,
     soak_takeovers_racing_renewals_and_stale_fences,
     flavor = "multi_thread",
     worker_threads = 2

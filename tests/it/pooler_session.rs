@@ -20,6 +20,7 @@ const TRIES: usize = 100;
 const PARALLEL: usize = 4;
 
 backends!(
+    soak,
     a_loaded_session_pooler_is_direct_every_time_and_its_locks_work,
     flavor = "multi_thread",
     worker_threads = 2

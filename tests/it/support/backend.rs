@@ -1961,6 +1961,38 @@ macro_rules! backends {
             }
         }
     };
+    // A soak (a loaded server or pooler, a hundred tries, seconds of
+    // racing): deadpool, and sqlx at the newest version compiled in. With
+    // both sqlx versions on (`--all-features`) the 0.8 variant is ignored
+    // (`cargo test --all-features -- --ignored sqlx_0_8_soak` runs it): the same
+    // source against the other sqlx, whose every other test runs. The six
+    // soaks' 0.8 variants (pooler load and session, census load, the fence
+    // soak) took 14 to 54 s each, 187 of the 1,495 test-seconds of
+    // `tests/it` (2026-12-04, 4 threads). With 0.8 alone it runs.
+    (soak, $name:ident $(, $($flavor:tt)*)?) => {
+        mod $name {
+            #[tokio::test $( ( $($flavor)* ) )?]
+            async fn deadpool() {
+                super::$name::<crate::support::backend::Deadpool>().await
+            }
+
+            #[cfg(feature = "sqlx-0_8")]
+            #[cfg_attr(
+                feature = "sqlx-0_9",
+                ignore = "soak: runs on deadpool and sqlx 0.9; `-- --ignored sqlx_0_8_soak` runs it on 0.8"
+            )]
+            #[tokio::test $( ( $($flavor)* ) )?]
+            async fn sqlx_0_8_soak() {
+                super::$name::<crate::support::backend::Sqlx08>().await
+            }
+
+            #[cfg(feature = "sqlx-0_9")]
+            #[tokio::test $( ( $($flavor)* ) )?]
+            async fn sqlx_0_9() {
+                super::$name::<crate::support::backend::Sqlx09>().await
+            }
+        }
+    };
     // The sqlx variants ignored, with the open bug that makes them fail.
     (ignore_sqlx = $why:literal, $name:ident $(, $($flavor:tt)*)?) => {
         mod $name {
