@@ -3,8 +3,8 @@
 rustdoc's all-items page plus the public functions and methods (`pub fn`,
 `pub async fn`, `pub const fn`, `pub unsafe fn`) in src/.
 
-Usage: python3 .ci/api-surface.py [--max N] [--list]   (builds the docs
-with every feature first). Exits 1 when the count is above --max.
+Usage: python3 .ci/api-surface.py [--max N] [--list] [--no-build]   (builds
+the docs with every feature first, unless --no-build). Exits 1 when the count is above --max.
 """
 import os
 import re
@@ -16,7 +16,9 @@ def main():
     limit = None
     if "--max" in args:
         limit = int(args[args.index("--max") + 1])
-    subprocess.run(["cargo", "doc", "--no-deps", "--all-features", "-p", "pgwarden", "--quiet"], check=True)
+    # --no-build: the caller built them (`cargo doc --no-deps --all-features`).
+    if "--no-build" not in args:
+        subprocess.run(["cargo", "doc", "--no-deps", "--all-features", "-p", "pgwarden", "--quiet"], check=True)
     html = open("target/doc/pgwarden/all.html").read()
     items = re.findall(r'<li><a href="([^"]+)">([^<]+)</a></li>', html)
     fns = []
