@@ -340,12 +340,12 @@ backends!(
 /// sees), so take-overs race renewals, fences, term reads outside
 /// snapshots and commits. The oracle: no fenced write commits with a token
 /// lower than one already committed (`hw.bad` stays 0), no panic. Runs
-/// `H3_SOAK_SECS` seconds (default 20).
+/// `H3_SOAK_SECS` seconds (default 10; 20 until stop 41).
 async fn soak_takeovers_racing_renewals_and_stale_fences<B: Backend>() {
     let secs: u64 = std::env::var("H3_SOAK_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
+        .unwrap_or(10);
     let db = db().await;
     let admin = admin(&db).await;
     admin.batch_execute(HW).await.unwrap();

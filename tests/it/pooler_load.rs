@@ -24,8 +24,6 @@ use support::backend::Backend;
 use support::pooler::*;
 use support::*;
 
-const TRIES: usize = 100;
-
 backends!(
     soak,
     a_loaded_pgbouncer_is_a_transaction_pooler_every_time,
@@ -33,6 +31,7 @@ backends!(
     worker_threads = 2
 );
 async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time<B: Backend>() {
+    let tries = tries();
     let db = db().await;
     let Some(bouncer) = bouncer(&db, 10, PoolMode::Transaction) else {
         return;
@@ -41,7 +40,7 @@ async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time<B: Backend>() {
     logs();
     let before = load.done();
     let mut times = Vec::new();
-    for i in 0..TRIES {
+    for i in 0..tries {
         let pool = through::<B>(&bouncer, &format!("tx-{i}"));
         let start = Instant::now();
         let found = B::detect_pooler(&pool).await.unwrap();
@@ -52,9 +51,9 @@ async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time<B: Backend>() {
     let during = load.done() - before;
     let total = load.stop().await;
     let counts = statements::<B>("tx-");
-    assert_eq!(counts.len(), TRIES, "one detection per try");
+    assert_eq!(counts.len(), tries, "one detection per try");
     assert!(
-        during >= TRIES as u64,
+        during >= tries as u64,
         "the load ran during the tries: {during}"
     );
     let mut hist = std::collections::BTreeMap::new();
@@ -62,7 +61,7 @@ async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time<B: Backend>() {
         *hist.entry(*c).or_insert(0) += 1;
     }
     eprintln!(
-        "{}: {TRIES}/{TRIES} transaction pooler; detection {}; statements to proof {hist:?}; \
+        "{}: {tries}/{tries} transaction pooler; detection {}; statements to proof {hist:?}; \
          load: {during} transactions during the tries ({total} in all)",
         B::NAME,
         summary(times.clone())
@@ -80,10 +79,10 @@ async fn a_loaded_pgbouncer_is_a_transaction_pooler_every_time<B: Backend>() {
         "a proof needs two clients' statements: {hist:?}"
     );
     assert!(
-        sorted[TRIES / 2] <= 4,
+        sorted[tries / 2] <= 4,
         "median statements to proof: {hist:?}"
     );
-    assert!(sorted[TRIES - 1] <= 12, "statements to proof: {hist:?}");
+    assert!(sorted[tries - 1] <= 12, "statements to proof: {hist:?}");
 }
 
 backends!(
@@ -93,13 +92,14 @@ backends!(
     worker_threads = 2
 );
 async fn session_locks_through_a_loaded_pgbouncer_are_never_granted<B: Backend>() {
+    let tries = tries();
     let db = db().await;
     let Some(bouncer) = bouncer(&db, 10, PoolMode::Transaction) else {
         return;
     };
     let load = load_through(&bouncer).await;
     let mut times = Vec::new();
-    for i in 0..TRIES {
+    for i in 0..tries {
         let pool = through::<B>(&bouncer, &format!("lock-{i}"));
         let key = LockKey::Pair(9, i as i32);
         let start = Instant::now();
@@ -137,7 +137,7 @@ async fn session_locks_through_a_loaded_pgbouncer_are_never_granted<B: Backend>(
         "advisory locks left on the server: {left:?}"
     );
     eprintln!(
-        "{}: {TRIES}/{TRIES} refused (BehindPooler); {}",
+        "{}: {tries}/{tries} refused (BehindPooler); {}",
         B::NAME,
         summary(times.clone())
     );
@@ -150,6 +150,7 @@ backends!(
     worker_threads = 2
 );
 async fn loaded_postgres_is_direct_every_time<B: Backend>() {
+    let tries = tries();
     let db = db().await;
     let mut clients = Vec::new();
     for _ in 0..LOAD_CLIENTS {
@@ -161,7 +162,7 @@ async fn loaded_postgres_is_direct_every_time<B: Backend>() {
     // Four detections at a time (as through the session pooler): on sqlx,
     // which does not show the pid announced at connection start, each is
     // the whole motion probe, 42 statements, and 100 in a row took 47 s.
-    let times: Vec<_> = futures_util::stream::iter(0..TRIES)
+    let times: Vec<_> = futures_util::stream::iter(0..tries)
         .map(|i| {
             let pool = fresh::<B>(On::Db(&db), &format!("pg-{i}"));
             async move {
@@ -176,15 +177,15 @@ async fn loaded_postgres_is_direct_every_time<B: Backend>() {
         .buffer_unordered(4)
         .collect()
         .await;
-    assert_eq!(times.len(), TRIES);
+    assert_eq!(times.len(), tries);
     load.stop().await;
     let counts = statements::<B>("pg-");
     // One statement where the pid announced at connection start is read;
     // else the whole motion probe, which saw no motion (1 + 1 + 40).
     let each = if B::ANNOUNCED_PID { 1 } else { 42 };
-    assert_eq!(counts, vec![each; TRIES], "{each} statements, every time");
+    assert_eq!(counts, vec![each; tries], "{each} statements, every time");
     eprintln!(
-        "{}: {TRIES}/{TRIES} direct; detection {}",
+        "{}: {tries}/{tries} direct; detection {}",
         B::NAME,
         summary(times.clone())
     );

@@ -15,7 +15,6 @@ use support::backend::Backend;
 use support::pooler::*;
 use support::*;
 
-const TRIES: usize = 100;
 /// Detections (and, in the second test, locks) run at once.
 const PARALLEL: usize = 4;
 
@@ -26,6 +25,7 @@ backends!(
     worker_threads = 2
 );
 async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work<B: Backend>() {
+    let tries = tries();
     let db = db().await;
     // Session mode: every client holds a server connection for its life.
     // 32 for the load, 8 for the detections, 8 more for the pools closed
@@ -40,7 +40,7 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work<B: Back
     // PARALLEL detections at a time: each holds two server connections
     // (the motion probe's) of the 16 the load leaves free, so none waits
     // in PgBouncer's queue.
-    let times: Vec<_> = futures_util::stream::iter(0..TRIES)
+    let times: Vec<_> = futures_util::stream::iter(0..tries)
         .map(|i| {
             let pool = through::<B>(&bouncer, &format!("session-{i}"));
             async move {
@@ -55,9 +55,9 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work<B: Back
         .buffer_unordered(PARALLEL)
         .collect()
         .await;
-    assert_eq!(times.len(), TRIES);
+    assert_eq!(times.len(), tries);
     let counts = statements::<B>("session-");
-    assert_eq!(counts, vec![42; TRIES], "1 + 1 + 40 probe statements each");
+    assert_eq!(counts, vec![42; tries], "1 + 1 + 40 probe statements each");
 
     // Session locks work through it, checked on their own connection.
     let raw = db.connect().await.unwrap();
@@ -86,7 +86,7 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work<B: Back
     load.stop().await;
     assert!(raw_locks(&raw).await.is_empty());
     eprintln!(
-        "{}: {TRIES}/{TRIES} direct through a session pooler; detection {}; \
+        "{}: {tries}/{tries} direct through a session pooler; detection {}; \
          session lock with its check {}",
         B::NAME,
         summary(times),

@@ -16,6 +16,17 @@ pub const T: Duration = Duration::from_secs(5);
 /// Clients of the load.
 pub const LOAD_CLIENTS: usize = 32;
 
+/// Detections per loaded-pooler test: `POOLER_TRIES`, 50 by default (100
+/// until stop 41: the loaded tests were a quarter of the suite's
+/// test-seconds; a long run sets more).
+pub fn tries() -> usize {
+    std::env::var("POOLER_TRIES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(50)
+}
+
 /// Clients running short transactions in a loop until stopped.
 pub struct Load {
     stop: Arc<AtomicBool>,
