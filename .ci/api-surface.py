@@ -19,7 +19,7 @@ def main():
     # --no-build: the caller built them (`cargo doc --no-deps --all-features`).
     if "--no-build" not in args:
         subprocess.run(["cargo", "doc", "--no-deps", "--all-features", "-p", "pgwarden", "--quiet"], check=True)
-    html = open(os.path.join(os.environ.get("CARGO_TARGET_DIR", "target"), "doc/pgwarden/all.html")).read()
+    html = open("target/doc/pgwarden/all.html").read()
     items = re.findall(r'<li><a href="([^"]+)">([^<]+)</a></li>', html)
     fns = []
     for root, _, names in os.walk("src"):
