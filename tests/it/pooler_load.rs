@@ -16,8 +16,6 @@ use crate::support;
 
 use std::time::Instant;
 
-use futures_util::StreamExt;
-
 use pgwarden::{LockKey, PoolerMode};
 use pgwarden_testing::PoolMode;
 use support::backend::Backend;
@@ -162,22 +160,8 @@ async fn loaded_postgres_is_direct_every_time<B: Backend>() {
     // Four detections at a time (as through the session pooler): on sqlx,
     // which does not show the pid announced at connection start, each is
     // the whole motion probe, 42 statements, and 100 in a row took 47 s.
-    let times: Vec<_> = futures_util::stream::iter(0..tries)
-        .map(|i| {
-            let pool = fresh::<B>(On::Db(&db), &format!("pg-{i}"));
-            async move {
-                let start = Instant::now();
-                let found = B::detect_pooler(&pool).await.unwrap();
-                let took = start.elapsed();
-                assert_eq!(found, PoolerMode::Direct, "try {i}");
-                B::close(&pool).await;
-                took
-            }
-        })
-        .buffer_unordered(4)
-        .collect()
-        .await;
-    assert_eq!(times.len(), tries);
+    let times =
+        direct_detections::<B>(tries, 4, |i| fresh::<B>(On::Db(&db), &format!("pg-{i}"))).await;
     load.stop().await;
     let counts = statements::<B>("pg-");
     // One statement where the pid announced at connection start is read;

@@ -40,22 +40,10 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work<B: Back
     // PARALLEL detections at a time: each holds two server connections
     // (the motion probe's) of the 16 the load leaves free, so none waits
     // in PgBouncer's queue.
-    let times: Vec<_> = futures_util::stream::iter(0..tries)
-        .map(|i| {
-            let pool = through::<B>(&bouncer, &format!("session-{i}"));
-            async move {
-                let start = Instant::now();
-                let found = B::detect_pooler(&pool).await.unwrap();
-                let took = start.elapsed();
-                assert_eq!(found, PoolerMode::Direct, "try {i}");
-                B::close(&pool).await;
-                took
-            }
-        })
-        .buffer_unordered(PARALLEL)
-        .collect()
-        .await;
-    assert_eq!(times.len(), tries);
+    let times = direct_detections::<B>(tries, PARALLEL, |i| {
+        through::<B>(&bouncer, &format!("session-{i}"))
+    })
+    .await;
     let counts = statements::<B>("session-");
     assert_eq!(counts, vec![42; tries], "1 + 1 + 40 probe statements each");
 

@@ -160,3 +160,30 @@ pub fn summary(mut times: Vec<Duration>) -> String {
         times[times.len() - 1]
     )
 }
+
+/// `tries` detections, `at_once` at a time, each on a fresh pool
+/// `pool(i)` and asserted `Direct`, then closed: their times.
+pub async fn direct_detections<B: Backend>(
+    tries: usize,
+    at_once: usize,
+    pool: impl Fn(usize) -> B::Pool,
+) -> Vec<Duration> {
+    use futures_util::StreamExt;
+    let times: Vec<_> = futures_util::stream::iter(0..tries)
+        .map(|i| {
+            let pool = pool(i);
+            async move {
+                let start = std::time::Instant::now();
+                let found = B::detect_pooler(&pool).await.unwrap();
+                let took = start.elapsed();
+                assert_eq!(found, PoolerMode::Direct, "try {i}");
+                B::close(&pool).await;
+                took
+            }
+        })
+        .buffer_unordered(at_once)
+        .collect()
+        .await;
+    assert_eq!(times.len(), tries);
+    times
+}
