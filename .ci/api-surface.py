@@ -19,7 +19,10 @@ def main():
     # --no-build: the caller built them (`cargo doc --no-deps --all-features`).
     if "--no-build" not in args:
         subprocess.run(["cargo", "doc", "--no-deps", "--all-features", "-p", "pgwarden", "--quiet"], check=True)
-    html = open("target/doc/pgwarden/all.html").read()
+    # Where cargo wrote them: CARGO_TARGET_DIR when set (`.ci/run` builds
+    # rustdoc beside clippy, in target/lint), else target/.
+    target = os.environ.get("CARGO_TARGET_DIR") or "target"
+    html = open(os.path.join(target, "doc", "pgwarden", "all.html")).read()
     items = re.findall(r'<li><a href="([^"]+)">([^<]+)</a></li>', html)
     fns = []
     for root, _, names in os.walk("src"):

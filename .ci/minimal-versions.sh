@@ -51,5 +51,9 @@ export CARGO_TARGET_DIR="${MINVER_TARGET_DIR:-$src/target/minimal-versions}"
 # floors are sqlx's, and exact pins cannot all hold at once. The sqlx floors
 # (0.8.6, 0.9.1) are built from lockfiles at those versions by
 # `.ci/adopter-sqlx.sh`.
-cargo build --lib --features prometheus,http
-echo "minimal versions: the library builds with every direct dependency at its declared minimum (every feature but sqlx, whose own floors are higher)"
+# `cargo check`: the promise is that the library compiles against each
+# minimum (names, signatures, trait bounds), which type-checking proves;
+# code generation for those versions proved nothing more and was about half
+# of this step (170 s beside the tests).
+cargo check --lib --features prometheus,http
+echo "minimal versions: the library compiles with every direct dependency at its declared minimum (every feature but sqlx, whose own floors are higher)"
