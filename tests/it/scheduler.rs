@@ -203,10 +203,10 @@ async fn graceful_shutdown_releases_leases<B: Backend>() {
     );
     // The interrupted run keeps its period: released at shutdown (no
     // holder), but nobody runs it again before the next period.
-    let (holder, held, period_kept): (String, bool, bool) = {
+    let (holder, held_until, period_kept): (String, String, bool) = {
         let r = admin
             .query_typed_one(
-                "SELECT holder, held_until > now(),
+                "SELECT holder, held_until::text,
                         held_until >= date_trunc('second', taken_at) + interval '1 second'
                    FROM pgwarden_leases WHERE name = 'long'",
                 &[],
@@ -220,14 +220,28 @@ async fn graceful_shutdown_releases_leases<B: Backend>() {
         period_kept,
         "the hold until the end of the run's period stays"
     );
-    if held {
+    // Nobody takes it before that hold ends: an acquisition that gets it
+    // was taken at or after `held_until` by the server's clock (the period
+    // is a second: on a loaded machine it may end between the read above
+    // and this acquisition, which a `held_until > now()` read first could
+    // not tell from a broken hold).
+    if let Some(early) = B::acquire(&b, "long", &LeaseOptions::new(S), None)
+        .await
+        .unwrap()
+    {
+        let after: bool = admin
+            .query_typed_one(
+                "SELECT taken_at >= $1::text::timestamptz FROM pgwarden_leases WHERE name = 'long'",
+                &[(&held_until, tokio_postgres::types::Type::TEXT)],
+            )
+            .await
+            .unwrap()
+            .get(0);
         assert!(
-            B::acquire(&b, "long", &LeaseOptions::new(S), None)
-                .await
-                .unwrap()
-                .is_none(),
-            "the interrupted run's period is kept"
+            after,
+            "the interrupted run's period is kept (taken before {held_until})"
         );
+        B::release(early).await.unwrap();
     }
     // The next period is free.
     let long = B::acquire(&b, "long", &LeaseOptions::new(S), Some(3 * S))
