@@ -6,7 +6,6 @@ use std::fmt;
 use std::path::PathBuf;
 #[cfg(test)]
 use std::str::FromStr;
-#[cfg(test)]
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
@@ -71,13 +70,40 @@ impl TestDb {
 
 /// Connects with `NoTls` and spawns the connection task.
 pub(crate) async fn connect_config(config: &Config) -> Result<Client, TestingError> {
-    let (client, connection) = config.connect(NoTls).await?;
+    let deadline = tokio::time::Instant::now() + LISTEN_QUEUE_PATIENCE;
+    let mut pause = Duration::from_millis(2);
+    let (client, connection) = loop {
+        match config.connect(NoTls).await {
+            Err(e) if listen_queue_full(&e) && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            r => break r?,
+        }
+    };
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "pgwarden_testing connection ended with an error");
         }
     });
     Ok(client)
+}
+
+/// How long the harness's own connections (a test's admin connection, a
+/// fresh database) retry a server whose listen queue is full.
+const LISTEN_QUEUE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// A connect refused because the server's listen queue is full: on a Unix
+/// socket a non-blocking `connect` then fails with `EAGAIN` at once (seen
+/// on a loaded 2-core machine, the shared server's postmaster behind a
+/// storm of other tests' connects: "fresh database: ... Resource
+/// temporarily unavailable"). The harness's own connections wait for the
+/// queue to drain, as a TCP connect would; what a test asserts about its
+/// own connects is its own.
+fn listen_queue_full(e: &tokio_postgres::Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .is_some_and(|io| io.kind() == std::io::ErrorKind::WouldBlock)
 }
 
 /// A `deadpool_postgres::Pool` of at most `max_size` connections with any

@@ -144,3 +144,70 @@ async fn freezing_the_shared_server_is_refused() -> Result {
     assert!(answers(&db.connect().await?, RECOVER).await);
     Ok(())
 }
+
+/// A server whose listen queue is full refuses a non-blocking connect on
+/// its Unix socket with `EAGAIN` at once; the harness's own connections
+/// (a test's admin connection, a fresh database) wait for the queue to
+/// drain instead of failing the test (seen on a loaded machine: "fresh
+/// database: ... Resource temporarily unavailable").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_listen_queue_delays_the_harness_connections_instead_of_failing_them() -> Result {
+    let server = TestServer::start_local()?;
+    let db = server.create_database().await?;
+    let socket = server
+        .socket_dir()
+        .ok_or("no socket directory")?
+        .join(format!(".s.PGSQL.{}", server.port()));
+    // The postmaster frozen, connects pile up in its listen queue until it
+    // is full (PostgreSQL asks for twice max_connections, 400 here).
+    let frozen = server.freeze()?;
+    let mut queued = Vec::new();
+    let full = loop {
+        match tokio::net::UnixStream::connect(&socket).await {
+            Ok(s) => queued.push(s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break true,
+            Err(e) => return Err(e.into()),
+        }
+        if queued.len() > 10_000 {
+            break false;
+        }
+    };
+    assert!(full, "no EAGAIN after {} queued connects", queued.len());
+    // A plain connect now fails at once: the condition is there.
+    let plain = tokio::time::timeout(HANG, db.pg_config().connect(tokio_postgres::NoTls)).await;
+    match plain {
+        Ok(Err(e)) => assert!(
+            e.to_string().contains("temporarily unavailable")
+                || format!("{e:?}").contains("WouldBlock"),
+            "{e:?}"
+        ),
+        other => {
+            return Err(format!(
+                "a plain connect to a full queue: {:?}",
+                other.map(|r| r.map(|_| ()))
+            )
+            .into())
+        }
+    }
+    // The harness's connect waits; it has not failed while the queue is
+    // full, and succeeds once the server runs and the queue drains.
+    let waiting = tokio::spawn({
+        let db = db.clone();
+        async move { db.connect().await }
+    });
+    tokio::time::sleep(HANG).await;
+    assert!(
+        !waiting.is_finished(),
+        "the harness's connect gave up on a full queue"
+    );
+    drop(queued);
+    drop(frozen);
+    let client = within(
+        RECOVER,
+        "the harness's connect after the queue drained",
+        waiting,
+    )
+    .await??;
+    assert!(answers(&client, RECOVER).await);
+    Ok(())
+}
