@@ -157,11 +157,11 @@ async fn loaded_postgres_is_direct_every_time<B: Backend>() {
     let load = Load::start(clients);
     load.running().await;
     logs();
-    // Four detections at a time (as through the session pooler): on sqlx,
-    // which does not show the pid announced at connection start, each is
-    // the whole motion probe, 42 statements, and 100 in a row took 47 s.
+    // PARALLEL detections at a time (as through the session pooler): on
+    // sqlx, which does not show the pid announced at connection start, each
+    // is the whole motion probe, 42 statements, and 100 in a row took 47 s.
     let times =
-        direct_detections::<B>(tries, 4, |i| fresh::<B>(On::Db(&db), &format!("pg-{i}"))).await;
+        direct_detections::<B>(tries, |i| fresh::<B>(On::Db(&db), &format!("pg-{i}"))).await;
     load.stop().await;
     let counts = statements::<B>("pg-");
     // One statement where the pid announced at connection start is read;

@@ -15,9 +15,6 @@ use support::backend::Backend;
 use support::pooler::*;
 use support::*;
 
-/// Detections (and, in the second test, locks) run at once.
-const PARALLEL: usize = 4;
-
 backends!(
     soak,
     a_loaded_session_pooler_is_direct_every_time_and_its_locks_work,
@@ -40,10 +37,8 @@ async fn a_loaded_session_pooler_is_direct_every_time_and_its_locks_work<B: Back
     // PARALLEL detections at a time: each holds two server connections
     // (the motion probe's) of the 16 the load leaves free, so none waits
     // in PgBouncer's queue.
-    let times = direct_detections::<B>(tries, PARALLEL, |i| {
-        through::<B>(&bouncer, &format!("session-{i}"))
-    })
-    .await;
+    let times =
+        direct_detections::<B>(tries, |i| through::<B>(&bouncer, &format!("session-{i}"))).await;
     let counts = statements::<B>("session-");
     assert_eq!(counts, vec![42; tries], "1 + 1 + 40 probe statements each");
 

@@ -1961,8 +1961,8 @@ macro_rules! backends {
             }
         }
     };
-    // A soak (a loaded server or pooler, a hundred tries, seconds of
-    // racing): deadpool, and sqlx at the newest version compiled in. With
+    // A soak (a loaded server or pooler for `POOLER_TRIES` detections, or
+    // `H3_SOAK_SECS` of racing): deadpool, and sqlx at the newest version compiled in. With
     // both sqlx versions on (`--all-features`) the 0.8 variant is ignored
     // (`cargo test --all-features -- --ignored sqlx_0_8_soak` runs it): the same
     // source against the other sqlx, whose every other test runs. The six
