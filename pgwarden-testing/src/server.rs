@@ -21,7 +21,7 @@ use crate::{TestingError, CONNECT_TIMEOUT, STARTUP_TIMEOUT};
 ///
 /// A started server listens on a Unix socket in its temporary directory only,
 /// runs with `fsync`, `synchronous_commit` and `full_page_writes` off and
-/// `max_connections = 200`, and is stopped (its directory removed) on drop
+/// `max_connections = 400`, and is stopped (its directory removed) on drop
 /// or, failing that, by its watchdog when the process ends.
 #[derive(Debug)]
 pub struct TestServer {
@@ -151,7 +151,12 @@ impl TestServer {
                 .args(["-c", "fsync=off"])
                 .args(["-c", "synchronous_commit=off"])
                 .args(["-c", "full_page_writes=off"])
-                .args(["-c", "max_connections=200"])
+                // 400: the tests of one binary share this server on 8
+                // threads, and two loaded PgBouncer tests at once hold about
+                // 90 of its connections (with 200, a third test's connect
+                // was refused with 53300 on a busy machine). Its Unix
+                // socket's listen queue is twice this.
+                .args(["-c", "max_connections=400"])
                 // A lock table for 51,200 locks (the default 64 per connection
                 // holds about 13,000): the census is tested with tens of
                 // thousands of advisory locks.

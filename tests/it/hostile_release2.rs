@@ -793,7 +793,16 @@ async fn a_copy_left_open_by_user_code<B: CopyLeft>() {
             after, CLEAN,
             "out {out}, in a transaction {in_tx}, dropped {drop_it}: {done:?}"
         );
-        assert!(raw_locks(&raw).await.is_empty(), "case {case}");
+        // A connection left out of step is closed (its locks go with its
+        // session): the server ends that session once its backend sees the
+        // close, a moment after the pool counts the connection gone (case
+        // 7 on sqlx 0.8, once on 8 threads). A leak would never clear.
+        eventually(
+            GUARD,
+            &format!("case {case}: no advisory lock left"),
+            || async { raw_locks(&raw).await.is_empty() },
+        )
+        .await;
         println!(
             "{}: copy out {out}, in tx {in_tx}: unlock said {done:?}",
             B::NAME
