@@ -44,8 +44,11 @@ async fn fencing_rejects_the_stale_holder<B: Backend>() {
         .batch_execute("CREATE TABLE ledger (writer text, token bigint)")
         .await
         .unwrap();
-    // No renewal within the next 5 s: the steps below expire the term by hand.
-    let opts = LeaseOptions::new(10 * S).renew_every(5 * S);
+    // No renewal while the steps below run: they expire the term by hand,
+    // and a renewal landing after that (a renewal needs only its holder
+    // and token) would give A's term back. 5 s was not enough on a busy
+    // machine (stop 43: B's second acquisition found A renewed).
+    let opts = LeaseOptions::new(60 * S).renew_every(50 * S);
     let old = B::acquire(&a, "ledger", &opts, None)
         .await
         .unwrap()
@@ -178,7 +181,8 @@ async fn fence_under<B: Backend>(level: IsolationLevel, app: &'static str) {
     assert!(!own.is_lost());
 
     // 2. Taken over after the snapshot: a typed error.
-    let stale_opts = LeaseOptions::new(10 * S).renew_every(5 * S);
+    // No renewal within the steps (see above).
+    let stale_opts = LeaseOptions::new(60 * S).renew_every(50 * S);
     let stale = B::acquire(&a, "taken", &stale_opts, None)
         .await
         .unwrap()
