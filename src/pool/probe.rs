@@ -183,20 +183,7 @@ impl<B: Source> Shared<B> {
         site: &'static Location<'static>,
         start: tokio::time::Instant,
     ) -> Result<(), Error> {
-        // A wrapped pool that pings an idle connection as it hands it out
-        // (sqlx) and has one idle hands out that one: its ping is a round
-        // trip on a connection in use before, held to the probe's own
-        // bound (a hung idle connection must not hold the probe lane for a
-        // set-up's bound). When none is idle it makes one: `kept`. (One
-        // taken between this look and the checkout costs one probe a new
-        // connection cut at its bound; the next probe sees none idle.)
-        let checkout_bound =
-            if kept > bound && self.inner.pings_idle() && self.inner.status().idle > 0 {
-                bound
-            } else {
-                kept
-            };
-        let c = self.checkout(Lane::Probe, site, checkout_bound).await?;
+        let c = self.checkout(Lane::Probe, site, kept).await?;
         if c.answered {
             // The server answered a round trip on this connection during
             // the checkout (the wrapped pool's ping of an idle one, or
