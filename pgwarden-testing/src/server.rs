@@ -157,8 +157,8 @@ impl TestServer {
                 // was refused with 53300 on a busy machine). Its Unix
                 // socket's listen queue is twice this.
                 .args(["-c", "max_connections=400"])
-                // A lock table for 51,200 locks (the default 64 per connection
-                // holds about 13,000): the census is tested with tens of
+                // A lock table for 102,400 locks (256 per connection; the
+                // default 64 holds about 26,000 here): the census is tested with tens of
                 // thousands of advisory locks.
                 .args(["-c", "max_locks_per_transaction=256"])
                 .args(["-c", "logging_collector=on"])

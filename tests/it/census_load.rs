@@ -1,6 +1,6 @@
 //! The census under load, on every backend, each variant on a server of
 //! its own (its lock table is filled: the shared server's, and one server
-//! for the three variants at once, holds about 51,000 locks, not 135,000): 30,000 advisory locks leaked on an idle pooled connection and
+//! for the three variants at once, holds about 102,000 locks, not 135,000): 30,000 advisory locks leaked on an idle pooled connection and
 //! 15,000 more held by another session. The census runs again and again in
 //! its own task while checkouts go on, and a checkout completes while a
 //! census query is running (the pool's mutex is held only to copy who holds

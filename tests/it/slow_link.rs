@@ -200,3 +200,72 @@ async fn eventually_closed(proxy: &Proxy) {
     })
     .await;
 }
+
+// Stop 43: a probe that bounded its checkout by its own bound whenever a
+// connection was idle (so that a hung idle connection would not hold the
+// probe lane for the set-up bound on sqlx) was tried and reverted: when
+// every idle connection is dead, sqlx's ping of each fails at once and it
+// makes a new connection inside the same checkout, which that bound cut.
+// Readiness came back one probe per dead idle connection (probe 8 to 9
+// with 6 dead, against 2), found by the hostile reader.
+backends!(
+    readiness_comes_back_after_every_idle_connection_died_on_a_slow_link,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// A 350 ms link, the pool's `DEAD` idle connections all cut at once (a
+/// network blip, a failover, a restarted pooler), then `readiness(1 s)`
+/// back to back: ready before one probe per dead connection has been
+/// spent. Asserted with room for a loaded machine: the probe's work goes
+/// on in the background for up to 10 s, so only a set-up slower than
+/// `DEAD` probes (8 s) fails it, while a probe that spent one probe per
+/// dead idle connection could not be ready before probe `DEAD + 1`.
+async fn readiness_comes_back_after_every_idle_connection_died_on_a_slow_link<B: Backend>() {
+    const DEAD: usize = 8;
+    let server = TestServer::shared().expect("throwaway PostgreSQL");
+    let db = server.create_database().await.unwrap();
+    let proxy = Proxy::start(server).expect("proxy");
+    proxy.set_latency(Duration::from_millis(175));
+    let s = Settings::new("slow-link-dead", DEAD + 1).pooler(PoolerMode::Direct);
+    let pool = B::build_on(&proxy.pg_config(&db), &s);
+    // DEAD idle connections: all checked out at once, then given back.
+    let conns =
+        futures_util::future::join_all((0..DEAD).map(|_| B::get_within(&pool, GUARD))).await;
+    let conns: Vec<_> = conns.into_iter().map(|c| c.unwrap()).collect();
+    drop(conns);
+    support::eventually(GUARD, "all idle", || async {
+        let st = B::status(&pool);
+        st.size == DEAD && st.idle == DEAD && st.in_use == 0
+    })
+    .await;
+    assert_eq!(proxy.reset_all(), DEAD);
+
+    let started = Instant::now();
+    let mut answers = Vec::new();
+    let ready_at = loop {
+        assert!(started.elapsed() < GUARD, "never ready: {answers:?}");
+        let r = B::readiness(&pool, BOUND).await;
+        answers.push(match &r {
+            Ok(took) => format!("ok {took:.0?}"),
+            Err(e) => e.to_string(),
+        });
+        if r.is_ok() {
+            break answers.len();
+        }
+    };
+    eprintln!(
+        "{}: {DEAD} dead idle connections on a 350 ms link, ready at probe {ready_at}: {answers:?}",
+        B::NAME
+    );
+    assert!(
+        ready_at <= DEAD,
+        "{}: one probe per dead idle connection: ready at probe {ready_at}: {answers:?}",
+        B::NAME
+    );
+    // Nothing left checked out, nothing past the pool's size.
+    support::eventually(GUARD, "nothing checked out", || async {
+        B::status(&pool).in_use == 0 && proxy.connections() <= DEAD + 1
+    })
+    .await;
+    B::close(&pool).await;
+}
