@@ -12,7 +12,6 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use pgwarden_testing::TestServer;
 use support::backend::{Backend, Settings};
 use support::*;
 
@@ -26,11 +25,7 @@ async fn thirty_thousand_leaked_locks_do_not_stall_checkouts<B: Backend>() {
     // The census logs from the runtime's worker threads: the process-wide
     // subscriber (its lines are told apart by pool name).
     let logs = logs();
-    let server = tokio::task::spawn_blocking(TestServer::start)
-        .await
-        .unwrap()
-        .expect("throwaway PostgreSQL");
-    let db = server.create_database().await.unwrap();
+    let (server, db) = own_db().await;
     let raw = db.connect().await.unwrap();
     raw.simple_query("SELECT count(pg_advisory_lock(1, i)) FROM generate_series(1, 15000) i")
         .await

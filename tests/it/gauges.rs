@@ -30,11 +30,7 @@ async fn lane_gauges_match_the_state_after_a_storm<B: Backend>() {
     // server were refused at once with EAGAIN (stop 43, 8 threads and two
     // busy loops: `hostile_fence2::a_cancelled_fence_keeps_its_lease`, the
     // next test in order, in two busy runs out of three).
-    let server = tokio::task::spawn_blocking(pgwarden_testing::TestServer::start)
-        .await
-        .unwrap()
-        .expect("throwaway PostgreSQL");
-    let db = server.create_database().await.unwrap();
+    let (_server, db) = own_db().await;
     let s = Settings::new("storm", 4);
     let (pool, snap) = B::build_recorded(&db, &s);
     let name = s.pool_name::<B>();

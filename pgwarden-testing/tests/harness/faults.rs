@@ -159,7 +159,7 @@ async fn a_full_listen_queue_delays_the_harness_connections_instead_of_failing_t
         .ok_or("no socket directory")?
         .join(format!(".s.PGSQL.{}", server.port()));
     // The postmaster frozen, connects pile up in its listen queue until it
-    // is full (PostgreSQL asks for twice max_connections, 400 here).
+    // is full (PostgreSQL asks for twice max_connections, 800 here).
     let frozen = server.freeze()?;
     let mut queued = Vec::new();
     let full = loop {

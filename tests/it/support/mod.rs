@@ -52,6 +52,19 @@ pub async fn db() -> TestDb {
         .expect("fresh database")
 }
 
+/// A server of the test's own (the external one where `DATABASE_URL` names
+/// it) and a fresh database on it: for a test whose load (a filled lock
+/// table, a storm of cut connects) must not reach the other tests of the
+/// shared server. Keep the server while the database is used.
+pub async fn own_db() -> (TestServer, TestDb) {
+    let server = tokio::task::spawn_blocking(TestServer::start)
+        .await
+        .expect("server start task")
+        .expect("throwaway PostgreSQL");
+    let db = server.create_database().await.expect("fresh database");
+    (server, db)
+}
+
 /// A pool of `size` on `db`, straight to PostgreSQL (no pooler probe), no
 /// periodic census, housekeeping on demand only.
 pub fn builder(db: &TestDb, size: usize) -> PoolBuilder {
