@@ -150,7 +150,7 @@ impl<B: Source> Shared<B> {
         Getting {
             // Not polled before admission: an async fn's future does nothing
             // until then (it only holds its arguments).
-            get: self.inner.take(&self.cfg),
+            get: self.inner.take(&self.cfg, lane),
             timer: Timer::Off,
             state: State::Start,
             shared: self,
@@ -189,7 +189,7 @@ impl<B: Source> Shared<B> {
         loop {
             let got = match first.take() {
                 Some(got) => got,
-                None => until(deadline, shared.inner.take(&shared.cfg)).await,
+                None => until(deadline, shared.inner.take(&shared.cfg, lane)).await,
             };
             let got = match got {
                 Some(Ok(o)) => Ok(o),
@@ -257,9 +257,12 @@ impl<B: Source> Shared<B> {
             };
             // Whether the server answered a round trip on the connection
             // during this checkout: the readiness probe then asks nothing
-            // more (`probe.rs`).
+            // more (`probe.rs`). The probe's own take pings nothing
+            // ([`Source::take`]).
             let answered = match seen {
-                Seen::Known(..) => asked.is_some() || shared.inner.pings_idle(),
+                Seen::Known(..) => {
+                    asked.is_some() || (lane != Lane::Probe && shared.inner.pings_idle())
+                }
                 Seen::Tainted | Seen::New => true,
             };
             let (pid, since) = match seen {

@@ -175,7 +175,13 @@ impl<B: Source> Shared<B> {
 
     /// Checkout and `SELECT 1` within `bound` from `start`; on a new
     /// connection (its set-up under way), within `kept` (at least `bound`).
-    /// A connection that did not answer in time is closed.
+    /// A connection that did not answer in time is closed. One in use
+    /// before whose `SELECT 1` failed (its session ended: a network blip,
+    /// a restart, `pg_terminate_backend`) is closed and the next taken, up
+    /// to the pool's size, within the same bounds: a dead idle connection
+    /// is not the server being unready, and the wrapped pool may hand those
+    /// out unchecked (sqlx's probe take, deadpool's `Fast` recycle before
+    /// its connection task saw the end).
     async fn probe_once(
         self: &Arc<Self>,
         bound: Duration,
@@ -183,29 +189,38 @@ impl<B: Source> Shared<B> {
         site: &'static Location<'static>,
         start: tokio::time::Instant,
     ) -> Result<(), Error> {
-        let c = self.checkout(Lane::Probe, site, kept).await?;
-        if c.answered {
-            // The server answered a round trip on this connection during
-            // the checkout (the wrapped pool's ping of an idle one, or
-            // pgwarden's naming or pid statement): a `SELECT 1` would only
-            // repeat it. Whether that came within a probe's bound is each
-            // caller's to judge (`probe`, `setup_answered`).
-            return Ok(());
-        }
-        let bound = if c.is_new() { kept } else { bound };
-        let Some(left) = bound.checked_sub(start.elapsed()) else {
-            // A connection in use before, found after the probe gave up:
-            // nothing to ask it, it goes back as it came.
-            return Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)));
-        };
-        let mut c = c;
-        match tokio::time::timeout(left, B::select_1(&mut c)).await {
-            Ok(r) => r,
-            Err(_) => {
-                // The server did not answer: this connection is in an
-                // unknown state, never reuse it.
-                c.discard();
-                Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)))
+        let mut dead = 0;
+        loop {
+            let left = kept.saturating_sub(start.elapsed());
+            let mut c = self.checkout(Lane::Probe, site, left).await?;
+            if c.answered {
+                // The server answered a round trip on this connection during
+                // the checkout (the wrapped pool's ping of an idle one, or
+                // pgwarden's naming or pid statement): a `SELECT 1` would
+                // only repeat it. Whether that came within a probe's bound
+                // is each caller's to judge (`probe`, `setup_answered`).
+                return Ok(());
+            }
+            let new = c.is_new();
+            let bound = if new { kept } else { bound };
+            let Some(left) = bound.checked_sub(start.elapsed()) else {
+                // A connection in use before, found after the probe gave
+                // up: nothing to ask it, it goes back as it came.
+                return Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)));
+            };
+            match tokio::time::timeout(left, B::select_1(&mut c)).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(_)) if !new && dead < self.status().max => {
+                    c.discard();
+                    dead += 1;
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    // The server did not answer: this connection is in an
+                    // unknown state, never reuse it.
+                    c.discard();
+                    return Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)));
+                }
             }
         }
     }

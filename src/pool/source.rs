@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::{Object, PoolError, TimeoutType};
 
 use super::ext::Extensions;
+use crate::admission::Lane;
 use crate::error::{CheckoutError, Error};
 use crate::stmt::{Conn, Row};
 
@@ -119,11 +120,16 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// out at build for the pool `name`; `ext` is its extension slot, where
     /// the layers above keep what they learn of it (the pooler mode).
     fn cfg(&self, name: &str, ext: &Extensions) -> Self::Cfg;
-    /// A connection, without waiting for capacity (pgwarden admitted the
-    /// checkout: the capacity is there). Not polled before admission.
+    /// A connection for a checkout of `lane`, without waiting for capacity
+    /// (pgwarden admitted the checkout: the capacity is there). Not polled
+    /// before admission. For [`Lane::Probe`] an idle connection is handed
+    /// out as it is, without a check of the wrapped pool's own that may
+    /// wait on the server (sqlx's ping): the probe's `SELECT 1` is that
+    /// check, under the probe's own bound (`probe.rs`).
     fn take<'a>(
         &'a self,
         cfg: &'a Self::Cfg,
+        lane: Lane,
     ) -> impl Future<Output = Result<Self::Object, Self::Raw>> + Send + 'a;
     /// A connection, waiting inside the wrapped pool for a return under
     /// way (after [`Refused::NoRoom`]; the shell bounds it).
@@ -258,9 +264,12 @@ impl Source for deadpool_postgres::Pool {
     }
 
     #[inline(always)]
+    /// The same on every lane: deadpool's `Fast` recycle (what pgwarden
+    /// builds) hands an idle connection out without a round trip.
     fn take<'a>(
         &'a self,
         cfg: &'a deadpool_postgres::Timeouts,
+        _: Lane,
     ) -> impl Future<Output = Result<Object, PoolError>> + Send + 'a {
         self.timeout_get(cfg)
     }

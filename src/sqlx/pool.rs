@@ -212,11 +212,20 @@ impl Source for dep::PgPool {
         }
     }
 
-    fn take<'a>(
-        &'a self,
-        _: &'a Naming,
-    ) -> impl Future<Output = Result<Self::Object, dep::Error>> + Send + 'a {
-        self.acquire()
+    /// For the probe, an idle connection as it is when there is one
+    /// (`try_acquire`: no ping, no `before_acquire` hook): sqlx's ping of an
+    /// idle connection whose server hung waits inside the checkout, where
+    /// pgwarden cannot tell it from a connection being made, and so held
+    /// the probe lane for the set-up bound (10 s) instead of the probe's.
+    /// The probe's own `SELECT 1` is the ping, under the probe's bound. Else
+    /// (none idle, or another lane) sqlx's `acquire`.
+    async fn take(&self, _: &Naming, lane: Lane) -> Result<Self::Object, dep::Error> {
+        if lane == Lane::Probe {
+            if let Some(idle) = self.try_acquire() {
+                return Ok(idle);
+            }
+        }
+        self.acquire().await
     }
 
     fn take_waiting<'a>(
