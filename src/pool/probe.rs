@@ -203,12 +203,24 @@ impl<B: Source> Shared<B> {
             }
             let new = c.is_new();
             let bound = if new { kept } else { bound };
-            let Some(left) = bound.checked_sub(start.elapsed()) else {
-                // A connection in use before, found after the probe gave
-                // up: nothing to ask it, it goes back as it came.
-                return Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)));
+            // A connection in use before, found after the probe gave up (it
+            // waited on the probe lane): asked all the same, within what is
+            // left of `kept` and at most a probe's bound, never handed back
+            // unasked. On sqlx it came without a ping (the probe's take),
+            // and sqlx pings a connection it takes back with no bound: a
+            // hung one would hold the probe lane for as long as it hangs.
+            let left = match bound.checked_sub(start.elapsed()) {
+                Some(left) => left,
+                None => kept.saturating_sub(start.elapsed()).min(bound),
             };
-            match tokio::time::timeout(left, B::select_1(&mut c)).await {
+            let mut asking = Asking {
+                client: &mut c,
+                armed: true,
+            };
+            let answer = tokio::time::timeout(left, B::select_1(asking.client)).await;
+            asking.armed = false;
+            drop(asking);
+            match answer {
                 Ok(Ok(())) => return Ok(()),
                 Ok(Err(_)) if !new && dead < self.status().max => {
                     c.discard();
@@ -222,6 +234,24 @@ impl<B: Source> Shared<B> {
                     return Err(Error::Checkout(CheckoutError::ReadinessTimeout(bound)));
                 }
             }
+        }
+    }
+}
+
+/// A probe's connection while its `SELECT 1` is out: closed when the probe
+/// is dropped before the answer (a caller that gave up on a probe run in
+/// its own task), never handed back. Its answer is still to come, and sqlx
+/// pings a connection it takes back with no bound: a hung one would hold
+/// the probe lane for as long as it hangs.
+struct Asking<'a, B: Source> {
+    client: &'a mut crate::pool::checkout::Client<B>,
+    armed: bool,
+}
+
+impl<B: Source> Drop for Asking<'_, B> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.client.close_in_place();
         }
     }
 }

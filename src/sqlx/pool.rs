@@ -14,7 +14,11 @@
 //!   the checkout's admission back only once it is done, so an admitted
 //!   checkout never waits inside sqlx for a return pgwarden counted as
 //!   done. The hooks run as before (`before_acquire` inside `acquire`,
-//!   `after_release` in the return).
+//!   `after_release` in the return), except for the readiness probe, which
+//!   takes an idle connection with `try_acquire` (no ping, no
+//!   `before_acquire`; see [`Source::take`] here) and closes, never hands
+//!   back, one whose `SELECT 1` it did not see answered: that return's ping
+//!   has no bound.
 //! - **The backend pid.** sqlx exposes none, nor any id of a connection. A
 //!   connection is named by its cached prepared statement
 //!   `SELECT pg_backend_pid()` (the address of that statement's metadata,

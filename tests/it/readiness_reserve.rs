@@ -12,10 +12,11 @@
 #[allow(dead_code)]
 mod paused_holder;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::support;
 use crate::support::backend::{settled, Backend, Settings};
+use pgwarden::Lane;
 use pgwarden_testing::TestServer;
 
 backends!(
@@ -153,4 +154,118 @@ async fn a_probe_passes_over_idle_connections_whose_sessions_ended<B: Backend>()
     .await;
     let r = B::readiness(&pool, Duration::from_secs(30)).await;
     assert!(r.is_ok(), "{}: the first probe: {r:?}", B::NAME);
+}
+
+/// `n` idle connections on `pool`, their pids.
+async fn idle<B: Backend>(pool: &B::Pool, n: usize) -> Vec<i32> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        held.push(B::get(pool).await.unwrap());
+    }
+    let pids: Vec<i32> = held.iter().map(B::pid).collect();
+    drop(held);
+    settled::<B>(pool).await;
+    pids
+}
+
+backends!(
+    dropped_caller_probe_on_hung_idle,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// A probe run in the caller's task (another one runs in the background)
+/// whose caller drops it while its `SELECT 1` waits on a hung idle
+/// connection: the connection is closed, never handed back. (sqlx pings a
+/// connection it takes back, with no bound: handed back, it held the
+/// probe lane until the backend came back: not ready within 12 probes of
+/// 2 s on sqlx, the hostile reader's probe F1 of stop 44.)
+async fn dropped_caller_probe_on_hung_idle<B: Backend>() {
+    let db = support::db().await;
+    let pool = B::build(&db, &Settings::new("drop-hung", 4));
+    let pids = idle::<B>(&pool, 2).await;
+    assert_eq!(B::status(&pool).size, 2, "two idle connections");
+    let stopped = support::Stopped::stop(pids.clone()).unwrap();
+    let p1 = {
+        let pool = pool.clone();
+        tokio::spawn(async move { B::readiness(&pool, Duration::from_secs(1)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let p2 = tokio::time::timeout(
+        Duration::from_millis(1600),
+        B::readiness(&pool, Duration::from_secs(3)),
+    )
+    .await;
+    let r1 = p1.await.unwrap();
+    eprintln!(
+        "{}: p1 {r1:?}; p2 (dropped at 1.6 s) {p2:?}; status {}",
+        B::NAME,
+        B::status(&pool)
+    );
+    let t = Instant::now();
+    let n = probes_until_ready::<B>(&pool, Duration::from_secs(2), 12).await;
+    let st = B::status(&pool);
+    eprintln!(
+        "{}: after: {n:?} in {:?}; probe lane in_use {}; status {st}",
+        B::NAME,
+        t.elapsed(),
+        st.lane(Lane::Probe).in_use
+    );
+    drop(stopped);
+    settled::<B>(&pool).await;
+    let n = n.unwrap_or_else(|e| {
+        panic!(
+            "{}: not ready within 12 probes of 2 s (24 s) while a hung idle connection's return \
+             was under way (probe lane in_use {}): {e:?}",
+            B::NAME,
+            st.lane(Lane::Probe).in_use
+        )
+    });
+    assert!(n <= 3, "{}: ready only at probe {n}", B::NAME);
+}
+
+backends!(
+    overlapping_probes_over_hung_idle,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// Probes whose bounds overlap over hung idle connections, nothing
+/// cancelled: a background probe that waited on the probe lane past its
+/// bound and then got a hung connection asks it all the same (within a
+/// probe's bound) and closes it, never hands it back unasked (F1 of stop
+/// 44: not ready within 12 probes on sqlx).
+async fn overlapping_probes_over_hung_idle<B: Backend>() {
+    let db = support::db().await;
+    let pool = B::build(&db, &Settings::new("overlap-hung", 4));
+    let pids = idle::<B>(&pool, 3).await;
+    assert_eq!(B::status(&pool).size, 3, "three idle connections");
+    let stopped = support::Stopped::stop(pids.clone()).unwrap();
+    let spawn = |t: Duration| {
+        let pool = pool.clone();
+        tokio::spawn(async move { B::readiness(&pool, t).await })
+    };
+    let p1 = spawn(Duration::from_secs(1));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let p2 = spawn(Duration::from_secs(3));
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let p3 = spawn(Duration::from_secs(1));
+    let (r1, r2, r3) = (p1.await.unwrap(), p2.await.unwrap(), p3.await.unwrap());
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    eprintln!(
+        "{}: p1 {r1:?} p2 {r2:?} p3 {r3:?}; status {}",
+        B::NAME,
+        B::status(&pool)
+    );
+    let t = Instant::now();
+    let n = probes_until_ready::<B>(&pool, Duration::from_secs(2), 12).await;
+    let st = B::status(&pool);
+    eprintln!("{}: after {n:?} in {:?}; status {st}", B::NAME, t.elapsed());
+    drop(stopped);
+    settled::<B>(&pool).await;
+    n.unwrap_or_else(|e| {
+        panic!(
+            "{}: not ready within 12 probes of 2 s (24 s) (probe lane in_use {}): {e:?}",
+            B::NAME,
+            st.lane(Lane::Probe).in_use
+        )
+    });
 }
