@@ -625,15 +625,20 @@ RETURNING name"
                 .to_owned(),
             // A purge round's sweep: once none of the transactions the mark
             // saw is left (`$1`, checked in the same statement), the rows
-            // released or expired for longer than `$3` seconds whose term's
-            // token is at most the mark's (`$2`), up to `$4` of them. Rows
-            // locked by anyone are skipped, never waited for.
+            // whose term's token is at most the mark's (`$2`) and that are
+            // released, their hold over, or expired for longer than `$3`
+            // seconds, up to `$4` of them. A released row (`holder = ''`)
+            // says nothing an expired one would not, so it goes at once; an
+            // expired one is a holder that stopped renewing (a crash, a
+            // frozen process), which `pgwarden check` reports: it stays for
+            // the age. Rows locked by anyone are skipped, never waited for.
             purge_sweep: format!(
                 "WITH d AS (SELECT NOT EXISTS (SELECT FROM pg_locks WHERE virtualtransaction = ANY ($1::text[])) AS drained),
      x AS (DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
              SELECT ctid FROM {tbl}
               WHERE (SELECT drained FROM d) AND token <= $2
-                AND greatest(expires_at, held_until) < now() - make_interval(secs => $3)
+                AND greatest(expires_at, held_until)
+                    < CASE WHEN holder = '' THEN now() ELSE now() - make_interval(secs => $3) END
               LIMIT $4 FOR UPDATE SKIP LOCKED))
            RETURNING 1)
 SELECT (SELECT drained FROM d), (SELECT count(*) FROM x)"

@@ -236,21 +236,16 @@ async fn ten_thousand_released_names_leave_under_a_hundred_rows<B: Backend>() {
     B::release(keep).await.unwrap();
 }
 
-backends!(purge_deletes_only_rows_older_than_its_age);
-async fn purge_deletes_only_rows_older_than_its_age<B: Backend>() {
+backends!(purge_deletes_released_rows_at_once_and_expired_ones_after_their_age);
+/// A released row goes at the next rounds whatever the age (its hold over);
+/// one still held by `at_least` stays; a crashed holder's expired row stays
+/// for the age (what `pgwarden check` reports), then goes.
+async fn purge_deletes_released_rows_at_once_and_expired_ones_after_their_age<B: Backend>() {
     let db = db().await;
     let admin = admin(&db).await;
     let pool = B::build(&db, &Settings::new("purge-age", 2));
     let hour = LeaseSettings::default().purge(Duration::from_secs(3600), Some(20 * MS));
     let leases = B::leases_with(&pool, &hour).unwrap();
-    // A released row kept by its hold, and a crashed holder's expired row.
-    let opts = LeaseOptions::new(10 * S).at_least(MS);
-    let released = B::acquire(&leases, "released", &opts, None)
-        .await
-        .unwrap()
-        .unwrap();
-    B::release(released).await.unwrap();
-    insert_expired(&admin, "crashed", "gone").await;
     let names = || async {
         admin
             .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
@@ -260,12 +255,38 @@ async fn purge_deletes_only_rows_older_than_its_age<B: Backend>() {
             .map(|r| r.get::<_, String>(0))
             .collect::<Vec<_>>()
     };
-    assert_eq!(names().await, ["crashed", "released"]);
-    // Younger than an hour: kept by two whole purge statements.
+    // A released row, one released but held for an hour, and a crashed
+    // holder's expired row.
+    let released = B::acquire(&leases, "released", &LeaseOptions::new(10 * S), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let held = B::acquire(
+        &leases,
+        "held",
+        &LeaseOptions::new(10 * S).at_least(Duration::from_secs(3600)),
+        None,
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    insert_expired(&admin, "crashed", "gone").await;
+    assert_eq!(names().await, ["crashed", "held", "released"]);
+    B::release(released).await.unwrap();
+    B::release(held).await.unwrap();
+    // The released row goes (after a mark and a sweep); the others stay.
+    eventually(10 * S, "the released row purged", || async {
+        names().await == ["crashed", "held"]
+    })
+    .await;
+    assert_eq!(B::lease_stats(&leases).purged, 1);
+    // Two whole purge statements more: still there (younger than an hour,
+    // held for an hour).
     purge_rounds::<B>(&leases, 2).await;
-    assert_eq!(names().await, ["crashed", "released"]);
-    assert_eq!(B::lease_stats(&leases).purged, 0);
-    // Two hours old: purged, released and expired alike.
+    assert_eq!(names().await, ["crashed", "held"]);
+    assert_eq!(B::lease_stats(&leases).purged, 1);
+    // Two hours old: purged, the held one (its hold now over) and the
+    // expired one alike.
     admin
         .batch_execute(
             "UPDATE pgwarden_leases SET expires_at = expires_at - interval '2 h',
@@ -282,7 +303,7 @@ async fn purge_deletes_only_rows_older_than_its_age<B: Backend>() {
         names().await == ["live"]
     })
     .await;
-    assert_eq!(B::lease_stats(&leases).purged, 2);
+    assert_eq!(B::lease_stats(&leases).purged, 3);
     // A purged name starts again with a larger token.
     let again = B::acquire(&leases, "crashed", &LeaseOptions::new(10 * S), None)
         .await
