@@ -589,16 +589,18 @@ impl<B: Backend> LeasesBuilder<B> {
 
     /// Old rows: the renewer deletes, one round per `every` (10 ms to 366
     /// days), the rows released (their hold, if any, over) and the rows
-    /// expired for longer than `after` (0 to 366 days); `None` turns the
-    /// purge off on this instance (the rows then stay, one per name ever
-    /// used, unless another instance purges). Default: every 5 s, after
-    /// 60 s. A released row says nothing the next term will not, so it goes
-    /// at once; an expired one is a holder that stopped renewing (a crash,
-    /// a frozen process), which `pgwarden check` reports, so it stays for
-    /// `after`. The table holds the live leases, what was released within
-    /// about 2 × `every`, and what expired within about `after` + 2 ×
-    /// `every`, whatever the rate of new names: a round deletes every row
-    /// it may, in statements of 500 rows.
+    /// expired for longer than their TTL plus `after` (0 to 366 days);
+    /// `None` turns the purge off on this instance (the rows then stay, one
+    /// per name ever used, unless another instance purges). Default:
+    /// `after` 60 s, `every` 5 s. A released row says nothing the next term
+    /// will not, so it goes at once; an expired one is a holder that
+    /// stopped renewing (a crash, a frozen process), which `pgwarden check`
+    /// reports once it has been expired for its TTL, so it stays that long
+    /// and `after` more (a row written without its TTL, by an older
+    /// pgwarden, for `after`). The table holds the live leases, what was
+    /// released within about 2 × `every`, and what expired within the last
+    /// TTL + `after` + 2 × `every`, whatever the rate of new names: a round
+    /// deletes every row it may, in statements of 500 rows.
     ///
     /// A purged name starts again with a new row, and its tokens still grow.
     /// A round first marks: it reads the token sequence's last value and

@@ -137,10 +137,10 @@ impl LeaseOptions {
 /// before it is cancelled on the server and fails: 10 s.
 pub(crate) const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Rows expired for longer than this (a holder that stopped renewing:
-/// what `pgwarden check` reports) are purged by default: one minute.
-/// Released rows do not wait for it: they go in the round after the one
-/// that marked them.
+/// Rows expired for longer than their TTL plus this (a holder that stopped
+/// renewing: what `pgwarden check` reports once it has been expired for
+/// its TTL) are purged by default: one minute. Released rows do not wait
+/// for it: they go in the round after the one that marked them.
 pub(crate) const DEFAULT_PURGE_AFTER: Duration = Duration::from_secs(60);
 
 /// How often the renewer purges by default: every 5 s. A released row stays

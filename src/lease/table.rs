@@ -163,7 +163,7 @@ pub(crate) struct Statements {
     pub(super) table_blocker: String,
     pub(super) terms: String,
     pub(super) purge_mark: String,
-    pub(super) purge_sweep: String,
+    pub(super) purge_sweep: Stamped,
     pub(crate) ddl: String,
     /// The table, schema-qualified and quoted.
     pub(crate) table: String,
@@ -187,14 +187,20 @@ impl Stamped {
     /// `{stamp_val}` (the values') and `{stamp_set}` (a `SET` list's tail)
     /// become the column, or nothing.
     fn new(text: &str) -> Stamped {
-        let fill = |col: &str, val: &str, set: &str| {
+        let fill = |col: &str, val: &str, set: &str, ttl: &str| {
             text.replace("{stamp_col}", col)
                 .replace("{stamp_val}", val)
                 .replace("{stamp_set}", set)
+                .replace("{stamp_ttl}", ttl)
         };
         Stamped {
-            stamped: fill(", renewed_at", ", now()", ", renewed_at = now()"),
-            legacy: fill("", "", ""),
+            stamped: fill(
+                ", renewed_at",
+                ", now()",
+                ", renewed_at = now()",
+                " - CASE WHEN renewed_at >= taken_at THEN greatest(expires_at - renewed_at, interval '0') ELSE interval '0' END",
+            ),
+            legacy: fill("", "", "", ""),
         }
     }
 
@@ -627,22 +633,26 @@ RETURNING name"
             // saw is left (`$1`, checked in the same statement), the rows
             // whose term's token is at most the mark's (`$2`) and that are
             // released, their hold over, or expired for longer than `$3`
-            // seconds, up to `$4` of them. A released row (`holder = ''`)
-            // says nothing an expired one would not, so it goes at once; an
-            // expired one is a holder that stopped renewing (a crash, a
-            // frozen process), which `pgwarden check` reports: it stays for
-            // the age. Rows locked by anyone are skipped, never waited for.
-            purge_sweep: format!(
+            // seconds plus the term's TTL, up to `$4` of them. A released
+            // row (`holder = ''`) says nothing the next term will not, so it
+            // goes at once; an expired one is a holder that stopped renewing
+            // (a crash, a frozen process), which `pgwarden check` reports
+            // once it has been expired for its TTL: it stays that long and
+            // the age more (the TTL as stored, `expires_at - renewed_at`;
+            // none on a table without `renewed_at`). Rows locked by anyone
+            // are skipped, never waited for.
+            purge_sweep: Stamped::new(&format!(
                 "WITH d AS (SELECT NOT EXISTS (SELECT FROM pg_locks WHERE virtualtransaction = ANY ($1::text[])) AS drained),
      x AS (DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
              SELECT ctid FROM {tbl}
               WHERE (SELECT drained FROM d) AND token <= $2
                 AND greatest(expires_at, held_until)
-                    < CASE WHEN holder = '' THEN now() ELSE now() - make_interval(secs => $3) END
+                    < CASE WHEN holder = '' THEN now()
+                           ELSE now() - make_interval(secs => $3){{stamp_ttl}} END
               LIMIT $4 FOR UPDATE SKIP LOCKED))
            RETURNING 1)
 SELECT (SELECT drained FROM d), (SELECT count(*) FROM x)"
-            ),
+            )),
             ddl: t.ddl(),
             table: tbl,
             sequence: t.sequence_quoted(),
@@ -1010,7 +1020,7 @@ impl Statements {
         let age = age.as_secs_f64();
         let rows = client
             .query(
-                &self.purge_sweep,
+                self.purge_sweep.text(call),
                 &[
                     Param::Strings(&mark.in_flight),
                     Param::Int8(token),
@@ -2168,7 +2178,8 @@ mod tests {
             &s.release_unheld,
             &s.fence,
             &s.blocker,
-            &s.purge_sweep,
+            &s.purge_sweep.stamped,
+            &s.purge_sweep.legacy,
         ] {
             assert!(text.contains(r#""app"."leases""#), "{text}");
             assert!(!text.contains("pgwarden_leases"));
@@ -2246,7 +2257,8 @@ mod tests {
         for text in [
             &s.free_in,
             &s.purge_mark,
-            &s.purge_sweep,
+            &s.purge_sweep.stamped,
+            &s.purge_sweep.legacy,
             &s.blocker,
             &s.table_blocker,
         ] {

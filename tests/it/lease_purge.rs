@@ -388,3 +388,60 @@ async fn purge_rounds<B: Backend>(leases: &B::Leases, n: u64) {
     })
     .await;
 }
+
+backends!(an_expired_row_stays_its_ttl_past_the_age);
+/// A crashed holder's row stays for its term's TTL past the purge's age:
+/// `pgwarden check` reports a holder once its lease has been expired for
+/// its TTL, so a row purged at the age alone (60 s by default) was never
+/// reported for a TTL over about 70 s (the hostile reader's finding 3 in
+/// stop 44). A row without a stored TTL (a writer that did not know
+/// `renewed_at`) goes at the age.
+async fn an_expired_row_stays_its_ttl_past_the_age<B: Backend>() {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = B::build(&db, &Settings::new("purge-ttl", 2));
+    let now = LeaseSettings::default().purge(Duration::ZERO, Some(10 * MS));
+    let leases = B::leases_with(&pool, &now).unwrap();
+    B::install(&leases).await.unwrap();
+    // Expired a minute ago: `long` after a TTL of an hour, `short` after a
+    // TTL of a second, `unknown` with no stored TTL.
+    admin
+        .batch_execute(
+            "INSERT INTO pgwarden_leases (name, holder, token, taken_at, expires_at, renewed_at)
+             VALUES ('long', 'dead-1', nextval('pgwarden_leases_token_seq'),
+                     now() - interval '61 min', now() - interval '1 min', now() - interval '61 min'),
+                    ('short', 'dead-2', nextval('pgwarden_leases_token_seq'),
+                     now() - interval '61 s', now() - interval '1 min', now() - interval '61 s'),
+                    ('unknown', 'dead-3', nextval('pgwarden_leases_token_seq'),
+                     now() - interval '61 s', now() - interval '1 min', NULL)",
+        )
+        .await
+        .unwrap();
+    let names = || async {
+        admin
+            .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+    };
+    eventually(10 * S, "the short and unknown rows purged", || async {
+        names().await == ["long"]
+    })
+    .await;
+    purge_rounds::<B>(&leases, 2).await;
+    assert_eq!(names().await, ["long"], "kept for its TTL");
+    // Its TTL over too: purged.
+    admin
+        .batch_execute(
+            "UPDATE pgwarden_leases SET taken_at = taken_at - interval '1 h',
+                    expires_at = expires_at - interval '1 h', renewed_at = renewed_at - interval '1 h'",
+        )
+        .await
+        .unwrap();
+    eventually(10 * S, "the long row purged", || async {
+        names().await.is_empty()
+    })
+    .await;
+}
