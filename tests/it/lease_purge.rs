@@ -246,15 +246,7 @@ async fn purge_deletes_released_rows_at_once_and_expired_ones_after_their_age<B:
     let pool = B::build(&db, &Settings::new("purge-age", 2));
     let hour = LeaseSettings::default().purge(Duration::from_secs(3600), Some(20 * MS));
     let leases = B::leases_with(&pool, &hour).unwrap();
-    let names = || async {
-        admin
-            .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect::<Vec<_>>()
-    };
+    let names = || names(&admin);
     // A released row, one released but held for an hour, and a crashed
     // holder's expired row.
     let released = B::acquire(&leases, "released", &LeaseOptions::new(10 * S), None)
@@ -417,15 +409,7 @@ async fn an_expired_row_stays_its_ttl_past_the_age<B: Backend>() {
         )
         .await
         .unwrap();
-    let names = || async {
-        admin
-            .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect::<Vec<_>>()
-    };
+    let names = || names(&admin);
     eventually(10 * S, "the short and unknown rows purged", || async {
         names().await == ["long"]
     })
@@ -444,4 +428,15 @@ async fn an_expired_row_stays_its_ttl_past_the_age<B: Backend>() {
         names().await.is_empty()
     })
     .await;
+}
+
+/// The lease table's names, in order.
+async fn names(admin: &tokio_postgres::Client) -> Vec<String> {
+    admin
+        .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect()
 }
