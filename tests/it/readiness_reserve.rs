@@ -99,12 +99,9 @@ backends!(
 async fn a_hung_idle_connection_costs_readiness_one_probe<B: Backend>() {
     let db = support::db().await;
     let pool = B::build(&db, &Settings::new("hung-idle", 4));
-    let c = B::get(&pool).await.unwrap();
-    let pid = B::pid(&c);
-    drop(c);
-    settled::<B>(&pool).await;
+    let pids = idle::<B>(&pool, 1).await;
     assert_eq!(B::status(&pool).size, 1, "one idle connection");
-    let stopped = support::Stopped::stop([pid]).unwrap();
+    let stopped = support::Stopped::stop(pids).unwrap();
     let n = probes_until_ready::<B>(&pool, Duration::from_secs(2), 3).await;
     drop(stopped);
     let n = n.unwrap_or_else(|e| panic!("{}: not ready within 3 probes: {e:?}", B::NAME));
@@ -125,13 +122,7 @@ async fn a_probe_passes_over_idle_connections_whose_sessions_ended<B: Backend>()
     let db = support::db().await;
     let pool = B::build(&db, &Settings::new("ended-idle", 4));
     // Three: the request lane's share of four (one is the probe's).
-    let mut held = Vec::new();
-    for _ in 0..3 {
-        held.push(B::get(&pool).await.unwrap());
-    }
-    let pids: Vec<i32> = held.iter().map(B::pid).collect();
-    drop(held);
-    settled::<B>(&pool).await;
+    let pids = idle::<B>(&pool, 3).await;
     assert_eq!(B::status(&pool).size, 3, "three idle connections");
     let admin = support::admin(&db).await;
     admin
@@ -142,14 +133,12 @@ async fn a_probe_passes_over_idle_connections_whose_sessions_ended<B: Backend>()
         .await
         .unwrap();
     support::eventually(Duration::from_secs(60), "the sessions gone", || async {
-        let row = admin
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)",
-                &[&pids],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) == 0
+        for &pid in &pids {
+            if support::alive(&admin, pid).await {
+                return false;
+            }
+        }
+        true
     })
     .await;
     let r = B::readiness(&pool, Duration::from_secs(30)).await;
