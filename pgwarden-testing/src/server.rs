@@ -161,6 +161,12 @@ impl TestServer {
                 // default 64 holds about 26,000 here): the census is tested with tens of
                 // thousands of advisory locks.
                 .args(["-c", "max_locks_per_transaction=256"])
+                // The run creates about a thousand databases, each written
+                // whole to the WAL: checkpoints every 64 MB recycle it,
+                // where the default 1 GB let it reach gigabytes (and the
+                // directory may be on tmpfs, in memory: `temp_base`).
+                .args(["-c", "max_wal_size=64MB"])
+                .args(["-c", "min_wal_size=32MB"])
                 .args(["-c", "logging_collector=on"])
                 .arg("-c")
                 .arg(format!("log_directory={}", root.join("log").display()))
@@ -291,11 +297,7 @@ impl TestServer {
             .await?;
         let mut config = self.config.clone();
         config.dbname(&name);
-        Ok(TestDb {
-            name,
-            config,
-            admin: self.config.clone(),
-        })
+        Ok(TestDb::new(name, config, self.config.clone()))
     }
 }
 

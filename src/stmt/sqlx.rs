@@ -884,7 +884,7 @@ mod tests {
         assert_eq!(r, 5);
         // A statement's future dropped half-way: the connection goes on (sqlx
         // drains the answer first), the mutex is free.
-        let slow = c.query("SELECT pg_sleep(5)", &[], Sent::Unnamed);
+        let slow = c.query("SELECT pg_sleep(1)", &[], Sent::Unnamed);
         assert!(tokio::time::timeout(Duration::from_millis(50), slow)
             .await
             .is_err());
