@@ -50,6 +50,18 @@
 //! closes and the watchdog stops the server and removes its directory.
 //! [`PgBouncer`] and [`Prometheus`] work the same way.
 //!
+//! A [`TestDb`] drops its database when its last clone, and the last client
+//! [`TestDb::connect`] opened, are gone (on a thread of the harness, `WITH
+//! (FORCE)`): keep it while the database is used.
+//!
+//! # Where the directories go
+//!
+//! `PGWARDEN_TEST_TMPDIR` when set; else `/dev/shm` when it is a tmpfs
+//! with at least 2 GiB free (the servers' files in memory: about 15 % less
+//! CPU for `tests/it`, which creates and drops about a thousand databases);
+//! else the temporary directory (`/tmp` when the server user could not
+//! reach it).
+//!
 //! # A primary and its replica
 //!
 //! [`Cluster`] starts a primary and a streaming replica (`pg_basebackup -R`)

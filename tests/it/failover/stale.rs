@@ -253,12 +253,17 @@ async fn unshipped_takeover<B: Backend>(seat: &Seat) {
     expired(&old).await;
 
     // The take-over cannot commit without the standby: B is never told it
-    // holds the lease, and gets no token.
+    // holds the lease, and gets no token. Its statement times out waiting
+    // for the standby; or it answers busy (`Ok(None)`, seen once in a run
+    // on 12 threads): the row is still locked by a transaction of A's that
+    // waits for the standby itself (a renewal sent as the stream paused:
+    // a backend waiting for synchronous replication keeps its row locks,
+    // and closing A's pool does not end its wait). Either way no term.
     let b = B::acquire(&lb, LEASE, &opts(), None).await;
     assert!(
         matches!(
             &b,
-            Err(pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. }))
+            Err(pgwarden::Error::Lease(pgwarden::LeaseError::Timeout { .. })) | Ok(None)
         ),
         "a take-over returned without the standby: {b:?}"
     );

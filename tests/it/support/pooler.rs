@@ -13,6 +13,12 @@ use super::backend::{Backend, Settings};
 use super::eventually;
 
 pub const T: Duration = Duration::from_secs(5);
+/// The checkout bound of [`fresh`]'s pools: a guard against a hang, not
+/// a figure under test. With `T` (5 s) a detection's first checkout through
+/// the loaded session pooler timed out at its pid (`BackendPid`, the pool
+/// still empty) in 2 of 4 runs with both cores busy or on 12 threads: the
+/// loaded tests start together, last, and the server forks behind them.
+pub const POOL_WAIT: Duration = Duration::from_secs(30);
 /// Clients of the load.
 pub const LOAD_CLIENTS: usize = 32;
 
@@ -108,7 +114,9 @@ pub async fn load_through(b: &PgBouncer) -> Load {
 /// server, or through PgBouncer.
 pub fn fresh<B: Backend>(on: On<'_>, name: &str) -> B::Pool {
     let name: &'static str = Box::leak(name.to_owned().into_boxed_str());
-    let s = Settings::new(name, 4).wait(T).pooler(PoolerMode::Auto);
+    let s = Settings::new(name, 4)
+        .wait(POOL_WAIT)
+        .pooler(PoolerMode::Auto);
     match on {
         On::Db(db) => B::build(db, &s),
         On::Bouncer(b) => B::build_through(b, &s),
