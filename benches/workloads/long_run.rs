@@ -168,11 +168,17 @@ async fn one_run(server: &TestServer, length: Duration) -> Result<Run, BoxError>
             pairs: now - seen,
             rows,
         });
+        // The purge's own account: rows deleted, its statements, and the
+        // rounds whose mark was still open (a stall shows here first).
+        let st = leases.stats();
         eprintln!(
-            "4d: {:>5.0} s  {:>8.0} pairs/s  {:>9} rows",
+            "4d: {:>5.0} s  {:>8.0} pairs/s  {:>9} rows  purged {} in {} statements, {} rounds waited",
             start.elapsed().as_secs_f64(),
             (now - seen) as f64 / SAMPLE.as_secs_f64(),
-            rows
+            rows,
+            st.purged,
+            st.purge_statements,
+            st.purges_waited
         );
         seen = now;
     }

@@ -114,27 +114,40 @@ fn drop_statement(name: &str) -> String {
     )
 }
 
-/// The thread that drops the databases of dropped [`TestDb`]s, one after
-/// another, each through its server's admin settings (one connection per
-/// server, kept). A drop that fails (the server stopped, a failover) is
-/// logged at debug and forgotten: the server's directory goes with it.
+/// The thread that drops the databases of dropped [`TestDb`]s: each drop on
+/// a connection of its own through its server's admin settings, up to
+/// [`dropper::AT_ONCE`] at a time, each bounded by [`dropper::BOUND`]. A
+/// drop waits for every backend of the server to answer a signal barrier
+/// (PostgreSQL 15): one stopped backend (a test's `Stopped`, a frozen
+/// server) holds up every drop on that server until it is continued, and
+/// a drop must never hold up another server's or the next test's. A drop
+/// that fails or runs out of its bound is logged at debug and forgotten:
+/// the database stays until its server goes (as every database did before
+/// stop 45).
 mod dropper {
-    use std::collections::HashMap;
-    use std::sync::mpsc::{channel, Sender};
-    use std::sync::{Mutex, OnceLock};
+    use std::sync::{Arc, Mutex, OnceLock};
+    use std::time::Duration;
 
-    use tokio_postgres::{Client, Config};
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+    use tokio::sync::Semaphore;
+    use tokio_postgres::Config;
 
-    use super::{config_to_url, connect_config, drop_statement};
+    use super::{connect_config, drop_statement};
+
+    /// Drops in flight at most (each a connection of the server's).
+    pub(super) const AT_ONCE: usize = 4;
+    /// How long a drop (its connect included: a frozen server accepts the
+    /// socket and never answers the start-up) may take.
+    pub(super) const BOUND: Duration = Duration::from_secs(60);
 
     /// A database to drop: the server's admin settings and its name.
     type Job = (Config, String);
 
-    static QUEUE: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
+    static QUEUE: OnceLock<Option<Mutex<UnboundedSender<Job>>>> = OnceLock::new();
 
     pub(super) fn queue(admin: Config, name: String) {
         let queue = QUEUE.get_or_init(|| {
-            let (tx, rx) = channel::<Job>();
+            let (tx, mut rx) = unbounded_channel::<Job>();
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -142,10 +155,22 @@ mod dropper {
             std::thread::Builder::new()
                 .name("pgwarden-testing-dropdb".to_owned())
                 .spawn(move || {
-                    let mut admins: HashMap<String, Client> = HashMap::new();
-                    for (admin, name) in rx {
-                        runtime.block_on(drop_one(&mut admins, &admin, &name));
-                    }
+                    runtime.block_on(async move {
+                        let slots = Arc::new(Semaphore::new(AT_ONCE));
+                        while let Some((admin, name)) = rx.recv().await {
+                            let Ok(slot) = slots.clone().acquire_owned().await else {
+                                return;
+                            };
+                            tokio::spawn(async move {
+                                let _slot = slot;
+                                match tokio::time::timeout(BOUND, drop_one(&admin, &name)).await {
+                                    Ok(Ok(())) => {}
+                                    Ok(Err(e)) => tracing::debug!(error = %e, database = %name, "pgwarden_testing could not drop a database"),
+                                    Err(_) => tracing::debug!(database = %name, bound = ?BOUND, "pgwarden_testing gave up dropping a database"),
+                                }
+                            });
+                        }
+                    });
                 })
                 .ok()?;
             Some(Mutex::new(tx))
@@ -157,24 +182,10 @@ mod dropper {
         }
     }
 
-    async fn drop_one(admins: &mut HashMap<String, Client>, admin: &Config, name: &str) {
-        let key = config_to_url(admin);
-        if admins.get(&key).is_none_or(Client::is_closed) {
-            match connect_config(admin).await {
-                Ok(c) => {
-                    admins.insert(key.clone(), c);
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, database = name, "pgwarden_testing could not drop a database");
-                    return;
-                }
-            }
-        }
-        if let Some(c) = admins.get(&key) {
-            if let Err(e) = c.batch_execute(&drop_statement(name)).await {
-                tracing::debug!(error = %e, database = name, "pgwarden_testing could not drop a database");
-            }
-        }
+    async fn drop_one(admin: &Config, name: &str) -> Result<(), crate::TestingError> {
+        let client = connect_config(admin).await?;
+        client.batch_execute(&drop_statement(name)).await?;
+        Ok(())
     }
 }
 

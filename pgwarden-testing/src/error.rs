@@ -51,8 +51,10 @@ pub enum TestingError {
         /// The end of the program's log files.
         log_tail: String,
     },
-    /// A statement or connection failed.
-    #[error("PostgreSQL error: {0}")]
+    /// A statement or connection failed. Shown with the server's own
+    /// message and SQLSTATE when it sent one (tokio-postgres's display is
+    /// only "db error").
+    #[error("PostgreSQL error: {}", pg_message(.0))]
     Postgres(#[source] Arc<tokio_postgres::Error>),
     /// `DATABASE_URL` is set but cannot be parsed.
     #[error("DATABASE_URL cannot be parsed: {0}")]
@@ -107,4 +109,17 @@ fn display_paths(paths: &[PathBuf]) -> String {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A tokio-postgres error with what the server said, when it said anything.
+fn pg_message(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!(
+            "{}: {} (SQLSTATE {})",
+            db.severity(),
+            db.message(),
+            db.code().code()
+        ),
+        None => e.to_string(),
+    }
 }

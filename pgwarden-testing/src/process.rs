@@ -308,9 +308,11 @@ pub(crate) fn log_tail(paths: &[PathBuf], lines: usize) -> String {
 
 /// A base directory for temp dirs, chosen once per process:
 ///
-/// 1. `PGWARDEN_TEST_TMPDIR`, when set and not empty;
+/// 1. `PGWARDEN_TEST_TMPDIR`, when set and not empty: a directory the
+///    server user can reach, at most 60 bytes long (else an error that
+///    names the variable and what is wrong);
 /// 2. else `/dev/shm`, when it is a tmpfs with at least [`SHM_FREE_MIN`]
-///    free: the servers' files live in memory. A test run creates and drops
+///    free, and twice that in `MemAvailable`: the servers' files live in memory. A test run creates and drops
 ///    about a thousand databases and writes gigabytes of WAL: on a quiet
 ///    2-core machine `tests/it` on 8 threads took 161.9 s and 246
 ///    CPU-seconds with its servers on ext4, 147.6 s and 210 on tmpfs, one
@@ -319,33 +321,74 @@ pub(crate) fn log_tail(paths: &[PathBuf], lines: usize) -> String {
 /// 3. else `std::env::temp_dir()`, unless we run as root and the server
 ///    user could not reach it, or a Unix socket path in it would be too
 ///    long; then `/tmp`.
-pub(crate) fn temp_base(run_as: Option<RunAs>) -> PathBuf {
-    static BASE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BASE.get_or_init(|| choose_temp_base(run_as)).clone()
+pub(crate) fn temp_base(run_as: Option<RunAs>) -> Result<PathBuf, TestingError> {
+    static BASE: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    BASE.get_or_init(|| choose_temp_base(run_as, std::env::var_os("PGWARDEN_TEST_TMPDIR")))
+        .clone()
+        .map_err(|reason| TestingError::Io {
+            context: reason,
+            source: Arc::new(io::Error::from(io::ErrorKind::InvalidInput)),
+        })
 }
 
 /// The free space `/dev/shm` needs before the harness puts servers there:
 /// `tests/it` peaked at 489 MB in it on 8 threads and 643 MB on 12 (each
 /// test's database dropped when the test is done, the shared server's WAL
 /// capped by `max_wal_size`, the failover clusters and PgBouncers' own
-/// servers); three times that leaves room for a neighbour.
+/// servers); three times that leaves room for a neighbour. The memory the
+/// kernel reports available must be twice this too: a tmpfs's free space
+/// is a limit, not memory set aside (a full one makes the server PANIC,
+/// `No space left on device`, and every later test of the binary fail).
 pub(crate) const SHM_FREE_MIN: u64 = 2 << 30;
 
-fn choose_temp_base(run_as: Option<RunAs>) -> PathBuf {
-    if let Some(dir) = std::env::var_os("PGWARDEN_TEST_TMPDIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(dir);
+/// The longest directory the harness puts servers under: their Unix
+/// sockets (`<dir>/pgwarden-pg-XXXXXX/.s.PGSQL.<port>`) must fit in 107
+/// bytes.
+const MAX_BASE_LEN: usize = 60;
+
+fn choose_temp_base(
+    run_as: Option<RunAs>,
+    chosen: Option<std::ffi::OsString>,
+) -> Result<PathBuf, String> {
+    if let Some(dir) = chosen.filter(|d| !d.is_empty()) {
+        let dir = PathBuf::from(dir);
+        let named = format!("PGWARDEN_TEST_TMPDIR={}", dir.display());
+        if !dir.is_dir() {
+            return Err(format!("{named}: not a directory"));
+        }
+        if dir.as_os_str().len() > MAX_BASE_LEN {
+            return Err(format!(
+                "{named}: longer than {MAX_BASE_LEN} bytes (the servers' Unix socket paths must fit in 107)"
+            ));
+        }
+        if !reachable(&dir, run_as) {
+            return Err(format!(
+                "{named}: the postgres user cannot reach it (every directory above it needs o+x)"
+            ));
+        }
+        return Ok(dir);
     }
     let shm = Path::new("/dev/shm");
-    if tmpfs_free(shm).is_some_and(|free| free >= SHM_FREE_MIN) && reachable(shm, run_as) {
-        return shm.to_path_buf();
+    let room = tmpfs_free(shm).is_some_and(|free| free >= SHM_FREE_MIN)
+        && mem_available().is_some_and(|m| m >= 2 * SHM_FREE_MIN);
+    if room && reachable(shm, run_as) {
+        return Ok(shm.to_path_buf());
     }
     let t = std::env::temp_dir();
-    let short = t.as_os_str().len() <= 60;
+    let short = t.as_os_str().len() <= MAX_BASE_LEN;
     if short && reachable(&t, run_as) {
-        t
+        Ok(t)
     } else {
-        PathBuf::from("/tmp")
+        Ok(PathBuf::from("/tmp"))
     }
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn mem_available() -> Option<u64> {
+    let info = fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb.saturating_mul(1024))
 }
 
 /// Whether the server user (when we run as root) can reach `dir`.
@@ -383,7 +426,7 @@ pub(crate) fn temp_dir(
     prefix: &str,
     run_as: Option<RunAs>,
 ) -> Result<tempfile::TempDir, TestingError> {
-    let base = temp_base(run_as);
+    let base = temp_base(run_as)?;
     tempfile::Builder::new()
         .prefix(prefix)
         .tempdir_in(&base)
@@ -438,4 +481,29 @@ pub(crate) fn start_on_free_port(
         reason: "no attempt was made".to_owned(),
         log_tail: String::new(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chosen_directory_is_checked_and_named_when_wrong() {
+        let ok = choose_temp_base(None, Some("/tmp".into()));
+        assert_eq!(ok, Ok(PathBuf::from("/tmp")));
+        let missing = choose_temp_base(None, Some("/nonexistent-pgwarden-dir".into()));
+        assert_eq!(
+            missing,
+            Err("PGWARDEN_TEST_TMPDIR=/nonexistent-pgwarden-dir: not a directory".to_owned())
+        );
+        let long = std::env::temp_dir().join("d".repeat(MAX_BASE_LEN));
+        std::fs::create_dir_all(&long).unwrap();
+        let e = choose_temp_base(None, Some(long.clone().into_os_string())).unwrap_err();
+        assert!(e.starts_with("PGWARDEN_TEST_TMPDIR="), "{e}");
+        assert!(e.contains("longer than 60 bytes"), "{e}");
+        let _ = std::fs::remove_dir(&long);
+        // Unset or empty: one of the defaults, never an error.
+        assert!(choose_temp_base(None, Some("".into())).is_ok());
+        assert!(choose_temp_base(None, None).is_ok());
+    }
 }
