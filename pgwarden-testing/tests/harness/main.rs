@@ -6,6 +6,7 @@
 //! without unwinding) runs this binary again with `MODULE::TEST --exact`.
 
 mod cluster;
+mod drops;
 mod faults;
 mod prometheus;
 mod proxy;
