@@ -26,13 +26,13 @@ use crate::TestingError;
 /// on tmpfs). [`TestDb::destroy`] drops it at once and waits.
 #[derive(Debug, Clone)]
 pub struct TestDb {
-    pub(crate) name: String,
     pub(crate) config: Config,
-    pub(crate) admin: Config,
     pub(crate) owner: Arc<DropOnLast>,
 }
 
-/// Shared by a [`TestDb`]'s clones: the last one to go queues the drop.
+/// The database's name and its server's admin settings, shared by a
+/// [`TestDb`]'s clones (and its clients): the last one to go queues the
+/// drop.
 #[derive(Debug)]
 pub(crate) struct DropOnLast {
     name: String,
@@ -43,7 +43,10 @@ pub(crate) struct DropOnLast {
 impl Drop for DropOnLast {
     fn drop(&mut self) {
         if self.armed.load(Ordering::Relaxed) {
-            dropper::queue(self.admin.clone(), std::mem::take(&mut self.name));
+            dropper::queue(
+                std::mem::replace(&mut self.admin, Config::new()),
+                std::mem::take(&mut self.name),
+            );
         }
     }
 }
@@ -53,21 +56,16 @@ impl TestDb {
     /// once the last clone goes.
     pub(crate) fn new(name: String, config: Config, admin: Config) -> TestDb {
         let owner = Arc::new(DropOnLast {
-            name: name.clone(),
-            admin: admin.clone(),
+            name,
+            admin,
             armed: AtomicBool::new(true),
         });
-        TestDb {
-            name,
-            config,
-            admin,
-            owner,
-        }
+        TestDb { config, owner }
     }
 
     /// The database's name.
     pub fn name(&self) -> &str {
-        &self.name
+        &self.owner.name
     }
 
     /// Connection settings for this database.
@@ -101,8 +99,10 @@ impl TestDb {
     /// terminated), whatever clones remain.
     pub async fn destroy(self) -> Result<(), TestingError> {
         self.owner.armed.store(false, Ordering::Relaxed);
-        let admin = connect_config(&self.admin).await?;
-        admin.batch_execute(&drop_statement(&self.name)).await?;
+        let admin = connect_config(&self.owner.admin).await?;
+        admin
+            .batch_execute(&drop_statement(&self.owner.name))
+            .await?;
         Ok(())
     }
 }
@@ -125,7 +125,7 @@ fn drop_statement(name: &str) -> String {
 /// the database stays until its server goes (as every database did before
 /// stop 45).
 mod dropper {
-    use std::sync::{Arc, Mutex, OnceLock};
+    use std::sync::{Arc, OnceLock};
     use std::time::Duration;
 
     use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
@@ -143,7 +143,7 @@ mod dropper {
     /// A database to drop: the server's admin settings and its name.
     type Job = (Config, String);
 
-    static QUEUE: OnceLock<Option<Mutex<UnboundedSender<Job>>>> = OnceLock::new();
+    static QUEUE: OnceLock<Option<UnboundedSender<Job>>> = OnceLock::new();
 
     pub(super) fn queue(admin: Config, name: String) {
         let queue = QUEUE.get_or_init(|| {
@@ -173,12 +173,10 @@ mod dropper {
                     });
                 })
                 .ok()?;
-            Some(Mutex::new(tx))
+            Some(tx)
         });
         if let Some(tx) = queue {
-            if let Ok(tx) = tx.lock() {
-                let _ = tx.send((admin, name));
-            }
+            let _ = tx.send((admin, name));
         }
     }
 

@@ -312,8 +312,9 @@ pub(crate) fn log_tail(paths: &[PathBuf], lines: usize) -> String {
 ///    server user can reach, at most 60 bytes long (else an error that
 ///    names the variable and what is wrong);
 /// 2. else `/dev/shm`, when it is a tmpfs with at least [`SHM_FREE_MIN`]
-///    free, and twice that in `MemAvailable`: the servers' files live in memory. A test run creates and drops
-///    about a thousand databases and writes gigabytes of WAL: on a quiet
+///    free, and twice that in `MemAvailable`: the servers' files live in
+///    memory. A test run creates and drops about a thousand databases and
+///    writes gigabytes of WAL: on a quiet
 ///    2-core machine `tests/it` on 8 threads took 161.9 s and 246
 ///    CPU-seconds with its servers on ext4, 147.6 s and 210 on tmpfs, one
 ///    run after the other (stop 45). A container's `/dev/shm` is often
@@ -321,9 +322,15 @@ pub(crate) fn log_tail(paths: &[PathBuf], lines: usize) -> String {
 /// 3. else `std::env::temp_dir()`, unless we run as root and the server
 ///    user could not reach it, or a Unix socket path in it would be too
 ///    long; then `/tmp`.
+///
+/// Chosen once for the servers run as another user and once for those run
+/// as this one (Prometheus): a choice made first for the latter was never
+/// checked for the former.
 pub(crate) fn temp_base(run_as: Option<RunAs>) -> Result<PathBuf, TestingError> {
-    static BASE: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
-    BASE.get_or_init(|| choose_temp_base(run_as, std::env::var_os("PGWARDEN_TEST_TMPDIR")))
+    static BASE: [std::sync::OnceLock<Result<PathBuf, String>>; 2] =
+        [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    BASE[usize::from(run_as.is_some())]
+        .get_or_init(|| choose_temp_base(run_as, std::env::var_os("PGWARDEN_TEST_TMPDIR")))
         .clone()
         .map_err(|reason| TestingError::Io {
             context: reason,

@@ -14,7 +14,7 @@ use std::time::Duration;
 use pgwarden::{Error, LeaseError, LeaseOptions};
 use pgwarden_testing::{Proxy, TestServer};
 use support::backend::{pool_on, Backend, LeaseSettings, Settings};
-use support::leases::insert_expired;
+use support::leases::{insert_expired, names};
 use support::{admin, db, eventually};
 
 const S: Duration = Duration::from_secs(1);
@@ -320,15 +320,7 @@ async fn the_purge_never_waits_on_a_locked_row<B: Backend>() {
         .await
         .unwrap()
         .unwrap();
-    let names = || async {
-        admin
-            .query("SELECT name FROM pgwarden_leases ORDER BY name", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect::<Vec<_>>()
-    };
+    let names = || names(&admin);
     eventually(60 * S, "the 49 unlocked old rows purged", || async {
         names().await == ["keep", "old-07"]
     })

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use pgwarden::LeaseOptions;
 use support::backend::{named, Backend, LeaseSettings, Settings};
-use support::leases::{backends, insert_expired};
+use support::leases::{backends, insert_expired, names};
 use support::{admin, db, eventually, Stopped};
 
 const S: Duration = Duration::from_secs(1);
@@ -428,15 +428,4 @@ async fn an_expired_row_stays_its_ttl_past_the_age<B: Backend>() {
         names().await.is_empty()
     })
     .await;
-}
-
-/// The lease table's names, in order.
-async fn names(admin: &tokio_postgres::Client) -> Vec<String> {
-    admin
-        .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get::<_, String>(0))
-        .collect()
 }

@@ -106,6 +106,17 @@ pub async fn row(admin: &Client, name: &str) -> Option<(String, i64)> {
         .map(|r| (r.get(0), r.get(1)))
 }
 
+/// The default lease table's names, in order (released rows included).
+pub async fn names(admin: &Client) -> Vec<String> {
+    admin
+        .query_typed("SELECT name FROM pgwarden_leases ORDER BY name", &[])
+        .await
+        .expect("lease names")
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect()
+}
+
 /// The lease's expiry in the database, as wall-clock time (the server runs
 /// on this machine: one clock).
 pub async fn expiry(client: &Client, name: &str) -> SystemTime {
