@@ -617,7 +617,13 @@ impl<B: Backend> LeasesBuilder<B> {
     /// that keeps the table's `ROW EXCLUSIVE` lock across rounds (a
     /// transaction left open after writing to the table, a stopped backend)
     /// holds the purge back, never a lease: counted in
-    /// [`LeaseStats::purges_waited`] and logged with its pid.
+    /// [`LeaseStats::purges_waited`] and logged with its pid. A transaction
+    /// that has ended but not yet released its locks (it shows in
+    /// `pg_locks` under its backend's id and the local id 0 for a moment)
+    /// is not waited for: that id is also what every lock the same backend
+    /// holds outside a transaction shows under, such as a session advisory
+    /// lock, and until stop 45 a mark that caught one waited as long as that
+    /// lock was held.
     pub fn purge(mut self, after: Duration, every: Option<Duration>) -> Self {
         self.purge.age = after;
         self.purge.auto = every.is_some();

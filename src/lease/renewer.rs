@@ -582,6 +582,7 @@ impl<B: Backend> Inner<B> {
         tracing::info!(
             pool = %self.pool_name,
             pids = ?mark.pids,
+            vxids = ?mark.in_flight,
             waited_s = waited.as_secs_f64(),
             "lease purge waits: a session that held the lease table when the purge looked still does \
              (a transaction left open on it, or a stopped backend); nothing is deleted until it ends"

@@ -617,16 +617,27 @@ RETURNING name"
             // `pg_locks` shows them (to every role, fast-path locks
             // included). Only the sequence's value is read: nothing is
             // locked, nothing waited on.
+            //
+            // Not the ids ending in `/0`: a transaction that has committed
+            // (or rolled back) but not yet released its locks shows there
+            // under its backend's id and the local id 0, which PostgreSQL
+            // clears first; it is over (its rows are what any later
+            // snapshot sees), and `B/0` is not its own: every lock backend
+            // `B` holds outside a transaction (a session advisory lock
+            // held for hours) shows under it too, and a sweep waiting for
+            // `B/0` to go waited as long.
             purge_mark: "SELECT s.w, (SELECT coalesce(array_agg(DISTINCT k.virtualtransaction), '{}')
                 FROM pg_locks k
                WHERE k.locktype = 'relation' AND k.granted AND k.mode = 'RowExclusiveLock'
                  AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                 AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid()),
+                 AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid()
+                 AND k.virtualtransaction NOT LIKE '%/0'),
        (SELECT coalesce(array_agg(DISTINCT k.pid), '{}')
                 FROM pg_locks k
                WHERE k.locktype = 'relation' AND k.granted AND k.mode = 'RowExclusiveLock'
                  AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                 AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid())
+                 AND k.relation = to_regclass($1) AND k.pid <> pg_backend_pid()
+                 AND k.virtualtransaction NOT LIKE '%/0')
   FROM (SELECT pg_sequence_last_value(to_regclass($2)) AS w OFFSET 0) AS s"
                 .to_owned(),
             // A purge round's sweep: once none of the transactions the mark
