@@ -618,12 +618,11 @@ impl<B: Backend> LeasesBuilder<B> {
     /// transaction left open after writing to the table, a stopped backend)
     /// holds the purge back, never a lease: counted in
     /// [`LeaseStats::purges_waited`] and logged with its pid. A transaction
-    /// that has ended but not yet released its locks (it shows in
-    /// `pg_locks` under its backend's id and the local id 0 for a moment)
-    /// is not waited for: that id is also what every lock the same backend
-    /// holds outside a transaction shows under, such as a session advisory
-    /// lock, and until stop 45 a mark that caught one waited as long as that
-    /// lock was held.
+    /// that has ended but not yet released its locks (for a moment
+    /// `pg_locks` shows it under its backend's id and the local id 0) is
+    /// not waited for: the same id is what that backend's locks show under
+    /// while it is idle, a session advisory lock on that pooled connection
+    /// for one, which would hold the purge back for as long as it is held.
     pub fn purge(mut self, after: Duration, every: Option<Duration>) -> Self {
         self.purge.age = after;
         self.purge.auto = every.is_some();

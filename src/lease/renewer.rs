@@ -584,8 +584,8 @@ impl<B: Backend> Inner<B> {
             pids = ?mark.pids,
             vxids = ?mark.in_flight,
             waited_s = waited.as_secs_f64(),
-            "lease purge waits: a session that held the lease table when the purge looked still does \
-             (a transaction left open on it, or a stopped backend); nothing is deleted until it ends"
+            "lease purge waits: a transaction that held the lease table when the purge marked (pids and vxids: \
+             the mark's) has not ended (one left open on it, or a stopped backend); nothing is deleted until it ends"
         );
     }
 }

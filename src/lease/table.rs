@@ -622,10 +622,11 @@ RETURNING name"
             // (or rolled back) but not yet released its locks shows there
             // under its backend's id and the local id 0, which PostgreSQL
             // clears first; it is over (its rows are what any later
-            // snapshot sees), and `B/0` is not its own: every lock backend
-            // `B` holds outside a transaction (a session advisory lock
-            // held for hours) shows under it too, and a sweep waiting for
-            // `B/0` to go waited as long.
+            // snapshot sees; PostgreSQL's own `GetLockConflicts` skips such
+            // holders too), and `B/0` is not its own: backend `B` shows
+            // every lock it holds under it while idle between transactions
+            // (a session advisory lock held for hours), and a sweep waiting
+            // for `B/0` to go waited as long.
             purge_mark: "SELECT s.w, (SELECT coalesce(array_agg(DISTINCT k.virtualtransaction), '{}')
                 FROM pg_locks k
                WHERE k.locktype = 'relation' AND k.granted AND k.mode = 'RowExclusiveLock'
@@ -641,7 +642,11 @@ RETURNING name"
   FROM (SELECT pg_sequence_last_value(to_regclass($2)) AS w OFFSET 0) AS s"
                 .to_owned(),
             // A purge round's sweep: once none of the transactions the mark
-            // saw is left (`$1`, checked in the same statement), the rows
+            // saw holds the table any more (`$1`, checked in the same
+            // statement: a transaction keeps its lock on the table until it
+            // ends; only that lock is looked at, so that a virtual id used
+            // again after a restart of the server, by a transaction that
+            // does not touch the table, holds nothing back), the rows
             // whose term's token is at most the mark's (`$2`) and that are
             // released, their hold over, or expired for longer than `$3`
             // seconds plus the term's TTL, up to `$4` of them. A released
@@ -653,7 +658,10 @@ RETURNING name"
             // none on a table without `renewed_at`). Rows locked by anyone
             // are skipped, never waited for.
             purge_sweep: Stamped::new(&format!(
-                "WITH d AS (SELECT NOT EXISTS (SELECT FROM pg_locks WHERE virtualtransaction = ANY ($1::text[])) AS drained),
+                "WITH d AS (SELECT NOT EXISTS (SELECT FROM pg_locks k
+                             WHERE k.virtualtransaction = ANY ($1::text[]) AND k.locktype = 'relation'
+                               AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                               AND k.relation = '{tbl}'::regclass) AS drained),
      x AS (DELETE FROM {tbl} WHERE ctid = ANY (ARRAY(
              SELECT ctid FROM {tbl}
               WHERE (SELECT drained FROM d) AND token <= $2

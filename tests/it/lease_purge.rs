@@ -435,12 +435,12 @@ backends!(a_session_whose_transaction_ended_holds_no_purge_back);
 /// finds in `pg_locks` by their virtual transaction ids. A transaction that
 /// has just ended still shows there for a moment under the id `B/0`
 /// (PostgreSQL clears its local id before it releases its locks), and a
-/// mark taken in that moment kept `B/0`; but every lock backend `B` holds
-/// outside a transaction shows under that same id: a session advisory lock
-/// held on that connection kept the purge from deleting anything for as
-/// long as it was held (stop 45's row 4d: rounds waited on no pid, the table
-/// to 650,000 rows; on a busy pool about 1 mark in 100 to 1,000 held such
-/// an id).
+/// mark taken in that moment kept `B/0`; but backend `B` shows every lock
+/// it holds under that same id while it is idle between transactions: a
+/// session advisory lock held on that connection kept the purge from
+/// deleting anything for as long as it was held (on a busy pool about 1
+/// mark in 100 to 1,000 held such an id; stop 45's row 4d saw rounds wait
+/// on no pid).
 ///
 /// The test catches one of four writing sessions in that moment (stopped
 /// with `SIGSTOP` until `pg_locks` shows its lock on the lease table under
