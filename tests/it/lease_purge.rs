@@ -241,11 +241,7 @@ backends!(purge_deletes_released_rows_at_once_and_expired_ones_after_their_age);
 /// one still held by `at_least` stays; a crashed holder's expired row stays
 /// for the age (what `pgwarden check` reports), then goes.
 async fn purge_deletes_released_rows_at_once_and_expired_ones_after_their_age<B: Backend>() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    let pool = B::build(&db, &Settings::new("purge-age", 2));
-    let hour = LeaseSettings::default().purge(Duration::from_secs(3600), Some(20 * MS));
-    let leases = B::leases_with(&pool, &hour).unwrap();
+    let (_db, admin, leases) = purging::<B>("purge-age", Duration::from_secs(3600), 20 * MS).await;
     let names = || names(&admin);
     // A released row, one released but held for an hour, and a crashed
     // holder's expired row.
@@ -312,12 +308,7 @@ backends!(no_row_is_deleted_under_an_acquisition_in_flight);
 /// holds `ROW EXCLUSIVE` until it ends, from before it draws a token), the
 /// purge deletes nothing: it skips its round, and purges once it is gone.
 async fn no_row_is_deleted_under_an_acquisition_in_flight<B: Backend>() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    let pool = B::build(&db, &Settings::new("guard", 2));
-    let every = LeaseSettings::default().purge(Duration::ZERO, Some(20 * MS));
-    let leases = B::leases_with(&pool, &every).unwrap();
-    B::install(&leases).await.unwrap();
+    let (db, admin, leases) = purging::<B>("guard", Duration::ZERO, 20 * MS).await;
     let row = || async {
         admin
             .query_typed_opt(
@@ -389,12 +380,7 @@ backends!(an_expired_row_stays_its_ttl_past_the_age);
 /// stop 44). A row without a stored TTL (a writer that did not know
 /// `renewed_at`) goes at the age.
 async fn an_expired_row_stays_its_ttl_past_the_age<B: Backend>() {
-    let db = db().await;
-    let admin = admin(&db).await;
-    let pool = B::build(&db, &Settings::new("purge-ttl", 2));
-    let now = LeaseSettings::default().purge(Duration::ZERO, Some(10 * MS));
-    let leases = B::leases_with(&pool, &now).unwrap();
-    B::install(&leases).await.unwrap();
+    let (_db, admin, leases) = purging::<B>("purge-ttl", Duration::ZERO, 10 * MS).await;
     // Expired a minute ago: `long` after a TTL of an hour, `short` after a
     // TTL of a second, `unknown` with no stored TTL.
     admin
@@ -449,12 +435,7 @@ backends!(a_session_whose_transaction_ended_holds_no_purge_back);
 /// purge goes on.
 async fn a_session_whose_transaction_ended_holds_no_purge_back<B: Backend>() {
     const WRITERS: usize = 4;
-    let db = db().await;
-    let admin = admin(&db).await;
-    let pool = B::build(&db, &Settings::new("ended", 2));
-    let every = LeaseSettings::default().purge(Duration::ZERO, Some(10 * MS));
-    let leases = B::leases_with(&pool, &every).unwrap();
-    B::install(&leases).await.unwrap();
+    let (db, admin, leases) = purging::<B>("ended", Duration::ZERO, 10 * MS).await;
     // A token drawn: a purge with none yet has nothing to wait for.
     let lease = B::acquire(&leases, "first", &LeaseOptions::new(10 * S), None)
         .await
@@ -541,6 +522,21 @@ async fn a_session_whose_transaction_ended_holds_no_purge_back<B: Backend>() {
         "the purge waited {spell} of 6 statements on session {pid}, idle outside a transaction \
          (caught after {tries} tries)"
     );
+}
+
+/// A database, its own client, and leases on a pool of 2 that purge rows
+/// older than `age` every `every`, their table installed.
+async fn purging<B: Backend>(
+    name: &'static str,
+    age: Duration,
+    every: Duration,
+) -> (pgwarden_testing::TestDb, tokio_postgres::Client, B::Leases) {
+    let db = db().await;
+    let admin = admin(&db).await;
+    let pool = B::build(&db, &Settings::new(name, 2));
+    let leases = B::leases_with(&pool, &LeaseSettings::default().purge(age, Some(every))).unwrap();
+    B::install(&leases).await.unwrap();
+    (db, admin, leases)
 }
 
 /// Waits until process `pid` is stopped (`T` in `/proc/<pid>/stat`): a
