@@ -62,6 +62,15 @@ impl Drop for PgBouncer {
         self.watchdog.disarm();
         // SIGTERM: immediate shutdown (SIGINT would wait for clients).
         process::stop_child(&mut self.child, libc::SIGTERM);
+        // A test failing with PgBouncer in front: what it logged (a client
+        // it closed, a server login it failed) goes with the failure.
+        if std::thread::panicking() {
+            eprintln!(
+                "PgBouncer on port {} (the test failed), its log:\n{}",
+                self.port,
+                bouncer_log_tail(self.dir.path(), 60)
+            );
+        }
     }
 }
 

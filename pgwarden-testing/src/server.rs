@@ -47,6 +47,14 @@ impl Drop for LocalServer {
         self.watchdog.disarm();
         // SIGINT: fast shutdown (rolls back open transactions, ≈30 ms).
         process::stop_child(&mut self.postgres, libc::SIGINT);
+        // A server of a failing test's own: its log goes with the failure.
+        if std::thread::panicking() {
+            eprintln!(
+                "server on port {} (the test failed), its log:\n{}",
+                self.port,
+                server_log_tail(self.dir.path(), 60)
+            );
+        }
     }
 }
 
@@ -137,8 +145,10 @@ impl TestServer {
         }
 
         let mut last_error = None;
-        for _attempt in 0..3 {
-            let port: u16 = rand::Rng::gen_range(&mut rand::thread_rng(), 20_000..60_000);
+        for _attempt in 0..5 {
+            // A port the kernel had free (a random one collided now and
+            // then with a client's local port, taken from the same range).
+            let port = process::free_port()?;
             let (out, err) = process::log_file(&root.join("postmaster.log"))?;
             let mut postgres = process::server_command(&bins.postgres, run_as, &root)
                 .arg("-D")
@@ -307,6 +317,20 @@ pub(crate) fn server_log_tail(root: &Path, lines: usize) -> String {
     process::log_tail(&[root.join("postmaster.log"), root.join("log")], lines)
 }
 
+/// The logs of a server that exited while starting: the logging
+/// collector writes the reason (`FATAL: could not bind …`) a moment after
+/// the postmaster exits, so wait up to a second for a `FATAL` line.
+fn exit_log(root: &Path) -> String {
+    let until = Instant::now() + Duration::from_secs(1);
+    loop {
+        let tail = server_log_tail(root, 40);
+        if tail.contains("FATAL") || Instant::now() >= until {
+            return tail;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Polls until the server answers a startup message on its socket. On
 /// failure: the error, and whether another port is worth a try.
 pub(crate) fn wait_ready(
@@ -319,8 +343,13 @@ pub(crate) fn wait_ready(
     let mut last = String::from("no answer yet");
     loop {
         if let Ok(Some(status)) = postgres.try_wait() {
-            let log_tail = server_log_tail(root, 40);
-            let retry = log_tail.contains("lock file") || log_tail.contains("already in use");
+            let log_tail = exit_log(root);
+            // A port taken meanwhile, or a reason the log does not give:
+            // another port is worth a try (the attempts are bounded).
+            let retry = log_tail.contains("lock file")
+                || log_tail.contains("already in use")
+                || log_tail.contains("could not bind")
+                || !log_tail.contains("FATAL");
             return Err((
                 TestingError::Startup {
                     program: "postgres".to_owned(),

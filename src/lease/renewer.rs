@@ -320,6 +320,16 @@ impl<B: Backend> Drop for BatchGuard<'_, B> {
     }
 }
 
+/// Clears the registry's `purging` mark when a purge round ends, or its
+/// task is dropped.
+struct PurgeRound<'a, B: Backend>(&'a Inner<B>);
+
+impl<B: Backend> Drop for PurgeRound<'_, B> {
+    fn drop(&mut self) {
+        self.0.registry.lock().purging = false;
+    }
+}
+
 impl<B: Backend> Inner<B> {
     /// One renewal statement for `items`, and its outcome applied. It may
     /// run until the earliest local deadline of its leases: past that, its
@@ -480,8 +490,10 @@ impl<B: Backend> Inner<B> {
 
     /// One purge round (the renewer's): see [`Inner::purge_once`].
     pub(super) async fn purge_round(self: Arc<Self>) {
+        // Cleared however the round ends: dropped with its runtime too
+        // (else no round of this instance would ever run again).
+        let _round = PurgeRound(&self);
         let run = AssertUnwindSafe(self.purge_once()).catch_unwind().await;
-        self.registry.lock().purging = false;
         match run {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!(

@@ -553,3 +553,77 @@ async fn wait_stopped(pid: i32) {
     })
     .await;
 }
+
+backends!(
+    sync,
+    a_purge_round_dropped_with_its_runtime_leaves_the_purge_running
+);
+/// A purge round in flight (its sweep waiting on the lease table, which a
+/// session locks) when the runtime that runs the renewer is dropped: the
+/// renewer started again by the next acquisition, on another runtime,
+/// purges again. (The round's mark of "a purge is running" outlived its
+/// dropped task, and this instance never purged again.)
+fn a_purge_round_dropped_with_its_runtime_leaves_the_purge_running<B: Backend>() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (_db, admin, leases, locker) = main.block_on(async {
+        let db = db().await;
+        let (admin, locker) = (admin(&db).await, db.connect().await.unwrap());
+        // Installed through a pool of its own: this pool's next checkout
+        // (below, on another runtime) starts the renewer.
+        let other = B::build(&db, &Settings::new("purge-install", 2));
+        B::install(&B::leases(&other)).await.unwrap();
+        let pool = B::build(&db, &Settings::new("purge-dropped", 2));
+        let settings = LeaseSettings::default().purge(Duration::ZERO, Some(50 * MS));
+        let leases = B::leases_with(&pool, &settings).unwrap();
+        (db, admin, leases, locker)
+    });
+    // The renewer, and its purge rounds, start on this runtime...
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let lease = other.block_on(async {
+        let lease = B::acquire(&leases, "held", &LeaseOptions::new(60 * S), None)
+            .await
+            .unwrap()
+            .expect("free");
+        // A first round marks; the next one's sweep waits on the lock.
+        purge_rounds::<B>(&leases, 1).await;
+        locker
+            .batch_execute("BEGIN; LOCK TABLE pgwarden_leases IN ACCESS EXCLUSIVE MODE")
+            .await
+            .unwrap();
+        eventually(10 * S, "a purge statement waits on the table", || async {
+            let waiting: i64 = admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'
+                        AND query LIKE '%DELETE%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            waiting > 0
+        })
+        .await;
+        lease
+    });
+    // ...which is dropped with the round in flight.
+    drop(other);
+    main.block_on(async {
+        locker.batch_execute("ROLLBACK").await.unwrap();
+        // The next acquisition starts the renewer here; it purges again.
+        let again = B::acquire(&leases, "again", &LeaseOptions::new(60 * S), None)
+            .await
+            .unwrap()
+            .expect("free");
+        purge_rounds::<B>(&leases, 2).await;
+        B::release(again).await.unwrap();
+        B::release(lease).await.unwrap();
+    });
+}
