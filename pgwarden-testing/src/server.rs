@@ -21,7 +21,7 @@ use crate::{TestingError, CONNECT_TIMEOUT, STARTUP_TIMEOUT};
 ///
 /// A started server listens on a Unix socket in its temporary directory only,
 /// runs with `fsync`, `synchronous_commit` and `full_page_writes` off and
-/// `max_connections = 400`, and is stopped (its directory removed) on drop
+/// `max_connections = 1000`, and is stopped (its directory removed) on drop
 /// or, failing that, by its watchdog when the process ends.
 #[derive(Debug)]
 pub struct TestServer {
@@ -161,15 +161,19 @@ impl TestServer {
                 .args(["-c", "fsync=off"])
                 .args(["-c", "synchronous_commit=off"])
                 .args(["-c", "full_page_writes=off"])
-                // 400: the tests of one binary share this server on 8
+                // 1000: the tests of one binary share this server on 10
                 // threads, and two loaded PgBouncer tests at once hold about
                 // 90 of its connections (with 200, a third test's connect
-                // was refused with 53300 on a busy machine). Its Unix
-                // socket's listen queue is twice this.
-                .args(["-c", "max_connections=400"])
-                // A lock table for 102,400 locks (256 per connection; the
-                // default 64 holds about 26,000 here): the census is tested with tens of
-                // thousands of advisory locks.
+                // was refused with 53300 on a busy machine; a sampler every
+                // 200 ms saw 266 at once in a whole run, where 400 was the
+                // limit, and a CI run saw two PgBouncer tests and a sqlx
+                // test fail at once). Its Unix socket's listen queue is
+                // twice this; its lock table (below) grows with it, about
+                // 100 MB.
+                .args(["-c", "max_connections=1000"])
+                // A lock table for 256,000 locks (256 per connection; the
+                // default 64 held about 26,000 with 400 connections): the
+                // census is tested with tens of thousands of advisory locks.
                 .args(["-c", "max_locks_per_transaction=256"])
                 // The run creates about a thousand databases, each written
                 // whole to the WAL: checkpoints every 64 MB recycle it,
