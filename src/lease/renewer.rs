@@ -202,16 +202,23 @@ impl<B: Backend> Inner<B> {
             self.mark_lost(state, LostReason::Deadline);
         }
         if !batch.is_empty() || purge {
+            // Each task gets the guard of what it marked here: a task its
+            // runtime drops before its first poll (the runtime dropped, or
+            // its `block_on` ended) clears the marks as it goes, and so do
+            // these guards when no task can be spawned.
+            let mut batches = Vec::new();
+            while !batch.is_empty() {
+                let rest = batch.split_off(batch.len().min(MAX_BATCH));
+                let items = std::mem::replace(&mut batch, rest);
+                batches.push((BatchGuard::new(self.clone(), &items), items));
+            }
+            let round = purge.then(|| PurgeRound(self.clone()));
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                while !batch.is_empty() {
-                    let rest = batch.split_off(batch.len().min(MAX_BATCH));
-                    rt.spawn(
-                        self.clone()
-                            .renew_batch(std::mem::replace(&mut batch, rest)),
-                    );
+                for (guard, items) in batches {
+                    rt.spawn(Self::renew_batch(guard, items));
                 }
-                if purge {
-                    rt.spawn(self.clone().purge_round());
+                if let Some(round) = round {
+                    rt.spawn(Self::purge_round(round));
                 }
             }
         }
@@ -293,15 +300,27 @@ pub(crate) const PURGE_BATCH: i64 = 500;
 /// waits on a session holding the lease table.
 const PURGE_WAIT_LOG_EVERY: Duration = Duration::from_secs(60);
 
-/// Clears the in-flight mark of a batch's leases however the batch ends; a
-/// batch that did not complete (it panicked) retries with back-off.
-struct BatchGuard<'a, B: Backend> {
-    inner: &'a Inner<B>,
+/// Clears the in-flight mark of a batch's leases however the batch ends
+/// (its task dropped before its first poll too: made where the marks are
+/// set); a batch that did not complete (it panicked, or was dropped)
+/// retries with back-off.
+struct BatchGuard<B: Backend> {
+    inner: Arc<Inner<B>>,
     ids: Vec<u64>,
     completed: bool,
 }
 
-impl<B: Backend> Drop for BatchGuard<'_, B> {
+impl<B: Backend> BatchGuard<B> {
+    fn new(inner: Arc<Inner<B>>, items: &[Item]) -> Self {
+        BatchGuard {
+            inner,
+            ids: items.iter().map(|i| i.id).collect(),
+            completed: false,
+        }
+    }
+}
+
+impl<B: Backend> Drop for BatchGuard<B> {
     fn drop(&mut self) {
         let now = Instant::now();
         {
@@ -321,10 +340,10 @@ impl<B: Backend> Drop for BatchGuard<'_, B> {
 }
 
 /// Clears the registry's `purging` mark when a purge round ends, or its
-/// task is dropped.
-struct PurgeRound<'a, B: Backend>(&'a Inner<B>);
+/// task is dropped (before its first poll too: made where the mark is set).
+struct PurgeRound<B: Backend>(Arc<Inner<B>>);
 
-impl<B: Backend> Drop for PurgeRound<'_, B> {
+impl<B: Backend> Drop for PurgeRound<B> {
     fn drop(&mut self) {
         self.0.registry.lock().purging = false;
     }
@@ -334,19 +353,15 @@ impl<B: Backend> Inner<B> {
     /// One renewal statement for `items`, and its outcome applied. It may
     /// run until the earliest local deadline of its leases: past that, its
     /// statement is cancelled, and their deadlines fire on time anyway.
-    pub(super) async fn renew_batch(self: Arc<Self>, items: Vec<Item>) {
-        let run = AssertUnwindSafe(self.renew_batch_inner(&items)).catch_unwind();
+    async fn renew_batch(guard: BatchGuard<B>, items: Vec<Item>) {
+        let inner = guard.inner.clone();
+        let run = AssertUnwindSafe(inner.renew_batch_inner(&items, guard)).catch_unwind();
         if let Err(panic) = run.await {
-            self.renewer_panicked(&*panic);
+            inner.renewer_panicked(&*panic);
         }
     }
 
-    async fn renew_batch_inner(&self, items: &[Item]) {
-        let mut guard = BatchGuard {
-            inner: self,
-            ids: items.iter().map(|i| i.id).collect(),
-            completed: false,
-        };
+    async fn renew_batch_inner(&self, items: &[Item], mut guard: BatchGuard<B>) {
         let start = Instant::now();
         let deadlines = items.iter().map(|i| i.state.deadline());
         let Some(budget) = term::statement_budget(start, deadlines) else {
@@ -489,18 +504,19 @@ impl<B: Backend> Inner<B> {
     }
 
     /// One purge round (the renewer's): see [`Inner::purge_once`].
-    pub(super) async fn purge_round(self: Arc<Self>) {
-        // Cleared however the round ends: dropped with its runtime too
-        // (else no round of this instance would ever run again).
-        let _round = PurgeRound(&self);
-        let run = AssertUnwindSafe(self.purge_once()).catch_unwind().await;
+    async fn purge_round(round: PurgeRound<B>) {
+        // `round` clears the mark however the round ends: dropped with its
+        // runtime too (else no round of this instance would ever run again).
+        let inner = round.0.clone();
+        let run = AssertUnwindSafe(inner.purge_once()).catch_unwind().await;
+        drop(round);
         match run {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!(
-                pool = %self.pool_name, error = %e,
+                pool = %inner.pool_name, error = %e,
                 "lease purge failed; it runs again next interval"
             ),
-            Err(panic) => self.renewer_panicked(&*panic),
+            Err(panic) => inner.renewer_panicked(&*panic),
         }
     }
 

@@ -6,12 +6,12 @@
 
 use crate::support;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use pgwarden::{LeaseOptions, LostReason};
-use support::backend::{Backend, Settings};
+use support::backend::{Backend, LeaseSettings, Settings};
 use support::leases::{ahead, expiry};
 use support::{admin, db, eventually, within};
 
@@ -246,4 +246,144 @@ async fn the_renewer_survives_panics<B: Backend>() {
     );
     assert!(stats.renewed >= 8, "{stats:?}");
     B::release(lease).await.unwrap();
+}
+
+/// Takes `name` on a current-thread runtime kept busy by 100 always-ready
+/// tasks, returns from its `block_on` at the first poll after the renewer
+/// (started there by this first checkout) spawned a task, a renewal batch
+/// or a purge round, looking from `after` on: with the ready tasks ahead of
+/// it, that task has not been polled yet; then drops the runtime. The
+/// lease, and whether a spawn was seen (within 500 ms of `after`).
+///
+/// The hostile reader's probe of stop 47 (its F1 and F2): a task dropped
+/// before its first poll left the marks its tick had set (a batch's leases
+/// "in flight", the purge "running") for good.
+fn dropped_right_after_a_spawn<B: Backend>(
+    leases: &B::Leases,
+    name: &str,
+    opts: &LeaseOptions,
+    after: Duration,
+) -> (B::Lease, bool) {
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let out = other.block_on(async {
+        for _ in 0..100 {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    tokio::task::yield_now().await;
+                }
+            });
+        }
+        let lease = B::acquire(leases, name, opts, None)
+            .await
+            .unwrap()
+            .expect("free");
+        let t0 = Instant::now();
+        while t0.elapsed() < after {
+            tokio::task::yield_now().await;
+        }
+        let rt = tokio::runtime::Handle::current();
+        let base = rt.metrics().num_alive_tasks();
+        while t0.elapsed() < after + 500 * MS {
+            tokio::task::yield_now().await;
+            if rt.metrics().num_alive_tasks() > base {
+                return (lease, true);
+            }
+        }
+        (lease, false)
+    });
+    stop.store(true, Ordering::Relaxed);
+    drop(other);
+    out
+}
+
+backends!(
+    sync,
+    a_renewal_batch_dropped_before_its_first_poll_strands_no_lease
+);
+/// A renewal batch spawned by the renewer's tick and dropped unpolled with
+/// its runtime: once a checkout on another runtime revives the renewer,
+/// the same lease is renewed again (its "in flight" mark was set for good:
+/// 30 of 30 rounds never renewed it again, and it was reported lost with a
+/// healthy database).
+fn a_renewal_batch_dropped_before_its_first_poll_strands_no_lease<B: Backend>() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = main.block_on(async {
+        let db = db().await;
+        let installer = B::build(&db, &Settings::new("unpolled-batch-install", 2));
+        B::install(&B::leases(&installer)).await.unwrap();
+        db
+    });
+    let opts = LeaseOptions::new(20 * S).renew_every(300 * MS);
+    let mut caught = 0;
+    for i in 0..4 {
+        // A pool and instance of their own: their first checkout (on the
+        // dropped runtime) starts the renewer there.
+        let pool = main.block_on(async { B::build(&db, &Settings::new("unpolled-batch", 4)) });
+        let leases = B::leases(&pool);
+        let (lease, seen) =
+            dropped_right_after_a_spawn::<B>(&leases, &format!("job-{i}"), &opts, 200 * MS);
+        caught += usize::from(seen);
+        let before = B::lease_stats(&leases).renewed;
+        main.block_on(async {
+            drop(B::get(&pool).await.unwrap());
+            eventually(5 * S, "the same lease renewed again", || {
+                std::future::ready(B::lease_stats(&leases).renewed >= before + 2)
+            })
+            .await;
+            assert!(!lease.is_lost());
+            B::release(lease).await.unwrap();
+        });
+    }
+    assert!(caught > 0, "no round dropped a batch before its first poll");
+}
+
+backends!(
+    sync,
+    a_purge_round_dropped_before_its_first_poll_leaves_the_purge_running
+);
+/// The same for a purge round (every 40 ms): dropped unpolled with its
+/// runtime, the purge runs again once the renewer is revived elsewhere
+/// (its "running" mark was set for good: the instance never purged again).
+fn a_purge_round_dropped_before_its_first_poll_leaves_the_purge_running<B: Backend>() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = main.block_on(async {
+        let db = db().await;
+        let installer = B::build(&db, &Settings::new("unpolled-purge-install", 2));
+        B::install(&B::leases(&installer)).await.unwrap();
+        db
+    });
+    let opts = LeaseOptions::new(60 * S);
+    let settings = LeaseSettings::default().purge(Duration::ZERO, Some(40 * MS));
+    let mut caught = 0;
+    for i in 0..4u64 {
+        let pool = main.block_on(async { B::build(&db, &Settings::new("unpolled-purge", 4)) });
+        let leases = B::leases_with(&pool, &settings).unwrap();
+        let after = Duration::from_millis(i * 7 % 30);
+        let (lease, seen) =
+            dropped_right_after_a_spawn::<B>(&leases, &format!("job-{i}"), &opts, after);
+        caught += usize::from(seen);
+        let before = B::lease_stats(&leases).purge_statements;
+        main.block_on(async {
+            drop(B::get(&pool).await.unwrap());
+            eventually(5 * S, "purge statements again", || {
+                std::future::ready(B::lease_stats(&leases).purge_statements >= before + 2)
+            })
+            .await;
+            B::release(lease).await.unwrap();
+        });
+    }
+    assert!(caught > 0, "no round dropped a task before its first poll");
 }
