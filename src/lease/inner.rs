@@ -613,6 +613,15 @@ impl<B: Backend> Inner<B> {
                     let pause = SERIALIZATION_PAUSE_MAX.mul_f64(rand::random::<f64>());
                     tokio::time::sleep(pause).await;
                 }
+                // No answer from the server (the connection failed, or its
+                // answer could not be read): the statement may have
+                // committed. It ends as a cut-short statement does:
+                // cancelled where a cancel reaches it, its connection kept
+                // only if it answers, and what it took released by holder.
+                Ok(Ok(Err(e))) if e.code().is_none() => {
+                    drop(flight);
+                    return Err(e.into());
+                }
                 Ok(Ok(Err(e))) => {
                     flight.conn = None;
                     // Its own lock_timeout: the server ended the wait.

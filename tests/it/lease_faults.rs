@@ -258,3 +258,50 @@ async fn lost_then_taken_over<B: Backend>(
     );
     (taken, taken_at - lost_at)
 }
+
+backends!(an_acquisition_whose_answer_is_lost_leaves_no_lease_taken);
+/// The connection of an acquisition is reset after the server committed
+/// its statement and before its answer arrived (a proxy 150 ms each way):
+/// the caller gets the connection's error, and the lease its statement took
+/// is released by holder, not left held for its TTL (an error without a
+/// SQLSTATE returned at once and left it held: on sqlx, a connection made on
+/// a dropped runtime did the same, the hostile reader's F3 of stop 47).
+async fn an_acquisition_whose_answer_is_lost_leaves_no_lease_taken<B: Backend>() {
+    let server = TestServer::shared().unwrap();
+    let db = server.create_database().await.unwrap();
+    let admin = db.connect().await.unwrap();
+    let proxy = pgwarden_testing::Proxy::start(server).unwrap();
+    let direct = B::build(&db, &Settings::new("lost-answer-install", 2));
+    B::install(&B::leases(&direct)).await.unwrap();
+    let pool = B::build_on(
+        &proxy.pg_config(&db),
+        &Settings::new("lost-answer", 4).pooler(pgwarden::PoolerMode::Direct),
+    );
+    let leases = B::leases(&pool);
+    // A first acquisition and release: the connection is made, named.
+    let warm = B::acquire(&leases, "warm", &LeaseOptions::new(60 * S), None)
+        .await
+        .unwrap()
+        .expect("free");
+    B::release(warm).await.unwrap();
+    proxy.set_latency(150 * MS);
+    let acquire = tokio::spawn({
+        let leases = leases.clone();
+        async move { B::acquire(&leases, "job", &LeaseOptions::new(60 * S), None).await }
+    });
+    // Committed on the server, its answer on the way back: reset.
+    eventually(10 * S, "the term committed", || async {
+        row(&admin, "job").await.is_some()
+    })
+    .await;
+    proxy.reset_all();
+    let answer = within(10 * S, "the acquisition's answer", acquire)
+        .await
+        .unwrap();
+    assert!(answer.is_err(), "the answer was lost: {answer:?}");
+    proxy.set_latency(Duration::ZERO);
+    eventually(10 * S, "the lost term released by holder", || async {
+        row(&admin, "job").await.is_none()
+    })
+    .await;
+}
