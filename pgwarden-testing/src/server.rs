@@ -149,6 +149,10 @@ impl TestServer {
             // A port the kernel had free (a random one collided now and
             // then with a client's local port, taken from the same range).
             let port = process::free_port()?;
+            // Each attempt's logs alone: the reason read when it exits is
+            // its own, not an earlier attempt's.
+            let _ = std::fs::remove_dir_all(root.join("log"));
+            let _ = std::fs::remove_file(root.join("postmaster.log"));
             let (out, err) = process::log_file(&root.join("postmaster.log"))?;
             let mut postgres = process::server_command(&bins.postgres, run_as, &root)
                 .arg("-D")
