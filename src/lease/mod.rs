@@ -327,7 +327,10 @@ impl<B: Backend> Leases<B> {
     /// was not polled, then dropped. A statement that runs out of time is
     /// cancelled the same way, and its connection waits for its end (up to
     /// its server-side bound, the statement timeout) before the release
-    /// that follows.
+    /// that follows. So does a statement whose answer never came (its
+    /// connection reset or closed after the statement went out: an error
+    /// without a SQLSTATE, returned to the caller): the statement may have
+    /// committed, and what it took is released by holder.
     ///
     /// Isolation: the lease statements behave the same at every default
     /// isolation level of the database (`default_transaction_isolation`):
