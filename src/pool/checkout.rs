@@ -238,6 +238,7 @@ impl<B: Source> Shared<B> {
             };
             enum Seen {
                 Tainted,
+                Orphaned,
                 Known(i32, Instant),
                 New,
             }
@@ -248,6 +249,10 @@ impl<B: Source> Shared<B> {
                 if !st.tainted.is_empty() && st.tainted.remove(&id) {
                     st.pids.remove(&id);
                     Seen::Tainted
+                } else if B::DIES_WITH_ITS_RUNTIME && st.pids.get(&id).is_some_and(|k| k.orphaned())
+                {
+                    st.pids.remove(&id);
+                    Seen::Orphaned
                 } else if let Some(pid) = st.pids.get(&id).map(|k| k.pid) {
                     let now = B::handed_out(held.obj());
                     Seen::Known(pid, st.attach(held.slot(), pid, id, now))
@@ -263,7 +268,7 @@ impl<B: Source> Shared<B> {
                 Seen::Known(..) => {
                     asked.is_some() || (lane != Lane::Probe && shared.inner.pings_idle())
                 }
-                Seen::Tainted | Seen::New => true,
+                Seen::Tainted | Seen::Orphaned | Seen::New => true,
             };
             let (pid, since) = match seen {
                 Seen::Known(pid, since) => (pid, since),
@@ -271,6 +276,13 @@ impl<B: Source> Shared<B> {
                     tracing::warn!(pool = %shared.name, "discarding a pooled connection that held a leaked advisory lock");
                     let (obj, p) = held.parts();
                     finish(B::discard(obj), None::<Permit<B>>, Duration::ZERO);
+                    permit = p;
+                    continue;
+                }
+                Seen::Orphaned => {
+                    tracing::debug!(pool = %shared.name, "a pooled connection made on a runtime that is gone: let go, another taken");
+                    let (obj, p) = held.parts();
+                    B::forget(obj);
                     permit = p;
                     continue;
                 }
@@ -308,6 +320,11 @@ impl<B: Source> Shared<B> {
                                 started: backend.started,
                                 created,
                                 _anchor: anchor,
+                                made_on: if B::DIES_WITH_ITS_RUNTIME && B::stable(&id) {
+                                    super::shared::MadeOn::here()
+                                } else {
+                                    None
+                                },
                             },
                         );
                         (pid, st.attach(held.slot(), pid, id, Instant::now()))

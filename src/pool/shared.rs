@@ -167,6 +167,62 @@ pub(crate) struct Known<B: Source = deadpool_postgres::Pool> {
     pub(crate) started: Option<i64>,
     pub(crate) created: Instant,
     pub(super) _anchor: B::Anchor,
+    /// Where the backend's connections die with the runtime they were made
+    /// on (sqlx), that runtime's watch.
+    pub(super) made_on: Option<MadeOn>,
+}
+
+impl<B: Source> Known<B> {
+    /// The runtime this connection was made on is gone: its socket with
+    /// it, and a statement on it fails, or never ends.
+    pub(super) fn orphaned(&self) -> bool {
+        self.made_on.as_ref().is_some_and(MadeOn::gone)
+    }
+}
+
+/// Watches the runtime a connection was first seen on (where sqlx made
+/// it, in the checkout's own task): a task pending there for as long as
+/// the connection is known, which the runtime drops as it goes. Aborted
+/// when the connection is forgotten.
+pub(crate) struct MadeOn {
+    gone: Arc<AtomicBool>,
+    task: tokio::task::AbortHandle,
+}
+
+/// Set when the task that holds it is dropped.
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl MadeOn {
+    /// The current runtime's watch; `None` outside one.
+    pub(super) fn here() -> Option<MadeOn> {
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let gone = Arc::new(AtomicBool::new(false));
+        let flag = SetOnDrop(gone.clone());
+        let task = rt.spawn(async move {
+            let _flag = flag;
+            std::future::pending::<()>().await
+        });
+        Some(MadeOn {
+            gone,
+            task: task.abort_handle(),
+        })
+    }
+
+    fn gone(&self) -> bool {
+        self.gone.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl Drop for MadeOn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 pub(crate) struct State<B: Source = deadpool_postgres::Pool> {

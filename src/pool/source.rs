@@ -167,6 +167,15 @@ pub trait Source: Send + Sync + Sized + 'static {
     fn is_new(obj: &Self::Object) -> bool;
     /// Its connection is known closed.
     fn is_broken(obj: &Self::Object) -> bool;
+    /// Its connections die with the runtime they were made on, unseen by
+    /// the wrapped pool (sqlx: the socket is that runtime's; deadpool's
+    /// connection task dies with it, and its recycle sees the client
+    /// closed): the checkout watches that runtime and forgets a connection
+    /// made on one that is gone ([`Source::forget`]).
+    const DIES_WITH_ITS_RUNTIME: bool;
+    /// Lets go of a connection without a word on it (its socket is dead:
+    /// a close would write to it); the wrapped pool gets its capacity back.
+    fn forget(obj: Self::Object);
     /// The connection inside.
     fn conn(obj: &Self::Object) -> &Self::Conn;
     /// The connection inside, mutably.
@@ -386,6 +395,12 @@ impl Source for deadpool_postgres::Pool {
     fn give_back(obj: &mut Option<Object>) -> Option<impl Future<Output = ()> + Send + 'static> {
         *obj = None;
         None::<std::future::Ready<()>>
+    }
+
+    const DIES_WITH_ITS_RUNTIME: bool = false;
+
+    fn forget(obj: Object) {
+        drop(Object::take(obj));
     }
 
     fn discard(obj: Object) -> Option<impl Future<Output = ()> + Send + 'static> {

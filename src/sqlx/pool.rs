@@ -355,6 +355,14 @@ impl Source for dep::PgPool {
         Some(back)
     }
 
+    const DIES_WITH_ITS_RUNTIME: bool = true;
+
+    /// Taken out of sqlx's pool (its capacity back at once) and dropped:
+    /// no I/O on a socket whose runtime is gone.
+    fn forget(obj: Self::Object) {
+        in_a_runtime(|| drop(obj.detach()));
+    }
+
     /// sqlx keeps the connection's capacity until it is closed.
     fn discard(obj: Self::Object) -> Option<impl Future<Output = ()> + Send + 'static> {
         if tokio::runtime::Handle::try_current().is_err() {

@@ -75,6 +75,84 @@ macro_rules! no_runtime {
                     assert!(support::raw_locks(&raw).await.is_empty());
                 });
             }
+
+            #[test]
+            fn connections_made_on_a_dropped_runtime_are_let_go_at_their_next_checkout() {
+                // sqlx's socket is its runtime's: once that runtime is
+                // gone, a statement on the connection fails with tokio's
+                // `being shutdown` error, or never ends. sqlx's ping
+                // before a hand-out caught it now and then; with it off
+                // every such connection was handed out (the hostile
+                // reader's F3 and a flaky renewal test, stop 47).
+                let rt = current_thread();
+                let db = rt.block_on(support::db());
+                let (host, socket, port, user, dbname) = support::backend::sqlx_target(&db.pg_config());
+                let mut opts = PgConnectOptions::new_without_pgpass()
+                    .port(port)
+                    .username(&user)
+                    .database(&dbname);
+                if let Some(h) = host {
+                    opts = opts.host(&h);
+                }
+                if let Some(s) = socket {
+                    opts = opts.socket(s);
+                }
+                let pool = {
+                    let _in_rt = rt.enter();
+                    let pg = PgPoolOptions::new()
+                        .max_connections(4)
+                        .test_before_acquire(false)
+                        .connect_lazy_with(opts);
+                    $($pg)::+::Pool::builder(pg)
+                        .pooler(PoolerMode::Direct)
+                        .build()
+                        .unwrap()
+                };
+                // Three connections made on a runtime that is then dropped.
+                let gone = current_thread();
+                let pids = gone.block_on(async {
+                    let mut held = Vec::new();
+                    for _ in 0..3 {
+                        held.push(pool.acquire().await.unwrap());
+                    }
+                    let mut pids = Vec::new();
+                    for c in &mut held {
+                        pids.push(
+                            $sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+                                .fetch_one(&mut **c)
+                                .await
+                                .unwrap(),
+                        );
+                    }
+                    drop(held);
+                    // Back in sqlx's pool, idle (a sqlx return is a task).
+                    support::eventually(Duration::from_secs(10), "three idle connections", || {
+                        std::future::ready(pool.num_idle() == 3)
+                    })
+                    .await;
+                    pids
+                });
+                drop(gone);
+                // On another runtime, every checkout's statement runs, on
+                // connections made here.
+                rt.block_on(async {
+                    for _ in 0..6 {
+                        let mut c = tokio::time::timeout(Duration::from_secs(10), pool.acquire())
+                            .await
+                            .expect("a checkout within 10 s")
+                            .unwrap();
+                        let pid = tokio::time::timeout(
+                            Duration::from_secs(10),
+                            $sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()").fetch_one(&mut *c),
+                        )
+                        .await
+                        .expect("an answer within 10 s")
+                        .unwrap();
+                        assert!(!pids.contains(&pid), "a connection of the dropped runtime was handed out");
+                    }
+                    pool.close().await;
+                });
+            }
         }
     };
 }

@@ -24,19 +24,7 @@ fn get(m: &HashMap<String, f64>, k: &str) -> f64 {
     m.get(k).copied().unwrap_or(0.0)
 }
 
-backends!(
-    sync,
-    ignore_sqlx = "FINDING: a sqlx connection opened on runtime A is dead once A is \
-                   dropped, and sqlx's ping before handing it out does not always catch \
-                   it (likely: its read finds the answer before it asks the dead \
-                   runtime for readiness), so the first checkout on B \
-                   can fail its statement with tokio's `being shutdown` I/O error (2 runs \
-                   in 23 on 0.8; on 0.9, 1 in 23 too few renewals on B, likely the same); \
-                   the ping and the hand-out are sqlx's own `acquire`; deadpool's \
-                   connection task dies with A, and \
-                   its recycle sees the connection closed",
-    background_work_comes_back_on_the_runtime_in_use
-);
+backends!(sync, background_work_comes_back_on_the_runtime_in_use);
 /// A pool and its leases built on runtime A, A dropped, the pool used on
 /// runtime B: the long-hold warning, the republished gauges, the census's
 /// leaked-lock cleanup and lease renewal all happen on B, without a lease
