@@ -249,15 +249,19 @@ impl<B: Source> Shared<B> {
                 if !st.tainted.is_empty() && st.tainted.remove(&id) {
                     st.pids.remove(&id);
                     Seen::Tainted
-                } else if B::DIES_WITH_ITS_RUNTIME && st.pids.get(&id).is_some_and(|k| k.orphaned())
-                {
-                    st.pids.remove(&id);
-                    Seen::Orphaned
-                } else if let Some(pid) = st.pids.get(&id).map(|k| k.pid) {
-                    let now = B::handed_out(held.obj());
-                    Seen::Known(pid, st.attach(held.slot(), pid, id, now))
                 } else {
-                    Seen::New
+                    let found = st.pids.get(&id);
+                    match found.map(|k| (k.pid, B::DIES_WITH_ITS_RUNTIME && k.orphaned())) {
+                        Some((_, true)) => {
+                            st.pids.remove(&id);
+                            Seen::Orphaned
+                        }
+                        Some((pid, false)) => {
+                            let now = B::handed_out(held.obj());
+                            Seen::Known(pid, st.attach(held.slot(), pid, id, now))
+                        }
+                        None => Seen::New,
+                    }
                 }
             };
             // Whether the server answered a round trip on the connection
