@@ -501,10 +501,22 @@ impl<B: Backend> Inner<B> {
                     let _ = w.tx.send(Joined::TimedOut);
                 }
             }
+            // Its answer lost with its connection: what it took is released
+            // by holder (`run_then`), so no caller may send its own
+            // statement under the same holder (that release would undo the
+            // term it took: two holders). Each answers as after a timeout:
+            // its outcome unknown, nothing of it kept.
+            Err(e) if super::inner::answer_lost(&e) => {
+                tracing::debug!(pool = %self.pool_name, error = %e, "a batch of acquisitions lost its answer with its connection: each answers the timeout");
+                for w in batch {
+                    for f in w.followers {
+                        let _ = f.send(Joined::TimedOut);
+                    }
+                    let _ = w.tx.send(Joined::TimedOut);
+                }
+            }
             // A lock wait ended by the server, or any other failure: the
-            // statement took nothing (or, its answer lost with its
-            // connection, what it took expires unrenewed, as for a lone
-            // acquisition); each tries alone.
+            // statement took nothing; each tries alone.
             Ok(None) => {
                 tracing::debug!(pool = %self.pool_name, "a batch of acquisitions met a lock wait past its bound: each is sent alone");
                 batch.into_iter().for_each(Gathered::<B>::alone)

@@ -661,6 +661,19 @@ impl<B: Backend> Inner<B> {
     }
 }
 
+/// A statement's error that came without an answer from the server (no
+/// SQLSTATE: its connection failed, or the answer could not be read): it
+/// may have committed, and `run_then` released what it took by holder.
+pub(crate) fn answer_lost(e: &Error) -> bool {
+    let statement = match e {
+        Error::Db(_) => true,
+        #[cfg(any(feature = "sqlx-0_8", feature = "sqlx-0_9"))]
+        Error::Sqlx(_) => true,
+        _ => false,
+    };
+    statement && e.sqlstate().is_none()
+}
+
 impl<B: Backend> Inner<B> {
     /// `stmt` got no connection within its budget (`waited`): its own
     /// error ([`LeaseStatement::no_connection`]), else [`LeaseError::Timeout`].
@@ -782,6 +795,7 @@ impl<B: Backend, F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, B, F> {
         let direct = self.inner.direct();
         let pool = self.inner.pool();
         let bound = self.inner.statement_timeout + END_MARGIN;
+        let dropped = Instant::now();
         rt.spawn(async move {
             if direct {
                 match cancel_backend::<B>(&pool, pid).await {
@@ -806,6 +820,13 @@ impl<B: Backend, F: FnOnce() -> Option<FollowUp>> Drop for InFlight<'_, B, F> {
                 Ok(Err(e)) => {
                     tracing::debug!(pool = %pool_name, statement = what, pid, error = %e, "connection of a cut-short lease statement failed: closed");
                     conn.discard();
+                    // Nothing proves it has ended: where no cancel reached
+                    // it (behind a pooler; a cancel that failed), it may
+                    // still wait on the server and commit later. Its
+                    // server-side bound passes first.
+                    if follow_up.is_some() {
+                        tokio::time::sleep(bound.saturating_sub(dropped.elapsed())).await;
+                    }
                 }
                 Err(_) => {
                     tracing::warn!(

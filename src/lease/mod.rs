@@ -329,8 +329,11 @@ impl<B: Backend> Leases<B> {
     /// its server-side bound, the statement timeout) before the release
     /// that follows. So does a statement whose answer never came (its
     /// connection reset or closed after the statement went out: an error
-    /// without a SQLSTATE, returned to the caller): the statement may have
-    /// committed, and what it took is released by holder.
+    /// without a SQLSTATE, returned to the caller; a gathered acquisition
+    /// answers [`LeaseError::Timeout`](crate::LeaseError::Timeout) then):
+    /// the statement may have committed, and what it took is released by
+    /// holder once its server-side bound (the statement timeout, plus a
+    /// second) has passed.
     ///
     /// Isolation: the lease statements behave the same at every default
     /// isolation level of the database (`default_transaction_isolation`):

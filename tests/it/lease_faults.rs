@@ -277,7 +277,9 @@ async fn an_acquisition_whose_answer_is_lost_leaves_no_lease_taken<B: Backend>()
         &proxy.pg_config(&db),
         &Settings::new("lost-answer", 4).pooler(pgwarden::PoolerMode::Direct),
     );
-    let leases = B::leases(&pool);
+    // Its release comes once the statement's server-side bound (the
+    // statement timeout, and a second) has passed: 3 s here.
+    let leases = B::leases_bounded(&pool, 2 * S);
     // A first acquisition and release: the connection is made, named.
     let warm = B::acquire(&leases, "warm", &LeaseOptions::new(60 * S), None)
         .await
@@ -302,6 +304,173 @@ async fn an_acquisition_whose_answer_is_lost_leaves_no_lease_taken<B: Backend>()
     proxy.set_latency(Duration::ZERO);
     eventually(10 * S, "the lost term released by holder", || async {
         row(&admin, "job").await.is_none()
+    })
+    .await;
+}
+
+/// Another session's uncommitted insert of `name` (an acquisition of it
+/// waits on the server until that session ends or the statement's bound).
+async fn insert_uncommitted(db: &TestDb, name: &str) -> tokio_postgres::Client {
+    let blocker = db.connect().await.unwrap();
+    blocker.batch_execute("BEGIN").await.unwrap();
+    blocker
+        .execute(
+            "INSERT INTO pgwarden_leases (name, holder, token, taken_at, expires_at) \
+             VALUES ($1, 'ghost', -1, now(), now())",
+            &[&name],
+        )
+        .await
+        .unwrap();
+    blocker
+}
+
+/// Waits until a statement of `db` whose text matches `like` waits on a lock.
+async fn waits_on_a_lock(admin: &tokio_postgres::Client, like: &str) {
+    eventually(10 * S, "a lease statement waits on a lock", || async {
+        let n: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND query LIKE $1 AND datname = current_database()",
+                &[&like],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        n > 0
+    })
+    .await;
+}
+
+backends!(an_acquisition_reset_while_it_waits_behind_a_pooler_leaves_no_lease_held);
+/// An acquisition waits on the server (behind another session's insert of
+/// its name) on a pool configured behind a transaction pooler, where no
+/// cancel can reach it; its connection is reset; the other session then
+/// rolls back, and the abandoned statement takes the lease. It is released
+/// by holder once the statement's bound has passed (it was released at
+/// once, found nothing, and the lease stayed held for its TTL: the hostile
+/// reader's F2 of stop 47b, 3 of 3).
+async fn an_acquisition_reset_while_it_waits_behind_a_pooler_leaves_no_lease_held<B: Backend>() {
+    let server = TestServer::shared().unwrap();
+    let db = server.create_database().await.unwrap();
+    let admin = db.connect().await.unwrap();
+    let proxy = pgwarden_testing::Proxy::start(server).unwrap();
+    let direct = B::build(&db, &Settings::new("reset-waiting-install", 2));
+    B::install(&B::leases(&direct)).await.unwrap();
+    let pool = B::build_on(
+        &proxy.pg_config(&db),
+        &Settings::new("reset-waiting", 4).pooler(pgwarden::PoolerMode::Transaction),
+    );
+    // Its release comes 5 s after the reset (the bound and a second).
+    let leases = B::leases_bounded(&pool, 4 * S);
+    let blocker = insert_uncommitted(&db, "job").await;
+    let acquire = tokio::spawn({
+        let leases = leases.clone();
+        async move { B::acquire(&leases, "job", &LeaseOptions::new(60 * S), None).await }
+    });
+    waits_on_a_lock(&admin, "INSERT INTO%pgwarden_leases%").await;
+    proxy.reset_all();
+    let answer = within(10 * S, "the acquisition's answer", acquire)
+        .await
+        .unwrap();
+    assert!(answer.is_err(), "its answer was lost: {answer:?}");
+    // Well inside its bound, the abandoned statement takes the lease.
+    tokio::time::sleep(1500 * MS).await;
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    eventually(
+        10 * S,
+        "the abandoned statement's term released by holder",
+        || async { row(&admin, "job").await.is_none() },
+    )
+    .await;
+}
+
+backends!(
+    a_batch_whose_answer_is_lost_gives_no_term_to_two_holders,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+/// Sixteen acquisitions at once, most of them gathered into one statement
+/// that waits on the server (one of its names is another session's
+/// uncommitted insert); its connection is reset. No caller holds a term the
+/// database gives another instance: a batch whose answer was lost sent its
+/// callers alone under their holder ids while its release by those ids
+/// ran, and undid the terms they took (two holders: the hostile reader's
+/// F1 of stop 47b, 26 of 45 terms).
+async fn a_batch_whose_answer_is_lost_gives_no_term_to_two_holders<B: Backend>() {
+    let server = TestServer::shared().unwrap();
+    let db = server.create_database().await.unwrap();
+    let admin = db.connect().await.unwrap();
+    let proxy = pgwarden_testing::Proxy::start(server).unwrap();
+    let direct = B::build(&db, &Settings::new("reset-batch-other", 4));
+    let other = B::leases(&direct);
+    B::install(&other).await.unwrap();
+    let pool = B::build_on(
+        &proxy.pg_config(&db),
+        &Settings::new("reset-batch", 8).pooler(pgwarden::PoolerMode::Direct),
+    );
+    let leases = B::leases_bounded(&pool, 2 * S);
+    let opts = LeaseOptions::new(60 * S);
+    for i in 0..3 {
+        let warm = B::acquire(&leases, &format!("warm{i}"), &opts, None)
+            .await
+            .unwrap()
+            .expect("free");
+        B::release(warm).await.unwrap();
+    }
+    proxy.set_latency(30 * MS);
+    let blocker = insert_uncommitted(&db, "n-zz").await;
+    let mut names: Vec<String> = (0..15).map(|i| format!("n-{i:02}")).collect();
+    names.push("n-zz".to_owned());
+    let tasks: Vec<_> = names
+        .iter()
+        .map(|name| {
+            let (leases, opts, name) = (leases.clone(), opts.clone(), name.clone());
+            tokio::spawn(async move {
+                let r = B::acquire(&leases, &name, &opts, None).await;
+                (name, r)
+            })
+        })
+        .collect();
+    // The batch (on deadpool; sqlx sent the names alone here) or the
+    // blocked name's own statement waits on the insert: reset.
+    waits_on_a_lock(&admin, "%pgwarden_leases%").await;
+    proxy.reset_all();
+    proxy.set_latency(Duration::ZERO);
+    let mut held = Vec::new();
+    for t in tasks {
+        if let (name, Ok(Some(lease))) = within(30 * S, "an answer", t).await.unwrap() {
+            held.push((name, lease));
+        }
+    }
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    // Past the abandoned statements' bound (3 s) and their releases.
+    tokio::time::sleep(4 * S).await;
+    for (name, lease) in held {
+        assert_eq!(
+            row(&admin, &name).await,
+            Some((lease.term().holder.clone(), lease.term().token)),
+            "{name}: a caller holds a term the table does not"
+        );
+        assert!(
+            B::acquire(&other, &name, &opts, None)
+                .await
+                .unwrap()
+                .is_none(),
+            "{name}: another instance took a term its caller holds"
+        );
+        B::release(lease).await.unwrap();
+    }
+    // Nothing is held by a holder nobody has.
+    eventually(10 * S, "no lease left held", || async {
+        admin
+            .query_one(
+                "SELECT count(*) FROM pgwarden_leases WHERE holder <> ''",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
     })
     .await;
 }
