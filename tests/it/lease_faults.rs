@@ -259,6 +259,33 @@ async fn lost_then_taken_over<B: Backend>(
     (taken, taken_at - lost_at)
 }
 
+/// A database with the lease table, a raw client on it, a proxy to the
+/// shared server, a direct pool of 4 (it made the table) and a pool `name`
+/// of `size` through the proxy, in `mode`.
+async fn proxied<B: Backend>(
+    name: &'static str,
+    size: usize,
+    mode: pgwarden::PoolerMode,
+) -> (
+    TestDb,
+    tokio_postgres::Client,
+    pgwarden_testing::Proxy,
+    B::Pool,
+    B::Pool,
+) {
+    let server = TestServer::shared().unwrap();
+    let db = server.create_database().await.unwrap();
+    let admin = db.connect().await.unwrap();
+    let proxy = pgwarden_testing::Proxy::start(server).unwrap();
+    let direct = B::build(&db, &Settings::new("proxied-direct", 4));
+    B::install(&B::leases(&direct)).await.unwrap();
+    let pool = B::build_on(
+        &proxy.pg_config(&db),
+        &Settings::new(name, size).pooler(mode),
+    );
+    (db, admin, proxy, direct, pool)
+}
+
 backends!(an_acquisition_whose_answer_is_lost_leaves_no_lease_taken);
 /// The connection of an acquisition is reset after the server committed
 /// its statement and before its answer arrived (a proxy 150 ms each way):
@@ -267,16 +294,8 @@ backends!(an_acquisition_whose_answer_is_lost_leaves_no_lease_taken);
 /// SQLSTATE returned at once and left it held: on sqlx, a connection made on
 /// a dropped runtime did the same, the hostile reader's F3 of stop 47).
 async fn an_acquisition_whose_answer_is_lost_leaves_no_lease_taken<B: Backend>() {
-    let server = TestServer::shared().unwrap();
-    let db = server.create_database().await.unwrap();
-    let admin = db.connect().await.unwrap();
-    let proxy = pgwarden_testing::Proxy::start(server).unwrap();
-    let direct = B::build(&db, &Settings::new("lost-answer-install", 2));
-    B::install(&B::leases(&direct)).await.unwrap();
-    let pool = B::build_on(
-        &proxy.pg_config(&db),
-        &Settings::new("lost-answer", 4).pooler(pgwarden::PoolerMode::Direct),
-    );
+    let (_db, admin, proxy, _direct, pool) =
+        proxied::<B>("lost-answer", 4, pgwarden::PoolerMode::Direct).await;
     // Its release comes once the statement's server-side bound (the
     // statement timeout, and a second) has passed: 3 s here.
     let leases = B::leases_bounded(&pool, 2 * S);
@@ -350,16 +369,8 @@ backends!(an_acquisition_reset_while_it_waits_behind_a_pooler_leaves_no_lease_he
 /// once, found nothing, and the lease stayed held for its TTL: the hostile
 /// reader's F2 of stop 47b, 3 of 3).
 async fn an_acquisition_reset_while_it_waits_behind_a_pooler_leaves_no_lease_held<B: Backend>() {
-    let server = TestServer::shared().unwrap();
-    let db = server.create_database().await.unwrap();
-    let admin = db.connect().await.unwrap();
-    let proxy = pgwarden_testing::Proxy::start(server).unwrap();
-    let direct = B::build(&db, &Settings::new("reset-waiting-install", 2));
-    B::install(&B::leases(&direct)).await.unwrap();
-    let pool = B::build_on(
-        &proxy.pg_config(&db),
-        &Settings::new("reset-waiting", 4).pooler(pgwarden::PoolerMode::Transaction),
-    );
+    let (db, admin, proxy, _direct, pool) =
+        proxied::<B>("reset-waiting", 4, pgwarden::PoolerMode::Transaction).await;
     // Its release comes 5 s after the reset (the bound and a second).
     let leases = B::leases_bounded(&pool, 4 * S);
     let blocker = insert_uncommitted(&db, "job").await;
@@ -397,17 +408,9 @@ backends!(
 /// ran, and undid the terms they took (two holders: the hostile reader's
 /// F1 of stop 47b, 26 of 45 terms).
 async fn a_batch_whose_answer_is_lost_gives_no_term_to_two_holders<B: Backend>() {
-    let server = TestServer::shared().unwrap();
-    let db = server.create_database().await.unwrap();
-    let admin = db.connect().await.unwrap();
-    let proxy = pgwarden_testing::Proxy::start(server).unwrap();
-    let direct = B::build(&db, &Settings::new("reset-batch-other", 4));
+    let (db, admin, proxy, direct, pool) =
+        proxied::<B>("reset-batch", 8, pgwarden::PoolerMode::Direct).await;
     let other = B::leases(&direct);
-    B::install(&other).await.unwrap();
-    let pool = B::build_on(
-        &proxy.pg_config(&db),
-        &Settings::new("reset-batch", 8).pooler(pgwarden::PoolerMode::Direct),
-    );
     let leases = B::leases_bounded(&pool, 2 * S);
     let opts = LeaseOptions::new(60 * S);
     for i in 0..3 {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use pgwarden::{LeaseOptions, LostReason};
+use pgwarden_testing::TestDb;
 use support::backend::{Backend, LeaseSettings, Settings};
 use support::leases::{ahead, expiry};
 use support::{admin, db, eventually, within};
@@ -308,6 +309,24 @@ fn dropped_right_after_a_spawn<B: Backend>(
     out
 }
 
+/// A multi-thread runtime of 2 workers, and a database on which it made the
+/// lease table (through a pool named `name` of its own: no other pool has
+/// checked out on it yet).
+fn installed<B: Backend>(name: &'static str) -> (tokio::runtime::Runtime, TestDb) {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = main.block_on(async {
+        let db = db().await;
+        let installer = B::build(&db, &Settings::new(name, 2));
+        B::install(&B::leases(&installer)).await.unwrap();
+        db
+    });
+    (main, db)
+}
+
 backends!(
     sync,
     a_renewal_batch_dropped_before_its_first_poll_strands_no_lease
@@ -318,17 +337,7 @@ backends!(
 /// 30 of 30 rounds never renewed it again, and it was reported lost with a
 /// healthy database).
 fn a_renewal_batch_dropped_before_its_first_poll_strands_no_lease<B: Backend>() {
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let db = main.block_on(async {
-        let db = db().await;
-        let installer = B::build(&db, &Settings::new("unpolled-batch-install", 2));
-        B::install(&B::leases(&installer)).await.unwrap();
-        db
-    });
+    let (main, db) = installed::<B>("unpolled-batch-install");
     let opts = LeaseOptions::new(20 * S).renew_every(300 * MS);
     let mut caught = 0;
     for i in 0..4 {
@@ -361,17 +370,7 @@ backends!(
 /// runtime, the purge runs again once the renewer is revived elsewhere
 /// (its "running" mark was set for good: the instance never purged again).
 fn a_purge_round_dropped_before_its_first_poll_leaves_the_purge_running<B: Backend>() {
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let db = main.block_on(async {
-        let db = db().await;
-        let installer = B::build(&db, &Settings::new("unpolled-purge-install", 2));
-        B::install(&B::leases(&installer)).await.unwrap();
-        db
-    });
+    let (main, db) = installed::<B>("unpolled-purge-install");
     let opts = LeaseOptions::new(60 * S);
     let settings = LeaseSettings::default().purge(Duration::ZERO, Some(40 * MS));
     let mut caught = 0;

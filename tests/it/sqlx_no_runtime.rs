@@ -18,6 +18,11 @@ macro_rules! no_runtime {
             use $sqlx::postgres::{PgConnectOptions, PgPoolOptions};
             use pgwarden::{LockKey, LockMode, PoolerMode};
 
+            /// `db`'s connect options, without `.pgpass`.
+            fn options(db: &pgwarden_testing::TestDb) -> PgConnectOptions {
+                sqlx_options!($sqlx, db.pg_config())
+            }
+
             fn current_thread() -> tokio::runtime::Runtime {
                 tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -32,17 +37,7 @@ macro_rules! no_runtime {
                 let rt = current_thread();
                 let db = rt.block_on(support::db());
                 let raw = rt.block_on(db.connect()).unwrap();
-                let (host, socket, port, user, dbname) = support::backend::sqlx_target(&db.pg_config());
-                let mut opts = PgConnectOptions::new_without_pgpass()
-                    .port(port)
-                    .username(&user)
-                    .database(&dbname);
-                if let Some(h) = host {
-                    opts = opts.host(&h);
-                }
-                if let Some(s) = socket {
-                    opts = opts.socket(s);
-                }
+                let opts = options(&db);
                 let key = LockKey::Single(9101);
                 let pools = current_thread();
                 let (pool, lock, conn) = pools.block_on(async {
@@ -86,17 +81,7 @@ macro_rules! no_runtime {
                 // reader's F3 and a flaky renewal test, stop 47).
                 let rt = current_thread();
                 let db = rt.block_on(support::db());
-                let (host, socket, port, user, dbname) = support::backend::sqlx_target(&db.pg_config());
-                let mut opts = PgConnectOptions::new_without_pgpass()
-                    .port(port)
-                    .username(&user)
-                    .database(&dbname);
-                if let Some(h) = host {
-                    opts = opts.host(&h);
-                }
-                if let Some(s) = socket {
-                    opts = opts.socket(s);
-                }
+                let opts = options(&db);
                 let pool = {
                     let _in_rt = rt.enter();
                     let pg = PgPoolOptions::new()
