@@ -370,9 +370,18 @@ async fn through_pgbouncer_many_clients_on_two_server_connections_run_lease_and_
     let db = server.create_database().await.unwrap();
     let admin = db.connect().await.unwrap();
     let bouncer = PgBouncer::start_with_pool_size(server, &db, 2).unwrap();
+    // Sixteen clients on two server connections: a checkout (the census's,
+    // asking its pid behind the bouncer) waited past the default 5 s in a
+    // loaded CI run. 30 s: a hang guard, not a rate.
+    let through = |size, app, mode| {
+        B::build_through(
+            &bouncer,
+            &Settings::new(app, size).pooler(mode).wait(30 * S),
+        )
+    };
     let pools = [
-        bounced::<B>(&bouncer, 8, "pinned-t", PoolerMode::Transaction),
-        bounced::<B>(&bouncer, 8, "pinned-auto", PoolerMode::Auto),
+        through(8, "pinned-t", PoolerMode::Transaction),
+        through(8, "pinned-auto", PoolerMode::Auto),
     ];
     let leases = [B::leases(&pools[0]), B::leases(&pools[1])];
     B::install(&leases[0]).await.unwrap();

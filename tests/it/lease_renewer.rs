@@ -366,18 +366,22 @@ backends!(
     sync,
     a_purge_round_dropped_before_its_first_poll_leaves_the_purge_running
 );
-/// The same for a purge round (every 40 ms): dropped unpolled with its
+/// The same for a purge round (every 300 ms): dropped unpolled with its
 /// runtime, the purge runs again once the renewer is revived elsewhere
 /// (its "running" mark was set for good: the instance never purged again).
 fn a_purge_round_dropped_before_its_first_poll_leaves_the_purge_running<B: Backend>() {
     let (main, db) = installed::<B>("unpolled-purge-install");
     let opts = LeaseOptions::new(60 * S);
-    let settings = LeaseSettings::default().purge(Duration::ZERO, Some(40 * MS));
+    // Every 300 ms: a round takes a few milliseconds, so the tasks alive
+    // when the look starts seldom hold one (every 40 ms, on a loaded
+    // machine, one was always in flight then, and a new round's spawn never
+    // raised the count: 'no round dropped a task', in a CI run).
+    let settings = LeaseSettings::default().purge(Duration::ZERO, Some(300 * MS));
     let mut caught = 0;
     for i in 0..4u64 {
         let pool = main.block_on(async { B::build(&db, &Settings::new("unpolled-purge", 4)) });
         let leases = B::leases_with(&pool, &settings).unwrap();
-        let after = Duration::from_millis(i * 7 % 30);
+        let after = Duration::from_millis(100 + i * 7 % 30);
         let (lease, seen) =
             dropped_right_after_a_spawn::<B>(&leases, &format!("job-{i}"), &opts, after);
         caught += usize::from(seen);
