@@ -288,7 +288,7 @@ async fn proxied<B: Backend>(
 
 backends!(an_acquisition_whose_answer_is_lost_leaves_no_lease_taken);
 /// The connection of an acquisition is reset after the server committed
-/// its statement and before its answer arrived (a proxy 150 ms each way):
+/// its statement and before its answer arrived (a proxy 500 ms each way: the look at the table has that long):
 /// the caller gets the connection's error, and the lease its statement took
 /// is released by holder, not left held for its TTL (an error without a
 /// SQLSTATE returned at once and left it held: on sqlx, a connection made on
@@ -305,7 +305,7 @@ async fn an_acquisition_whose_answer_is_lost_leaves_no_lease_taken<B: Backend>()
         .unwrap()
         .expect("free");
     B::release(warm).await.unwrap();
-    proxy.set_latency(150 * MS);
+    proxy.set_latency(500 * MS);
     let acquire = tokio::spawn({
         let leases = leases.clone();
         async move { B::acquire(&leases, "job", &LeaseOptions::new(60 * S), None).await }
