@@ -30,9 +30,14 @@ async fn thirty_thousand_leaked_locks_do_not_stall_checkouts<B: Backend>() {
     raw.simple_query("SELECT count(pg_advisory_lock(1, i)) FROM generate_series(1, 15000) i")
         .await
         .unwrap();
+    // A census pass is bounded by the pool's wait (plus its interval): at
+    // the default 5 s, a pass over these 45,000 locks ran out of it twice in
+    // a loaded CI run (stop 47) after ending the leaker's session and before
+    // its log line. 30 s: a hang guard here.
     let s = Settings::new("census-load", 4)
         .long_hold(Duration::from_secs(30), Duration::from_millis(20))
-        .census(Duration::from_millis(50));
+        .census(Duration::from_millis(50))
+        .wait(Duration::from_secs(30));
     let name = s.pool_name::<B>();
     let (pool, snap) = B::build_recorded(&db, &s);
 
