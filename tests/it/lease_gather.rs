@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use pgwarden::LeaseOptions;
 use pgwarden_testing::{Proxy, TestServer};
-use support::backend::{leases_on, named, Backend, Settings};
+use support::backend::{leases_on, named, pool_on, Backend, Settings};
 use support::leases::{insert_expired, lock_rows, row};
 use support::{admin, db, eventually, within};
 
@@ -414,10 +414,20 @@ async fn on_a_slow_link_overlapping_calls_still_share_statements<B: Backend>() {
     let server = TestServer::shared().expect("throwaway PostgreSQL");
     let db = server.create_database().await.unwrap();
     let proxy = Proxy::start(server).expect("proxy");
-    let leases = leases_on::<B>(&proxy.pg_config(&db), "gather-slow", 16).0;
+    let pool = pool_on::<B>(&proxy.pg_config(&db), "gather-slow", 16).0;
+    let leases = B::leases(&pool);
     B::install(&leases).await.unwrap();
     proxy.set_latency(Duration::from_millis(100));
     let o = opts();
+    // Eight of the pool's connections made first: a connection made during
+    // the calls (five round trips and more on this link) held a
+    // statement's slot past the calls' patience, and each went alone (0 of
+    // 24 in two loaded runs on sqlx 0.8).
+    let mut conns = Vec::new();
+    for _ in 0..8 {
+        conns.push(within(30 * S, "a connection", B::get(&pool)).await.unwrap());
+    }
+    drop(conns);
     // Statements alone first: their time is what calls wait for.
     for i in 0..4 {
         let lease = B::acquire(&leases, &format!("warm{i}"), &o, None).await;
