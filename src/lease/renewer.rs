@@ -215,9 +215,13 @@ impl<B: Backend> Inner<B> {
             let round = purge.then(|| PurgeRound(self.clone()));
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 for (guard, items) in batches {
+                    tracing::trace!(
+                        pool = %self.pool_name, leases = items.len(), spawned = "renewal batch"
+                    );
                     rt.spawn(Self::renew_batch(guard, items));
                 }
                 if let Some(round) = round {
+                    tracing::trace!(pool = %self.pool_name, spawned = "purge round");
                     rt.spawn(Self::purge_round(round));
                 }
             }

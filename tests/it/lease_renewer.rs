@@ -257,25 +257,34 @@ async fn the_renewer_survives_panics<B: Backend>() {
 
 /// Takes `name` on a current-thread runtime kept busy by 100 always-ready
 /// tasks, returns from its `block_on` at the first poll after the renewer
-/// (started there by this first checkout) spawned a task, a renewal batch
-/// or a purge round, looking from `after` on: with the ready tasks ahead of
-/// it, that task has not been polled yet; then drops the runtime. The
-/// lease, and whether a spawn was seen (within 3 s of `after`: a loaded
-/// machine runs the 100 tasks slowly).
+/// (started there by this first checkout) spawned a task of `kind` (its
+/// `spawned` trace event: "renewal batch" or "purge round"), looking from
+/// `after` on: with the ready tasks ahead of it, that task has not been
+/// polled yet; then drops the runtime. The lease, and whether such a spawn
+/// was seen (within 30 s of `after`: a hang guard).
 ///
 /// The hostile reader's probe of stop 47 (its F1 and F2): a task dropped
 /// before its first poll left the marks its tick had set (a batch's leases
-/// "in flight", the purge "running") for good.
+/// "in flight", the purge "running") for good. The spawn is seen by its
+/// event, not by the runtime's count of live tasks, which a task ending at
+/// the same time hid (and sqlx spawns tasks of its own).
 fn dropped_right_after_a_spawn<B: Backend>(
     leases: &B::Leases,
     name: &str,
     opts: &LeaseOptions,
     after: Duration,
+    kind: &'static str,
 ) -> (B::Lease, bool) {
+    use tracing_subscriber::layer::SubscriberExt;
     let other = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
+    let spawned = Arc::new(AtomicBool::new(false));
+    // This thread's: the current-thread runtime runs the renewer's tick here.
+    let _seen = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(Spawned(kind, spawned.clone())),
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let out = other.block_on(async {
         for _ in 0..100 {
@@ -294,11 +303,10 @@ fn dropped_right_after_a_spawn<B: Backend>(
         while t0.elapsed() < after {
             tokio::task::yield_now().await;
         }
-        let rt = tokio::runtime::Handle::current();
-        let base = rt.metrics().num_alive_tasks();
-        while t0.elapsed() < after + 3 * S {
+        spawned.store(false, Ordering::SeqCst);
+        while t0.elapsed() < after + 30 * S {
             tokio::task::yield_now().await;
-            if rt.metrics().num_alive_tasks() > base {
+            if spawned.load(Ordering::SeqCst) {
                 return (lease, true);
             }
         }
@@ -307,6 +315,26 @@ fn dropped_right_after_a_spawn<B: Backend>(
     stop.store(true, Ordering::Relaxed);
     drop(other);
     out
+}
+
+/// Sets its flag at pgwarden's trace event of a spawned task of its kind.
+struct Spawned(&'static str, Arc<AtomicBool>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Spawned {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Kind<'a>(&'a str, bool);
+        impl tracing::field::Visit for Kind<'_> {
+            fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+                self.1 |= field.name() == "spawned" && value == self.0;
+            }
+            fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+        }
+        let mut kind = Kind(self.0, false);
+        event.record(&mut kind);
+        if kind.1 {
+            self.1.store(true, Ordering::SeqCst);
+        }
+    }
 }
 
 /// A multi-thread runtime of 2 workers, and a database on which it made the
@@ -345,13 +373,19 @@ fn a_renewal_batch_dropped_before_its_first_poll_strands_no_lease<B: Backend>() 
         // dropped runtime) starts the renewer there.
         let pool = main.block_on(async { B::build(&db, &Settings::new("unpolled-batch", 4)) });
         let leases = B::leases(&pool);
-        let (lease, seen) =
-            dropped_right_after_a_spawn::<B>(&leases, &format!("job-{i}"), &opts, 200 * MS);
+        let (lease, seen) = dropped_right_after_a_spawn::<B>(
+            &leases,
+            &format!("job-{i}"),
+            &opts,
+            200 * MS,
+            "renewal batch",
+        );
         caught += usize::from(seen);
         let before = B::lease_stats(&leases).renewed;
         main.block_on(async {
             drop(B::get(&pool).await.unwrap());
-            eventually(5 * S, "the same lease renewed again", || {
+            // 30 s: a hang guard (the old code never renewed it again).
+            eventually(30 * S, "the same lease renewed again", || {
                 std::future::ready(B::lease_stats(&leases).renewed >= before + 2)
             })
             .await;
@@ -372,23 +406,28 @@ backends!(
 fn a_purge_round_dropped_before_its_first_poll_leaves_the_purge_running<B: Backend>() {
     let (main, db) = installed::<B>("unpolled-purge-install");
     let opts = LeaseOptions::new(60 * S);
-    // Every 300 ms: a round takes a few milliseconds, so the tasks alive
-    // when the look starts seldom hold one (every 40 ms, on a loaded
-    // machine, one was always in flight then, and a new round's spawn never
-    // raised the count: 'no round dropped a task', in a CI run).
+    // Every 300 ms: each round of the loop sees a round's spawn soon.
     let settings = LeaseSettings::default().purge(Duration::ZERO, Some(300 * MS));
     let mut caught = 0;
     for i in 0..4u64 {
         let pool = main.block_on(async { B::build(&db, &Settings::new("unpolled-purge", 4)) });
         let leases = B::leases_with(&pool, &settings).unwrap();
         let after = Duration::from_millis(100 + i * 7 % 30);
-        let (lease, seen) =
-            dropped_right_after_a_spawn::<B>(&leases, &format!("job-{i}"), &opts, after);
+        let (lease, seen) = dropped_right_after_a_spawn::<B>(
+            &leases,
+            &format!("job-{i}"),
+            &opts,
+            after,
+            "purge round",
+        );
         caught += usize::from(seen);
         let before = B::lease_stats(&leases).purge_statements;
         main.block_on(async {
             drop(B::get(&pool).await.unwrap());
-            eventually(5 * S, "purge statements again", || {
+            // 30 s: a hang guard (the old code never purged again; with
+            // 5 s both sqlx cases failed in one CI run, whose message was
+            // not kept).
+            eventually(30 * S, "purge statements again", || {
                 std::future::ready(B::lease_stats(&leases).purge_statements >= before + 2)
             })
             .await;
