@@ -150,10 +150,8 @@
 //! [`LeaseHandle::fence`] takes the sqlx pool's `Transaction` and the
 //! guard dereferences to its `PgConnection` (`&mut *tx` is an executor).
 //! Pooler detection is the pool's on either backend: statements are
-//! prepared only on a pool configured direct or detected without a
-//! transaction pooler (a sqlx pool is never proven direct: sqlx hides the
-//! pid the server announced), and a statement cut short is cancelled by
-//! pid only on a pool configured or proven direct.
+//! prepared, and a statement cut short cancelled by pid, only on a pool
+//! configured or detected direct.
 
 mod acquire;
 mod backend;
