@@ -115,28 +115,6 @@ impl Watch {
         }
     }
 
-    /// Named prepared statements keep working on the pool's connections:
-    /// configured [`PoolerMode::Direct`], or detected without a transaction
-    /// pooler, behind a proxy or not. A session pooler keeps a client
-    /// connection on one server session for as long as it is open (and
-    /// both clients prepare a name on their connection before they bind
-    /// it); a name the server session already holds from an earlier client
-    /// is refused (`42P05`), and the caller falls back to unnamed
-    /// statements. Not before detection, nor after one that proved nothing.
-    ///
-    /// Not [`Watch::keeps_sessions`]: behind a proxy, a pid names a server
-    /// session that may serve another client once ours is gone (no cancel
-    /// by pid), but the session does not change under a connected client.
-    pub(crate) fn may_name_statements(&self) -> bool {
-        match self.configured {
-            PoolerMode::Direct => true,
-            PoolerMode::Transaction => false,
-            PoolerMode::Auto => self
-                .detected()
-                .is_some_and(|d| !d.transaction && !d.unproven),
-        }
-    }
-
     /// A statement sent in two syncs may have its halves run on two server
     /// sessions: configured behind a transaction pooler, detected so, or
     /// not known either way (`Auto` before detection, or behind a proxy

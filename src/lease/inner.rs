@@ -16,10 +16,9 @@
 //! its client gave up; what follows it (an acquisition's release by holder)
 //! runs only once the statement has ended, seen on its own connection. A
 //! lease statement that lost a race under snapshot isolation (40001) is
-//! sent again within its bound. Named prepared statements where no
-//! transaction pooler is (configured direct, or detected without one),
-//! unnamed ones behind a transaction pooler (or before the pool knows
-//! which it is).
+//! sent again within its bound. Named prepared statements on direct
+//! connections, unnamed ones behind a transaction pooler (or before the
+//! pool knows which it is).
 //!
 //! # Registry
 //!
@@ -477,17 +476,11 @@ impl<B: Backend> Inner<B> {
         }
     }
 
-    /// Named prepared statements only on a pool known to keep a client on
-    /// one server session while it is connected (configured direct, or
-    /// detected without a transaction pooler: straight to PostgreSQL, or
-    /// behind a proxy that keeps sessions, which is all a sqlx pool can
-    /// prove, sqlx hiding the pid the server announced), never again after
-    /// the server refused one, and only where the backend keeps them (not
-    /// on sqlx with its statement cache off).
+    /// Named prepared statements only on a connection known to be direct,
+    /// never again after the server refused one, and only where the
+    /// backend keeps them (not on sqlx with its statement cache off).
     pub(crate) fn named(&self) -> bool {
-        !self.unnamed_only.load(Ordering::Relaxed)
-            && self.pooler.may_name_statements()
-            && B::names_statements(&self.pool)
+        self.direct() && B::names_statements(&self.pool)
     }
 
     /// The pool's connections are known to keep their server session, and

@@ -9,13 +9,10 @@
 //!
 //! Pooler detection is the pool's (`crate::pooler`, on either backend):
 //! lease statements are prepared (sqlx's persistent statements) only on a
-//! pool configured direct or detected without a transaction pooler, as on
-//! deadpool, and with sqlx's statement cache on (`pool::names_statements`).
-//! A statement cut short is cancelled by its backend pid
-//! (`pg_cancel_backend`) only on a pool configured direct: sqlx hides the
-//! pid the server announced, so detection cannot tell PostgreSQL from a
-//! proxy that keeps sessions, whose server session may serve another
-//! client by the time a cancel lands.
+//! pool configured or detected direct, as on deadpool, and with sqlx's
+//! statement cache on (`pool::names_statements`), and a statement cut
+//! short is cancelled by its backend pid (`pg_cancel_backend`) only on a
+//! direct pool.
 
 use std::future::Future;
 use std::sync::Arc;
