@@ -157,3 +157,81 @@ async fn pgwardens_statements_do_not_pile_up_with_the_statement_cache_off<B: Bac
     drop(c);
     settled::<B>(&pool).await;
 }
+
+backends!(lease_statements_are_prepared_only_where_sessions_are_proven_kept);
+/// Lease statements are named prepared statements only on a pool proven
+/// to keep its server sessions, and unnamed behind a proxy whose mode
+/// detection could not prove: left at `PoolerMode::Auto`, after 20 lease
+/// pairs, the pool's connections hold the acquisition and the release as
+/// named statements straight to PostgreSQL on deadpool (the pid the
+/// server announced proves it direct), none on sqlx (which hides that pid:
+/// configure `PoolerMode::Direct` there), and none through PgBouncer in
+/// session mode on either.
+///
+/// Stop 48 named them wherever detection found no transaction pooler (on
+/// sqlx they were all parsed and planned at every call: row 4s); its
+/// hostile reader broke that: a verdict gone stale (PgBouncer switched to
+/// transaction mode) let a named release bind another client's statement
+/// of the same name and two text parameters, which ran in its place (an
+/// `INSERT` into a canary table, 6 of 6 releases said `Ok`, the leases
+/// stayed held), and acquisitions failed with `08P01`. Reverted.
+async fn lease_statements_are_prepared_only_where_sessions_are_proven_kept<B: Backend>() {
+    let db = db().await;
+    let bouncer = support::pooler::bouncer(&db, 8, PoolMode::Session);
+    let direct = Settings::new("named-direct", 4).pooler(PoolerMode::Auto);
+    let want_direct = if B::NAME == "deadpool" { 2 } else { 0 };
+    let mut cases = vec![("direct", B::build(&db, &direct), want_direct)];
+    if let Some(b) = &bouncer {
+        // sqlx's statement cache on (the harness turns it off behind
+        // PgBouncer, as a sqlx user does behind one in transaction mode).
+        let s = Settings::new("named-session", 4)
+            .pooler(PoolerMode::Auto)
+            .statement_cache(true);
+        cases.push(("session PgBouncer", B::build_through(b, &s), 0));
+    }
+    for (what, pool, want) in cases {
+        let found = B::detect_pooler(&pool).await.unwrap();
+        assert_eq!(found, PoolerMode::Direct, "{what}");
+        let leases = B::leases(&pool);
+        B::install(&leases).await.unwrap();
+        let opts = LeaseOptions::new(Duration::from_secs(30));
+        for i in 0..20 {
+            let lease = B::acquire(&leases, &format!("named-{i}"), &opts, None)
+                .await
+                .unwrap()
+                .expect("a new name is free");
+            B::release(lease).await.unwrap();
+        }
+        settled::<B>(&pool).await;
+        // Every connection of the pool at once: the statements are on
+        // whichever served them.
+        let size = B::status(&pool).size;
+        let mut held = Vec::new();
+        let mut named = 0;
+        for _ in 0..size {
+            let mut c = B::get_within(&pool, T).await.unwrap();
+            named += B::count(
+                &mut c,
+                "SELECT count(*) FROM pg_prepared_statements \
+                  WHERE statement LIKE '%pgwarden_leases%' \
+                    AND (statement LIKE 'INSERT%' OR statement LIKE 'UPDATE%')",
+            )
+            .await;
+            held.push(c);
+        }
+        drop(held);
+        if want == 0 {
+            assert_eq!(
+                named, 0,
+                "{what}: lease statements prepared on a pool not proven direct"
+            );
+        } else {
+            assert!(
+                named >= want,
+                "{what}: {named} lease statements prepared on the pool's {size} connections (the acquisition and the release, at least)"
+            );
+        }
+        settled::<B>(&pool).await;
+        B::close(&pool).await;
+    }
+}
