@@ -12,6 +12,9 @@
 //! side and the median of the pair ratios: a quick check between criterion
 //! runs.
 //!
+//! `--profile sqlx raw|pgwarden|pgwarden-16 OPS` runs row 1s's loop (64
+//! tasks, pool 16, `acquire` + `SELECT 1` on sqlx 0.8; feature `sqlx-0_8`).
+//!
 //! The instructions of the pgwarden run minus those of the raw run, divided
 //! by the operations, is what pgwarden adds per checkout (the server runs in
 //! its own processes and is not counted).
@@ -33,6 +36,10 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
         }
         if mode == "checkout-ab" {
             return checkout_ab(side.parse()?, ops.parse()?);
+        }
+        #[cfg(feature = "sqlx-0_8")]
+        if mode == "sqlx" {
+            return sqlx_get_select_1(side, ops.parse()?);
         }
     }
     let (side, ops) = match args {
@@ -162,6 +169,71 @@ fn checkout_ab(rounds: usize, ops: u64) -> Result<(), BoxError> {
             ratios[ratios.len() - 1],
             fb / fa
         );
+        Ok(())
+    })
+}
+
+/// `--profile sqlx raw|pgwarden OPS`: one side of row 1s (64 tasks, pool
+/// 16, `acquire` + `SELECT 1` on sqlx 0.8) for a fixed number of
+/// operations, for a profiler (`valgrind --tool=callgrind`: subtract the
+/// run with OPS = 0 to leave set-up out; BENCHMARKS.md, row 1s). Side
+/// `pgwarden-16`: pgwarden over a pool of 17, its request lane as wide as
+/// raw's pool (the default lanes keep one connection for the probe).
+#[cfg(feature = "sqlx-0_8")]
+fn sqlx_get_select_1(side: &str, ops: u64) -> Result<(), BoxError> {
+    use sqlx08::postgres::PgPoolOptions;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let db = TestServer::shared()?.create_database().await?;
+        let pool = || {
+            PgPoolOptions::new()
+                .max_connections(POOL as u32)
+                .connect_lazy_with(crate::sqlx_options(&db))
+        };
+        let raw = pool();
+        // `pgwarden-16`: a pool one larger, its request lane (size - 1) as
+        // wide as raw's pool.
+        let wide = side == "pgwarden-16";
+        let warden = crate::warden_sqlx::Pool::builder(
+            PgPoolOptions::new()
+                .max_connections(POOL as u32 + u32::from(wide))
+                .connect_lazy_with(crate::sqlx_options(&db)),
+        )
+        .name("bench-profile")
+        .build()?;
+        let left = Arc::new(AtomicU64::new(ops));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|_| {
+                let (raw, warden, left) = (raw.clone(), warden.clone(), left.clone());
+                let side = side.to_owned();
+                tokio::spawn(async move {
+                    while left
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                        .is_ok()
+                    {
+                        if side == "raw" {
+                            let mut c = raw.acquire().await.expect("raw acquire");
+                            sqlx08::query("SELECT 1")
+                                .fetch_one(&mut *c)
+                                .await
+                                .expect("SELECT 1");
+                        } else {
+                            let mut c = warden.acquire().await.expect("pgwarden acquire");
+                            sqlx08::query("SELECT 1")
+                                .fetch_one(&mut *c)
+                                .await
+                                .expect("SELECT 1");
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await?;
+        }
+        eprintln!("sqlx {side}: {ops} operations");
         Ok(())
     })
 }
