@@ -448,18 +448,31 @@ RETURNING l.name, l.token"
                 "UPDATE {tbl} SET holder = '', expires_at = now(), held_until = least(held_until, now())
  WHERE {wait} AND name = $1 AND holder = $2"
             ),
-            // The releases of a batch (see `gather.rs`): the rows of these
-            // names whose holder is one of these holders, which pairs each
-            // name with its own holder (a holder id is new on every
-            // acquisition and written to its own name's row only). `$3`:
-            // the holders whose hold goes too. The arrays come through
+            // The releases of a batch (see `gather.rs`): each name's row
+            // whose holder is the one paired with it (a holder id is new
+            // on every acquisition and written to its own name's row only).
+            // `$3`: the holders whose hold goes too. The arrays come through
             // sub-selects, as in `acquire_batch`; the lock wait is bounded
             // short, as a blocked release is tried again alone.
+            //
+            // The pairs drive the plan, one primary-key lookup each: the
+            // `LIMIT` (all of them) is there for the planner, which
+            // estimates a limit it cannot see at a tenth of its input, so
+            // that the cached generic plan is a nested loop over the index
+            // at every table size. Written as `name = ANY (…)`, the generic
+            // plan a connection fixes at its sixth call was a sequential
+            // scan whenever the table then held about 600 to 1,000 rows and
+            // had never been analysed (the planner's 10-page floor), and it
+            // stayed while the table grew, until the first autoanalyze
+            // (2.5 ms a call at tens of thousands of rows; BENCHMARKS.md,
+            // row 4s).
             release_batch: format!(
-                "UPDATE {tbl} SET holder = '', expires_at = now(),
-       held_until = CASE WHEN holder = ANY ((SELECT $3::text[])::text[]) THEN least(held_until, now()) ELSE held_until END
- WHERE {batch_wait} AND name = ANY ((SELECT $1::text[])::text[]) AND holder = ANY ((SELECT $2::text[])::text[])
-RETURNING name"
+                "UPDATE {tbl} AS l SET holder = '', expires_at = now(),
+       held_until = CASE WHEN l.holder = ANY ((SELECT $3::text[])::text[]) THEN least(l.held_until, now()) ELSE l.held_until END
+  FROM (SELECT b.name, b.holder FROM unnest((SELECT $1::text[]), (SELECT $2::text[])) AS b(name, holder)
+         LIMIT (SELECT cardinality($1::text[]))) AS r
+ WHERE {batch_wait} AND l.name = r.name AND l.holder = r.holder
+RETURNING l.name"
             ),
             // The row locked `FOR KEY SHARE` (a take-over waits for the
             // transaction, a renewal does not), and the transaction bounded

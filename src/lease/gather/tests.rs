@@ -87,3 +87,85 @@ async fn a_gathered_release_forgets_only_the_holds_it_is_asked_to() {
     }
     panic!("no round of 5 gathered its releases");
 }
+
+/// The release batch's cached generic plan (the one a connection fixes at
+/// its sixth call) looks each name up by the primary key at every table
+/// size, a never-analysed table of 600 to 1,000 rows included: written as
+/// `name = ANY (…)` it was a sequential scan there, kept while the table
+/// grew (BENCHMARKS.md, row 4s). Autovacuum is off for the table, so that
+/// nothing analyses it between the steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_release_batch_plan_uses_the_primary_key_at_every_size() {
+    use crate::lease::table::{Statements, TableName};
+
+    let db = TestServer::shared()
+        .unwrap()
+        .create_database()
+        .await
+        .unwrap();
+    let admin = db.connect().await.unwrap();
+    let pool = Pool::builder(db.deadpool(2).unwrap())
+        .name("release-batch-plan")
+        .build()
+        .unwrap();
+    Leases::new(&pool).install().await.unwrap();
+    admin
+        .batch_execute("ALTER TABLE pgwarden_leases SET (autovacuum_enabled = false)")
+        .await
+        .unwrap();
+    let sql = Statements::new(&TableName::parse("pgwarden_leases").unwrap(), 10 * S);
+    let mut rows = 0;
+    for (size, analyse) in [
+        (100, false),
+        (600, false),
+        (1_000, false),
+        (3_000, false),
+        (3_000, true),
+        (30_000, true),
+    ] {
+        admin
+            .execute(
+                "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+                 SELECT 'plan-' || g, '', g, now() FROM generate_series($1::int4, $2::int4) g",
+                &[&(rows + 1), &size],
+            )
+            .await
+            .unwrap();
+        rows = size;
+        if analyse {
+            admin
+                .batch_execute("ANALYZE pgwarden_leases")
+                .await
+                .unwrap();
+        }
+        // A session of its own: plans are cached per session.
+        let c = db.connect().await.unwrap();
+        c.batch_execute(&format!(
+            "SET plan_cache_mode = force_generic_plan;
+             PREPARE rb (text[], text[], text[]) AS {}",
+            sql.release_batch
+        ))
+        .await
+        .unwrap();
+        let plan: Vec<String> = c
+            .simple_query("EXPLAIN EXECUTE rb ('{plan-1,plan-2}', '{a,b}', '{}')")
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .collect();
+        let plan = plan.join("\n");
+        let at = format!("{size} rows, analysed: {analyse}");
+        assert!(
+            plan.contains("pgwarden_leases_pkey"),
+            "{at}: no lookup by the primary key:\n{plan}"
+        );
+        assert!(
+            !plan.contains("Seq Scan on pgwarden_leases"),
+            "{at}: the table scanned:\n{plan}"
+        );
+    }
+}
