@@ -524,6 +524,82 @@ async fn a_session_whose_transaction_ended_holds_no_purge_back<B: Backend>() {
     );
 }
 
+backends!(a_table_that_outgrew_its_statistics_is_analysed);
+/// A lease statement's cached plan is made from what the table's
+/// statistics say when a connection fixes it: analysed while it held a
+/// few rows, it is a scan of the whole table, and it stays so while a
+/// stream of new names grows the table, until the table is analysed again.
+/// Autovacuum is off for the table here (as it may be, or lag, in the
+/// field): the purge round analyses it once it has outgrown its
+/// statistics, and the cached plan is made again, by the primary key.
+async fn a_table_that_outgrew_its_statistics_is_analysed<B: Backend>() {
+    let (_db, admin, _leases) =
+        purging::<B>("purge-analyse", Duration::from_secs(3600), 20 * MS).await;
+    let relpages = || async {
+        admin
+            .query_one(
+                "SELECT relpages FROM pg_class WHERE oid = 'pgwarden_leases'::regclass",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i32>(0)
+    };
+    // Twenty live rows, analysed: one page.
+    admin
+        .batch_execute(
+            "ALTER TABLE pgwarden_leases SET (autovacuum_enabled = false);
+             INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             SELECT 'small-' || g, 'h', g, now() + interval '1 h' FROM generate_series(1, 20) g;
+             ANALYZE pgwarden_leases;",
+        )
+        .await
+        .unwrap();
+    assert_eq!(relpages().await, 1);
+    // A release's generic plan, fixed now (as a connection's sixth call
+    // fixes it): the table is scanned.
+    admin
+        .batch_execute(
+            "SET plan_cache_mode = force_generic_plan;
+             PREPARE release (text, text) AS
+               UPDATE pgwarden_leases SET holder = '', expires_at = now() WHERE name = $1 AND holder = $2",
+        )
+        .await
+        .unwrap();
+    let plan = || async {
+        admin
+            .simple_query("EXPLAIN EXECUTE release ('small-1', 'h')")
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let before = plan().await;
+    assert!(before.contains("Seq Scan on pgwarden_leases"), "{before}");
+    // The table grows to some 20,000 rows (the plan would stay a scan
+    // until the statistics change: the purge's next round may come first).
+    admin
+        .batch_execute(
+            "INSERT INTO pgwarden_leases (name, holder, token, expires_at)
+             SELECT 'grown-' || g, 'h', 100 + g, now() + interval '1 h' FROM generate_series(1, 20000) g",
+        )
+        .await
+        .unwrap();
+    // (A round may analyse it while the insert is still under way: its
+    // pages then; the plan is made again all the same.)
+    eventually(30 * S, "the plan made again by the primary key", || async {
+        let after = plan().await;
+        after.contains("pgwarden_leases_pkey") && !after.contains("Seq Scan on pgwarden_leases")
+    })
+    .await;
+    assert!(relpages().await > 1, "analysed since");
+}
+
 /// A database, its own client, and leases on a pool of 2 that purge rows
 /// older than `age` every `every`, their table installed.
 async fn purging<B: Backend>(
