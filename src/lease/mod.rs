@@ -629,19 +629,6 @@ impl<B: Backend> LeasesBuilder<B> {
     /// not waited for: the same id is what that backend's locks show under
     /// while it is idle, a session advisory lock on that pooled connection
     /// for one, which would hold the purge back for as long as it is held.
-    ///
-    /// A round also analyses the table (`ANALYZE (SKIP_LOCKED)`) once the
-    /// cumulative statistics count four times the rows its last analysis
-    /// counted (at least 1,000), where the role has its owner's privileges.
-    /// Each lease statement's cached plan is made from the table's
-    /// statistics when a connection fixes it: on a table analysed while it
-    /// held a few rows that plan scans the whole table, and it stays so
-    /// while a stream of new names grows the table, until the next analysis
-    /// (autovacuum's: a minute or more, never where it is off for the
-    /// table). The check reads the catalogue and the statistics and locks
-    /// nothing; the analysis never waits for a lock (a VACUUM or ANALYZE of
-    /// the table under way is left to finish its own). With `every` set to
-    /// `None` no round runs, this check included.
     pub fn purge(mut self, after: Duration, every: Option<Duration>) -> Self {
         self.purge.age = after;
         self.purge.auto = every.is_some();

@@ -40,7 +40,7 @@ use tokio::sync::Notify;
 
 use super::backend::{Backend, LeasePool};
 use super::inner::{Entry, Inner, Item, Registry, Urgency};
-use super::table::{AnalyseTable, PurgeMark, PurgeMarkStmt, PurgeSweep, Renew, TableGrown, Terms};
+use super::table::{PurgeMark, PurgeMarkStmt, PurgeSweep, Renew, Terms};
 use super::term::{self, LeaseState, Timing};
 use crate::error::{Error, LeaseError};
 use crate::lost::LostReason;
@@ -594,40 +594,7 @@ impl<B: Backend> Inner<B> {
             self.stats.lock().purge_statements += 1;
             *self.purge_mark.lock() = Some((mark, Instant::now()));
         }
-        self.analyse_if_grown().await;
         Ok(deleted)
-    }
-
-    /// Analyses the table once it has outgrown its statistics (four times
-    /// the rows they counted, at least 1,000) where this role may (its
-    /// owner's privileges): the lease statements' cached plans are made
-    /// again at their next call. A plan fixed on a table analysed while it
-    /// held a few rows scans the whole table, and without this it stays so
-    /// until autovacuum analyses it again (see `grown` in
-    /// `Statements::new`). A failure is logged and left for the next round.
-    async fn analyse_if_grown(&self) {
-        let grown = self
-            .run(Urgency::Normal, self.statement_timeout, &TableGrown)
-            .await;
-        let analysed = match grown {
-            Ok(false) => return,
-            Ok(true) => {
-                self.run(Urgency::Normal, self.statement_timeout, &AnalyseTable)
-                    .await
-            }
-            Err(e) => Err(e),
-        };
-        match analysed {
-            Ok(()) => tracing::debug!(
-                pool = %self.pool_name,
-                "lease table analysed: it had outgrown its statistics"
-            ),
-            Err(e) => tracing::debug!(
-                pool = %self.pool_name,
-                error = %e,
-                "lease table's size check or analyse failed; tried again next round"
-            ),
-        }
     }
 
     /// A sweep found a transaction of its mark still open: counted; logged

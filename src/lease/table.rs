@@ -164,8 +164,6 @@ pub(crate) struct Statements {
     pub(super) terms: String,
     pub(super) purge_mark: String,
     pub(super) purge_sweep: Stamped,
-    pub(super) grown: String,
-    pub(super) analyse: String,
     pub(crate) ddl: String,
     /// The table, schema-qualified and quoted.
     pub(crate) table: String,
@@ -687,30 +685,6 @@ RETURNING l.name"
            RETURNING 1)
 SELECT (SELECT drained FROM d), (SELECT count(*) FROM x)"
             )),
-            // Whether the table has outgrown what its statistics say of it
-            // (four times the rows they counted, and at least 1,000: about
-            // 12 pages), in a database where this role may analyse it (its
-            // owner's privileges; a superuser's). A lease statement's cached
-            // generic plan is made from the table's size and statistics when
-            // a connection fixes it, and kept until the statistics change: on
-            // a table analysed while it held a few rows it is a sequential
-            // scan, kept while a stream of new names grows the table to tens
-            // of thousands of rows, until autovacuum analyses it again (about
-            // a minute; never where autovacuum is off for the table). The
-            // rows now are the cumulative statistics' (committed inserts and
-            // deletes, live and dead: what the pages hold). Catalogue and
-            // statistics reads only: no lock on the table, so that a session
-            // holding it (DDL) holds nothing up here.
-            grown: "SELECT pg_stat_get_live_tuples(c.oid) + pg_stat_get_dead_tuples(c.oid)
-                       > greatest(4 * c.reltuples::int8, 1000)
-                   AND pg_has_role(c.relowner, 'USAGE')
-              FROM pg_class c WHERE c.oid = to_regclass($1)"
-                .to_owned(),
-            // New statistics: every session's cached plans on the table are
-            // made again at their next call. `SKIP_LOCKED`: never waits for
-            // a VACUUM or another ANALYZE of it (one of those is under way:
-            // the statistics are being made anyway).
-            analyse: format!("ANALYZE (SKIP_LOCKED) {tbl}"),
             ddl: t.ddl(),
             table: tbl,
             sequence: t.sequence_quoted(),
@@ -1094,24 +1068,6 @@ impl Statements {
         let drained: bool = r.col(0)?;
         let n: i64 = r.col(1)?;
         Ok(drained.then(|| u64::try_from(n).unwrap_or(0)))
-    }
-
-    /// Whether the table has outgrown its statistics and this role may
-    /// analyse it (see `grown` in [`Statements::new`]); `false` when it
-    /// does not exist.
-    pub(crate) async fn grown(&self, client: &impl Exec, call: Call) -> Result<bool, SqlError> {
-        let row = client
-            .query_opt(&self.grown, &[Param::Text(&self.table)], call.how())
-            .await?;
-        match row {
-            Some(r) => Ok(r.col::<Option<bool>>(0)?.unwrap_or(false)),
-            None => Ok(false),
-        }
-    }
-
-    /// `ANALYZE`s the table, unless a VACUUM or ANALYZE of it holds it.
-    pub(crate) async fn analyse(&self, client: &impl Exec) -> Result<(), SqlError> {
-        client.batch(&self.analyse).await
     }
 }
 
@@ -2193,18 +2149,6 @@ pub(crate) struct PurgeSweep<'a> {
 
 lease_statement!(PurgeSweep<'_>, Option<u64>, "purge", |s, sql, c, call| sql
     .purge_sweep(c, call, s.mark, s.age, s.limit));
-
-/// Whether the table has outgrown its statistics (a purge round's check).
-pub(crate) struct TableGrown;
-
-lease_statement!(TableGrown, bool, "purge", |_s, sql, c, call| sql
-    .grown(c, call));
-
-/// `ANALYZE` of the table (a purge round's, once it has grown).
-pub(crate) struct AnalyseTable;
-
-lease_statement!(AnalyseTable, (), "purge", |_s, sql, c, _call| sql
-    .analyse(c));
 
 /// What an install did and found.
 #[derive(Clone, Debug)]
