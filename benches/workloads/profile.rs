@@ -187,22 +187,18 @@ fn sqlx_get_select_1(side: &str, ops: u64) -> Result<(), BoxError> {
         .build()?;
     rt.block_on(async {
         let db = TestServer::shared()?.create_database().await?;
-        let pool = || {
+        let pool = |size: u32| {
             PgPoolOptions::new()
-                .max_connections(POOL as u32)
+                .max_connections(size)
                 .connect_lazy_with(crate::sqlx_options(&db))
         };
-        let raw = pool();
+        let raw = pool(POOL as u32);
         // `pgwarden-16`: a pool one larger, its request lane (size - 1) as
         // wide as raw's pool.
         let wide = side == "pgwarden-16";
-        let warden = crate::warden_sqlx::Pool::builder(
-            PgPoolOptions::new()
-                .max_connections(POOL as u32 + u32::from(wide))
-                .connect_lazy_with(crate::sqlx_options(&db)),
-        )
-        .name("bench-profile")
-        .build()?;
+        let warden = crate::warden_sqlx::Pool::builder(pool(POOL as u32 + u32::from(wide)))
+            .name("bench-profile")
+            .build()?;
         let left = Arc::new(AtomicU64::new(ops));
         let tasks: Vec<_> = (0..TASKS)
             .map(|_| {
@@ -215,16 +211,10 @@ fn sqlx_get_select_1(side: &str, ops: u64) -> Result<(), BoxError> {
                     {
                         if side == "raw" {
                             let mut c = raw.acquire().await.expect("raw acquire");
-                            sqlx08::query("SELECT 1")
-                                .fetch_one(&mut *c)
-                                .await
-                                .expect("SELECT 1");
+                            select_1(&mut c).await.expect("SELECT 1");
                         } else {
                             let mut c = warden.acquire().await.expect("pgwarden acquire");
-                            sqlx08::query("SELECT 1")
-                                .fetch_one(&mut *c)
-                                .await
-                                .expect("SELECT 1");
+                            select_1(&mut c).await.expect("SELECT 1");
                         }
                     }
                 })
@@ -236,4 +226,10 @@ fn sqlx_get_select_1(side: &str, ops: u64) -> Result<(), BoxError> {
         eprintln!("sqlx {side}: {ops} operations");
         Ok(())
     })
+}
+
+/// Row 1s's statement, on either side's connection.
+#[cfg(feature = "sqlx-0_8")]
+async fn select_1(c: &mut sqlx08::PgConnection) -> Result<sqlx08::postgres::PgRow, sqlx08::Error> {
+    sqlx08::query("SELECT 1").fetch_one(c).await
 }

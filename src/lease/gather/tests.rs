@@ -13,20 +13,30 @@ use crate::{Lease, LeaseOptions, Leases, Pool};
 
 const S: Duration = Duration::from_secs(1);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gathered_release_forgets_only_the_holds_it_is_asked_to() {
+/// A new database, a client of its own, and a pool of `size` named `name`
+/// on it, the lease table installed.
+async fn installed(
+    name: &str,
+    size: usize,
+) -> (pgwarden_testing::TestDb, tokio_postgres::Client, Pool) {
     let db = TestServer::shared()
         .unwrap()
         .create_database()
         .await
         .unwrap();
     let admin = db.connect().await.unwrap();
-    let pool = Pool::builder(db.deadpool(16).unwrap())
-        .name("gather-forget")
+    let pool = Pool::builder(db.deadpool(size).unwrap())
+        .name(name)
         .build()
         .unwrap();
+    Leases::new(&pool).install().await.unwrap();
+    (db, admin, pool)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gathered_release_forgets_only_the_holds_it_is_asked_to() {
+    let (_db, admin, pool) = installed("gather-forget", 16).await;
     let leases = Leases::new(&pool);
-    leases.install().await.unwrap();
     let held = LeaseOptions::new(30 * S).at_least(60 * S);
     // A call waits at most 100 ms for a batch: on a loaded machine a round
     // may see none, so rounds run until one shows gathering.
@@ -98,17 +108,7 @@ async fn a_gathered_release_forgets_only_the_holds_it_is_asked_to() {
 async fn the_release_batch_plan_uses_the_primary_key_at_every_size() {
     use crate::lease::table::{Statements, TableName};
 
-    let db = TestServer::shared()
-        .unwrap()
-        .create_database()
-        .await
-        .unwrap();
-    let admin = db.connect().await.unwrap();
-    let pool = Pool::builder(db.deadpool(2).unwrap())
-        .name("release-batch-plan")
-        .build()
-        .unwrap();
-    Leases::new(&pool).install().await.unwrap();
+    let (db, admin, _pool) = installed("release-batch-plan", 2).await;
     admin
         .batch_execute("ALTER TABLE pgwarden_leases SET (autovacuum_enabled = false)")
         .await
