@@ -55,32 +55,22 @@ pub fn profile_main(args: &[String]) -> Result<(), BoxError> {
         let warden = pgwarden::Pool::builder(db.deadpool(POOL)?)
             .name("bench-profile")
             .build()?;
-        let left = Arc::new(AtomicU64::new(ops));
-        let tasks: Vec<_> = (0..TASKS)
-            .map(|_| {
-                let (raw, warden, left) = (raw.clone(), warden.clone(), left.clone());
-                let side = side.to_owned();
-                tokio::spawn(async move {
-                    while left
-                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-                        .is_ok()
-                    {
-                        if side == "raw" {
-                            let c = raw.get().await.expect("raw checkout");
-                            let st = c.prepare_cached("SELECT 1").await.expect("prepare");
-                            c.query_one(&st, &[]).await.expect("SELECT 1");
-                        } else {
-                            let c = warden.get().await.expect("pgwarden checkout");
-                            let st = c.prepare_cached("SELECT 1").await.expect("prepare");
-                            c.query_one(&st, &[]).await.expect("SELECT 1");
-                        }
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await?;
-        }
+        let raw_side = side == "raw";
+        spread(ops, move || {
+            let (raw, warden) = (raw.clone(), warden.clone());
+            async move {
+                if raw_side {
+                    let c = raw.get().await.expect("raw checkout");
+                    let st = c.prepare_cached("SELECT 1").await.expect("prepare");
+                    c.query_one(&st, &[]).await.expect("SELECT 1");
+                } else {
+                    let c = warden.get().await.expect("pgwarden checkout");
+                    let st = c.prepare_cached("SELECT 1").await.expect("prepare");
+                    c.query_one(&st, &[]).await.expect("SELECT 1");
+                }
+            }
+        })
+        .await?;
         eprintln!("{side}: {ops} operations");
         Ok(())
     })
@@ -199,30 +189,20 @@ fn sqlx_get_select_1(side: &str, ops: u64) -> Result<(), BoxError> {
         let warden = crate::warden_sqlx::Pool::builder(pool(POOL as u32 + u32::from(wide)))
             .name("bench-profile")
             .build()?;
-        let left = Arc::new(AtomicU64::new(ops));
-        let tasks: Vec<_> = (0..TASKS)
-            .map(|_| {
-                let (raw, warden, left) = (raw.clone(), warden.clone(), left.clone());
-                let side = side.to_owned();
-                tokio::spawn(async move {
-                    while left
-                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-                        .is_ok()
-                    {
-                        if side == "raw" {
-                            let mut c = raw.acquire().await.expect("raw acquire");
-                            select_1(&mut c).await.expect("SELECT 1");
-                        } else {
-                            let mut c = warden.acquire().await.expect("pgwarden acquire");
-                            select_1(&mut c).await.expect("SELECT 1");
-                        }
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await?;
-        }
+        let raw_side = side == "raw";
+        spread(ops, move || {
+            let (raw, warden) = (raw.clone(), warden.clone());
+            async move {
+                if raw_side {
+                    let mut c = raw.acquire().await.expect("raw acquire");
+                    select_1(&mut c).await.expect("SELECT 1");
+                } else {
+                    let mut c = warden.acquire().await.expect("pgwarden acquire");
+                    select_1(&mut c).await.expect("SELECT 1");
+                }
+            }
+        })
+        .await?;
         eprintln!("sqlx {side}: {ops} operations");
         Ok(())
     })
@@ -232,4 +212,30 @@ fn sqlx_get_select_1(side: &str, ops: u64) -> Result<(), BoxError> {
 #[cfg(feature = "sqlx-0_8")]
 async fn select_1(c: &mut sqlx08::PgConnection) -> Result<sqlx08::postgres::PgRow, sqlx08::Error> {
     sqlx08::query("SELECT 1").fetch_one(c).await
+}
+
+/// Runs `op` `ops` times in all, from [`TASKS`] tasks at once.
+async fn spread<F, Fut>(ops: u64, op: F) -> Result<(), BoxError>
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let left = Arc::new(AtomicU64::new(ops));
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let (op, left) = (op.clone(), left.clone());
+            tokio::spawn(async move {
+                while left
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                    .is_ok()
+                {
+                    op().await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await?;
+    }
+    Ok(())
 }
