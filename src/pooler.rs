@@ -13,6 +13,7 @@
 //! (`Watch::may_move_between_syncs`) each such statement outside a
 //! transaction runs in one of its own (`stmt/sqlx.rs`).
 
+mod peer;
 mod probe;
 
 use std::panic::Location;

@@ -73,6 +73,35 @@ impl TestDb {
         self.config.clone()
     }
 
+    /// The same database reached over TCP at `host` (an address its server
+    /// listens on: see [`TestServer::start_local_with`]'s
+    /// `listen_addresses`), on the same port, user and password. The
+    /// database stays as long as any clone of either is kept.
+    ///
+    /// [`TestServer::start_local_with`]: crate::TestServer::start_local_with
+    pub fn over_tcp(&self, host: &str) -> TestDb {
+        let c = &self.config;
+        let mut config = Config::new();
+        config.host(host);
+        if let Some(port) = c.get_ports().first() {
+            config.port(*port);
+        }
+        if let Some(u) = c.get_user() {
+            config.user(u);
+        }
+        if let Some(p) = c.get_password() {
+            config.password(p);
+        }
+        if let Some(d) = c.get_dbname() {
+            config.dbname(d);
+        }
+        config.connect_timeout(crate::CONNECT_TIMEOUT);
+        TestDb {
+            config,
+            owner: self.owner.clone(),
+        }
+    }
+
     /// The same settings as a `key=value` connection string, e.g.
     /// `host=/tmp/pgwarden-pg-x port=41234 user=postgres dbname=pgwarden_test_…`,
     /// which libpq and [`tokio_postgres::Config`]'s `FromStr` parse.

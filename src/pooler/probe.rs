@@ -2,7 +2,7 @@
 //! against the backend a statement runs on, then, behind a proxy, whether
 //! clients move between server sessions.
 //!
-//! Two signals, both one-sided, so neither can be wrong in the direction
+//! Three signals, each one-sided, so neither can be wrong in the direction
 //! that matters:
 //!
 //! - **The announced process id.** At connection start PostgreSQL sends the
@@ -11,6 +11,11 @@
 //!   A pooler must route cancel requests itself, so it makes up its own key
 //!   (PgBouncer: random bytes): a mismatch means a proxy is in between, and
 //!   a match on every probe connection means none is.
+//! - **The connection's own socket** (sqlx, which keeps the announced pid
+//!   to itself): the server's view of the session's TCP connection (both
+//!   ends) is a socket this process holds, so no proxy is in between
+//!   (`peer.rs`). Not matched (a Unix socket, NAT, no `/proc`): nothing
+//!   proven, the motion probe runs.
 //! - **Motion.** A transaction pooler hands a server session to whichever
 //!   client needs one: a probe client that lands on a backend other than its
 //!   first one, or on a backend another live probe client was on, proves it.
@@ -29,6 +34,7 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::tls::{ChannelBinding, TlsConnect, TlsStream};
 
+use super::peer::{held_here, Ends};
 use crate::error::Error;
 use crate::stmt::{Exec, Row};
 
@@ -114,16 +120,66 @@ pub(crate) async fn backend_pid(c: &impl Exec) -> Result<i32, Error> {
 /// against the pid announced at connection start. `Ok(Ok(detection))`:
 /// straight to PostgreSQL, proven; `Ok(Err(pid))`: a proxy is in between,
 /// the client was on backend `pid` (the motion probe goes on from there).
+///
+/// A connection that does not show the announced pid (sqlx) asks for the
+/// ends of its TCP connection with the same statement instead: a socket of
+/// this process with those ends proves it direct just as well (see
+/// `peer.rs`).
 pub(crate) async fn direct(
     a: &impl Exec,
     announced: Option<i32>,
 ) -> Result<Result<Detection, i32>, Error> {
-    let pid = backend_pid(a).await?;
-    Ok(if announced == Some(pid) {
+    if announced.is_some() {
+        let pid = backend_pid(a).await?;
+        return Ok(if announced == Some(pid) {
+            Ok(found(false, false, 1))
+        } else {
+            Err(pid)
+        });
+    }
+    let row = a.query_one(ENDS, &[]).await?;
+    let pid: i32 = row.col(0)?;
+    let (client, client_port): (Option<String>, Option<i32>) = (row.col(1)?, row.col(2)?);
+    let (server, server_port): (Option<String>, Option<i32>) = (row.col(3)?, row.col(4)?);
+    let Some(ends) = Ends::from_server(
+        client.as_deref(),
+        client_port,
+        server.as_deref(),
+        server_port,
+    ) else {
+        return Ok(Err(pid));
+    };
+    Ok(if held_here_off_thread(ends).await {
         Ok(found(false, false, 1))
     } else {
         Err(pid)
     })
+}
+
+/// The backend and both ends of its TCP connection (NULLs on a Unix
+/// socket), as the server sees them.
+const ENDS: &str = "SELECT pg_backend_pid(), host(inet_client_addr()), inet_client_port(), \
+                    host(inet_server_addr()), inet_server_port()";
+
+/// [`held_here`] on tokio's blocking threads (it reads `/proc`); an error
+/// of its own or of the task proves nothing.
+/// Outside a tokio runtime (nothing to hand it to) it reads in place.
+async fn held_here_off_thread(ends: Ends) -> bool {
+    let read = match tokio::runtime::Handle::try_current() {
+        Ok(rt) => rt.spawn_blocking(move || held_here(&ends)).await,
+        Err(_) => Ok(held_here(&ends)),
+    };
+    match read {
+        Ok(Ok(held)) => held,
+        Ok(Err(e)) => {
+            tracing::debug!(
+                error = %e,
+                "could not read this process's sockets: the connection is not proven direct"
+            );
+            false
+        }
+        Err(_) => false,
+    }
 }
 
 /// The motion probe, behind a proxy, with two live clients of the pool:
@@ -176,9 +232,10 @@ fn found(transaction: bool, proxied: bool, statements: usize) -> Detection {
 
 /// A connection that can tell the process id the server announced at its
 /// start (the first signal of detection). sqlx keeps it to itself: its
-/// connections answer `None`, so detection there starts with the motion
-/// probe (and a pool straight to PostgreSQL stays unproven unless
-/// configured `PoolerMode::Direct`).
+/// connections answer `None`, so detection there asks for the ends of the
+/// session's TCP connection instead (`peer.rs`), then runs the motion
+/// probe (a pool straight to PostgreSQL over a Unix socket stays unproven
+/// unless configured `PoolerMode::Direct`).
 pub(crate) trait Announced {
     /// The pid announced at connection start, when known.
     fn announced_pid(&self) -> Option<i32>;

@@ -158,15 +158,57 @@ async fn pgwardens_statements_do_not_pile_up_with_the_statement_cache_off<B: Bac
     settled::<B>(&pool).await;
 }
 
+backends!(over_tcp_a_pool_straight_to_postgres_is_proven_direct_and_one_through_pgbouncer_is_not);
+/// Over TCP, on `PoolerMode::Auto`, a pool straight to PostgreSQL is
+/// proven direct on every backend, and names its lease statements; through
+/// PgBouncer in session mode (itself on TCP to the server) it is not, and
+/// names none. On deadpool the pid the server announced proves it; on
+/// sqlx, which keeps that pid to itself, the server's view of the
+/// connection's two ends, found among this process's own sockets (before
+/// stop 50 a sqlx pool was never proven direct: no lease statement named,
+/// each parsed and planned at every call, row 4s).
+async fn over_tcp_a_pool_straight_to_postgres_is_proven_direct_and_one_through_pgbouncer_is_not<
+    B: Backend,
+>() {
+    let server = tokio::task::spawn_blocking(|| {
+        pgwarden_testing::TestServer::start_local_with(&[("listen_addresses", "127.0.0.1")], &[])
+    })
+    .await
+    .unwrap()
+    .expect("a server on TCP");
+    let db = server
+        .create_database()
+        .await
+        .expect("fresh database")
+        .over_tcp("127.0.0.1");
+    let direct = Settings::new("tcp-direct", 4).pooler(PoolerMode::Auto);
+    lease_statements_named::<B>("straight over TCP", &B::build(&db, &direct), 2).await;
+    if !pgwarden_testing::require_tool("pgbouncer").expect("pgbouncer is required on CI") {
+        return;
+    }
+    let bouncer = pgwarden_testing::PgBouncer::start_with_mode(&server, &db, 8, PoolMode::Session)
+        .expect("pgbouncer");
+    let s = Settings::new("tcp-session", 4)
+        .pooler(PoolerMode::Auto)
+        .statement_cache(true);
+    lease_statements_named::<B>(
+        "session PgBouncer over TCP",
+        &B::build_through(&bouncer, &s),
+        0,
+    )
+    .await;
+}
+
 backends!(lease_statements_are_prepared_only_where_sessions_are_proven_kept);
 /// Lease statements are named prepared statements only on a pool proven
 /// to keep its server sessions, and unnamed behind a proxy whose mode
 /// detection could not prove: left at `PoolerMode::Auto`, after 20 lease
 /// pairs, the pool's connections hold the acquisition and the release as
 /// named statements straight to PostgreSQL on deadpool (the pid the
-/// server announced proves it direct), none on sqlx (which hides that pid:
-/// configure `PoolerMode::Direct` there), and none through PgBouncer in
-/// session mode on either.
+/// server announced proves it direct), none on sqlx over the harness's
+/// Unix socket (sqlx hides that pid, and a Unix socket shows the server no
+/// ends to match: configure `PoolerMode::Direct` there; over TCP see the
+/// test above), and none through PgBouncer in session mode on either.
 ///
 /// Stop 48 named them wherever detection found no transaction pooler (on
 /// sqlx they were all parsed and planned at every call: row 4s); its
@@ -190,48 +232,55 @@ async fn lease_statements_are_prepared_only_where_sessions_are_proven_kept<B: Ba
         cases.push(("session PgBouncer", B::build_through(b, &s), 0));
     }
     for (what, pool, want) in cases {
-        let found = B::detect_pooler(&pool).await.unwrap();
-        assert_eq!(found, PoolerMode::Direct, "{what}");
-        let leases = B::leases(&pool);
-        B::install(&leases).await.unwrap();
-        let opts = LeaseOptions::new(Duration::from_secs(30));
-        for i in 0..20 {
-            let lease = B::acquire(&leases, &format!("named-{i}"), &opts, None)
-                .await
-                .unwrap()
-                .expect("a new name is free");
-            B::release(lease).await.unwrap();
-        }
-        settled::<B>(&pool).await;
-        // Every connection of the pool at once: the statements are on
-        // whichever served them.
-        let size = B::status(&pool).size;
-        let mut held = Vec::new();
-        let mut named = 0;
-        for _ in 0..size {
-            let mut c = B::get_within(&pool, T).await.unwrap();
-            named += B::count(
-                &mut c,
-                "SELECT count(*) FROM pg_prepared_statements \
-                  WHERE statement LIKE '%pgwarden_leases%' \
-                    AND (statement LIKE 'INSERT%' OR statement LIKE 'UPDATE%')",
-            )
-            .await;
-            held.push(c);
-        }
-        drop(held);
-        if want == 0 {
-            assert_eq!(
-                named, 0,
-                "{what}: lease statements prepared on a pool not proven direct"
-            );
-        } else {
-            assert!(
-                named >= want,
-                "{what}: {named} lease statements prepared on the pool's {size} connections (the acquisition and the release, at least)"
-            );
-        }
-        settled::<B>(&pool).await;
-        B::close(&pool).await;
+        lease_statements_named::<B>(what, &pool, want).await;
     }
+}
+
+/// Detects `pool`'s pooler (found `Direct`: straight, or a session pooler),
+/// runs 20 lease pairs, then counts the lease statements named on all of
+/// its connections: none when `want` is 0, else at least `want`.
+async fn lease_statements_named<B: Backend>(what: &str, pool: &B::Pool, want: i64) {
+    let found = B::detect_pooler(pool).await.unwrap();
+    assert_eq!(found, PoolerMode::Direct, "{what}");
+    let leases = B::leases(pool);
+    B::install(&leases).await.unwrap();
+    let opts = LeaseOptions::new(Duration::from_secs(30));
+    for i in 0..20 {
+        let lease = B::acquire(&leases, &format!("named-{i}"), &opts, None)
+            .await
+            .unwrap()
+            .expect("a new name is free");
+        B::release(lease).await.unwrap();
+    }
+    settled::<B>(pool).await;
+    // Every connection of the pool at once: the statements are on
+    // whichever served them.
+    let size = B::status(pool).size;
+    let mut held = Vec::new();
+    let mut named = 0;
+    for _ in 0..size {
+        let mut c = B::get_within(pool, T).await.unwrap();
+        named += B::count(
+            &mut c,
+            "SELECT count(*) FROM pg_prepared_statements \
+              WHERE statement LIKE '%pgwarden_leases%' \
+                AND (statement LIKE 'INSERT%' OR statement LIKE 'UPDATE%')",
+        )
+        .await;
+        held.push(c);
+    }
+    drop(held);
+    if want == 0 {
+        assert_eq!(
+            named, 0,
+            "{what}: lease statements prepared on a pool not proven direct"
+        );
+    } else {
+        assert!(
+            named >= want,
+            "{what}: {named} lease statements prepared on the pool's {size} connections (the acquisition and the release, at least)"
+        );
+    }
+    settled::<B>(pool).await;
+    B::close(pool).await;
 }
