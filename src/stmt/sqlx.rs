@@ -429,6 +429,18 @@ impl<C: Session> Exec for On<C> {
                 let rollback = dep::raw_sql(super::text("ROLLBACK"));
                 match dep::Executor::execute(&mut **c, rollback).await {
                     Ok(_) => {}
+                    // The `ROLLBACK` cancelled while it ran (a cancel
+                    // request hits whatever runs when it comes): its own
+                    // answer, as on deadpool, where the same error comes
+                    // back. The transaction is still failed; a caller that
+                    // sends it all again (the release does, once) ends it
+                    // then, and that query's mark tells whether the
+                    // connection is in step after all.
+                    Err(dep::Error::Database(d))
+                        if d.code().as_deref() == Some(code::QUERY_CANCELED) =>
+                    {
+                        return Err(dep::Error::Database(d).into());
+                    }
                     Err(e @ (dep::Error::Database(_) | dep::Error::Protocol(_))) => {
                         c.spoil();
                         return Err(out_of_step("ROLLBACK", &e.to_string()));
