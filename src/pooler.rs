@@ -311,9 +311,9 @@ where
 {
     let announced = a.announced_pid();
     let a = a.exec();
-    let a_pid = match probe::direct(&a, announced).await? {
+    let seen = match probe::direct(&a, announced).await? {
         Ok(direct) => return Ok(direct),
-        Err(pid) => pid,
+        Err(seen) => seen,
     };
     let status = pool.status();
     if status.max.saturating_sub(status.lane(Lane::Probe).reserved) < 2 {
@@ -321,5 +321,6 @@ where
     }
     let mut b = pool.checkout(lane, site, timeout).await?;
     let b = b.exec();
-    probe::motion(&a, a_pid, &b).await
+    let motion = probe::motion(&a, seen.pid, &b).await?;
+    Ok(probe::proven_by_socket(motion, seen.ends).await)
 }

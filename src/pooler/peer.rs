@@ -1,6 +1,6 @@
 //! A proof of a direct connection for clients that do not show the pid the
 //! server announced (sqlx): the session's TCP connection, as the server
-//! sees it, is a socket of this very process.
+//! sees it, is a socket of this very process (with no motion seen).
 //!
 //! The server tells a session both ends of its TCP connection
 //! (`inet_client_addr()`, `inet_client_port()`, `inet_server_addr()`,
@@ -16,10 +16,16 @@
 //! proxy) carries one client connection on one server connection: a
 //! session kept, which is all the proof is for.
 //!
-//! One-sided, as the announced pid is: a connection it cannot match (a
-//! Unix socket, the server's addresses rewritten by NAT, a system without
-//! `/proc`, a `/proc` that cannot be read) proves nothing, and detection
-//! goes on to the motion probe as before.
+//! The server's four values are of *its* network namespace, and this
+//! process reads its own: a pooler beside the server that reaches it over
+//! loopback shows ends (`127.0.0.1:Q` to `127.0.0.1:5432`) that a socket of
+//! this process in another namespace can share by chance. So a match is
+//! taken as proof only after the motion probe saw no motion
+//! (`probe::proven_by_socket`): never behind a transaction pooler.
+//!
+//! A connection it cannot match (a Unix socket, the server's addresses
+//! rewritten by NAT, a system without `/proc`, a `/proc` that cannot be
+//! read) proves nothing: the motion probe's verdict stands, unproven.
 //!
 //! Read on Linux from `/proc/self/net/tcp`, `/proc/self/net/tcp6` (every
 //! socket of the process's network namespace, with its inode) and

@@ -12,10 +12,12 @@
 //!   (PgBouncer: random bytes): a mismatch means a proxy is in between, and
 //!   a match on every probe connection means none is.
 //! - **The connection's own socket** (sqlx, which keeps the announced pid
-//!   to itself): the server's view of the session's TCP connection (both
-//!   ends) is a socket this process holds, so no proxy is in between
-//!   (`peer.rs`). Not matched (a Unix socket, NAT, no `/proc`): nothing
-//!   proven, the motion probe runs.
+//!   to itself), once the motion probe (below) saw no motion: the server's
+//!   view of the session's TCP connection (both ends) is a socket this
+//!   process holds, so no proxy is in between (`peer.rs`,
+//!   [`proven_by_socket`]: why only after the motion probe). Not matched
+//!   (a Unix socket, NAT, no `/proc`): the motion probe's verdict stands,
+//!   unproven.
 //! - **Motion.** A transaction pooler hands a server session to whichever
 //!   client needs one: a probe client that lands on a backend other than its
 //!   first one, or on a backend another live probe client was on, proves it.
@@ -118,55 +120,108 @@ pub(crate) async fn backend_pid(c: &impl Exec) -> Result<i32, Error> {
 
 /// The first step, with one client: the backend a statement runs on
 /// against the pid announced at connection start. `Ok(Ok(detection))`:
-/// straight to PostgreSQL, proven; `Ok(Err(pid))`: a proxy is in between,
-/// the client was on backend `pid` (the motion probe goes on from there).
+/// straight to PostgreSQL, proven; `Ok(Err(seen))`: a proxy may be in
+/// between, the client was on backend `seen.pid` (the motion probe goes on
+/// from there).
 ///
-/// A connection that does not show the announced pid (sqlx) asks for the
-/// ends of its TCP connection with the same statement instead: a socket of
-/// this process with those ends proves it direct just as well (see
-/// `peer.rs`).
+/// A connection that does not show the announced pid (sqlx) asks, with the
+/// same statement, for the ends of its TCP connection as the server sees
+/// them (`seen.ends`): see [`proven_by_socket`] for what they may prove,
+/// and when.
 pub(crate) async fn direct(
     a: &impl Exec,
     announced: Option<i32>,
-) -> Result<Result<Detection, i32>, Error> {
+) -> Result<Result<Detection, Seen>, Error> {
     if announced.is_some() {
         let pid = backend_pid(a).await?;
         return Ok(if announced == Some(pid) {
             Ok(found(false, false, 1))
         } else {
-            Err(pid)
+            Err(Seen { pid, ends: None })
         });
     }
     let row = a.query_one(ENDS, &[]).await?;
     let pid: i32 = row.col(0)?;
     let (client, client_port): (Option<String>, Option<i32>) = (row.col(1)?, row.col(2)?);
     let (server, server_port): (Option<String>, Option<i32>) = (row.col(3)?, row.col(4)?);
-    let Some(ends) = Ends::from_server(
+    let ends = Ends::from_server(
         client.as_deref(),
         client_port,
         server.as_deref(),
         server_port,
-    ) else {
-        return Ok(Err(pid));
-    };
-    Ok(if held_here_off_thread(ends).await {
-        Ok(found(false, false, 1))
-    } else {
-        Err(pid)
-    })
+    );
+    Ok(Err(Seen { pid, ends }))
 }
+
+/// What the first step saw on a connection it could not prove direct by
+/// the announced pid.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Seen {
+    /// The backend the statement ran on.
+    pub(crate) pid: i32,
+    /// Both ends of the session's TCP connection as the server sees them
+    /// (asked only where no pid was announced; none on a Unix socket).
+    pub(crate) ends: Option<Ends>,
+}
+
+/// The motion probe's verdict `motion` (no motion seen: direct, or a
+/// proxy that keeps sessions), made a proof of a direct connection when a
+/// socket of this process has the server's view of the first client's
+/// ends ([`held_here`], read within [`SOCKET_READ_BOUND`]).
+///
+/// Only after the motion probe, never instead of it: the server's view is
+/// of its own network namespace, and this process reads its own. A
+/// pooler next to the server that reaches it over loopback
+/// (`127.0.0.1:Q` to `127.0.0.1:5432`) shows ends that a socket of this
+/// process, in another namespace, can share by chance (any socket of it
+/// from local port `Q` to a `127.0.0.1:5432` of its own namespace: a
+/// sidecar, a local proxy). Its hostile reader made that happen (ports
+/// pinned in a namespace of PostgreSQL and a transaction-mode PgBouncer):
+/// a sqlx pool behind the transaction pooler proven direct, and three
+/// holders of one exclusive session lock at once. With the motion probe
+/// first, such a chance match proves nothing behind a transaction pooler
+/// (motion seen), and behind a session pooler it only makes named
+/// statements and unchecked session locks of what a session pooler keeps.
+pub(crate) async fn proven_by_socket(motion: Detection, ends: Option<Ends>) -> Detection {
+    match ends {
+        Some(ends) if !motion.transaction && !motion.unproven && held_here_bounded(ends).await => {
+            found(false, false, motion.statements)
+        }
+        _ => motion,
+    }
+}
+
+/// How long the read of this process's sockets may take before it proves
+/// nothing: 1 s. It reads the network namespace's whole TCP table, every
+/// process's sockets and the closing ones with them (its hostile reader
+/// measured 176 ms for 25,500 lines in a debug build).
+pub(crate) const SOCKET_READ_BOUND: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The backend and both ends of its TCP connection (NULLs on a Unix
 /// socket), as the server sees them.
 const ENDS: &str = "SELECT pg_backend_pid(), host(inet_client_addr()), inet_client_port(), \
                     host(inet_server_addr()), inet_server_port()";
 
-/// [`held_here`] on tokio's blocking threads (it reads `/proc`); an error
-/// of its own or of the task proves nothing.
-/// Outside a tokio runtime (nothing to hand it to) it reads in place.
-async fn held_here_off_thread(ends: Ends) -> bool {
+/// [`held_here`] on tokio's blocking threads (it reads `/proc`), within
+/// [`SOCKET_READ_BOUND`]; an error of its own or of the task, or no answer
+/// in time, proves nothing (a read past the bound runs on to its end,
+/// unread). Outside a tokio runtime (nothing to hand it to) it reads in
+/// place.
+async fn held_here_bounded(ends: Ends) -> bool {
     let read = match tokio::runtime::Handle::try_current() {
-        Ok(rt) => rt.spawn_blocking(move || held_here(&ends)).await,
+        Ok(rt) => {
+            let task = rt.spawn_blocking(move || held_here(&ends));
+            match tokio::time::timeout(SOCKET_READ_BOUND, task).await {
+                Ok(read) => read,
+                Err(_) => {
+                    tracing::debug!(
+                        bound = ?SOCKET_READ_BOUND,
+                        "this process's sockets not read within the bound: the connection is not proven direct"
+                    );
+                    return false;
+                }
+            }
+        }
         Err(_) => Ok(held_here(&ends)),
     };
     match read {

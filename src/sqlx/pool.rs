@@ -582,14 +582,17 @@ impl Pool {
     /// Detects, once per pool, whether it talks through a transaction
     /// pooler, and remembers it (a configured mode is returned as is); see
     /// the deadpool pool's `detect_pooler`. sqlx does not expose the pid a
-    /// server announced at connection start, so detection here is the
+    /// server announced at connection start; over TCP on Linux one
+    /// statement proves a direct connection instead (the server's view of
+    /// both ends of the session's connection is a socket this process
+    /// holds). Elsewhere (a Unix socket, NAT, no `/proc`) detection is the
     /// motion probe alone: straight to PostgreSQL it answers
     /// [`PoolerMode::Direct`] after its statements, unproven (session locks
-    /// are then checked on their own connection, and the census matches no
-    /// lock to the pool's connections: configure [`PoolerMode::Direct`]
-    /// with `PoolBuilder::pooler` for both). A pool that cannot hold the
-    /// probe's two connections answers [`PoolerMode::Auto`]: nothing was
-    /// proven.
+    /// are then checked on their own connection, lease statements go
+    /// unnamed, and the census matches no lock to the pool's connections:
+    /// configure [`PoolerMode::Direct`] with `PoolBuilder::pooler` for
+    /// all three). A pool that cannot hold the probe's two connections
+    /// answers [`PoolerMode::Auto`]: nothing was proven.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {
@@ -671,11 +674,12 @@ impl Pool {
     /// (sqlx sends no cancel request) and its connection closed.
     ///
     /// sqlx does not expose the pid the server announced, so a pool left at
-    /// [`PoolerMode::Auto`](crate::PoolerMode::Auto) cannot prove it talks
-    /// to PostgreSQL directly: each lock is then checked on its own
+    /// [`PoolerMode::Auto`](crate::PoolerMode::Auto) proves it talks to
+    /// PostgreSQL directly only over TCP on Linux (by its own socket: see
+    /// [`Pool::detect_pooler`]); elsewhere each lock is checked on its own
     /// connection (some 40 `SELECT pg_backend_pid()`). Configure
     /// [`PoolerMode::Direct`](crate::PoolerMode::Direct) on a pool that
-    /// does.
+    /// does over a Unix socket.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {

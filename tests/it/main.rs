@@ -73,6 +73,7 @@ mod pool;
 mod pool_application_name;
 mod pooler;
 mod pooler_load;
+mod pooler_netns;
 mod pooler_session;
 mod pooler_statements;
 mod readiness_reserve;
