@@ -8,6 +8,11 @@
 //!
 //! Every pair uses a new name; each side has its own database on the one
 //! server; rounds interleave (A B, B A, …).
+//!
+//! Row 4s connects over the harness server's Unix socket; row 4st runs the
+//! same over TCP (a server of its own listening on 127.0.0.1), where
+//! pgwarden proves a sqlx pool direct by its own socket and names its
+//! statements (over a Unix socket it cannot, and they go unnamed).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,7 +35,8 @@ const TARGET: f64 = 1.0;
 
 pub fn describe(s: Settings) -> String {
     format!(
-        "4s (feature `sqlx-0_8`): {TASKS} tasks, sqlx 0.8 pools of {POOL} (`max_connections`, sqlx's \
+        "4s, 4st (feature `sqlx-0_8`; 4s over the server's Unix socket, 4st over TCP to \
+         127.0.0.1, a server of its own with the same settings): {TASKS} tasks, sqlx 0.8 pools of {POOL} (`max_connections`, sqlx's \
          defaults otherwise) on each side; a pair is `acquire(new name, {TTL:?}, None)` + `release()` \
          through `pgwarden::Leases` over `pgwarden::sqlx::Pool` on the shipped defaults (B, the pool \
          detected direct), or the seed's SQL (`INSERT … ON CONFLICT … DO UPDATE … WHERE expires_at < \
@@ -42,18 +48,36 @@ pub fn describe(s: Settings) -> String {
     )
 }
 
-pub async fn leases(server: &TestServer, s: Settings) -> Result<Row, BoxError> {
+/// Row 4s on `server`; row 4st (`tcp`) on a server of its own over TCP.
+pub async fn leases(server: &TestServer, s: Settings, tcp: bool) -> Result<Row, BoxError> {
+    let own;
+    let (server, host) = if tcp {
+        own = tokio::task::spawn_blocking(|| {
+            TestServer::start_local_with(&[("listen_addresses", "127.0.0.1")], &[])
+        })
+        .await??;
+        (&own, Some("127.0.0.1"))
+    } else {
+        (server, None)
+    };
+    let create = || async {
+        let db = server.create_database().await?;
+        Ok::<_, BoxError>(match host {
+            Some(h) => db.over_tcp(h),
+            None => db,
+        })
+    };
     let pool = |db: &pgwarden_testing::TestDb| {
         PgPoolOptions::new()
             .max_connections(POOL)
             .connect_lazy_with(crate::sqlx_options(db))
     };
     // A: the seed's SQL on a raw sqlx pool.
-    let plain_db = server.create_database().await?;
+    let plain_db = create().await?;
     plain_db.connect().await?.batch_execute(PLAIN_DDL).await?;
     let raw = pool(&plain_db);
     // B: pgwarden on its shipped defaults.
-    let warden_db = server.create_database().await?;
+    let warden_db = create().await?;
     let warden = crate::warden_sqlx::Pool::builder(pool(&warden_db))
         .name("bench-sqlx-leases")
         .build()?;
@@ -117,10 +141,11 @@ pub async fn leases(server: &TestServer, s: Settings) -> Result<Row, BoxError> {
     .await;
     let c = Compared::new(&a, &b);
     Ok(Row {
-        id: "4s",
+        id: if tcp { "4st" } else { "4s" },
         workload: format!(
-            "lease acquire + release on sqlx 0.8, new name per pair, {TASKS} tasks, pool {POOL}: \
-             pgwarden vs the seed's SQL through sqlx (prepared)"
+            "lease acquire + release on sqlx 0.8 over {}, new name per pair, {TASKS} tasks, pool \
+             {POOL}: pgwarden vs the seed's SQL through sqlx (prepared)",
+            if tcp { "TCP" } else { "a Unix socket" }
         ),
         a: format!("seed's SQL through raw sqlx: {:.0} pairs/s", median(&a)),
         b: format!(
