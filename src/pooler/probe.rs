@@ -199,8 +199,9 @@ pub(crate) const SOCKET_READ_BOUND: std::time::Duration = std::time::Duration::f
 
 /// The backend and both ends of its TCP connection (NULLs on a Unix
 /// socket), as the server sees them.
-const ENDS: &str = "SELECT pg_backend_pid(), host(inet_client_addr()), inet_client_port(), \
-                    host(inet_server_addr()), inet_server_port()";
+const ENDS: &str = "SELECT pg_catalog.pg_backend_pid(), \
+                    pg_catalog.host(pg_catalog.inet_client_addr()), pg_catalog.inet_client_port(), \
+                    pg_catalog.host(pg_catalog.inet_server_addr()), pg_catalog.inet_server_port()";
 
 /// [`held_here`] on tokio's blocking threads (it reads `/proc`), within
 /// [`SOCKET_READ_BOUND`]; an error of its own or of the task, or no answer
