@@ -208,6 +208,7 @@ fn remember<B: Source>(pool: &Shared<B>, found: Detection) -> Detection {
         pool = %pool.name,
         pooler = ?found.pooler(),
         proxied = found.proxied,
+        by_socket = found.by_socket,
         statements = found.statements,
         "pooler detected"
     );
@@ -290,7 +291,10 @@ where
         .await?;
     match detected(pool) {
         Some(d) if d.transaction => Err(Error::Lock(LockError::BehindPooler { how: "detected" })),
-        found => Ok(found.is_some_and(|d| d.proxied)),
+        // Unproven behind a proxy, or proven by the connection's socket
+        // only (`probe::proven_by_socket`: a verdict that a pooler's mode
+        // switch can make stale): each lock is checked on its connection.
+        found => Ok(found.is_some_and(|d| d.proxied || d.by_socket)),
     }
 }
 

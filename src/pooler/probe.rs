@@ -68,6 +68,10 @@ pub(crate) struct Detection {
     /// hold two connections outside the probe reserve): nothing is proven,
     /// and the pool's mode stays [`PoolerMode::Auto`](crate::PoolerMode::Auto).
     pub(crate) unproven: bool,
+    /// Proven direct by the connection's own socket ([`proven_by_socket`]),
+    /// not by the announced pid: session locks are still checked on their
+    /// own connection (see there).
+    pub(crate) by_socket: bool,
 }
 
 /// Backend pids seen by a set of live clients: proof that a pooler moves
@@ -180,12 +184,24 @@ pub(crate) struct Seen {
 /// a sqlx pool behind the transaction pooler proven direct, and three
 /// holders of one exclusive session lock at once. With the motion probe
 /// first, such a chance match proves nothing behind a transaction pooler
-/// (motion seen), and behind a session pooler it only makes named
-/// statements and unchecked session locks of what a session pooler keeps.
+/// (motion seen). Behind a session pooler it would, and a session pooler
+/// switched to transaction mode later (a `RELOAD`) makes that verdict
+/// stale: its second hostile reader then had two holders of one
+/// exclusive session lock (6 of 11 runs, sqlx 0.8 and 0.9), because the
+/// verdict had turned off each lock's own check. So a pool proven this way
+/// (`by_socket`) still checks each session lock on its own connection, as
+/// an unproven one does; what the proof buys is the lease statements named
+/// (a statement of another client's that a stale verdict lets one bind
+/// fails on its shape, and the pool sends its statements unnamed from the
+/// first such failure on), the census's matching, and cut-short lease
+/// statements cancelled by pid.
 pub(crate) async fn proven_by_socket(motion: Detection, ends: Option<Ends>) -> Detection {
     match ends {
         Some(ends) if !motion.transaction && !motion.unproven && held_here_bounded(ends).await => {
-            found(false, false, motion.statements)
+            Detection {
+                by_socket: true,
+                ..found(false, false, motion.statements)
+            }
         }
         _ => motion,
     }
@@ -283,6 +299,7 @@ fn found(transaction: bool, proxied: bool, statements: usize) -> Detection {
         proxied,
         statements,
         unproven: false,
+        by_socket: false,
     }
 }
 

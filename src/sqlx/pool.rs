@@ -585,14 +585,16 @@ impl Pool {
     /// server announced at connection start; over TCP on Linux one
     /// statement proves a direct connection instead (the server's view of
     /// both ends of the session's connection is a socket this process
-    /// holds). Elsewhere (a Unix socket, NAT, no `/proc`) detection is the
-    /// motion probe alone: straight to PostgreSQL it answers
-    /// [`PoolerMode::Direct`] after its statements, unproven (session locks
-    /// are then checked on their own connection, lease statements go
-    /// unnamed, and the census matches no lock to the pool's connections:
-    /// configure [`PoolerMode::Direct`] with `PoolBuilder::pooler` for
-    /// all three). A pool that cannot hold the probe's two connections
-    /// answers [`PoolerMode::Auto`]: nothing was proven.
+    /// holds), once the motion probe saw no motion; session locks are still
+    /// checked on their own connection there. Elsewhere (a Unix socket,
+    /// NAT, no `/proc`) detection is the motion probe alone: straight to
+    /// PostgreSQL it answers [`PoolerMode::Direct`] after its statements,
+    /// unproven (session locks are then checked on their own connection,
+    /// lease statements go unnamed, and the census matches no lock to the
+    /// pool's connections: configure [`PoolerMode::Direct`] with
+    /// `PoolBuilder::pooler` for all three). A pool that cannot hold the
+    /// probe's two connections answers [`PoolerMode::Auto`]: nothing was
+    /// proven.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {
@@ -674,12 +676,13 @@ impl Pool {
     /// (sqlx sends no cancel request) and its connection closed.
     ///
     /// sqlx does not expose the pid the server announced, so a pool left at
-    /// [`PoolerMode::Auto`](crate::PoolerMode::Auto) proves it talks to
-    /// PostgreSQL directly only over TCP on Linux (by its own socket: see
-    /// [`Pool::detect_pooler`]); elsewhere each lock is checked on its own
-    /// connection (some 40 `SELECT pg_backend_pid()`). Configure
-    /// [`PoolerMode::Direct`](crate::PoolerMode::Direct) on a pool that
-    /// does over a Unix socket.
+    /// [`PoolerMode::Auto`](crate::PoolerMode::Auto) cannot prove it talks
+    /// to PostgreSQL directly as firmly as a deadpool pool does (over TCP
+    /// on Linux its own socket proves it, see [`Pool::detect_pooler`], but
+    /// a pooler's mode switched later can make that stale): each lock is
+    /// checked on its own connection (some 40 `SELECT pg_backend_pid()`).
+    /// Configure [`PoolerMode::Direct`](crate::PoolerMode::Direct) on a
+    /// pool that does.
     ///
     /// ```no_run
     /// # async fn demo(pool: pgwarden::sqlx::Pool) -> Result<(), pgwarden::Error> {

@@ -96,9 +96,9 @@ async fn decoys() -> (
 }
 
 /// Starts them: PostgreSQL on `127.0.0.1:x` in the new namespace, PgBouncer
-/// (transaction mode) on a Unix socket in the directory, reaching it over
-/// TCP from local ports `low..low+PORTS`.
-fn beside(x: u16, low: u16, tools: &Tools) -> Beside {
+/// (`pool_mode`: `mode`; `postgres` its admin) on a Unix socket in the
+/// directory, reaching it over TCP from local ports `low..low+PORTS`.
+fn beside(x: u16, low: u16, tools: &Tools, mode: &str) -> Beside {
     let dir = tempfile::Builder::new()
         .prefix("pgwarden-netns-")
         .tempdir()
@@ -126,7 +126,8 @@ listen_port = 6432
 unix_socket_dir = {d}
 auth_type = trust
 auth_file = {d}/users.txt
-pool_mode = transaction
+pool_mode = {mode}
+admin_users = postgres
 max_client_conn = 200
 default_pool_size = 4
 logfile = {d}/pgb.log
@@ -138,6 +139,8 @@ chown postgres {d}/pgb.ini {d}/users.txt
 runuser -u postgres -- {pgbouncer} -d {d}/pgb.ini
 stop() {{ kill $(cat {d}/pgb.pid) 2>/dev/null; runuser -u postgres -- {pg_ctl} -D {d}/data stop -m immediate >/dev/null 2>&1; exit 0; }}
 trap stop TERM INT
+# PgBouncer's parent returns before its socket is there.
+n=0; while [ ! -S {d}/.s.PGSQL.6432 ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1)); done
 touch {d}/ready
 while kill -0 {parent} 2>/dev/null; do sleep 1 & wait $!; done
 stop
@@ -193,19 +196,10 @@ fn through(dir: &Path) -> tokio_postgres::Config {
     c
 }
 
-backends!(a_pooler_beside_the_server_is_not_taken_for_a_direct_connection);
-/// Through the transaction pooler beside the server, on `PoolerMode::Auto`,
-/// detection answers `Transaction` on every backend, while the server's
-/// view of PgBouncer's connection is the ends of a socket this process
-/// holds (checked first: the chance match the proof must not trust). The
-/// socket proof taken alone (stop 50's first version) answered `Direct`
-/// on sqlx here.
-async fn a_pooler_beside_the_server_is_not_taken_for_a_direct_connection<B: Backend>() {
-    let Some(tools) = tools() else {
-        return;
-    };
-    let (x, low, _listener, _held) = decoys().await;
-    let ns = beside(x, low, &tools);
+/// Waits for them, then checks the chance match: the server sees
+/// PgBouncer's connection with the ends of one of this process's sockets.
+/// The settings that reach PgBouncer.
+async fn up_with_a_chance_match(ns: &Beside, x: u16, low: u16) -> tokio_postgres::Config {
     let ready = ns.dir.path().join("ready");
     let log = ns.dir.path().join("script.log");
     eventually(T, "PostgreSQL and PgBouncer up in their namespace", || {
@@ -226,7 +220,14 @@ async fn a_pooler_beside_the_server_is_not_taken_for_a_direct_connection<B: Back
     let (client, conn) = cfg
         .connect(tokio_postgres::NoTls)
         .await
-        .expect("a client through PgBouncer");
+        .unwrap_or_else(|e| {
+            let log = |f: &str| std::fs::read_to_string(ns.dir.path().join(f)).unwrap_or_default();
+            panic!(
+                "a client through PgBouncer: {e}\nPgBouncer's log:\n{}\nthe server's log:\n{}",
+                log("pgb.log"),
+                log("pg.log")
+            )
+        });
     tokio::spawn(conn);
     let row = client
         .query_one(
@@ -244,6 +245,23 @@ async fn a_pooler_beside_the_server_is_not_taken_for_a_direct_connection<B: Back
         low + PORTS
     );
     drop(client);
+    cfg
+}
+
+backends!(a_pooler_beside_the_server_is_not_taken_for_a_direct_connection);
+/// Through the transaction pooler beside the server, on `PoolerMode::Auto`,
+/// detection answers `Transaction` on every backend, while the server's
+/// view of PgBouncer's connection is the ends of a socket this process
+/// holds (checked first: the chance match the proof must not trust). The
+/// socket proof taken alone (stop 50's first version) answered `Direct`
+/// on sqlx here.
+async fn a_pooler_beside_the_server_is_not_taken_for_a_direct_connection<B: Backend>() {
+    let Some(tools) = tools() else {
+        return;
+    };
+    let (x, low, _listener, _held) = decoys().await;
+    let ns = beside(x, low, &tools, "transaction");
+    let cfg = up_with_a_chance_match(&ns, x, low).await;
     let s = Settings::new("netns", 4)
         .pooler(PoolerMode::Auto)
         .statement_cache(false);
@@ -253,5 +271,113 @@ async fn a_pooler_beside_the_server_is_not_taken_for_a_direct_connection<B: Back
         PoolerMode::Transaction,
         "a transaction pooler whose server connections share the ends of sockets of this process"
     );
+    B::close(&pool).await;
+}
+
+backends!(a_verdict_by_socket_made_stale_still_checks_each_session_lock);
+/// Behind PgBouncer in *session* mode beside the server, with the chance
+/// match: the motion probe sees no motion (a session pooler keeps its
+/// clients' sessions), so on sqlx the socket proves the pool direct. Then
+/// PgBouncer is switched to transaction mode (`RELOAD`), which makes that
+/// verdict stale. Three tries of one exclusive session lock, each kept:
+/// never two holders at once, and none is held at the end, because a pool
+/// proven by its socket still checks each session lock on its own
+/// connection. Its hostile reader had two holders in 6 of 11 runs on sqlx
+/// while the socket proof turned that check off (deadpool, proven by the
+/// announced pid, never is proven direct through a pooler).
+async fn a_verdict_by_socket_made_stale_still_checks_each_session_lock<B: Backend>() {
+    use pgwarden::{LockKey, LockMode};
+    let Some(tools) = tools() else {
+        return;
+    };
+    let (x, low, _listener, _held) = decoys().await;
+    let ns = beside(x, low, &tools, "session");
+    let cfg = up_with_a_chance_match(&ns, x, low).await;
+    let s = Settings::new("netns-stale", 8)
+        .pooler(PoolerMode::Auto)
+        .statement_cache(false);
+    let pool = B::build_on(&cfg, &s);
+    assert_eq!(B::detect_pooler(&pool).await.unwrap(), PoolerMode::Direct);
+    // Transaction mode from now on.
+    let ini = ns.dir.path().join("pgb.ini");
+    let text = std::fs::read_to_string(&ini).unwrap();
+    std::fs::write(
+        &ini,
+        text.replace("pool_mode = session", "pool_mode = transaction"),
+    )
+    .unwrap();
+    let mut admin = cfg.clone();
+    admin.dbname("pgbouncer");
+    let (console, conn) = admin.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    console.simple_query("RELOAD").await.unwrap();
+    // Switched: two clients taking turns land on one server session.
+    // Simple queries: tokio-postgres names its statements, which a
+    // transaction pooler breaks.
+    let pid = |c: tokio_postgres::Client| async move {
+        let rows = c.simple_query("SELECT pg_backend_pid()").await.unwrap();
+        let pid = rows.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        });
+        (pid.expect("a pid"), c)
+    };
+    let connect = || async {
+        let (c, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(conn);
+        c
+    };
+    let (mut c1, mut c2) = (connect().await, connect().await);
+    let mut shared = false;
+    for _ in 0..50 {
+        let (p1, a) = pid(c1).await;
+        let (p2, b) = pid(c2).await;
+        (c1, c2) = (a, b);
+        if p1 == p2 {
+            shared = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(shared, "PgBouncer never switched to transaction mode");
+    drop((c1, c2));
+    let key = LockKey::Single(4343);
+    let mut held = Vec::new();
+    let mut said = Vec::new();
+    for _ in 0..3 {
+        match B::session_lock(&pool, key, LockMode::Exclusive, None).await {
+            Ok(Some(l)) => {
+                said.push("held".to_owned());
+                held.push(l);
+            }
+            Ok(None) => said.push("busy".to_owned()),
+            Err(e) => said.push(e.to_string()),
+        }
+        assert!(
+            held.len() <= 1,
+            "two holders of one exclusive lock: {said:?}"
+        );
+    }
+    for l in held {
+        let _ = B::unlock(l).await;
+    }
+    // Asked on the server, past PgBouncer: nobody holds the key.
+    let mut direct = tokio_postgres::Config::new();
+    direct
+        .host_path(ns.dir.path())
+        .port(x)
+        .user("postgres")
+        .dbname("postgres");
+    let (c, conn) = direct.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let granted: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4343 AND granted",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(granted, 0, "the lock left held on the server: {said:?}");
     B::close(&pool).await;
 }
