@@ -31,7 +31,7 @@
 //! socket of the process's network namespace, with its inode) and
 //! `/proc/self/fd` (which of those inodes this process holds).
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 
 /// Both ends of a session's TCP connection, as the server sees them.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -73,40 +73,49 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// One address of `/proc/net/tcp{,6}`: `0100007F:1538` (an IPv4 address
-/// as the kernel's 32-bit word, in this machine's byte order, then the
-/// port) or 32 hex digits (four such words) and the port.
-fn proc_addr(s: &str) -> Option<SocketAddr> {
-    let (ip, port) = s.split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    let word = |hex: &str| u32::from_str_radix(hex, 16).ok().map(u32::to_ne_bytes);
-    let ip = match ip.len() {
-        8 => IpAddr::V4(Ipv4Addr::from(word(ip)?)),
-        32 => {
-            let mut bytes = [0u8; 16];
-            for (i, chunk) in bytes.chunks_mut(4).enumerate() {
-                chunk.copy_from_slice(&word(ip.get(i * 8..i * 8 + 8)?)?);
-            }
-            IpAddr::V6(Ipv6Addr::from(bytes))
-        }
-        _ => return None,
+/// `addr` as the kernel writes it in `/proc/net/tcp` (`v6` false: an
+/// IPv4 address as its 32-bit word in this machine's byte order, `%08X`,
+/// then `:` and the port, `%04X`) or `/proc/net/tcp6` (`v6`: four such
+/// words; an IPv4 address mapped, as a dual-stack socket holds it).
+/// `None` for an IPv6 address in the IPv4 table.
+fn proc_text(addr: SocketAddr, v6: bool) -> Option<String> {
+    let word = |b: &[u8]| match b {
+        [a, b, c, d] => format!("{:08X}", u32::from_ne_bytes([*a, *b, *c, *d])),
+        _ => String::new(),
     };
-    Some(SocketAddr::new(canonical(ip), port))
+    let ip: String = match (addr.ip(), v6) {
+        (IpAddr::V4(ip), false) => word(&ip.octets()),
+        (IpAddr::V4(ip), true) => ip.to_ipv6_mapped().octets().chunks(4).map(word).collect(),
+        (IpAddr::V6(ip), true) => ip.octets().chunks(4).map(word).collect(),
+        (IpAddr::V6(_), false) => return None,
+    };
+    Some(format!("{ip}:{:04X}", addr.port()))
 }
 
-/// The inodes of the sockets in a `/proc/net/tcp{,6}` table whose local
-/// end is `ends.client` and remote end `ends.server` (the header line and
-/// lines that do not parse are skipped).
-fn matching_inodes(table: &str, ends: &Ends) -> Vec<u64> {
+/// The inodes of the sockets in a `/proc/net/tcp{,6}` table (`v6`) whose
+/// local end is `ends.client` and remote end `ends.server`: each line's
+/// two address fields compared as text with those ends written the
+/// kernel's way, nothing parsed or allocated per line (a namespace's
+/// table holds every process's sockets and the closing ones: tens of
+/// thousands of lines on a busy host). The header line, and lines that do
+/// not have the fields, are skipped; a closing socket (inode 0) is none.
+fn matching_inodes(table: &str, ends: &Ends, v6: bool) -> Vec<u64> {
+    let (Some(local), Some(remote)) = (proc_text(ends.client, v6), proc_text(ends.server, v6))
+    else {
+        return Vec::new();
+    };
     table
         .lines()
         .skip(1)
         .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let local = proc_addr(fields.get(1)?)?;
-            let remote = proc_addr(fields.get(2)?)?;
-            let inode = fields.get(9)?.parse::<u64>().ok()?;
-            (local == ends.client && remote == ends.server && inode != 0).then_some(inode)
+            // sl, local, remote, st, tx:rx, tr:when, retrnsmt, uid, timeout, inode
+            let mut fields = line.split_whitespace();
+            let (l, r) = (fields.nth(1)?, fields.next()?);
+            if !l.eq_ignore_ascii_case(&local) || !r.eq_ignore_ascii_case(&remote) {
+                return None;
+            }
+            let inode = fields.nth(6)?.parse::<u64>().ok()?;
+            (inode != 0).then_some(inode)
         })
         .collect()
 }
@@ -117,9 +126,12 @@ fn matching_inodes(table: &str, ends: &Ends) -> Vec<u64> {
 #[cfg(target_os = "linux")]
 pub(crate) fn held_here(ends: &Ends) -> std::io::Result<bool> {
     let mut inodes = Vec::new();
-    for table in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+    for (table, v6) in [("/proc/self/net/tcp", false), ("/proc/self/net/tcp6", true)] {
+        if !v6 && (ends.client.is_ipv6() || ends.server.is_ipv6()) {
+            continue;
+        }
         match std::fs::read_to_string(table) {
-            Ok(text) => inodes.extend(matching_inodes(&text, ends)),
+            Ok(text) => inodes.extend(matching_inodes(&text, ends, v6)),
             // No IPv6 in this kernel: its table is missing.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
@@ -153,42 +165,55 @@ mod tests {
     use super::*;
 
     #[test]
-    fn proc_addresses_parse_in_the_kernels_byte_order() {
-        let v4 = u32::from_ne_bytes([127, 0, 0, 1]);
+    fn addresses_are_written_as_the_kernel_writes_them() {
+        let word = |b: [u8; 4]| format!("{:08X}", u32::from_ne_bytes(b));
+        let v4: SocketAddr = "127.0.0.1:5432".parse().unwrap();
         assert_eq!(
-            proc_addr(&format!("{v4:08X}:1538")),
-            Some("127.0.0.1:5432".parse().unwrap())
+            proc_text(v4, false),
+            Some(format!("{}:1538", word([127, 0, 0, 1])))
         );
-        let loopback6: String = Ipv6Addr::LOCALHOST
-            .octets()
-            .chunks(4)
-            .map(|c| format!("{:08X}", u32::from_ne_bytes(c.try_into().unwrap())))
-            .collect();
+        // In the IPv6 table, mapped: ::ffff:127.0.0.1.
         assert_eq!(
-            proc_addr(&format!("{loopback6}:0050")),
-            Some("[::1]:80".parse().unwrap())
+            proc_text(v4, true),
+            Some(format!(
+                "{}{}{}{}:1538",
+                word([0; 4]),
+                word([0; 4]),
+                word([0, 0, 0xff, 0xff]),
+                word([127, 0, 0, 1])
+            ))
         );
-        // A mapped IPv4 address is the IPv4 address.
-        let mapped: String = Ipv4Addr::new(10, 1, 2, 3)
-            .to_ipv6_mapped()
-            .octets()
-            .chunks(4)
-            .map(|c| format!("{:08X}", u32::from_ne_bytes(c.try_into().unwrap())))
-            .collect();
+        let v6: SocketAddr = "[::1]:80".parse().unwrap();
         assert_eq!(
-            proc_addr(&format!("{mapped}:1538")),
-            Some("10.1.2.3:5432".parse().unwrap())
+            proc_text(v6, true),
+            Some(format!(
+                "{}{}{}{}:0050",
+                word([0; 4]),
+                word([0; 4]),
+                word([0; 4]),
+                word([0, 0, 0, 1])
+            ))
         );
-        for bad in [
-            "",
-            "0100007F",
-            "0100007F:",
-            "XYZ:1538",
-            "0100:1538",
-            "0100007F:123456",
-        ] {
-            assert_eq!(proc_addr(bad), None, "{bad:?}");
-        }
+        assert_eq!(proc_text(v6, false), None);
+        // A table's line: found by both ends, its inode read; a closing
+        // socket (inode 0), a line cut short and the header are not.
+        let ends = Ends {
+            client: "127.0.0.1:40000".parse().unwrap(),
+            server: v4,
+        };
+        let (l, r) = (
+            proc_text(ends.client, false).unwrap(),
+            proc_text(ends.server, false).unwrap(),
+        );
+        let table = format!(
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+             \x20  0: {l} {r} 01 00000000:00000000 00:00000000 00000000     0        0 4242 1 0 20 4 30 10 -1\n\
+             \x20  1: {r} {l} 01 00000000:00000000 00:00000000 00000000   100        0 4343 1 0 20 4 30 10 -1\n\
+             \x20  2: {l} {r} 06 00000000:00000000 03:00000DB3 00000000     0        0 0 3 0\n\
+             \x20  3: {l} {r}\n"
+        );
+        assert_eq!(matching_inodes(&table, &ends, false), vec![4242]);
+        assert_eq!(matching_inodes(&table, &ends, true), Vec::<u64>::new());
     }
 
     #[test]
