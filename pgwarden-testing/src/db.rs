@@ -75,29 +75,15 @@ impl TestDb {
 
     /// The same database reached over TCP at `host` (an address its server
     /// listens on: see [`TestServer::start_local_with`]'s
-    /// `listen_addresses`), on the same port, user and password. The
-    /// database stays as long as any clone of either is kept.
+    /// `listen_addresses`), on the same port, everything else of its
+    /// settings kept. The database stays as long as any clone of either is
+    /// kept.
     ///
     /// [`TestServer::start_local_with`]: crate::TestServer::start_local_with
     pub fn over_tcp(&self, host: &str) -> TestDb {
-        let c = &self.config;
-        let mut config = Config::new();
-        config.host(host);
-        if let Some(port) = c.get_ports().first() {
-            config.port(*port);
-        }
-        if let Some(u) = c.get_user() {
-            config.user(u);
-        }
-        if let Some(p) = c.get_password() {
-            config.password(p);
-        }
-        if let Some(d) = c.get_dbname() {
-            config.dbname(d);
-        }
-        config.connect_timeout(crate::CONNECT_TIMEOUT);
+        let port = self.config.get_ports().first().copied().unwrap_or(5432);
         TestDb {
-            config,
+            config: retargeted(&self.config, host, port),
             owner: self.owner.clone(),
         }
     }
@@ -289,6 +275,34 @@ pub fn deadpool(config: Config, max_size: usize) -> Result<Pool, TestingError> {
         .map_err(|e| TestingError::PoolBuild {
             message: e.to_string(),
         })
+}
+
+/// `config` with its hosts replaced by `host` and `port`: everything else
+/// that [`TestDb`] settings carry is kept (user, password, database,
+/// options, application name, connect timeout, TLS mode).
+pub(crate) fn retargeted(config: &Config, host: &str, port: u16) -> Config {
+    let mut c = Config::new();
+    c.host(host).port(port);
+    if let Some(u) = config.get_user() {
+        c.user(u);
+    }
+    if let Some(p) = config.get_password() {
+        c.password(p);
+    }
+    if let Some(d) = config.get_dbname() {
+        c.dbname(d);
+    }
+    if let Some(o) = config.get_options() {
+        c.options(o);
+    }
+    if let Some(a) = config.get_application_name() {
+        c.application_name(a);
+    }
+    if let Some(t) = config.get_connect_timeout() {
+        c.connect_timeout(*t);
+    }
+    c.ssl_mode(config.get_ssl_mode());
+    c
 }
 
 /// Renders a [`Config`] as a libpq `key=value` connection string.

@@ -281,28 +281,7 @@ impl Proxy {
     /// `config` with its hosts replaced by the proxy's address: everything
     /// else that [`TestDb`] settings carry is kept.
     pub fn retarget(&self, config: &Config) -> Config {
-        let mut c = Config::new();
-        c.host(self.addr.ip().to_string()).port(self.addr.port());
-        if let Some(u) = config.get_user() {
-            c.user(u);
-        }
-        if let Some(p) = config.get_password() {
-            c.password(p);
-        }
-        if let Some(d) = config.get_dbname() {
-            c.dbname(d);
-        }
-        if let Some(o) = config.get_options() {
-            c.options(o);
-        }
-        if let Some(a) = config.get_application_name() {
-            c.application_name(a);
-        }
-        if let Some(t) = config.get_connect_timeout() {
-            c.connect_timeout(*t);
-        }
-        c.ssl_mode(config.get_ssl_mode());
-        c
+        crate::db::retargeted(config, &self.addr.ip().to_string(), self.addr.port())
     }
 
     /// Sets the one-way delay added to every chunk in each direction (a

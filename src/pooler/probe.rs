@@ -308,10 +308,10 @@ fn found(transaction: bool, proxied: bool, statements: usize) -> Detection {
 
 /// A connection that can tell the process id the server announced at its
 /// start (the first signal of detection). sqlx keeps it to itself: its
-/// connections answer `None`, so detection there asks for the ends of the
-/// session's TCP connection instead (`peer.rs`), then runs the motion
-/// probe (a pool straight to PostgreSQL over a Unix socket stays unproven
-/// unless configured `PoolerMode::Direct`).
+/// connections answer `None`, so detection there runs the motion probe,
+/// then looks for the session's TCP ends among this process's sockets
+/// ([`proven_by_socket`]; a pool straight to PostgreSQL over a Unix
+/// socket stays unproven unless configured `PoolerMode::Direct`).
 pub(crate) trait Announced {
     /// The pid announced at connection start, when known.
     fn announced_pid(&self) -> Option<i32>;

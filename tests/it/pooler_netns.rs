@@ -1,6 +1,7 @@
 //! Detection with the server in a network namespace of its own (a
-//! container, the database's host), a transaction-mode PgBouncer beside it
-//! that reaches it over loopback, and this process, in another namespace,
+//! container, the database's host), PgBouncer beside it (transaction mode,
+//! or session mode switched to transaction mode after detection) that
+//! reaches it over loopback, and this process, in another namespace,
 //! holding sockets that share the ends the server sees for PgBouncer's
 //! connections (`127.0.0.1:Q` to `127.0.0.1:X`: anything local on port
 //! `X` here, a sidecar, a local proxy, another server).
@@ -248,6 +249,38 @@ async fn up_with_a_chance_match(ns: &Beside, x: u16, low: u16) -> tokio_postgres
     cfg
 }
 
+/// What a test holds: the namespace, the sockets of the chance match, the
+/// settings that reach PgBouncer, and a pool of `B` on `Auto` through it.
+struct SetUp<B: Backend> {
+    ns: Beside,
+    x: u16,
+    cfg: tokio_postgres::Config,
+    pool: B::Pool,
+    _decoys: (tokio::net::TcpListener, Vec<tokio::net::TcpStream>),
+}
+
+/// PgBouncer in `mode` beside the server with the chance match checked,
+/// and a pool of `size` named `name` through it (sqlx's statement cache
+/// off, as behind a transaction pooler); `None` where the test cannot run
+/// (not root, off CI).
+async fn set_up<B: Backend>(mode: &str, name: &'static str, size: usize) -> Option<SetUp<B>> {
+    let tools = tools()?;
+    let (x, low, listener, held) = decoys().await;
+    let ns = beside(x, low, &tools, mode);
+    let cfg = up_with_a_chance_match(&ns, x, low).await;
+    let s = Settings::new(name, size)
+        .pooler(PoolerMode::Auto)
+        .statement_cache(false);
+    let pool = B::build_on(&cfg, &s);
+    Some(SetUp {
+        ns,
+        x,
+        cfg,
+        pool,
+        _decoys: (listener, held),
+    })
+}
+
 backends!(a_pooler_beside_the_server_is_not_taken_for_a_direct_connection);
 /// Through the transaction pooler beside the server, on `PoolerMode::Auto`,
 /// detection answers `Transaction` on every backend, while the server's
@@ -256,22 +289,17 @@ backends!(a_pooler_beside_the_server_is_not_taken_for_a_direct_connection);
 /// socket proof taken alone (stop 50's first version) answered `Direct`
 /// on sqlx here.
 async fn a_pooler_beside_the_server_is_not_taken_for_a_direct_connection<B: Backend>() {
-    let Some(tools) = tools() else {
+    // Whole: its namespace and sockets kept to the end.
+    let Some(up) = set_up::<B>("transaction", "netns", 4).await else {
         return;
     };
-    let (x, low, _listener, _held) = decoys().await;
-    let ns = beside(x, low, &tools, "transaction");
-    let cfg = up_with_a_chance_match(&ns, x, low).await;
-    let s = Settings::new("netns", 4)
-        .pooler(PoolerMode::Auto)
-        .statement_cache(false);
-    let pool = B::build_on(&cfg, &s);
+    let pool = &up.pool;
     assert_eq!(
-        B::detect_pooler(&pool).await.unwrap(),
+        B::detect_pooler(pool).await.unwrap(),
         PoolerMode::Transaction,
         "a transaction pooler whose server connections share the ends of sockets of this process"
     );
-    B::close(&pool).await;
+    B::close(pool).await;
 }
 
 backends!(a_verdict_by_socket_made_stale_still_checks_each_session_lock);
@@ -287,17 +315,12 @@ backends!(a_verdict_by_socket_made_stale_still_checks_each_session_lock);
 /// announced pid, never is proven direct through a pooler).
 async fn a_verdict_by_socket_made_stale_still_checks_each_session_lock<B: Backend>() {
     use pgwarden::{LockKey, LockMode};
-    let Some(tools) = tools() else {
+    // Whole: its namespace and sockets kept to the end.
+    let Some(up) = set_up::<B>("session", "netns-stale", 8).await else {
         return;
     };
-    let (x, low, _listener, _held) = decoys().await;
-    let ns = beside(x, low, &tools, "session");
-    let cfg = up_with_a_chance_match(&ns, x, low).await;
-    let s = Settings::new("netns-stale", 8)
-        .pooler(PoolerMode::Auto)
-        .statement_cache(false);
-    let pool = B::build_on(&cfg, &s);
-    assert_eq!(B::detect_pooler(&pool).await.unwrap(), PoolerMode::Direct);
+    let (ns, x, cfg, pool) = (&up.ns, up.x, &up.cfg, &up.pool);
+    assert_eq!(B::detect_pooler(pool).await.unwrap(), PoolerMode::Direct);
     // Transaction mode from now on.
     let ini = ns.dir.path().join("pgb.ini");
     let text = std::fs::read_to_string(&ini).unwrap();
@@ -314,38 +337,32 @@ async fn a_verdict_by_socket_made_stale_still_checks_each_session_lock<B: Backen
     // Switched: two clients taking turns land on one server session.
     // Simple queries: tokio-postgres names its statements, which a
     // transaction pooler breaks.
-    let pid = |c: tokio_postgres::Client| async move {
+    async fn pid(c: &tokio_postgres::Client) -> String {
         let rows = c.simple_query("SELECT pg_backend_pid()").await.unwrap();
-        let pid = rows.iter().find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
-            _ => None,
-        });
-        (pid.expect("a pid"), c)
-    };
+        rows.iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .expect("a pid")
+    }
     let connect = || async {
         let (c, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
         tokio::spawn(conn);
         c
     };
-    let (mut c1, mut c2) = (connect().await, connect().await);
-    let mut shared = false;
-    for _ in 0..50 {
-        let (p1, a) = pid(c1).await;
-        let (p2, b) = pid(c2).await;
-        (c1, c2) = (a, b);
-        if p1 == p2 {
-            shared = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(shared, "PgBouncer never switched to transaction mode");
+    let (c1, c2) = (connect().await, connect().await);
+    eventually(T, "PgBouncer switched to transaction mode", || {
+        let (c1, c2) = (&c1, &c2);
+        async move { pid(c1).await == pid(c2).await }
+    })
+    .await;
     drop((c1, c2));
     let key = LockKey::Single(4343);
     let mut held = Vec::new();
     let mut said = Vec::new();
     for _ in 0..3 {
-        match B::session_lock(&pool, key, LockMode::Exclusive, None).await {
+        match B::session_lock(pool, key, LockMode::Exclusive, None).await {
             Ok(Some(l)) => {
                 said.push("held".to_owned());
                 held.push(l);
@@ -379,5 +396,5 @@ async fn a_verdict_by_socket_made_stale_still_checks_each_session_lock<B: Backen
         .unwrap()
         .get(0);
     assert_eq!(granted, 0, "the lock left held on the server: {said:?}");
-    B::close(&pool).await;
+    B::close(pool).await;
 }
